@@ -1,0 +1,16 @@
+"""The `umbra` command: a thin typer app that parses, calls the other parts and renders with rich."""
+
+from __future__ import annotations
+
+import typer
+
+app = typer.Typer(
+    name="umbra",
+    help="Attested confidential sandboxes for AI coding agents.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
+
+
+def main() -> None:
+    app()

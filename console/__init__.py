@@ -1,0 +1,1 @@
+"""umbra.console"""
