@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import typer
 
+from umbra.cli import policy as policy_cli
+
 app = typer.Typer(
     name="umbra",
     help="Attested confidential sandboxes for AI coding agents.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
 )
+app.add_typer(policy_cli.app, name="policy")
 
 
 def main() -> None:

@@ -1,0 +1,39 @@
+"""Shared rendering for the CLI: rich for people, JSON for scripts, one exit-code convention.
+
+Exit codes: 0 success, 1 the input was checked and found wanting (policy errors, failed tests,
+refused bundle), 2 the command could not run as asked (usage, missing files).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any, NoReturn
+
+import typer
+from rich.console import Console
+
+from umbra.proxy.policy.errors import PolicyIssue
+
+EXIT_FINDINGS = 1
+EXIT_USAGE = 2
+
+console = Console()
+stderr = Console(stderr=True)
+
+
+def print_json(value: Any) -> None:
+    sys.stdout.write(json.dumps(value, indent=2, sort_keys=True, default=str) + "\n")
+
+
+def print_issues(issues: list[PolicyIssue]) -> None:
+    for issue in issues:
+        stderr.print(f"[bold red]error[/] {issue}", highlight=False, markup=True, soft_wrap=True)
+
+
+def fail(message: str, code: int = EXIT_FINDINGS, *, as_json: bool = False) -> NoReturn:
+    if as_json:
+        print_json({"ok": False, "error": message})
+    else:
+        stderr.print(f"[bold red]error[/] {message}", highlight=False, soft_wrap=True)
+    raise typer.Exit(code)

@@ -1,0 +1,436 @@
+"""`umbra policy`: lint, test, diff, build and verify the policy profiles in `policies/`."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import typer
+from pydantic import BaseModel
+from rich.table import Table
+
+from umbra.cli.output import EXIT_FINDINGS, EXIT_USAGE, console, fail, print_issues, print_json
+from umbra.proxy.policy.bundle import (
+    BundleError,
+    BundlePayload,
+    SignedBundle,
+    generate_key,
+    load_private_key,
+    load_public_key,
+    payload_document,
+    sign_bundle,
+    verify_bundle,
+    write_key_pair,
+)
+from umbra.proxy.policy.diff import PolicyDiff, diff_policy_sets, load_at_revision
+from umbra.proxy.policy.errors import PolicyError
+from umbra.proxy.policy.loader import PolicySet, load_policy_dir
+from umbra.proxy.policy.model import Profile
+from umbra.proxy.policy.runner import run_suites
+from umbra.proxy.policy.suite import CaseResult, Suite, parse_request
+
+app = typer.Typer(help="Lint, test, diff, build and verify egress policy.", no_args_is_help=True)
+
+PolicyDir = Annotated[Path, typer.Argument(help="The policy directory.")]
+JsonFlag = Annotated[bool, typer.Option("--json", help="Machine-readable output on stdout.")]
+DEFAULT_DIR = Path("policies")
+
+
+def _load(directory: Path, as_json: bool) -> PolicySet:
+    try:
+        return load_policy_dir(directory)
+    except PolicyError as exc:
+        if as_json:
+            print_json({"ok": False, "issues": [issue.as_dict() for issue in exc.issues]})
+        else:
+            print_issues(exc.issues)
+            console.print(f"[red]{len(exc.issues)} problem(s); nothing was applied.[/]")
+        raise typer.Exit(EXIT_FINDINGS) from None
+
+
+def _run(policy_set: PolicySet, as_json: bool) -> list[CaseResult]:
+    try:
+        return run_suites(policy_set)
+    except PolicyError as exc:
+        if as_json:
+            print_json({"ok": False, "issues": [issue.as_dict() for issue in exc.issues]})
+        else:
+            print_issues(exc.issues)
+        raise typer.Exit(EXIT_FINDINGS) from None
+
+
+@app.command()
+def check(directory: PolicyDir = DEFAULT_DIR, as_json: JsonFlag = False) -> None:
+    """Validate every profile and test suite; compose each suite's profiles."""
+    policy_set = _load(directory, as_json)
+    composed = []
+    for suite in policy_set.suites:
+        try:
+            composed.append(
+                (suite.suite.name, policy_set.compose(suite.suite.profiles, file=suite.file))
+            )
+        except PolicyError as exc:
+            if as_json:
+                print_json({"ok": False, "issues": [issue.as_dict() for issue in exc.issues]})
+            else:
+                print_issues(exc.issues)
+            raise typer.Exit(EXIT_FINDINGS) from None
+    if as_json:
+        print_json(
+            {
+                "ok": True,
+                "profiles": {
+                    name: _profile_summary(p.compiled)
+                    for name, p in sorted(policy_set.profiles.items())
+                },
+                "compositions": {name: policy.hash for name, policy in composed},
+            }
+        )
+        return
+    table = Table(title=f"Profiles in {directory}")
+    for column in ("profile", "allow", "deny", "tunnel", "scan", "inject", "file"):
+        table.add_column(column)
+    for name, loaded in sorted(policy_set.profiles.items()):
+        summary = _profile_summary(loaded.compiled)
+        table.add_row(
+            name,
+            *(str(summary[key]) for key in ("allow", "deny", "tunnel", "scan", "inject")),
+            loaded.file,
+        )
+    console.print(table)
+    console.print(
+        f"[green]ok[/]: {len(policy_set.profiles)} profile(s), {len(policy_set.suites)} test suite(s)"
+    )
+
+
+def _profile_summary(profile: Any) -> dict[str, int]:
+    return {
+        "allow": sum(rule.action == "allow" for rule in profile.rules),
+        "deny": sum(rule.action == "deny" for rule in profile.rules),
+        "tunnel": len(profile.tunnels),
+        "scan": len(profile.scan),
+        "inject": len(profile.inject),
+    }
+
+
+@app.command("test")
+def run_tests(directory: PolicyDir = DEFAULT_DIR, as_json: JsonFlag = False) -> None:
+    """Run the test suites kept beside the profiles (request -> expected decision)."""
+    results = _run(_load(directory, as_json), as_json)
+    failed = [result for result in results if not result.passed]
+    if as_json:
+        print_json(
+            {
+                "ok": not failed,
+                "passed": len(results) - len(failed),
+                "failed": len(failed),
+                "failures": [
+                    {
+                        "file": r.file,
+                        "line": r.line,
+                        "suite": r.suite,
+                        "case": r.case,
+                        "problems": list(r.problems),
+                    }
+                    for r in failed
+                ],
+            }
+        )
+    else:
+        if failed:
+            table = Table(title="Failed policy tests")
+            for column in ("where", "case", "problem"):
+                table.add_column(column)
+            for result in failed:
+                table.add_row(
+                    f"{result.file}:{result.line}", result.case, "; ".join(result.problems)
+                )
+            console.print(table)
+        console.print(f"{len(results) - len(failed)} passed, {len(failed)} failed", highlight=False)
+    if failed:
+        raise typer.Exit(EXIT_FINDINGS)
+
+
+@app.command()
+def diff(
+    rev_a: Annotated[str, typer.Argument(help="The base revision, e.g. origin/main.")],
+    rev_b: Annotated[str, typer.Argument(help="The proposed revision, e.g. HEAD.")],
+    directory: Annotated[
+        str, typer.Option("--dir", help="Policy directory inside the repository.")
+    ] = "policies",
+    repo: Annotated[Path, typer.Option(help="The git repository.")] = Path("."),
+    fail_on_widen: Annotated[
+        bool,
+        typer.Option("--fail-on-widen", help="Exit 1 when REV_B reaches anything REV_A could not."),
+    ] = False,
+    as_json: JsonFlag = False,
+) -> None:
+    """Show what the effective policy allows or denies differently between two git revisions."""
+    try:
+        before = load_at_revision(repo, rev_a, directory)
+        after = load_at_revision(repo, rev_b, directory)
+    except PolicyError as exc:
+        if as_json:
+            print_json({"ok": False, "issues": [issue.as_dict() for issue in exc.issues]})
+        else:
+            print_issues(exc.issues)
+        raise typer.Exit(EXIT_FINDINGS) from None
+    result = diff_policy_sets(before, after)
+    if as_json:
+        print_json(_diff_json(result))
+    else:
+        _render_diff(result, rev_a, rev_b)
+    if fail_on_widen and result.widens:
+        raise typer.Exit(EXIT_FINDINGS)
+
+
+def _diff_json(result: PolicyDiff) -> dict[str, Any]:
+    return {
+        "widens": result.widens,
+        "profiles_added": result.profiles_added,
+        "profiles_removed": result.profiles_removed,
+        "added": [
+            {"kind": c.kind, "grant": list(c.grant), "rule": c.rule_id} for c in result.added
+        ],
+        "removed": [
+            {"kind": c.kind, "grant": list(c.grant), "rule": c.rule_id} for c in result.removed
+        ],
+        "decisions": [
+            {"request": d.probe, "profiles": list(d.profiles), "before": d.before, "after": d.after}
+            for d in result.decisions
+        ],
+    }
+
+
+def _render_diff(result: PolicyDiff, rev_a: str, rev_b: str) -> None:
+    if result.empty:
+        console.print(f"No effective change between {rev_a} and {rev_b}.")
+        return
+    for name in result.profiles_added:
+        console.print(f"[green]+ profile[/] {name}")
+    for name in result.profiles_removed:
+        console.print(f"[red]- profile[/] {name}")
+    table = Table(title=f"Grants {rev_a} -> {rev_b}")
+    for column in ("", "grant", "rule"):
+        table.add_column(column)
+    for change in result.added:
+        table.add_row("[green]+[/]", change.describe(), change.rule_id)
+    for change in result.removed:
+        table.add_row("[red]-[/]", change.describe(), change.rule_id)
+    if result.added or result.removed:
+        console.print(table)
+    if result.decisions:
+        decisions = Table(title="Test requests whose decision changes")
+        for column in ("request", "profiles", rev_a, rev_b):
+            decisions.add_column(column)
+        for decision in result.decisions:
+            decisions.add_row(
+                decision.probe,
+                ",".join(decision.profiles) or "(none)",
+                decision.before,
+                decision.after,
+            )
+        console.print(decisions)
+    verdict = "[bold yellow]widens egress[/]" if result.widens else "[bold]does not widen egress[/]"
+    console.print(f"{rev_b} {verdict} relative to {rev_a}.")
+
+
+@app.command()
+def build(
+    directory: PolicyDir = DEFAULT_DIR,
+    sign_key: Annotated[
+        list[Path], typer.Option("--sign-key", help="Ed25519 PEM private key (repeatable).")
+    ] = [],  # noqa: B006 - typer reads the default, never mutates it
+    output: Annotated[
+        Path, typer.Option("--output", "-o", help="Where to write the signed bundle.")
+    ] = Path("bundle.json"),
+    serial: Annotated[
+        int | None, typer.Option(help="Release serial; default: the commit time of HEAD.", min=0)
+    ] = None,
+    source: Annotated[
+        str | None, typer.Option(help="Recorded source; default: the git revision.")
+    ] = None,
+    as_json: JsonFlag = False,
+) -> None:
+    """Check and test the policy, then write a signed bundle of every compiled profile."""
+    if not sign_key:
+        fail("at least one --sign-key is required", EXIT_USAGE, as_json=as_json)
+    policy_set = _load(directory, as_json)
+    failed = [result for result in _run(policy_set, as_json) if not result.passed]
+    if failed:
+        fail(
+            f"{len(failed)} policy test(s) fail; run `umbra policy test {directory}`",
+            as_json=as_json,
+        )
+    try:
+        keys = [load_private_key(path) for path in sign_key]
+    except BundleError as exc:
+        fail(str(exc), EXIT_USAGE, as_json=as_json)
+    if serial is None:
+        serial = _git_commit_time(directory)
+        if serial is None:
+            fail("not in a git repository: pass --serial", EXIT_USAGE, as_json=as_json)
+    if source is None:
+        source = _git_revision(directory)
+    payload = payload_document([p.compiled for p in policy_set.profiles.values()], serial, source)
+    signed = sign_bundle(payload, keys)
+    tmp = output.with_name(output.name + ".tmp")
+    tmp.write_bytes(signed)
+    tmp.replace(output)
+    verified = verify_bundle(signed, [key.public_key() for key in keys])
+    summary = {
+        "ok": True,
+        "output": str(output),
+        "hash": verified.hash,
+        "serial": serial,
+        "source": source,
+    }
+    summary["profiles"] = verified.profile_names()
+    if as_json:
+        print_json(summary)
+    else:
+        console.print(
+            f"[green]wrote[/] {output}: {len(policy_set.profiles)} profile(s), serial {serial}, {verified.hash}"
+        )
+
+
+@app.command()
+def verify(
+    bundle: Annotated[Path, typer.Argument(help="A signed bundle file.")],
+    key: Annotated[
+        list[Path], typer.Option("--key", help="Pinned Ed25519 public key (repeatable).")
+    ] = [],  # noqa: B006
+    as_json: JsonFlag = False,
+) -> None:
+    """Verify a bundle's signature against pinned public keys and show what it holds."""
+    try:
+        keys = [load_public_key(path) for path in key]
+        raw = bundle.read_bytes()
+    except BundleError as exc:
+        fail(str(exc), EXIT_USAGE, as_json=as_json)
+    except OSError as exc:
+        fail(f"{bundle}: {exc.strerror}", EXIT_USAGE, as_json=as_json)
+    try:
+        verified = verify_bundle(raw, keys)
+    except BundleError as exc:
+        fail(f"{bundle}: refused: {exc}", as_json=as_json)
+    result = {
+        "ok": True,
+        "hash": verified.hash,
+        "serial": verified.serial,
+        "source": verified.payload.source,
+        "signed_by": verified.keyid,
+        "profiles": verified.profile_names(),
+    }
+    if as_json:
+        print_json(result)
+    else:
+        console.print(
+            f"[green]valid[/] {verified.hash}\n  serial {verified.serial}, source {verified.payload.source}\n"
+            f"  signed by {verified.keyid}\n  profiles: {', '.join(verified.profile_names())}",
+            highlight=False,
+        )
+
+
+@app.command()
+def keygen(
+    path: Annotated[
+        Path, typer.Argument(help="Private key file to create (the public key goes to PATH.pub).")
+    ],
+) -> None:
+    """Create an Ed25519 release key pair for signing bundles."""
+    try:
+        public = write_key_pair(generate_key(), path)
+    except FileExistsError:
+        fail(f"{path} exists; refusing to overwrite a key", EXIT_USAGE)
+    console.print(f"[green]created[/] {path} (keep it secret) and {public} (pin this one)")
+
+
+@app.command()
+def decide(
+    request: Annotated[
+        str, typer.Argument(help="'METHOD URL', e.g. 'GET https://pypi.org/simple/'.")
+    ],
+    directory: PolicyDir = DEFAULT_DIR,
+    profile: Annotated[
+        list[str], typer.Option("--profile", "-p", help="Compose these (default: all).")
+    ] = [],  # noqa: B006
+    as_json: JsonFlag = False,
+) -> None:
+    """Show the decision the composed policy makes for one request."""
+    try:
+        probe = parse_request(request)
+    except ValueError as exc:
+        fail(f"request: {exc}", EXIT_USAGE, as_json=as_json)
+    policy_set = _load(directory, as_json)
+    try:
+        policy = policy_set.compose(profile or sorted(policy_set.profiles))
+    except PolicyError as exc:
+        print_issues(exc.issues)
+        raise typer.Exit(EXIT_FINDINGS) from None
+    decision = policy.decide(probe.method, probe.scheme, probe.host, probe.port, probe.path)
+    injected = (
+        [rule.header for rule in policy.injections_for(probe.host)] if decision.allowed else []
+    )
+    result = {
+        "verdict": str(decision.verdict),
+        "reason": str(decision.reason),
+        "rule": decision.rule_id,
+        "host": decision.host,
+        "path": decision.path,
+        "detail": decision.detail,
+        "inject": injected,
+        "policy": policy.hash,
+    }
+    if as_json:
+        print_json(result)
+    else:
+        color = "green" if decision.allowed else "red"
+        console.print(
+            f"[bold {color}]{decision.verdict}[/] {probe} — {decision.reason}"
+            f"{' by ' + decision.rule_id if decision.rule_id else ''}"
+            f"{'; injects ' + ', '.join(injected) if injected else ''}",
+            highlight=False,
+        )
+
+
+@app.command()
+def schema(
+    kind: Annotated[
+        Literal["profile", "test", "bundle", "signed-bundle"], typer.Option(help="Which document.")
+    ] = "profile",
+) -> None:
+    """Print the JSON Schema of a policy document, for editors and linters."""
+    models: dict[str, type[BaseModel]] = {
+        "profile": Profile,
+        "test": Suite,
+        "bundle": BundlePayload,
+        "signed-bundle": SignedBundle,
+    }
+    document = models[kind].model_json_schema(by_alias=True)
+    document["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    print_json(document)
+
+
+def _git_commit_time(directory: Path) -> int | None:
+    out = _git(directory, "log", "-1", "--format=%ct")
+    return int(out) if out and out.isdigit() else None
+
+
+def _git_revision(directory: Path) -> str | None:
+    revision = _git(directory, "rev-parse", "HEAD")
+    if revision is None:
+        return None
+    dirty = _git(directory, "status", "--porcelain", "--", ".")
+    return revision + ("-dirty" if dirty else "")
+
+
+def _git(directory: Path, *args: str) -> str | None:
+    try:
+        completed = subprocess.run(
+            ["git", "-C", str(directory), *args], capture_output=True, text=True, check=False
+        )
+    except FileNotFoundError:
+        return None
+    return completed.stdout.strip() if completed.returncode == 0 else None

@@ -1,0 +1,31 @@
+"""Egress policy: profile files, their composition, the matcher and signed bundles.
+
+This is the one policy model; the CLI, the Console and the proxy all use it.
+"""
+
+from umbra.proxy.policy.bundle import BundleError, VerifiedBundle, verify_bundle
+from umbra.proxy.policy.compiled import CompiledInject, CompiledProfile, CompiledScan
+from umbra.proxy.policy.compose import CompositionError, EffectivePolicy, deny_all
+from umbra.proxy.policy.errors import PolicyError, PolicyIssue
+from umbra.proxy.policy.matcher import Decision, Reason, Verdict
+from umbra.proxy.policy.normalize import NormalizationError, normalize_host, normalize_path
+
+__all__ = [
+    "BundleError",
+    "CompiledInject",
+    "CompiledProfile",
+    "CompiledScan",
+    "CompositionError",
+    "Decision",
+    "EffectivePolicy",
+    "NormalizationError",
+    "PolicyError",
+    "PolicyIssue",
+    "Reason",
+    "Verdict",
+    "VerifiedBundle",
+    "deny_all",
+    "normalize_host",
+    "normalize_path",
+    "verify_bundle",
+]

@@ -1,0 +1,222 @@
+"""Signed policy bundles: the compiled profiles of one reviewed revision, signed with Ed25519.
+
+A Security CVM enforces only bundles signed by a key pinned in its measured image, so whoever
+delivers the bundle (the Console, the network) cannot widen egress beyond what reviewed policy says.
+The signature covers the exact canonical payload bytes, with a domain-separation prefix so that a
+signature made for anything else never verifies as a bundle.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, Self
+
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from pydantic import Field, ValidationError, model_validator
+
+from umbra.proxy.policy.canonical import canonical_json
+from umbra.proxy.policy.compiled import CompiledProfile
+from umbra.proxy.policy.compose import CompositionError, EffectivePolicy
+from umbra.proxy.policy.model import StrictModel
+
+SIGNING_CONTEXT = b"umbra-policy-bundle-v1\x00"
+MAX_BUNDLE_BYTES = 16 << 20
+
+
+class BundleError(Exception):
+    """A bundle that must not be enforced: malformed, unsigned, or signed by no pinned key."""
+
+
+class BundlePayload(StrictModel):
+    api_version: Literal["umbra/v1"] = Field(alias="apiVersion")
+    kind: Literal["PolicyBundle"]
+    serial: int = Field(
+        ge=0, description="Increases with every release; proxies refuse older serials."
+    )
+    source: str | None = Field(
+        default=None, description="Where it was built from, e.g. a git revision."
+    )
+    profiles: list[CompiledProfile]
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> Self:
+        names = [profile.name for profile in self.profiles]
+        if len(names) != len(set(names)):
+            raise ValueError("profile names must be unique")
+        return self
+
+
+class BundleSignature(StrictModel):
+    keyid: str
+    sig: str
+
+
+class SignedBundle(StrictModel):
+    api_version: Literal["umbra/v1"] = Field(alias="apiVersion")
+    kind: Literal["SignedPolicyBundle"]
+    payload: str = Field(description="Base64 of the canonical JSON payload.")
+    signatures: list[BundleSignature]
+
+
+@dataclass(frozen=True)
+class VerifiedBundle:
+    payload: BundlePayload
+    hash: str
+    keyid: str
+
+    @property
+    def serial(self) -> int:
+        return self.payload.serial
+
+    def profile_names(self) -> list[str]:
+        return sorted(profile.name for profile in self.payload.profiles)
+
+    def compose(self, names: Iterable[str]) -> EffectivePolicy:
+        """The effective policy for a sandbox with these profiles attached."""
+        by_name = {profile.name: profile for profile in self.payload.profiles}
+        wanted = sorted(set(names))
+        missing = [name for name in wanted if name not in by_name]
+        if missing:
+            raise BundleError(f"bundle {self.hash} has no profile named {', '.join(missing)}")
+        try:
+            return EffectivePolicy([by_name[name] for name in wanted])
+        except CompositionError as exc:
+            raise BundleError(f"profiles {wanted} do not compose: {exc}") from None
+
+
+def key_id(public_key: Ed25519PublicKey) -> str:
+    raw = public_key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    return "ed25519:" + hashlib.sha256(raw).hexdigest()[:32]
+
+
+def payload_document(profiles: Sequence[CompiledProfile], serial: int, source: str | None) -> bytes:
+    payload = BundlePayload(
+        api_version="umbra/v1",
+        kind="PolicyBundle",
+        serial=serial,
+        source=source,
+        profiles=sorted(profiles, key=lambda profile: profile.name),
+    )
+    return canonical_json(payload.model_dump(mode="json", by_alias=True))
+
+
+def sign_bundle(payload: bytes, keys: Sequence[Ed25519PrivateKey]) -> bytes:
+    """Wrap canonical payload bytes in a signed envelope (JSON)."""
+    if not keys:
+        raise BundleError("a bundle needs at least one signing key")
+    envelope = {
+        "apiVersion": "umbra/v1",
+        "kind": "SignedPolicyBundle",
+        "payload": base64.b64encode(payload).decode(),
+        "signatures": [
+            {
+                "keyid": key_id(key.public_key()),
+                "sig": base64.b64encode(key.sign(SIGNING_CONTEXT + payload)).decode(),
+            }
+            for key in keys
+        ],
+    }
+    return canonical_json(envelope)
+
+
+def verify_bundle(raw: bytes, trusted_keys: Sequence[Ed25519PublicKey]) -> VerifiedBundle:
+    """Verify a signed bundle against pinned keys and parse its payload; raise BundleError otherwise."""
+    if not trusted_keys:
+        raise BundleError("no pinned bundle keys are configured, so no bundle can be trusted")
+    if len(raw) > MAX_BUNDLE_BYTES:
+        raise BundleError(f"bundle is larger than {MAX_BUNDLE_BYTES} bytes")
+    try:
+        envelope = SignedBundle.model_validate_json(raw)
+    except ValidationError as exc:
+        raise BundleError(f"not a signed bundle: {_first_error(exc)}") from None
+    try:
+        payload = base64.b64decode(envelope.payload, validate=True)
+    except binascii.Error:
+        raise BundleError("bundle payload is not valid base64") from None
+    trusted = {key_id(key): key for key in trusted_keys}
+    signer = _find_valid_signature(envelope.signatures, trusted, payload)
+    try:
+        document = json.loads(payload)
+        parsed = BundlePayload.model_validate(document)
+    except (ValueError, ValidationError) as exc:
+        detail = _first_error(exc) if isinstance(exc, ValidationError) else str(exc)
+        raise BundleError(f"signed payload is not a valid policy bundle: {detail}") from None
+    if canonical_json(document) != payload:
+        raise BundleError("signed payload is not in canonical form")
+    return VerifiedBundle(
+        payload=parsed, hash="sha256:" + hashlib.sha256(payload).hexdigest(), keyid=signer
+    )
+
+
+def _find_valid_signature(
+    signatures: Sequence[BundleSignature], trusted: dict[str, Ed25519PublicKey], payload: bytes
+) -> str:
+    if not signatures:
+        raise BundleError("bundle is unsigned")
+    for signature in signatures:
+        key = trusted.get(signature.keyid)
+        if key is None:
+            continue
+        try:
+            key.verify(base64.b64decode(signature.sig, validate=True), SIGNING_CONTEXT + payload)
+        except (InvalidSignature, binascii.Error):
+            raise BundleError(
+                f"signature by pinned key {signature.keyid} does not verify"
+            ) from None
+        return signature.keyid
+    raise BundleError("bundle is not signed by any pinned key")
+
+
+def _first_error(exc: ValidationError) -> str:
+    error = exc.errors()[0]
+    where = ".".join(str(part) for part in error["loc"])
+    return f"{where}: {error['msg']}" if where else error["msg"]
+
+
+def generate_key() -> Ed25519PrivateKey:
+    return Ed25519PrivateKey.generate()
+
+
+def write_key_pair(key: Ed25519PrivateKey, private_path: Path) -> Path:
+    """Write PKCS#8 PEM (mode 0600) and its public key beside it as `<name>.pub`; return the latter."""
+    pem = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+    private_path.parent.mkdir(parents=True, exist_ok=True)
+    private_path.touch(mode=0o600, exist_ok=False)
+    private_path.write_bytes(pem)
+    public_path = private_path.with_name(private_path.name + ".pub")
+    public_path.write_bytes(
+        key.public_key().public_bytes(
+            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+        )
+    )
+    return public_path
+
+
+def load_private_key(path: Path) -> Ed25519PrivateKey:
+    try:
+        key = serialization.load_pem_private_key(path.read_bytes(), password=None)
+    except (OSError, ValueError, TypeError) as exc:
+        raise BundleError(f"{path}: cannot load signing key ({type(exc).__name__})") from None
+    if not isinstance(key, Ed25519PrivateKey):
+        raise BundleError(f"{path}: signing key is not an Ed25519 key")
+    return key
+
+
+def load_public_key(path: Path) -> Ed25519PublicKey:
+    try:
+        key = serialization.load_pem_public_key(path.read_bytes())
+    except (OSError, ValueError) as exc:
+        raise BundleError(f"{path}: cannot load public key ({type(exc).__name__})") from None
+    if not isinstance(key, Ed25519PublicKey):
+        raise BundleError(f"{path}: public key is not an Ed25519 key")
+    return key

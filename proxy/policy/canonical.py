@@ -1,0 +1,33 @@
+"""Canonical JSON: one byte string per value, so hashes and signatures are reproducible.
+
+Keys sorted, no insignificant white space, UTF-8. Policy documents hold only strings, integers,
+booleans, null, lists and objects; floats are refused because their text form is not unique.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+
+def _check(value: Any) -> None:
+    if isinstance(value, float):
+        raise TypeError("canonical JSON refuses floats")
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise TypeError("canonical JSON object keys must be strings")
+            _check(item)
+    elif isinstance(value, list | tuple):
+        for item in value:
+            _check(item)
+
+
+def canonical_json(value: Any) -> bytes:
+    _check(value)
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def content_hash(value: Any) -> str:
+    return "sha256:" + hashlib.sha256(canonical_json(value)).hexdigest()

@@ -1,0 +1,189 @@
+"""The compiled form of a profile: every default filled in, every id qualified by its profile.
+
+This is what a signed bundle carries and what the proxy enforces. The same field validators as the
+source format apply on load, so a bundle holding a non-canonical host or path is refused even when
+its signature is good.
+"""
+
+from __future__ import annotations
+
+import base64
+import re
+from typing import Annotated, Literal
+
+from pydantic import AfterValidator, Field
+
+from umbra.proxy.policy.model import (
+    PLACEHOLDER,
+    SCHEME_DEFAULT_PORTS,
+    ExactHost,
+    HeaderName,
+    HostPattern,
+    InjectFormat,
+    Method,
+    Name,
+    PathPattern,
+    Port,
+    Profile,
+    ScanRegex,
+    SecretRef,
+    StrictModel,
+)
+
+_QUALIFIED_ID = re.compile(
+    r"^[a-z0-9](?:[a-z0-9-]{0,62}[a-z0-9])?:[a-z0-9](?:[a-z0-9-]{0,62}[a-z0-9])?$"
+)
+_ENDPOINT = re.compile(r"^(https?):([0-9]{1,5})$")
+
+
+def _check_qualified_id(value: str) -> str:
+    if not _QUALIFIED_ID.match(value):
+        raise ValueError("must be 'profile:rule'")
+    return value
+
+
+def _check_endpoint(value: str) -> str:
+    match = _ENDPOINT.match(value)
+    if (
+        not match
+        or not 1 <= int(match.group(2)) <= 65535
+        or str(int(match.group(2))) != match.group(2)
+    ):
+        raise ValueError("must be 'https:PORT' or 'http:PORT'")
+    return value
+
+
+RuleId = Annotated[str, AfterValidator(_check_qualified_id)]
+Endpoint = Annotated[str, AfterValidator(_check_endpoint)]
+
+
+class CompiledHttpRule(StrictModel):
+    id: RuleId
+    action: Literal["allow", "deny"]
+    hosts: list[HostPattern] = Field(min_length=1)
+    methods: list[Method] | None
+    endpoints: list[Endpoint] = Field(min_length=1)
+    paths: list[PathPattern] | None
+
+
+class CompiledTunnel(StrictModel):
+    id: RuleId
+    hosts: list[ExactHost] = Field(min_length=1)
+    ports: list[Port] = Field(min_length=1)
+
+
+class CompiledScan(StrictModel):
+    id: RuleId
+    regex: ScanRegex
+
+
+class CompiledInject(StrictModel):
+    id: RuleId
+    header: HeaderName
+    format: InjectFormat
+    secret: SecretRef
+    hosts: list[ExactHost] = Field(min_length=1)
+
+    def render(self, secret: str) -> str:
+        """The header value: `{secret}` is the value itself, `{basic:USER}` is base64(USER:value)."""
+        if any(ord(char) < 0x20 or ord(char) == 0x7F for char in secret):
+            raise ValueError(f"secret {self.secret} contains a control character")
+        match = PLACEHOLDER.search(self.format)
+        assert match is not None  # InjectFormat guarantees exactly one placeholder
+        placeholder = match.group(1)
+        if placeholder == "secret":
+            value = secret
+        else:
+            user = placeholder.removeprefix("basic:")
+            value = base64.b64encode(f"{user}:{secret}".encode()).decode("ascii")
+        return self.format[: match.start()] + value + self.format[match.end() :]
+
+
+class CompiledProfile(StrictModel):
+    name: Name
+    description: str | None
+    rules: list[CompiledHttpRule]
+    tunnels: list[CompiledTunnel]
+    scan: list[CompiledScan]
+    inject: list[CompiledInject]
+
+
+def _endpoints(schemes: list[str], ports: list[int] | None) -> list[str]:
+    if ports is None:
+        pairs = {f"{scheme}:{SCHEME_DEFAULT_PORTS[scheme]}" for scheme in schemes}
+    else:
+        pairs = {f"{scheme}:{port}" for scheme in schemes for port in ports}
+    return sorted(pairs)
+
+
+def compile_profile(profile: Profile) -> tuple[CompiledProfile, dict[str, tuple[str, int]]]:
+    """Compile one validated profile.
+
+    Returns the compiled profile and, for each qualified id, the (section, index) it came from, so a
+    caller holding source locations can point at the rule. Duplicate ids raise ValueError with the
+    (section, index) of the second one.
+    """
+    origins: dict[str, tuple[str, int]] = {}
+
+    def qualify(local: str | None, default: str, section: str, index: int) -> str:
+        rule_id = f"{profile.name}:{local or default}"
+        if rule_id in origins:
+            raise DuplicateRuleId(rule_id, section, index, origins[rule_id])
+        origins[rule_id] = (section, index)
+        return rule_id
+
+    rules: list[CompiledHttpRule] = []
+    tunnels: list[CompiledTunnel] = []
+    for index, entry in enumerate(profile.egress):
+        rule_id = qualify(entry.id, f"egress-{index}", "egress", index)
+        if entry.tunnel is not None:
+            tunnels.append(
+                CompiledTunnel(
+                    id=rule_id,
+                    hosts=sorted(set(entry.tunnel.hosts)),
+                    ports=sorted(set(entry.tunnel.ports)),
+                )
+            )
+            continue
+        action: Literal["allow", "deny"] = "allow" if entry.allow is not None else "deny"
+        match = entry.allow or entry.deny
+        assert match is not None  # guaranteed by EgressRule's validator
+        rules.append(
+            CompiledHttpRule(
+                id=rule_id,
+                action=action,
+                hosts=sorted(set(match.hosts)),
+                methods=sorted(set(match.methods)) if match.methods else None,
+                endpoints=_endpoints(list(match.schemes), match.ports),
+                paths=sorted(set(match.paths)) if match.paths else None,
+            )
+        )
+    scan = [
+        CompiledScan(id=qualify(rule.id, "", "scan", index), regex=rule.regex)
+        for index, rule in enumerate(profile.scan)
+    ]
+    inject = [
+        CompiledInject(
+            id=qualify(rule.id, f"inject-{index}", "inject", index),
+            header=rule.header,
+            format=rule.format,
+            secret=rule.secret,
+            hosts=sorted(set(rule.hosts)),
+        )
+        for index, rule in enumerate(profile.inject)
+    ]
+    compiled = CompiledProfile(
+        name=profile.name,
+        description=profile.description,
+        rules=rules,
+        tunnels=tunnels,
+        scan=scan,
+        inject=inject,
+    )
+    return compiled, origins
+
+
+class DuplicateRuleId(ValueError):
+    def __init__(self, rule_id: str, section: str, index: int, first: tuple[str, int]) -> None:
+        self.rule_id, self.section, self.index = rule_id, section, index
+        super().__init__(f"duplicate rule id {rule_id!r} (first used at {first[0]}[{first[1]}])")

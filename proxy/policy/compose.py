@@ -1,0 +1,151 @@
+"""Composition of compiled profiles into the one effective policy a sandbox runs under.
+
+Allows are the union of every profile's allows; a matching deny from any profile wins; the built-in
+scan rules are always present; two injections of the same header for the same host are an error, as
+are two rules with one id. No profile at all yields a policy that denies everything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+from umbra.proxy.policy.builtin_scan import BUILTIN_SCAN_RULES
+from umbra.proxy.policy.canonical import content_hash
+from umbra.proxy.policy.compiled import CompiledInject, CompiledProfile, CompiledScan
+from umbra.proxy.policy.matcher import Decision, Matcher, Reason, Verdict, host_keys
+from umbra.proxy.policy.model import API_VERSION
+from umbra.proxy.policy.normalize import NormalizationError, normalize_host
+
+BUILTIN_SCAN = tuple(
+    CompiledScan(id=rule_id, regex=regex) for rule_id, regex in BUILTIN_SCAN_RULES.items()
+)
+
+
+@dataclass(frozen=True)
+class Conflict:
+    """A composition error, attributed to the rule that caused it."""
+
+    rule_id: str
+    message: str
+
+
+class CompositionError(Exception):
+    def __init__(self, conflicts: list[Conflict]) -> None:
+        self.conflicts = conflicts
+        super().__init__("; ".join(f"{c.rule_id}: {c.message}" for c in conflicts))
+
+
+class EffectivePolicy:
+    """The composed, indexed policy; immutable once built."""
+
+    def __init__(self, profiles: Sequence[CompiledProfile]) -> None:
+        ordered = sorted(profiles, key=lambda profile: profile.name)
+        self.profiles: tuple[CompiledProfile, ...] = tuple(ordered)
+        _check_conflicts(self.profiles)
+        self.rules = tuple(rule for profile in ordered for rule in profile.rules)
+        self.tunnels = tuple(tunnel for profile in ordered for tunnel in profile.tunnels)
+        self.scan_rules: tuple[CompiledScan, ...] = BUILTIN_SCAN + tuple(
+            rule for profile in ordered for rule in profile.scan
+        )
+        self.injections: tuple[CompiledInject, ...] = tuple(
+            rule for profile in ordered for rule in profile.inject
+        )
+        self._matcher = Matcher(self.rules, self.tunnels)
+        self._inject_by_host: dict[str, tuple[CompiledInject, ...]] = {}
+        for rule in self.injections:
+            for host in rule.hosts:
+                self._inject_by_host[host] = (*self._inject_by_host.get(host, ()), rule)
+        unreachable = [
+            Conflict(rule.id, f"injects for {host!r}, which no allow rule reaches")
+            for rule in self.injections
+            for host in rule.hosts
+            if not self._has_allow_for(host)
+        ]
+        if unreachable:
+            raise CompositionError(unreachable)
+
+    @property
+    def profile_names(self) -> tuple[str, ...]:
+        return tuple(profile.name for profile in self.profiles)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.profiles
+
+    def document(self) -> dict[str, Any]:
+        """The canonical description of this policy (what its hash covers)."""
+        return {
+            "apiVersion": API_VERSION,
+            "kind": "EffectivePolicy",
+            "profiles": [profile.model_dump(mode="json") for profile in self.profiles],
+            "builtinScan": [rule.model_dump(mode="json") for rule in BUILTIN_SCAN],
+        }
+
+    @cached_property
+    def hash(self) -> str:
+        return content_hash(self.document())
+
+    def decide(self, method: str, scheme: str, host: str, port: int, path: str) -> Decision:
+        if self.is_empty:
+            return Decision(Verdict.DENY, Reason.NO_POLICY, detail="no profile is attached")
+        return self._matcher.decide(method, scheme, host, port, path)
+
+    def decide_tunnel(self, host: str, port: int) -> Decision:
+        if self.is_empty:
+            return Decision(Verdict.DENY, Reason.NO_POLICY, detail="no profile is attached")
+        return self._matcher.decide_tunnel(host, port)
+
+    def injections_for(self, host: str) -> tuple[CompiledInject, ...]:
+        """Injections bound to this exact host; empty for a host that does not normalize."""
+        try:
+            return self._inject_by_host.get(normalize_host(host), ())
+        except NormalizationError:
+            return ()
+
+    def _has_allow_for(self, host: str) -> bool:
+        return any(
+            rule.action == "allow" and any(key in rule.hosts for key in host_keys(host))
+            for rule in self.rules
+        )
+
+
+def _check_conflicts(profiles: Sequence[CompiledProfile]) -> None:
+    conflicts: list[Conflict] = []
+    seen_names: set[str] = set()
+    seen_ids: set[str] = {rule.id for rule in BUILTIN_SCAN}
+    injected: dict[tuple[str, str], str] = {}
+    for profile in profiles:
+        if profile.name in seen_names:
+            conflicts.append(Conflict(f"{profile.name}:*", "profile appears twice"))
+            continue
+        seen_names.add(profile.name)
+        ids = [
+            item.id
+            for items in (profile.rules, profile.tunnels, profile.scan, profile.inject)
+            for item in items
+        ]
+        for rule_id in ids:
+            if rule_id in seen_ids:
+                conflicts.append(Conflict(rule_id, "rule id is used twice"))
+            seen_ids.add(rule_id)
+        for rule in profile.inject:
+            for host in rule.hosts:
+                key = (rule.header.lower(), host)
+                if key in injected:
+                    conflicts.append(
+                        Conflict(
+                            rule.id,
+                            f"injects {rule.header!r} for {host!r}, as {injected[key]} already does",
+                        )
+                    )
+                injected.setdefault(key, rule.id)
+    if conflicts:
+        raise CompositionError(conflicts)
+
+
+def deny_all() -> EffectivePolicy:
+    """The policy of a sandbox with nothing attached (or nothing trusted yet)."""
+    return EffectivePolicy([])

@@ -1,0 +1,203 @@
+"""Constant-cost rule lookup: `decide(method, scheme, host, port, path)`.
+
+Rules are indexed by host key (the exact name, each `*.suffix` of it, and `*`), and under each key by a
+trie of path segments, so a decision touches only the rules that could match: at most one trie per
+label of the host, and within it only the branches the path walks. The number of rules elsewhere in
+the policy does not enter the cost.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from enum import StrEnum
+from fnmatch import translate
+
+from umbra.proxy.policy.compiled import CompiledHttpRule, CompiledTunnel
+from umbra.proxy.policy.model import ANY_HOST
+from umbra.proxy.policy.normalize import (
+    NormalizationError,
+    is_ip_literal,
+    normalize_host,
+    normalize_path,
+)
+
+_METHOD_TOKEN = re.compile(r"^[A-Z]{1,20}$")
+
+
+class Verdict(StrEnum):
+    ALLOW = "allow"
+    DENY = "deny"
+
+
+class Reason(StrEnum):
+    """Why a decision came out as it did; stable strings for the traffic log."""
+
+    RULE_ALLOW = "rule_allow"
+    RULE_DENY = "rule_deny"
+    NO_MATCHING_RULE = "no_matching_rule"
+    NO_POLICY = "no_policy"
+    INVALID_HOST = "invalid_host"
+    INVALID_PATH = "invalid_path"
+    INVALID_METHOD = "invalid_method"
+    INVALID_SCHEME = "invalid_scheme"
+    INVALID_PORT = "invalid_port"
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    verdict: Verdict
+    reason: Reason
+    rule_id: str | None = None
+    host: str | None = None
+    path: str | None = None
+    detail: str = ""
+
+    @property
+    def allowed(self) -> bool:
+        return self.verdict is Verdict.ALLOW
+
+
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    order: int
+    rule: CompiledHttpRule
+    methods: frozenset[str] | None
+    endpoints: frozenset[str]
+
+
+@dataclass(slots=True)
+class _PathTrie:
+    literal: dict[str, _PathTrie] = field(default_factory=dict)
+    globs: list[tuple[re.Pattern[str], _PathTrie]] = field(default_factory=list)
+    globstar: _PathTrie | None = None
+    entries: list[_Entry] = field(default_factory=list)
+
+    def insert(self, segments: list[str], entry: _Entry) -> None:
+        node = self
+        for segment in segments:
+            if segment == "**":
+                node.globstar = node.globstar or _PathTrie()
+                node = node.globstar
+            elif "*" in segment:
+                pattern = re.compile(translate(segment))
+                existing = next(
+                    (child for p, child in node.globs if p.pattern == pattern.pattern), None
+                )
+                if existing is None:
+                    existing = _PathTrie()
+                    node.globs.append((pattern, existing))
+                node = existing
+            else:
+                node = node.literal.setdefault(segment, _PathTrie())
+        node.entries.append(entry)
+
+    def match(self, segments: list[str]) -> Iterator[_Entry]:
+        # Depth-first walk; (node, position) pairs are visited once, which bounds the work of '**'
+        # to nodes x segments however the patterns nest.
+        seen: set[tuple[int, int]] = set()
+        stack: list[tuple[_PathTrie, int]] = [(self, 0)]
+        while stack:
+            node, position = stack.pop()
+            if (id(node), position) in seen:
+                continue
+            seen.add((id(node), position))
+            if node.globstar is not None:
+                for start in range(position, len(segments) + 1):
+                    stack.append((node.globstar, start))
+            if position == len(segments):
+                yield from node.entries
+                continue
+            segment = segments[position]
+            child = node.literal.get(segment)
+            if child is not None:
+                stack.append((child, position + 1))
+            for pattern, glob_child in node.globs:
+                if pattern.match(segment):
+                    stack.append((glob_child, position + 1))
+
+
+def host_keys(host: str) -> Iterator[str]:
+    """The index keys under which rules for a normalized host can live, most specific first."""
+    yield host
+    if not is_ip_literal(host):
+        labels = host.split(".")
+        for index in range(1, len(labels)):
+            yield "*." + ".".join(labels[index:])
+    yield ANY_HOST
+
+
+class Matcher:
+    def __init__(
+        self, rules: Iterable[CompiledHttpRule], tunnels: Iterable[CompiledTunnel]
+    ) -> None:
+        self._by_host: dict[str, _PathTrie] = {}
+        for order, rule in enumerate(rules):
+            entry = _Entry(
+                order=order,
+                rule=rule,
+                methods=frozenset(rule.methods) if rule.methods is not None else None,
+                endpoints=frozenset(rule.endpoints),
+            )
+            for host in rule.hosts:
+                trie = self._by_host.setdefault(host, _PathTrie())
+                for path in rule.paths or ["/**"]:
+                    trie.insert(path[1:].split("/"), entry)
+        self._tunnels: dict[tuple[str, int], str] = {}
+        for tunnel in tunnels:
+            for host in tunnel.hosts:
+                for port in tunnel.ports:
+                    self._tunnels.setdefault((host, port), tunnel.id)
+
+    def hosts_with_rules(self) -> set[str]:
+        return set(self._by_host)
+
+    def decide(self, method: str, scheme: str, host: str, port: int, path: str) -> Decision:
+        if not _METHOD_TOKEN.match(method):
+            return Decision(Verdict.DENY, Reason.INVALID_METHOD, detail=f"method {method[:20]!r}")
+        if scheme not in ("http", "https"):
+            return Decision(Verdict.DENY, Reason.INVALID_SCHEME, detail=f"scheme {scheme[:20]!r}")
+        if not 1 <= port <= 65535:
+            return Decision(Verdict.DENY, Reason.INVALID_PORT, detail=f"port {port}")
+        try:
+            host = normalize_host(host)
+        except NormalizationError as exc:
+            return Decision(Verdict.DENY, Reason.INVALID_HOST, detail=str(exc))
+        try:
+            path = normalize_path(path.split("?", 1)[0])
+        except NormalizationError as exc:
+            return Decision(Verdict.DENY, Reason.INVALID_PATH, host=host, detail=str(exc))
+        endpoint = f"{scheme}:{port}"
+        segments = path[1:].split("/")
+        allow: _Entry | None = None
+        deny: _Entry | None = None
+        for key in host_keys(host):
+            trie = self._by_host.get(key)
+            if trie is None:
+                continue
+            for entry in trie.match(segments):
+                if endpoint not in entry.endpoints:
+                    continue
+                if entry.methods is not None and method not in entry.methods:
+                    continue
+                if entry.rule.action == "deny":
+                    if deny is None or entry.order < deny.order:
+                        deny = entry
+                elif allow is None or entry.order < allow.order:
+                    allow = entry
+        if deny is not None:
+            return Decision(Verdict.DENY, Reason.RULE_DENY, deny.rule.id, host, path)
+        if allow is not None:
+            return Decision(Verdict.ALLOW, Reason.RULE_ALLOW, allow.rule.id, host, path)
+        return Decision(Verdict.DENY, Reason.NO_MATCHING_RULE, None, host, path)
+
+    def decide_tunnel(self, host: str, port: int) -> Decision:
+        try:
+            host = normalize_host(host)
+        except NormalizationError as exc:
+            return Decision(Verdict.DENY, Reason.INVALID_HOST, detail=str(exc))
+        rule_id = self._tunnels.get((host, port))
+        if rule_id is None:
+            return Decision(Verdict.DENY, Reason.NO_MATCHING_RULE, None, host)
+        return Decision(Verdict.ALLOW, Reason.RULE_ALLOW, rule_id, host)

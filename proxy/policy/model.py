@@ -1,0 +1,229 @@
+"""The profile file format (`apiVersion: umbra/v1`, `kind: Profile`) as strict pydantic models.
+
+Validation here is per file; rules that need several profiles at once (deny wins, conflicting
+injections, unique ids) live in `compose`.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Literal, Self
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+
+from umbra.proxy.policy.normalize import (
+    NormalizationError,
+    is_ip_literal,
+    normalize_host,
+    normalize_path,
+)
+
+API_VERSION = "umbra/v1"
+METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
+SCHEME_DEFAULT_PORTS = {"https": 443, "http": 80}
+ANY_HOST = "*"
+MAX_SCAN_REGEX_LENGTH = 1024
+
+# Hop-by-hop and framing headers: injecting them would change how the request is delimited or
+# routed rather than how it is authenticated.
+FORBIDDEN_INJECT_HEADERS = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        "content-length",
+        "content-encoding",
+        "content-type",
+        "host",
+        "expect",
+    }
+)
+
+RESERVED_PROFILE_NAMES = frozenset({"builtin"})
+
+_NAME = re.compile(r"^[a-z0-9](?:[a-z0-9-]{0,62}[a-z0-9])?$")
+_HEADER_TOKEN = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]{1,128}$")
+_SECRET_REF = re.compile(r"^(team|personal)/([a-z0-9](?:[a-z0-9._-]{0,126}[a-z0-9])?)$")
+PLACEHOLDER = re.compile(r"\{(secret|basic:[^{}]+)\}")
+# Constructs Hyperscan and RE2 do not implement; refusing them here keeps one engine for all rules.
+_UNSUPPORTED_REGEX = re.compile(r"\(\?<?[=!]|\(\?P=|\(\?\(|\\[1-9]|\\[gk]<")
+
+
+def _check_name(value: str) -> str:
+    if not _NAME.match(value):
+        raise ValueError("must be lowercase letters, digits and '-', 1 to 64 characters")
+    return value
+
+
+def _check_host_pattern(value: str) -> str:
+    """`example.com`, `*.example.com` (strict subdomains at any depth), an IP literal, or `*`."""
+    if value == ANY_HOST:
+        return value
+    wildcard = value.startswith("*.")
+    name = value[2:] if wildcard else value
+    if "*" in name:
+        raise ValueError("a wildcard may only be a leading '*.' label")
+    try:
+        normalized = normalize_host(name)
+    except NormalizationError as exc:
+        raise ValueError(str(exc)) from None
+    if wildcard and is_ip_literal(normalized):
+        raise ValueError("a wildcard cannot prefix an IP address")
+    return "*." + normalized if wildcard else normalized
+
+
+def _check_exact_host(value: str) -> str:
+    value = _check_host_pattern(value)
+    if "*" in value:
+        raise ValueError("must be an exact host name, not a wildcard")
+    return value
+
+
+def _check_path_pattern(value: str) -> str:
+    """A path glob: `*` matches within one segment, a `**` segment matches any number of them."""
+    try:
+        canonical = normalize_path(value)
+    except NormalizationError as exc:
+        raise ValueError(str(exc)) from None
+    if canonical != value:
+        raise ValueError(f"path pattern is not in canonical form; write {canonical!r}")
+    for segment in value.split("/"):
+        if "**" in segment and segment != "**":
+            raise ValueError("'**' must be a whole path segment")
+    return value
+
+
+def _check_scan_regex(value: str) -> str:
+    if not value:
+        raise ValueError("regex must not be empty")
+    if len(value) > MAX_SCAN_REGEX_LENGTH:
+        raise ValueError(f"regex is longer than {MAX_SCAN_REGEX_LENGTH} characters")
+    if _UNSUPPORTED_REGEX.search(value):
+        raise ValueError("look-around and back-references are not supported (Hyperscan/RE2 subset)")
+    try:
+        compiled = re.compile(value)
+    except re.error as exc:
+        raise ValueError(f"invalid regex: {exc}") from None
+    if compiled.match(""):
+        raise ValueError("regex matches the empty string, so it would flag every request")
+    return value
+
+
+def _check_header(value: str) -> str:
+    if not _HEADER_TOKEN.match(value):
+        raise ValueError("not a valid HTTP header name")
+    if value.lower() in FORBIDDEN_INJECT_HEADERS:
+        raise ValueError(f"{value!r} is a hop-by-hop or framing header and cannot be injected")
+    return value
+
+
+def _check_format(value: str) -> str:
+    placeholders = PLACEHOLDER.findall(value)
+    if len(placeholders) != 1:
+        raise ValueError("must contain exactly one '{secret}' or '{basic:USER}' placeholder")
+    if "{" in PLACEHOLDER.sub("", value) or "}" in PLACEHOLDER.sub("", value):
+        raise ValueError("has a brace outside its placeholder")
+    if any(ord(char) < 0x20 or ord(char) == 0x7F for char in value):
+        raise ValueError("contains a control character")
+    return value
+
+
+def _check_secret_ref(value: str) -> str:
+    if not _SECRET_REF.match(value):
+        raise ValueError(
+            "must be 'team/NAME' or 'personal/NAME' (lowercase, digits, '.', '_', '-')"
+        )
+    return value
+
+
+Name = Annotated[str, AfterValidator(_check_name)]
+HostPattern = Annotated[str, AfterValidator(_check_host_pattern)]
+ExactHost = Annotated[str, AfterValidator(_check_exact_host)]
+PathPattern = Annotated[str, AfterValidator(_check_path_pattern)]
+Method = Literal["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
+Scheme = Literal["https", "http"]
+Port = Annotated[int, Field(ge=1, le=65535, strict=True)]
+ScanRegex = Annotated[str, AfterValidator(_check_scan_regex)]
+HeaderName = Annotated[str, AfterValidator(_check_header)]
+InjectFormat = Annotated[str, AfterValidator(_check_format)]
+SecretRef = Annotated[str, AfterValidator(_check_secret_ref)]
+
+
+class StrictModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, populate_by_name=True)
+
+
+class HttpMatch(StrictModel):
+    """Which HTTP requests a rule covers; an omitted field means 'any'."""
+
+    hosts: list[HostPattern] = Field(min_length=1)
+    methods: list[Method] | None = Field(default=None, min_length=1)
+    schemes: list[Scheme] = Field(default_factory=lambda: list[Scheme](["https"]), min_length=1)
+    ports: list[Port] | None = Field(
+        default=None, min_length=1, description="Default: 443 for https, 80 for http."
+    )
+    paths: list[PathPattern] | None = Field(default=None, min_length=1)
+
+
+class TunnelMatch(StrictModel):
+    """Raw TCP to exact hosts and ports, uninspected: the explicit exception to HTTP inspection."""
+
+    hosts: list[ExactHost] = Field(min_length=1)
+    ports: list[Port] = Field(min_length=1)
+
+
+class EgressRule(StrictModel):
+    """One `allow`, `deny` or `tunnel` entry; `id` names it in logs (default `egress-N`)."""
+
+    id: Name | None = None
+    comment: str | None = None
+    allow: HttpMatch | None = None
+    deny: HttpMatch | None = None
+    tunnel: TunnelMatch | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one_kind(self) -> Self:
+        kinds = [kind for kind in ("allow", "deny", "tunnel") if getattr(self, kind) is not None]
+        if len(kinds) != 1:
+            raise ValueError("each egress entry needs exactly one of 'allow', 'deny' or 'tunnel'")
+        if self.allow is not None and ANY_HOST in self.allow.hosts:
+            raise ValueError("'*' (every host) may appear in deny rules only")
+        return self
+
+
+class ScanRule(StrictModel):
+    id: Name
+    regex: ScanRegex
+    description: str | None = None
+
+
+class InjectRule(StrictModel):
+    """Set `header` to `format` with the secret filled in, for requests to `hosts` only."""
+
+    id: Name | None = None
+    header: HeaderName
+    format: InjectFormat
+    secret: SecretRef
+    hosts: list[ExactHost] = Field(min_length=1)
+
+
+def _check_profile_name(value: str) -> str:
+    if value in RESERVED_PROFILE_NAMES:
+        raise ValueError(f"{value!r} is reserved")
+    return value
+
+
+class Profile(StrictModel):
+    api_version: Literal["umbra/v1"] = Field(alias="apiVersion")
+    kind: Literal["Profile"]
+    name: Annotated[Name, AfterValidator(_check_profile_name)]
+    description: str | None = None
+    egress: list[EgressRule] = Field(default_factory=list)
+    scan: list[ScanRule] = Field(default_factory=list)
+    inject: list[InjectRule] = Field(default_factory=list)

@@ -1,0 +1,192 @@
+"""Canonical forms of host names and request paths, shared by policy compilation and enforcement.
+
+Both sides of a decision (the rule written by a reviewer, the request sent by a sandbox) pass through
+these functions, so a name or path has exactly one spelling by the time it is compared. Anything with
+more than one plausible reading is refused rather than guessed at: an attacker picks the reading the
+policy did not consider.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+
+import idna
+
+MAX_HOST_LENGTH = 253
+MAX_LABEL_LENGTH = 63
+MAX_PATH_LENGTH = 8192
+
+_LABEL = re.compile(r"^[a-z0-9_](?:[a-z0-9_-]*[a-z0-9_])?$")
+# Labels that inet_aton-style parsers read as numbers (0x7f, 0177, 127): a name made only of these is
+# an IPv4 address in disguise (127.1, 2130706433, 0x7f.0.0.1) and is refused, never resolved.
+_NUMERIC_LABEL = re.compile(r"^(?:0x[0-9a-f]*|[0-9]+)$")
+_UNRESERVED = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~")
+_PCHAR_RAW = _UNRESERVED | frozenset("!$&'()*+,;=:@")
+_HEX = frozenset("0123456789abcdefABCDEF")
+# Encoded bytes whose decoding changes how a path splits or terminates, in any server's reading.
+_AMBIGUOUS_ENCODED = {"2F": "an encoded '/'", "5C": "an encoded '\\'", "00": "an encoded NUL"}
+
+
+class NormalizationError(ValueError):
+    """A host or path that has no single canonical reading."""
+
+
+def normalize_host(raw: str) -> str:
+    """Return the canonical form of a host name or IP literal.
+
+    Lowercase, one trailing dot removed, internationalized names converted to their IDNA ASCII form,
+    IP literals (IPv6 with or without brackets) rewritten in their compressed `ipaddress` form.
+    """
+    if not raw:
+        raise NormalizationError("empty host")
+    host = raw.strip()
+    if host != raw:
+        raise NormalizationError("host has surrounding white space")
+    if host.startswith("[") or host.endswith("]"):
+        if not (host.startswith("[") and host.endswith("]")):
+            raise NormalizationError(f"unbalanced brackets in host {raw!r}")
+        return _normalize_ipv6_literal(host[1:-1], raw)
+    if ":" in host:
+        return _normalize_ipv6_literal(host, raw)
+    if host.endswith("."):
+        host = host[:-1]
+    if not host or host.endswith("."):
+        raise NormalizationError(f"host {raw!r} has an empty label")
+    try:
+        return str(ipaddress.IPv4Address(host))
+    except ValueError:
+        pass
+    if not host.isascii():
+        try:
+            encoded = idna.encode(host, uts46=True).decode("ascii")
+            round_trip = idna.decode(encoded)
+        except idna.IDNAError as exc:
+            raise NormalizationError(
+                f"host {raw!r} is not a valid internationalized name: {exc}"
+            ) from None
+        # UTS 46 mapping silently drops or folds some characters (zero-width joiners, full-width
+        # dots); a name that only reaches its ASCII form through such mapping has two spellings.
+        if round_trip != host.lower():
+            raise NormalizationError(f"host {raw!r} is not in canonical Unicode form ({round_trip!r})")
+        host = encoded
+    host = host.lower()
+    if len(host) > MAX_HOST_LENGTH:
+        raise NormalizationError(f"host is longer than {MAX_HOST_LENGTH} characters")
+    labels = host.split(".")
+    for label in labels:
+        if not label:
+            raise NormalizationError(f"host {raw!r} has an empty label")
+        if len(label) > MAX_LABEL_LENGTH:
+            raise NormalizationError(f"a label of host {raw!r} is longer than {MAX_LABEL_LENGTH}")
+        if not _LABEL.match(label):
+            raise NormalizationError(
+                f"host {raw!r} has a character outside letters, digits, '-', '_'"
+            )
+        if label.startswith("xn--"):
+            _check_punycode_label(label, raw)
+    if all(_NUMERIC_LABEL.match(label) for label in labels):
+        raise NormalizationError(f"host {raw!r} is a non-canonical IPv4 address form")
+    if _NUMERIC_LABEL.match(labels[-1]):
+        raise NormalizationError(
+            f"host {raw!r} ends in a numeric label, which URL parsers read as IPv4"
+        )
+    return host
+
+
+def _normalize_ipv6_literal(text: str, raw: str) -> str:
+    if "%" in text:
+        raise NormalizationError(f"host {raw!r} carries an IPv6 zone id")
+    try:
+        return str(ipaddress.IPv6Address(text))
+    except ValueError:
+        raise NormalizationError(f"host {raw!r} is not a valid IP literal") from None
+
+
+def _check_punycode_label(label: str, raw: str) -> None:
+    # An xn-- label that does not decode, or decodes to something that would not encode back to
+    # itself, is a second spelling of some other name.
+    try:
+        unicode = idna.decode(label)
+        if idna.encode(unicode, uts46=True).decode("ascii") != label:
+            raise NormalizationError(f"host {raw!r} has a non-canonical punycode label")
+    except idna.IDNAError:
+        raise NormalizationError(f"host {raw!r} has an invalid punycode label {label!r}") from None
+
+
+def is_ip_literal(host: str) -> bool:
+    """True when a normalized host is an IP address rather than a name."""
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def normalize_path(raw: str) -> str:
+    """Return the canonical form of an origin-form request path (no query, no fragment).
+
+    Percent-encodings of unreserved characters are decoded and all others upper-cased (RFC 3986
+    6.2.2), then dot segments are removed (RFC 3986 5.2.4). Encoded separators, encoded or
+    parameter-hidden dot segments, double encodings, empty segments, back-slashes, raw non-ASCII and
+    control characters are refused: servers disagree on what they mean.
+    """
+    if not raw.startswith("/"):
+        raise NormalizationError("path must start with '/'")
+    if len(raw) > MAX_PATH_LENGTH:
+        raise NormalizationError(f"path is longer than {MAX_PATH_LENGTH} characters")
+    if "?" in raw or "#" in raw:
+        raise NormalizationError("path must not contain a query or fragment")
+    segments = [_normalize_segment(segment) for segment in raw[1:].split("/")]
+    for segment in segments[:-1]:
+        if segment == "":
+            raise NormalizationError("path has an empty segment ('//')")
+    return _remove_dot_segments(segments)
+
+
+def _normalize_segment(segment: str) -> str:
+    out: list[str] = []
+    i = 0
+    while i < len(segment):
+        char = segment[i]
+        if char == "%":
+            hex_digits = segment[i + 1 : i + 3]
+            if len(hex_digits) != 2 or not set(hex_digits) <= _HEX:
+                raise NormalizationError("path has a malformed percent-encoding")
+            hex_digits = hex_digits.upper()
+            if hex_digits in _AMBIGUOUS_ENCODED:
+                raise NormalizationError(f"path has {_AMBIGUOUS_ENCODED[hex_digits]}")
+            if hex_digits == "25" and set(segment[i + 3 : i + 5]) <= _HEX and len(segment) >= i + 5:
+                raise NormalizationError("path is double percent-encoded")
+            decoded = chr(int(hex_digits, 16))
+            out.append(decoded if decoded in _UNRESERVED else "%" + hex_digits)
+            i += 3
+            continue
+        if char not in _PCHAR_RAW:
+            raise NormalizationError(f"path has a character that must be percent-encoded: {char!r}")
+        out.append(char)
+        i += 1
+    normalized = "".join(out)
+    # '..;x' is '..' to servlet containers that strip path parameters.
+    if normalized.split(";", 1)[0] in {".", ".."} and ";" in normalized:
+        raise NormalizationError("path hides a dot segment behind ';' parameters")
+    if normalized in {".", ".."} and normalized != segment:
+        raise NormalizationError("path has a percent-encoded dot segment")
+    return normalized
+
+
+def _remove_dot_segments(segments: list[str]) -> str:
+    output: list[str] = []
+    for index, segment in enumerate(segments):
+        last = index == len(segments) - 1
+        if segment == ".":
+            if last:
+                output.append("")
+        elif segment == "..":
+            if output:
+                output.pop()
+            if last:
+                output.append("")
+        else:
+            output.append(segment)
+    return "/" + "/".join(output)

@@ -1,0 +1,56 @@
+"""Runs policy test suites against the profiles loaded beside them."""
+
+from __future__ import annotations
+
+from umbra.proxy.policy.loader import LoadedSuite, PolicySet
+from umbra.proxy.policy.matcher import Decision
+from umbra.proxy.policy.suite import Case, CaseResult, HttpProbe
+
+
+def run_suites(policy_set: PolicySet) -> list[CaseResult]:
+    """Evaluate every case; a suite whose profiles do not compose raises PolicyError."""
+    results: list[CaseResult] = []
+    for loaded in policy_set.suites:
+        policy = policy_set.compose(loaded.suite.profiles, file=loaded.file, line=None)
+        for index, case in enumerate(loaded.suite.cases):
+            probe = case.probe()
+            if isinstance(probe, HttpProbe):
+                decision = policy.decide(
+                    probe.method, probe.scheme, probe.host, probe.port, probe.path
+                )
+                injected = (
+                    sorted(rule.header for rule in policy.injections_for(probe.host))
+                    if decision.allowed
+                    else []
+                )
+            else:
+                decision = policy.decide_tunnel(probe.host, probe.port)
+                injected = []
+            results.append(_judge(loaded, index, case, str(probe), decision, injected))
+    return results
+
+
+def _judge(
+    loaded: LoadedSuite, index: int, case: Case, probe: str, decision: Decision, injected: list[str]
+) -> CaseResult:
+    problems: list[str] = []
+    if decision.verdict != case.expect:
+        problems.append(f"expected {case.expect}, got {decision.verdict} ({decision.reason})")
+    if case.rule is not None and decision.rule_id != case.rule:
+        problems.append(f"expected rule {case.rule}, got {decision.rule_id or 'none'}")
+    if case.reason is not None and decision.reason != case.reason:
+        problems.append(f"expected reason {case.reason}, got {decision.reason}")
+    if case.inject is not None:
+        expected = sorted(header.lower() for header in case.inject)
+        if expected != sorted(header.lower() for header in injected):
+            problems.append(f"expected injected headers {case.inject}, got {injected}")
+    return CaseResult(
+        file=loaded.file,
+        line=loaded.case_lines[index],
+        suite=loaded.suite.name,
+        case=case.name or probe,
+        passed=not problems,
+        expected=case.expect,
+        actual=decision,
+        problems=tuple(problems),
+    )
