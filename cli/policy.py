@@ -138,15 +138,12 @@ def run_tests(directory: PolicyDir = DEFAULT_DIR, as_json: JsonFlag = False) -> 
             }
         )
     else:
-        if failed:
-            table = Table(title="Failed policy tests")
-            for column in ("where", "case", "problem"):
-                table.add_column(column)
-            for result in failed:
-                table.add_row(
-                    f"{result.file}:{result.line}", result.case, "; ".join(result.problems)
-                )
-            console.print(table)
+        for result in failed:
+            console.print(
+                f"[red]FAIL[/] {result.file}:{result.line}: {result.case}: {'; '.join(result.problems)}",
+                highlight=False,
+                soft_wrap=True,
+            )
         console.print(f"{len(results) - len(failed)} passed, {len(failed)} failed", highlight=False)
     if failed:
         raise typer.Exit(EXIT_FINDINGS)

@@ -151,6 +151,9 @@ def verify_bundle(raw: bytes, trusted_keys: Sequence[Ed25519PublicKey]) -> Verif
         raise BundleError(f"signed payload is not a valid policy bundle: {detail}") from None
     if canonical_json(document) != payload:
         raise BundleError("signed payload is not in canonical form")
+    # Validators normalize as they parse; a payload that changes under them was not built by us.
+    if canonical_json(parsed.model_dump(mode="json", by_alias=True)) != payload:
+        raise BundleError("signed payload holds values that are not in canonical form")
     return VerifiedBundle(
         payload=parsed, hash="sha256:" + hashlib.sha256(payload).hexdigest(), keyid=signer
     )

@@ -8,6 +8,7 @@ the policy does not enter the cost.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -67,6 +68,11 @@ class _Entry:
     endpoints: frozenset[str]
 
 
+@functools.lru_cache(maxsize=4096)
+def _glob(segment: str) -> re.Pattern[str]:
+    return re.compile(translate(segment))
+
+
 @dataclass(slots=True)
 class _PathTrie:
     literal: dict[str, _PathTrie] = field(default_factory=dict)
@@ -81,10 +87,8 @@ class _PathTrie:
                 node.globstar = node.globstar or _PathTrie()
                 node = node.globstar
             elif "*" in segment:
-                pattern = re.compile(translate(segment))
-                existing = next(
-                    (child for p, child in node.globs if p.pattern == pattern.pattern), None
-                )
+                pattern = _glob(segment)
+                existing = next((child for p, child in node.globs if p is pattern), None)
                 if existing is None:
                     existing = _PathTrie()
                     node.globs.append((pattern, existing))

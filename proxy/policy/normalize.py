@@ -8,6 +8,7 @@ policy did not consider.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import re
 
@@ -32,6 +33,7 @@ class NormalizationError(ValueError):
     """A host or path that has no single canonical reading."""
 
 
+@functools.lru_cache(maxsize=8192)  # pure, and hosts repeat on every request of a session
 def normalize_host(raw: str) -> str:
     """Return the canonical form of a host name or IP literal.
 
@@ -68,7 +70,9 @@ def normalize_host(raw: str) -> str:
         # UTS 46 mapping silently drops or folds some characters (zero-width joiners, full-width
         # dots); a name that only reaches its ASCII form through such mapping has two spellings.
         if round_trip != host.lower():
-            raise NormalizationError(f"host {raw!r} is not in canonical Unicode form ({round_trip!r})")
+            raise NormalizationError(
+                f"host {raw!r} is not in canonical Unicode form ({round_trip!r})"
+            )
         host = encoded
     host = host.lower()
     if len(host) > MAX_HOST_LENGTH:
@@ -114,6 +118,7 @@ def _check_punycode_label(label: str, raw: str) -> None:
         raise NormalizationError(f"host {raw!r} has an invalid punycode label {label!r}") from None
 
 
+@functools.lru_cache(maxsize=8192)
 def is_ip_literal(host: str) -> bool:
     """True when a normalized host is an IP address rather than a name."""
     try:

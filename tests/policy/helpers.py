@@ -9,8 +9,16 @@ from umbra.proxy.policy.compose import EffectivePolicy
 from umbra.proxy.policy.model import Profile
 
 
-def profile(name: str, egress: list[dict[str, Any]] | None = None, **sections: Any) -> CompiledProfile:
-    document = {"apiVersion": "umbra/v1", "kind": "Profile", "name": name, "egress": egress or [], **sections}
+def profile(
+    name: str, egress: list[dict[str, Any]] | None = None, **sections: Any
+) -> CompiledProfile:
+    document = {
+        "apiVersion": "umbra/v1",
+        "kind": "Profile",
+        "name": name,
+        "egress": egress or [],
+        **sections,
+    }
     compiled, _ = compile_profile(Profile.model_validate(document))
     return compiled
 

@@ -47,7 +47,9 @@ def test_methods_ports_and_schemes_scope_a_rule() -> None:
     p = policy(profile("m", [allow(hosts=["x.com"], methods=["GET"], schemes=["http", "https"])]))
     assert p.decide("GET", "https", "x.com", 443, "/").allowed
     assert p.decide("GET", "http", "x.com", 80, "/").allowed
-    assert not p.decide("GET", "http", "x.com", 443, "/").allowed, "defaults pair each scheme with its port"
+    assert not p.decide("GET", "http", "x.com", 443, "/").allowed, (
+        "defaults pair each scheme with its port"
+    )
     assert not p.decide("GET", "https", "x.com", 8443, "/").allowed
     assert not p.decide("POST", "https", "x.com", 443, "/").allowed
     explicit = policy(profile("p", [allow(hosts=["x.com"], ports=[8443])]))
@@ -56,7 +58,9 @@ def test_methods_ports_and_schemes_scope_a_rule() -> None:
 
 
 def test_path_globs() -> None:
-    p = policy(profile("g", [allow(hosts=["x.com"], paths=["/repos/acme/**", "/u/*/keys", "/f/*.txt"])]))
+    p = policy(
+        profile("g", [allow(hosts=["x.com"], paths=["/repos/acme/**", "/u/*/keys", "/f/*.txt"])])
+    )
 
     def ok(path: str) -> bool:
         return p.decide("GET", "https", "x.com", 443, path).allowed
@@ -117,7 +121,9 @@ def test_tunnels_are_exact_host_and_port() -> None:
 
 
 # Reference implementation: a linear scan with independently written matching, for comparison.
-def _reference(rules: list[CompiledHttpRule], method: str, host: str, endpoint: str, path: str) -> str | None:
+def _reference(
+    rules: list[CompiledHttpRule], method: str, host: str, endpoint: str, path: str
+) -> str | None:
     host = normalize_host(host)
     segments = normalize_path(path)[1:].split("/")
 
@@ -144,7 +150,9 @@ def _reference(rules: list[CompiledHttpRule], method: str, host: str, endpoint: 
     matching = [rule for rule in rules if rule_ok(rule)]
     denies = [rule for rule in matching if rule.action == "deny"]
     allows = [rule for rule in matching if rule.action == "allow"]
-    return (denies or allows or [None])[0] and f"{(denies or allows)[0].action}:{(denies or allows)[0].id}"
+    return (denies or allows or [None])[
+        0
+    ] and f"{(denies or allows)[0].action}:{(denies or allows)[0].id}"
 
 
 HOST_PATTERNS = ["a.com", "b.a.com", "*.a.com", "c.b.a.com", "*.b.a.com", "x.org", "10.0.0.1"]
@@ -156,7 +164,8 @@ rule_strategy = st.fixed_dictionaries(
     {
         "kind": st.sampled_from(["allow", "allow", "deny"]),
         "hosts": st.lists(st.sampled_from(HOST_PATTERNS), min_size=1, max_size=3),
-        "methods": st.none() | st.lists(st.sampled_from(["GET", "POST", "PUT"]), min_size=1, max_size=2),
+        "methods": st.none()
+        | st.lists(st.sampled_from(["GET", "POST", "PUT"]), min_size=1, max_size=2),
         "schemes": st.lists(st.sampled_from(["https", "http"]), min_size=1, max_size=2),
         "paths": st.none() | st.lists(st.sampled_from(PATH_PATTERNS), min_size=1, max_size=3),
     }
@@ -177,7 +186,9 @@ rule_strategy = st.fixed_dictionaries(
         max_size=10,
     ),
 )
-def test_matcher_agrees_with_linear_reference(rules: list[dict[str, Any]], requests: list[tuple[str, str, str, str]]) -> None:
+def test_matcher_agrees_with_linear_reference(
+    rules: list[dict[str, Any]], requests: list[tuple[str, str, str, str]]
+) -> None:
     egress = []
     for rule in rules:
         match = {key: value for key, value in rule.items() if key != "kind" and value is not None}

@@ -1,0 +1,215 @@
+"""`umbra policy` end to end through the typer app, including diff across real git revisions."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from umbra.cli.app import app
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+SHIPPED = REPO_ROOT / "policies"
+runner = CliRunner()
+
+
+def umbra(*args: str) -> tuple[int, str, str]:
+    result = runner.invoke(app, list(args))
+    return result.exit_code, result.stdout, result.stderr
+
+
+def test_the_shipped_policies_check_and_test_clean() -> None:
+    code, out, _ = umbra("policy", "check", str(SHIPPED), "--json")
+    assert code == 0
+    report = json.loads(out)
+    assert {"github", "pypi", "npm", "debian", "anthropic", "openai"} <= set(report["profiles"])
+    code, out, _ = umbra("policy", "test", str(SHIPPED), "--json")
+    assert code == 0, out
+    report = json.loads(out)
+    assert report["failed"] == 0 and report["passed"] >= 40
+
+
+def test_check_reports_file_line_and_field(tmp_path: Path) -> None:
+    (tmp_path / "p.yaml").write_text(
+        "apiVersion: umbra/v1\nkind: Profile\nname: p\negress:\n  - allow: {hosts: [x.com], methods: [YOINK]}\n"
+    )
+    code, out, err = umbra("policy", "check", str(tmp_path))
+    assert code == 1
+    assert f"{tmp_path / 'p.yaml'}:5: egress[0].allow.methods[0]:" in " ".join(err.split())
+    assert "Traceback" not in out + err
+    code, out, _ = umbra("policy", "check", str(tmp_path), "--json")
+    [issue] = json.loads(out)["issues"]
+    assert (issue["line"], issue["field"]) == (5, "egress[0].allow.methods[0]")
+
+
+def policy_copy(tmp_path: Path) -> Path:
+    target = tmp_path / "policies"
+    shutil.copytree(SHIPPED, target)
+    return target
+
+
+def test_a_failing_case_fails_the_run_with_its_location(tmp_path: Path) -> None:
+    policies = policy_copy(tmp_path)
+    suite = policies / "tests" / "pypi.yaml"
+    suite.write_text(
+        suite.read_text().replace(
+            "POST https://upload.pypi.org/legacy/\n    expect: deny",
+            "POST https://upload.pypi.org/legacy/\n    expect: allow",
+        )
+    )
+    code, out, _ = umbra("policy", "test", str(policies))
+    assert code == 1
+    assert "pypi.yaml" in out and "expected allow, got deny" in " ".join(out.split())
+    assert "1 failed" in out
+
+
+def test_build_then_verify(tmp_path: Path) -> None:
+    key = tmp_path / "release.pem"
+    assert umbra("policy", "keygen", str(key))[0] == 0
+    assert key.stat().st_mode & 0o077 == 0, "the private key is readable by its owner only"
+    bundle = tmp_path / "bundle.json"
+    code, out, _ = umbra(
+        "policy",
+        "build",
+        str(SHIPPED),
+        "--sign-key",
+        str(key),
+        "--serial",
+        "42",
+        "-o",
+        str(bundle),
+        "--json",
+    )
+    assert code == 0, out
+    built = json.loads(out)
+    code, out, _ = umbra("policy", "verify", str(bundle), "--key", f"{key}.pub", "--json")
+    assert code == 0
+    verified = json.loads(out)
+    assert verified["hash"] == built["hash"] and verified["serial"] == 42
+    other = tmp_path / "other.pem"
+    umbra("policy", "keygen", str(other))
+    code, _, err = umbra("policy", "verify", str(bundle), "--key", f"{other}.pub")
+    assert code == 1 and "not signed by any pinned key" in err
+    assert umbra("policy", "keygen", str(key))[0] == 2, "keygen never overwrites a key"
+
+
+def test_build_refuses_without_key_or_with_failing_tests(tmp_path: Path) -> None:
+    assert umbra("policy", "build", str(SHIPPED), "--serial", "1")[0] == 2
+    policies = policy_copy(tmp_path)
+    (policies / "tests" / "extra.yaml").write_text(
+        "apiVersion: umbra/v1\nkind: PolicyTest\nname: extra\nprofiles: [pypi]\ncases:\n  - {request: GET https://example.com/, expect: allow}\n"
+    )
+    key = tmp_path / "k.pem"
+    umbra("policy", "keygen", str(key))
+    bundle = tmp_path / "bundle.json"
+    code, _, err = umbra(
+        "policy", "build", str(policies), "--sign-key", str(key), "--serial", "1", "-o", str(bundle)
+    )
+    assert code == 1 and "policy test(s) fail" in err
+    assert not bundle.exists(), "nothing is written when a test fails"
+
+
+def git(repo: Path, *args: str) -> str:
+    return subprocess.run(
+        ["git", "-C", str(repo), *args], check=True, capture_output=True, text=True
+    ).stdout
+
+
+@pytest.fixture
+def policy_repo(tmp_path: Path) -> Path:
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    git(repo, "init", "-q", "-b", "main")
+    git(repo, "config", "user.email", "t@example.com")
+    git(repo, "config", "user.name", "t")
+    shutil.copytree(SHIPPED, repo / "policies")
+    git(repo, "add", ".")
+    git(repo, "commit", "-qm", "base")
+    pypi = repo / "policies" / "profiles" / "pypi.yaml"
+    text = pypi.read_text()
+    text = text.replace(
+        "  - id: no-upload\n    comment: publishing is an exfiltration channel\n    deny: {hosts: [upload.pypi.org, test.pypi.org]}\n",
+        "",
+    )
+    text += '  - id: upload\n    allow: {hosts: [upload.pypi.org], methods: [POST], paths: ["/legacy/"]}\n'
+    pypi.write_text(text)
+    suite = repo / "policies" / "tests" / "pypi.yaml"
+    suite.write_text(
+        suite.read_text().replace(
+            "    expect: deny\n    rule: pypi:no-upload\n", "    expect: allow\n"
+        )
+    )
+    git(repo, "commit", "-qam", "allow uploads")
+    return repo
+
+
+def test_diff_shows_widening_grants_and_changed_decisions(policy_repo: Path) -> None:
+    code, out, _ = umbra("policy", "diff", "HEAD~1", "HEAD", "--repo", str(policy_repo), "--json")
+    assert code == 0
+    report = json.loads(out)
+    assert report["widens"] is True
+    added = {tuple(change["grant"]) for change in report["added"]}
+    assert ("allow", "upload.pypi.org", "https:443", "POST", "/legacy/") in added
+    removed = {tuple(change["grant"]) for change in report["removed"]}
+    assert ("deny", "upload.pypi.org", "https:443", "*", "/**") in removed
+    [change] = [d for d in report["decisions"] if "upload.pypi.org" in d["request"]]
+    assert change["before"].startswith("deny") and change["after"].startswith("allow")
+    assert (
+        umbra("policy", "diff", "HEAD~1", "HEAD", "--repo", str(policy_repo), "--fail-on-widen")[0]
+        == 1
+    )
+
+
+def test_diff_in_the_narrowing_direction_does_not_widen(policy_repo: Path) -> None:
+    code, out, _ = umbra(
+        "policy", "diff", "HEAD", "HEAD~1", "--repo", str(policy_repo), "--fail-on-widen"
+    )
+    assert code == 0
+    assert "does not widen" in out
+    code, out, _ = umbra("policy", "diff", "HEAD", "HEAD", "--repo", str(policy_repo))
+    assert code == 0 and "No effective change" in out
+
+
+def test_diff_of_an_unknown_revision_is_a_clean_error(policy_repo: Path) -> None:
+    code, out, err = umbra("policy", "diff", "nope", "HEAD", "--repo", str(policy_repo))
+    assert code == 1 and "git ls-tree failed" in err and "Traceback" not in out + err
+
+
+def test_schema_is_json_schema_for_profiles() -> None:
+    code, out, _ = umbra("policy", "schema")
+    assert code == 0
+    document = json.loads(out)
+    assert document["$schema"].endswith("2020-12/schema")
+    assert {"apiVersion", "kind", "name", "egress"} <= set(document["properties"])
+    assert document["additionalProperties"] is False
+
+
+def test_decide_explains_one_request() -> None:
+    code, out, _ = umbra(
+        "policy",
+        "decide",
+        "POST https://api.github.com/repos/acme/w/hooks/1",
+        str(SHIPPED),
+        "--json",
+    )
+    assert code == 0
+    result = json.loads(out)
+    assert (result["verdict"], result["rule"], result["inject"]) == (
+        "deny",
+        "github:no-repo-admin",
+        [],
+    )
+    code, out, _ = umbra(
+        "policy",
+        "decide",
+        "GET https://api.github.com/repos/acme/w",
+        str(SHIPPED),
+        "-p",
+        "github",
+        "--json",
+    )
+    assert json.loads(out)["inject"] == ["Authorization"]

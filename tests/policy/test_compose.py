@@ -1,0 +1,115 @@
+"""Composition: allows union, deny wins, conflicts are errors, built-in scans always present."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.policy.helpers import policy, profile
+from umbra.proxy.policy.builtin_scan import BUILTIN_SCAN_RULES
+from umbra.proxy.policy.compose import CompositionError, deny_all
+from umbra.proxy.policy.matcher import Reason
+
+AUTH = {
+    "header": "Authorization",
+    "format": "Bearer {secret}",
+    "secret": "team/bot",
+    "hosts": ["api.x.com"],
+}
+
+
+def test_allows_union_across_profiles_and_deny_from_any_profile_wins() -> None:
+    a = profile("a", [{"allow": {"hosts": ["a.com"]}}, {"allow": {"hosts": ["shared.com"]}}])
+    b = profile(
+        "b",
+        [{"allow": {"hosts": ["b.com"]}}, {"deny": {"hosts": ["shared.com"], "methods": ["POST"]}}],
+    )
+    p = policy(a, b)
+    assert p.decide("GET", "https", "a.com", 443, "/").allowed
+    assert p.decide("GET", "https", "b.com", 443, "/").allowed
+    assert p.decide("GET", "https", "shared.com", 443, "/").allowed
+    denied = p.decide("POST", "https", "shared.com", 443, "/")
+    assert (denied.reason, denied.rule_id) == (Reason.RULE_DENY, "b:egress-1")
+
+
+def test_no_profile_denies_everything() -> None:
+    empty = deny_all()
+    decision = empty.decide("GET", "https", "pypi.org", 443, "/simple/")
+    assert not decision.allowed and decision.reason is Reason.NO_POLICY
+    assert empty.decide_tunnel("github.com", 22).reason is Reason.NO_POLICY
+    assert empty.injections_for("pypi.org") == ()
+
+
+def test_builtin_scan_rules_are_always_present() -> None:
+    ids = {rule.id for rule in deny_all().scan_rules}
+    assert set(BUILTIN_SCAN_RULES) <= ids
+    custom = profile("c", scan=[{"id": "mine", "regex": "acme_[a-z]{8}"}])
+    assert {"c:mine", *BUILTIN_SCAN_RULES} == {rule.id for rule in policy(custom).scan_rules}
+
+
+def test_two_injections_of_one_header_for_one_host_do_not_compose() -> None:
+    allow = [{"allow": {"hosts": ["api.x.com"]}}]
+    first = profile("first", allow, inject=[AUTH])
+    second = profile(
+        "second", inject=[{**AUTH, "secret": "personal/mine", "header": "authorization"}]
+    )
+    with pytest.raises(CompositionError) as excinfo:
+        policy(first, second)
+    [conflict] = excinfo.value.conflicts
+    assert conflict.rule_id == "second:inject-0"
+    assert "first:inject-0" in conflict.message
+
+
+def test_an_injection_needs_an_allow_rule_that_reaches_its_host() -> None:
+    with pytest.raises(CompositionError, match="no allow rule reaches"):
+        policy(profile("lonely", inject=[AUTH]))
+    wildcard = profile("w", [{"allow": {"hosts": ["*.x.com"]}}], inject=[AUTH])
+    assert [rule.id for rule in policy(wildcard).injections_for("API.x.com.")] == ["w:inject-0"]
+
+
+def test_a_profile_twice_is_a_conflict() -> None:
+    a = profile("a", [{"allow": {"hosts": ["a.com"]}}])
+    with pytest.raises(CompositionError, match="profile appears twice"):
+        policy(a, a)
+
+
+def test_injections_are_bound_to_their_exact_hosts() -> None:
+    p = policy(profile("i", [{"allow": {"hosts": ["*.x.com"]}}], inject=[AUTH]))
+    assert [rule.header for rule in p.injections_for("api.x.com")] == ["Authorization"]
+    assert p.injections_for("other.x.com") == ()
+    assert p.injections_for("evil.api.x.com") == ()
+    assert p.injections_for("not a host") == ()
+
+
+def test_the_hash_is_independent_of_order_and_changes_with_content() -> None:
+    a = profile("a", [{"allow": {"hosts": ["a.com", "b.com"], "methods": ["POST", "GET"]}}])
+    a_reordered = profile(
+        "a", [{"allow": {"hosts": ["b.com", "a.com"], "methods": ["GET", "POST"]}}]
+    )
+    b = profile("b", [{"allow": {"hosts": ["c.com"]}}])
+    assert policy(a, b).hash == policy(b, a_reordered).hash
+    assert policy(a, b).hash != policy(a).hash
+    assert policy(a).hash.startswith("sha256:")
+
+
+@pytest.mark.parametrize(
+    ("fmt", "expected"),
+    [
+        ("Bearer {secret}", "Bearer s3cr3t"),
+        ("{secret}", "s3cr3t"),
+        ("Basic {basic:x-access-token}", "Basic eC1hY2Nlc3MtdG9rZW46czNjcjN0"),
+    ],
+)
+def test_injected_values_render_from_the_format(fmt: str, expected: str) -> None:
+    p = policy(
+        profile("r", [{"allow": {"hosts": ["api.x.com"]}}], inject=[{**AUTH, "format": fmt}])
+    )
+    [rule] = p.injections_for("api.x.com")
+    assert rule.render("s3cr3t") == expected
+
+
+def test_a_secret_with_a_line_break_is_never_rendered_into_a_header() -> None:
+    p = policy(profile("r", [{"allow": {"hosts": ["api.x.com"]}}], inject=[AUTH]))
+    [rule] = p.injections_for("api.x.com")
+    with pytest.raises(ValueError, match="control character") as excinfo:
+        rule.render("abc\r\nX-Evil: 1")
+    assert "abc" not in str(excinfo.value)
