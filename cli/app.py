@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import typer
 
+from umbra.cli import attest as attest_cli
 from umbra.cli import policy as policy_cli
 
 app = typer.Typer(
@@ -13,6 +14,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 app.add_typer(policy_cli.app, name="policy")
+app.add_typer(attest_cli.app, name="attest")
 
 
 def main() -> None:

@@ -1,0 +1,253 @@
+"""Attested TLS: a quote bound to one TLS 1.3 session, exchanged before any application byte.
+
+    client → server  NONCE     32 random bytes
+    server → client  EVIDENCE  {"quote": b64, "event_log": dstack JSON | null}
+    client → server  VERDICT   {"ok": bool, "reasons": [...]}
+
+The quote's report_data must equal SHA-512(DOMAIN_TAG ‖ nonce ‖ exporter), where exporter is
+the session's RFC 8446 exporter secret. A quote replayed from another session (other nonce,
+other exporter) or relayed by a man in the middle (who holds two sessions, with two exporters)
+cannot match. Frames are `u32 big-endian length ‖ u8 type ‖ payload`, length capped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import hashlib
+import json
+import os
+import struct
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from umbra.attest.errors import ATLSError, AttestError, EventLogError
+from umbra.attest.eventlog import Event, dump_dstack_event_log, parse_dstack_event_log
+from umbra.attest.quote_source import QuoteSource
+from umbra.attest.tlsstream import TlsStream, client_context, server_context
+from umbra.attest.verify import Verdict, Verifier
+
+DOMAIN_TAG = b"umbra-atls-v1\0"
+EXPORTER_LABEL = b"EXPORTER-umbra-atls-v1"
+EXPORTER_LEN = 64
+NONCE_LEN = 32
+MAX_FRAME = 1 << 20  # quotes are ~5 KB; event logs well under 1 MiB
+HANDSHAKE_TIMEOUT = 30.0
+
+FRAME_NONCE = 1
+FRAME_EVIDENCE = 2
+FRAME_VERDICT = 3
+_FRAME_NAMES = {FRAME_NONCE: "NONCE", FRAME_EVIDENCE: "EVIDENCE", FRAME_VERDICT: "VERDICT"}
+
+
+def report_data_for(nonce: bytes, exporter: bytes) -> bytes:
+    return hashlib.sha512(DOMAIN_TAG + nonce + exporter).digest()
+
+
+async def write_frame(tls: TlsStream, kind: int, payload: bytes) -> None:
+    await tls.send(struct.pack(">IB", len(payload) + 1, kind) + payload)
+
+
+class FrameReader:
+    def __init__(self, tls: TlsStream, max_frame: int) -> None:
+        self.tls = tls
+        self.max_frame = max_frame
+        self.buf = b""
+
+    async def _exact(self, n: int, what: str) -> bytes:
+        while len(self.buf) < n:
+            chunk = await self.tls.recv(min(64 * 1024, n - len(self.buf)))
+            if not chunk:
+                raise ATLSError(
+                    f"truncated frame: connection closed after {len(self.buf)} of {n} bytes of {what}"
+                )
+            self.buf += chunk
+        out, self.buf = self.buf[:n], self.buf[n:]
+        return out
+
+    async def read(self, expect: int) -> bytes:
+        (length,) = struct.unpack(">I", await self._exact(4, "frame header"))
+        if length > self.max_frame:
+            raise ATLSError(f"frame of {length} bytes exceeds the {self.max_frame}-byte maximum")
+        if length < 1:
+            raise ATLSError("empty frame")
+        body = await self._exact(length, f"{_FRAME_NAMES.get(expect, '?')} frame")
+        if body[0] != expect:
+            raise ATLSError(f"expected a {_FRAME_NAMES[expect]} frame, got type {body[0]}")
+        return body[1:]
+
+    def leftover(self) -> bytes:
+        out, self.buf = self.buf, b""
+        return out
+
+
+@dataclass
+class ATLSConnection:
+    """An attested session: application bytes flow through `send`/`recv` after the exchange."""
+
+    tls: TlsStream
+    verdict: Verdict | None  # client side: the peer's verdict; server side: None
+    _pending: bytes = b""
+
+    async def send(self, data: bytes) -> None:
+        await self.tls.send(data)
+
+    async def recv(self, n: int = 64 * 1024) -> bytes:
+        if self._pending:
+            out, self._pending = self._pending[:n], self._pending[n:]
+            return out
+        return await self.tls.recv(n)
+
+    async def close(self) -> None:
+        await self.tls.close()
+
+
+def _decode_evidence(payload: bytes) -> tuple[bytes, list[Event] | None]:
+    try:
+        doc = json.loads(payload)
+        quote = base64.b64decode(doc["quote"], validate=True)
+        log_text = doc.get("event_log")
+    except (ValueError, KeyError, TypeError, binascii.Error):
+        raise ATLSError("EVIDENCE frame is malformed") from None
+    if log_text is None:
+        return quote, None
+    if not isinstance(log_text, str):
+        raise ATLSError("EVIDENCE event_log must be a string")
+    try:
+        return quote, parse_dstack_event_log(log_text)
+    except EventLogError as exc:
+        raise ATLSError(f"EVIDENCE event log is invalid: {exc}") from None
+
+
+async def client_handshake(
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    verifier: Verifier,
+    *,
+    max_frame: int = MAX_FRAME,
+    now: int | None = None,
+) -> ATLSConnection:
+    """Run TLS 1.3 and the attestation exchange as the client; raise ATLSError if refused."""
+    tls = TlsStream(client_context(), reader, writer, server=False)
+    try:
+        await tls.handshake()
+        nonce = os.urandom(NONCE_LEN)
+        await write_frame(tls, FRAME_NONCE, nonce)
+        frames = FrameReader(tls, max_frame)
+        quote, log = _decode_evidence(await frames.read(FRAME_EVIDENCE))
+        expected = report_data_for(nonce, tls.export_keying_material(EXPORTER_LABEL, EXPORTER_LEN))
+        verdict = await asyncio.to_thread(
+            verifier.verify, quote, event_log=log, expected_report_data=expected, now=now
+        )
+        await write_frame(
+            tls, FRAME_VERDICT, json.dumps({"ok": verdict.ok, "reasons": verdict.reasons}).encode()
+        )
+        if not verdict.ok:
+            raise ATLSError("peer attestation refused: " + "; ".join(verdict.reasons))
+        return ATLSConnection(tls, verdict, frames.leftover())
+    except BaseException:
+        await tls.close()
+        raise
+
+
+async def server_handshake(
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    quote_source: QuoteSource,
+    *,
+    event_log: Callable[[], Sequence[Event]] | None = None,
+    ctx: Any = None,
+    max_frame: int = MAX_FRAME,
+) -> ATLSConnection:
+    """Run TLS 1.3 and the attestation exchange as the attested server."""
+    tls = TlsStream(ctx or server_context(), reader, writer, server=True)
+    try:
+        await tls.handshake()
+        frames = FrameReader(tls, max_frame)
+        nonce = await frames.read(FRAME_NONCE)
+        if len(nonce) != NONCE_LEN:
+            raise ATLSError(f"client nonce is {len(nonce)} bytes, expected {NONCE_LEN}")
+        rd = report_data_for(nonce, tls.export_keying_material(EXPORTER_LABEL, EXPORTER_LEN))
+        try:
+            quote = await asyncio.to_thread(quote_source.get_quote, rd)
+        except AttestError as exc:
+            raise ATLSError(f"cannot produce a quote: {exc}") from None
+        evidence = {
+            "quote": base64.b64encode(quote).decode(),
+            "event_log": dump_dstack_event_log(event_log()) if event_log else None,
+        }
+        await write_frame(tls, FRAME_EVIDENCE, json.dumps(evidence).encode())
+        try:
+            result = json.loads(await frames.read(FRAME_VERDICT))
+            ok = result["ok"] is True
+        except (ValueError, KeyError, TypeError):
+            raise ATLSError("VERDICT frame is malformed") from None
+        if not ok:
+            raise ATLSError(
+                "client refused our attestation: "
+                + "; ".join(str(r) for r in result.get("reasons", []))
+            )
+        return ATLSConnection(tls, None, frames.leftover())
+    except BaseException:
+        await tls.close()
+        raise
+
+
+async def atls_connect(
+    host: str,
+    port: int,
+    verifier: Verifier,
+    *,
+    handshake_timeout: float = HANDSHAKE_TIMEOUT,
+    max_frame: int = MAX_FRAME,
+    now: int | None = None,
+) -> ATLSConnection:
+    try:
+        reader, writer = await asyncio.wait_for(
+            asyncio.open_connection(host, port), handshake_timeout
+        )
+    except (OSError, TimeoutError) as exc:
+        raise ATLSError(f"cannot connect to {host}:{port}: {exc}") from None
+    try:
+        return await asyncio.wait_for(
+            client_handshake(reader, writer, verifier, max_frame=max_frame, now=now),
+            handshake_timeout,
+        )
+    except TimeoutError:
+        raise ATLSError(f"aTLS handshake with {host}:{port} timed out") from None
+
+
+Handler = Callable[[ATLSConnection], Awaitable[None]]
+
+
+async def serve_atls(
+    host: str,
+    port: int,
+    handler: Handler,
+    quote_source: QuoteSource,
+    *,
+    event_log: Callable[[], Sequence[Event]] | None = None,
+    handshake_timeout: float = HANDSHAKE_TIMEOUT,
+    on_error: Callable[[ATLSError], None] | None = None,
+) -> asyncio.Server:
+    """Start an attested server; `handler` runs only for clients that accepted our quote."""
+    ctx = server_context()
+
+    async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            conn = await asyncio.wait_for(
+                server_handshake(reader, writer, quote_source, event_log=event_log, ctx=ctx),
+                handshake_timeout,
+            )
+        except (ATLSError, TimeoutError, OSError) as exc:
+            if on_error is not None:
+                on_error(exc if isinstance(exc, ATLSError) else ATLSError(str(exc) or "timeout"))
+            return
+        try:
+            await handler(conn)
+        finally:
+            await conn.close()
+
+    return await asyncio.start_server(accept, host, port)

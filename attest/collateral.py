@@ -1,0 +1,251 @@
+"""DCAP collateral: load from a file, fetch from PCCS endpoints in turn, cache with expiry.
+
+The cache key is (PCCS URL, FMSPC, CA): collateral is per platform family and per issuing CA,
+and two PCCS instances may lag each other, so one's answer never stands in for another's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import threading
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Protocol
+
+import dcap_qvl
+
+from umbra.attest.errors import CollateralError, QuoteParseError
+
+_FIELDS = (
+    "pck_crl_issuer_chain",
+    "root_ca_crl",
+    "pck_crl",
+    "tcb_info_issuer_chain",
+    "tcb_info",
+    "tcb_info_signature",
+    "qe_identity_issuer_chain",
+    "qe_identity",
+    "qe_identity_signature",
+)
+
+Fetch = Callable[[str, bytes], Awaitable[Any]]
+
+
+def _iso(ts: object, what: str) -> int:
+    if not isinstance(ts, str):
+        raise CollateralError(f"collateral {what} is missing")
+    try:
+        return int(datetime.fromisoformat(ts.replace("Z", "+00:00")).timestamp())
+    except ValueError:
+        raise CollateralError(f"collateral {what} {ts!r} is not an ISO 8601 time") from None
+
+
+@dataclass(frozen=True)
+class Collateral:
+    """Collateral as dcap-qvl takes it, plus the dates our policy reasons about."""
+
+    json_text: str
+    qvl: Any  # dcap_qvl.QuoteCollateralV3
+    fmspc: str
+    tcb_info_issue_date: int
+    qe_identity_issue_date: int
+    next_update: int  # the earlier of the two nextUpdate times
+
+    @property
+    def issue_date(self) -> int:
+        """The older of the TCB info and QE identity issue dates: how stale the set is."""
+        return min(self.tcb_info_issue_date, self.qe_identity_issue_date)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Collateral:
+        try:
+            doc = json.loads(text)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise CollateralError(f"collateral is not JSON: {exc}") from None
+        if not isinstance(doc, dict):
+            raise CollateralError("collateral must be a JSON object")
+        missing = [f for f in _FIELDS if f not in doc]
+        if missing:
+            raise CollateralError(f"collateral lacks {', '.join(missing)}")
+        try:
+            tcb = json.loads(doc["tcb_info"])
+            qe = json.loads(doc["qe_identity"])
+        except (TypeError, ValueError) as exc:
+            raise CollateralError(f"collateral tcb_info/qe_identity is not JSON: {exc}") from None
+        if not isinstance(tcb, dict) or not isinstance(qe, dict):
+            raise CollateralError("collateral tcb_info/qe_identity must be JSON objects")
+        text_s = text.decode() if isinstance(text, bytes) else text
+        try:
+            qvl = dcap_qvl.QuoteCollateralV3.from_json(text_s)
+        except ValueError as exc:
+            raise CollateralError(f"dcap-qvl rejects the collateral: {exc}") from None
+        return cls(
+            json_text=text_s,
+            qvl=qvl,
+            fmspc=str(tcb.get("fmspc", "")).upper(),
+            tcb_info_issue_date=_iso(tcb.get("issueDate"), "tcb_info.issueDate"),
+            qe_identity_issue_date=_iso(qe.get("issueDate"), "qe_identity.issueDate"),
+            next_update=min(
+                _iso(tcb.get("nextUpdate"), "tcb_info.nextUpdate"),
+                _iso(qe.get("nextUpdate"), "qe_identity.nextUpdate"),
+            ),
+        )
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> Collateral:
+        try:
+            data = Path(path).read_bytes()
+        except OSError as exc:
+            raise CollateralError(f"cannot read collateral {path}: {exc.strerror}") from None
+        return cls.from_json(data)
+
+    @classmethod
+    def from_qvl(cls, qvl: Any) -> Collateral:
+        return cls.from_json(qvl.to_json())
+
+
+class CollateralSource(Protocol):
+    """Anything that can produce collateral for a quote."""
+
+    def collateral_for(self, raw_quote: bytes, now: int) -> Collateral: ...
+
+
+@dataclass(frozen=True)
+class StaticCollateral:
+    """Collateral supplied by the caller (a file next to the quote, or embedded test data)."""
+
+    collateral: Collateral
+
+    def collateral_for(self, raw_quote: bytes, now: int) -> Collateral:
+        return self.collateral
+
+
+@dataclass
+class _Entry:
+    collateral: Collateral
+    expires_at: int
+
+
+class CollateralCache:
+    """In-memory cache, optionally mirrored to a directory so it survives restarts."""
+
+    def __init__(self, directory: Path | None = None) -> None:
+        self._entries: dict[tuple[str, str, str], _Entry] = {}
+        self._lock = threading.Lock()
+        self._dir = directory
+
+    def _path(self, key: tuple[str, str, str]) -> Path | None:
+        if self._dir is None:
+            return None
+        return self._dir / (hashlib.sha256("\0".join(key).encode()).hexdigest() + ".json")
+
+    def get(self, key: tuple[str, str, str], now: int) -> Collateral | None:
+        with self._lock:
+            entry = self._entries.get(key)
+        if entry is None:
+            entry = self._load(key)
+        if entry is None or now >= entry.expires_at:
+            return None
+        return entry.collateral
+
+    def put(self, key: tuple[str, str, str], collateral: Collateral, expires_at: int) -> None:
+        entry = _Entry(collateral, expires_at)
+        with self._lock:
+            self._entries[key] = entry
+        path = self._path(key)
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(
+                json.dumps({"expires_at": expires_at, "collateral": collateral.json_text})
+            )
+            tmp.replace(path)
+
+    def _load(self, key: tuple[str, str, str]) -> _Entry | None:
+        path = self._path(key)
+        if path is None or not path.is_file():
+            return None
+        try:
+            doc = json.loads(path.read_text())
+            entry = _Entry(Collateral.from_json(doc["collateral"]), int(doc["expires_at"]))
+        except (OSError, ValueError, KeyError, TypeError, CollateralError):
+            return None  # a damaged cache file is a miss, never an error
+        with self._lock:
+            self._entries[key] = entry
+        return entry
+
+
+class PccsCollateral:
+    """Fetch collateral from PCCS endpoints in the configured order, caching per key.
+
+    A fresh cache entry from any endpoint is used first (earlier endpoints preferred); on a
+    miss, endpoints are fetched in order. An endpoint that fails (network, bad data) is
+    skipped and the next one tried; all failures are reported together when none answers.
+    """
+
+    def __init__(
+        self,
+        endpoints: Sequence[str],
+        *,
+        cache: CollateralCache | None = None,
+        max_ttl_seconds: int = 24 * 3600,
+        fetch: Fetch | None = None,
+    ) -> None:
+        if not endpoints:
+            raise CollateralError("at least one PCCS endpoint is required")
+        self.endpoints = [e.rstrip("/") for e in endpoints]
+        self.cache = cache or CollateralCache()
+        self.max_ttl_seconds = max_ttl_seconds
+        self._fetch: Fetch = fetch or dcap_qvl.get_collateral
+        self.fetch_count = 0
+
+    def _key(self, endpoint: str, raw_quote: bytes) -> tuple[str, str, str]:
+        try:
+            parsed = dcap_qvl.parse_quote(raw_quote)
+            return (endpoint, parsed.fmspc().upper(), parsed.ca())
+        except ValueError as exc:
+            raise QuoteParseError(
+                f"cannot read FMSPC/CA from the PCK certificate: {exc}",
+                field="pck_cert_data.chain",
+                offset=0,
+            ) from None
+
+    def cached(self, raw_quote: bytes, now: int) -> Collateral | None:
+        """A fresh cache entry from any configured endpoint, earlier endpoints preferred."""
+        for endpoint in self.endpoints:
+            hit = self.cache.get(self._key(endpoint, raw_quote), now)
+            if hit is not None:
+                return hit
+        return None
+
+    async def acollateral_for(self, raw_quote: bytes, now: int) -> Collateral:
+        hit = self.cached(raw_quote, now)
+        if hit is not None:
+            return hit
+        errors: list[str] = []
+        for endpoint in self.endpoints:
+            key = self._key(endpoint, raw_quote)
+            try:
+                self.fetch_count += 1
+                collateral = Collateral.from_qvl(await self._fetch(endpoint, raw_quote))
+            except Exception as exc:  # any fetch failure means: try the next endpoint
+                errors.append(f"{endpoint}: {exc}")
+                continue
+            if collateral.fmspc and collateral.fmspc != key[1]:
+                errors.append(f"{endpoint}: answered for FMSPC {collateral.fmspc}, not {key[1]}")
+                continue
+            expires = min(collateral.next_update, now + self.max_ttl_seconds)
+            self.cache.put(key, collateral, expires)
+            return collateral
+        raise CollateralError("no PCCS endpoint supplied collateral: " + "; ".join(errors))
+
+    def collateral_for(self, raw_quote: bytes, now: int | None = None) -> Collateral:
+        """Blocking form; from inside an event loop use `acollateral_for`."""
+        when = int(time.time()) if now is None else now
+        hit = self.cached(raw_quote, when)  # no event loop needed for a cache hit
+        return hit if hit is not None else asyncio.run(self.acollateral_for(raw_quote, when))

@@ -1,0 +1,176 @@
+"""Attestation benchmarks, all measured in one run so the ratios compare like with like.
+
+1. Quote verification with cached collateral (the real Intel-signed vector, fixed timestamp):
+   parse only, dcap-qvl only, and our full verifier; per-call milliseconds.
+2. aTLS handshake (TLS 1.3 + nonce + simulated quote + full verification) vs a plain TLS 1.3
+   handshake over the same pyOpenSSL transport on loopback, and the ratio between them.
+
+Run: .venv/bin/python benchmarks/attest_bench.py [--iterations N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from umbra.attest.atls import ATLSConnection, atls_connect, serve_atls
+from umbra.attest.collateral import Collateral, CollateralCache, PccsCollateral, StaticCollateral
+from umbra.attest.dcap import verify_dcap
+from umbra.attest.measurement import MeasurementPolicy, ReleaseManifest
+from umbra.attest.quote import parse_quote
+from umbra.attest.quote_source import SimulatedSource
+from umbra.attest.simpki import SimulatedPki
+from umbra.attest.simulator import SimulatedTdx
+from umbra.attest.tcb import TcbPolicy
+from umbra.attest.tlsstream import TlsStream, client_context, server_context
+from umbra.attest.verify import Verifier
+
+DATA = Path(__file__).resolve().parent.parent / "tests" / "data" / "tdx"
+T_INSIDE = 1752919234
+
+
+def _time(fn: Callable[[], object], n: int) -> list[float]:
+    fn()  # warm-up
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        out.append((time.perf_counter() - t0) * 1000)
+    return out
+
+
+def _fmt(label: str, samples: list[float]) -> str:
+    return (
+        f"{label:<44} median {statistics.median(samples):8.3f} ms   "
+        f"mean {statistics.fmean(samples):8.3f} ms   (n={len(samples)})"
+    )
+
+
+def bench_verify(n: int) -> float:
+    raw = (DATA / "tdx_quote").read_bytes()
+    collateral = Collateral.from_file(DATA / "tdx_quote_collateral.json")
+    td = parse_quote(raw).td_report
+    release = ReleaseManifest(
+        apiVersion="umbra/v1",
+        kind="ReleaseManifest",
+        name="bench",
+        tee="tdx",
+        mrtd=[td.mr_td.hex()],
+        rtmr0=[td.rtmrs[0].hex()],
+        rtmr1=[td.rtmrs[1].hex()],
+        rtmr2=[td.rtmrs[2].hex()],
+    )
+    policy = MeasurementPolicy(release=release)
+
+    # Collateral comes from the PCCS cache: one (fake, local) fetch, then cache hits only.
+    async def fetch(url: str, quote: bytes) -> object:
+        return collateral.qvl
+
+    cached = PccsCollateral(["https://pccs.invalid"], cache=CollateralCache(), fetch=fetch)
+    cached.collateral_for(raw, T_INSIDE)
+    verifier = Verifier(policy, cached)
+
+    parse = _time(lambda: parse_quote(raw), n)
+    dcap = _time(lambda: verify_dcap(raw, collateral, T_INSIDE, TcbPolicy()), n)
+    full = _time(lambda: verifier.verify(raw, now=T_INSIDE), n)
+    assert verifier.verify(raw, now=T_INSIDE).ok
+    assert cached.fetch_count == 1
+    print("== quote verification (real Intel quote, cached collateral) ==")
+    print(_fmt("parse_quote", parse))
+    print(_fmt("verify_dcap (dcap-qvl x2 + TCB policy)", dcap))
+    print(_fmt("Verifier.verify (everything)", full))
+    return statistics.median(full)
+
+
+async def _plain_server() -> tuple[asyncio.Server, int]:
+    ctx = server_context()
+
+    async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        tls = TlsStream(ctx, reader, writer, server=True)
+        try:
+            await tls.handshake()
+            await tls.recv(1)
+        finally:
+            await tls.close()
+
+    server = await asyncio.start_server(accept, "127.0.0.1", 0)
+    return server, server.sockets[0].getsockname()[1]
+
+
+async def bench_handshakes(n: int) -> tuple[float, float]:
+    pki = SimulatedPki.generate()
+    tdx = SimulatedTdx(pki)
+    tdx.extend_runtime_event("compose-hash", bytes(32))
+    now = int(time.time())
+    policy = MeasurementPolicy(
+        release=tdx.release_manifest(
+            events=[{"name": "compose-hash", "payloads": [bytes(32).hex()]}]
+        )
+    )
+    verifier = Verifier(
+        policy,
+        StaticCollateral(pki.collateral(now - 60)),
+        allow_simulated=True,
+        simulated_root_der=pki.root_der,
+    )
+
+    async def idle(conn: ATLSConnection) -> None:
+        await conn.recv(1)
+
+    atls_server = await serve_atls(
+        "127.0.0.1", 0, idle, SimulatedSource(tdx), event_log=tdx.event_log
+    )
+    atls_port = atls_server.sockets[0].getsockname()[1]
+    plain_server, plain_port = await _plain_server()
+
+    async def plain_once() -> float:
+        t0 = time.perf_counter()
+        reader, writer = await asyncio.open_connection("127.0.0.1", plain_port)
+        tls = TlsStream(client_context(), reader, writer, server=False)
+        await tls.handshake()
+        dt = time.perf_counter() - t0
+        await tls.close()
+        return dt * 1000
+
+    async def atls_once() -> float:
+        t0 = time.perf_counter()
+        conn = await atls_connect("127.0.0.1", atls_port, verifier, now=now)
+        dt = time.perf_counter() - t0
+        assert conn.verdict is not None and conn.verdict.ok
+        await conn.close()
+        return dt * 1000
+
+    await plain_once()
+    await atls_once()
+    plain: list[float] = []
+    atls: list[float] = []
+    for _ in range(n):  # interleaved, so both see the same machine load
+        plain.append(await plain_once())
+        atls.append(await atls_once())
+    for server in (atls_server, plain_server):
+        server.close()
+        await server.wait_closed()
+    print("== handshakes on loopback (same run, interleaved) ==")
+    print(_fmt("plain TLS 1.3 handshake", plain))
+    print(_fmt("aTLS handshake (simulated quote, verified)", atls))
+    return statistics.median(plain), statistics.median(atls)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--iterations", "-n", type=int, default=200)
+    args = parser.parse_args()
+    verify_ms = bench_verify(args.iterations)
+    plain_ms, atls_ms = asyncio.run(bench_handshakes(max(20, args.iterations // 4)))
+    print("== ratios ==")
+    print(f"aTLS / plain TLS handshake:            {atls_ms / plain_ms:6.1f}x")
+    print(f"aTLS overhead over plain TLS:          {atls_ms - plain_ms:8.3f} ms")
+    print(f"real-quote verification / plain TLS:   {verify_ms / plain_ms:6.1f}x")
+
+
+if __name__ == "__main__":
+    main()
