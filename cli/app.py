@@ -5,7 +5,9 @@ from __future__ import annotations
 import typer
 
 from umbra.cli import attest as attest_cli
+from umbra.cli import image as image_cli
 from umbra.cli import policy as policy_cli
+from umbra.cli import sandbox as sandbox_cli
 
 app = typer.Typer(
     name="umbra",
@@ -15,6 +17,9 @@ app = typer.Typer(
 )
 app.add_typer(policy_cli.app, name="policy")
 app.add_typer(attest_cli.app, name="attest")
+app.add_typer(image_cli.app, name="image")
+app.add_typer(sandbox_cli.app, name="sandbox")
+app.add_typer(sandbox_cli.forwarder_app, name="forwarder")
 
 
 def main() -> None:

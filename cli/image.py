@@ -1,0 +1,212 @@
+"""`umbra image`: measure a CVM release (golden values), sign and check measurement manifests."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+import yaml
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from rich.table import Table
+
+from umbra.attest.measurement import canonical_ssh_key
+from umbra.cli.output import EXIT_USAGE, console, fail, print_json
+from umbra.images.definition import DefinitionError, load_definition
+from umbra.images.manifest import build_manifest
+from umbra.images.measure import expected_rtmr3, instance_events, measure
+from umbra.images.signing import (
+    SignatureError,
+    load_private_key,
+    load_public_key,
+    sign_manifest,
+    verify_signed_manifest,
+)
+from umbra.sandbox.validate import ComposeError
+
+app = typer.Typer(
+    help="Measure CVM releases: compose hash, RTMR3 events, signed manifests.",
+    no_args_is_help=True,
+)
+
+JsonFlag = Annotated[bool, typer.Option("--json", help="Machine-readable output on stdout.")]
+
+
+def _ssh_keys(keys: list[str], keys_file: Path | None, as_json: bool) -> list[str]:
+    out = list(keys)
+    if keys_file is not None:
+        try:
+            lines = keys_file.read_text().splitlines()
+        except (OSError, UnicodeDecodeError) as exc:
+            fail(f"cannot read {keys_file}: {exc}", EXIT_USAGE, as_json=as_json)
+        out += [ln for ln in lines if ln.strip() and not ln.lstrip().startswith("#")]
+    for key in out:
+        try:
+            canonical_ssh_key(key)
+        except ValueError as exc:
+            fail(str(exc), EXIT_USAGE, as_json=as_json)
+    return out
+
+
+def _write(path: Path, data: str, mode: int = 0o644) -> None:
+    path.write_text(data)
+    os.chmod(path, mode)
+
+
+@app.command("measure")
+def measure_cmd(
+    definition: Annotated[Path, typer.Argument(help="Image definition (YAML).")],
+    out: Annotated[
+        Path | None, typer.Option("--out", "-o", help="Write rendered files and manifests here.")
+    ] = None,
+    sign_key: Annotated[
+        Path | None, typer.Option("--sign-key", help="Ed25519 private key (PEM) to sign with.")
+    ] = None,
+    cvm_id: Annotated[
+        str | None, typer.Option("--cvm-id", help="Also show one instance's launch events.")
+    ] = None,
+    ssh_key: Annotated[
+        list[str] | None, typer.Option("--ssh-key", help="An authorized key line (repeatable).")
+    ] = None,
+    ssh_keys_file: Annotated[
+        Path | None, typer.Option("--ssh-keys-file", help="authorized_keys file.")
+    ] = None,
+    as_json: JsonFlag = False,
+) -> None:
+    """Render the release's compose file and print its golden values."""
+    keys = _ssh_keys(ssh_key or [], ssh_keys_file, as_json)
+    try:
+        m = measure(load_definition(definition))
+    except (DefinitionError, ComposeError) as exc:
+        fail(str(exc), EXIT_USAGE, as_json=as_json)
+    manifest = build_manifest(m)
+    result: dict[str, Any] = {
+        "release": m.release.name,
+        "role": m.role,
+        "tee": m.release.tee,
+        "compose_sha256": m.compose.sha256,
+        "compose_hash": m.compose_hash.hex(),
+        "mrtd": m.release.mrtd,
+        "rtmr0": m.release.rtmr0,
+        "rtmr1": m.release.rtmr1,
+        "rtmr2": m.release.rtmr2,
+        "rtmr3_events": [e.model_dump(exclude_none=True) for e in manifest.rtmr3_events],
+    }
+    binding = None
+    if cvm_id is not None or keys:
+        if cvm_id is None:
+            fail(
+                "--ssh-key needs --cvm-id (the instance it is bound to)",
+                EXIT_USAGE,
+                as_json=as_json,
+            )
+        try:
+            launch = instance_events(m.role, cvm_id, keys)
+            binding = m.binding(cvm_id, keys)
+        except ValueError as exc:
+            fail(str(exc), EXIT_USAGE, as_json=as_json)
+        result["instance"] = {
+            "cvm_id": cvm_id,
+            "events": [
+                {"name": e.name, "payload": e.payload.hex(), "digest": e.digest.hex()}
+                for e in launch
+            ],
+            "expected_rtmr3": expected_rtmr3(m.events() + launch).hex(),
+        }
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        _write(out / m.compose.name, m.compose.text)
+        _write(out / "app-compose.json", m.app_compose.decode())
+        release_doc = m.release.model_dump(mode="json", exclude_none=True)
+        _write(out / "release.yaml", yaml.safe_dump(release_doc, sort_keys=False))
+        _write(out / "measurement-manifest.json", manifest.canonical().decode() + "\n")
+        if binding is not None:
+            doc = binding.model_dump(mode="json", exclude_none=True)
+            _write(out / "binding.yaml", yaml.safe_dump(doc, sort_keys=False))
+        if sign_key is not None:
+            try:
+                signed = sign_manifest(manifest, load_private_key(sign_key))
+            except SignatureError as exc:
+                fail(str(exc), EXIT_USAGE, as_json=as_json)
+            _write(out / "measurement-manifest.signed.json", signed)
+        result["written_to"] = str(out)
+    elif sign_key is not None:
+        fail("--sign-key needs --out", EXIT_USAGE, as_json=as_json)
+    if as_json:
+        print_json(result)
+        return
+    _show(result)
+
+
+def _show(r: dict[str, Any]) -> None:
+    t = Table(title=f"{r['release']} ({r['role']}, tee: {r['tee']})", show_lines=False)
+    t.add_column("value")
+    t.add_column("golden", overflow="fold")
+    t.add_row("docker-compose.yaml sha256", r["compose_sha256"])
+    t.add_row("compose-hash (sha256 app-compose.json)", r["compose_hash"])
+    for reg in ("mrtd", "rtmr0", "rtmr1", "rtmr2"):
+        t.add_row(reg.upper(), "\n".join(r[reg]))
+    for e in r["rtmr3_events"]:
+        value = e.get("digest", f"launch-bound: {e['describes']}")
+        t.add_row(f"RTMR3 event {e['name']}", value)
+    inst = r.get("instance")
+    if inst:
+        for e in inst["events"]:
+            t.add_row(
+                f"{inst['cvm_id']}: {e['name']}", f"payload {e['payload']}\ndigest {e['digest']}"
+            )
+        t.add_row(f"{inst['cvm_id']}: expected RTMR3", inst["expected_rtmr3"])
+    console.print(t)
+    if r["tee"] == "simulated":
+        console.print("[bold magenta]SIMULATED TEE: these values prove nothing about hardware.[/]")
+    if "written_to" in r:
+        console.print(f"wrote {r['written_to']}")
+
+
+@app.command("verify-manifest")
+def verify_manifest_cmd(
+    signed: Annotated[Path, typer.Argument(help="measurement-manifest.signed.json")],
+    key: Annotated[
+        list[Path], typer.Option("--key", "-k", help="Pinned Ed25519 public key (PEM).")
+    ],
+    as_json: JsonFlag = False,
+) -> None:
+    """Check a signed measurement manifest against pinned release keys."""
+    try:
+        keys = [load_public_key(k) for k in key]
+        manifest = verify_signed_manifest(signed.read_bytes(), keys)
+    except OSError as exc:
+        fail(f"cannot read {signed}: {exc.strerror}", EXIT_USAGE, as_json=as_json)
+    except SignatureError as exc:
+        fail(str(exc), as_json=as_json)
+    if as_json:
+        print_json(
+            {"ok": True, "release": manifest.release.name, "compose_hash": manifest.compose_hash}
+        )
+    else:
+        console.print(
+            f"[bold green]OK[/] {manifest.release.name}: compose-hash {manifest.compose_hash}"
+        )
+
+
+@app.command("keygen")
+def keygen_cmd(
+    out: Annotated[Path, typer.Argument(help="Private key path; the public key goes to OUT.pub.")],
+) -> None:
+    """Create an Ed25519 release signing key (private key mode 0600)."""
+    if out.exists():
+        fail(f"{out} exists; refusing to overwrite a key", EXIT_USAGE)
+    key = Ed25519PrivateKey.generate()
+    pem = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(pem)
+    pub = key.public_key().public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+    Path(f"{out}.pub").write_bytes(pub)
+    console.print(f"wrote {out} and {out}.pub")

@@ -1,0 +1,126 @@
+"""Image definitions: what one CVM release is made of (YAML, strict), before measurement.
+
+A definition names the role (dev-cvm or security-cvm), the base OS golden values (MRTD,
+RTMR0-2, from the OS image build; or a simulated image), and the compose inputs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from umbra.attest.errors import PolicyFileError
+from umbra.attest.measurement import Hex48, load_release_manifest
+from umbra.sandbox.models import DevCvmInputs, SecurityCvmInputs
+
+
+class DefinitionError(Exception):
+    """An image definition cannot be used; the message names the file and field."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class BaseMeasurements(_Strict):
+    """Golden values of the OS image (firmware, kernel, initrd): lists accept several builds."""
+
+    mrtd: list[Hex48] | None = Field(default=None, min_length=1)
+    rtmr0: list[Hex48] | None = Field(default=None, min_length=1)
+    rtmr1: list[Hex48] | None = Field(default=None, min_length=1)
+    rtmr2: list[Hex48] | None = Field(default=None, min_length=1)
+    # For tee: simulated, the simulator's stand-in boot chain of this image name.
+    simulated_image: Annotated[str, Field(min_length=1)] | None = None
+
+    @model_validator(mode="after")
+    def _one_source(self) -> BaseMeasurements:
+        literal = [self.mrtd, self.rtmr0, self.rtmr1, self.rtmr2]
+        if self.simulated_image is not None and any(v is not None for v in literal):
+            raise ValueError("give either simulated_image or mrtd/rtmr0/rtmr1/rtmr2, not both")
+        if self.simulated_image is None and any(v is None for v in literal):
+            raise ValueError("mrtd, rtmr0, rtmr1 and rtmr2 are all required")
+        return self
+
+
+class DevCvmDefinition(_Strict):
+    apiVersion: Literal["umbra/v1"]
+    kind: Literal["ImageDefinition"]
+    role: Literal["dev-cvm"]
+    tee: Literal["tdx", "simulated"]
+    base: BaseMeasurements
+    compose: DevCvmInputs
+
+    @property
+    def name(self) -> str:
+        return self.compose.release
+
+
+class SecurityCvmDefinition(_Strict):
+    apiVersion: Literal["umbra/v1"]
+    kind: Literal["ImageDefinition"]
+    role: Literal["security-cvm"]
+    tee: Literal["tdx", "simulated"]
+    base: BaseMeasurements
+    compose: SecurityCvmInputs
+
+    @property
+    def name(self) -> str:
+        return self.compose.release
+
+
+ImageDefinition = DevCvmDefinition | SecurityCvmDefinition
+
+
+def _check_tee(d: ImageDefinition) -> ImageDefinition:
+    if isinstance(d, DevCvmDefinition) and d.tee == "tdx" and d.compose.allow_simulated:
+        raise DefinitionError(
+            f"{d.name}: a tee: tdx release must not let its forwarder accept simulated quotes"
+        )
+    if (d.tee == "simulated") != (d.base.simulated_image is not None):
+        raise DefinitionError(
+            f"{d.name}: tee {d.tee!r} needs "
+            + ("base.simulated_image" if d.tee == "simulated" else "literal base measurements")
+        )
+    return d
+
+
+def parse_definition(doc: Any, source: str = "<definition>") -> ImageDefinition:
+    if not isinstance(doc, dict):
+        raise DefinitionError(f"{source}: top level must be a mapping")
+    role = doc.get("role")
+    model: type[DevCvmDefinition] | type[SecurityCvmDefinition]
+    if role == "dev-cvm":
+        model = DevCvmDefinition
+    elif role == "security-cvm":
+        model = SecurityCvmDefinition
+    else:
+        raise DefinitionError(f"{source}: role must be dev-cvm or security-cvm, got {role!r}")
+    try:
+        return _check_tee(model.model_validate(doc))
+    except ValidationError as exc:
+        msgs = [
+            f"{source}: {'.'.join(str(p) for p in e['loc']) or '(top level)'}: {e['msg']}"
+            for e in exc.errors()
+        ]
+        raise DefinitionError("\n".join(msgs)) from None
+
+
+def load_definition(path: str | Path) -> ImageDefinition:
+    """Load a definition; a Dev CVM's `security_cvm_release` may name a release file (relative)."""
+    p = Path(path)
+    try:
+        doc = yaml.safe_load(p.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        raise DefinitionError(f"{p}: cannot read: {exc}") from None
+    compose = doc.get("compose") if isinstance(doc, dict) else None
+    if isinstance(compose, dict) and isinstance(compose.get("security_cvm_release"), str):
+        ref = p.parent / compose["security_cvm_release"]
+        try:
+            release = load_release_manifest(ref)
+        except PolicyFileError as exc:
+            raise DefinitionError(f"{p}: compose.security_cvm_release: {exc}") from None
+        compose["security_cvm_release"] = release.model_dump(mode="json", exclude_none=True)
+    return parse_definition(doc, str(p))

@@ -1,0 +1,82 @@
+"""The release measurement manifest: every golden value of one release, in canonical JSON.
+
+`release` is exactly an attest ReleaseManifest (what verifiers load); the rest says where each
+value came from, so a reviewer can recompute it from the rendered files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from umbra.attest.measurement import ReleaseManifest
+from umbra.images.measure import CVM_ID_EVENT, Measurement
+from umbra.sandbox.render import canonical_json
+
+Sha256Hex = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class RuntimeEventSpec(_Strict):
+    name: str
+    imr: int = Field(ge=0, le=3)
+    bound: Literal["release", "launch"]
+    payload: str | None = None  # hex, for release-bound events
+    digest: str | None = None  # runtime_event_digest(name, payload), hex
+    describes: str
+
+
+class MeasurementManifest(_Strict):
+    apiVersion: Literal["umbra/v1"]
+    kind: Literal["MeasurementManifest"]
+    role: Literal["dev-cvm", "security-cvm"]
+    release: ReleaseManifest
+    files: dict[str, Sha256Hex]
+    compose_hash: Sha256Hex
+    rtmr3_events: list[RuntimeEventSpec]
+
+    def canonical(self) -> bytes:
+        return canonical_json(self.model_dump(mode="json", exclude_none=True)).encode()
+
+
+def build_manifest(m: Measurement) -> MeasurementManifest:
+    events = [
+        RuntimeEventSpec(
+            name=e.name,
+            imr=e.imr,
+            bound="release",
+            payload=e.payload.hex(),
+            digest=e.digest.hex(),
+            describes="SHA-256 of app-compose.json",
+        )
+        for e in m.events()
+    ]
+    events.append(
+        RuntimeEventSpec(name=CVM_ID_EVENT, imr=3, bound="launch", describes="the CVM id, UTF-8")
+    )
+    if m.role == "dev-cvm":
+        events.append(
+            RuntimeEventSpec(
+                name="umbra.ssh-authorized-keys",
+                imr=3,
+                bound="launch",
+                describes="SHA-256 of the sorted, de-duplicated 'type base64' key lines, \\n-joined",
+            )
+        )
+    return MeasurementManifest(
+        apiVersion="umbra/v1",
+        kind="MeasurementManifest",
+        role=m.definition.role,
+        release=m.release,
+        files={
+            m.compose.name: m.compose.sha256,
+            "app-compose.json": hashlib.sha256(m.app_compose).hexdigest(),
+        },
+        compose_hash=m.compose_hash.hex(),
+        rtmr3_events=events,
+    )

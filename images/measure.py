@@ -1,0 +1,132 @@
+"""Golden values of a release: the compose hash and the RTMR3 runtime events, dstack-style.
+
+app-compose.json is canonical JSON {docker_compose_file, manifest_version, name, runner}; its
+SHA-256 is the compose hash, extended into RTMR3 as the `compose-hash` runtime event. Then come
+the launch-bound events, in this order: `umbra.cvm-id` (payload: the id, UTF-8) and, on a Dev
+CVM, `umbra.ssh-authorized-keys` (payload: attest's ssh_keys_digest). Event digests are
+attest's `runtime_event_digest`: this module never hashes an event itself.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import cast
+
+from umbra.attest.eventlog import Event, make_runtime_event, replay
+from umbra.attest.measurement import (
+    COMPOSE_HASH_EVENT,
+    SSH_KEYS_EVENT,
+    InstanceBinding,
+    ReleaseManifest,
+    ssh_keys_digest,
+)
+from umbra.attest.simpki import SimulatedPki
+from umbra.attest.simulator import SimulatedTdx
+from umbra.images.definition import BaseMeasurements, DevCvmDefinition, ImageDefinition
+from umbra.sandbox.render import Rendered, canonical_json, render_dev_cvm, render_security_cvm
+
+CVM_ID_EVENT = "umbra.cvm-id"
+RTMR3 = 3
+
+
+def app_compose(name: str, compose: Rendered) -> bytes:
+    return canonical_json(
+        {
+            "docker_compose_file": compose.text,
+            "manifest_version": 2,
+            "name": name,
+            "runner": "docker-compose",
+        }
+    ).encode()
+
+
+def release_events(compose_hash: bytes) -> list[Event]:
+    return [make_runtime_event(RTMR3, COMPOSE_HASH_EVENT, compose_hash)]
+
+
+def instance_events(role: str, cvm_id: str, ssh_keys: Sequence[str] = ()) -> list[Event]:
+    """The launch-bound events, in the order the launch agent extends them."""
+    events = [make_runtime_event(RTMR3, CVM_ID_EVENT, cvm_id.encode())]
+    if role == "dev-cvm":
+        if not ssh_keys:
+            raise ValueError("a Dev CVM launch needs at least one SSH authorized key")
+        events.append(make_runtime_event(RTMR3, SSH_KEYS_EVENT, ssh_keys_digest(list(ssh_keys))))
+    elif ssh_keys:
+        raise ValueError("only a Dev CVM takes SSH authorized keys")
+    return events
+
+
+def expected_rtmr3(events: Sequence[Event]) -> bytes:
+    return replay(events)[RTMR3]
+
+
+def base_values(base: BaseMeasurements) -> dict[str, list[str]]:
+    if base.simulated_image is None:
+        return {
+            "mrtd": list(base.mrtd or []),
+            "rtmr0": list(base.rtmr0 or []),
+            "rtmr1": list(base.rtmr1 or []),
+            "rtmr2": list(base.rtmr2 or []),
+        }
+    # The simulator's boot chain depends only on the image name, not on its PKI.
+    sim = SimulatedTdx(cast(SimulatedPki, None), image=base.simulated_image)
+    ref = sim.release_manifest()
+    return {"mrtd": ref.mrtd, "rtmr0": ref.rtmr0, "rtmr1": ref.rtmr1, "rtmr2": ref.rtmr2}
+
+
+@dataclass(frozen=True)
+class Measurement:
+    definition: ImageDefinition
+    compose: Rendered
+    app_compose: bytes
+    release: ReleaseManifest
+
+    @property
+    def compose_hash(self) -> bytes:
+        return hashlib.sha256(self.app_compose).digest()
+
+    @property
+    def role(self) -> str:
+        return self.definition.role
+
+    def events(self) -> list[Event]:
+        return release_events(self.compose_hash)
+
+    def binding(self, cvm_id: str, ssh_keys: Sequence[str] = ()) -> InstanceBinding:
+        """What the launcher hands the verifier for one instance; SSH keys become the event."""
+        instance_events(self.role, cvm_id, ssh_keys)  # same checks as the launch
+        return InstanceBinding(
+            apiVersion="umbra/v1",
+            kind="InstanceBinding",
+            release=self.release.name,
+            instance_id=cvm_id,
+            ssh_authorized_keys=list(ssh_keys),
+        )
+
+
+def measure(definition: ImageDefinition) -> Measurement:
+    if isinstance(definition, DevCvmDefinition):
+        compose = render_dev_cvm(definition.compose)
+    else:
+        compose = render_security_cvm(definition.compose)
+    app = app_compose(definition.name, compose)
+    digest = hashlib.sha256(app).hexdigest()
+    release = ReleaseManifest.model_validate(
+        {
+            "apiVersion": "umbra/v1",
+            "kind": "ReleaseManifest",
+            "name": definition.name,
+            "tee": definition.tee,
+            **base_values(definition.base),
+            "events": [
+                {"name": COMPOSE_HASH_EVENT, "imr": RTMR3, "payloads": [digest]},
+                # Present exactly once; its value is the instance's, bound by the forwarder's
+                # identity rather than pinned per release.
+                {"name": CVM_ID_EVENT, "imr": RTMR3},
+            ],
+            "other_runtime_events": "refuse",
+        }
+    )
+    return Measurement(definition, compose, app, release)

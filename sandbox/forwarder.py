@@ -1,0 +1,261 @@
+"""The forwarder: the only way out of the sandbox network, TCP only, fail-closed.
+
+For every TCP connection from the sandbox it dials the Security CVM, runs aTLS (a fresh quote
+bound to this TLS session, verified against the Security CVM's measurement policy), sends the
+identity header, and only then relays bytes. If the Security CVM is down, its quote does not
+verify, or anything times out, the sandbox connection is closed and not one of its bytes has
+left. Each connection is its own attested session, so a reconnect is always re-verified.
+
+It also relays the published SSH port to sshd (plain TCP: SSH authenticates end to end), and
+refuses that relay to sources on the sandbox networks. It opens no UDP socket at all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+
+from umbra.attest.atls import ATLSConnection, client_handshake
+from umbra.attest.errors import ATLSError
+from umbra.attest.verify import Verifier
+from umbra.sandbox.forwarder_config import Ingress
+from umbra.sandbox.models import Endpoint, Tunnel
+from umbra.sandbox.tunnel_header import TunnelHeader, encode_header
+
+logger = logging.getLogger(__name__)
+
+CHUNK = 64 * 1024
+HALF_CLOSE_GRACE = 60.0
+Streams = tuple[asyncio.StreamReader, asyncio.StreamWriter]
+Dialer = Callable[[str, int], Awaitable[Streams]]
+
+
+async def tcp_dial(host: str, port: int) -> Streams:
+    return await asyncio.open_connection(host, port)
+
+
+@dataclass
+class ForwarderStats:
+    """Counters tests and operators read: what was relayed and what was refused, and why."""
+
+    relayed: int = 0
+    active: int = 0  # sandbox connections holding a slot right now
+    refused: dict[str, int] = field(default_factory=dict)
+
+    def refuse(self, reason: str) -> None:
+        self.refused[reason] = self.refused.get(reason, 0) + 1
+
+
+@dataclass
+class Forwarder:
+    cvm_id: str
+    security_cvm: Endpoint
+    verifier: Verifier
+    listen_host: str
+    proxy_port: int
+    tunnels: Sequence[Tunnel] = ()
+    ingress: Ingress | None = None
+    credential: str | None = None
+    connect_timeout: float = 10.0
+    handshake_timeout: float = 30.0
+    max_connections: int = 256
+    dial: Dialer = tcp_dial
+    stats: ForwarderStats = field(default_factory=ForwarderStats)
+    _servers: list[asyncio.Server] = field(default_factory=list)
+    _slots: asyncio.Semaphore | None = None
+
+    async def start(self) -> None:
+        """Bind every listener; raise OSError (and bind nothing) if one cannot be bound."""
+        self._slots = asyncio.Semaphore(self.max_connections)
+        # Identity headers are fixed per listener at start: nothing from the sandbox goes in.
+        listeners: list[tuple[str, int, Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]]] = [
+            (self.listen_host, self.proxy_port, self._egress(TunnelHeader(self.cvm_id, "proxy", credential=self.credential)))
+        ]  # fmt: skip
+        for t in self.tunnels:
+            header = TunnelHeader(
+                self.cvm_id, "tunnel", t.name, t.host, t.port, credential=self.credential
+            )
+            listeners.append((self.listen_host, t.listen_port, self._egress(header)))
+        if self.ingress is not None:
+            listeners.append((self.ingress.listen_host, self.ingress.listen_port, self._ingress))
+        try:
+            for host, port, handler in listeners:
+                self._servers.append(await asyncio.start_server(handler, host, port))
+        except OSError:
+            await self.close()
+            raise
+
+    def ports(self) -> list[int]:
+        """Bound ports in listener order (proxy, tunnels..., ingress): useful with port 0."""
+        return [int(s.sockets[0].getsockname()[1]) for s in self._servers]
+
+    async def close(self) -> None:
+        for s in self._servers:
+            s.close()
+        for s in self._servers:
+            with contextlib.suppress(Exception):
+                await s.wait_closed()
+        self._servers.clear()
+
+    async def serve_forever(self) -> None:
+        await self.start()
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await self.close()
+
+    def _egress(
+        self, header: TunnelHeader
+    ) -> Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]:
+        frame = encode_header(header)
+
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            assert self._slots is not None
+            if self._slots.locked():
+                self.stats.refuse("too_many_connections")
+                await _abort(writer)
+                return
+            async with self._slots:
+                self.stats.active += 1
+                try:
+                    await self._tunnel(reader, writer, frame)
+                finally:
+                    self.stats.active -= 1
+
+        return handle
+
+    async def _tunnel(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, frame: bytes
+    ) -> None:
+        conn = await self._attest(writer)
+        if conn is None:
+            return
+        try:
+            await conn.send(frame)
+            self.stats.relayed += 1
+            await _relay_atls(reader, writer, conn)
+        except (ATLSError, ConnectionError, OSError) as exc:
+            logger.info("tunnel ended: %s", exc)
+        finally:
+            await conn.close()
+            await _close(writer)
+
+    async def _attest(self, client: asyncio.StreamWriter) -> ATLSConnection | None:
+        """An attested session to the Security CVM, or None after closing `client`."""
+        target = f"{self.security_cvm.host}:{self.security_cvm.port}"
+        try:
+            up_r, up_w = await asyncio.wait_for(
+                self.dial(self.security_cvm.host, self.security_cvm.port), self.connect_timeout
+            )
+        except (OSError, TimeoutError) as exc:
+            self.stats.refuse("security_cvm_unreachable")
+            logger.warning(
+                "refusing sandbox connection: Security CVM %s unreachable: %s", target, exc
+            )
+            await _abort(client)
+            return None
+        try:
+            return await asyncio.wait_for(
+                client_handshake(up_r, up_w, self.verifier), self.handshake_timeout
+            )
+        except Exception as exc:  # anything unforeseen refuses, never passes
+            self.stats.refuse("attestation_failed")
+            logger.warning(
+                "refusing sandbox connection: Security CVM %s not verified: %s",
+                target,
+                str(exc) or type(exc).__name__,
+            )
+            up_w.close()
+            await _abort(client)
+            return None
+
+    async def _ingress(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        assert self.ingress is not None
+        peer = writer.get_extra_info("peername")
+        try:
+            source = ipaddress.ip_address(peer[0])
+        except (TypeError, ValueError, IndexError):
+            source = None
+        if source is None or any(source in net for net in self.ingress.refuse_sources):
+            self.stats.refuse("ingress_from_sandbox")
+            await _abort(writer)
+            return
+        to = self.ingress.to
+        try:
+            up_r, up_w = await asyncio.wait_for(self.dial(to.host, to.port), self.connect_timeout)
+        except (OSError, TimeoutError):
+            self.stats.refuse("sshd_unreachable")
+            await _abort(writer)
+            return
+        await _relay_tcp(reader, writer, up_r, up_w)
+
+
+async def _pump(reader: asyncio.StreamReader, send: Callable[[bytes], Awaitable[None]]) -> None:
+    while data := await reader.read(CHUNK):
+        await send(data)
+
+
+async def _relay_atls(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, conn: ATLSConnection
+) -> None:
+    async def to_client() -> None:
+        while data := await conn.recv(CHUNK):
+            writer.write(data)
+            await writer.drain()
+
+    up = asyncio.create_task(_pump(reader, conn.send))
+    down = asyncio.create_task(to_client())
+    try:
+        await asyncio.wait({up, down}, return_when=asyncio.FIRST_COMPLETED)
+        if up.done() and not down.done() and up.exception() is None:
+            # The sandbox half-closed: its reply may still come, but TLS gives us no half-close
+            # to pass on, so wait a bounded time for the Security CVM to finish.
+            await asyncio.wait({down}, timeout=HALF_CLOSE_GRACE)
+    finally:
+        for task in (up, down):
+            task.cancel()
+        for task in (up, down):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+
+async def _relay_tcp(
+    a_r: asyncio.StreamReader,
+    a_w: asyncio.StreamWriter,
+    b_r: asyncio.StreamReader,
+    b_w: asyncio.StreamWriter,
+) -> None:
+    async def one(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        async def send(data: bytes) -> None:
+            w.write(data)
+            await w.drain()
+
+        with contextlib.suppress(ConnectionError, OSError):
+            await _pump(r, send)
+            if w.can_write_eof():
+                w.write_eof()
+
+    try:
+        await asyncio.gather(one(a_r, b_w), one(b_r, a_w))
+    finally:
+        await _close(a_w)
+        await _close(b_w)
+
+
+async def _close(writer: asyncio.StreamWriter) -> None:
+    writer.close()
+    with contextlib.suppress(ConnectionError, OSError):
+        await writer.wait_closed()
+
+
+async def _abort(writer: asyncio.StreamWriter) -> None:
+    """Close with RST: the sandbox sees a refused connection, never a half-open success."""
+    transport = writer.transport
+    if isinstance(transport, asyncio.Transport):
+        transport.abort()
+    else:
+        writer.close()

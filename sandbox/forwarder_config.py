@@ -1,0 +1,118 @@
+"""The forwarder's configuration file (JSON, embedded in the measured compose file) and the
+launch-bound files it names. Loading fails closed with a message naming the file and field."""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import re
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import Field, ValidationError, model_validator
+
+from umbra.attest.measurement import ReleaseManifest
+from umbra.sandbox.models import CVM_ID_PATTERN, Endpoint, Host, Port, Strict, Tunnel
+
+
+class ForwarderConfigError(Exception):
+    """The forwarder cannot start: the message says which file or field and why."""
+
+
+class Listen(Strict):
+    # The forwarder's address on the sandbox network: never 0.0.0.0, or the uplink side could
+    # use this CVM's identity.
+    host: Host
+    proxy_port: Port
+    tunnels: list[Tunnel] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _specific(self) -> Listen:
+        if ipaddress.ip_address(self.host).is_unspecified:
+            raise ValueError("listen.host must be the sandbox-network address, not a wildcard")
+        return self
+
+
+class Ingress(Strict):
+    """A plain TCP relay from the uplink to sshd (SSH authenticates end to end)."""
+
+    listen_host: Host
+    listen_port: Port
+    to: Endpoint
+    # Sources that must never use the relay: the sandbox itself (and the sessions network).
+    refuse_sources: list[ipaddress.IPv4Network | ipaddress.IPv6Network] = Field(min_length=1)
+
+
+class Collateral(Strict):
+    pccs_urls: list[str] = Field(default_factory=list)
+    file: Path | None = None
+
+    @model_validator(mode="after")
+    def _one(self) -> Collateral:
+        if bool(self.pccs_urls) == (self.file is not None):
+            raise ValueError("collateral needs exactly one of pccs_urls or file")
+        return self
+
+
+class ForwarderConfig(Strict):
+    apiVersion: Literal["umbra/v1"]
+    kind: Literal["ForwarderConfig"]
+    listen: Listen
+    ingress: Ingress | None = None
+    security_cvm: Endpoint
+    security_cvm_release: ReleaseManifest
+    collateral: Collateral
+    allow_simulated: bool = False
+    simulated_root: Path | None = None
+    cvm_id_file: Path
+    credential_file: Path | None = None
+    connect_timeout: Annotated[float, Field(gt=0, le=120)] = 10.0
+    handshake_timeout: Annotated[float, Field(gt=0, le=120)] = 30.0
+    max_connections: Annotated[int, Field(ge=1, le=65536)] = 256
+
+    @model_validator(mode="after")
+    def _simulated(self) -> ForwarderConfig:
+        if self.allow_simulated != (self.simulated_root is not None):
+            raise ValueError("allow_simulated and simulated_root go together")
+        if self.allow_simulated and self.security_cvm_release.tee != "simulated":
+            raise ValueError("allow_simulated needs a security_cvm_release with tee: simulated")
+        return self
+
+
+def load_forwarder_config(path: Path) -> ForwarderConfig:
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise ForwarderConfigError(f"{path}: cannot read forwarder config: {exc}") from None
+    try:
+        return ForwarderConfig.model_validate(doc)
+    except ValidationError as exc:
+        msgs = [
+            f"{path}: {'.'.join(str(p) for p in e['loc']) or '(top level)'}: {e['msg']}"
+            for e in exc.errors()
+        ]
+        raise ForwarderConfigError("\n".join(msgs)) from None
+
+
+_CVM_ID = re.compile(CVM_ID_PATTERN)
+
+
+def read_cvm_id(path: Path) -> str:
+    """The CVM id the launch agent wrote (and measured as `umbra.cvm-id`)."""
+    try:
+        value = path.read_text().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ForwarderConfigError(f"{path}: cannot read the CVM id: {exc}") from None
+    if not _CVM_ID.match(value):
+        raise ForwarderConfigError(f"{path}: CVM id {value[:40]!r} does not match {CVM_ID_PATTERN}")
+    return value
+
+
+def read_credential(path: Path) -> str:
+    try:
+        value = path.read_text().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ForwarderConfigError(f"{path}: cannot read the tunnel credential: {exc}") from None
+    if not 16 <= len(value) <= 256 or not value.isascii() or not value.isprintable():
+        raise ForwarderConfigError(f"{path}: tunnel credential must be 16-256 printable ASCII")
+    return value

@@ -1,0 +1,62 @@
+"""Build a Forwarder from its config file: the verifier, the launch-bound identity, the dialer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from umbra.attest.collateral import (
+    Collateral,
+    CollateralCache,
+    CollateralSource,
+    PccsCollateral,
+    StaticCollateral,
+)
+from umbra.attest.errors import AttestError
+from umbra.attest.measurement import MeasurementPolicy
+from umbra.attest.verify import Verifier
+from umbra.sandbox.forwarder import Forwarder
+from umbra.sandbox.forwarder_config import (
+    ForwarderConfig,
+    ForwarderConfigError,
+    read_credential,
+    read_cvm_id,
+)
+
+
+def build_verifier(cfg: ForwarderConfig, cache_dir: Path | None = None) -> Verifier:
+    collateral: CollateralSource
+    try:
+        if cfg.collateral.file is not None:
+            collateral = StaticCollateral(Collateral.from_file(cfg.collateral.file))
+        else:
+            collateral = PccsCollateral(cfg.collateral.pccs_urls, cache=CollateralCache(cache_dir))
+    except AttestError as exc:
+        raise ForwarderConfigError(f"collateral: {exc}") from None
+    root: bytes | None = None
+    if cfg.simulated_root is not None:
+        try:
+            root = cfg.simulated_root.read_bytes()
+        except OSError as exc:
+            raise ForwarderConfigError(f"{cfg.simulated_root}: {exc.strerror}") from None
+    return Verifier(
+        MeasurementPolicy(release=cfg.security_cvm_release),
+        collateral,
+        allow_simulated=cfg.allow_simulated,
+        simulated_root_der=root,
+    )
+
+
+def build_forwarder(cfg: ForwarderConfig) -> Forwarder:
+    return Forwarder(
+        cvm_id=read_cvm_id(cfg.cvm_id_file),
+        credential=read_credential(cfg.credential_file) if cfg.credential_file else None,
+        security_cvm=cfg.security_cvm,
+        verifier=build_verifier(cfg),
+        listen_host=cfg.listen.host,
+        proxy_port=cfg.listen.proxy_port,
+        tunnels=cfg.listen.tunnels,
+        ingress=cfg.ingress,
+        connect_timeout=cfg.connect_timeout,
+        handshake_timeout=cfg.handshake_timeout,
+        max_connections=cfg.max_connections,
+    )

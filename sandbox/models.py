@@ -1,0 +1,134 @@
+"""Typed, strict inputs for the compose templates and the forwarder (pydantic v2, extra="forbid").
+
+Release-level inputs (images, ports, the Security CVM's golden values) go into the compose file and
+so into the compose hash. Instance-level inputs (the CVM id, the developer's SSH keys, the tunnel
+credential) are launch-bound: written to /run/umbra/launch by the launch agent, which extends
+the measured ones into RTMR3 (see umbra.images.measure).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from typing import Annotated
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+
+from umbra.attest.measurement import ReleaseManifest
+
+# name[:tag]@sha256:<64 hex>. A tag is informative only: the digest is what gets pulled.
+_IMAGE_RE = re.compile(
+    r"^(?:[a-z0-9](?:[a-z0-9.-]*[a-z0-9])?(?::[0-9]{1,5})?/)?"
+    r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*"
+    r"(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?@sha256:[0-9a-f]{64}$"
+)
+_HOST_RE = re.compile(
+    r"^(?=.{1,253}$)[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?(?:\.[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?)*$"
+)
+CVM_ID_PATTERN = r"^[A-Za-z0-9._-]{1,128}$"
+NAME_PATTERN = r"^[a-z][a-z0-9-]{0,30}$"
+
+
+def check_image_ref(ref: str) -> str:
+    if not _IMAGE_RE.match(ref):
+        raise ValueError(
+            f"image {ref!r} is not pinned by digest: want name[:tag]@sha256:<64 lowercase hex>"
+        )
+    return ref
+
+
+def check_host(host: str) -> str:
+    """A DNS name (lowercase, no trailing dot) or an IP literal; nothing that needs escaping."""
+    try:
+        return str(ipaddress.ip_address(host))
+    except ValueError:
+        pass
+    if not _HOST_RE.match(host):
+        raise ValueError(f"{host!r} is not a lowercase DNS name or an IP address")
+    return host
+
+
+ImageRef = Annotated[str, AfterValidator(check_image_ref)]
+Host = Annotated[str, AfterValidator(check_host)]
+Port = Annotated[int, Field(ge=1, le=65535)]
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Endpoint(Strict):
+    host: Host
+    port: Port
+
+
+class Tunnel(Strict):
+    """A raw-TCP destination the sandbox may reach at forwarder:listen_port (e.g. git over SSH).
+
+    The destination is fixed here, never chosen by the sandbox; the proxy still decides by policy.
+    """
+
+    name: Annotated[str, Field(pattern=NAME_PATTERN)]
+    listen_port: Port
+    host: Host
+    port: Port
+
+
+class DevImages(Strict):
+    sandbox: ImageRef
+    forwarder: ImageRef
+    sshd: ImageRef
+
+
+class SecurityImages(Strict):
+    proxy: ImageRef
+    tunnel_endpoint: ImageRef
+    policy_puller: ImageRef
+
+
+class DevCvmInputs(Strict):
+    """Everything the Dev CVM compose file depends on. Same inputs, same bytes."""
+
+    release: Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9.-]{0,62}$")]
+    images: DevImages
+    security_cvm: Endpoint
+    # The Security CVM's golden values: the forwarder verifies against exactly these, and they are
+    # measured with the compose file, so changing them changes the Dev CVM's compose hash.
+    security_cvm_release: ReleaseManifest
+    pccs_urls: list[Annotated[str, Field(pattern=r"^https?://[A-Za-z0-9.:\[\]/_-]+$")]] = Field(
+        min_length=1
+    )
+    proxy_port: Port = 3128
+    tunnels: list[Tunnel] = Field(default_factory=list)
+    ssh_port: Port = 22
+    sandbox_subnet: ipaddress.IPv4Network = ipaddress.IPv4Network("172.30.0.0/24")
+    sessions_subnet: ipaddress.IPv4Network = ipaddress.IPv4Network("172.30.1.0/24")
+    sandbox_user: Annotated[str, Field(pattern=r"^[a-z_][a-z0-9_-]{0,31}$")] = "dev"
+    allow_simulated: bool = False
+
+    @model_validator(mode="after")
+    def _consistent(self) -> DevCvmInputs:
+        ports = [self.proxy_port] + [t.listen_port for t in self.tunnels]
+        if len(set(ports)) != len(ports):
+            raise ValueError("forwarder listen ports (proxy_port and tunnels) must be distinct")
+        names = [t.name for t in self.tunnels]
+        if len(set(names)) != len(names):
+            raise ValueError("tunnel names must be distinct")
+        if self.sandbox_subnet.overlaps(self.sessions_subnet):
+            raise ValueError("sandbox_subnet and sessions_subnet overlap")
+        for net in (self.sandbox_subnet, self.sessions_subnet):
+            if net.num_addresses < 8:
+                raise ValueError(f"subnet {net} is too small")
+        return self
+
+
+class SecurityCvmInputs(Strict):
+    release: Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9.-]{0,62}$")]
+    images: SecurityImages
+    console_url: Annotated[str, Field(pattern=r"^https://[A-Za-z0-9.:\[\]/_-]+$")]
+    # Ed25519 public keys (PEM) pinned for policy bundles: measured, so a compromised Console
+    # cannot swap them.
+    bundle_keys: list[Annotated[str, Field(min_length=1, max_length=4096)]] = Field(min_length=1)
+    tunnel_port: Port = 8443
+    proxy_port: Port = 8080
+    inner_subnet: ipaddress.IPv4Network = ipaddress.IPv4Network("172.31.0.0/24")

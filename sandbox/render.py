@@ -1,0 +1,147 @@
+"""Render the Dev CVM and Security CVM compose files from typed inputs, then validate them.
+
+Deterministic: templates are package data, every value comes from the pydantic inputs, mappings
+are emitted in template order and embedded JSON with sorted keys, so the same inputs give the
+same bytes (and the same compose hash). Nothing is returned that did not pass validation.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import ipaddress
+import json
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+
+import jinja2
+
+from umbra.sandbox.models import DevCvmInputs, SecurityCvmInputs
+from umbra.sandbox.validate import validate_dev_compose, validate_security_compose
+
+FORWARDER_CONFIG_PATH = "/etc/umbra/forwarder.json"
+INGRESS_PORT = 2222  # inside the forwarder container: it runs unprivileged
+LAUNCH_DIR = "/run/umbra/launch"
+
+
+@dataclass(frozen=True)
+class Rendered:
+    name: str  # file name, e.g. "docker-compose.yaml"
+    text: str
+
+    @property
+    def data(self) -> bytes:
+        return self.text.encode()
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.data).hexdigest()
+
+
+def canonical_json(doc: Any) -> str:
+    return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+
+
+def _yaml_string(value: str) -> str:
+    # A JSON string is a valid YAML double-quoted scalar; ASCII-only so no byte depends on locale.
+    return json.dumps(value, ensure_ascii=True)
+
+
+def _env() -> jinja2.Environment:
+    env = jinja2.Environment(
+        loader=jinja2.FunctionLoader(_load_template),
+        undefined=jinja2.StrictUndefined,
+        autoescape=False,  # noqa: S701 -- YAML, not HTML; every value is pattern-checked
+        keep_trailing_newline=True,
+        trim_blocks=True,
+        lstrip_blocks=True,
+    )
+    env.filters["yaml_string"] = _yaml_string
+    return env
+
+
+def _load_template(name: str) -> str:
+    return resources.files("umbra.sandbox").joinpath("templates", name).read_text()
+
+
+def _host(net: ipaddress.IPv4Network, n: int) -> str:
+    return str(net.network_address + n)  # .1 is the bridge gateway Docker takes
+
+
+def dev_addresses(inputs: DevCvmInputs) -> dict[str, str]:
+    return {
+        "forwarder_sandbox": _host(inputs.sandbox_subnet, 2),
+        "sandbox": _host(inputs.sandbox_subnet, 3),
+        "forwarder_sessions": _host(inputs.sessions_subnet, 2),
+        "sshd": _host(inputs.sessions_subnet, 3),
+    }
+
+
+def forwarder_config(inputs: DevCvmInputs) -> dict[str, Any]:
+    addr = dev_addresses(inputs)
+    doc: dict[str, Any] = {
+        "apiVersion": "umbra/v1",
+        "kind": "ForwarderConfig",
+        "listen": {
+            "host": addr["forwarder_sandbox"],
+            "proxy_port": inputs.proxy_port,
+            "tunnels": [t.model_dump(mode="json") for t in inputs.tunnels],
+        },
+        "ingress": {
+            "listen_host": "0.0.0.0",  # noqa: S104 -- the uplink side; sandbox sources refused
+            "listen_port": INGRESS_PORT,
+            "to": {"host": addr["sshd"], "port": 22},
+            "refuse_sources": [str(inputs.sandbox_subnet), str(inputs.sessions_subnet)],
+        },
+        "security_cvm": inputs.security_cvm.model_dump(mode="json"),
+        "security_cvm_release": inputs.security_cvm_release.model_dump(
+            mode="json", exclude_none=True
+        ),
+        "collateral": {"pccs_urls": list(inputs.pccs_urls)},
+        "cvm_id_file": f"{LAUNCH_DIR}/cvm-id",
+        "credential_file": f"{LAUNCH_DIR}/tunnel-credential",
+    }
+    if inputs.allow_simulated:
+        doc["allow_simulated"] = True
+        doc["simulated_root"] = f"{LAUNCH_DIR}/simulated-root.der"
+    return doc
+
+
+def render_dev_cvm(inputs: DevCvmInputs) -> Rendered:
+    env = _env()
+    sshd = env.get_template("sshd_config.j2").render(sandbox_user=inputs.sandbox_user)
+    text = env.get_template("dev-cvm.compose.yaml.j2").render(
+        release=inputs.release,
+        images=inputs.images,
+        addr=dev_addresses(inputs),
+        sandbox_user=inputs.sandbox_user,
+        proxy_port=inputs.proxy_port,
+        ssh_port=inputs.ssh_port,
+        ingress_port=INGRESS_PORT,
+        sandbox_subnet=str(inputs.sandbox_subnet),
+        sessions_subnet=str(inputs.sessions_subnet),
+        forwarder_config=canonical_json(forwarder_config(inputs)),
+        sshd_config=sshd,
+    )
+    validate_dev_compose(text)
+    return Rendered("docker-compose.yaml", text)
+
+
+def render_security_cvm(inputs: SecurityCvmInputs) -> Rendered:
+    net = inputs.inner_subnet
+    text = (
+        _env()
+        .get_template("security-cvm.compose.yaml.j2")
+        .render(
+            release=inputs.release,
+            images=inputs.images,
+            addr={"tunnel_endpoint": _host(net, 2), "proxy": _host(net, 3)},
+            tunnel_port=inputs.tunnel_port,
+            proxy_port=inputs.proxy_port,
+            console_url=inputs.console_url,
+            inner_subnet=str(net),
+            bundle_keys="".join(k if k.endswith("\n") else k + "\n" for k in inputs.bundle_keys),
+        )
+    )
+    validate_security_compose(text)
+    return Rendered("docker-compose.yaml", text)

@@ -1,0 +1,126 @@
+"""The identity header: the first application bytes the forwarder sends inside an attested
+session, before any byte from the sandbox. The tunnel endpoint on the Security CVM reads it.
+
+    header = u32be length ‖ JSON object (UTF-8, sorted keys, no spaces), 2 ≤ length ≤ 4096
+    {"v": 1, "cvm_id": "<id>", "mode": "proxy"}
+    {"v": 1, "cvm_id": "<id>", "mode": "tunnel", "tunnel": "<name>", "host": "<dest>", "port": N}
+    optional in both: "credential": "<per-CVM secret delivered at launch>"
+
+Every value comes from the forwarder's own configuration (launch-bound and measured), never from
+anything the sandbox sent: in tunnel mode the destination is the one configured for the port
+the sandbox connected to.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from umbra.sandbox.models import CVM_ID_PATTERN, check_host
+
+VERSION = 1
+MAX_HEADER = 4096
+_CVM_ID = re.compile(CVM_ID_PATTERN)
+_TUNNEL = re.compile(r"^[a-z][a-z0-9-]{0,30}$")
+
+
+class HeaderError(Exception):
+    """The identity header is malformed; the tunnel endpoint must drop the connection."""
+
+
+@dataclass(frozen=True)
+class TunnelHeader:
+    cvm_id: str
+    mode: Literal["proxy", "tunnel"]
+    tunnel: str | None = None
+    host: str | None = None
+    port: int | None = None
+    credential: str | None = None
+
+    def __post_init__(self) -> None:
+        if not _CVM_ID.match(self.cvm_id):
+            raise HeaderError(f"cvm_id must match {CVM_ID_PATTERN}")
+        if self.mode == "tunnel":
+            if self.tunnel is None or not _TUNNEL.match(self.tunnel):
+                raise HeaderError("tunnel mode needs a tunnel name")
+            if self.host is None or self.port is None or not 1 <= self.port <= 65535:
+                raise HeaderError("tunnel mode needs host and a port in 1..65535")
+            try:
+                check_host(self.host)
+            except ValueError as exc:
+                raise HeaderError(str(exc)) from None
+        elif self.mode == "proxy":
+            if self.tunnel is not None or self.host is not None or self.port is not None:
+                raise HeaderError("proxy mode carries no destination")
+        else:
+            raise HeaderError(f"unknown mode {self.mode!r}")
+        if self.credential is not None and not (
+            1 <= len(self.credential) <= 256 and self.credential.isascii()
+        ):
+            raise HeaderError("credential must be 1-256 ASCII characters")
+
+    def to_json(self) -> dict[str, Any]:
+        doc: dict[str, Any] = {"v": VERSION, "cvm_id": self.cvm_id, "mode": self.mode}
+        for key in ("tunnel", "host", "port", "credential"):
+            if getattr(self, key) is not None:
+                doc[key] = getattr(self, key)
+        return doc
+
+
+def encode_header(header: TunnelHeader) -> bytes:
+    body = json.dumps(header.to_json(), sort_keys=True, separators=(",", ":")).encode()
+    if len(body) > MAX_HEADER:
+        raise HeaderError(f"header of {len(body)} bytes exceeds {MAX_HEADER}")
+    return struct.pack(">I", len(body)) + body
+
+
+def decode_header_body(body: bytes) -> TunnelHeader:
+    try:
+        doc = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        raise HeaderError("header is not UTF-8 JSON") from None
+    if not isinstance(doc, dict):
+        raise HeaderError("header must be a JSON object")
+    if doc.get("v") != VERSION:
+        raise HeaderError(f"header version {doc.get('v')!r} is not {VERSION}")
+    allowed = {"v", "cvm_id", "mode", "tunnel", "host", "port", "credential"}
+    if set(doc) - allowed:
+        raise HeaderError(f"unknown header fields: {', '.join(sorted(set(doc) - allowed))}")
+    fields: dict[str, Any] = {k: doc.get(k) for k in allowed - {"v"}}
+    if not all(isinstance(fields[k], str | None) for k in ("cvm_id", "mode", "tunnel", "host")):
+        raise HeaderError("header fields have the wrong types")
+    if not isinstance(fields["credential"], str | None):
+        raise HeaderError("header fields have the wrong types")
+    if fields["port"] is not None and type(fields["port"]) is not int:
+        raise HeaderError("port must be an integer")
+    if not isinstance(fields["cvm_id"], str) or fields["mode"] not in ("proxy", "tunnel"):
+        raise HeaderError("header needs cvm_id and mode (proxy or tunnel)")
+    return TunnelHeader(**fields)
+
+
+def parse_length(prefix: bytes) -> int:
+    (n,) = struct.unpack(">I", prefix)
+    if not 2 <= n <= MAX_HEADER:
+        raise HeaderError(f"header length {n} is outside 2..{MAX_HEADER}")
+    return int(n)
+
+
+async def read_header(recv: Callable[[int], Awaitable[bytes]]) -> tuple[TunnelHeader, bytes]:
+    """The tunnel endpoint's side: read one header from `recv` (e.g. ATLSConnection.recv).
+
+    Returns the header and any application bytes that arrived with it.
+    """
+    buf = b""
+    need = 4
+    while len(buf) < need:
+        chunk = await recv(max(need - len(buf), 1))
+        if not chunk:
+            raise HeaderError("connection closed before the identity header")
+        buf += chunk
+        if need == 4 and len(buf) >= 4:
+            need = 4 + parse_length(buf[:4])
+    return decode_header_body(buf[4:need]), buf[need:]

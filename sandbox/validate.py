@@ -1,0 +1,260 @@
+"""Structural checks on a rendered compose file, parsed back from its bytes.
+
+The template is trusted no more than its inputs: whatever produced the YAML, these rules decide
+whether it may be shipped. Every violation is collected and reported together.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from umbra.sandbox.models import check_image_ref
+
+
+class ComposeError(Exception):
+    """A compose file breaks an isolation rule; `problems` lists each one."""
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = problems
+        super().__init__("compose file refused:\n  - " + "\n  - ".join(problems))
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML keeps the last of two equal keys; a second `internal:` must not win silently."""
+
+
+def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode) -> dict[Any, Any]:
+    seen: set[Any] = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node)
+        if key in seen:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"duplicate key {key!r}", key_node.start_mark
+            )
+        seen.add(key)
+    return dict(loader.construct_mapping(node))
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+TOP_KEYS = {"name", "services", "networks", "volumes", "configs"}
+SERVICE_KEYS = {
+    "image", "runtime", "hostname", "restart", "init", "networks", "environment", "volumes",
+    "command", "user", "read_only", "cap_drop", "cap_add", "security_opt", "ports", "configs",
+    "tmpfs",
+}  # fmt: skip
+# Named here so the error says why, not just "unknown key".
+FORBIDDEN_SERVICE_KEYS = {
+    "privileged": "privileged containers are never allowed",
+    "network_mode": "network_mode (host or another container's stack) bypasses the topology",
+    "pid": "sharing a PID namespace is not allowed",
+    "ipc": "sharing an IPC namespace is not allowed",
+    "userns_mode": "userns_mode would undo user-namespace isolation",
+    "devices": "host devices are not allowed",
+    "extra_hosts": "extra_hosts is not allowed",
+    "dns": "custom DNS servers are not allowed",
+    "sysctls": "sysctls are not allowed",
+    "volumes_from": "volumes_from is not allowed",
+    "links": "links are not allowed",
+    "external_links": "external_links are not allowed",
+    "cgroup_parent": "cgroup_parent is not allowed",
+    "build": "images are pulled by digest, never built at launch",
+}
+NETWORK_KEYS = {"driver", "internal", "enable_ipv6", "ipam"}
+LAUNCH_PREFIX = "/run/umbra/launch/"
+UNSAFE_SECURITY_OPTS = ("unconfined", "label=disable", "label:disable")
+
+
+def load_compose(text: str) -> dict[str, Any]:
+    try:
+        doc = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 -- a SafeLoader subclass
+    except yaml.YAMLError as exc:
+        raise ComposeError([f"not valid YAML: {exc}"]) from None
+    if not isinstance(doc, dict):
+        raise ComposeError(["top level must be a mapping"])
+    return doc
+
+
+def _mapping(value: Any) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
+
+
+def service_networks(svc: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    nets = svc.get("networks", {})
+    if isinstance(nets, list):
+        return {str(n): {} for n in nets}
+    return {str(k): _mapping(v) for k, v in _mapping(nets).items()}
+
+
+def _common(doc: dict[str, Any], caps: dict[str, set[str]], out: list[str]) -> None:
+    for key in sorted(set(doc) - TOP_KEYS):
+        out.append(f"top-level key {key!r} is not allowed")
+    services = _mapping(doc.get("services"))
+    networks = _mapping(doc.get("networks"))
+    volumes = _mapping(doc.get("volumes"))
+    if not services:
+        out.append("no services")
+    for name, raw in networks.items():
+        net = _mapping(raw)
+        for key in sorted(set(net) - NETWORK_KEYS):
+            out.append(f"network {name}: key {key!r} is not allowed (external networks included)")
+        if net.get("driver") != "bridge":
+            out.append(f"network {name}: driver must be bridge")
+        if net.get("enable_ipv6") is not False:
+            out.append(f"network {name}: enable_ipv6 must be false (the topology is IPv4-only)")
+    for name, raw in services.items():
+        svc = _mapping(raw)
+        where = f"service {name}"
+        for key in sorted(set(svc) - SERVICE_KEYS):
+            out.append(f"{where}: {FORBIDDEN_SERVICE_KEYS.get(key, f'key {key!r} is not allowed')}")
+        try:
+            check_image_ref(str(svc.get("image", "")))
+        except ValueError as exc:
+            out.append(f"{where}: {exc}")
+        nets = service_networks(svc)
+        if not nets:
+            out.append(f"{where}: must name its networks explicitly")
+        for net_name in nets:
+            if net_name not in networks:
+                out.append(f"{where}: network {net_name!r} is not declared")
+        for cap in svc.get("cap_add", []) or []:
+            if str(cap) not in caps.get(name, set()):
+                out.append(f"{where}: cap_add {cap} is not allowed for this service")
+        for opt in svc.get("security_opt", []) or []:
+            if any(bad in str(opt) for bad in UNSAFE_SECURITY_OPTS):
+                out.append(f"{where}: security_opt {opt!r} disables a protection")
+        for vol in svc.get("volumes", []) or []:
+            _check_volume(where, vol, volumes, out)
+        for port in svc.get("ports", []) or []:
+            if not str(port).endswith("/tcp"):
+                out.append(f"{where}: port {port!r} must be TCP and say so (/tcp)")
+
+
+def _check_volume(where: str, vol: Any, volumes: dict[str, Any], out: list[str]) -> None:
+    if not isinstance(vol, str):
+        out.append(f"{where}: volume {vol!r} must use the short string form")
+        return
+    parts = vol.split(":")
+    src = parts[0]
+    if "docker.sock" in vol:
+        out.append(f"{where}: mounting the Docker socket is root on the host")
+    elif src.startswith("/"):
+        if not src.startswith(LAUNCH_PREFIX) or ".." in src:
+            out.append(f"{where}: host path {src} is not under {LAUNCH_PREFIX}")
+        elif len(parts) != 3 or parts[2] != "ro":
+            out.append(f"{where}: launch material {src} must be mounted read-only (:ro)")
+    elif src not in volumes:
+        out.append(f"{where}: named volume {src!r} is not declared")
+
+
+def _members(services: dict[str, Any], network: str) -> set[str]:
+    return {n for n, s in services.items() if network in service_networks(_mapping(s))}
+
+
+def _exact(what: str, actual: Iterable[str], expected: set[str], out: list[str]) -> None:
+    got = set(actual)
+    if got != expected:
+        out.append(f"{what} must be exactly {sorted(expected)}, got {sorted(got)}")
+
+
+def _uplinked(doc: dict[str, Any]) -> set[str]:
+    """Services attached to any network that is not internal: true."""
+    networks = _mapping(doc.get("networks"))
+    services = _mapping(doc.get("services"))
+    open_nets = {n for n, v in networks.items() if _mapping(v).get("internal") is not True}
+    return {s for n in open_nets for s in _members(services, n)}
+
+
+def _run(text: str, check: Callable[[dict[str, Any], list[str]], None]) -> dict[str, Any]:
+    doc = load_compose(text)
+    problems: list[str] = []
+    check(doc, problems)
+    if problems:
+        raise ComposeError(problems)
+    return doc
+
+
+DEV_CAPS = {"sshd": {"CHOWN", "SETGID", "SETUID", "SYS_CHROOT", "AUDIT_WRITE"}}
+
+
+def _dev(doc: dict[str, Any], out: list[str]) -> None:
+    _common(doc, DEV_CAPS, out)
+    services = _mapping(doc.get("services"))
+    networks = _mapping(doc.get("networks"))
+    _exact("services", services, {"sandbox", "forwarder", "sshd"}, out)
+    _exact("networks", networks, {"sandbox", "sessions", "uplink"}, out)
+    for name in ("sandbox", "sessions"):
+        if _mapping(networks.get(name)).get("internal") is not True:
+            out.append(f"network {name} must be internal: true (no route out)")
+    uplinked = _uplinked(doc)
+    if uplinked - {"forwarder"}:
+        out.append(
+            f"only the forwarder may have an uplink; also: {sorted(uplinked - {'forwarder'})}"
+        )
+    sandbox = _mapping(services.get("sandbox"))
+    _exact("sandbox networks", service_networks(sandbox), {"sandbox"}, out)
+    if sandbox.get("runtime") != "sysbox-runc":
+        out.append("service sandbox: runtime must be sysbox-runc (user-namespaced, no privileged)")
+    for name, svc in services.items():
+        if name != "sandbox" and "runtime" in _mapping(svc):
+            out.append(f"service {name}: only the sandbox sets a runtime")
+        if name != "forwarder" and _mapping(svc).get("ports"):
+            out.append(f"service {name}: only the forwarder publishes ports")
+    _exact("sshd networks", service_networks(_mapping(services.get("sshd"))), {"sessions"}, out)
+    _check_forwarder_config(doc, out)
+
+
+def _check_forwarder_config(doc: dict[str, Any], out: list[str]) -> None:
+    from umbra.sandbox.forwarder_config import ForwarderConfig  # avoids an import cycle
+
+    content = _mapping(_mapping(doc.get("configs")).get("forwarder")).get("content")
+    try:
+        cfg = ForwarderConfig.model_validate(json.loads(str(content)))
+    except (ValueError, ValidationError) as exc:
+        out.append(f"config forwarder: not a valid forwarder config: {exc}")
+        return
+    services = _mapping(doc.get("services"))
+    fwd_nets = service_networks(_mapping(services.get("forwarder")))
+    if cfg.listen.host != fwd_nets.get("sandbox", {}).get("ipv4_address"):
+        out.append("config forwarder: listen.host must be the forwarder's sandbox-network address")
+    sshd_addr = service_networks(_mapping(services.get("sshd"))).get("sessions", {})
+    if cfg.ingress is not None:
+        if cfg.ingress.to.host != sshd_addr.get("ipv4_address"):
+            out.append("config forwarder: ingress must relay to sshd's sessions address only")
+        ipam = _mapping(_mapping(_mapping(doc.get("networks")).get("sandbox")).get("ipam"))
+        try:
+            subnets = [ipaddress.ip_network(str(c["subnet"])) for c in ipam.get("config", [])]
+        except (TypeError, KeyError, ValueError):
+            out.append("network sandbox: ipam.config must list subnets")
+            return
+        if not subnets or not all(s in cfg.ingress.refuse_sources for s in subnets):
+            out.append("config forwarder: ingress must refuse the sandbox subnet")
+
+
+def _security(doc: dict[str, Any], out: list[str]) -> None:
+    _common(doc, {}, out)
+    services = _mapping(doc.get("services"))
+    networks = _mapping(doc.get("networks"))
+    _exact("services", services, {"tunnel-endpoint", "proxy", "policy-puller"}, out)
+    _exact("networks", networks, {"inner", "edge"}, out)
+    if _mapping(networks.get("inner")).get("internal") is not True:
+        out.append("network inner must be internal: true")
+    for name, svc in services.items():
+        if "runtime" in _mapping(svc):
+            out.append(f"service {name}: no runtime override on the Security CVM")
+        if name != "tunnel-endpoint" and _mapping(svc).get("ports"):
+            out.append(f"service {name}: only the tunnel endpoint publishes ports")
+
+
+def validate_dev_compose(text: str) -> dict[str, Any]:
+    return _run(text, _dev)
+
+
+def validate_security_compose(text: str) -> dict[str, Any]:
+    return _run(text, _security)

@@ -1,0 +1,215 @@
+"""Rendering is deterministic and every rendered file passes, and is held to, the structural rules."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from pydantic import ValidationError
+
+from umbra.sandbox.forwarder_config import ForwarderConfig
+from umbra.sandbox.models import DevCvmInputs, check_image_ref
+from umbra.sandbox.render import render_dev_cvm, render_security_cvm
+from umbra.sandbox.validate import (
+    ComposeError,
+    service_networks,
+    validate_dev_compose,
+    validate_security_compose,
+)
+
+from .fixtures import dev_definition, dev_definition_doc, digest_ref, security_definition
+
+
+def _dev_text() -> str:
+    return render_dev_cvm(dev_definition().compose).text
+
+
+def test_same_inputs_same_bytes() -> None:
+    a = render_dev_cvm(dev_definition().compose)
+    b = render_dev_cvm(dev_definition().compose)
+    assert a.data == b.data and a.sha256 == b.sha256
+    s1 = render_security_cvm(security_definition().compose)
+    s2 = render_security_cvm(security_definition().compose)
+    assert s1.data == s2.data
+
+
+def test_an_input_change_changes_the_bytes() -> None:
+    base = render_dev_cvm(dev_definition().compose).data
+    other = render_dev_cvm(dev_definition(proxy_port=3129).compose).data
+    assert base != other
+
+
+def test_dev_topology_as_rendered() -> None:
+    doc = yaml.safe_load(_dev_text())
+    services, networks = doc["services"], doc["networks"]
+    assert set(services) == {"sandbox", "forwarder", "sshd"}
+    sandbox = services["sandbox"]
+    assert sandbox["runtime"] == "sysbox-runc"
+    assert set(service_networks(sandbox)) == {"sandbox"}
+    assert networks["sandbox"]["internal"] is True
+    assert networks["sessions"]["internal"] is True
+    assert "internal" not in networks["uplink"]
+    on_uplink = [n for n, s in services.items() if "uplink" in service_networks(s)]
+    assert on_uplink == ["forwarder"]
+    assert not any("privileged" in s or "network_mode" in s for s in services.values())
+    for svc in services.values():
+        check_image_ref(svc["image"])
+    # The forwarder's config is embedded (so measured) and binds to its sandbox address only.
+    cfg = ForwarderConfig.model_validate(json.loads(doc["configs"]["forwarder"]["content"]))
+    assert cfg.listen.host == services["forwarder"]["networks"]["sandbox"]["ipv4_address"]
+    assert cfg.ingress is not None and cfg.ingress.to.port == 22
+    env = sandbox["environment"]
+    assert env["HTTPS_PROXY"] == f"http://{cfg.listen.host}:3128"
+    sshd_config = doc["configs"]["sshd_config"]["content"]
+    assert "AllowTcpForwarding no" in sshd_config and "PasswordAuthentication no" in sshd_config
+
+
+def test_security_topology_as_rendered() -> None:
+    doc = yaml.safe_load(render_security_cvm(security_definition().compose).text)
+    services = doc["services"]
+    assert set(services) == {"tunnel-endpoint", "proxy", "policy-puller"}
+    assert doc["networks"]["inner"]["internal"] is True
+    assert [n for n, s in services.items() if s.get("ports")] == ["tunnel-endpoint"]
+    assert "BEGIN PUBLIC KEY" in doc["configs"]["bundle_keys"]["content"]
+
+
+def _mutate(text: str, change: Any) -> str:
+    doc = yaml.safe_load(text)
+    change(doc)
+    return yaml.safe_dump(doc, sort_keys=False)
+
+
+def _set(path: list[str], value: Any) -> Any:
+    def go(doc: Any) -> None:
+        for key in path[:-1]:
+            doc = doc[key]
+        doc[path[-1]] = value
+
+    return go
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        (_set(["networks", "sandbox", "internal"], False), "network sandbox must be internal"),
+        (_set(["services", "sandbox", "privileged"], True), "privileged containers are never"),
+        (_set(["services", "sshd", "network_mode"], "host"), "network_mode"),
+        (_set(["services", "sandbox", "image"], "ubuntu:24.04"), "not pinned by digest"),
+        (_set(["services", "sandbox", "runtime"], "runc"), "runtime must be sysbox-runc"),
+        (
+            _set(["services", "sandbox", "networks"], {"sandbox": {}, "uplink": {}}),
+            "only the forwarder may have an uplink",
+        ),
+        (_set(["services", "sshd", "networks"], {"sessions": {}, "uplink": {}}), "uplink"),
+        (_set(["services", "sandbox", "ports"], ["8080:8080/tcp"]), "only the forwarder publishes"),
+        (_set(["services", "forwarder", "ports"], ["53:53/udp"]), "must be TCP"),
+        (
+            _set(["services", "sandbox", "volumes"], ["/var/run/docker.sock:/var/run/docker.sock"]),
+            "Docker socket",
+        ),
+        (_set(["services", "sandbox", "volumes"], ["/:/host"]), "not under /run/umbra/launch/"),
+        (
+            _set(["services", "sshd", "volumes"], ["/run/umbra/launch/ssh:/etc/umbra/ssh"]),
+            "read-only",
+        ),
+        (_set(["services", "sshd", "cap_add"], ["NET_ADMIN"]), "cap_add NET_ADMIN"),
+        (_set(["services", "sandbox", "security_opt"], ["seccomp=unconfined"]), "disables"),
+        (_set(["networks", "uplink", "enable_ipv6"], True), "enable_ipv6 must be false"),
+        (_set(["networks", "extra"], {"driver": "bridge", "enable_ipv6": False}), "networks must"),
+        (_set(["services", "sandbox", "dns"], ["8.8.8.8"]), "custom DNS"),
+        (_set(["networks", "sandbox", "external"], True), "external"),
+        (
+            lambda d: d["configs"]["forwarder"].update(
+                content=d["configs"]["forwarder"]["content"].replace('"0.0.0.0"', '"10.9.9.9"')
+            ),
+            None,  # still valid: the ingress may bind anywhere on the uplink side
+        ),
+        (
+            lambda d: d["configs"]["forwarder"].update(
+                content=d["configs"]["forwarder"]["content"].replace(
+                    '"host":"172.30.0.2"', '"host":"0.0.0.0"'
+                )
+            ),
+            "not a wildcard",
+        ),
+    ],
+)
+def test_validator_refuses_each_break(change: Any, expected: str | None) -> None:
+    text = _mutate(_dev_text(), change)
+    if expected is None:
+        validate_dev_compose(text)
+        return
+    with pytest.raises(ComposeError) as info:
+        validate_dev_compose(text)
+    assert any(expected in p for p in info.value.problems), info.value.problems
+
+
+def test_duplicate_keys_are_refused() -> None:
+    text = _dev_text().replace(
+        "    internal: true\n", "    internal: true\n    internal: false\n", 1
+    )
+    with pytest.raises(ComposeError, match="duplicate key 'internal'"):
+        validate_dev_compose(text)
+
+
+def test_security_validator_refuses_publishing_proxy() -> None:
+    text = render_security_cvm(security_definition().compose).text
+    bad = _mutate(text, _set(["services", "proxy", "ports"], ["8080:8080/tcp"]))
+    with pytest.raises(ComposeError, match="only the tunnel endpoint publishes"):
+        validate_security_compose(bad)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "expected"),
+    [
+        ("images", {"sandbox": "ubuntu:latest", "forwarder": digest_ref("f"), "sshd": digest_ref("s")}, "not pinned"),
+        ("unknown_field", 1, "Extra inputs are not permitted"),
+        ("tunnels", [{"name": "x", "listen_port": 3128, "host": "github.com", "port": 22}], "distinct"),
+        ("security_cvm", {"host": "evil\nhost: x", "port": 1}, "not a lowercase DNS name"),
+        ("sessions_subnet", "172.30.0.0/25", "overlap"),
+    ],
+)  # fmt: skip
+def test_inputs_are_typed_and_strict(field: str, value: Any, expected: str) -> None:
+    doc = dev_definition_doc()["compose"]
+    doc[field] = value
+    with pytest.raises(ValidationError, match=expected):
+        DevCvmInputs.model_validate(doc)
+
+
+_scalars = st.one_of(st.none(), st.booleans(), st.integers(), st.text(max_size=12))
+_values = st.recursive(
+    _scalars,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=10), inner, max_size=4)
+    ),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    path=st.lists(st.sampled_from(["services", "sandbox", "forwarder", "sshd", "networks", "uplink", "configs", "content", "volumes", "ports", "cap_add", "ipam", "config", "subnet"]), min_size=1, max_size=4),
+    value=_values,
+)  # fmt: skip
+def test_any_mangled_compose_is_refused_or_valid_never_a_crash(path: list[str], value: Any) -> None:
+    doc: Any = yaml.safe_load(_DEV_TEXT)
+    node = doc
+    for key in path[:-1]:
+        if not isinstance(node, dict):
+            break
+        node = node.setdefault(key, {})
+    if isinstance(node, dict):
+        node[path[-1]] = value
+    problems: list[str] = []
+    try:
+        validate_dev_compose(yaml.safe_dump(doc))
+    except ComposeError as exc:  # the only failure allowed, and it must say what is wrong
+        problems = exc.problems or [""]
+    assert all(isinstance(p, str) and p for p in problems)
+
+
+_DEV_TEXT = render_dev_cvm(dev_definition().compose).text
