@@ -55,6 +55,17 @@ def boot_events(image: str) -> list[Event]:
     return out
 
 
+def simulated_boot_values(image: str) -> dict[str, list[str]]:
+    """Golden MRTD and RTMR0-2 of a simulated image: they depend on its name only, not on a PKI."""
+    r = replay(boot_events(image))
+    return {
+        "mrtd": [_h("mrtd", image).hex()],
+        "rtmr0": [r[0].hex()],
+        "rtmr1": [r[1].hex()],
+        "rtmr2": [r[2].hex()],
+    }
+
+
 @dataclass
 class SimulatedTdx:
     """One simulated TD. Thread-safe: quotes and extensions may come from several threads."""
@@ -79,7 +90,7 @@ class SimulatedTdx:
 
     @property
     def mr_td(self) -> bytes:
-        return _h("mrtd", self.image)
+        return bytes.fromhex(simulated_boot_values(self.image)["mrtd"][0])
 
     @property
     def mr_seam(self) -> bytes:
@@ -101,17 +112,13 @@ class SimulatedTdx:
 
     def release_manifest(self, name: str | None = None, **extra: object) -> ReleaseManifest:
         """The golden values an image pipeline would publish for this simulated image."""
-        r = replay(boot_events(self.image))
         return ReleaseManifest.model_validate(
             {
                 "apiVersion": "umbra/v1",
                 "kind": "ReleaseManifest",
                 "name": name or self.image,
                 "tee": "simulated",
-                "mrtd": [self.mr_td.hex()],
-                "rtmr0": [r[0].hex()],
-                "rtmr1": [r[1].hex()],
-                "rtmr2": [r[2].hex()],
+                **simulated_boot_values(self.image),
                 **extra,
             }
         )

@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import cast
 
 from umbra.attest.eventlog import Event, make_runtime_event, replay
 from umbra.attest.measurement import (
@@ -22,8 +21,7 @@ from umbra.attest.measurement import (
     ReleaseManifest,
     ssh_keys_digest,
 )
-from umbra.attest.simpki import SimulatedPki
-from umbra.attest.simulator import SimulatedTdx
+from umbra.attest.simulator import simulated_boot_values
 from umbra.images.definition import BaseMeasurements, DevCvmDefinition, ImageDefinition
 from umbra.sandbox.render import Rendered, canonical_json, render_dev_cvm, render_security_cvm
 
@@ -70,10 +68,7 @@ def base_values(base: BaseMeasurements) -> dict[str, list[str]]:
             "rtmr1": list(base.rtmr1 or []),
             "rtmr2": list(base.rtmr2 or []),
         }
-    # The simulator's boot chain depends only on the image name, not on its PKI.
-    sim = SimulatedTdx(cast(SimulatedPki, None), image=base.simulated_image)
-    ref = sim.release_manifest()
-    return {"mrtd": ref.mrtd, "rtmr0": ref.rtmr0, "rtmr1": ref.rtmr1, "rtmr2": ref.rtmr2}
+    return simulated_boot_values(base.simulated_image)
 
 
 @dataclass(frozen=True)
