@@ -1,0 +1,148 @@
+"""Azure confidential VM on TDX (DCesv5/ECesv5): security type ConfidentialVM, UEFI secure boot and
+vTPM, OS disk encrypted with the VM guest state (keys bound to the vTPM), launch data in custom
+data. Under Azure's paravisor the guest measures this into the vTPM, not RTMR3: see
+docs/specs/infra.md.
+"""
+
+from __future__ import annotations
+
+import pulumi
+import pulumi_azure_native as azure
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from umbra.components.cvm import VmParts, VmSpec
+from umbra.components.ports import ROLE_LABEL, TEAM_LABEL
+
+ADMIN_USER = "umbra"
+
+
+def image_reference(image: str) -> azure.compute.ImageReferenceArgs:
+    """A resource id (gallery or managed image) or a marketplace URN publisher:offer:sku:version."""
+    if image.startswith("/"):
+        return azure.compute.ImageReferenceArgs(id=image)
+    parts = image.split(":")
+    if len(parts) != 4 or not all(parts):
+        raise ValueError(
+            f"Azure image {image!r} is neither a resource id nor publisher:offer:sku:version"
+        )
+    publisher, offer, sku, version = parts
+    return azure.compute.ImageReferenceArgs(
+        publisher=publisher, offer=offer, sku=sku, version=version
+    )
+
+
+def _unusable_key() -> str:
+    """Azure insists on an SSH key for Linux; the Security CVM has no login, so it gets a fresh
+    public key whose private half is never kept."""
+    pub = Ed25519PrivateKey.generate().public_key()
+    raw = pub.public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
+    return raw.decode()
+
+
+def build_azure_vm(name: str, spec: VmSpec, opts: pulumi.ResourceOptions) -> VmParts:
+    args = spec.args
+    place = args.placement
+    tags = {**args.labels, ROLE_LABEL: spec.role, TEAM_LABEL: args.team}
+    public_ip = None
+    if spec.public_ip:
+        public_ip = azure.network.PublicIPAddress(
+            f"{name}-pip",
+            public_ip_address_name=f"{args.vm_name}-pip",
+            resource_group_name=place.resource_group_name,
+            location=place.location,
+            sku=azure.network.PublicIPAddressSkuArgs(name="Standard"),
+            public_ip_allocation_method="Static",
+            zones=[place.zone] if place.zone else None,
+            tags=tags,
+            opts=opts,
+        )
+    nic = azure.network.NetworkInterface(
+        f"{name}-nic",
+        network_interface_name=f"{args.vm_name}-nic",
+        resource_group_name=place.resource_group_name,
+        location=place.location,
+        enable_ip_forwarding=False,
+        ip_configurations=[
+            azure.network.NetworkInterfaceIPConfigurationArgs(
+                name="primary",
+                primary=True,
+                subnet=azure.network.SubnetArgs(id=args.subnet_id),
+                private_ip_allocation_method="Static" if spec.private_ip else "Dynamic",
+                private_ip_address=spec.private_ip,
+                public_ip_address=azure.network.PublicIPAddressArgs(id=public_ip.id)
+                if public_ip
+                else None,
+            )
+        ],
+        tags=tags,
+        opts=opts,
+    )
+    keys = list(spec.ssh_keys) or [_unusable_key()]
+    vm = azure.compute.VirtualMachine(
+        name,
+        vm_name=args.vm_name,
+        resource_group_name=place.resource_group_name,
+        location=place.location,
+        zones=[place.zone] if place.zone else None,
+        hardware_profile=azure.compute.HardwareProfileArgs(vm_size=args.size),
+        security_profile=azure.compute.SecurityProfileArgs(
+            security_type="ConfidentialVM",
+            uefi_settings=azure.compute.UefiSettingsArgs(
+                secure_boot_enabled=True, v_tpm_enabled=True
+            ),
+        ),
+        storage_profile=azure.compute.StorageProfileArgs(
+            image_reference=image_reference(args.image),
+            os_disk=azure.compute.OSDiskArgs(
+                create_option="FromImage",
+                delete_option="Delete",
+                disk_size_gb=args.disk_gb,
+                managed_disk=azure.compute.ManagedDiskParametersArgs(
+                    storage_account_type="Premium_LRS",
+                    security_profile=azure.compute.VMDiskSecurityProfileArgs(
+                        security_encryption_type="DiskWithVMGuestState",
+                    ),
+                ),
+            ),
+        ),
+        os_profile=azure.compute.OSProfileArgs(
+            computer_name=args.vm_name,
+            admin_username=ADMIN_USER,
+            custom_data=spec.launch.apply(lambda d: d.azure_custom_data()),
+            allow_extension_operations=False,
+            linux_configuration=azure.compute.LinuxConfigurationArgs(
+                disable_password_authentication=True,
+                provision_vm_agent=False,
+                ssh=azure.compute.SshConfigurationArgs(
+                    public_keys=[
+                        azure.compute.SshPublicKeyArgs(
+                            key_data=k, path=f"/home/{ADMIN_USER}/.ssh/authorized_keys"
+                        )
+                        for k in keys
+                    ]
+                ),
+            ),
+        ),
+        network_profile=azure.compute.NetworkProfileArgs(
+            network_interfaces=[
+                azure.compute.NetworkInterfaceReferenceArgs(id=nic.id, primary=True)
+            ]
+        ),
+        tags=tags,
+        # The throwaway key is new on every run; only the measured custom data counts.
+        opts=pulumi.ResourceOptions.merge(
+            opts,
+            pulumi.ResourceOptions(
+                ignore_changes=[] if spec.ssh_keys else ["osProfile.linuxConfiguration.ssh"]
+            ),
+        ),
+    )
+    private_ip = nic.ip_configurations.apply(
+        lambda cfgs: (cfgs[0].private_ip_address or "") if cfgs else ""
+    )
+    return VmParts(
+        instance_id=vm.vm_id,
+        private_ip=private_ip,
+        public_ip=public_ip.ip_address.apply(lambda a: a or "") if public_ip else None,
+    )

@@ -1,0 +1,282 @@
+"""Stack configuration: the `umbra:*` keys of `stacks/Pulumi.<stack>.yaml`, validated at program
+start. Every failure names the key and what is wrong; callers show `ConfigError` text as is.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import re
+from collections.abc import Mapping
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from umbra.attest.measurement import canonical_ssh_key
+
+NAMESPACE = "umbra"
+STACK_KEY = f"{NAMESPACE}:stack"
+CONSOLE_DB_PASSWORD_KEY = f"{NAMESPACE}:consoleDbPassword"
+KNOWN_KEYS = frozenset({STACK_KEY, CONSOLE_DB_PASSWORD_KEY})
+
+
+class ConfigError(Exception):
+    """The stack configuration is wrong; the message says which key and why."""
+
+
+# Short names keep every derived cloud resource name within its limit (GCP service account ids
+# are at most 30 characters: "umbra-" + team + "-dev").
+Name = Annotated[str, Field(pattern=r"^[a-z][a-z0-9-]{0,14}[a-z0-9]$")]
+
+
+def _ssh_key(line: str) -> str:
+    canonical_ssh_key(line)  # raises ValueError naming the bad line
+    return line.strip()
+
+
+def _https(url: str) -> str:
+    if not re.fullmatch(r"https://[A-Za-z0-9.-]+(:\d{1,5})?(/[A-Za-z0-9._~/-]*)?", url):
+        raise ValueError("must be an https:// URL with a host name (no credentials, no query)")
+    return url
+
+
+def _not_everywhere(net: ipaddress.IPv4Network) -> ipaddress.IPv4Network:
+    if net.prefixlen < 8:
+        raise ValueError(f"{net} opens the port to (nearly) the whole internet; name your ranges")
+    return net
+
+
+SshKey = Annotated[str, AfterValidator(_ssh_key)]
+HttpsUrl = Annotated[str, AfterValidator(_https)]
+IngressCidr = Annotated[ipaddress.IPv4Network, AfterValidator(_not_everywhere)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class GcpPlacement(_Strict):
+    project: Annotated[str, Field(pattern=r"^[a-z][a-z0-9-]{4,28}[a-z0-9]$")]
+    region: Annotated[str, Field(pattern=r"^[a-z]+-[a-z]+\d$")]
+    zone: Annotated[str, Field(pattern=r"^[a-z]+-[a-z]+\d-[a-z]$")]
+
+    @model_validator(mode="after")
+    def _zone_in_region(self) -> GcpPlacement:
+        if not self.zone.startswith(self.region + "-"):
+            raise ValueError(f"zone {self.zone!r} is not in region {self.region!r}")
+        return self
+
+
+class AzurePlacement(_Strict):
+    location: Annotated[str, Field(pattern=r"^[a-z]+[a-z0-9]*$")]
+    # Availability zone; DCesv5 is zonal in most regions.
+    zone: Literal["1", "2", "3"] | None = None
+
+
+class NetworkConfig(_Strict):
+    dev_cidr: ipaddress.IPv4Network
+    security_cidr: ipaddress.IPv4Network
+    # Who may open the Dev CVM's attested SSH port (e.g. GCP IAP 35.235.240.0/20, a VPN range).
+    ssh_ingress_cidrs: list[IngressCidr] = Field(min_length=1)
+    # Where the Console is reached when that is not the public internet on 443.
+    console_cidrs: list[ipaddress.IPv4Network] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _disjoint(self) -> NetworkConfig:
+        for field, net in (("dev_cidr", self.dev_cidr), ("security_cidr", self.security_cidr)):
+            if not net.is_private:
+                raise ValueError(f"{field} {net} is not a private range")
+            if net.prefixlen > 28:
+                raise ValueError(f"{field} {net} is too small (at most /28)")
+        if self.dev_cidr.overlaps(self.security_cidr):
+            raise ValueError(
+                f"dev_cidr {self.dev_cidr} overlaps security_cidr {self.security_cidr}"
+            )
+        return self
+
+
+class CvmConfig(_Strict):
+    size: str = Field(min_length=1)
+    # A TDX-capable image: GCP image self link/family, Azure image id or "publisher:offer:sku:version".
+    image: str = Field(min_length=1)
+    disk_gb: int = Field(default=50, ge=20, le=2048)
+    # Output directory of `umbra image measure DEF --out DIR` (relative to the project root):
+    # app-compose.json is delivered, measurement-manifest.json named by its digest.
+    # Unset: images/build/<role> if it holds app-compose.json, else a marked placeholder.
+    release_dir: str | None = None
+    # Overrides the manifest reference: an https:// URL or sha256:<64 hex>.
+    measurement_manifest: (
+        Annotated[str, Field(pattern=r"^(https://\S+|sha256:[0-9a-f]{64})$")] | None
+    ) = None
+
+
+class Developer(_Strict):
+    name: Name
+    ssh_keys: list[SshKey] = Field(min_length=1)
+    cvms: list[Name] = Field(default_factory=lambda: ["main"], min_length=1)
+    size: str | None = None
+
+    @field_validator("cvms")
+    @classmethod
+    def _unique(cls, v: list[str]) -> list[str]:
+        if len(set(v)) != len(v):
+            raise ValueError("CVM names must be distinct")
+        return v
+
+
+class TeamStack(_Strict):
+    kind: Literal["team"]
+    team: Name
+    cloud: Literal["gcp", "azure"]
+    gcp: GcpPlacement | None = None
+    azure: AzurePlacement | None = None
+    console_url: HttpsUrl
+    network: NetworkConfig
+    security_cvm: CvmConfig
+    dev_cvm: CvmConfig
+    developers: list[Developer] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> TeamStack:
+        _check_placement(self.cloud, self.gcp, self.azure)
+        sizes = [("security_cvm.size", self.security_cvm.size), ("dev_cvm.size", self.dev_cvm.size)]
+        sizes += [
+            (f"developers[{i}].size", d.size) for i, d in enumerate(self.developers) if d.size
+        ]
+        for where, size in sizes:
+            _check_size(self.cloud, where, size)
+        _check_image(self.cloud, "security_cvm.image", self.security_cvm.image)
+        _check_image(self.cloud, "dev_cvm.image", self.dev_cvm.image)
+        names = [d.name for d in self.developers]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"developers listed twice: {', '.join(dup)}")
+        return self
+
+
+class ConsoleStack(_Strict):
+    kind: Literal["console"]
+    name: Name = "console"
+    cloud: Literal["gcp", "azure"]
+    gcp: GcpPlacement | None = None
+    azure: AzurePlacement | None = None
+    cidr: ipaddress.IPv4Network
+    # The Console runs in a TDX CVM too: it holds write-only secrets.
+    vm: CvmConfig
+    console_image: Annotated[
+        str, Field(pattern=r"^[a-z0-9.-]+(:\d+)?/[a-z0-9._/-]+@sha256:[0-9a-f]{64}$")
+    ]
+    ingress_cidrs: list[IngressCidr] = Field(min_length=1)
+    db_tier: str = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ConsoleStack:
+        _check_placement(self.cloud, self.gcp, self.azure)
+        _check_size(self.cloud, "vm.size", self.vm.size)
+        _check_image(self.cloud, "vm.image", self.vm.image)
+        if not self.cidr.is_private or self.cidr.prefixlen > 24:
+            raise ValueError(f"cidr {self.cidr} must be a private range of at least /24")
+        return self
+
+
+def _check_placement(cloud: str, gcp: GcpPlacement | None, azure: AzurePlacement | None) -> None:
+    if cloud == "gcp" and (gcp is None or azure is not None):
+        raise ValueError("cloud 'gcp' needs a 'gcp' block and no 'azure' block")
+    if cloud == "azure" and (azure is None or gcp is not None):
+        raise ValueError("cloud 'azure' needs an 'azure' block and no 'gcp' block")
+
+
+# TDX sizes only: DCesv5/DCedsv5/ECesv5/ECedsv5 (and v6). DCasv5 is AMD SEV-SNP, refused.
+def _check_size(cloud: str, where: str, size: str) -> None:
+    if cloud == "gcp" and not re.fullmatch(r"c3-(standard|highcpu|highmem)-\d+", size):
+        raise ValueError(f"{where} {size!r} is not a C3 machine type (TDX runs on C3 only)")
+    if cloud == "azure" and not re.fullmatch(r"Standard_[DE]C\d+(-\d+)?ed?s_v[56]", size):
+        raise ValueError(f"{where} {size!r} is not a TDX size (DCesv5/DCedsv5/ECesv5/ECedsv5)")
+
+
+def _check_image(cloud: str, where: str, image: str) -> None:
+    if cloud == "azure" and not (
+        image.startswith("/") or re.fullmatch(r"[^:\s]+(:[^:\s]+){3}", image)
+    ):
+        raise ValueError(
+            f"{where} {image!r} is neither a resource id nor publisher:offer:sku:version"
+        )
+    if cloud == "gcp" and not re.fullmatch(r"[a-z0-9/._-]+", image):
+        raise ValueError(f"{where} {image!r} is not a GCP image name or self link")
+
+
+class _Stack(_Strict):
+    stack: Annotated[TeamStack | ConsoleStack, Field(discriminator="kind")]
+
+
+StackConfig = TeamStack | ConsoleStack
+
+
+def _loc(loc: tuple[int | str, ...]) -> str:
+    # loc is ("stack", <discriminator branch>, field, ...): the branch is not a key the user wrote.
+    if len(loc) > 1 and loc[0] == "stack" and loc[1] in ("team", "console"):
+        loc = loc[:1] + loc[2:]
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else f"{NAMESPACE}:{part}"
+    return out
+
+
+def _message(err: Mapping[str, Any]) -> str:
+    kind = err["type"]
+    if kind == "extra_forbidden":
+        return "unknown key"
+    if kind == "missing":
+        return "required key is missing"
+    msg = str(err["msg"]).removeprefix("Value error, ").removeprefix("Assertion failed, ")
+    if kind == "union_tag_invalid":
+        return "kind must be 'team' or 'console'"
+    return f"{msg} (got {err['input']!r})" if kind.startswith("string_pattern") else msg
+
+
+def parse_stack_config(raw: Mapping[str, str], secret_keys: frozenset[str]) -> StackConfig:
+    """Validate the stack's `umbra:*` config (values as Pulumi hands them: strings, objects as
+    JSON). Raises ConfigError listing every problem, one `key: what` per line."""
+    unknown = sorted(k for k in raw if k.startswith(NAMESPACE + ":") and k not in KNOWN_KEYS)
+    if unknown:
+        raise ConfigError(
+            "\n".join(f"{k}: unknown key (known: {', '.join(sorted(KNOWN_KEYS))})" for k in unknown)
+        )
+    text = raw.get(STACK_KEY)
+    if text is None:
+        raise ConfigError(f"{STACK_KEY}: required key is missing (see docs/specs/infra.md)")
+    try:
+        doc = json.loads(text)
+    except ValueError:
+        raise ConfigError(f"{STACK_KEY}: must be a YAML mapping, got a plain string") from None
+    if not isinstance(doc, dict):
+        raise ConfigError(f"{STACK_KEY}: must be a YAML mapping, got {type(doc).__name__}")
+    try:
+        stack = _Stack.model_validate({"stack": doc}).stack
+    except ValidationError as exc:
+        lines = [f"{_loc(e['loc'])}: {_message(e)}" for e in exc.errors()]
+        raise ConfigError("\n".join(lines)) from None
+    if isinstance(stack, ConsoleStack):
+        if CONSOLE_DB_PASSWORD_KEY not in raw:
+            raise ConfigError(
+                f"{CONSOLE_DB_PASSWORD_KEY}: required key is missing "
+                f"(set it with `pulumi config set --secret {CONSOLE_DB_PASSWORD_KEY.split(':')[1]}`)"
+            )
+        if CONSOLE_DB_PASSWORD_KEY not in secret_keys:
+            raise ConfigError(
+                f"{CONSOLE_DB_PASSWORD_KEY}: stored in plain text; set it with `pulumi config set --secret`"
+            )
+        if len(raw[CONSOLE_DB_PASSWORD_KEY]) < 16:
+            raise ConfigError(f"{CONSOLE_DB_PASSWORD_KEY}: must be at least 16 characters")
+    return stack

@@ -1,0 +1,313 @@
+"""ConsoleService: the Console in a TDX CVM (it holds write-only secrets) plus managed PostgreSQL
+reachable only on a private address. One per deployment, not per team: team stacks name its URL.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import pulumi
+
+from umbra.components.config import AzurePlacement, GcpPlacement
+from umbra.components.cvm import CvmArgs, Placement, VmParts, VmSpec
+from umbra.components.launch_data import LaunchData
+from umbra.components.network import Cloud
+from umbra.components.ports import ROLE_CONSOLE, ROLE_LABEL
+
+CONSOLE_PORT = 443
+DB_NAME = "umbra"
+DB_USER = "umbra_console"
+
+
+@dataclass(frozen=True)
+class ConsoleServiceArgs:
+    name: str
+    cloud: Cloud
+    cidr: str
+    ingress_cidrs: Sequence[str]
+    vm_size: str
+    vm_image: str
+    console_image: str
+    app_compose: pulumi.Input[str]
+    db_tier: str
+    db_password: pulumi.Input[str]
+    gcp: GcpPlacement | None = None
+    azure: AzurePlacement | None = None
+
+
+def _halves(cidr: str) -> tuple[str, str]:
+    vm, db = ipaddress.IPv4Network(cidr).subnets(prefixlen_diff=1)
+    return str(vm), str(db)
+
+
+class ConsoleService(pulumi.ComponentResource):
+    private_ip: pulumi.Output[str]
+    public_ip: pulumi.Output[str] | None
+    database_host: pulumi.Output[str]
+    database_url: pulumi.Output[str]
+
+    def __init__(
+        self, name: str, args: ConsoleServiceArgs, opts: pulumi.ResourceOptions | None = None
+    ) -> None:
+        super().__init__("umbra:infra:ConsoleService", name, None, opts)
+        child = pulumi.ResourceOptions(parent=self)
+        password = pulumi.Output.secret(args.db_password)
+        identity: pulumi.Output[str] | None
+        if args.cloud == "gcp":
+            subnet_id, identity, db_host, place = _gcp_base(name, args, password, child)
+        else:
+            subnet_id, identity, db_host, place = _azure_base(name, args, password, child)
+        cvm = CvmArgs(
+            team=args.name,
+            vm_name=f"umbra-{args.name}",
+            placement=place,
+            size=args.vm_size,
+            image=args.vm_image,
+            subnet_id=subnet_id,
+            identity=identity,
+            app_compose=args.app_compose,
+            labels={ROLE_LABEL: ROLE_CONSOLE},
+        )
+        launch = pulumi.Output.from_input(args.app_compose).apply(
+            lambda c: LaunchData(
+                role=ROLE_CONSOLE, team=args.name, cvm_id=f"umbra-{args.name}", app_compose=c
+            )
+        )
+        spec = VmSpec(ROLE_CONSOLE, cvm, launch, private_ip=None, public_ip=True, ssh_keys=())
+        parts: VmParts
+        if args.cloud == "gcp":
+            from umbra.components.gcp_vm import build_gcp_vm
+
+            parts = build_gcp_vm(f"{name}-vm", spec, child)
+        else:
+            from umbra.components.azure_vm import build_azure_vm
+
+            parts = build_azure_vm(f"{name}-vm", spec, child)
+        self.private_ip = parts.private_ip
+        self.public_ip = parts.public_ip
+        self.database_host = db_host
+        # The URL embeds the password, so it is a secret output end to end.
+        self.database_url = pulumi.Output.secret(
+            pulumi.Output.format(
+                "postgresql://{0}:{1}@{2}:5432/{3}?sslmode=verify-full",
+                DB_USER,
+                password,
+                db_host,
+                DB_NAME,
+            )
+        )
+        self.register_outputs(
+            {
+                "private_ip": self.private_ip,
+                "public_ip": self.public_ip,
+                "database_host": self.database_host,
+                "database_url": self.database_url,
+            }
+        )
+
+
+def _gcp_base(
+    name: str, args: ConsoleServiceArgs, password: pulumi.Output[str], opts: pulumi.ResourceOptions
+) -> tuple[pulumi.Output[str], pulumi.Output[str], pulumi.Output[str], Placement]:
+    import pulumi_gcp as gcp
+
+    assert args.gcp is not None
+    project, region = args.gcp.project, args.gcp.region
+    vm_cidr, _ = _halves(args.cidr)
+    vpc = gcp.compute.Network(
+        f"{name}-vpc",
+        name=f"umbra-{args.name}",
+        project=project,
+        auto_create_subnetworks=False,
+        opts=opts,
+    )
+    subnet = gcp.compute.Subnetwork(
+        f"{name}-subnet",
+        name=f"umbra-{args.name}",
+        project=project,
+        region=region,
+        network=vpc.id,
+        ip_cidr_range=vm_cidr,
+        opts=opts,
+    )
+    sa = gcp.serviceaccount.Account(
+        f"{name}-sa", account_id=f"umbra-{args.name}", project=project, opts=opts
+    )
+    gcp.compute.Firewall(
+        f"{name}-https-in",
+        name=f"umbra-{args.name}-https-in",
+        project=project,
+        network=vpc.id,
+        direction="INGRESS",
+        target_service_accounts=[sa.email],
+        source_ranges=list(args.ingress_cidrs),
+        allows=[gcp.compute.FirewallAllowArgs(protocol="tcp", ports=[str(CONSOLE_PORT)])],
+        opts=opts,
+    )
+    # Private services access: Cloud SQL gets an address inside this VPC only.
+    peering_range = gcp.compute.GlobalAddress(
+        f"{name}-sql-range",
+        name=f"umbra-{args.name}-sql",
+        project=project,
+        network=vpc.id,
+        purpose="VPC_PEERING",
+        address_type="INTERNAL",
+        prefix_length=20,
+        opts=opts,
+    )
+    psa = gcp.servicenetworking.Connection(
+        f"{name}-psa",
+        network=vpc.id,
+        service="servicenetworking.googleapis.com",
+        reserved_peering_ranges=[peering_range.name],
+        opts=opts,
+    )
+    db = gcp.sql.DatabaseInstance(
+        f"{name}-db",
+        name=f"umbra-{args.name}",
+        project=project,
+        region=region,
+        database_version="POSTGRES_16",
+        deletion_protection=True,
+        settings=gcp.sql.DatabaseInstanceSettingsArgs(
+            tier=args.db_tier,
+            availability_type="REGIONAL",
+            backup_configuration=gcp.sql.DatabaseInstanceSettingsBackupConfigurationArgs(
+                enabled=True, point_in_time_recovery_enabled=True
+            ),
+            ip_configuration=gcp.sql.DatabaseInstanceSettingsIpConfigurationArgs(
+                ipv4_enabled=False, private_network=vpc.id, ssl_mode="ENCRYPTED_ONLY"
+            ),
+        ),
+        opts=pulumi.ResourceOptions.merge(opts, pulumi.ResourceOptions(depends_on=[psa])),
+    )
+    gcp.sql.Database(f"{name}-db-umbra", name=DB_NAME, instance=db.name, project=project, opts=opts)
+    gcp.sql.User(
+        f"{name}-db-user",
+        name=DB_USER,
+        instance=db.name,
+        project=project,
+        password=password,
+        opts=opts,
+    )
+    place = Placement(cloud="gcp", project=project, zone=args.gcp.zone)
+    return subnet.id, sa.email, db.private_ip_address, place
+
+
+def _azure_base(
+    name: str, args: ConsoleServiceArgs, password: pulumi.Output[str], opts: pulumi.ResourceOptions
+) -> tuple[pulumi.Output[str], None, pulumi.Output[str], Placement]:
+    import pulumi_azure_native as azure
+
+    assert args.azure is not None
+    location = args.azure.location
+    vm_cidr, db_cidr = _halves(args.cidr)
+    rg = azure.resources.ResourceGroup(
+        f"{name}-rg", resource_group_name=f"umbra-{args.name}", location=location, opts=opts
+    )
+    nsg = azure.network.NetworkSecurityGroup(
+        f"{name}-nsg",
+        resource_group_name=rg.name,
+        location=location,
+        security_rules=[
+            azure.network.SecurityRuleArgs(
+                name="https-in",
+                priority=100,
+                direction="Inbound",
+                access="Allow",
+                protocol="Tcp",
+                source_address_prefixes=list(args.ingress_cidrs),
+                source_port_range="*",
+                destination_address_prefix=vm_cidr,
+                destination_port_range=str(CONSOLE_PORT),
+            ),
+            azure.network.SecurityRuleArgs(
+                name="deny-all-inbound",
+                priority=4096,
+                direction="Inbound",
+                access="Deny",
+                protocol="*",
+                source_address_prefix="*",
+                source_port_range="*",
+                destination_address_prefix="*",
+                destination_port_range="*",
+            ),
+        ],
+        opts=opts,
+    )
+    vnet = azure.network.VirtualNetwork(
+        f"{name}-vnet",
+        resource_group_name=rg.name,
+        location=location,
+        address_space=azure.network.AddressSpaceArgs(address_prefixes=[args.cidr]),
+        opts=pulumi.ResourceOptions.merge(opts, pulumi.ResourceOptions(ignore_changes=["subnets"])),
+    )
+    vm_subnet = azure.network.Subnet(
+        f"{name}-vm",
+        subnet_name="console",
+        resource_group_name=rg.name,
+        virtual_network_name=vnet.name,
+        address_prefix=vm_cidr,
+        network_security_group=azure.network.NetworkSecurityGroupArgs(id=nsg.id),
+        opts=opts,
+    )
+    db_subnet = azure.network.Subnet(
+        f"{name}-db",
+        subnet_name="postgres",
+        resource_group_name=rg.name,
+        virtual_network_name=vnet.name,
+        address_prefix=db_cidr,
+        delegations=[
+            azure.network.DelegationArgs(
+                name="postgres", service_name="Microsoft.DBforPostgreSQL/flexibleServers"
+            )
+        ],
+        opts=pulumi.ResourceOptions.merge(opts, pulumi.ResourceOptions(depends_on=[vm_subnet])),
+    )
+    zone = azure.privatedns.PrivateZone(
+        f"{name}-dns",
+        private_zone_name=f"umbra-{args.name}.private.postgres.database.azure.com",
+        resource_group_name=rg.name,
+        location="global",
+        opts=opts,
+    )
+    link = azure.privatedns.VirtualNetworkLink(
+        f"{name}-dns-link",
+        private_zone_name=zone.name,
+        resource_group_name=rg.name,
+        location="global",
+        registration_enabled=False,
+        virtual_network=azure.privatedns.SubResourceArgs(id=vnet.id),
+        opts=opts,
+    )
+    server = azure.dbforpostgresql.Server(
+        f"{name}-pg",
+        server_name=f"umbra-{args.name}",
+        resource_group_name=rg.name,
+        location=location,
+        version="16",
+        sku=azure.dbforpostgresql.SkuArgs(name=args.db_tier, tier="GeneralPurpose"),
+        storage=azure.dbforpostgresql.StorageArgs(storage_size_gb=64),
+        administrator_login=DB_USER,
+        administrator_login_password=password,
+        network=azure.dbforpostgresql.NetworkArgs(
+            delegated_subnet_resource_id=db_subnet.id,
+            private_dns_zone_arm_resource_id=zone.id,
+            public_network_access="Disabled",
+        ),
+        opts=pulumi.ResourceOptions.merge(opts, pulumi.ResourceOptions(depends_on=[link])),
+    )
+    azure.dbforpostgresql.Database(
+        f"{name}-pg-umbra",
+        database_name=DB_NAME,
+        server_name=server.name,
+        resource_group_name=rg.name,
+        opts=opts,
+    )
+    place = Placement(
+        cloud="azure", location=location, zone=args.azure.zone, resource_group_name=rg.name
+    )
+    host = server.fully_qualified_domain_name.apply(lambda h: h or "")
+    return vm_subnet.id, None, host, place

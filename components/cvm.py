@@ -1,0 +1,180 @@
+"""SecurityCvm and DevCvm: TDX confidential VMs whose launch-bound configuration (compose file,
+SSH keys, measurement manifest reference) is delivered as instance metadata / custom data and
+measured by the guest. Any change to that configuration replaces the VM: it is a new launch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import pulumi
+
+from umbra.components.launch_data import LaunchData
+from umbra.components.network import Cloud
+from umbra.components.ports import ROLE_DEV, ROLE_SECURITY
+
+
+@dataclass(frozen=True)
+class Placement:
+    cloud: Cloud
+    # GCP: project and zone. Azure: location, optional zone and the team's resource group.
+    project: str | None = None
+    zone: str | None = None
+    location: str | None = None
+    resource_group_name: pulumi.Input[str] | None = None
+
+
+@dataclass(frozen=True)
+class CvmArgs:
+    """What every CVM needs. `app_compose` is the release's app-compose.json (`umbra image
+    measure --out`): canonical JSON around umbra.sandbox's rendered docker-compose, whose SHA-256
+    is the compose hash. `measurement_manifest` is the release manifest's URL or digest."""
+
+    team: str
+    vm_name: str
+    placement: Placement
+    size: str
+    image: str
+    subnet_id: pulumi.Input[str]
+    app_compose: pulumi.Input[str]
+    measurement_manifest: pulumi.Input[str] | None = None
+    # The `umbra.cvm-id` event payload (the Console's CVM id); defaults to vm_name.
+    cvm_id: str = ""
+    disk_gb: int = 50
+    # GCP: the service account the network's firewall rules target.
+    identity: pulumi.Input[str] | None = None
+    labels: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SecurityCvmArgs(CvmArgs):
+    # The fixed address Dev CVM egress rules name (TeamNetwork.security_cvm_ip).
+    private_ip: pulumi.Input[str] = ""
+
+
+@dataclass(frozen=True)
+class DevCvmArgs(CvmArgs):
+    developer: str = ""
+    # Launch-bound: their hash is the `umbra.ssh-authorized-keys` RTMR3 event.
+    ssh_authorized_keys: Sequence[str] = ()
+
+    def __post_init__(self) -> None:
+        if not self.developer:
+            raise ValueError("DevCvmArgs.developer is required")
+        if not self.ssh_authorized_keys:
+            raise ValueError(f"DevCvmArgs: developer {self.developer!r} has no SSH keys")
+
+
+@dataclass(frozen=True)
+class VmSpec:
+    """The cloud-neutral description a builder turns into resources."""
+
+    role: str
+    args: CvmArgs
+    launch: pulumi.Output[LaunchData]
+    private_ip: pulumi.Input[str] | None
+    public_ip: bool
+    ssh_keys: Sequence[str]
+
+
+@dataclass
+class VmParts:
+    instance_id: pulumi.Output[str]
+    private_ip: pulumi.Output[str]
+    public_ip: pulumi.Output[str] | None = None
+
+
+def _launch_data(role: str, args: CvmArgs, keys: Sequence[str]) -> pulumi.Output[LaunchData]:
+    manifest = args.measurement_manifest
+    return pulumi.Output.all(args.app_compose, manifest).apply(
+        lambda v: LaunchData(
+            role=role,
+            team=args.team,
+            cvm_id=args.cvm_id or args.vm_name,
+            app_compose=v[0],
+            measurement_manifest=v[1],
+            ssh_authorized_keys=tuple(keys),
+        )
+    )
+
+
+def _build(name: str, spec: VmSpec, opts: pulumi.ResourceOptions) -> VmParts:
+    if spec.args.placement.cloud == "gcp":
+        from umbra.components.gcp_vm import build_gcp_vm
+
+        return build_gcp_vm(name, spec, opts)
+    from umbra.components.azure_vm import build_azure_vm
+
+    return build_azure_vm(name, spec, opts)
+
+
+class _Cvm(pulumi.ComponentResource):
+    instance_id: pulumi.Output[str]
+    private_ip: pulumi.Output[str]
+    compose_sha256: pulumi.Output[str]
+    expected_events: pulumi.Output[dict[str, str]]
+    is_placeholder: pulumi.Output[bool]
+
+    def _finish(self, spec: VmSpec, parts: VmParts, extra: dict[str, Any]) -> None:
+        self.instance_id = parts.instance_id
+        self.private_ip = parts.private_ip
+        self.compose_sha256 = spec.launch.apply(lambda d: d.compose_sha256)
+        self.expected_events = spec.launch.apply(lambda d: d.expected_events())
+        self.is_placeholder = spec.launch.apply(lambda d: d.is_placeholder)
+        self.register_outputs(
+            {
+                "instance_id": self.instance_id,
+                "private_ip": self.private_ip,
+                "compose_sha256": self.compose_sha256,
+                "expected_events": self.expected_events,
+                "is_placeholder": self.is_placeholder,
+                **extra,
+            }
+        )
+
+
+class SecurityCvm(_Cvm):
+    public_ip: pulumi.Output[str] | None
+
+    def __init__(
+        self, name: str, args: SecurityCvmArgs, opts: pulumi.ResourceOptions | None = None
+    ) -> None:
+        super().__init__("umbra:infra:SecurityCvm", name, None, opts)
+        # The proxy dials the internet, so this is the one CVM with a public address; its
+        # firewall admits only the tunnel from the team's Dev CVMs.
+        spec = VmSpec(
+            role=ROLE_SECURITY,
+            args=args,
+            launch=_launch_data(ROLE_SECURITY, args, ()),
+            private_ip=args.private_ip or None,
+            public_ip=True,
+            ssh_keys=(),
+        )
+        parts = _build(name, spec, pulumi.ResourceOptions(parent=self))
+        self.public_ip = parts.public_ip
+        self._finish(spec, parts, {"public_ip": parts.public_ip} if parts.public_ip else {})
+
+
+class DevCvm(_Cvm):
+    ssh_keys_sha256: pulumi.Output[str]
+
+    def __init__(
+        self, name: str, args: DevCvmArgs, opts: pulumi.ResourceOptions | None = None
+    ) -> None:
+        super().__init__("umbra:infra:DevCvm", name, None, opts)
+        keys = tuple(args.ssh_authorized_keys)
+        spec = VmSpec(
+            role=ROLE_DEV,
+            args=args,
+            launch=_launch_data(ROLE_DEV, args, keys),
+            private_ip=None,
+            public_ip=False,
+            ssh_keys=keys,
+        )
+        parts = _build(name, spec, pulumi.ResourceOptions(parent=self))
+        self.ssh_keys_sha256 = spec.launch.apply(lambda d: d.ssh_keys_sha256 or "")
+        self._finish(
+            spec, parts, {"ssh_keys_sha256": self.ssh_keys_sha256, "developer": args.developer}
+        )

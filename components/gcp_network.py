@@ -1,0 +1,188 @@
+"""GCP half of TeamNetwork: a custom-mode VPC without the default internet route, two subnets,
+one service account per role (firewall targets by identity, not by tag), and firewall rules.
+
+GCP firewalls are stateful, so replies to allowed ingress need no egress rule; the deny-all
+egress rules sit at the lowest priority so only the named allows above them pass. The default
+internet route exists only for instances tagged as the Security CVM, so even a mistaken firewall
+rule leaves a Dev CVM with no route out.
+"""
+
+from __future__ import annotations
+
+import pulumi
+import pulumi_gcp as gcp
+
+from umbra.components.network import NetworkParts, TeamNetworkArgs
+from umbra.components.ports import (
+    DEV_ATTESTED_SSH_PORT,
+    ROLE_DEV,
+    ROLE_LABEL,
+    ROLE_SECURITY,
+    SECURITY_EGRESS_PORTS,
+    SECURITY_ROUTE_TAG,
+    SECURITY_TUNNEL_PORT,
+)
+
+ALLOW_PRIORITY = 1000
+DENY_ALL_PRIORITY = 65000
+
+
+def build_gcp_network(
+    name: str, args: TeamNetworkArgs, security_ip: str, opts: pulumi.ResourceOptions
+) -> NetworkParts:
+    assert args.gcp is not None
+    project, region = args.gcp.project, args.gcp.region
+    prefix = f"umbra-{args.team}"
+
+    vpc = gcp.compute.Network(
+        f"{name}-vpc",
+        name=prefix,
+        project=project,
+        auto_create_subnetworks=False,
+        delete_default_routes_on_create=True,
+        routing_mode="REGIONAL",
+        opts=opts,
+    )
+    dev_subnet = gcp.compute.Subnetwork(
+        f"{name}-dev",
+        name=f"{prefix}-dev",
+        project=project,
+        region=region,
+        network=vpc.id,
+        ip_cidr_range=args.dev_cidr,
+        private_ip_google_access=False,
+        opts=opts,
+    )
+    sec_subnet = gcp.compute.Subnetwork(
+        f"{name}-security",
+        name=f"{prefix}-security",
+        project=project,
+        region=region,
+        network=vpc.id,
+        ip_cidr_range=args.security_cidr,
+        private_ip_google_access=False,
+        opts=opts,
+    )
+    gcp.compute.Route(
+        f"{name}-security-egress-route",
+        name=f"{prefix}-security-egress",
+        project=project,
+        network=vpc.id,
+        dest_range="0.0.0.0/0",
+        next_hop_gateway="default-internet-gateway",
+        tags=[SECURITY_ROUTE_TAG],
+        priority=1000,
+        opts=opts,
+    )
+    # Identities with no roles: the instances call no Google API.
+    dev_sa = gcp.serviceaccount.Account(
+        f"{name}-dev-sa",
+        account_id=f"{prefix}-dev",
+        display_name=f"Umbra Dev CVMs of team {args.team}",
+        project=project,
+        opts=opts,
+    )
+    sec_sa = gcp.serviceaccount.Account(
+        f"{name}-security-sa",
+        account_id=f"{prefix}-sec",
+        display_name=f"Umbra Security CVM of team {args.team}",
+        project=project,
+        opts=opts,
+    )
+
+    def rule(
+        suffix: str,
+        *,
+        direction: str,
+        priority: int,
+        target_service_accounts: list[pulumi.Output[str]],
+        allows: list[gcp.compute.FirewallAllowArgs] | None = None,
+        denies: list[gcp.compute.FirewallDenyArgs] | None = None,
+        destination_ranges: list[str] | None = None,
+        source_ranges: list[str] | None = None,
+        source_service_accounts: list[pulumi.Output[str]] | None = None,
+    ) -> None:
+        gcp.compute.Firewall(
+            f"{name}-{suffix}",
+            name=f"{prefix}-{suffix}",
+            # The policy pack reads the role from here: it is known at preview, emails are not.
+            description=f"{ROLE_LABEL}={ROLE_DEV if suffix.startswith('dev-') else ROLE_SECURITY}",
+            project=project,
+            network=vpc.id,
+            direction=direction,
+            priority=priority,
+            target_service_accounts=target_service_accounts,
+            allows=allows,
+            denies=denies,
+            destination_ranges=destination_ranges,
+            source_ranges=source_ranges,
+            source_service_accounts=source_service_accounts,
+            log_config=gcp.compute.FirewallLogConfigArgs(metadata="INCLUDE_ALL_METADATA"),
+            opts=opts,
+        )
+
+    tcp = gcp.compute.FirewallAllowArgs
+    rule(
+        "dev-to-security",
+        direction="EGRESS",
+        priority=ALLOW_PRIORITY,
+        target_service_accounts=[dev_sa.email],
+        destination_ranges=[f"{security_ip}/32"],
+        allows=[tcp(protocol="tcp", ports=[str(SECURITY_TUNNEL_PORT)])],
+    )
+    rule(
+        "dev-deny-egress",
+        direction="EGRESS",
+        priority=DENY_ALL_PRIORITY,
+        target_service_accounts=[dev_sa.email],
+        destination_ranges=["0.0.0.0/0"],
+        denies=[gcp.compute.FirewallDenyArgs(protocol="all")],
+    )
+    rule(
+        "dev-attested-ssh",
+        direction="INGRESS",
+        priority=ALLOW_PRIORITY,
+        target_service_accounts=[dev_sa.email],
+        source_ranges=list(args.ssh_ingress_cidrs),
+        allows=[tcp(protocol="tcp", ports=[str(DEV_ATTESTED_SSH_PORT)])],
+    )
+    rule(
+        "security-tunnel-in",
+        direction="INGRESS",
+        priority=ALLOW_PRIORITY,
+        target_service_accounts=[sec_sa.email],
+        source_service_accounts=[dev_sa.email],
+        allows=[tcp(protocol="tcp", ports=[str(SECURITY_TUNNEL_PORT)])],
+    )
+    rule(
+        "security-web-egress",
+        direction="EGRESS",
+        priority=ALLOW_PRIORITY,
+        target_service_accounts=[sec_sa.email],
+        destination_ranges=["0.0.0.0/0"],
+        allows=[tcp(protocol="tcp", ports=[str(p) for p in SECURITY_EGRESS_PORTS])],
+    )
+    if args.console_cidrs:
+        rule(
+            "security-console-egress",
+            direction="EGRESS",
+            priority=ALLOW_PRIORITY,
+            target_service_accounts=[sec_sa.email],
+            destination_ranges=list(args.console_cidrs),
+            allows=[tcp(protocol="tcp", ports=[str(args.console_port)])],
+        )
+    rule(
+        "security-deny-egress",
+        direction="EGRESS",
+        priority=DENY_ALL_PRIORITY,
+        target_service_accounts=[sec_sa.email],
+        destination_ranges=["0.0.0.0/0"],
+        denies=[gcp.compute.FirewallDenyArgs(protocol="all")],
+    )
+    return NetworkParts(
+        network_id=vpc.id,
+        dev_subnet_id=dev_subnet.id,
+        security_subnet_id=sec_subnet.id,
+        dev_identity=dev_sa.email,
+        security_identity=sec_sa.email,
+    )

@@ -1,0 +1,137 @@
+"""Launch-bound configuration: what a CVM's measured boot reads from instance metadata (GCP) or
+custom data (Azure). The host can rewrite these bytes, so the guest never trusts them as given:
+its launch agent hashes app-compose.json, the CVM id and the SSH keys and extends them into RTMR3
+(`compose-hash`, `umbra.cvm-id`, `umbra.ssh-authorized-keys`) before starting anything, and the CLI/Console
+refuse a quote whose replayed events differ from the release manifest and instance binding.
+The digests here are informational copies for operators, computed the same way.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from umbra.attest.measurement import COMPOSE_HASH_EVENT, SSH_KEYS_EVENT, ssh_keys_digest
+
+# GCP metadata and Azure custom-data keys the image's launch agent reads.
+META_APP_COMPOSE = "umbra-app-compose"
+META_COMPOSE_HASH = "umbra-compose-hash"
+META_CVM_ID = "umbra-cvm-id"
+META_SSH_KEYS = "umbra-ssh-authorized-keys"
+META_MANIFEST = "umbra-measurement-manifest"
+META_ROLE = "umbra-role"
+META_TEAM = "umbra-team"
+META_EVENTS = "umbra-rtmr3-events"
+# Same name as umbra.images.measure.CVM_ID_EVENT (a test keeps them equal).
+CVM_ID_EVENT = "umbra.cvm-id"
+
+# Azure limits custom data to 64 KiB after base64.
+AZURE_CUSTOM_DATA_MAX = 65536
+
+PLACEHOLDER_MARK = "# UMBRA PLACEHOLDER COMPOSE: not a release, do not attest against it"
+
+
+def _canonical_json(doc: object) -> str:
+    return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+
+
+def placeholder_app_compose(role: str) -> str:
+    """An app-compose.json (the measured document, see umbra.images.measure) around a compose
+    file that starts nothing useful, for trying the program before a release exists. Its hash
+    matches no release manifest, so no verifier accepts the CVM."""
+    compose = (
+        f"{PLACEHOLDER_MARK}\n"
+        f"name: umbra-{role}-placeholder\n"
+        "services:\n"
+        "  placeholder:\n"
+        "    image: busybox@sha256:0000000000000000000000000000000000000000000000000000000000000000\n"
+        '    command: ["sh", "-c", "echo placeholder compose; sleep infinity"]\n'
+        "    network_mode: none\n"
+    )
+    return _canonical_json(
+        {
+            "docker_compose_file": compose,
+            "manifest_version": 2,
+            "name": f"umbra-{role}-placeholder",
+            "runner": "docker-compose",
+        }
+    )
+
+
+@dataclass(frozen=True)
+class LaunchData:
+    """`app_compose` is the release's app-compose.json text: canonical JSON wrapping the rendered
+    docker-compose file. Its SHA-256 is the compose hash the release manifest pins."""
+
+    role: str
+    team: str
+    cvm_id: str
+    app_compose: str
+    measurement_manifest: str | None = None
+    ssh_authorized_keys: Sequence[str] = field(default_factory=tuple)
+
+    @property
+    def compose_sha256(self) -> str:
+        return hashlib.sha256(self.app_compose.encode()).hexdigest()
+
+    @property
+    def ssh_keys_sha256(self) -> str | None:
+        if not self.ssh_authorized_keys:
+            return None
+        return ssh_keys_digest(list(self.ssh_authorized_keys)).hex()
+
+    @property
+    def is_placeholder(self) -> bool:
+        try:
+            doc = json.loads(self.app_compose)
+        except ValueError:
+            return False
+        compose = doc.get("docker_compose_file") if isinstance(doc, dict) else None
+        return isinstance(compose, str) and compose.startswith(PLACEHOLDER_MARK)
+
+    def expected_events(self) -> dict[str, str]:
+        """RTMR3 runtime events, name -> payload hex, in the order the launch agent extends
+        them: the release-bound compose hash, then the launch-bound CVM id and SSH keys."""
+        events = {
+            COMPOSE_HASH_EVENT: self.compose_sha256,
+            CVM_ID_EVENT: self.cvm_id.encode().hex(),
+        }
+        if self.ssh_keys_sha256 is not None:
+            events[SSH_KEYS_EVENT] = self.ssh_keys_sha256
+        return events
+
+    def as_metadata(self) -> dict[str, str]:
+        meta = {
+            META_ROLE: self.role,
+            META_TEAM: self.team,
+            META_CVM_ID: self.cvm_id,
+            META_APP_COMPOSE: self.app_compose,
+            META_COMPOSE_HASH: self.compose_sha256,
+            META_EVENTS: json.dumps(self.expected_events()),
+        }
+        if self.ssh_authorized_keys:
+            meta[META_SSH_KEYS] = "\n".join(self.ssh_authorized_keys) + "\n"
+        if self.measurement_manifest:
+            meta[META_MANIFEST] = self.measurement_manifest
+        return meta
+
+    def gcp_metadata(self) -> dict[str, str]:
+        # Keys GCP's own agents would honour are shut so only the measured keys log in.
+        return self.as_metadata() | {
+            "block-project-ssh-keys": "TRUE",
+            "enable-oslogin": "FALSE",
+            "serial-port-enable": "FALSE",
+        }
+
+    def azure_custom_data(self) -> str:
+        blob = _canonical_json({"umbra": self.as_metadata()})
+        encoded = base64.b64encode(blob.encode()).decode()
+        if len(encoded) > AZURE_CUSTOM_DATA_MAX:
+            raise ValueError(
+                f"{self.role} launch data is {len(encoded)} bytes after base64; "
+                f"Azure custom data holds at most {AZURE_CUSTOM_DATA_MAX}"
+            )
+        return encoded

@@ -1,0 +1,112 @@
+"""TeamNetwork: one team's private network. Dev CVMs reach only their team's Security CVM (on the
+tunnel port) and accept only the attested SSH port from named ranges; the Security CVM accepts
+the tunnel from Dev CVMs and egresses only on 80/443 (and to the Console). No peering, no shared
+resources: each team's network stands alone.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import pulumi
+
+from umbra.components.config import AzurePlacement, GcpPlacement
+
+Cloud = Literal["gcp", "azure"]
+
+
+def security_cvm_ip(security_cidr: str) -> str:
+    """The Security CVM's fixed private address: Dev CVM egress rules name exactly this /32.
+    Host 10 clears every cloud's reserved low addresses (GCP .0-.1, Azure .0-.3)."""
+    return str(ipaddress.IPv4Network(security_cidr).network_address + 10)
+
+
+@dataclass(frozen=True)
+class TeamNetworkArgs:
+    team: str
+    cloud: Cloud
+    dev_cidr: str
+    security_cidr: str
+    ssh_ingress_cidrs: Sequence[str]
+    console_cidrs: Sequence[str] = ()
+    # The Console's port when `console_cidrs` is used (443 to the internet is always allowed).
+    console_port: int = 443
+    gcp: GcpPlacement | None = None
+    azure: AzurePlacement | None = None
+    labels: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # The config layer checks this too; components are also used directly (automation).
+        for cidr in self.ssh_ingress_cidrs:
+            if ipaddress.IPv4Network(cidr).prefixlen == 0:
+                raise ValueError(f"ssh_ingress_cidrs: {cidr} would open SSH to the internet")
+        if (self.cloud == "gcp") != (self.gcp is not None):
+            raise ValueError("TeamNetworkArgs: gcp placement must be given exactly for cloud 'gcp'")
+        if (self.cloud == "azure") != (self.azure is not None):
+            raise ValueError(
+                "TeamNetworkArgs: azure placement must be given exactly for cloud 'azure'"
+            )
+
+
+@dataclass
+class NetworkParts:
+    """What a cloud builder hands back; the component registers these as its outputs."""
+
+    network_id: pulumi.Output[str]
+    dev_subnet_id: pulumi.Output[str]
+    security_subnet_id: pulumi.Output[str]
+    # GCP: service account emails used as firewall targets. Azure: None (NSGs are per subnet).
+    dev_identity: pulumi.Output[str] | None = None
+    security_identity: pulumi.Output[str] | None = None
+    # Azure: the team's resource group. GCP: None.
+    resource_group_name: pulumi.Output[str] | None = None
+
+
+class TeamNetwork(pulumi.ComponentResource):
+    network_id: pulumi.Output[str]
+    dev_subnet_id: pulumi.Output[str]
+    security_subnet_id: pulumi.Output[str]
+    security_cvm_ip: pulumi.Output[str]
+    dev_identity: pulumi.Output[str] | None
+    security_identity: pulumi.Output[str] | None
+    resource_group_name: pulumi.Output[str] | None
+
+    def __init__(
+        self, name: str, args: TeamNetworkArgs, opts: pulumi.ResourceOptions | None = None
+    ) -> None:
+        super().__init__("umbra:infra:TeamNetwork", name, None, opts)
+        self.args = args
+        ip = security_cvm_ip(args.security_cidr)
+        child = pulumi.ResourceOptions(parent=self)
+        if args.cloud == "gcp":
+            from umbra.components.gcp_network import build_gcp_network
+
+            parts = build_gcp_network(name, args, ip, child)
+        else:
+            from umbra.components.azure_network import build_azure_network
+
+            parts = build_azure_network(name, args, ip, child)
+        self.network_id = parts.network_id
+        self.dev_subnet_id = parts.dev_subnet_id
+        self.security_subnet_id = parts.security_subnet_id
+        self.security_cvm_ip = pulumi.Output.from_input(ip)
+        self.dev_identity = parts.dev_identity
+        self.security_identity = parts.security_identity
+        self.resource_group_name = parts.resource_group_name
+        outputs: dict[str, pulumi.Input[str]] = {
+            "network_id": self.network_id,
+            "dev_subnet_id": self.dev_subnet_id,
+            "security_subnet_id": self.security_subnet_id,
+            "security_cvm_ip": self.security_cvm_ip,
+        }
+        for key, value in (
+            ("dev_identity", self.dev_identity),
+            ("security_identity", self.security_identity),
+            ("resource_group_name", self.resource_group_name),
+        ):
+            if value is not None:
+                outputs[key] = value
+        self.register_outputs(outputs)

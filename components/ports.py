@@ -1,0 +1,19 @@
+"""Ports and labels the infrastructure and the policy pack agree on."""
+
+from typing import Final
+
+# The Security CVM's tunnel endpoint: the only place a Dev CVM's forwarder may dial.
+SECURITY_TUNNEL_PORT: Final = 8443
+# The Dev CVM's aTLS-wrapped SSH listener (the laptop verifies the quote before SSH starts).
+# Port 22 is never opened on the network.
+DEV_ATTESTED_SSH_PORT: Final = 8022
+# What the Security CVM's proxy may dial on the internet.
+SECURITY_EGRESS_PORTS: Final = (80, 443)
+
+ROLE_LABEL: Final = "umbra-role"
+TEAM_LABEL: Final = "umbra-team"
+ROLE_DEV: Final = "dev-cvm"
+ROLE_SECURITY: Final = "security-cvm"
+ROLE_CONSOLE: Final = "console"
+# GCP network tag for the Security CVM: routes can only select instances by tag.
+SECURITY_ROUTE_TAG: Final = "umbra-security-cvm"

@@ -1,0 +1,227 @@
+"""The Pulumi program bodies: read and validate the stack config, then build a team (network,
+Security CVM, Dev CVMs) or the Console. `infra/__main__.py` only calls `run`."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pulumi
+from pulumi.runtime import config as runtime_config
+
+from umbra.components.config import (
+    CONSOLE_DB_PASSWORD_KEY,
+    ConfigError,
+    ConsoleStack,
+    CvmConfig,
+    StackConfig,
+    TeamStack,
+    parse_stack_config,
+)
+from umbra.components.cvm import DevCvm, DevCvmArgs, Placement, SecurityCvm, SecurityCvmArgs
+from umbra.components.launch_data import placeholder_app_compose
+from umbra.components.network import TeamNetwork, TeamNetworkArgs
+from umbra.components.ports import ROLE_DEV, ROLE_SECURITY
+
+BUILD = Path("images") / "build"
+
+
+def read_runtime_config() -> tuple[dict[str, str], frozenset[str]]:
+    """Every config value the engine handed this program, and which of them are secrets."""
+    raw: dict[str, str] = {str(k): str(v) for k, v in runtime_config.get_config_env().items()}
+    raw.update({str(k): str(v) for k, v in runtime_config.CONFIG.get().items()})
+    secret = set(runtime_config.get_config_secret_keys_env())
+    secret.update(k for k in raw if runtime_config.is_config_secret(k))
+    return raw, frozenset(secret)
+
+
+def load_stack_config() -> StackConfig:
+    raw, secret = read_runtime_config()
+    return parse_stack_config(raw, secret)
+
+
+@dataclass(frozen=True)
+class LaunchFiles:
+    app_compose: str
+    measurement_manifest: str | None
+    placeholder: bool
+
+
+def read_launch_files(root: Path, cvm: CvmConfig, role: str, where: str) -> LaunchFiles:
+    """app-compose.json and the manifest digest from the release directory named in config, else
+    from images/build/<role>, else a placeholder (marked in the document and the outputs)."""
+    directory = root / (cvm.release_dir or BUILD / role)
+    compose = directory / "app-compose.json"
+    manifest = directory / "measurement-manifest.json"
+    if not compose.is_file():
+        if cvm.release_dir:
+            raise ConfigError(
+                f"umbra:stack.{where}.release_dir: {cvm.release_dir} has no app-compose.json "
+                "(write it with `umbra image measure DEF --out DIR`)"
+            )
+        return LaunchFiles(placeholder_app_compose(role), cvm.measurement_manifest, True)
+    ref = cvm.measurement_manifest
+    if ref is None and manifest.is_file():
+        ref = "sha256:" + hashlib.sha256(manifest.read_bytes()).hexdigest()
+    # Bytes as written: the hash the release manifest pins is over exactly these.
+    return LaunchFiles(compose.read_bytes().decode(), ref, placeholder=False)
+
+
+@dataclass
+class Team:
+    network: TeamNetwork
+    security: SecurityCvm
+    dev_cvms: dict[str, dict[str, DevCvm]] = field(default_factory=dict)
+
+
+def placement_for(
+    cfg: TeamStack | ConsoleStack, resource_group: pulumi.Input[str] | None
+) -> Placement:
+    if cfg.gcp is not None:
+        return Placement(cloud="gcp", project=cfg.gcp.project, zone=cfg.gcp.zone)
+    assert cfg.azure is not None
+    return Placement(
+        cloud="azure",
+        location=cfg.azure.location,
+        zone=cfg.azure.zone,
+        resource_group_name=resource_group,
+    )
+
+
+def build_team(cfg: TeamStack, root: Path) -> Team:
+    net_cfg = cfg.network
+    network = TeamNetwork(
+        cfg.team,
+        TeamNetworkArgs(
+            team=cfg.team,
+            cloud=cfg.cloud,
+            dev_cidr=str(net_cfg.dev_cidr),
+            security_cidr=str(net_cfg.security_cidr),
+            ssh_ingress_cidrs=[str(c) for c in net_cfg.ssh_ingress_cidrs],
+            console_cidrs=[str(c) for c in net_cfg.console_cidrs],
+            gcp=cfg.gcp,
+            azure=cfg.azure,
+        ),
+    )
+    place = placement_for(cfg, network.resource_group_name)
+    sec_files = read_launch_files(root, cfg.security_cvm, ROLE_SECURITY, "security_cvm")
+    security = SecurityCvm(
+        f"{cfg.team}-security",
+        SecurityCvmArgs(
+            team=cfg.team,
+            vm_name=f"umbra-{cfg.team}-sec",
+            placement=place,
+            size=cfg.security_cvm.size,
+            image=cfg.security_cvm.image,
+            disk_gb=cfg.security_cvm.disk_gb,
+            subnet_id=network.security_subnet_id,
+            identity=network.security_identity,
+            app_compose=sec_files.app_compose,
+            measurement_manifest=sec_files.measurement_manifest,
+            private_ip=network.security_cvm_ip,
+        ),
+        opts=pulumi.ResourceOptions(depends_on=[network]),
+    )
+    team = Team(network=network, security=security)
+    dev_files = read_launch_files(root, cfg.dev_cvm, ROLE_DEV, "dev_cvm")
+    for dev in cfg.developers:
+        for cvm in dev.cvms:
+            team.dev_cvms.setdefault(dev.name, {})[cvm] = DevCvm(
+                f"{cfg.team}-{dev.name}-{cvm}",
+                DevCvmArgs(
+                    team=cfg.team,
+                    vm_name=f"umbra-{cfg.team}-{dev.name}-{cvm}",
+                    placement=place,
+                    size=dev.size or cfg.dev_cvm.size,
+                    image=cfg.dev_cvm.image,
+                    disk_gb=cfg.dev_cvm.disk_gb,
+                    subnet_id=network.dev_subnet_id,
+                    identity=network.dev_identity,
+                    app_compose=dev_files.app_compose,
+                    measurement_manifest=dev_files.measurement_manifest,
+                    developer=dev.name,
+                    ssh_authorized_keys=dev.ssh_keys,
+                ),
+                opts=pulumi.ResourceOptions(depends_on=[security]),
+            )
+    for role, files in ((ROLE_SECURITY, sec_files), (ROLE_DEV, dev_files)):
+        if files.placeholder:
+            pulumi.log.warn(
+                f"{role}: no release found; using a PLACEHOLDER compose that no verifier accepts "
+                f"(`umbra image measure DEF --out {BUILD / role}` writes the real one)"
+            )
+    return team
+
+
+def export_team(cfg: TeamStack, team: Team) -> None:
+    net = team.network
+    pulumi.export("team", cfg.team)
+    pulumi.export("cloud", cfg.cloud)
+    pulumi.export("console_url", cfg.console_url)
+    placement = cfg.gcp.model_dump() if cfg.gcp else cfg.azure.model_dump() if cfg.azure else {}
+    pulumi.export("placement", placement)
+    pulumi.export("network_id", net.network_id)
+    pulumi.export("dev_subnet_id", net.dev_subnet_id)
+    pulumi.export("security_cvm_ip", net.security_cvm_ip)
+    if net.dev_identity is not None:
+        pulumi.export("dev_identity", net.dev_identity)
+    if net.resource_group_name is not None:
+        pulumi.export("resource_group_name", net.resource_group_name)
+    pulumi.export("security_cvm_public_ip", team.security.public_ip)
+    pulumi.export("security_cvm_compose_sha256", team.security.compose_sha256)
+    pulumi.export(
+        "dev_cvms",
+        {
+            dev: {
+                name: {
+                    "private_ip": cvm.private_ip,
+                    "compose_sha256": cvm.compose_sha256,
+                    "ssh_keys_sha256": cvm.ssh_keys_sha256,
+                    "expected_events": cvm.expected_events,
+                }
+                for name, cvm in cvms.items()
+            }
+            for dev, cvms in team.dev_cvms.items()
+        },
+    )
+
+
+def build_console(cfg: ConsoleStack, root: Path) -> None:
+    from umbra.components.console_service import ConsoleService, ConsoleServiceArgs
+
+    raw, _ = read_runtime_config()
+    password = pulumi.Output.secret(raw[CONSOLE_DB_PASSWORD_KEY])
+    files = read_launch_files(root, cfg.vm, "console", "vm")
+    console = ConsoleService(
+        cfg.name,
+        ConsoleServiceArgs(
+            name=cfg.name,
+            cloud=cfg.cloud,
+            gcp=cfg.gcp,
+            azure=cfg.azure,
+            cidr=str(cfg.cidr),
+            ingress_cidrs=[str(c) for c in cfg.ingress_cidrs],
+            vm_size=cfg.vm.size,
+            vm_image=cfg.vm.image,
+            console_image=cfg.console_image,
+            app_compose=files.app_compose,
+            db_tier=cfg.db_tier,
+            db_password=password,
+        ),
+    )
+    pulumi.export("console_private_ip", console.private_ip)
+    pulumi.export("console_public_ip", console.public_ip)
+    pulumi.export("database_url", console.database_url)
+
+
+def run(root: Path) -> None:
+    """Program entry: a bad config ends the run with its message and no traceback."""
+    try:
+        cfg = load_stack_config()
+        if isinstance(cfg, TeamStack):
+            export_team(cfg, build_team(cfg, root))
+        else:
+            build_console(cfg, root)
+    except ConfigError as exc:
+        raise pulumi.RunError(f"stack configuration is invalid:\n{exc}") from None

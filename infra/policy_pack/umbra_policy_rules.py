@@ -1,0 +1,294 @@
+"""Rules of the Umbra policy pack, as plain functions of (resource type, props) -> violations.
+
+Props are the engine's camelCase input properties. The pack runs in its own interpreter, so it
+imports nothing from umbra; the constants below must equal umbra.components.ports (a test
+checks). A value that is unknown at preview is treated as not compliant where it matters.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+ROLE_LABEL = "umbra-role"
+ROLE_DEV = "dev-cvm"
+ROLE_SECURITY = "security-cvm"
+SECURITY_ROUTE_TAG = "umbra-security-cvm"
+SECURITY_TUNNEL_PORT = 8443
+# Port 22 and the Dev CVM's attested SSH port: neither may face the whole internet.
+SSH_PORTS = (22, 8022)
+
+GCP_INSTANCE = "gcp:compute/instance:Instance"
+GCP_INSTANCE_TEMPLATE = "gcp:compute/instanceTemplate:InstanceTemplate"
+GCP_FIREWALL = "gcp:compute/firewall:Firewall"
+GCP_ROUTE = "gcp:compute/route:Route"
+AZ_VM = "azure-native:compute:VirtualMachine"
+AZ_NIC = "azure-native:network:NetworkInterface"
+AZ_NSG = "azure-native:network:NetworkSecurityGroup"
+AZ_RULE = "azure-native:network:SecurityRule"
+
+AZURE_TDX_SIZE = re.compile(r"^Standard_[DE]C\d+(-\d+)?ed?s_v[56]$")
+# Sources that mean "anyone" (Azure service tags are case-insensitive). Not a bind address.
+WORLD = frozenset({"*", "0.0.0.0/0", "::/0", "internet", "any", "0.0.0.0"})  # noqa: S104
+DEV_SA = re.compile(r"^umbra-[a-z0-9-]+-dev@")
+
+Props = Mapping[str, Any]
+Rule = Callable[[str, Props], list[str]]
+
+
+def _get(obj: Any, *path: str) -> Any:
+    for key in path:
+        if not isinstance(obj, Mapping):
+            return None
+        obj = obj.get(key)
+    return obj
+
+
+def _list(value: Any) -> list[Any]:
+    return list(value) if isinstance(value, list | tuple) else []
+
+
+def _role(props: Props, labels_key: str) -> str | None:
+    role = _get(props, labels_key, ROLE_LABEL)
+    return role if isinstance(role, str) else None
+
+
+# --- TDX ---------------------------------------------------------------------------------------
+
+
+def check_tdx(resource_type: str, props: Props) -> list[str]:
+    if resource_type in (GCP_INSTANCE, GCP_INSTANCE_TEMPLATE):
+        out = []
+        kind = _get(props, "confidentialInstanceConfig", "confidentialInstanceType")
+        if kind != "TDX":
+            out.append(
+                f"confidentialInstanceConfig.confidentialInstanceType is {kind!r}, not 'TDX'"
+            )
+        maint = _get(props, "scheduling", "onHostMaintenance")
+        if maint != "TERMINATE":
+            out.append(f"scheduling.onHostMaintenance is {maint!r}; a TDX VM needs 'TERMINATE'")
+        return out
+    if resource_type == AZ_VM:
+        out = []
+        sec = _get(props, "securityProfile", "securityType")
+        if sec != "ConfidentialVM":
+            out.append(f"securityProfile.securityType is {sec!r}, not 'ConfidentialVM'")
+        size = _get(props, "hardwareProfile", "vmSize")
+        if not isinstance(size, str) or not AZURE_TDX_SIZE.match(size):
+            out.append(f"hardwareProfile.vmSize {size!r} is not a TDX size (DCesv5/ECesv5)")
+        uefi = _get(props, "securityProfile", "uefiSettings") or {}
+        if uefi.get("secureBootEnabled") is not True or uefi.get("vTpmEnabled") is not True:
+            out.append("securityProfile.uefiSettings must enable secure boot and the vTPM")
+        enc = _get(
+            props,
+            "storageProfile",
+            "osDisk",
+            "managedDisk",
+            "securityProfile",
+            "securityEncryptionType",
+        )
+        if enc != "DiskWithVMGuestState":
+            out.append(f"OS disk securityEncryptionType is {enc!r}, not 'DiskWithVMGuestState'")
+        return out
+    return []
+
+
+# --- Dev CVM has no way out but the Security CVM ------------------------------------------------
+
+
+def _single_private_hosts(ranges: Iterable[Any]) -> bool:
+    seen = False
+    for r in ranges:
+        seen = True
+        try:
+            net = ipaddress.ip_network(str(r), strict=True)
+        except ValueError:
+            return False  # service tags ("Internet", "*"), unknowns, names
+        if net.num_addresses != 1 or not net.is_private:
+            return False
+    return seen
+
+
+def _gcp_firewall_targets_dev(props: Props) -> bool:
+    if str(props.get("description") or "").startswith(f"{ROLE_LABEL}={ROLE_DEV}"):
+        return True
+    sas = _list(props.get("targetServiceAccounts"))
+    tags = _list(props.get("targetTags"))
+    if not sas and not tags:
+        return True  # no target: applies to every instance in the network
+    return any(isinstance(s, str) and DEV_SA.match(s) for s in sas) or ROLE_DEV in tags
+
+
+def _gcp_ports_only_tunnel(allows: list[Any]) -> bool:
+    for allow in allows:
+        if _get(allow, "protocol") != "tcp":
+            return False
+        if _list(_get(allow, "ports")) != [str(SECURITY_TUNNEL_PORT)]:
+            return False
+    return True
+
+
+def check_dev_isolation(resource_type: str, props: Props) -> list[str]:
+    out: list[str] = []
+    if resource_type == GCP_INSTANCE and _role(props, "labels") == ROLE_DEV:
+        for i, ni in enumerate(_list(props.get("networkInterfaces"))):
+            if _list(_get(ni, "accessConfigs")) or _list(_get(ni, "ipv6AccessConfigs")):
+                out.append(f"Dev CVM networkInterfaces[{i}] has an external IP")
+        if props.get("canIpForward"):
+            out.append("Dev CVM has canIpForward enabled")
+    elif resource_type == GCP_FIREWALL:
+        egress_allow = props.get("direction") == "EGRESS" and _list(props.get("allows"))
+        if egress_allow and _gcp_firewall_targets_dev(props):
+            dests = _list(props.get("destinationRanges"))
+            if not _single_private_hosts(dests) or not _gcp_ports_only_tunnel(
+                _list(props.get("allows"))
+            ):
+                out.append(
+                    f"egress rule for Dev CVMs allows {dests or 'every destination'}: "
+                    f"only the Security CVM's address on tcp:{SECURITY_TUNNEL_PORT} is allowed"
+                )
+    elif resource_type == GCP_ROUTE:
+        hop = props.get("nextHopGateway")
+        if isinstance(hop, str) and hop.endswith("default-internet-gateway"):
+            tags = _list(props.get("tags"))
+            if tags != [SECURITY_ROUTE_TAG]:
+                out.append(
+                    f"internet route with tags {tags or 'none (all instances)'}: only the "
+                    f"Security CVM ({SECURITY_ROUTE_TAG}) may have one"
+                )
+    elif resource_type == AZ_NIC and _role(props, "tags") == ROLE_DEV:
+        for i, cfg in enumerate(_list(props.get("ipConfigurations"))):
+            if _get(cfg, "publicIPAddress"):
+                out.append(f"Dev CVM NIC ipConfigurations[{i}] has a public IP")
+        if props.get("enableIPForwarding"):
+            out.append("Dev CVM NIC has IP forwarding enabled")
+    elif resource_type == AZ_VM and _role(props, "tags") == ROLE_DEV:
+        for nic in _list(_get(props, "networkProfile", "networkInterfaceConfigurations")):
+            for cfg in _list(_get(nic, "ipConfigurations")):
+                if _get(cfg, "publicIPAddressConfiguration"):
+                    out.append("Dev CVM network interface configuration has a public IP")
+    elif resource_type == AZ_NSG and _role(props, "tags") == ROLE_DEV:
+        for rule in _list(props.get("securityRules")):
+            if _get(rule, "direction") == "Outbound" and _get(rule, "access") == "Allow":
+                dests = _azure_prefixes(rule, "destination")
+                ports = _azure_ports(rule)
+                if not _single_private_hosts(dests) or ports != [(SECURITY_TUNNEL_PORT,) * 2]:
+                    out.append(
+                        f"Dev CVM NSG rule {_get(rule, 'name')!r} allows outbound to {dests} "
+                        f"ports {ports}: only the Security CVM on {SECURITY_TUNNEL_PORT} is allowed"
+                    )
+    return out
+
+
+# --- No public SSH -------------------------------------------------------------------------------
+
+
+def _port_ranges(specs: Iterable[Any]) -> list[tuple[int, int]] | None:
+    """None means every port."""
+    out = []
+    for spec in specs:
+        s = str(spec).strip()
+        if s in ("*", "0-65535"):
+            return None
+        lo, _, hi = s.partition("-")
+        try:
+            out.append((int(lo), int(hi or lo)))
+        except ValueError:
+            return None  # unknown at preview: assume the worst
+    return out
+
+
+def _covers_ssh(ranges: list[tuple[int, int]] | None) -> bool:
+    return ranges is None or any(lo <= p <= hi for lo, hi in ranges for p in SSH_PORTS)
+
+
+def _azure_prefixes(rule: Any, side: str) -> list[str]:
+    one = _get(rule, f"{side}AddressPrefix")
+    many = _list(_get(rule, f"{side}AddressPrefixes"))
+    return [str(p) for p in ([one] if one else []) + many]
+
+
+def _azure_ports(rule: Any) -> list[tuple[int, int]] | None:
+    one = _get(rule, "destinationPortRange")
+    many = _list(_get(rule, "destinationPortRanges"))
+    specs = ([one] if one else []) + many
+    return _port_ranges(specs) if specs else None
+
+
+def _azure_rule_public_ssh(rule: Any) -> bool:
+    if _get(rule, "direction") != "Inbound" or _get(rule, "access") != "Allow":
+        return False
+    if str(_get(rule, "protocol")).lower() not in ("tcp", "*"):
+        return False
+    sources = {p.lower() for p in _azure_prefixes(rule, "source")}
+    return bool(sources & WORLD) and _covers_ssh(_azure_ports(rule))
+
+
+def check_public_ssh(resource_type: str, props: Props) -> list[str]:
+    if resource_type == GCP_FIREWALL:
+        if props.get("direction", "INGRESS") != "INGRESS":
+            return []
+        sources = {str(s) for s in _list(props.get("sourceRanges"))}
+        if not sources & {"0.0.0.0/0", "::/0"}:
+            return []
+        for allow in _list(props.get("allows")):
+            proto = _get(allow, "protocol")
+            ports = _list(_get(allow, "ports"))
+            if proto in ("tcp", "all") and _covers_ssh(_port_ranges(ports) if ports else None):
+                return [f"firewall opens SSH ports {list(SSH_PORTS)} to {sorted(sources)}"]
+        return []
+    if resource_type == AZ_NSG:
+        return [
+            f"NSG rule {_get(r, 'name')!r} opens SSH ports {list(SSH_PORTS)} to the internet"
+            for r in _list(props.get("securityRules"))
+            if _azure_rule_public_ssh(r)
+        ]
+    if resource_type == AZ_RULE and _azure_rule_public_ssh(props):
+        return [f"security rule opens SSH ports {list(SSH_PORTS)} to the internet"]
+    return []
+
+
+RULES: dict[str, tuple[str, Rule]] = {
+    "umbra-cvm-requires-tdx": (
+        "Every VM is an Intel TDX confidential VM (GCP TDX; Azure ConfidentialVM on DCesv5/ECesv5).",
+        check_tdx,
+    ),
+    "umbra-dev-cvm-no-bypass": (
+        "A Dev CVM has no external IP and no egress except to its Security CVM's tunnel port.",
+        check_dev_isolation,
+    ),
+    "umbra-no-public-ssh": (
+        "No SSH port (22 or the attested SSH port) is reachable from 0.0.0.0/0 or *.",
+        check_public_ssh,
+    ),
+}
+
+
+def policies() -> list[Any]:
+    """The pack's ResourceValidationPolicies (pulumi_policy is imported only here, so the rules
+    above stay plain functions)."""
+    from pulumi_policy import (
+        EnforcementLevel,
+        ReportViolation,
+        ResourceValidationArgs,
+        ResourceValidationPolicy,
+    )
+
+    def wrap(rule: Rule) -> Callable[[ResourceValidationArgs, ReportViolation], None]:
+        def validate(args: ResourceValidationArgs, report: ReportViolation) -> None:
+            for message in rule(args.resource_type, args.props):
+                report(message, None)
+
+        return validate
+
+    return [
+        ResourceValidationPolicy(
+            name=name,
+            description=description,
+            validate=wrap(rule),
+            enforcement_level=EnforcementLevel.MANDATORY,
+        )
+        for name, (description, rule) in RULES.items()
+    ]

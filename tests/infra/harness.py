@@ -1,0 +1,193 @@
+"""Run Pulumi programs in-process with `pulumi.runtime.set_mocks` (no CLI, no cloud) and keep
+every registered resource, with its camelCase inputs as the engine and policy packs see them."""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pulumi
+import yaml
+from pulumi.runtime import MockCallArgs, MockResourceArgs, Mocks
+
+ROOT = Path(__file__).resolve().parents[2]
+STACKS = ROOT / "stacks"
+
+
+@dataclass(frozen=True)
+class Res:
+    typ: str
+    name: str
+    inputs: Mapping[str, Any]
+    outputs: Mapping[str, Any]
+
+
+class Recorder(Mocks):
+    def __init__(self, stack_outputs: Mapping[str, Any] | None = None) -> None:
+        self.resources: list[Res] = []
+        self.stack_outputs = dict(stack_outputs or {})
+        self._next_ip = 100
+
+    def new_resource(self, args: MockResourceArgs) -> tuple[str | None, dict[str, Any]]:
+        out: dict[str, Any] = dict(args.inputs)
+        out.setdefault("name", args.name)
+        if args.typ == "gcp:serviceaccount/account:Account":
+            out["email"] = (
+                f"{args.inputs['accountId']}@{args.inputs['project']}.iam.gserviceaccount.com"
+            )
+        if args.typ == "gcp:compute/instance:Instance":
+            out["instanceId"] = f"{args.name}-instance-id"
+            nis = [dict(ni) for ni in out.get("networkInterfaces", [])]
+            for ni in nis:
+                if not ni.get("networkIp"):
+                    self._next_ip += 1
+                    ni["networkIp"] = f"10.99.0.{self._next_ip}"
+            out["networkInterfaces"] = nis
+        if args.typ == "azure-native:compute:VirtualMachine":
+            out["vmId"] = f"{args.name}-vm-id"
+        if args.typ == "pulumi:pulumi:StackReference":
+            out["outputs"] = self.stack_outputs
+        self.resources.append(Res(args.typ, args.name, dict(args.inputs), out))
+        return f"{args.name}-id", out
+
+    def call(self, args: MockCallArgs) -> tuple[dict[str, Any], list[tuple[str, str]] | None]:
+        return {}, None
+
+    def of_type(self, typ: str) -> list[Res]:
+        return [r for r in self.resources if r.typ == typ]
+
+    def one(self, typ: str, name: str) -> Res:
+        found = [r for r in self.resources if r.typ == typ and r.name == name]
+        assert len(found) == 1, f"{typ} {name}: {[r.name for r in self.of_type(typ)]}"
+        return found[0]
+
+
+def run_program(
+    body: Callable[[], Any], stack_outputs: Mapping[str, Any] | None = None
+) -> tuple[Recorder, Any]:
+    """Run `body` as a Pulumi program; returns the recorder and body's result, its Outputs
+    resolved (so assertions can read them)."""
+    mocks = Recorder(stack_outputs)
+    pulumi.runtime.set_mocks(mocks, project="umbra", stack="test", preview=False)
+    holder: dict[str, Any] = {}
+
+    @pulumi.runtime.test  # type: ignore[untyped-decorator]
+    def program() -> Any:
+        result = body()
+        return pulumi.Output.from_input(result).apply(lambda v: holder.__setitem__("v", v))
+
+    program()
+    return mocks, holder.get("v")
+
+
+def example_raw(stack: str) -> dict[str, str]:
+    """A stack file's config as Pulumi hands it to the program (objects JSON-encoded)."""
+    doc = yaml.safe_load((STACKS / f"Pulumi.{stack}.yaml").read_text())["config"]
+    return {k: v if isinstance(v, str) else json.dumps(v) for k, v in doc.items()}
+
+
+def example_stack(stack: str) -> dict[str, Any]:
+    doc = yaml.safe_load((STACKS / f"Pulumi.{stack}.yaml").read_text())["config"]
+    return dict(doc["umbra:stack"])
+
+
+def raw_of(stack: Mapping[str, Any]) -> dict[str, str]:
+    return {"umbra:stack": json.dumps(stack)}
+
+
+# --- tiny firewall evaluators: which flows the rules we built let through ---------------------
+
+
+def _in(ip: str, ranges: list[str]) -> bool:
+    return any(ipaddress.ip_address(ip) in ipaddress.ip_network(r) for r in ranges)
+
+
+def _gcp_ports_match(entries: list[Mapping[str, Any]], port: int) -> bool:
+    for e in entries:
+        if e["protocol"] == "all":
+            return True
+        if e["protocol"] == "tcp":
+            ports = e.get("ports") or []
+            if not ports:
+                return True
+            for p in ports:
+                lo, _, hi = str(p).partition("-")
+                if int(lo) <= port <= int(hi or lo):
+                    return True
+    return False
+
+
+def gcp_allows(
+    firewalls: list[Res],
+    *,
+    direction: str,
+    target_sa: str,
+    peer_ip: str,
+    port: int,
+    peer_sa: str | None = None,
+) -> bool:
+    """GCP semantics: the matching rule with the lowest priority number wins, deny beats allow
+    at equal priority, no match means the implied rule (deny ingress, allow egress)."""
+    best: tuple[float, int, bool] | None = None
+    for fw in firewalls:
+        f = fw.inputs
+        if f.get("direction", "INGRESS") != direction:
+            continue
+        targets = f.get("targetServiceAccounts")
+        if targets and target_sa not in targets:
+            continue
+        if direction == "EGRESS":
+            if not _in(peer_ip, f.get("destinationRanges", [])):
+                continue
+        else:
+            by_range = _in(peer_ip, f.get("sourceRanges", []))
+            by_sa = peer_sa is not None and peer_sa in f.get("sourceServiceAccounts", [])
+            if not (by_range or by_sa):
+                continue
+        allows, denies = f.get("allows", []), f.get("denies", [])
+        for entries, allowed in ((denies, False), (allows, True)):
+            if entries and _gcp_ports_match(entries, port):
+                key = (float(f.get("priority", 1000)), 0 if not allowed else 1, allowed)
+                if best is None or key < best:
+                    best = key
+    if best is None:
+        return direction == "EGRESS"
+    return best[2]
+
+
+def azure_allows(nsg: Res, *, direction: str, src: str, dst: str, port: int) -> bool:
+    """NSG semantics: the matching rule with the lowest priority wins; the platform defaults
+    (allow VNet both ways, allow internet outbound, deny the rest) come after 4096."""
+    rules = sorted(nsg.inputs.get("securityRules", []), key=lambda r: r["priority"])
+    for r in rules:
+        if r["direction"] != direction:
+            continue
+        if not _az_match(r, "source", src) or not _az_match(r, "destination", dst):
+            continue
+        specs = ([r["destinationPortRange"]] if r.get("destinationPortRange") else []) + list(
+            r.get("destinationPortRanges", [])
+        )
+        if "*" not in specs and str(port) not in specs:
+            continue
+        return bool(r["access"] == "Allow")
+    return True  # the platform defaults would allow VNet traffic: our rules must decide first
+
+
+def _az_match(rule: Mapping[str, Any], side: str, ip: str) -> bool:
+    prefixes = ([rule[f"{side}AddressPrefix"]] if rule.get(f"{side}AddressPrefix") else []) + list(
+        rule.get(f"{side}AddressPrefixes", [])
+    )
+    for p in prefixes:
+        if p == "*":
+            return True
+        if p == "Internet":
+            if ipaddress.ip_address(ip).is_global:
+                return True
+            continue
+        if ipaddress.ip_address(ip) in ipaddress.ip_network(p):
+            return True
+    return False

@@ -1,0 +1,99 @@
+"""The Azure team program (stacks/Pulumi.globex-azure.yaml) under mocks: confidential VM settings,
+custom data, NICs and the NSG topology evaluated flow by flow."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import pytest
+
+from tests.infra.harness import ROOT, Recorder, azure_allows, example_raw, run_program
+from umbra.attest.measurement import SSH_KEYS_EVENT
+from umbra.components.config import TeamStack, parse_stack_config
+from umbra.components.program import build_team
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+VM = "azure-native:compute:VirtualMachine"
+NIC = "azure-native:network:NetworkInterface"
+NSG = "azure-native:network:NetworkSecurityGroup"
+SECURITY_IP = "10.30.1.10"
+
+
+@pytest.fixture(scope="module")
+def globex() -> Recorder:
+    cfg = parse_stack_config(example_raw("globex-azure"), frozenset())
+    assert isinstance(cfg, TeamStack)
+    mocks, _ = run_program(lambda: build_team(cfg, ROOT).security.instance_id)
+    return mocks
+
+
+def test_every_vm_is_a_tdx_confidential_vm(globex: Recorder) -> None:
+    vms = globex.of_type(VM)
+    assert sorted(v.name for v in vms) == ["globex-carol-main", "globex-security"]
+    for vm in vms:
+        p = vm.inputs
+        assert p["securityProfile"] == {
+            "securityType": "ConfidentialVM",
+            "uefiSettings": {"secureBootEnabled": True, "vTpmEnabled": True},
+        }
+        assert p["hardwareProfile"]["vmSize"] in ("Standard_DC4es_v5", "Standard_EC8es_v5")
+        disk = p["storageProfile"]["osDisk"]["managedDisk"]
+        assert disk["securityProfile"] == {"securityEncryptionType": "DiskWithVMGuestState"}
+        linux = p["osProfile"]["linuxConfiguration"]
+        assert linux["disablePasswordAuthentication"] is True
+        assert linux["provisionVMAgent"] is False
+
+
+def test_custom_data_carries_the_launch_data(globex: Recorder) -> None:
+    vm = globex.one(VM, "globex-carol-main")
+    data = json.loads(base64.b64decode(vm.inputs["osProfile"]["customData"]))["umbra"]
+    assert data["umbra-role"] == "dev-cvm"
+    assert data["umbra-ssh-authorized-keys"].startswith("ssh-ed25519 ")
+    assert SSH_KEYS_EVENT in json.loads(data["umbra-rtmr3-events"])
+
+
+def test_only_the_security_cvm_has_a_public_ip_and_a_fixed_address(globex: Recorder) -> None:
+    sec = globex.one(NIC, "globex-security-nic").inputs["ipConfigurations"][0]
+    dev = globex.one(NIC, "globex-carol-main-nic").inputs["ipConfigurations"][0]
+    assert sec["privateIPAddress"] == SECURITY_IP
+    assert sec["privateIPAllocationMethod"] == "Static"
+    assert "publicIPAddress" in sec
+    assert "publicIPAddress" not in dev
+    for subnet in globex.of_type("azure-native:network:Subnet"):
+        assert subnet.inputs["defaultOutboundAccess"] is False
+
+
+@pytest.mark.parametrize(
+    ("dst", "port", "allowed"),
+    [
+        (SECURITY_IP, 8443, True),
+        (SECURITY_IP, 22, False),
+        ("10.30.1.11", 8443, False),
+        ("10.30.0.20", 8022, False),  # another Dev CVM
+        ("8.8.8.8", 443, False),
+        ("8.8.8.8", 53, False),
+    ],
+)
+def test_dev_nsg_egress_only_to_security_tunnel(
+    globex: Recorder, dst: str, port: int, allowed: bool
+) -> None:
+    nsg = globex.one(NSG, "globex-dev-nsg")
+    assert azure_allows(nsg, direction="Outbound", src="10.30.0.5", dst=dst, port=port) is allowed
+
+
+def test_ingress_and_security_nsg_flows(globex: Recorder) -> None:
+    dev = globex.one(NSG, "globex-dev-nsg")
+    sec = globex.one(NSG, "globex-security-nsg")
+    assert azure_allows(dev, direction="Inbound", src="198.51.100.7", dst="10.30.0.5", port=8022)
+    assert not azure_allows(dev, direction="Inbound", src="198.51.100.7", dst="10.30.0.5", port=22)
+    assert not azure_allows(dev, direction="Inbound", src="203.0.113.1", dst="10.30.0.5", port=8022)
+    assert not azure_allows(dev, direction="Inbound", src=SECURITY_IP, dst="10.30.0.5", port=8022)
+    assert azure_allows(sec, direction="Inbound", src="10.30.0.5", dst=SECURITY_IP, port=8443)
+    assert not azure_allows(sec, direction="Inbound", src="203.0.113.1", dst=SECURITY_IP, port=8443)
+    assert azure_allows(sec, direction="Outbound", src=SECURITY_IP, dst="93.184.215.14", port=443)
+    assert not azure_allows(
+        sec, direction="Outbound", src=SECURITY_IP, dst="93.184.215.14", port=22
+    )
+    assert not azure_allows(sec, direction="Outbound", src=SECURITY_IP, dst="10.30.0.5", port=443)

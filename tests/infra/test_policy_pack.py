@@ -1,0 +1,294 @@
+"""The policy pack's rules: everything our programs build passes; each way of breaking TDX, the
+Dev CVM's isolation or SSH exposure is refused, through the pack's ResourceValidationPolicies."""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from pulumi_policy import PolicyCustomTimeouts, PolicyResourceOptions, ResourceValidationArgs
+
+from tests.infra.harness import ROOT, Recorder, example_raw, run_program
+from umbra.components import ports
+from umbra.components.config import TeamStack, parse_stack_config
+from umbra.components.program import build_team
+
+# The pack is not a package of the distribution: load its rules module the way Pulumi does.
+sys.path.insert(0, str(ROOT / "infra" / "policy_pack"))
+rules: Any = importlib.import_module("umbra_policy_rules")
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+POLICIES = {p.name: p for p in rules.policies()}
+
+
+def violations(resource_type: str, props: dict[str, Any]) -> dict[str, list[str]]:
+    """Run every policy of the pack on one resource, as the engine would."""
+    opts = PolicyResourceOptions(False, [], None, [], PolicyCustomTimeouts(0, 0, 0), [])
+    args = ResourceValidationArgs(resource_type, props, "urn:pulumi:t::umbra::x", "x", opts, None)
+    out: dict[str, list[str]] = {}
+    for name, policy in POLICIES.items():
+        seen: list[str] = []
+        policy.validate(args, lambda msg, urn=None, seen=seen: seen.append(msg))
+        if seen:
+            out[name] = seen
+    return out
+
+
+def _run(stack: str, build: Callable[[Any], Any]) -> Recorder:
+    raw = example_raw(stack)
+    secret: frozenset[str] = frozenset()
+    if stack.startswith("console"):
+        raw["umbra:consoleDbPassword"] = "p" * 24
+        secret = frozenset({"umbra:consoleDbPassword"})
+    cfg = parse_stack_config(raw, secret)
+    mocks, _ = run_program(lambda: build(cfg))
+    return mocks
+
+
+@pytest.fixture(scope="module")
+def built() -> dict[str, Recorder]:
+    def team(cfg: Any) -> Any:
+        assert isinstance(cfg, TeamStack)
+        return build_team(cfg, ROOT).security.instance_id
+
+    return {"acme-gcp": _run("acme-gcp", team), "globex-azure": _run("globex-azure", team)}
+
+
+def test_pack_constants_match_the_components() -> None:
+    assert rules.SECURITY_TUNNEL_PORT == ports.SECURITY_TUNNEL_PORT
+    assert ports.DEV_ATTESTED_SSH_PORT in rules.SSH_PORTS and 22 in rules.SSH_PORTS
+    assert (rules.ROLE_LABEL, rules.ROLE_DEV, rules.ROLE_SECURITY) == (
+        ports.ROLE_LABEL,
+        ports.ROLE_DEV,
+        ports.ROLE_SECURITY,
+    )
+    assert rules.SECURITY_ROUTE_TAG == ports.SECURITY_ROUTE_TAG
+    assert set(POLICIES) == {
+        "umbra-cvm-requires-tdx",
+        "umbra-dev-cvm-no-bypass",
+        "umbra-no-public-ssh",
+    }
+
+
+@pytest.mark.parametrize("stack", ["acme-gcp", "globex-azure"])
+def test_everything_our_team_programs_build_passes(built: dict[str, Recorder], stack: str) -> None:
+    mocks = built[stack]
+    checked = {r.typ for r in mocks.resources} & {
+        rules.GCP_INSTANCE,
+        rules.GCP_FIREWALL,
+        rules.GCP_ROUTE,
+        rules.AZ_VM,
+        rules.AZ_NIC,
+        rules.AZ_NSG,
+    }
+    assert len(checked) >= 3  # the pack actually looked at CVMs and network rules
+    for r in mocks.resources:
+        assert violations(r.typ, dict(r.inputs)) == {}, (r.typ, r.name)
+
+
+def _gcp(built: dict[str, Recorder], name: str) -> dict[str, Any]:
+    res = next(
+        r for r in built["acme-gcp"].resources if r.name == name and r.typ.startswith("gcp:")
+    )
+    return copy.deepcopy(dict(res.inputs))
+
+
+def _az(built: dict[str, Recorder], name: str) -> dict[str, Any]:
+    res = next(
+        r
+        for r in built["globex-azure"].resources
+        if r.name == name and r.typ.startswith("azure-native:")
+    )
+    return copy.deepcopy(dict(res.inputs))
+
+
+def test_non_tdx_cvms_are_refused(built: dict[str, Recorder]) -> None:
+    vm = _gcp(built, "acme-alice-main")
+    vm["confidentialInstanceConfig"] = {"confidentialInstanceType": "SEV_SNP"}
+    assert "umbra-cvm-requires-tdx" in violations(rules.GCP_INSTANCE, vm)
+    del vm["confidentialInstanceConfig"]
+    assert violations(rules.GCP_INSTANCE, vm)["umbra-cvm-requires-tdx"] == [
+        "confidentialInstanceConfig.confidentialInstanceType is None, not 'TDX'"
+    ]
+    az = _az(built, "globex-carol-main")
+    az["securityProfile"]["securityType"] = "TrustedLaunch"
+    assert violations(rules.AZ_VM, az)["umbra-cvm-requires-tdx"] == [
+        "securityProfile.securityType is 'TrustedLaunch', not 'ConfidentialVM'"
+    ]
+    snp = _az(built, "globex-carol-main")
+    snp["hardwareProfile"]["vmSize"] = "Standard_DC4as_v5"  # ConfidentialVM, but AMD SEV-SNP
+    assert "not a TDX size" in violations(rules.AZ_VM, snp)["umbra-cvm-requires-tdx"][0]
+
+
+def test_dev_cvm_routes_around_the_security_cvm_are_refused(built: dict[str, Recorder]) -> None:
+    bypass = "umbra-dev-cvm-no-bypass"
+    vm = _gcp(built, "acme-alice-main")
+    vm["networkInterfaces"][0]["accessConfigs"] = [{}]
+    assert violations(rules.GCP_INSTANCE, vm)[bypass] == [
+        "Dev CVM networkInterfaces[0] has an external IP"
+    ]
+
+    fw = _gcp(built, "acme-dev-to-security")
+    fw["destinationRanges"] = ["0.0.0.0/0"]
+    assert bypass in violations(rules.GCP_FIREWALL, fw)
+    fw = _gcp(built, "acme-dev-to-security")
+    fw["allows"] = [{"protocol": "tcp", "ports": ["443"]}]
+    assert bypass in violations(rules.GCP_FIREWALL, fw)
+    # An untargeted egress allow applies to Dev CVMs too, whatever its description says.
+    untargeted = _gcp(built, "acme-security-web-egress")
+    del untargeted["targetServiceAccounts"]
+    untargeted["description"] = "harmless"
+    assert bypass in violations(rules.GCP_FIREWALL, untargeted)
+
+    route = _gcp(built, "acme-security-egress-route")
+    route["tags"] = []
+    assert bypass in violations(rules.GCP_ROUTE, route)
+
+    nic = _az(built, "globex-carol-main-nic")
+    nic["ipConfigurations"][0]["publicIPAddress"] = {"id": "/subscriptions/x/publicIPAddresses/p"}
+    assert violations(rules.AZ_NIC, nic)[bypass] == [
+        "Dev CVM NIC ipConfigurations[0] has a public IP"
+    ]
+
+    nsg = _az(built, "globex-dev-nsg")
+    nsg["securityRules"].append(
+        {
+            "name": "web",
+            "priority": 200,
+            "direction": "Outbound",
+            "access": "Allow",
+            "protocol": "Tcp",
+            "sourceAddressPrefix": "*",
+            "destinationAddressPrefix": "Internet",
+            "destinationPortRange": "443",
+        }
+    )
+    assert "'web' allows outbound to ['Internet']" in violations(rules.AZ_NSG, nsg)[bypass][0]
+
+
+@pytest.mark.parametrize(
+    ("resource_type", "props"),
+    [
+        (
+            rules.GCP_FIREWALL,
+            {
+                "direction": "INGRESS",
+                "sourceRanges": ["0.0.0.0/0"],
+                "allows": [{"protocol": "tcp", "ports": ["22"]}],
+            },
+        ),
+        (
+            rules.GCP_FIREWALL,
+            {"sourceRanges": ["0.0.0.0/0"], "allows": [{"protocol": "tcp", "ports": ["20-30"]}]},
+        ),
+        (
+            rules.GCP_FIREWALL,
+            {"direction": "INGRESS", "sourceRanges": ["::/0"], "allows": [{"protocol": "all"}]},
+        ),
+        (
+            rules.GCP_FIREWALL,
+            {
+                "direction": "INGRESS",
+                "sourceRanges": ["0.0.0.0/0"],
+                "allows": [{"protocol": "tcp", "ports": ["8022"]}],
+            },
+        ),
+        (
+            rules.AZ_RULE,
+            {
+                "direction": "Inbound",
+                "access": "Allow",
+                "protocol": "Tcp",
+                "sourceAddressPrefix": "*",
+                "destinationPortRange": "22",
+            },
+        ),
+        (
+            rules.AZ_RULE,
+            {
+                "direction": "Inbound",
+                "access": "Allow",
+                "protocol": "*",
+                "sourceAddressPrefix": "Internet",
+                "destinationPortRanges": ["80", "1-1024"],
+            },
+        ),
+        (
+            rules.AZ_NSG,
+            {
+                "securityRules": [
+                    {
+                        "name": "ssh",
+                        "priority": 100,
+                        "direction": "Inbound",
+                        "access": "Allow",
+                        "protocol": "Tcp",
+                        "sourceAddressPrefixes": ["0.0.0.0/0"],
+                        "destinationPortRange": "*",
+                    }
+                ]
+            },
+        ),
+    ],
+)
+def test_public_ssh_is_refused(resource_type: str, props: dict[str, Any]) -> None:
+    assert "umbra-no-public-ssh" in violations(resource_type, props)
+
+
+@pytest.mark.parametrize(
+    ("resource_type", "props"),
+    [
+        (
+            rules.GCP_FIREWALL,
+            {
+                "direction": "INGRESS",
+                "sourceRanges": ["35.235.240.0/20"],
+                "allows": [{"protocol": "tcp", "ports": ["22"]}],
+            },
+        ),
+        (
+            rules.GCP_FIREWALL,
+            {
+                "direction": "INGRESS",
+                "sourceRanges": ["0.0.0.0/0"],
+                "allows": [{"protocol": "tcp", "ports": ["443"]}],
+            },
+        ),
+        (
+            rules.GCP_FIREWALL,
+            {
+                "direction": "EGRESS",
+                "destinationRanges": ["0.0.0.0/0"],
+                "targetServiceAccounts": ["umbra-a-sec@p.iam.gserviceaccount.com"],
+                "allows": [{"protocol": "tcp", "ports": ["22"]}],
+            },
+        ),
+        (
+            rules.AZ_RULE,
+            {
+                "direction": "Inbound",
+                "access": "Deny",
+                "protocol": "*",
+                "sourceAddressPrefix": "*",
+                "destinationPortRange": "*",
+            },
+        ),
+        (
+            rules.AZ_RULE,
+            {
+                "direction": "Inbound",
+                "access": "Allow",
+                "protocol": "Tcp",
+                "sourceAddressPrefix": "10.0.0.0/8",
+                "destinationPortRange": "22",
+            },
+        ),
+    ],
+)
+def test_non_public_or_non_ssh_rules_pass(resource_type: str, props: dict[str, Any]) -> None:
+    assert violations(resource_type, props) == {}
