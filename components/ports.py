@@ -2,11 +2,12 @@
 
 from typing import Final
 
+from umbra.sandbox.models import ATTESTED_SSH_PORT
+
 # The Security CVM's tunnel endpoint: the only place a Dev CVM's forwarder may dial.
 SECURITY_TUNNEL_PORT: Final = 8443
-# The Dev CVM's aTLS-wrapped SSH listener (the laptop verifies the quote before SSH starts).
-# Port 22 is never opened on the network.
-DEV_ATTESTED_SSH_PORT: Final = 8022
+# The Dev CVM's SSH ingress, as its compose file publishes it. Port 22 is never opened.
+DEV_ATTESTED_SSH_PORT: Final = ATTESTED_SSH_PORT
 # What the Security CVM's proxy may dial on the internet.
 SECURITY_EGRESS_PORTS: Final = (80, 443)
 

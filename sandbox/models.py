@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
-from typing import Annotated
+from typing import Annotated, Final
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
@@ -86,6 +86,10 @@ class SecurityImages(Strict):
     policy_puller: ImageRef
 
 
+# The Dev CVM's published SSH ingress. Port 22 is never opened on a Dev CVM's network.
+ATTESTED_SSH_PORT: Final = 8022
+
+
 class DevCvmInputs(Strict):
     """Everything the Dev CVM compose file depends on. Same inputs, same bytes."""
 
@@ -100,7 +104,8 @@ class DevCvmInputs(Strict):
     )
     proxy_port: Port = 3128
     tunnels: list[Tunnel] = Field(default_factory=list)
-    ssh_port: Port = 22
+    # The host port that publishes the forwarder's SSH ingress; the team network opens only this one.
+    ssh_port: Port = ATTESTED_SSH_PORT
     sandbox_subnet: ipaddress.IPv4Network = ipaddress.IPv4Network("172.30.0.0/24")
     sessions_subnet: ipaddress.IPv4Network = ipaddress.IPv4Network("172.30.1.0/24")
     sandbox_user: Annotated[str, Field(pattern=r"^[a-z_][a-z0-9_-]{0,31}$")] = "dev"
