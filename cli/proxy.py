@@ -1,0 +1,119 @@
+"""`umbra proxy`: run the Security CVM's egress proxy."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from pydantic import ValidationError
+
+app = typer.Typer(help="The Security CVM's policy-enforcing egress proxy.", no_args_is_help=True)
+
+
+def _listen(value: str) -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit():
+        raise typer.BadParameter("expected HOST:PORT, e.g. 127.0.0.1:8080")
+    return host.strip("[]"), int(port)
+
+
+@app.command()
+def serve(
+    listen: Annotated[
+        str, typer.Option(help="HOST:PORT to accept tunnel connections on.")
+    ] = "127.0.0.1:8080",
+    identities: Annotated[
+        Path,
+        typer.Option(
+            help="Identities file: CVM ids, owners, teams, profiles, tunnel credentials/source ranges."
+        ),
+    ] = Path("identities.yaml"),
+    traffic_log: Annotated[
+        Path, typer.Option(help="Traffic-log spool directory (append-only JSON lines).")
+    ] = Path("traffic-spool"),
+    confdir: Annotated[
+        Path, typer.Option(help="Directory of the proxy's interception CA (created if missing).")
+    ] = Path("mitm-ca"),
+    policy_dir: Annotated[
+        Path | None, typer.Option(help="Local mode: enforce this policy directory (unsigned).")
+    ] = None,
+    bundle: Annotated[Path | None, typer.Option(help="Enforce this signed bundle file.")] = None,
+    bundle_key: Annotated[
+        list[Path] | None,
+        typer.Option(help="Pinned Ed25519 public key (PEM) bundles must be signed by; repeatable."),
+    ] = None,
+    console: Annotated[
+        str | None,
+        typer.Option(help="Console base URL: pull bundle and attachments, ship the traffic log."),
+    ] = None,
+    security_cvm_id: Annotated[
+        str | None, typer.Option(help="This Security CVM's id at the Console.")
+    ] = None,
+    state_dir: Annotated[
+        Path | None, typer.Option(help="Where the last good bundle is cached.")
+    ] = None,
+    secrets: Annotated[
+        Path | None, typer.Option(help="Local mode secrets file (YAML/JSON, mode 0600).")
+    ] = None,
+    upstream_ca: Annotated[
+        Path | None,
+        typer.Option(
+            help="Trust this CA (PEM) for upstream TLS instead of the system store (tests)."
+        ),
+    ] = None,
+    max_body: Annotated[
+        int,
+        typer.Option(help="Largest request body scanned and forwarded, in bytes; larger gets 413."),
+    ] = 32 << 20,
+    test_allow_upstream: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="TEST ONLY: allow dialling this CIDR (e.g. 127.0.0.1/32). Never in production."
+        ),
+    ] = None,
+    test_resolver: Annotated[
+        Path | None,
+        typer.Option(help="TEST ONLY: resolve names from this JSON map instead of DNS."),
+    ] = None,
+    test_faults: Annotated[
+        bool, typer.Option(help="TEST ONLY: hooks raise for hosts named fault-<hook>.*")
+    ] = False,
+) -> None:
+    """Run the proxy until interrupted."""
+    from umbra.proxy.runner import ProxyConfig, StartupError, UmbraProxy
+
+    host, port = _listen(listen)
+    try:
+        config = ProxyConfig(
+            listen_host=host,
+            listen_port=port,
+            identities=identities,
+            traffic_log=traffic_log,
+            confdir=confdir,
+            policy_dir=policy_dir,
+            bundle=bundle,
+            bundle_keys=bundle_key or [],
+            console_url=console,
+            security_cvm_id=security_cvm_id,
+            state_dir=state_dir,
+            secrets=secrets,
+            upstream_ca=upstream_ca,
+            max_body=max_body,
+            test_allow_upstream=test_allow_upstream or [],
+            test_resolver=test_resolver,
+            test_faults=test_faults,
+        )
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        typer.echo(f"umbra proxy serve: {first['msg']}", err=True)
+        raise typer.Exit(2) from None
+    proxy = UmbraProxy(config)
+    try:
+        asyncio.run(proxy.run())
+    except StartupError as exc:
+        typer.echo(f"umbra proxy serve: {exc}", err=True)
+        raise typer.Exit(1) from None
+    except KeyboardInterrupt:
+        pass

@@ -1,0 +1,199 @@
+"""Who sent a request: the CVM (and its owner) behind a client connection.
+
+Contract: identity is established by whoever terminates the authenticated tunnel from a Dev CVM's
+forwarder (the tunnel endpoint), never by anything inside the sandbox. The endpoint presents each
+sandbox connection to mitmproxy either from a source address/port range reserved for that CVM, or
+carrying `Proxy-Authorization: Basic base64(cvm_id:credential)` that the endpoint adds and the
+sandbox never sees. An `IdentitySource` maps a client connection to a `CvmIdentity`; no mapping
+means the request is denied.
+
+Local mode reads a static identities file (this module); the Console-attached owner/team/profiles
+of a CVM (`Attachments`) override the file's when a Console is configured.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import hmac
+import ipaddress
+import json
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Protocol
+
+import yaml
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
+
+_SHA256_HEX = 64
+
+
+@dataclass(frozen=True, slots=True)
+class CvmIdentity:
+    cvm_id: str
+    owner: str
+    team: str
+    profiles: tuple[str, ...]
+
+
+class IdentitySource(Protocol):
+    def by_source(self, host: str, port: int) -> CvmIdentity | None:
+        """The CVM a connection from this source address/port belongs to, if any."""
+        ...
+
+    def by_proxy_auth(self, header_value: str) -> CvmIdentity | None:
+        """The CVM whose tunnel endpoint presented this Proxy-Authorization value, if any."""
+        ...
+
+
+def _check_source(value: str) -> str:
+    network, _, ports = value.partition(" ports ")
+    ipaddress.ip_network(network, strict=True)
+    if ports:
+        low, _, high = ports.partition("-")
+        if not (1 <= int(low) <= int(high or low) <= 65535):
+            raise ValueError("port range must be LOW-HIGH within 1..65535")
+    return value
+
+
+def _check_sha256(value: str) -> str:
+    if len(value) != _SHA256_HEX or any(char not in "0123456789abcdef" for char in value):
+        raise ValueError("must be a lowercase hex SHA-256 digest")
+    return value
+
+
+SourceRange = Annotated[str, AfterValidator(_check_source)]
+Sha256Hex = Annotated[str, AfterValidator(_check_sha256)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class CvmEntry(_Strict):
+    cvm_id: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$")
+    owner: str = Field(min_length=1, max_length=128)
+    team: str = Field(min_length=1, max_length=128)
+    profiles: list[str] = Field(default_factory=list)
+    credential_sha256: Sha256Hex | None = Field(
+        default=None, description="SHA-256 of the credential presented as Basic cvm_id:credential."
+    )
+    sources: list[SourceRange] = Field(
+        default_factory=list, description="'CIDR' or 'CIDR ports LOW-HIGH' the endpoint uses."
+    )
+
+
+class IdentitiesFile(_Strict):
+    cvms: list[CvmEntry]
+
+
+class Attachment(_Strict):
+    owner: str = Field(min_length=1, max_length=128)
+    team: str = Field(min_length=1, max_length=128)
+    profiles: list[str]
+
+
+class AttachmentsDocument(_Strict):
+    """What `GET {console}/api/v1/security-cvms/{id}/attachments` returns."""
+
+    cvms: dict[str, Attachment]
+
+
+class IdentityError(Exception):
+    pass
+
+
+def hash_credential(credential: str) -> str:
+    return hashlib.sha256(credential.encode()).hexdigest()
+
+
+def proxy_auth_header(cvm_id: str, credential: str) -> str:
+    return "Basic " + base64.b64encode(f"{cvm_id}:{credential}".encode()).decode("ascii")
+
+
+@dataclass(frozen=True)
+class _Range:
+    network: ipaddress.IPv4Network | ipaddress.IPv6Network
+    low: int
+    high: int
+
+
+class StaticIdentities:
+    """Local-mode identity source: the identities file, overlaid by Console attachments if any."""
+
+    def __init__(self, entries: list[CvmEntry]) -> None:
+        ids = [entry.cvm_id for entry in entries]
+        if len(ids) != len(set(ids)):
+            raise IdentityError("identities file names a cvm_id twice")
+        self._entries = {entry.cvm_id: entry for entry in entries}
+        self._ranges: list[tuple[_Range, str]] = []
+        for entry in entries:
+            for source in entry.sources:
+                network, _, ports = source.partition(" ports ")
+                low, _, high = ports.partition("-") if ports else ("1", "", "65535")
+                self._ranges.append(
+                    (
+                        _Range(ipaddress.ip_network(network), int(low), int(high or low)),
+                        entry.cvm_id,
+                    )
+                )
+        self._lock = threading.Lock()
+        self._attachments: Mapping[str, Attachment] | None = None
+
+    @classmethod
+    def from_file(cls, path: Path) -> StaticIdentities:
+        try:
+            text = path.read_text()
+            data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+            parsed = IdentitiesFile.model_validate(data)
+        except (OSError, ValueError, yaml.YAMLError) as exc:
+            detail = exc.errors()[0]["msg"] if isinstance(exc, ValidationError) else str(exc)
+            raise IdentityError(f"{path}: not a valid identities file: {detail}") from None
+        return cls(parsed.cvms)
+
+    def set_attachments(self, attachments: Mapping[str, Attachment] | None) -> None:
+        """Console-served owner/team/profiles per CVM; with them set, CVMs not listed are unknown."""
+        with self._lock:
+            self._attachments = dict(attachments) if attachments is not None else None
+
+    def _identity(self, cvm_id: str) -> CvmIdentity | None:
+        entry = self._entries.get(cvm_id)
+        if entry is None:
+            return None
+        with self._lock:
+            attachments = self._attachments
+        if attachments is not None:
+            attached = attachments.get(cvm_id)
+            if attached is None:
+                return None
+            return CvmIdentity(cvm_id, attached.owner, attached.team, tuple(attached.profiles))
+        return CvmIdentity(cvm_id, entry.owner, entry.team, tuple(entry.profiles))
+
+    def by_source(self, host: str, port: int) -> CvmIdentity | None:
+        try:
+            address = ipaddress.ip_address(host.removeprefix("::ffff:"))
+        except ValueError:
+            return None
+        for source, cvm_id in self._ranges:
+            if address in source.network and source.low <= port <= source.high:
+                return self._identity(cvm_id)
+        return None
+
+    def by_proxy_auth(self, header_value: str) -> CvmIdentity | None:
+        scheme, _, token = header_value.strip().partition(" ")
+        if scheme.lower() != "basic" or not token:
+            return None
+        try:
+            decoded = base64.b64decode(token.strip(), validate=True).decode("utf-8")
+        except (binascii.Error, UnicodeDecodeError):
+            return None
+        cvm_id, sep, credential = decoded.partition(":")
+        entry = self._entries.get(cvm_id)
+        if not sep or entry is None or entry.credential_sha256 is None:
+            return None
+        if not hmac.compare_digest(hash_credential(credential), entry.credential_sha256):
+            return None
+        return self._identity(cvm_id)

@@ -1,0 +1,172 @@
+"""Pulls the signed policy bundle and the CVM attachments from the Console.
+
+`GET {console}/api/v1/security-cvms/{id}/bundle` returns the signed bundle bytes with an ETag; the
+puller sends `If-None-Match` and treats 304 as "unchanged". A bundle is installed only when its
+signature verifies against the pinned keys and its serial is not lower than the current one (an
+equal serial must carry the same hash). Anything else keeps the last good bundle. The last good
+bundle is cached on disk and re-verified at start-up.
+
+`GET {console}/api/v1/security-cvms/{id}/attachments` returns
+`{"cvms": {"<cvm_id>": {"owner": ..., "team": ..., "profiles": [...]}}}` with an ETag as well.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import httpx
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+from pydantic import ValidationError
+
+from umbra.proxy.identity import AttachmentsDocument, StaticIdentities
+from umbra.proxy.policy import BundleError, VerifiedBundle, verify_bundle
+from umbra.proxy.state import PolicyState
+
+logger = logging.getLogger(__name__)
+
+
+class RollbackError(BundleError):
+    pass
+
+
+def accept_bundle(
+    raw: bytes, keys: Sequence[Ed25519PublicKey], current: VerifiedBundle | None
+) -> VerifiedBundle:
+    """Verify `raw` and refuse a rollback; raise BundleError otherwise."""
+    bundle = verify_bundle(raw, keys)
+    if current is not None:
+        if bundle.serial < current.serial:
+            raise RollbackError(
+                f"bundle serial {bundle.serial} is lower than the enforced {current.serial}"
+            )
+        if bundle.serial == current.serial and bundle.hash != current.hash:
+            raise RollbackError(f"bundle serial {bundle.serial} reused with different content")
+    return bundle
+
+
+class PolicyPuller:
+    def __init__(
+        self,
+        console_url: str,
+        security_cvm_id: str,
+        keys: Sequence[Ed25519PublicKey],
+        state: PolicyState,
+        identities: StaticIdentities | None,
+        cache_dir: Path | None,
+        *,
+        interval: float = 0.5,
+        client: httpx.AsyncClient | None = None,
+    ) -> None:
+        base = console_url.rstrip("/") + f"/api/v1/security-cvms/{security_cvm_id}"
+        self.bundle_url = base + "/bundle"
+        self.attachments_url = base + "/attachments"
+        self.keys = list(keys)
+        self.state = state
+        self.identities = identities
+        self.cache = cache_dir / "bundle.json" if cache_dir else None
+        self.attachments_cache = cache_dir / "attachments.json" if cache_dir else None
+        self.interval = interval
+        self._client = client or httpx.AsyncClient(timeout=10)
+        self._bundle_etag: str | None = None
+        self._attachments_etag: str | None = None
+        self.last_error: str | None = None
+
+    def load_cache(self) -> None:
+        """Start from the last good bundle and attachments; with none, every CVM is unknown."""
+        if self.identities is not None:
+            self.identities.set_attachments({})
+            if self.attachments_cache is not None and self.attachments_cache.exists():
+                try:
+                    document = AttachmentsDocument.model_validate_json(
+                        self.attachments_cache.read_bytes()
+                    )
+                    self.identities.set_attachments(document.cvms)
+                except (OSError, ValidationError):
+                    logger.error(
+                        "cached attachments unreadable; every CVM is unknown until the Console answers"
+                    )
+        if self.cache is None or not self.cache.exists():
+            return
+        try:
+            bundle = accept_bundle(self.cache.read_bytes(), self.keys, self.state.source.bundle)
+        except BundleError as exc:
+            logger.error("cached bundle refused: %s", exc)
+            return
+        self.state.install(bundle=bundle)
+
+    @staticmethod
+    def _write_atomic(path: Path | None, raw: bytes) -> None:
+        if path is None:
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_bytes(raw)
+        with tmp.open("rb") as handle:
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+
+    def _save_cache(self, raw: bytes) -> None:
+        self._write_atomic(self.cache, raw)
+
+    async def poll_bundle(self) -> bool:
+        """One conditional GET of the bundle; True when a new bundle was installed."""
+        headers = {"If-None-Match": self._bundle_etag} if self._bundle_etag else {}
+        response = await self._client.get(self.bundle_url, headers=headers)
+        if response.status_code == 304:
+            return False
+        if response.status_code != 200:
+            self.last_error = f"bundle endpoint answered {response.status_code}"
+            return False
+        try:
+            bundle = accept_bundle(response.content, self.keys, self.state.source.bundle)
+        except BundleError as exc:
+            self.last_error = str(exc)
+            logger.error(
+                "refusing bundle from console, keeping %s: %s", self.state.source.label, exc
+            )
+            self._bundle_etag = response.headers.get("etag")
+            return False
+        self._bundle_etag = response.headers.get("etag")
+        current = self.state.source.bundle
+        if current is not None and current.hash == bundle.hash:
+            return False
+        self._save_cache(response.content)
+        self.state.install(bundle=bundle)
+        self.last_error = None
+        return True
+
+    async def poll_attachments(self) -> bool:
+        if self.identities is None:
+            return False
+        headers = {"If-None-Match": self._attachments_etag} if self._attachments_etag else {}
+        response = await self._client.get(self.attachments_url, headers=headers)
+        if response.status_code == 304:
+            return False
+        if response.status_code != 200:
+            self.last_error = f"attachments endpoint answered {response.status_code}"
+            return False
+        try:
+            document = AttachmentsDocument.model_validate_json(response.content)
+        except ValidationError:
+            self.last_error = "attachments document is invalid"
+            logger.error("refusing attachments document from console (invalid)")
+            return False
+        self._attachments_etag = response.headers.get("etag")
+        self._write_atomic(self.attachments_cache, response.content)
+        self.identities.set_attachments(document.cvms)
+        return True
+
+    async def run(self) -> None:
+        while True:
+            for poll in (self.poll_bundle, self.poll_attachments):
+                try:
+                    await poll()
+                except httpx.HTTPError as exc:
+                    self.last_error = f"console unreachable ({type(exc).__name__})"
+                except Exception:
+                    logger.exception("policy puller failed; keeping the current policy")
+            await asyncio.sleep(self.interval)

@@ -1,0 +1,309 @@
+# mypy: disable-error-code="no-untyped-call"
+"""Builds and runs the Security CVM's egress proxy: mitmproxy with exactly the addons Umbra needs.
+
+Used by `umbra proxy serve` and, in-process, by tests (`ProxyThread`). Start-up fails closed: a
+policy, bundle, identities or secrets source that does not load stops the proxy with a message
+saying which and why, rather than serving with less policy than configured.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import ipaddress
+import logging
+import signal
+import socket
+import sys
+import threading
+from pathlib import Path
+from typing import Self
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from umbra.proxy.identity import StaticIdentities
+from umbra.proxy.netcheck import AddressPolicy, IPAddress, IPNetwork
+from umbra.proxy.policy import BundleError, PolicyError
+from umbra.proxy.policy.bundle import load_public_key
+from umbra.proxy.policy.loader import load_policy_dir
+from umbra.proxy.resolver import Resolver, StaticResolver, SystemResolver
+from umbra.proxy.secrets import SecretStore
+from umbra.proxy.spool import Shipper, Spool
+from umbra.proxy.state import PolicyState
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_BODY = 32 << 20
+
+
+class ProxyConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    listen_host: str = "127.0.0.1"
+    listen_port: int = Field(default=8080, ge=0, le=65535)
+    policy_dir: Path | None = None
+    bundle: Path | None = None
+    bundle_keys: list[Path] = Field(default_factory=list)
+    console_url: str | None = None
+    security_cvm_id: str | None = None
+    identities: Path
+    secrets: Path | None = None
+    traffic_log: Path
+    confdir: Path
+    state_dir: Path | None = None
+    upstream_ca: Path | None = None
+    max_body: int = Field(default=DEFAULT_MAX_BODY, ge=1024)
+    test_allow_upstream: list[str] = Field(default_factory=list)
+    test_resolver: Path | None = None
+    test_faults: bool = False
+    poll_interval: float = Field(default=0.5, gt=0)
+    ship_interval: float = Field(default=1.0, gt=0)
+
+    @model_validator(mode="after")
+    def _one_policy_source(self) -> Self:
+        sources = [
+            self.policy_dir is not None,
+            self.bundle is not None,
+            self.console_url is not None,
+        ]
+        if sum(sources) != 1:
+            raise ValueError("give exactly one of --policy-dir, --bundle or --console")
+        if (self.bundle or self.console_url) and not self.bundle_keys:
+            raise ValueError("--bundle and --console need at least one pinned --bundle-key")
+        if self.console_url and not self.security_cvm_id:
+            raise ValueError("--console needs --security-cvm-id")
+        for cidr in self.test_allow_upstream:
+            ipaddress.ip_network(cidr, strict=True)
+        return self
+
+
+class StartupError(Exception):
+    pass
+
+
+def _own_addresses(listen_host: str) -> set[IPAddress]:
+    found: set[IPAddress] = set()
+    candidates = [listen_host, socket.gethostname()]
+    for name in candidates:
+        with contextlib.suppress(OSError, UnicodeError):
+            for info in socket.getaddrinfo(name, None):
+                with contextlib.suppress(ValueError):
+                    found.add(ipaddress.ip_address(str(info[4][0]).split("%", 1)[0]))
+    return {address for address in found if not address.is_unspecified}
+
+
+class UmbraProxy:
+    """Everything the proxy runs: mitmproxy master, spool, shipper and policy puller."""
+
+    def __init__(self, config: ProxyConfig) -> None:
+        self.config = config
+        self.listen_port: int | None = None
+        self._ready = threading.Event()
+        self._master: object | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self.puller: object | None = None
+        self.spool: Spool | None = None
+        self.state: PolicyState | None = None
+        self.identities: StaticIdentities | None = None
+
+    def _load(self) -> tuple[PolicyState, StaticIdentities, Resolver, AddressPolicy]:
+        config = self.config
+        try:
+            secrets = (
+                SecretStore.from_file(config.secrets) if config.secrets else SecretStore.empty()
+            )
+            identities = StaticIdentities.from_file(config.identities)
+            state = PolicyState(secrets)
+            if config.policy_dir is not None:
+                state.install(policy_set=load_policy_dir(config.policy_dir))
+            keys = [load_public_key(path) for path in config.bundle_keys]
+            if config.bundle is not None:
+                from umbra.proxy.puller import accept_bundle
+
+                state.install(bundle=accept_bundle(config.bundle.read_bytes(), keys, None))
+        except (PolicyError, BundleError, OSError) as exc:
+            raise StartupError(f"cannot load policy: {exc}") from None
+        except Exception as exc:
+            raise StartupError(str(exc)) from None
+        resolver: Resolver = (
+            StaticResolver.from_file(config.test_resolver)
+            if config.test_resolver
+            else SystemResolver()
+        )
+        allow: list[IPNetwork] = [ipaddress.ip_network(cidr) for cidr in config.test_allow_upstream]
+        if allow or config.test_resolver or config.test_faults:
+            print(
+                "!" * 78
+                + "\nWARNING: TEST-ONLY OPTIONS ACTIVE: "
+                + ", ".join(
+                    [f"--test-allow-upstream {net}" for net in allow]
+                    + (["--test-resolver"] if config.test_resolver else [])
+                    + (["--test-faults"] if config.test_faults else [])
+                )
+                + "\nThis proxy may reach addresses a production proxy refuses. Never deploy this.\n"
+                + "!" * 78,
+                file=sys.stderr,
+                flush=True,
+            )
+        addresses = AddressPolicy(test_allow=tuple(allow))
+        return state, identities, resolver, addresses
+
+    async def run(self) -> None:
+        from mitmproxy import options
+        from mitmproxy.addons import (
+            core,
+            disable_h2c,
+            errorcheck,
+            next_layer,
+            proxyserver,
+            tlsconfig,
+        )
+        from mitmproxy.master import Master
+
+        from umbra.proxy import mitm_compat
+        from umbra.proxy.addon import AddonConfig, UmbraAddon
+
+        mitm_compat.install()
+        config = self.config
+        state, identities, resolver, addresses = self._load()
+        self.state, self.identities = state, identities
+        spool = Spool(config.traffic_log)
+        self.spool = spool
+        puller = None
+        if config.console_url is not None:
+            from umbra.proxy.puller import PolicyPuller
+
+            keys = [load_public_key(path) for path in config.bundle_keys]
+            puller = PolicyPuller(
+                config.console_url,
+                config.security_cvm_id or "",
+                keys,
+                state,
+                identities,
+                config.state_dir,
+                interval=config.poll_interval,
+            )
+            puller.load_cache()
+            self.puller = puller
+        config.confdir.mkdir(parents=True, exist_ok=True)
+        opts = options.Options()
+        master = Master(opts)
+        self._master = master
+        check = errorcheck.ErrorCheck(repeat_errors_on_stderr=True)
+        addon_config = AddonConfig(
+            state=state,
+            identities=identities,
+            resolver=resolver,
+            addresses=addresses,
+            spool=spool,
+            max_body=config.max_body,
+            test_faults=config.test_faults,
+        )
+        umbra = UmbraAddon(addon_config)
+        master.addons.add(
+            core.Core(),
+            disable_h2c.DisableH2C(),
+            proxyserver.Proxyserver(),
+            next_layer.NextLayer(),
+            tlsconfig.TlsConfig(),
+            check,
+            umbra,
+        )
+        updates: dict[str, object] = {
+            "mode": ["regular"],
+            "listen_host": config.listen_host,
+            "listen_port": config.listen_port,
+            "confdir": str(config.confdir),
+            "connection_strategy": "lazy",
+            "rawtcp": False,
+            "http3": False,
+            "ignore_hosts": [],
+            "allow_hosts": [],
+            "tcp_hosts": [],
+            "udp_hosts": [],
+            "body_size_limit": str(config.max_body),
+            "stream_large_bodies": None,
+            "upstream_cert": False,
+            "validate_inbound_headers": True,
+            "websocket": True,
+            "http2": True,
+            "ssl_insecure": False,
+        }
+        if config.upstream_ca is not None:
+            updates["ssl_verify_upstream_trusted_ca"] = str(config.upstream_ca)
+        opts.update(**updates)
+        if puller is not None:
+            self._tasks.append(asyncio.create_task(puller.run()))
+        if config.console_url is not None:
+            shipper = Shipper(config.traffic_log, config.console_url, interval=config.ship_interval)
+            self._tasks.append(asyncio.create_task(shipper.run()))
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            # Stop cleanly so the spool writes every queued record before the process exits.
+            with contextlib.suppress(ValueError, RuntimeError, NotImplementedError):
+                loop.add_signal_handler(signum, master.shutdown)
+        run_task = asyncio.create_task(master.run())
+        try:
+            ps = master.addons.get("proxyserver")
+            for _ in range(600):
+                if run_task.done():
+                    break
+                addrs = ps.listen_addrs() if ps else []
+                if addrs:
+                    port = int(addrs[0][1])
+                    self.listen_port = port
+                    own = _own_addresses(config.listen_host)
+                    listened = {ipaddress.ip_address(str(a[0]).split("%")[0]) for a in addrs}
+                    if any(address.is_unspecified for address in listened):
+                        # Listening on every interface: every local address is this socket.
+                        listened |= own | {
+                            ipaddress.ip_address("127.0.0.1"),
+                            ipaddress.ip_address("::1"),
+                        }
+                    own_sockets = [(address, port) for address in listened]
+                    umbra.config = dataclasses.replace(
+                        addon_config,
+                        addresses=addresses.with_own(own, own_sockets),
+                    )
+                    print(f"umbra proxy listening on {config.listen_host}:{port}", flush=True)
+                    self._ready.set()
+                    break
+                await asyncio.sleep(0.05)
+            await run_task
+        finally:
+            for task in self._tasks:
+                task.cancel()
+            spool.close()
+            self._ready.set()
+
+    def shutdown(self) -> None:
+        master = self._master
+        if master is not None:
+            master.shutdown()  # type: ignore[attr-defined]
+
+
+class ProxyThread:
+    """Runs an UmbraProxy on its own event loop in a background thread (for tests)."""
+
+    def __init__(self, config: ProxyConfig) -> None:
+        self.proxy = UmbraProxy(config)
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._main, name="umbra-proxy", daemon=True)
+
+    def _main(self) -> None:
+        try:
+            asyncio.run(self.proxy.run())
+        except BaseException as exc:
+            self._error = exc
+            self.proxy._ready.set()
+
+    def start(self, timeout: float = 30) -> int:
+        self._thread.start()
+        if not self.proxy._ready.wait(timeout) or self.proxy.listen_port is None:
+            raise StartupError(f"proxy did not start: {self._error!r}")
+        return self.proxy.listen_port
+
+    def stop(self) -> None:
+        self.proxy.shutdown()
+        self._thread.join(timeout=15)

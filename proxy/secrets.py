@@ -1,0 +1,106 @@
+"""The secret values the proxy holds, and the placeholders the sandbox sees in their stead.
+
+Secrets are referenced as `team/<name>` (one value for the team) or `personal/<name>` (one value per
+CVM owner). A sandbox never holds a value; tools there may carry a placeholder
+`umbra-placeholder:<ref>`, which the proxy replaces by injecting the real header only for the hosts
+the policy binds that secret to, and refuses to forward anywhere else.
+
+Local mode loads a secrets file (YAML or JSON, mode 0600):
+    team: {github-bot: "..."}
+    personal: {alice: {openai: "..."}, bob: {openai: "..."}}
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+PLACEHOLDER_PREFIX = "umbra-placeholder:"
+PLACEHOLDER_PATTERN = r"umbra-placeholder:((?:team|personal)/[a-z0-9._-]{1,128})"
+_NAME = re.compile(r"^[a-z0-9](?:[a-z0-9._-]{0,126}[a-z0-9])?$")
+
+
+class SecretsError(Exception):
+    """A secrets source that cannot be used (the message never contains a secret value)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SecretValue:
+    ref: str  # e.g. team/github-bot or personal/alice/openai (owner-qualified for scanning)
+    value: str
+
+    def __repr__(self) -> str:
+        return f"SecretValue(ref={self.ref!r}, value=<redacted>)"
+
+
+def placeholder(ref: str) -> str:
+    return PLACEHOLDER_PREFIX + ref
+
+
+class _SecretsFile(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    team: dict[str, str] = {}
+    personal: dict[str, dict[str, str]] = {}
+
+
+class SecretStore:
+    def __init__(self, team: dict[str, str], personal: dict[str, dict[str, str]]) -> None:
+        for name in [*team, *(name for values in personal.values() for name in values)]:
+            if not _NAME.match(name):
+                raise SecretsError(f"secret name {name[:64]!r} is not a valid name")
+        self._team = dict(team)
+        self._personal = {owner: dict(values) for owner, values in personal.items()}
+
+    @classmethod
+    def empty(cls) -> SecretStore:
+        return cls({}, {})
+
+    @classmethod
+    def from_file(cls, path: Path) -> SecretStore:
+        try:
+            mode = path.stat().st_mode
+            if mode & (stat.S_IRWXG | stat.S_IRWXO):
+                raise SecretsError(
+                    f"{path}: secrets file is readable by group or others "
+                    f"(mode {stat.S_IMODE(mode):o}); chmod 600 it"
+                )
+            text = path.read_text()
+        except OSError as exc:
+            raise SecretsError(f"{path}: cannot read secrets file ({exc.strerror})") from None
+        try:
+            data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+            parsed = _SecretsFile.model_validate(data or {})
+        except (ValueError, yaml.YAMLError) as exc:
+            where = ""
+            if isinstance(exc, ValidationError):
+                where = ": at " + ".".join(str(p) for p in exc.errors()[0]["loc"][:2])
+            raise SecretsError(f"{path}: not a valid secrets file{where}") from None
+        return cls(parsed.team, parsed.personal)
+
+    def resolve(self, ref: str, owner: str) -> str | None:
+        """The value of `team/x`, or of `personal/x` for this CVM owner; None when absent."""
+        kind, _, name = ref.partition("/")
+        if kind == "team":
+            return self._team.get(name)
+        if kind == "personal":
+            return self._personal.get(owner, {}).get(name)
+        return None
+
+    def all_values(self) -> list[SecretValue]:
+        values = [SecretValue(f"team/{name}", value) for name, value in sorted(self._team.items())]
+        for owner, secrets in sorted(self._personal.items()):
+            values.extend(
+                SecretValue(f"personal/{owner}/{name}", value)
+                for name, value in sorted(secrets.items())
+            )
+        return values
+
+    def fingerprint(self) -> int:
+        return hash(tuple((item.ref, item.value) for item in self.all_values())) ^ os.getpid()

@@ -1,0 +1,229 @@
+"""The traffic-log spool: append-only JSON-lines segment files, fsynced, shipped in batches.
+
+A writer thread appends records to `segment-<n>.jsonl` and fsyncs after every batch it writes (group
+commit; a record is durable within one flush interval of its decision). Segments rotate at a size
+limit. The shipper reads records after a persisted cursor and POSTs them as
+`{"records": [...]}` to `{console}/api/v1/traffic/batches`; only a 2xx advances the cursor, so a
+Console that is down, or a proxy that restarts, loses nothing (records carry ids: the Console
+de-duplicates a batch it sees twice). Fully shipped segments other than the current one are deleted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import queue
+import threading
+from pathlib import Path
+
+import httpx
+
+from umbra.proxy.trafficlog import TrafficRecord
+
+logger = logging.getLogger(__name__)
+
+SEGMENT_BYTES = 8 << 20
+FLUSH_INTERVAL = 0.05
+_CURSOR = "cursor.json"
+
+
+def _segment_number(path: Path) -> int:
+    return int(path.stem.removeprefix("segment-"))
+
+
+def segments(directory: Path) -> list[Path]:
+    return sorted(directory.glob("segment-*.jsonl"), key=_segment_number)
+
+
+class Spool:
+    def __init__(self, directory: Path, segment_bytes: int = SEGMENT_BYTES) -> None:
+        self.directory = directory
+        directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self._segment_bytes = segment_bytes
+        existing = segments(directory)
+        # Never append to a segment a crash may have cut mid-line: always start a fresh one.
+        self._number = _segment_number(existing[-1]) + 1 if existing else 1
+        self._file = self._open()
+        self._queue: queue.Queue[TrafficRecord | None] = queue.Queue()
+        self._written = threading.Condition()
+        self._pending = 0
+        self._thread = threading.Thread(target=self._run, name="umbra-spool", daemon=True)
+        self._thread.start()
+
+    def _open(self) -> int:
+        path = self.directory / f"segment-{self._number:08d}.jsonl"
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        dir_fd = os.open(self.directory, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+        return fd
+
+    def append(self, record: TrafficRecord) -> None:
+        with self._written:
+            self._pending += 1
+        self._queue.put(record)
+
+    def flush(self, timeout: float = 5.0) -> None:
+        """Wait until every record appended so far is on disk."""
+        with self._written:
+            self._written.wait_for(lambda: self._pending == 0, timeout=timeout)
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=10)
+        os.close(self._file)
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            batch = [item]
+            while not self._queue.empty() and len(batch) < 1000:
+                batch.append(self._queue.get_nowait())
+            records = [record for record in batch if record is not None]
+            if records:
+                self._write(records)
+            if None in batch:
+                return
+
+    def _write(self, records: list[TrafficRecord]) -> None:
+        data = b"".join(record.model_dump_json().encode() + b"\n" for record in records)
+        try:
+            os.write(self._file, data)
+            os.fsync(self._file)
+            if os.fstat(self._file).st_size >= self._segment_bytes:
+                os.close(self._file)
+                self._number += 1
+                self._file = self._open()
+        except OSError:
+            logger.exception("traffic spool write failed")
+        with self._written:
+            self._pending -= len(records)
+            self._written.notify_all()
+
+
+def read_records(directory: Path) -> list[dict[str, object]]:
+    """Every complete record in the spool, oldest first (a torn last line is skipped)."""
+    out: list[dict[str, object]] = []
+    for path in segments(directory):
+        for line in path.read_bytes().split(b"\n"):
+            if line:
+                try:
+                    out.append(json.loads(line))
+                except ValueError:
+                    continue
+    return out
+
+
+class Shipper:
+    """Ships spooled records to the Console in order; a non-2xx answer means 'retry later'."""
+
+    def __init__(
+        self,
+        directory: Path,
+        console_url: str,
+        *,
+        batch_size: int = 500,
+        interval: float = 1.0,
+        client: httpx.AsyncClient | None = None,
+    ) -> None:
+        self.directory = directory
+        self.url = console_url.rstrip("/") + "/api/v1/traffic/batches"
+        self.batch_size = batch_size
+        self.interval = interval
+        self._client = client or httpx.AsyncClient(timeout=10)
+        self.shipped = 0
+
+    def _cursor(self) -> tuple[int, int]:
+        try:
+            data = json.loads((self.directory / _CURSOR).read_text())
+            return int(data["segment"]), int(data["offset"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return 0, 0
+
+    def _save_cursor(self, segment: int, offset: int) -> None:
+        tmp = self.directory / (_CURSOR + ".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.write(fd, json.dumps({"segment": segment, "offset": offset}).encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, self.directory / _CURSOR)
+
+    def _next_batch(self) -> tuple[list[dict[str, object]], int, int]:
+        segment, offset = self._cursor()
+        for path in segments(self.directory):
+            number = _segment_number(path)
+            if number < segment:
+                continue
+            start = offset if number == segment else 0
+            with path.open("rb") as handle:
+                handle.seek(start)
+                data = handle.read(4 << 20)
+            records: list[dict[str, object]] = []
+            consumed = 0
+            for line in data.split(b"\n")[:-1]:  # only complete lines
+                consumed += len(line) + 1
+                if line:
+                    try:
+                        records.append(json.loads(line))
+                    except ValueError:
+                        logger.warning("skipping a corrupt spool line in %s", path.name)
+                if len(records) >= self.batch_size:
+                    break
+            if records:
+                return records, number, start + consumed
+            if consumed:
+                return [], number, start + consumed  # only corrupt lines: move past them
+            newer = [p for p in segments(self.directory) if _segment_number(p) > number]
+            if newer:
+                # Nothing complete is left here and nothing more will be written to it: what
+                # remains, if anything, is a line torn by a crash.
+                path.unlink(missing_ok=True)  # fully shipped and no longer written
+                segment, offset = _segment_number(newer[0]), 0
+                continue
+            return [], number, start + consumed
+        return [], segment, offset
+
+    async def ship_once(self) -> int:
+        """Ship one batch; return how many records the Console accepted, -1 if it refused."""
+        records, segment, offset = self._next_batch()
+        if not records:
+            if (segment, offset) != self._cursor():
+                self._save_cursor(segment, offset)
+            return 0
+        try:
+            response = await self._client.post(self.url, json={"records": records})
+        except httpx.HTTPError as exc:
+            logger.info(
+                "console unreachable, keeping %d records: %s", len(records), type(exc).__name__
+            )
+            return -1
+        if not 200 <= response.status_code < 300:
+            logger.info("console answered %d, keeping records", response.status_code)
+            return -1
+        self._save_cursor(segment, offset)
+        self.shipped += len(records)
+        return len(records)
+
+    async def run(self) -> None:
+        backoff = self.interval
+        while True:
+            try:
+                sent = await self.ship_once()
+            except Exception:
+                logger.exception("traffic shipper failed; retrying")
+                sent = -1
+            if sent > 0:
+                backoff = self.interval
+                continue
+            if sent == 0:
+                backoff = self.interval
+                await asyncio.sleep(self.interval)
+            else:
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 30.0)

@@ -1,0 +1,131 @@
+"""Module-level behaviour of the pieces the proxy is built from (no network)."""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+
+from umbra.proxy.identity import CvmEntry, StaticIdentities, hash_credential, proxy_auth_header
+from umbra.proxy.netcheck import AddressPolicy, AddressVerdict, classify
+from umbra.proxy.resolver import StaticResolver
+from umbra.proxy.secrets import SecretsError, SecretStore
+from umbra.proxy.spool import Shipper, Spool, read_records
+from umbra.proxy.trafficlog import TrafficRecord
+
+
+@pytest.mark.parametrize(
+    ("address", "verdict"),
+    [
+        ("8.8.8.8", AddressVerdict.OK),
+        ("127.0.0.1", AddressVerdict.LOOPBACK),
+        ("10.0.0.1", AddressVerdict.PRIVATE),
+        ("169.254.169.254", AddressVerdict.METADATA),
+        ("100.64.0.1", AddressVerdict.CGNAT),
+        ("fd00::1", AddressVerdict.ULA),
+        ("fe80::1", AddressVerdict.LINK_LOCAL),
+        ("::ffff:10.0.0.1", AddressVerdict.PRIVATE),
+        ("::ffff:8.8.8.8", AddressVerdict.TRANSITION),
+        ("64:ff9b::a00:1", AddressVerdict.PRIVATE),
+        ("2002:7f00:1::1", AddressVerdict.TRANSITION),
+        ("2001:0:4136:e378:8000:63bf:3fff:fdd2", AddressVerdict.TRANSITION),
+        ("0.0.0.0", AddressVerdict.UNSPECIFIED),  # noqa: S104
+        ("2606:4700::1111", AddressVerdict.OK),
+    ],
+)
+def test_address_classes(address: str, verdict: AddressVerdict) -> None:
+    assert classify(ipaddress.ip_address(address)) is verdict
+
+
+def test_test_allowance_never_admits_the_proxy_socket() -> None:
+    policy = AddressPolicy(test_allow=(ipaddress.ip_network("127.0.0.1/32"),)).with_own(
+        [], [(ipaddress.ip_address("127.0.0.1"), 8080)]
+    )
+    assert policy.check(ipaddress.ip_address("127.0.0.1"), 443) is AddressVerdict.OK
+    assert policy.check(ipaddress.ip_address("127.0.0.1"), 8080) is AddressVerdict.PROXY_SELF
+    assert policy.check(ipaddress.ip_address("::ffff:127.0.0.1"), 443) is AddressVerdict.LOOPBACK
+
+
+def test_static_resolver_rebinds() -> None:
+    resolver = StaticResolver({"r.test": [["1.1.1.1"], ["10.0.0.1"]]})
+    first = asyncio.run(resolver.resolve("r.test"))
+    second = asyncio.run(resolver.resolve("r.test"))
+    assert [str(a) for a in first] == ["1.1.1.1"] and [str(a) for a in second] == ["10.0.0.1"]
+
+
+def test_identity_by_source_range_and_credentials() -> None:
+    source = StaticIdentities(
+        [
+            CvmEntry(
+                cvm_id="cvm-a",
+                owner="alice",
+                team="acme",
+                profiles=["p"],
+                credential_sha256=hash_credential("tok"),
+                sources=["10.9.0.0/24 ports 40000-40999"],
+            )
+        ]
+    )
+    assert source.by_source("10.9.0.5", 40001) is not None
+    assert source.by_source("10.9.0.5", 41000) is None
+    assert source.by_source("10.9.1.5", 40001) is None
+    identity = source.by_proxy_auth(proxy_auth_header("cvm-a", "tok"))
+    assert identity is not None and identity.owner == "alice"
+    assert source.by_proxy_auth(proxy_auth_header("cvm-a", "wrong")) is None
+    assert source.by_proxy_auth("Bearer tok") is None
+
+
+def test_secrets_file_must_be_private(tmp_path: Path) -> None:
+    path = tmp_path / "secrets.json"
+    path.write_text(json.dumps({"team": {"x": "value-123456"}}))
+    path.chmod(0o644)
+    with pytest.raises(SecretsError) as caught:
+        SecretStore.from_file(path)
+    assert "value-123456" not in str(caught.value)
+    path.chmod(0o600)
+    store = SecretStore.from_file(path)
+    assert store.resolve("team/x", "anyone") == "value-123456"
+    assert "value-123456" not in repr(store.all_values())
+
+
+def test_spool_survives_a_torn_line_and_ships_in_order(tmp_path: Path) -> None:
+    spool = Spool(tmp_path)
+    for index in range(5):
+        spool.append(TrafficRecord(reason=f"r{index}"))
+    spool.flush()
+    spool.close()
+    segment = sorted(tmp_path.glob("segment-*.jsonl"))[-1]
+    with segment.open("ab") as handle:
+        handle.write(b'{"id": "torn')  # a crash mid-write
+    restarted = Spool(tmp_path)  # appends go to a fresh segment
+    restarted.append(TrafficRecord(reason="after"))
+    restarted.flush()
+    restarted.close()
+    reasons = [r["reason"] for r in read_records(tmp_path)]
+    assert reasons == ["r0", "r1", "r2", "r3", "r4", "after"]
+
+    received: list[str] = []
+    status = {"code": 503}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if status["code"] != 202:
+            return httpx.Response(status["code"])
+        received.extend(r["reason"] for r in json.loads(request.content)["records"])
+        return httpx.Response(202)
+
+    client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    shipper = Shipper(tmp_path, "http://console.invalid", batch_size=4, client=client)
+
+    async def drain() -> None:
+        assert await shipper.ship_once() == -1
+        status["code"] = 202
+        while await shipper.ship_once() > 0:
+            pass
+
+    asyncio.run(drain())
+    assert received == ["r0", "r1", "r2", "r3", "r4", "after"]
+    assert Shipper(tmp_path, "http://console.invalid", client=client)._next_batch()[0] == []
