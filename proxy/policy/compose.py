@@ -15,7 +15,7 @@ from typing import Any
 from umbra.proxy.policy.builtin_scan import BUILTIN_SCAN_RULES
 from umbra.proxy.policy.canonical import content_hash
 from umbra.proxy.policy.compiled import CompiledInject, CompiledProfile, CompiledScan
-from umbra.proxy.policy.matcher import Decision, Matcher, Reason, Verdict, host_keys
+from umbra.proxy.policy.matcher import Decision, Matcher, Reason, Verdict
 from umbra.proxy.policy.model import API_VERSION
 from umbra.proxy.policy.normalize import NormalizationError, normalize_host
 
@@ -98,6 +98,10 @@ class EffectivePolicy:
             return Decision(Verdict.DENY, Reason.NO_POLICY, detail="no profile is attached")
         return self._matcher.decide_tunnel(host, port)
 
+    def may_connect(self, host: str, port: int) -> bool:
+        """False when no rule could admit anything to host:port; see `Matcher.may_connect`."""
+        return not self.is_empty and self._matcher.may_connect(host, port)
+
     def injections_for(self, host: str) -> tuple[CompiledInject, ...]:
         """Injections bound to this exact host; empty for a host that does not normalize."""
         try:
@@ -106,10 +110,7 @@ class EffectivePolicy:
             return ()
 
     def _has_allow_for(self, host: str) -> bool:
-        return any(
-            rule.action == "allow" and any(key in rule.hosts for key in host_keys(host))
-            for rule in self.rules
-        )
+        return self._matcher.has_allow_rule_for(host)
 
 
 def _check_conflicts(profiles: Sequence[CompiledProfile]) -> None:

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from fnmatch import translate
 
 from umbra.proxy.policy.compiled import CompiledHttpRule, CompiledTunnel
-from umbra.proxy.policy.model import ANY_HOST
+from umbra.proxy.policy.model import ANY_HOST, METHODS
 from umbra.proxy.policy.normalize import (
     NormalizationError,
     is_ip_literal,
@@ -24,7 +24,7 @@ from umbra.proxy.policy.normalize import (
     normalize_path,
 )
 
-_METHOD_TOKEN = re.compile(r"^[A-Z]{1,20}$")
+_KNOWN_METHODS = frozenset(METHODS)
 
 
 class Verdict(StrEnum):
@@ -134,7 +134,7 @@ def host_keys(host: str) -> Iterator[str]:
 
 class Matcher:
     def __init__(
-        self, rules: Iterable[CompiledHttpRule], tunnels: Iterable[CompiledTunnel]
+        self, rules: Sequence[CompiledHttpRule], tunnels: Iterable[CompiledTunnel]
     ) -> None:
         self._by_host: dict[str, _PathTrie] = {}
         for order, rule in enumerate(rules):
@@ -148,17 +148,27 @@ class Matcher:
                 trie = self._by_host.setdefault(host, _PathTrie())
                 for path in rule.paths or ["/**"]:
                     trie.insert(path[1:].split("/"), entry)
+        # host key -> ports some allow rule grants there: lets a proxy refuse a CONNECT up front.
+        self._allow_ports: dict[str, set[int]] = {}
+        for rule in rules:
+            if rule.action == "allow":
+                ports = {int(endpoint.split(":")[1]) for endpoint in rule.endpoints}
+                for host in rule.hosts:
+                    self._allow_ports.setdefault(host, set()).update(ports)
         self._tunnels: dict[tuple[str, int], str] = {}
         for tunnel in tunnels:
             for host in tunnel.hosts:
                 for port in tunnel.ports:
                     self._tunnels.setdefault((host, port), tunnel.id)
 
-    def hosts_with_rules(self) -> set[str]:
-        return set(self._by_host)
+    def has_allow_rule_for(self, host: str) -> bool:
+        """Whether some allow rule names this normalized host (exactly, by wildcard or by '*')."""
+        return any(key in self._allow_ports for key in host_keys(host))
 
     def decide(self, method: str, scheme: str, host: str, port: int, path: str) -> Decision:
-        if not _METHOD_TOKEN.match(method):
+        # A rule without `methods` means every method a rule could name, never TRACE, CONNECT,
+        # PRI or an extension method that no reviewer considered.
+        if method not in _KNOWN_METHODS:
             return Decision(Verdict.DENY, Reason.INVALID_METHOD, detail=f"method {method[:20]!r}")
         if scheme not in ("http", "https"):
             return Decision(Verdict.DENY, Reason.INVALID_SCHEME, detail=f"scheme {scheme[:20]!r}")
@@ -195,6 +205,20 @@ class Matcher:
         if allow is not None:
             return Decision(Verdict.ALLOW, Reason.RULE_ALLOW, allow.rule.id, host, path)
         return Decision(Verdict.DENY, Reason.NO_MATCHING_RULE, None, host, path)
+
+    def may_connect(self, host: str, port: int) -> bool:
+        """Whether any allow or tunnel rule could admit traffic to host:port (normalized or not).
+
+        False means every request on such a connection would be denied, so a proxy may refuse the
+        CONNECT itself; True promises nothing about any single request.
+        """
+        try:
+            host = normalize_host(host)
+        except NormalizationError:
+            return False
+        if (host, port) in self._tunnels:
+            return True
+        return any(port in self._allow_ports.get(key, ()) for key in host_keys(host))
 
     def decide_tunnel(self, host: str, port: int) -> Decision:
         try:

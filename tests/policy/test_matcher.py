@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from tests.policy.helpers import policy, profile
 from umbra.proxy.policy.compiled import CompiledHttpRule
-from umbra.proxy.policy.compose import EffectivePolicy
+from umbra.proxy.policy.compose import EffectivePolicy, deny_all
 from umbra.proxy.policy.matcher import Reason, Verdict
 from umbra.proxy.policy.normalize import is_ip_literal, normalize_host, normalize_path
 
@@ -210,3 +210,36 @@ def test_decisions_do_not_depend_on_spelling(host: str, path: str, upper: bool) 
     variant_path = path.replace("/x", "/x/./q/..", 1) if path.startswith("/x") else path
     variant = p.decide("GET", "https", variant_host, 443, variant_path)
     assert (variant.verdict, variant.rule_id) == (canonical.verdict, canonical.rule_id)
+
+
+@pytest.mark.parametrize("method", ["TRACE", "CONNECT", "PRI", "PROPFIND", "BREW"])
+def test_a_rule_without_methods_never_admits_methods_no_rule_could_name(method: str) -> None:
+    p = policy(profile("any", [allow(hosts=["x.com"])]))
+    decision = p.decide(method, "https", "x.com", 443, "/")
+    assert decision.reason is Reason.INVALID_METHOD
+    assert p.decide("DELETE", "https", "x.com", 443, "/").allowed
+
+
+def test_may_connect_answers_whether_any_rule_could_admit_a_host_and_port() -> None:
+    p = policy(
+        profile(
+            "c",
+            [
+                allow(hosts=["*.a.com"], methods=["GET"], paths=["/only/**"]),
+                allow(hosts=["plain.org"], schemes=["http"]),
+                {"tunnel": {"hosts": ["git.b.com"], "ports": [22]}},
+                deny(hosts=["*"], methods=["DELETE"]),
+            ],
+        )
+    )
+    assert p.may_connect("x.a.com", 443)
+    assert p.may_connect("X.A.COM.", 443)
+    assert not p.may_connect("a.com", 443)
+    assert not p.may_connect("x.a.com", 8443)
+    assert p.may_connect("plain.org", 80)
+    assert not p.may_connect("plain.org", 443)
+    assert p.may_connect("git.b.com", 22)
+    assert not p.may_connect("git.b.com", 443)
+    assert not p.may_connect("elsewhere.net", 443), "a deny on '*' admits nothing"
+    assert not p.may_connect("bad..host", 443)
+    assert not deny_all().may_connect("x.a.com", 443)
