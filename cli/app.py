@@ -1,27 +1,54 @@
-"""The `umbra` command: a thin typer app that parses, calls the other parts and renders with rich."""
+"""The `umbra` command: a thin typer app that parses, calls the other parts and renders with rich.
+
+Sub-commands load on first use, so `umbra policy check` does not import mitmproxy, FastAPI or the
+Pulumi SDKs; only `umbra --help` loads them all, to list them.
+"""
 
 from __future__ import annotations
 
-import typer
+import importlib
 
-from umbra.cli import attest as attest_cli
-from umbra.cli import image as image_cli
-from umbra.cli import policy as policy_cli
-from umbra.cli import proxy as proxy_cli
-from umbra.cli import sandbox as sandbox_cli
+import typer
+from typer import _click as click  # typer vendors click; TyperGroup speaks these types
+from typer.core import TyperGroup
+
+# name -> (module, attribute holding its typer.Typer)
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "attest": ("umbra.cli.attest", "app"),
+    "forwarder": ("umbra.cli.sandbox", "forwarder_app"),
+    "image": ("umbra.cli.image", "app"),
+    "policy": ("umbra.cli.policy", "app"),
+    "proxy": ("umbra.cli.proxy", "app"),
+    "sandbox": ("umbra.cli.sandbox", "app"),
+}
+
+
+class LazyGroup(TyperGroup):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*super().list_commands(ctx), *SUBCOMMANDS})
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name not in SUBCOMMANDS:
+            return super().get_command(ctx, cmd_name)
+        module_name, attribute = SUBCOMMANDS[cmd_name]
+        sub_app = getattr(importlib.import_module(module_name), attribute)
+        command = typer.main.get_group(sub_app)
+        command.name = cmd_name
+        return command
+
 
 app = typer.Typer(
     name="umbra",
+    cls=LazyGroup,
     help="Attested confidential sandboxes for AI coding agents.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
 )
-app.add_typer(policy_cli.app, name="policy")
-app.add_typer(proxy_cli.app, name="proxy")
-app.add_typer(attest_cli.app, name="attest")
-app.add_typer(image_cli.app, name="image")
-app.add_typer(sandbox_cli.app, name="sandbox")
-app.add_typer(sandbox_cli.forwarder_app, name="forwarder")
+
+
+@app.callback()
+def umbra() -> None:
+    """Attested confidential sandboxes for AI coding agents."""
 
 
 def main() -> None:
