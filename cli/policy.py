@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import subprocess
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, NoReturn
 
 import typer
 from pydantic import BaseModel
@@ -37,27 +37,27 @@ JsonFlag = Annotated[bool, typer.Option("--json", help="Machine-readable output 
 DEFAULT_DIR = Path("policies")
 
 
+def _exit_with_issues(exc: PolicyError, as_json: bool) -> NoReturn:
+    if as_json:
+        print_json({"ok": False, "issues": [issue.as_dict() for issue in exc.issues]})
+    else:
+        print_issues(exc.issues)
+        console.print(f"[red]{len(exc.issues)} problem(s); nothing was applied.[/]")
+    raise typer.Exit(EXIT_FINDINGS) from None
+
+
 def _load(directory: Path, as_json: bool) -> PolicySet:
     try:
         return load_policy_dir(directory)
     except PolicyError as exc:
-        if as_json:
-            print_json({"ok": False, "issues": [issue.as_dict() for issue in exc.issues]})
-        else:
-            print_issues(exc.issues)
-            console.print(f"[red]{len(exc.issues)} problem(s); nothing was applied.[/]")
-        raise typer.Exit(EXIT_FINDINGS) from None
+        _exit_with_issues(exc, as_json)
 
 
 def _run(policy_set: PolicySet, as_json: bool) -> list[CaseResult]:
     try:
         return run_suites(policy_set)
     except PolicyError as exc:
-        if as_json:
-            print_json({"ok": False, "issues": [issue.as_dict() for issue in exc.issues]})
-        else:
-            print_issues(exc.issues)
-        raise typer.Exit(EXIT_FINDINGS) from None
+        _exit_with_issues(exc, as_json)
 
 
 @app.command()
@@ -71,11 +71,7 @@ def check(directory: PolicyDir = DEFAULT_DIR, as_json: JsonFlag = False) -> None
                 (suite.suite.name, policy_set.compose(suite.suite.profiles, file=suite.file))
             )
         except PolicyError as exc:
-            if as_json:
-                print_json({"ok": False, "issues": [issue.as_dict() for issue in exc.issues]})
-            else:
-                print_issues(exc.issues)
-            raise typer.Exit(EXIT_FINDINGS) from None
+            _exit_with_issues(exc, as_json)
     if as_json:
         print_json(
             {
@@ -168,11 +164,7 @@ def diff(
         before = load_at_revision(repo, rev_a, directory)
         after = load_at_revision(repo, rev_b, directory)
     except PolicyError as exc:
-        if as_json:
-            print_json({"ok": False, "issues": [issue.as_dict() for issue in exc.issues]})
-        else:
-            print_issues(exc.issues)
-        raise typer.Exit(EXIT_FINDINGS) from None
+        _exit_with_issues(exc, as_json)
     result = diff_policy_sets(before, after)
     if as_json:
         print_json(_diff_json(result))
@@ -364,8 +356,7 @@ def decide(
     try:
         policy = policy_set.compose(profile or sorted(policy_set.profiles))
     except PolicyError as exc:
-        print_issues(exc.issues)
-        raise typer.Exit(EXIT_FINDINGS) from None
+        _exit_with_issues(exc, as_json)
     decision = policy.decide(probe.method, probe.scheme, probe.host, probe.port, probe.path)
     injected = (
         [rule.header for rule in policy.injections_for(probe.host)] if decision.allowed else []
