@@ -15,6 +15,7 @@ from typer.core import TyperGroup
 # name -> (module, attribute holding its typer.Typer)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "attest": ("umbra.cli.attest", "app"),
+    "console": ("umbra.cli.console", "app"),
     "forwarder": ("umbra.cli.sandbox", "forwarder_app"),
     "image": ("umbra.cli.image", "app"),
     "policy": ("umbra.cli.policy", "app"),

@@ -1,0 +1,110 @@
+"""`umbra console ...`: run the Console, migrate its database, verify its audit chain."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+from rich.console import Console as RichConsole
+
+from umbra.console.config import ConfigError, Settings, settings_from_env
+
+app = typer.Typer(
+    help="Run and maintain the Umbra Console (settings come from UMBRA_CONSOLE_* variables).",
+    no_args_is_help=True,
+)
+out = RichConsole()
+err = RichConsole(stderr=True)
+
+DatabaseUrl = Annotated[
+    str | None,
+    typer.Option(
+        "--database-url", help="Overrides UMBRA_CONSOLE_DATABASE_URL.", show_default=False
+    ),
+]
+
+
+def _settings(database_url: str | None, **overrides: object) -> Settings:
+    extra = {key: value for key, value in overrides.items() if value is not None}
+    if database_url is not None:
+        extra["database_url"] = database_url
+    try:
+        return settings_from_env(None, **extra)
+    except ConfigError as exc:
+        err.print(f"[red]configuration error:[/red] {exc}")
+        raise typer.Exit(2) from None
+
+
+@app.command()
+def serve(
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port.")] = 8080,
+    workers: Annotated[
+        int, typer.Option(min=1, help="Worker processes (PostgreSQL only; SQLite uses one).")
+    ] = 1,
+    database_url: DatabaseUrl = None,
+    migrate: Annotated[
+        bool | None,
+        typer.Option("--migrate/--no-migrate", help="Run migrations at startup (SQLite only)."),
+    ] = None,
+) -> None:
+    """Serve the Console API (OpenAPI at /openapi.json, metrics at /metrics)."""
+    from umbra.console.serve import serve as run
+
+    settings = _settings(database_url, auto_migrate=migrate)
+    try:
+        run(settings, host, port, workers=workers)
+    except ConfigError as exc:
+        err.print(f"[red]configuration error:[/red] {exc}")
+        raise typer.Exit(2) from None
+
+
+@app.command()
+def migrate(
+    database_url: DatabaseUrl = None,
+    revision: Annotated[str, typer.Option(help="Target revision.")] = "head",
+) -> None:
+    """Apply the Console's Alembic migrations (PostgreSQL in production; SQLite too)."""
+    from umbra.console import db
+
+    settings = _settings(database_url)
+    db.upgrade(settings.database_url, revision)
+    out.print(f"database at revision [bold]{revision}[/bold]")
+
+
+@app.command("audit-verify")
+def audit_verify(
+    database_url: DatabaseUrl = None,
+    expect_head: Annotated[
+        str | None,
+        typer.Option(
+            help="A head hash recorded earlier: fail unless the chain still passes through it "
+            "(catches truncation and wholesale rewrites)."
+        ),
+    ] = None,
+) -> None:
+    """Recompute the audit log's hash chain; exit 1 at the first entry that does not verify."""
+    from sqlalchemy.orm import Session
+
+    from umbra.console import audit, db
+
+    settings = _settings(database_url)
+    engine = db.make_engine(settings.database_url)
+    try:
+        with Session(engine) as session:
+            report = audit.verify_database(session, expect_head.lower() if expect_head else None)
+    finally:
+        engine.dispose()
+    if not report.ok:
+        err.print(
+            f"[red]audit chain BROKEN[/red] at seq {report.bad_seq}: {report.problem} "
+            f"({report.entries} entries verified before it)"
+        )
+        raise typer.Exit(1)
+    if expect_head is not None and not report.anchor_found:
+        err.print(
+            f"[red]audit chain does not contain the recorded head {expect_head}[/red] "
+            "(entries were removed or the chain was rewritten)"
+        )
+        raise typer.Exit(1)
+    out.print(f"audit chain OK: {report.entries} entries, head {report.head}")

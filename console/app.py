@@ -1,0 +1,184 @@
+"""The Console's FastAPI application factory."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from umbra.console import db
+from umbra.console.config import ConfigError, Settings, settings_summary
+from umbra.console.envelope import EnvelopeError, LocalKeyring
+from umbra.console.limits import BodyLimitMiddleware, limit_for
+from umbra.console.oidc import OidcValidator
+from umbra.console.providers import ProviderError, build_providers
+from umbra.console.release import SecretReleaseVerifier
+from umbra.console.release_config import verifier_from_settings
+from umbra.console.routes import audit, bundles, cvms, meta, secrets, security_cvm, traffic
+from umbra.console.schemas import TrafficBatch
+from umbra.console.state import Console
+from umbra.proxy.policy.bundle import BundleError, load_public_key
+
+log = logging.getLogger("umbra.console")
+API_VERSION = "1.0.0"
+
+
+def build_console(
+    settings: Settings, *, release_verifier: SecretReleaseVerifier | None = None
+) -> Console:
+    try:
+        keys = [load_public_key(path) for path in settings.bundle_public_keys]
+    except BundleError as exc:
+        raise ConfigError(f"bundle_public_keys: {exc}") from None
+    oidc = None
+    if settings.oidc_issuer:
+        try:
+            oidc = OidcValidator(
+                settings.oidc_issuer,
+                settings.oidc_audience,
+                settings.oidc_algorithms,
+                jwks_ttl=settings.oidc_jwks_ttl_seconds,
+                min_refresh_interval=settings.oidc_jwks_min_refresh_seconds,
+                leeway=settings.oidc_leeway_seconds,
+                allow_insecure_http=settings.oidc_allow_insecure_http,
+            )
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+    keyring = None
+    if settings.kek:
+        try:
+            keyring = LocalKeyring.from_config(settings.kek, settings.kek_current)
+        except EnvelopeError as exc:
+            raise ConfigError(str(exc)) from None
+    try:
+        providers = build_providers(settings.providers)
+    except (ValueError, ProviderError) as exc:
+        raise ConfigError(str(exc)) from None
+    if release_verifier is None:
+        release_verifier = verifier_from_settings(settings)
+    return Console(
+        settings=settings,
+        engine=db.make_engine(settings.database_url),
+        oidc=oidc,
+        bundle_keys=keys,
+        keyring=keyring,
+        providers=providers,
+        release_verifier=release_verifier,
+    )
+
+
+def create_app(
+    settings: Settings, *, release_verifier: SecretReleaseVerifier | None = None
+) -> FastAPI:
+    console = build_console(settings, release_verifier=release_verifier)
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        if settings.auto_migrate:
+            if settings.is_sqlite:
+                db.upgrade(settings.database_url)
+            else:
+                log.warning("auto_migrate is honoured for SQLite only; run `umbra console migrate`")
+        log.info("console starting: %s", settings_summary(settings))
+        yield
+        console.engine.dispose()
+
+    app = FastAPI(
+        title="Umbra Console",
+        version=API_VERSION,
+        description="Orchestrates and stores: identity, profiles, write-only secrets, CVMs, "
+        "traffic and audit logs. Never in the SSH or egress path.",
+        lifespan=lifespan,
+    )
+    app.state.console = console
+    for module in (meta, bundles, cvms, secrets, security_cvm, traffic, audit):
+        app.include_router(module.router)
+    _install_error_handlers(app)
+    _register_extra_schemas(app, [TrafficBatch])
+    app.add_middleware(
+        BodyLimitMiddleware,
+        limit=limit_for(
+            settings.max_request_bytes, settings.max_bundle_bytes, settings.max_traffic_batch_bytes
+        ),
+    )
+    app.add_middleware(MetricsMiddleware, console=console)
+    return app
+
+
+def _register_extra_schemas(app: FastAPI, models: list[type[BaseModel]]) -> None:
+    """Bodies that routes parse themselves (for speed) still appear in the OpenAPI spec."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            spec = get_openapi(
+                title=app.title,
+                version=app.version,
+                description=app.description,
+                routes=app.routes,
+            )
+            schemas = spec.setdefault("components", {}).setdefault("schemas", {})
+            for model in models:
+                schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                schemas.update(schema.pop("$defs", {}))
+                schemas[model.__name__] = schema
+            app.openapi_schema = spec
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        # Never echo the input back: it may be a secret value.
+        errors = [
+            {
+                "loc": list(error.get("loc", ())),
+                "msg": error.get("msg", ""),
+                "type": error.get("type", ""),
+            }
+            for error in exc.errors()
+        ]
+        return JSONResponse({"detail": errors}, status_code=422)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.error("unhandled %s on %s %s", type(exc).__name__, request.method, request.url.path)
+        return JSONResponse({"detail": "internal error"}, status_code=500)
+
+
+class MetricsMiddleware:
+    def __init__(self, app: ASGIApp, console: Console) -> None:
+        self.app = app
+        self.console = console
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        status_code = 500
+
+        async def capture(message: Message) -> None:
+            nonlocal status_code
+            if message["type"] == "http.response.start":
+                status_code = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, capture)
+        finally:
+            route: Any = scope.get("route")
+            template = getattr(route, "path", "unmatched")
+            metrics = self.console.metrics
+            metrics.requests.labels(template, scope["method"], str(status_code)).inc()
+            metrics.latency.labels(template).observe(time.perf_counter() - started)

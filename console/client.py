@@ -1,0 +1,264 @@
+"""Typed HTTP clients for the Console API: `ConsoleClient` for people (OIDC bearer token; used by
+the `umbra` CLI) and `SecurityCvmClient` for a Security CVM's proxy (its registration credential).
+
+Errors come back as `ConsoleApiError` with the status code and the server's precise `detail`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Self
+
+import httpx
+from pydantic import BaseModel
+
+from umbra.console.schemas import (
+    AttachmentsDoc,
+    AuditPage,
+    BundleInfo,
+    CvmCreated,
+    CvmInfo,
+    IngestResult,
+    Me,
+    ReleaseChallenge,
+    ReleaseResponse,
+    SecretInfo,
+    TrafficPage,
+)
+
+DEFAULT_TIMEOUT = 30.0
+
+
+class ConsoleApiError(Exception):
+    def __init__(self, status: int, detail: object) -> None:
+        self.status = status
+        self.detail = detail
+        super().__init__(f"console answered {status}: {detail}")
+
+
+def _detail(response: httpx.Response) -> object:
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text[:500]
+    return body.get("detail", body) if isinstance(body, dict) else body
+
+
+class _Base:
+    def __init__(
+        self,
+        base_url: str,
+        token: str,
+        *,
+        timeout: float = DEFAULT_TIMEOUT,
+        transport: httpx.BaseTransport | None = None,
+        verify: bool | str = True,
+    ) -> None:
+        self._http = httpx.Client(
+            base_url=base_url.rstrip("/"),
+            headers={"Authorization": f"Bearer {token}"},
+            timeout=timeout,
+            transport=transport,
+            verify=verify,
+            follow_redirects=False,
+        )
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._http.close()
+
+    def _request(
+        self, method: str, url: str, ok: tuple[int, ...] = (200,), **kwargs: Any
+    ) -> httpx.Response:
+        response = self._http.request(method, url, **kwargs)
+        if response.status_code not in ok:
+            raise ConsoleApiError(response.status_code, _detail(response))
+        return response
+
+    def _model[M: BaseModel](self, model: type[M], method: str, url: str, **kwargs: Any) -> M:
+        return model.model_validate(self._request(method, url, **kwargs).json())
+
+
+class ConsoleClient(_Base):
+    """For people: every call is authorized by the caller's roles in the team."""
+
+    def me(self) -> Me:
+        return self._model(Me, "GET", "/api/v1/me")
+
+    # bundles and profiles
+    def upload_bundle(self, team: str, raw: bytes) -> BundleInfo:
+        return self._model(
+            BundleInfo,
+            "POST",
+            f"/api/v1/teams/{team}/bundles",
+            ok=(200, 201),
+            content=raw,
+            headers={"Content-Type": "application/octet-stream"},
+        )
+
+    def list_bundles(self, team: str) -> list[BundleInfo]:
+        response = self._request("GET", f"/api/v1/teams/{team}/bundles")
+        return [BundleInfo.model_validate(item) for item in response.json()]
+
+    def attach_profiles(self, cvm_id: str, profiles: list[str]) -> CvmInfo:
+        return self._model(
+            CvmInfo, "PUT", f"/api/v1/cvms/{cvm_id}/profiles", json={"profiles": profiles}
+        )
+
+    # CVMs
+    def create_cvm(
+        self,
+        team: str,
+        name: str,
+        *,
+        kind: str = "dev",
+        provider: str = "local",
+        security_cvm_id: str | None = None,
+        owner: str | None = None,
+    ) -> CvmCreated:
+        body: dict[str, Any] = {"name": name, "kind": kind, "provider": provider}
+        if security_cvm_id is not None:
+            body["security_cvm_id"] = security_cvm_id
+        if owner is not None:
+            body["owner"] = owner
+        return self._model(CvmCreated, "POST", f"/api/v1/teams/{team}/cvms", ok=(201,), json=body)
+
+    def list_cvms(self, team: str, *, include_destroyed: bool = False) -> list[CvmInfo]:
+        response = self._request(
+            "GET", f"/api/v1/teams/{team}/cvms", params={"include_destroyed": include_destroyed}
+        )
+        return [CvmInfo.model_validate(item) for item in response.json()]
+
+    def get_cvm(self, cvm_id: str) -> CvmInfo:
+        return self._model(CvmInfo, "GET", f"/api/v1/cvms/{cvm_id}")
+
+    def update_cvm(
+        self, cvm_id: str, *, state: str | None = None, security_cvm_id: str | None = None
+    ) -> CvmInfo:
+        body = {k: v for k, v in {"state": state, "security_cvm_id": security_cvm_id}.items() if v}
+        return self._model(CvmInfo, "PATCH", f"/api/v1/cvms/{cvm_id}", json=body)
+
+    def destroy_cvm(self, cvm_id: str) -> CvmInfo:
+        return self._model(CvmInfo, "DELETE", f"/api/v1/cvms/{cvm_id}")
+
+    def rotate_credential(self, cvm_id: str) -> CvmCreated:
+        return self._model(CvmCreated, "POST", f"/api/v1/cvms/{cvm_id}/credential")
+
+    # secrets (write-only)
+    def set_team_secret(
+        self, team: str, name: str, value: str, hosts: list[str] | None = None
+    ) -> SecretInfo:
+        body = {"value": value, "hosts": hosts or []}
+        return self._model(SecretInfo, "PUT", f"/api/v1/teams/{team}/secrets/{name}", json=body)
+
+    def set_personal_secret(self, team: str, name: str, value: str, hosts: list[str]) -> SecretInfo:
+        body = {"value": value, "hosts": hosts}
+        return self._model(
+            SecretInfo, "PUT", f"/api/v1/teams/{team}/personal-secrets/{name}", json=body
+        )
+
+    def list_secrets(self, team: str, *, personal: bool = False) -> list[SecretInfo]:
+        kind = "personal-secrets" if personal else "secrets"
+        response = self._request("GET", f"/api/v1/teams/{team}/{kind}")
+        return [SecretInfo.model_validate(item) for item in response.json()]
+
+    def delete_secret(self, team: str, name: str, *, personal: bool = False) -> None:
+        kind = "personal-secrets" if personal else "secrets"
+        self._request("DELETE", f"/api/v1/teams/{team}/{kind}/{name}", ok=(204,))
+
+    # logs
+    def traffic(
+        self,
+        team: str,
+        *,
+        cvm_id: str | None = None,
+        owner: str | None = None,
+        host: str | None = None,
+        decision: str | None = None,
+        since: datetime | None = None,
+        until: datetime | None = None,
+        limit: int = 100,
+        cursor: str | None = None,
+    ) -> TrafficPage:
+        params = {
+            "cvm_id": cvm_id,
+            "owner": owner,
+            "host": host,
+            "decision": decision,
+            "since": since.isoformat() if since else None,
+            "until": until.isoformat() if until else None,
+            "limit": limit,
+            "cursor": cursor,
+        }
+        query = {key: value for key, value in params.items() if value is not None}
+        return self._model(TrafficPage, "GET", f"/api/v1/teams/{team}/traffic", params=query)
+
+    def audit(self, team: str, *, after: int = 0, limit: int = 100) -> AuditPage:
+        params = {"after": after, "limit": limit}
+        return self._model(AuditPage, "GET", f"/api/v1/teams/{team}/audit", params=params)
+
+
+@dataclass(frozen=True)
+class Polled:
+    """A long-poll answer: `changed` False means 304 (keep what you have)."""
+
+    changed: bool
+    etag: str | None
+    body: bytes
+
+
+class SecurityCvmClient(_Base):
+    """For a Security CVM's proxy: pull bundle and attachments, ship traffic, ask for secrets."""
+
+    def __init__(self, base_url: str, token: str, cvm_id: str, **kwargs: Any) -> None:
+        super().__init__(base_url, token, **kwargs)
+        self.cvm_id = cvm_id
+
+    def _poll(self, what: str, etag: str | None, wait: int) -> Polled:
+        headers = {"If-None-Match": f'"{etag}"'} if etag else {}
+        timeout = httpx.Timeout(DEFAULT_TIMEOUT + wait)
+        response = self._request(
+            "GET",
+            f"/api/v1/security-cvms/{self.cvm_id}/{what}",
+            ok=(200, 304),
+            params={"wait": wait},
+            headers=headers,
+            timeout=timeout,
+        )
+        tag = response.headers.get("ETag", "").strip('"') or None
+        return Polled(response.status_code == 200, tag, response.content)
+
+    def bundle(self, etag: str | None = None, wait: int = 0) -> Polled:
+        """The signed bundle bytes (verify them with pinned keys before use)."""
+        return self._poll("bundle", etag, wait)
+
+    def attachments(
+        self, etag: str | None = None, wait: int = 0
+    ) -> tuple[Polled, AttachmentsDoc | None]:
+        polled = self._poll("attachments", etag, wait)
+        doc = AttachmentsDoc.model_validate_json(polled.body) if polled.changed else None
+        return polled, doc
+
+    def ship_traffic(self, records: list[dict[str, Any]]) -> IngestResult:
+        return self._model(
+            IngestResult, "POST", "/api/v1/traffic/batches", json={"records": records}
+        )
+
+    def release_challenge(self) -> ReleaseChallenge:
+        return self._model(
+            ReleaseChallenge, "POST", f"/api/v1/security-cvms/{self.cvm_id}/release-challenge"
+        )
+
+    def release(self, evidence: dict[str, Any]) -> ReleaseResponse:
+        return self._model(
+            ReleaseResponse,
+            "POST",
+            f"/api/v1/security-cvms/{self.cvm_id}/secrets/release",
+            json=evidence,
+        )

@@ -1,0 +1,168 @@
+"""Console settings: one strict model, read from `UMBRA_CONSOLE_*` environment variables or a file.
+
+Everything security-relevant fails closed: no issuer means no user can authenticate, no pinned
+bundle keys means no bundle can be uploaded, no key encryption key means no secret can be stored.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import os
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+ENV_PREFIX = "UMBRA_CONSOLE_"
+DEFAULT_DATABASE_URL = "sqlite:///umbra-console.db"
+
+
+class ConfigError(Exception):
+    """A configuration that the Console refuses to start with; the message names the setting."""
+
+
+class Settings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    database_url: str = Field(
+        default=DEFAULT_DATABASE_URL,
+        description="SQLAlchemy URL: sqlite:///PATH (embedded default) or postgresql+psycopg://...",
+    )
+    auto_migrate: bool = Field(
+        default=False,
+        description="Run Alembic `upgrade head` at startup; honoured for SQLite only.",
+    )
+    oidc_issuer: str | None = Field(default=None, description="Issuer URL; `iss` must equal it.")
+    oidc_audience: str = Field(default="umbra-console", description="Required `aud` value.")
+    oidc_roles_claim: str = Field(
+        default="umbra_roles", description="Claim listing 'TEAM:ROLE' entries."
+    )
+    oidc_algorithms: list[str] = Field(default_factory=lambda: ["RS256", "ES256", "EdDSA"])
+    oidc_jwks_ttl_seconds: float = Field(default=300.0, gt=0)
+    oidc_jwks_min_refresh_seconds: float = Field(
+        default=5.0, ge=0, description="Rate limit on refetching JWKS for an unknown key id."
+    )
+    oidc_leeway_seconds: int = Field(default=30, ge=0, le=300)
+    oidc_allow_insecure_http: bool = Field(
+        default=False, description="Allow an http:// issuer; only ever for loopback test issuers."
+    )
+    bundle_public_keys: list[Path] = Field(
+        default_factory=list, description="PEM Ed25519 keys that may sign policy bundles."
+    )
+    kek: dict[str, str] = Field(
+        default_factory=dict, description="Key encryption keys: key id -> base64 of 32 bytes."
+    )
+    kek_current: str | None = Field(default=None, description="Key id that wraps new data keys.")
+    providers: list[str] = Field(default_factory=lambda: ["local"])
+    max_request_bytes: int = Field(default=1 << 20, gt=0)
+    max_bundle_bytes: int = Field(default=16 << 20, gt=0)
+    max_traffic_batch_bytes: int = Field(default=16 << 20, gt=0)
+    max_traffic_batch_records: int = Field(default=10_000, gt=0)
+    long_poll_max_seconds: int = Field(default=60, ge=1, le=600)
+    long_poll_db_interval_seconds: float = Field(
+        default=0.5, gt=0, le=1.0, description="How often a long poll rechecks the database."
+    )
+    release_nonce_ttl_seconds: int = Field(default=120, ge=10, le=3600)
+    release_policy: Path | None = Field(
+        default=None,
+        description="Release manifest (measurement policy) of the Security CVM image; enables "
+        "attested secret release.",
+    )
+    release_binding: Path | None = Field(default=None, description="Optional instance binding.")
+    release_collateral: Path | None = Field(default=None, description="Static collateral file.")
+    release_pccs: list[str] = Field(default_factory=list, description="PCCS endpoints, in order.")
+    release_collateral_cache: Path | None = None
+    release_allow_simulated: bool = Field(
+        default=False, description="Accept simulated quotes when the policy says tee: simulated."
+    )
+    release_simulated_root: Path | None = Field(
+        default=None, description="The simulated root CA (DER or PEM)."
+    )
+
+    @field_validator("database_url")
+    @classmethod
+    def _check_url(cls, value: str) -> str:
+        if not value.startswith(("sqlite://", "postgresql+psycopg://", "postgresql://")):
+            raise ValueError("must be a sqlite:// or postgresql+psycopg:// URL")
+        if value.startswith("postgresql://"):
+            value = "postgresql+psycopg://" + value.removeprefix("postgresql://")
+        return value
+
+    @field_validator("kek")
+    @classmethod
+    def _check_kek(cls, value: dict[str, str]) -> dict[str, str]:
+        for key_id, encoded in value.items():
+            try:
+                raw = base64.b64decode(encoded, validate=True)
+            except binascii.Error:
+                raise ValueError(f"key {key_id!r} is not valid base64") from None
+            if len(raw) != 32:
+                raise ValueError(f"key {key_id!r} must be 32 bytes (AES-256)")
+        return value
+
+    @property
+    def is_sqlite(self) -> bool:
+        return self.database_url.startswith("sqlite")
+
+
+_LIST_FIELDS = {"oidc_algorithms", "bundle_public_keys", "providers", "release_pccs"}
+
+
+def settings_from_env(environ: dict[str, str] | None = None, **overrides: Any) -> Settings:
+    """Build settings from `UMBRA_CONSOLE_<FIELD>` variables; lists are comma separated, `KEK` is
+    `id=base64,id2=base64`, and `KEK_FILE` names a file holding that same text."""
+    env = dict(os.environ if environ is None else environ)
+    data: dict[str, Any] = {}
+    for name in Settings.model_fields:
+        raw = env.get(ENV_PREFIX + name.upper())
+        if raw is None:
+            continue
+        if name in _LIST_FIELDS:
+            data[name] = [item.strip() for item in raw.split(",") if item.strip()]
+        elif name == "kek":
+            data[name] = _parse_keks(raw, ENV_PREFIX + "KEK")
+        else:
+            data[name] = raw
+    kek_file = env.get(ENV_PREFIX + "KEK_FILE")
+    if kek_file:
+        try:
+            text = Path(kek_file).read_text()
+        except OSError as exc:
+            raise ConfigError(f"{ENV_PREFIX}KEK_FILE: cannot read ({exc.strerror})") from None
+        data["kek"] = _parse_keks(text.replace("\n", ","), ENV_PREFIX + "KEK_FILE")
+    data.update(overrides)
+    try:
+        return Settings.model_validate(data)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        where = ".".join(str(part) for part in error["loc"])
+        raise ConfigError(f"{ENV_PREFIX}{where.upper()}: {error['msg']}") from None
+
+
+def _parse_keks(text: str, setting: str) -> dict[str, str]:
+    keys: dict[str, str] = {}
+    for item in text.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        key_id, sep, encoded = item.partition("=")
+        if not sep or not key_id:
+            raise ConfigError(f"{setting}: entries must be 'KEY_ID=BASE64'")
+        keys[key_id.strip()] = encoded.strip()
+    return keys
+
+
+def settings_summary(settings: Settings) -> dict[str, Any]:
+    """Settings without key material, for logs."""
+    summary: dict[str, Any] = settings.model_dump(mode="json", exclude={"kek"})
+    summary["kek_ids"] = sorted(settings.kek)
+    summary["database_url"] = _redact_url(settings.database_url)
+    return summary
+
+
+def _redact_url(url: str) -> str:
+    scheme, sep, rest = url.partition("://")
+    if "@" in rest:
+        rest = "***@" + rest.rsplit("@", 1)[1]
+    return scheme + sep + rest

@@ -1,0 +1,91 @@
+"""Engine creation and the Alembic runner; one engine per app, sessions per request."""
+
+from __future__ import annotations
+
+import functools
+import threading
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy import Engine, create_engine, event
+
+MIGRATIONS_DIR = Path(__file__).parent / "migrations"
+
+
+def make_engine(url: str, **kwargs: Any) -> Engine:
+    if url.startswith("sqlite"):
+        engine = create_engine(
+            url, connect_args={"check_same_thread": False, "timeout": 30}, **kwargs
+        )
+
+        @event.listens_for(engine, "connect")
+        def _pragmas(dbapi_connection: Any, _record: Any) -> None:
+            cursor = dbapi_connection.cursor()
+            cursor.execute("PRAGMA journal_mode=WAL")
+            cursor.execute("PRAGMA foreign_keys=ON")
+            cursor.execute("PRAGMA busy_timeout=30000")
+            cursor.close()
+
+        return engine
+    return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20, **kwargs)
+
+
+def alembic_config(url: str) -> Config:
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS_DIR))
+    # ConfigParser interpolation: a literal '%' in a password must be doubled.
+    config.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
+    return config
+
+
+def upgrade(url: str, revision: str = "head") -> None:
+    command.upgrade(alembic_config(url), revision)
+
+
+def downgrade(url: str, revision: str) -> None:
+    command.downgrade(alembic_config(url), revision)
+
+
+@functools.cache
+def head_revision() -> str:
+    head = ScriptDirectory.from_config(alembic_config("sqlite://")).get_current_head()
+    if head is None:
+        raise RuntimeError("the Console has no migrations")
+    return head
+
+
+def revisions() -> list[str]:
+    """Every revision, oldest first."""
+    script = ScriptDirectory.from_config(alembic_config("sqlite://"))
+    return [rev.revision for rev in reversed(list(script.walk_revisions()))]
+
+
+def current_revision(engine: Engine) -> str | None:
+    with engine.connect() as connection:
+        return MigrationContext.configure(connection).get_current_revision()
+
+
+def as_utc(value: datetime) -> datetime:
+    """SQLite drops the offset of stored times; every time the Console stores is UTC."""
+    return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+class WriteGate:
+    """Serializes write transactions on SQLite (one writer; avoids stale-snapshot upgrade failures
+    in WAL mode). PostgreSQL handles concurrent writers itself, so there the gate is open."""
+
+    def __init__(self, serialize: bool) -> None:
+        self._lock: threading.Lock | None = threading.Lock() if serialize else None
+
+    def __enter__(self) -> None:
+        if self._lock is not None:
+            self._lock.acquire()
+
+    def __exit__(self, *_exc: object) -> None:
+        if self._lock is not None:
+            self._lock.release()

@@ -1,0 +1,158 @@
+"""The Console's tables (SQLModel). Alembic migrations under `migrations/` create exactly these.
+
+Secret values never live here in plaintext: `Secret` holds AES-GCM ciphertext under a per-secret data
+key, and that data key only wrapped under a key encryption key the database never sees.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import JSON, BigInteger, Column, DateTime, Index, LargeBinary, UniqueConstraint
+from sqlmodel import Field, SQLModel
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+def _ts(*, index: bool = False, nullable: bool = False) -> Any:
+    return Field(
+        default_factory=utcnow,
+        sa_type=DateTime(timezone=True),
+        index=index,
+        nullable=nullable,
+    )
+
+
+class PolicyBundle(SQLModel, table=True):
+    """A verified, signed policy bundle uploaded for one team; the highest serial is current."""
+
+    __tablename__ = "policy_bundle"
+    __table_args__ = (UniqueConstraint("team", "serial", name="uq_policy_bundle_team_serial"),)
+
+    id: int | None = Field(default=None, primary_key=True)
+    team: str = Field(index=True, max_length=64)
+    serial: int = Field(sa_type=BigInteger)
+    hash: str = Field(max_length=80)
+    keyid: str = Field(max_length=80)
+    source: str | None = Field(default=None, max_length=512)
+    profiles: list[str] = Field(sa_column=Column(JSON, nullable=False))
+    raw: bytes = Field(sa_column=Column(LargeBinary, nullable=False))
+    uploaded_by: str = Field(max_length=255)
+    created_at: datetime = _ts()
+
+
+class Cvm(SQLModel, table=True):
+    """A confidential VM: a Dev CVM (runs sandboxes) or a Security CVM (runs the egress proxy)."""
+
+    __tablename__ = "cvm"
+    __table_args__ = (UniqueConstraint("team", "name", name="uq_cvm_team_name"),)
+
+    id: str = Field(primary_key=True, max_length=40)
+    team: str = Field(index=True, max_length=64)
+    name: str = Field(max_length=64)
+    kind: str = Field(max_length=16)  # "dev" | "security"
+    owner: str = Field(index=True, max_length=255)
+    provider: str = Field(max_length=32)
+    provider_ref: str | None = Field(default=None, max_length=255)
+    state: str = Field(max_length=16)
+    security_cvm_id: str | None = Field(default=None, index=True, max_length=40)
+    profiles: list[str] = Field(default_factory=list, sa_column=Column(JSON, nullable=False))
+    credential_hash: str | None = Field(default=None, unique=True, max_length=64)
+    created_by: str = Field(max_length=255)
+    created_at: datetime = _ts()
+    updated_at: datetime = _ts()
+
+
+class Secret(SQLModel, table=True):
+    """A write-only secret: team-wide, or personal to one owner and bound to hosts."""
+
+    __tablename__ = "secret"
+    __table_args__ = (
+        UniqueConstraint("team", "scope", "owner", "name", name="uq_secret_identity"),
+    )
+
+    id: int | None = Field(default=None, primary_key=True)
+    team: str = Field(index=True, max_length=64)
+    scope: str = Field(max_length=16)  # "team" | "personal"
+    owner: str = Field(default="", max_length=255)  # "" for team secrets
+    name: str = Field(max_length=128)
+    hosts: list[str] = Field(default_factory=list, sa_column=Column(JSON, nullable=False))
+    version: int = 1
+    kek_id: str = Field(max_length=64)
+    wrapped_key: bytes = Field(sa_column=Column(LargeBinary, nullable=False))
+    ciphertext: bytes = Field(sa_column=Column(LargeBinary, nullable=False))
+    updated_by: str = Field(max_length=255)
+    created_at: datetime = _ts()
+    updated_at: datetime = _ts()
+
+
+class ReleaseNonce(SQLModel, table=True):
+    """A single-use challenge a Security CVM binds into its quote to receive secrets."""
+
+    __tablename__ = "release_nonce"
+
+    nonce: str = Field(primary_key=True, max_length=64)
+    security_cvm_id: str = Field(index=True, max_length=40)
+    expires_at: datetime = Field(sa_type=DateTime(timezone=True))
+    used: bool = False
+
+
+class TrafficRecord(SQLModel, table=True):
+    """One proxy decision; never values or bodies."""
+
+    __tablename__ = "traffic_record"
+    __table_args__ = (
+        Index("ix_traffic_team_time", "team", "time", "id"),
+        Index("ix_traffic_cvm_time", "cvm_id", "time"),
+        Index("ix_traffic_owner_time", "owner", "time"),
+        Index("ix_traffic_host_time", "host", "time"),
+    )
+
+    id: str = Field(primary_key=True, max_length=36)
+    security_cvm_id: str = Field(max_length=40)
+    time: datetime = Field(sa_type=DateTime(timezone=True))
+    cvm_id: str | None = Field(default=None, max_length=40)
+    owner: str | None = Field(default=None, max_length=255)
+    team: str = Field(max_length=64)
+    kind: str = Field(default="http", max_length=16)
+    policy_hash: str | None = Field(default=None, max_length=80)
+    method: str | None = Field(default=None, max_length=16)
+    connect_host: str | None = Field(default=None, max_length=255)
+    sni: str | None = Field(default=None, max_length=255)
+    host: str | None = Field(default=None, max_length=255)
+    port: int | None = None
+    pinned_ip: str | None = Field(default=None, max_length=45)
+    path: str | None = Field(default=None, max_length=2048)
+    query_keys: list[str] = Field(default_factory=list, sa_column=Column(JSON, nullable=False))
+    decision: str = Field(max_length=16)
+    rule_id: str | None = Field(default=None, max_length=160)
+    reason: str | None = Field(default=None, max_length=64)
+    status: int | None = None
+    bytes_sent: int = Field(default=0, sa_type=BigInteger)
+    bytes_received: int = Field(default=0, sa_type=BigInteger)
+    duration_ms: float = 0.0
+    scan_rule_ids: list[str] = Field(default_factory=list, sa_column=Column(JSON, nullable=False))
+    injected_headers: list[str] = Field(
+        default_factory=list, sa_column=Column(JSON, nullable=False)
+    )
+    detail: str | None = Field(default=None, max_length=1024)
+    received_at: datetime = _ts()
+
+
+class AuditEntry(SQLModel, table=True):
+    """One admin action; `hash` chains over the previous entry's hash, so edits are detectable."""
+
+    __tablename__ = "audit_entry"
+
+    seq: int = Field(primary_key=True, sa_column_kwargs={"autoincrement": False})
+    time: datetime = Field(sa_type=DateTime(timezone=True))
+    actor: str = Field(max_length=255)
+    team: str = Field(index=True, max_length=64)
+    action: str = Field(max_length=64)
+    target: str = Field(max_length=255)
+    details: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
+    prev_hash: str = Field(max_length=64, unique=True)
+    hash: str = Field(max_length=64)

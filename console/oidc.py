@@ -1,0 +1,184 @@
+"""OIDC bearer-token validation against the issuer's JWKS.
+
+Discovery (`/.well-known/openid-configuration`) must name the configured issuer; keys are cached
+for a TTL and refetched early when a token names an unknown `kid` (rate limited), which is how key
+rotation at the issuer converges without a restart. Only asymmetric algorithms from the configured
+allowlist are accepted, so `none` and HMAC-with-the-public-key confusions cannot verify.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from joserfc import jwt
+from joserfc.errors import JoseError
+from joserfc.jwk import KeySet
+
+log = logging.getLogger(__name__)
+
+ASYMMETRIC_ALGORITHMS = frozenset(
+    {"RS256", "RS384", "RS512", "PS256", "PS384", "PS512", "ES256", "ES384", "ES512", "EdDSA"}
+)
+MAX_TOKEN_LENGTH = 16 << 10
+
+
+class TokenError(Exception):
+    """A bearer token that does not authenticate anyone; the message says why, never the token."""
+
+
+class IssuerUnavailable(Exception):
+    """The issuer's discovery document or JWKS cannot be fetched or parsed."""
+
+
+@dataclass(frozen=True)
+class Claims:
+    subject: str
+    claims: Mapping[str, Any]
+
+
+class OidcValidator:
+    def __init__(
+        self,
+        issuer: str,
+        audience: str,
+        algorithms: list[str],
+        *,
+        jwks_ttl: float = 300.0,
+        min_refresh_interval: float = 5.0,
+        leeway: int = 30,
+        allow_insecure_http: bool = False,
+        http_timeout: float = 5.0,
+    ) -> None:
+        unsupported = set(algorithms) - ASYMMETRIC_ALGORITHMS
+        if unsupported:
+            raise ValueError(f"oidc_algorithms: not asymmetric signature algorithms: {unsupported}")
+        if not issuer.startswith("https://") and not (
+            allow_insecure_http and issuer.startswith("http://")
+        ):
+            raise ValueError("oidc_issuer: must be an https:// URL")
+        self.issuer = issuer
+        self.audience = audience
+        self.algorithms = list(algorithms)
+        self._ttl = jwks_ttl
+        self._min_refresh = min_refresh_interval
+        self._leeway = leeway
+        self._timeout = http_timeout
+        self._lock = threading.Lock()
+        self._keys: KeySet | None = None
+        self._kids: frozenset[str] = frozenset()
+        self._fetched_at = 0.0
+        self._jwks_uri: str | None = None
+
+    # -- key management ---------------------------------------------------------------------
+    def _discover(self, client: httpx.Client) -> str:
+        url = self.issuer.rstrip("/") + "/.well-known/openid-configuration"
+        document = _get_json(client, url)
+        if document.get("issuer") != self.issuer:
+            raise IssuerUnavailable("discovery document names a different issuer")
+        jwks_uri = document.get("jwks_uri")
+        if not isinstance(jwks_uri, str) or not jwks_uri.startswith(("https://", "http://")):
+            raise IssuerUnavailable("discovery document has no usable jwks_uri")
+        return jwks_uri
+
+    def _refresh(self) -> None:
+        with httpx.Client(timeout=self._timeout, follow_redirects=False) as client:
+            if self._jwks_uri is None:
+                self._jwks_uri = self._discover(client)
+            document = _get_json(client, self._jwks_uri)
+        keys = document.get("keys")
+        if not isinstance(keys, list):
+            raise IssuerUnavailable("JWKS has no 'keys' list")
+        usable = [
+            key
+            for key in keys
+            if isinstance(key, dict) and key.get("use", "sig") == "sig" and key.get("kty") != "oct"
+        ]
+        try:
+            key_set = KeySet.import_key_set({"keys": usable})
+        except (JoseError, ValueError, TypeError) as exc:
+            raise IssuerUnavailable(f"JWKS does not parse: {type(exc).__name__}") from None
+        self._keys = key_set
+        self._kids = frozenset(str(key.get("kid")) for key in usable if key.get("kid"))
+        self._fetched_at = time.monotonic()
+
+    def _key_set(self, kid: str | None) -> KeySet:
+        with self._lock:
+            now = time.monotonic()
+            stale = self._keys is None or now - self._fetched_at > self._ttl
+            unknown = kid is not None and kid not in self._kids
+            may_refresh = now - self._fetched_at >= self._min_refresh
+            if stale or (unknown and may_refresh):
+                try:
+                    self._refresh()
+                except (httpx.HTTPError, IssuerUnavailable) as exc:
+                    log.warning("OIDC key refresh failed: %s", type(exc).__name__)
+                    if self._keys is None:
+                        raise IssuerUnavailable("the OIDC issuer's keys are unavailable") from None
+            assert self._keys is not None
+            return self._keys
+
+    # -- validation -----------------------------------------------------------------------
+    def validate(self, token: str) -> Claims:
+        if len(token) > MAX_TOKEN_LENGTH:
+            raise TokenError("token is too long")
+        kid = _unverified_kid(token)
+        keys = self._key_set(kid)
+        try:
+            decoded = jwt.decode(token, keys, algorithms=self.algorithms)
+        except (JoseError, ValueError, TypeError) as exc:
+            raise TokenError(f"token signature does not verify ({type(exc).__name__})") from None
+        if decoded.header.get("alg") not in self.algorithms:
+            raise TokenError("token algorithm is not allowed")
+        registry = jwt.JWTClaimsRegistry(
+            leeway=self._leeway,
+            iss={"essential": True, "value": self.issuer},
+            aud={"essential": True, "value": self.audience},
+            exp={"essential": True},
+            sub={"essential": True},
+        )
+        try:
+            registry.validate(decoded.claims)
+        except JoseError as exc:
+            raise TokenError(f"token claims are invalid: {exc.description or exc.error}") from None
+        subject = decoded.claims.get("sub")
+        if (
+            not isinstance(subject, str)
+            or not subject
+            or len(subject) > 255
+            or any(ord(char) < 0x20 or ord(char) == 0x7F for char in subject)
+        ):
+            raise TokenError("token has no usable 'sub'")
+        return Claims(subject=subject, claims=decoded.claims)
+
+
+def _unverified_kid(token: str) -> str | None:
+    head = token.split(".", 1)[0]
+    try:
+        header = json.loads(base64.urlsafe_b64decode(head + "=" * (-len(head) % 4)))
+    except ValueError:
+        raise TokenError("token is not a JWS compact serialization") from None
+    if not isinstance(header, dict):
+        raise TokenError("token header is not a JSON object")
+    kid = header.get("kid")
+    return kid if isinstance(kid, str) else None
+
+
+def _get_json(client: httpx.Client, url: str) -> dict[str, Any]:
+    response = client.get(url, headers={"Accept": "application/json"})
+    if response.status_code != 200:
+        raise IssuerUnavailable(f"{url} answered {response.status_code}")
+    try:
+        document = response.json()
+    except ValueError:
+        raise IssuerUnavailable(f"{url} did not return JSON") from None
+    if not isinstance(document, dict):
+        raise IssuerUnavailable(f"{url} did not return a JSON object")
+    return document

@@ -1,0 +1,52 @@
+"""Builds the attested-release verifier from settings, on `umbra.attest` (fails closed: any
+problem with the policy, collateral or root is a configuration error, not a weaker check)."""
+
+from __future__ import annotations
+
+from cryptography import x509
+from cryptography.hazmat.primitives.serialization import Encoding
+
+from umbra.attest.collateral import (
+    Collateral,
+    CollateralCache,
+    CollateralSource,
+    PccsCollateral,
+    StaticCollateral,
+)
+from umbra.attest.errors import AttestError
+from umbra.attest.measurement import load_measurement_policy
+from umbra.attest.verify import Verifier
+from umbra.console.config import ConfigError, Settings
+from umbra.console.release import AttestedReleaseVerifier
+
+
+def verifier_from_settings(settings: Settings) -> AttestedReleaseVerifier | None:
+    if settings.release_policy is None:
+        return None
+    try:
+        policy = load_measurement_policy(settings.release_policy, settings.release_binding)
+        source = _collateral(settings)
+        root = None
+        if settings.release_simulated_root is not None:
+            data = settings.release_simulated_root.read_bytes()
+            cert = (
+                x509.load_pem_x509_certificate(data)
+                if data.startswith(b"-----")
+                else x509.load_der_x509_certificate(data)
+            )
+            root = cert.public_bytes(Encoding.DER)
+    except (AttestError, OSError, ValueError) as exc:
+        raise ConfigError(f"release: {exc}") from None
+    return AttestedReleaseVerifier(Verifier(policy, source, settings.release_allow_simulated, root))
+
+
+def _collateral(settings: Settings) -> CollateralSource:
+    if settings.release_collateral is not None and settings.release_pccs:
+        raise ConfigError("release: set release_collateral or release_pccs, not both")
+    if settings.release_collateral is not None:
+        return StaticCollateral(Collateral.from_file(settings.release_collateral))
+    if settings.release_pccs:
+        return PccsCollateral(
+            settings.release_pccs, cache=CollateralCache(settings.release_collateral_cache)
+        )
+    raise ConfigError("release: collateral needed (release_collateral or release_pccs)")

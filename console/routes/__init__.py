@@ -1,0 +1,1 @@
+"""The Console's HTTP routes, one module per resource."""

@@ -1,0 +1,301 @@
+"""CVMs: register, list, update and destroy through provider adapters; attach profiles."""
+
+from __future__ import annotations
+
+import secrets
+from typing import Annotated
+
+from fastapi import APIRouter, HTTPException, Query, status
+from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+from sqlmodel import col
+
+from umbra.console import audit
+from umbra.console.deps import (
+    CREDENTIAL_PREFIX,
+    ConsoleDep,
+    UserDep,
+    credential_hash,
+    require_role,
+)
+from umbra.console.models import Cvm, utcnow
+from umbra.console.providers import CvmSpec, ProviderError
+from umbra.console.routes.common import (
+    CvmIdPath,
+    TeamPath,
+    current_bundle,
+    cvm_info,
+    not_found,
+    visible_cvm,
+)
+from umbra.console.schemas import CvmCreate, CvmCreated, CvmInfo, CvmUpdate, ProfilesUpdate
+from umbra.proxy.policy.bundle import BundleError
+
+router = APIRouter(prefix="/api/v1", tags=["cvms"])
+UNPROCESSABLE = status.HTTP_422_UNPROCESSABLE_CONTENT
+
+
+def _security_cvm_in_team(session: Session, team: str, cvm_id: str) -> Cvm:
+    target = session.get(Cvm, cvm_id)
+    if (
+        target is None
+        or target.team != team
+        or target.kind != "security"
+        or target.state == "destroyed"
+    ):
+        raise HTTPException(
+            UNPROCESSABLE, f"security_cvm_id: no live Security CVM {cvm_id} in team {team!r}"
+        )
+    return target
+
+
+@router.post(
+    "/teams/{team}/cvms",
+    status_code=status.HTTP_201_CREATED,
+    summary="Launch a CVM (admin: any; developer: own Dev CVMs).",
+)
+def create_cvm(team: TeamPath, body: CvmCreate, console: ConsoleDep, user: UserDep) -> CvmCreated:
+    role = require_role(user, team, "admin", "developer")
+    if body.kind == "security" and role != "admin":
+        raise HTTPException(status.HTTP_403_FORBIDDEN, "only admins launch Security CVMs")
+    owner = body.owner or user.subject
+    if owner != user.subject and role != "admin":
+        raise HTTPException(
+            status.HTTP_403_FORBIDDEN, "owner: developers launch CVMs for themselves"
+        )
+    provider = console.providers.get(body.provider)
+    if provider is None:
+        raise HTTPException(UNPROCESSABLE, f"provider: {body.provider!r} is not configured")
+    if body.kind == "security" and body.security_cvm_id is not None:
+        raise HTTPException(UNPROCESSABLE, "security_cvm_id: only Dev CVMs route through one")
+    credential = None
+    with console.write() as session:
+        if body.security_cvm_id is not None:
+            _security_cvm_in_team(session, team, body.security_cvm_id)
+        taken = session.execute(
+            select(col(Cvm.id)).where(col(Cvm.team) == team, col(Cvm.name) == body.name)
+        ).first()
+        if taken is not None:
+            raise HTTPException(
+                status.HTTP_409_CONFLICT, f"name: CVM {body.name!r} exists in team {team!r}"
+            )
+        cvm_id = "cvm_" + secrets.token_hex(8)
+        spec = CvmSpec(id=cvm_id, team=team, name=body.name, kind=body.kind, owner=owner)
+        try:
+            ref = provider.launch(spec)
+        except ProviderError as exc:
+            raise HTTPException(status.HTTP_502_BAD_GATEWAY, f"provider: {exc}") from None
+        cvm = Cvm(
+            id=cvm_id,
+            team=team,
+            name=body.name,
+            kind=body.kind,
+            owner=owner,
+            provider=body.provider,
+            provider_ref=ref,
+            state="running",
+            security_cvm_id=body.security_cvm_id,
+            profiles=[],
+            created_by=user.subject,
+        )
+        if body.kind == "security":
+            credential = CREDENTIAL_PREFIX + secrets.token_urlsafe(32)
+            cvm.credential_hash = credential_hash(credential)
+        session.add(cvm)
+        audit.append(
+            session,
+            actor=user.subject,
+            team=team,
+            action="cvm.launch",
+            target=cvm_id,
+            details={
+                "name": body.name,
+                "kind": body.kind,
+                "owner": owner,
+                "provider": body.provider,
+            },
+        )
+        try:
+            session.flush()
+        except IntegrityError:
+            raise HTTPException(
+                status.HTTP_409_CONFLICT, f"name: CVM {body.name!r} exists"
+            ) from None
+        info = cvm_info(cvm)
+    console.notifier.notify()
+    return CvmCreated(**info.model_dump(), credential=credential)
+
+
+@router.get("/teams/{team}/cvms", summary="List CVMs (admin: all of the team; developer: own).")
+def list_cvms(
+    team: TeamPath,
+    console: ConsoleDep,
+    user: UserDep,
+    include_destroyed: Annotated[bool, Query()] = False,
+) -> list[CvmInfo]:
+    role = require_role(user, team, "admin", "developer")
+    query = select(Cvm).where(col(Cvm.team) == team)
+    if role != "admin":
+        query = query.where(col(Cvm.owner) == user.subject)
+    if not include_destroyed:
+        query = query.where(col(Cvm.state) != "destroyed")
+    with console.session() as session:
+        rows = session.execute(query.order_by(col(Cvm.created_at), col(Cvm.id))).scalars()
+        return [cvm_info(row) for row in rows]
+
+
+@router.get("/cvms/{cvm_id}", summary="One CVM (admin of its team, or its owner).")
+def get_cvm(cvm_id: CvmIdPath, console: ConsoleDep, user: UserDep) -> CvmInfo:
+    with console.session() as session:
+        return cvm_info(visible_cvm(session, user, cvm_id))
+
+
+def _may_manage(cvm: Cvm, role: str | None) -> None:
+    if role != "admin" and cvm.kind != "dev":
+        raise HTTPException(status.HTTP_403_FORBIDDEN, "only admins manage Security CVMs")
+
+
+@router.patch("/cvms/{cvm_id}", summary="Start/stop a CVM or re-route a Dev CVM.")
+def update_cvm(cvm_id: CvmIdPath, body: CvmUpdate, console: ConsoleDep, user: UserDep) -> CvmInfo:
+    with console.write() as session:
+        cvm = visible_cvm(session, user, cvm_id)
+        role = user.role_in(cvm.team)
+        _may_manage(cvm, role)
+        if cvm.state == "destroyed":
+            raise HTTPException(status.HTTP_409_CONFLICT, f"CVM {cvm_id} is destroyed")
+        changes: dict[str, object] = {}
+        if body.security_cvm_id is not None:
+            if role != "admin":
+                raise HTTPException(status.HTTP_403_FORBIDDEN, "only admins re-route Dev CVMs")
+            if cvm.kind != "dev":
+                raise HTTPException(
+                    UNPROCESSABLE, "security_cvm_id: only Dev CVMs route through one"
+                )
+            _security_cvm_in_team(session, cvm.team, body.security_cvm_id)
+            cvm.security_cvm_id = body.security_cvm_id
+            changes["security_cvm_id"] = body.security_cvm_id
+        if body.state is not None and body.state != cvm.state:
+            provider = console.providers.get(cvm.provider)
+            if provider is None:
+                raise HTTPException(
+                    status.HTTP_409_CONFLICT, f"provider {cvm.provider!r} is no longer configured"
+                )
+            try:
+                provider.set_running(cvm.provider_ref or "", body.state == "running")
+            except ProviderError as exc:
+                raise HTTPException(status.HTTP_502_BAD_GATEWAY, f"provider: {exc}") from None
+            cvm.state = body.state
+            changes["state"] = body.state
+        if changes:
+            cvm.updated_at = utcnow()
+            session.add(cvm)
+            audit.append(
+                session,
+                actor=user.subject,
+                team=cvm.team,
+                action="cvm.update",
+                target=cvm.id,
+                details=changes,
+            )
+        session.flush()
+        info = cvm_info(cvm)
+    console.notifier.notify()
+    return info
+
+
+@router.delete("/cvms/{cvm_id}", summary="Destroy a CVM (admin, or the owner of a Dev CVM).")
+def destroy_cvm(cvm_id: CvmIdPath, console: ConsoleDep, user: UserDep) -> CvmInfo:
+    with console.write() as session:
+        cvm = visible_cvm(session, user, cvm_id)
+        _may_manage(cvm, user.role_in(cvm.team))
+        if cvm.state != "destroyed":
+            provider = console.providers.get(cvm.provider)
+            if provider is not None and cvm.provider_ref:
+                try:
+                    provider.destroy(cvm.provider_ref)
+                except ProviderError as exc:
+                    raise HTTPException(status.HTTP_502_BAD_GATEWAY, f"provider: {exc}") from None
+            cvm.state = "destroyed"
+            cvm.credential_hash = None
+            cvm.profiles = []
+            cvm.updated_at = utcnow()
+            session.add(cvm)
+            audit.append(
+                session,
+                actor=user.subject,
+                team=cvm.team,
+                action="cvm.destroy",
+                target=cvm.id,
+                details={},
+            )
+        session.flush()
+        info = cvm_info(cvm)
+    console.notifier.notify()
+    return info
+
+
+@router.put("/cvms/{cvm_id}/profiles", summary="Attach policy profiles to a Dev CVM (admin).")
+def attach_profiles(
+    cvm_id: CvmIdPath, body: ProfilesUpdate, console: ConsoleDep, user: UserDep
+) -> CvmInfo:
+    profiles = sorted(set(body.profiles))
+    with console.write() as session:
+        cvm = visible_cvm(session, user, cvm_id)
+        require_role(user, cvm.team, "admin")
+        if cvm.kind != "dev":
+            raise HTTPException(UNPROCESSABLE, "profiles: attach profiles to Dev CVMs only")
+        if cvm.state == "destroyed":
+            raise HTTPException(status.HTTP_409_CONFLICT, f"CVM {cvm_id} is destroyed")
+        if profiles:
+            bundle_row = current_bundle(session, cvm.team)
+            if bundle_row is None:
+                raise HTTPException(
+                    status.HTTP_409_CONFLICT, f"team {cvm.team!r} has no policy bundle yet"
+                )
+            try:
+                console.verified(bundle_row.hash, bundle_row.raw).compose(profiles)
+            except BundleError as exc:
+                raise HTTPException(UNPROCESSABLE, f"profiles: {exc}") from None
+        cvm.profiles = profiles
+        cvm.updated_at = utcnow()
+        session.add(cvm)
+        audit.append(
+            session,
+            actor=user.subject,
+            team=cvm.team,
+            action="profiles.attach",
+            target=cvm.id,
+            details={"profiles": profiles},
+        )
+        session.flush()
+        info = cvm_info(cvm)
+    console.notifier.notify()
+    return info
+
+
+@router.post(
+    "/cvms/{cvm_id}/credential",
+    summary="Issue a new credential for a Security CVM, revoking the old one (admin).",
+)
+def rotate_credential(cvm_id: CvmIdPath, console: ConsoleDep, user: UserDep) -> CvmCreated:
+    with console.write() as session:
+        cvm = visible_cvm(session, user, cvm_id)
+        require_role(user, cvm.team, "admin")
+        if cvm.kind != "security" or cvm.state == "destroyed":
+            raise not_found(f"live Security CVM {cvm_id}")
+        credential = CREDENTIAL_PREFIX + secrets.token_urlsafe(32)
+        cvm.credential_hash = credential_hash(credential)
+        cvm.updated_at = utcnow()
+        session.add(cvm)
+        audit.append(
+            session,
+            actor=user.subject,
+            team=cvm.team,
+            action="cvm.credential",
+            target=cvm.id,
+            details={},
+        )
+        session.flush()
+        info = cvm_info(cvm)
+    return CvmCreated(**info.model_dump(), credential=credential)

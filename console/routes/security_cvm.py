@@ -1,0 +1,261 @@
+"""What a Security CVM pulls: its team's signed bundle, the attachments of the Dev CVMs it serves,
+and (after attestation) their secrets. Pull only; the Console never pushes to a Security CVM."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import secrets
+from datetime import timedelta
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Header, HTTPException, Query, Response, status
+from sqlalchemy import delete, select, update
+from sqlmodel import col
+from starlette.concurrency import run_in_threadpool
+
+from umbra.console import audit
+from umbra.console.deps import ConsoleDep, SecurityCvmDep, require_same_cvm
+from umbra.console.envelope import EnvelopeError, Sealed, open_sealed, secret_aad
+from umbra.console.models import Cvm, ReleaseNonce, Secret, utcnow
+from umbra.console.release import (
+    ReleaseEvidence,
+    ReleaseRefused,
+    describe_suite,
+    hpke_info,
+    seal_release,
+)
+from umbra.console.routes.common import (
+    CvmIdPath,
+    current_bundle,
+    long_poll,
+    parse_if_none_match,
+    quoted,
+)
+from umbra.console.schemas import AttachmentsDoc, ReleaseChallenge, ReleaseResponse
+from umbra.console.state import Console
+
+router = APIRouter(prefix="/api/v1/security-cvms/{cvm_id}", tags=["security-cvm"])
+IfNoneMatch = Annotated[str | None, Header(alias="If-None-Match", max_length=1024)]
+Wait = Annotated[
+    int, Query(ge=0, le=600, description="Long poll: seconds to wait for a change (capped).")
+]
+
+
+def _wait(console: Console, wait: int) -> float:
+    return float(min(wait, console.settings.long_poll_max_seconds))
+
+
+@router.get(
+    "/bundle",
+    summary="The team's current signed bundle (ETag = bundle hash; long poll with ?wait=).",
+    responses={
+        200: {"content": {"application/json": {}}, "description": "Signed bundle bytes"},
+        304: {"description": "Unchanged"},
+        404: {"description": "No bundle uploaded yet"},
+    },
+)
+async def get_bundle(
+    cvm_id: CvmIdPath,
+    caller: SecurityCvmDep,
+    console: ConsoleDep,
+    if_none_match: IfNoneMatch = None,
+    wait: Wait = 0,
+) -> Response:
+    require_same_cvm(caller, cvm_id)
+    known = parse_if_none_match(if_none_match)
+
+    def load() -> tuple[str, int, bytes] | None:
+        with console.session() as session:
+            row = current_bundle(session, caller.team)
+            return None if row is None else (row.hash, row.serial, row.raw)
+
+    def unchanged(current: tuple[str, int, bytes] | None) -> bool:
+        return current is None or current[0] in known
+
+    current = await long_poll(console, load, unchanged, _wait(console, wait))
+    if current is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"team {caller.team!r} has no policy bundle")
+    bundle_hash, serial, raw = current
+    headers = {"ETag": quoted(bundle_hash), "X-Umbra-Bundle-Serial": str(serial)}
+    if bundle_hash in known:
+        return Response(status_code=status.HTTP_304_NOT_MODIFIED, headers=headers)
+    return Response(content=raw, media_type="application/json", headers=headers)
+
+
+def attachments_document(console: Console, caller: Cvm) -> dict[str, Any]:
+    with console.session() as session:
+        rows = session.execute(
+            select(Cvm)
+            .where(
+                col(Cvm.security_cvm_id) == caller.id,
+                col(Cvm.team) == caller.team,
+                col(Cvm.kind) == "dev",
+                col(Cvm.state) != "destroyed",
+            )
+            .order_by(col(Cvm.id))
+        ).scalars()
+        return {
+            "cvms": {
+                row.id: {"owner": row.owner, "team": row.team, "profiles": sorted(row.profiles)}
+                for row in rows
+            }
+        }
+
+
+def document_etag(document: dict[str, Any]) -> str:
+    body = json.dumps(document, sort_keys=True, separators=(",", ":")).encode()
+    return "sha256:" + hashlib.sha256(body).hexdigest()
+
+
+@router.get(
+    "/attachments",
+    response_model=AttachmentsDoc,
+    summary="Profiles and owners of the Dev CVMs this Security CVM serves (ETag; long poll).",
+    responses={304: {"description": "Unchanged"}},
+)
+async def get_attachments(
+    cvm_id: CvmIdPath,
+    caller: SecurityCvmDep,
+    console: ConsoleDep,
+    response: Response,
+    if_none_match: IfNoneMatch = None,
+    wait: Wait = 0,
+) -> Any:
+    require_same_cvm(caller, cvm_id)
+    known = parse_if_none_match(if_none_match)
+    document = await long_poll(
+        console,
+        lambda: attachments_document(console, caller),
+        lambda doc: document_etag(doc) in known,
+        _wait(console, wait),
+    )
+    etag = document_etag(document)
+    if etag in known:
+        return Response(status_code=status.HTTP_304_NOT_MODIFIED, headers={"ETag": quoted(etag)})
+    response.headers["ETag"] = quoted(etag)
+    return AttachmentsDoc.model_validate(document)
+
+
+@router.post(
+    "/release-challenge",
+    summary="A single-use nonce to bind into the quote for a secret release.",
+)
+def release_challenge(
+    cvm_id: CvmIdPath, caller: SecurityCvmDep, console: ConsoleDep
+) -> ReleaseChallenge:
+    require_same_cvm(caller, cvm_id)
+    now = utcnow()
+    nonce = secrets.token_urlsafe(32)
+    expires = now + timedelta(seconds=console.settings.release_nonce_ttl_seconds)
+    with console.write() as session:
+        session.execute(
+            delete(ReleaseNonce).where(
+                col(ReleaseNonce.security_cvm_id) == caller.id,
+                col(ReleaseNonce.expires_at) < now,
+            )
+        )
+        session.add(ReleaseNonce(nonce=nonce, security_cvm_id=caller.id, expires_at=expires))
+    return ReleaseChallenge(
+        nonce=nonce,
+        expires_at=expires,
+        report_data_rule='SHA-512("umbra-secret-release-v1\\0" || nonce || "\\0" || '
+        'security_cvm_id || "\\0" || x25519_public_key)',
+    )
+
+
+@router.post(
+    "/secrets/release",
+    summary="Release the secrets this Security CVM needs, HPKE-sealed to its attested key.",
+    responses={403: {"description": "Evidence refused"}, 503: {"description": "Not configured"}},
+)
+async def release_secrets(
+    cvm_id: CvmIdPath, evidence: ReleaseEvidence, caller: SecurityCvmDep, console: ConsoleDep
+) -> ReleaseResponse:
+    require_same_cvm(caller, cvm_id)
+    return await run_in_threadpool(_release, console, caller, evidence)
+
+
+def _release(console: Console, caller: Cvm, evidence: ReleaseEvidence) -> ReleaseResponse:
+    verifier, keyring = console.release_verifier, console.keyring
+    if verifier is None or keyring is None:
+        raise HTTPException(
+            status.HTTP_503_SERVICE_UNAVAILABLE, "attested secret release is not configured"
+        )
+    with console.write() as session:  # consume the nonce first: single use even on failure
+        consumed = session.execute(
+            update(ReleaseNonce)
+            .where(
+                col(ReleaseNonce.nonce) == evidence.nonce,
+                col(ReleaseNonce.security_cvm_id) == caller.id,
+                col(ReleaseNonce.used) == False,  # noqa: E712
+                col(ReleaseNonce.expires_at) > utcnow(),
+            )
+            .values(used=True)
+            .returning(col(ReleaseNonce.nonce))
+        ).first()
+        if consumed is None:
+            console.metrics.secret_releases.labels("refused").inc()
+            raise HTTPException(status.HTTP_403_FORBIDDEN, "nonce: unknown, used or expired")
+    try:
+        recipient = verifier.verify(evidence, caller.id)
+    except ReleaseRefused as exc:
+        console.metrics.secret_releases.labels("refused").inc()
+        raise HTTPException(status.HTTP_403_FORBIDDEN, str(exc)) from None
+    with console.write() as session:
+        owners = set(
+            session.execute(
+                select(col(Cvm.owner)).where(
+                    col(Cvm.security_cvm_id) == caller.id,
+                    col(Cvm.team) == caller.team,
+                    col(Cvm.state) != "destroyed",
+                )
+            ).scalars()
+        )
+        rows = list(
+            session.execute(select(Secret).where(col(Secret.team) == caller.team)).scalars()
+        )
+        released = []
+        for row in rows:
+            if row.scope == "personal" and row.owner not in owners:
+                continue
+            aad = secret_aad(row.team, row.scope, row.owner, row.name, row.version)
+            try:
+                value = open_sealed(
+                    keyring, Sealed(row.kek_id, row.wrapped_key, row.ciphertext), aad
+                )
+            except EnvelopeError as exc:
+                raise HTTPException(
+                    status.HTTP_409_CONFLICT, f"secret {row.scope}/{row.name}: {exc}"
+                ) from None
+            released.append(
+                {
+                    "ref": f"{row.scope}/{row.name}",
+                    "owner": row.owner or None,
+                    "hosts": list(row.hosts),
+                    "version": row.version,
+                    "value": base64.b64encode(value).decode(),
+                }
+            )
+        audit.append(
+            session,
+            actor=f"security-cvm:{caller.id}",
+            team=caller.team,
+            action="secret.release",
+            target=caller.id,
+            details={"refs": sorted(f"{item['ref']}@{item['owner'] or ''}" for item in released)},
+        )
+    document = json.dumps(
+        {"security_cvm_id": caller.id, "nonce": evidence.nonce, "secrets": released},
+        sort_keys=True,
+    ).encode()
+    info = hpke_info(caller.id, evidence.nonce)
+    sealed = seal_release(document, recipient, info)
+    console.metrics.secret_releases.labels("released").inc()
+    return ReleaseResponse(
+        suite=list(describe_suite()),
+        info=base64.b64encode(info).decode(),
+        sealed=base64.b64encode(sealed).decode(),
+        count=len(released),
+    )

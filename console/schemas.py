@@ -1,0 +1,304 @@
+"""Request and response bodies of the Console API (strict pydantic; unknown fields are errors)."""
+
+from __future__ import annotations
+
+import socket
+import uuid
+from datetime import UTC, datetime
+from typing import Annotated, Literal
+
+from pydantic import (
+    AfterValidator,
+    AliasChoices,
+    AwareDatetime,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+)
+
+from umbra.proxy.policy.normalize import NormalizationError, normalize_host
+
+NAME_PATTERN = r"^[a-z0-9](?:[a-z0-9-]{0,62}[a-z0-9])?$"
+SECRET_NAME_PATTERN = r"^[a-z0-9](?:[a-z0-9._-]{0,126}[a-z0-9])?$"  # noqa: S105 (a pattern)
+CVM_ID_PATTERN = r"^cvm_[0-9a-f]{16}$"
+MAX_SECRET_BYTES = 64 << 10
+MAX_BIGINT = (1 << 63) - 1
+
+
+def _has_control(value: object) -> bool:
+    if isinstance(value, str):
+        return any(ord(char) < 0x20 or ord(char) == 0x7F for char in value)
+    if isinstance(value, list | tuple):
+        return any(_has_control(item) for item in value)
+    return False
+
+
+class Strict(BaseModel):
+    """Unknown fields are errors; no text field may carry control characters (NUL cannot even be
+    stored by PostgreSQL), except secret values, which are only ever stored encrypted."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _no_control_characters(cls, value: object, info: ValidationInfo) -> object:
+        if info.field_name != "value" and _has_control(value):
+            raise ValueError("must not contain control characters")
+        return value
+
+
+def _host(value: str) -> str:
+    try:
+        return normalize_host(value)
+    except NormalizationError as exc:
+        raise ValueError(str(exc)) from None
+
+
+def _ip(value: str) -> str:
+    """An IPv4 or IPv6 address in canonical text form (inet_pton/inet_ntop: strict and fast)."""
+    for family in (socket.AF_INET, socket.AF_INET6):
+        try:
+            return socket.inet_ntop(family, socket.inet_pton(family, value))
+        except (OSError, ValueError):
+            continue
+    raise ValueError("not an IP address")
+
+
+def to_utc(value: datetime) -> datetime:
+    """Normalize to UTC; a time that leaves the representable range is a validation error."""
+    try:
+        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+    except OverflowError:
+        raise ValueError("time is out of range once converted to UTC") from None
+
+
+Host = Annotated[str, Field(min_length=1, max_length=253), AfterValidator(_host)]
+Name = Annotated[str, Field(pattern=NAME_PATTERN)]
+ProfileName = Annotated[str, Field(pattern=NAME_PATTERN)]
+Label = Annotated[str, Field(min_length=1, max_length=255)]
+ShortToken = Annotated[str, Field(pattern=r"^[A-Za-z0-9._:/-]{1,160}$")]
+
+
+class Problem(Strict):
+    detail: str
+
+
+# -- identity -------------------------------------------------------------------------------
+class Me(Strict):
+    subject: str
+    roles: dict[str, Literal["admin", "developer"]]
+
+
+# -- bundles --------------------------------------------------------------------------------
+class BundleInfo(Strict):
+    team: str
+    serial: int
+    hash: str
+    keyid: str
+    source: str | None
+    profiles: list[str]
+    uploaded_by: str
+    created_at: datetime
+
+
+# -- CVMs -----------------------------------------------------------------------------------
+CvmKind = Literal["dev", "security"]
+CvmState = Literal["pending", "running", "stopped", "destroyed"]
+
+
+class CvmCreate(Strict):
+    name: Name
+    kind: CvmKind = "dev"
+    provider: Name = "local"
+    owner: Label | None = Field(default=None, description="Defaults to the caller; admins only.")
+    security_cvm_id: Annotated[str, Field(pattern=CVM_ID_PATTERN)] | None = Field(
+        default=None, description="Dev CVMs: the Security CVM their egress goes through."
+    )
+
+
+class CvmUpdate(Strict):
+    state: Literal["running", "stopped"] | None = None
+    security_cvm_id: Annotated[str, Field(pattern=CVM_ID_PATTERN)] | None = None
+
+
+class CvmInfo(Strict):
+    id: str
+    team: str
+    name: str
+    kind: CvmKind
+    owner: str
+    provider: str
+    provider_ref: str | None
+    state: CvmState
+    security_cvm_id: str | None
+    profiles: list[str]
+    created_at: datetime
+    updated_at: datetime
+
+
+class CvmCreated(CvmInfo):
+    credential: str | None = Field(
+        default=None, description="Security CVMs only: shown once, stored hashed."
+    )
+
+
+class ProfilesUpdate(Strict):
+    profiles: list[ProfileName] = Field(max_length=64)
+
+
+# -- secrets --------------------------------------------------------------------------------
+class TeamSecretSet(Strict):
+    value: str = Field(min_length=1, max_length=MAX_SECRET_BYTES)
+    hosts: list[Host] = Field(default_factory=list, max_length=64)
+
+
+class PersonalSecretSet(Strict):
+    value: str = Field(min_length=1, max_length=MAX_SECRET_BYTES)
+    hosts: list[Host] = Field(min_length=1, max_length=64)
+
+
+class SecretInfo(Strict):
+    """Metadata only: no endpoint ever returns a secret's value."""
+
+    team: str
+    scope: Literal["team", "personal"]
+    owner: str | None
+    name: str
+    ref: str
+    hosts: list[str]
+    version: int
+    updated_by: str
+    updated_at: datetime
+
+
+# -- attestation-gated release ---------------------------------------------------------------
+class ReleaseChallenge(Strict):
+    nonce: str
+    expires_at: datetime
+    report_data_rule: str
+
+
+class ReleaseResponse(Strict):
+    suite: list[str]
+    info: str = Field(description="Base64 HPKE info string.")
+    sealed: str = Field(description="Base64 HPKE enc ‖ ciphertext of the release document.")
+    count: int
+
+
+# -- traffic --------------------------------------------------------------------------------
+# Traffic records arrive by the ten thousand: constraints here are declarative (checked in Rust by
+# pydantic-core) rather than Python validators, and text excludes control characters by pattern.
+_PRINTABLE = r"^[^\x00-\x1f\x7f]*$"
+Printable = Annotated[str, Field(max_length=255, pattern=_PRINTABLE)]
+
+
+class TrafficRecordIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    id: uuid.UUID
+    time: Annotated[AwareDatetime, AfterValidator(to_utc)] = Field(
+        description="RFC 3339 with offset, or Unix seconds."
+    )
+    kind: Literal["http", "connect", "tunnel", "websocket", "connection"] = "http"
+    cvm_id: Annotated[str, Field(pattern=CVM_ID_PATTERN)] | None = None
+    owner: Annotated[str, Field(min_length=1, max_length=255, pattern=_PRINTABLE)] | None = None
+    team: Name | None = Field(default=None, description="Omitted: the Security CVM's team.")
+    policy_hash: Annotated[str, Field(pattern=r"^sha256:[0-9a-f]{64}$")] | None = None
+    method: Annotated[str, Field(pattern=r"^[A-Z]{1,16}$")] | None = None
+    connect_host: Printable | None = None
+    sni: Printable | None = None
+    host: Printable | None = Field(
+        default=None, validation_alias=AliasChoices("host", "host_header")
+    )
+    port: Annotated[int, Field(ge=0, le=65535)] | None = None
+    pinned_ip: Annotated[str, Field(max_length=64), AfterValidator(_ip)] | None = None
+    path: Annotated[str, Field(max_length=2048, pattern=_PRINTABLE)] | None = None
+    query_keys: list[Annotated[str, Field(max_length=256, pattern=_PRINTABLE)]] = Field(
+        default_factory=list, max_length=256
+    )
+    decision: Literal["allow", "deny"]
+    rule_id: ShortToken | None = None
+    reason: Annotated[str, Field(pattern=r"^[a-z0-9_]{0,64}$")] | None = None
+    status: Annotated[int, Field(ge=0, le=999)] | None = None
+    bytes_sent: Annotated[int, Field(ge=0, le=MAX_BIGINT)] = Field(
+        default=0, validation_alias=AliasChoices("bytes_sent", "request_bytes")
+    )
+    bytes_received: Annotated[int, Field(ge=0, le=MAX_BIGINT)] = Field(
+        default=0, validation_alias=AliasChoices("bytes_received", "response_bytes")
+    )
+    duration_ms: Annotated[float, Field(ge=0, le=1e12, allow_inf_nan=False)] = 0.0
+    scan_rule_ids: list[ShortToken] = Field(default_factory=list, max_length=256)
+    injected_headers: list[
+        Annotated[str, Field(pattern=r"^[!#$%&'*+.^_`|~0-9A-Za-z-]{1,128}$")]
+    ] = Field(default_factory=list, max_length=64)
+    detail: Annotated[str, Field(max_length=1024, pattern=_PRINTABLE)] | None = None
+
+
+class TrafficBatch(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    records: list[TrafficRecordIn] = Field(min_length=1)
+
+
+class IngestResult(Strict):
+    received: int
+    inserted: int
+    duplicates: int
+
+
+class TrafficRecordOut(Strict):
+    id: str
+    security_cvm_id: str
+    time: datetime
+    cvm_id: str | None
+    owner: str | None
+    team: str
+    kind: str
+    policy_hash: str | None
+    method: str | None
+    connect_host: str | None
+    sni: str | None
+    host: str | None
+    port: int | None
+    pinned_ip: str | None
+    path: str | None
+    query_keys: list[str]
+    decision: str
+    rule_id: str | None
+    reason: str | None
+    status: int | None
+    bytes_sent: int
+    bytes_received: int
+    duration_ms: float
+    scan_rule_ids: list[str]
+    injected_headers: list[str]
+    detail: str | None
+
+
+class TrafficPage(Strict):
+    records: list[TrafficRecordOut]
+    next_cursor: str | None
+
+
+# -- audit ----------------------------------------------------------------------------------
+class AuditEntryOut(Strict):
+    seq: int
+    time: datetime
+    actor: str
+    team: str
+    action: str
+    target: str
+    details: dict[str, object]
+    prev_hash: str
+    hash: str
+
+
+class AuditPage(Strict):
+    entries: list[AuditEntryOut]
+    next_cursor: int | None
+
+
+class AttachmentsDoc(Strict):
+    cvms: dict[str, dict[str, object]]

@@ -1,0 +1,100 @@
+"""Bulk, idempotent storage of traffic records: the fast path behind `POST /traffic/batches`.
+
+PostgreSQL: the validated batch goes to the server as one JSON document and is expanded there by
+`json_populate_recordset` into a single `INSERT ... ON CONFLICT (id) DO NOTHING` (no per-row
+Python work). SQLite: one `executemany` of `INSERT OR IGNORE`. Either way a record id already
+stored is skipped, so shipper retries never duplicate, and the number actually inserted comes back.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Any
+
+from pydantic import TypeAdapter
+from sqlalchemy.orm import Session
+
+from umbra.console.schemas import TrafficRecordIn
+
+RECORD_COLUMNS = (
+    "id", "time", "kind", "cvm_id", "owner", "team", "policy_hash", "method", "connect_host", "sni",
+    "host", "port", "pinned_ip", "path", "query_keys", "decision", "rule_id", "reason", "status",
+    "bytes_sent", "bytes_received", "duration_ms", "scan_rule_ids", "injected_headers", "detail",
+)  # fmt: skip
+COLUMNS = (*RECORD_COLUMNS, "security_cvm_id", "received_at")
+JSON_COLUMNS = frozenset({"query_keys", "scan_rule_ids", "injected_headers"})
+RECORDS = TypeAdapter(list[TrafficRecordIn])
+
+_COLUMN_LIST = ", ".join(COLUMNS)
+_PG_INSERT = (
+    f"INSERT INTO traffic_record ({_COLUMN_LIST}) "  # noqa: S608 (constant names, no input)
+    f"SELECT {', '.join('r.' + c for c in RECORD_COLUMNS)}, %(scvm)s, %(now)s "
+    "FROM json_populate_recordset(NULL::traffic_record, %(doc)s::json) AS r "
+    "ON CONFLICT (id) DO NOTHING"
+)
+_SQLITE_INSERT = (
+    f"INSERT OR IGNORE INTO traffic_record ({_COLUMN_LIST}) "  # noqa: S608
+    f"VALUES ({', '.join('?' for _ in COLUMNS)})"
+)
+_dumps = json.JSONEncoder(separators=(",", ":")).encode
+
+
+def _sqlite_time(value: datetime) -> str:
+    # SQLAlchemy's SQLite DATETIME storage format, so range queries compare like with like.
+    return (
+        f"{value.year:04d}-{value.month:02d}-{value.day:02d} "
+        f"{value.hour:02d}:{value.minute:02d}:{value.second:02d}.{value.microsecond:06d}"
+    )
+
+
+def insert_records(
+    session: Session,
+    records: Sequence[TrafficRecordIn],
+    security_cvm_id: str,
+    received_at: datetime,
+) -> int:
+    """Insert validated records (times already UTC) unless their id exists; return how many were
+    inserted. Runs inside the session's transaction."""
+    if not records:
+        return 0
+    dbapi = session.connection().connection.driver_connection
+    if session.get_bind().dialect.name == "postgresql":
+        return _insert_postgresql(dbapi, records, security_cvm_id, received_at)
+    return _insert_sqlite(dbapi, records, security_cvm_id, received_at)
+
+
+def _insert_postgresql(
+    connection: Any, records: Sequence[TrafficRecordIn], scvm: str, now: datetime
+) -> int:
+    document = RECORDS.dump_json(list(records)).decode()
+    with connection.cursor() as cursor:
+        cursor.execute(_PG_INSERT, {"scvm": scvm, "now": now, "doc": document})
+        return int(cursor.rowcount)
+
+
+def _insert_sqlite(
+    connection: Any, records: Sequence[TrafficRecordIn], scvm: str, now: datetime
+) -> int:
+    values = []
+    received = _sqlite_time(now)
+    for row in RECORDS.dump_python(list(records)):
+        item: list[Any] = []
+        for column in RECORD_COLUMNS:
+            value = row[column]
+            if column in JSON_COLUMNS:
+                value = _dumps(value)
+            elif column == "time":
+                value = _sqlite_time(value)
+            elif column == "id":
+                value = str(value)
+            item.append(value)
+        item.extend((scvm, received))
+        values.append(item)
+    cursor = connection.cursor()
+    try:
+        cursor.executemany(_SQLITE_INSERT, values)
+        return int(cursor.rowcount)
+    finally:
+        cursor.close()
