@@ -14,9 +14,11 @@ import pulumi_azure_native as azure
 from umbra.components.network import NetworkParts, TeamNetworkArgs
 from umbra.components.ports import (
     DEV_ATTESTED_SSH_PORT,
+    PRIVATE_ZONE,
     ROLE_DEV,
     ROLE_LABEL,
     ROLE_SECURITY,
+    SECURITY_CVM_HOST,
     SECURITY_EGRESS_PORTS,
     SECURITY_TUNNEL_PORT,
     TEAM_LABEL,
@@ -170,6 +172,35 @@ def build_azure_network(
         default_outbound_access=False,
         network_security_group=azure.network.NetworkSecurityGroupArgs(id=sec_nsg.id),
         opts=pulumi.ResourceOptions.merge(opts, pulumi.ResourceOptions(depends_on=[dev_subnet])),
+    )
+    zone = azure.privatedns.PrivateZone(
+        f"{name}-zone",
+        private_zone_name=PRIVATE_ZONE,
+        resource_group_name=rg.name,
+        location="Global",
+        tags=tags,
+        opts=opts,
+    )
+    azure.privatedns.VirtualNetworkLink(
+        f"{name}-zone-link",
+        virtual_network_link_name=prefix,
+        private_zone_name=zone.name,
+        resource_group_name=rg.name,
+        location="Global",
+        registration_enabled=False,
+        virtual_network=azure.privatedns.SubResourceArgs(id=vnet.id),
+        tags=tags,
+        opts=opts,
+    )
+    azure.privatedns.PrivateRecordSet(
+        f"{name}-security-cvm-a",
+        private_zone_name=zone.name,
+        resource_group_name=rg.name,
+        record_type="A",
+        relative_record_set_name=SECURITY_CVM_HOST.removesuffix(f".{PRIVATE_ZONE}"),
+        a_records=[azure.privatedns.ARecordArgs(ipv4_address=security_ip)],
+        ttl=300,
+        opts=opts,
     )
     return NetworkParts(
         network_id=vnet.id,

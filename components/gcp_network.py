@@ -15,9 +15,11 @@ import pulumi_gcp as gcp
 from umbra.components.network import NetworkParts, TeamNetworkArgs
 from umbra.components.ports import (
     DEV_ATTESTED_SSH_PORT,
+    PRIVATE_ZONE,
     ROLE_DEV,
     ROLE_LABEL,
     ROLE_SECURITY,
+    SECURITY_CVM_HOST,
     SECURITY_EGRESS_PORTS,
     SECURITY_ROUTE_TAG,
     SECURITY_TUNNEL_PORT,
@@ -41,6 +43,27 @@ def build_gcp_network(
         auto_create_subnetworks=False,
         delete_default_routes_on_create=True,
         routing_mode="REGIONAL",
+        opts=opts,
+    )
+    zone = gcp.dns.ManagedZone(
+        f"{name}-zone",
+        name=f"{prefix}-internal",
+        project=project,
+        dns_name=f"{PRIVATE_ZONE}.",
+        visibility="private",
+        private_visibility_config=gcp.dns.ManagedZonePrivateVisibilityConfigArgs(
+            networks=[gcp.dns.ManagedZonePrivateVisibilityConfigNetworkArgs(network_url=vpc.id)]
+        ),
+        opts=opts,
+    )
+    gcp.dns.RecordSet(
+        f"{name}-security-cvm-a",
+        project=project,
+        managed_zone=zone.name,
+        name=f"{SECURITY_CVM_HOST}.",
+        type="A",
+        ttl=300,
+        rrdatas=[security_ip],
         opts=opts,
     )
     dev_subnet = gcp.compute.Subnetwork(

@@ -18,3 +18,8 @@ ROLE_SECURITY: Final = "security-cvm"
 ROLE_CONSOLE: Final = "console"
 # GCP network tag for the Security CVM: routes can only select instances by tag.
 SECURITY_ROUTE_TAG: Final = "umbra-security-cvm"
+
+# The name a Dev CVM's forwarder dials (images/definitions, measured in its compose file); each
+# team network answers it from a private zone with its own Security CVM's fixed address.
+PRIVATE_ZONE: Final = "umbra.internal"
+SECURITY_CVM_HOST: Final = f"security-cvm.{PRIVATE_ZONE}"

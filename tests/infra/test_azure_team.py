@@ -11,6 +11,7 @@ import pytest
 from tests.infra.harness import ROOT, Recorder, azure_allows, example_raw, run_program
 from umbra.attest.measurement import SSH_KEYS_EVENT
 from umbra.components.config import TeamStack, parse_stack_config
+from umbra.components.ports import PRIVATE_ZONE, SECURITY_CVM_HOST
 from umbra.components.program import build_team
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -97,3 +98,16 @@ def test_ingress_and_security_nsg_flows(globex: Recorder) -> None:
         sec, direction="Outbound", src=SECURITY_IP, dst="93.184.215.14", port=22
     )
     assert not azure_allows(sec, direction="Outbound", src=SECURITY_IP, dst="10.30.0.5", port=443)
+
+
+def test_the_security_cvm_name_resolves_privately_to_its_fixed_address(globex: Recorder) -> None:
+    (vnet,) = globex.of_type("azure-native:network:VirtualNetwork")
+    (zone,) = globex.of_type("azure-native:privatedns:PrivateZone")
+    assert zone.inputs["privateZoneName"] == PRIVATE_ZONE
+    (link,) = globex.of_type("azure-native:privatedns:VirtualNetworkLink")
+    assert link.inputs["virtualNetwork"] == {"id": f"{vnet.name}-id"}, "linked to this team only"
+    assert link.inputs["registrationEnabled"] is False
+    (record,) = globex.of_type("azure-native:privatedns:PrivateRecordSet")
+    assert record.inputs["recordType"] == "A"
+    assert f"{record.inputs['relativeRecordSetName']}.{PRIVATE_ZONE}" == SECURITY_CVM_HOST
+    assert record.inputs["aRecords"] == [{"ipv4Address": SECURITY_IP}]

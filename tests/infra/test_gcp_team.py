@@ -9,11 +9,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
-from tests.infra.harness import Recorder, example_raw, gcp_allows, run_program
+from tests.infra.harness import ROOT, Recorder, example_raw, gcp_allows, run_program
 from umbra.attest.measurement import COMPOSE_HASH_EVENT, SSH_KEYS_EVENT, ssh_keys_digest
 from umbra.components.config import ConfigError, CvmConfig, TeamStack, parse_stack_config
 from umbra.components.launch_data import CVM_ID_EVENT, LaunchData
+from umbra.components.ports import PRIVATE_ZONE, SECURITY_CVM_HOST
 from umbra.components.program import build_team, read_launch_files
 
 INSTANCE = "gcp:compute/instance:Instance"
@@ -174,3 +176,24 @@ def test_ingress_and_security_cvm_flows(acme: tuple[Recorder, TeamStack]) -> Non
 
     assert egress(443) and egress(80)
     assert not egress(22) and not egress(25) and not egress(8443)
+
+
+def test_the_security_cvm_name_resolves_privately_to_its_fixed_address(
+    acme: tuple[Recorder, TeamStack],
+) -> None:
+    mocks, _ = acme
+    (vpc,) = mocks.of_type("gcp:compute/network:Network")
+    (zone,) = mocks.of_type("gcp:dns/managedZone:ManagedZone")
+    assert zone.inputs["dnsName"] == f"{PRIVATE_ZONE}."
+    assert zone.inputs["visibility"] == "private"
+    networks = zone.inputs["privateVisibilityConfig"]["networks"]
+    assert [n["networkUrl"] for n in networks] == [f"{vpc.name}-id"], "visible to this team only"
+    (record,) = mocks.of_type("gcp:dns/recordSet:RecordSet")
+    assert (record.inputs["name"], record.inputs["type"]) == (f"{SECURITY_CVM_HOST}.", "A")
+    assert record.inputs["rrdatas"] == [SECURITY_IP]
+    assert record.inputs["managedZone"] == zone.inputs["name"]
+
+
+def test_the_example_dev_image_dials_the_name_the_network_publishes() -> None:
+    definition = yaml.safe_load((ROOT / "images/definitions/dev-cvm.example.yaml").read_text())
+    assert definition["compose"]["security_cvm"]["host"] == SECURITY_CVM_HOST
