@@ -67,6 +67,34 @@ def serve(
         int,
         typer.Option(help="Largest request body scanned and forwarded, in bytes; larger gets 413."),
     ] = 32 << 20,
+    tunnel_listen: Annotated[
+        str | None,
+        typer.Option(
+            help="HOST:PORT of the aTLS tunnel endpoint for Dev CVM forwarders (same process)."
+        ),
+    ] = None,
+    quote_source: Annotated[
+        str,
+        typer.Option(help="Tunnel endpoint quotes: configfs (the TD's configfs-tsm) or simulated."),
+    ] = "configfs",
+    event_log: Annotated[
+        Path | None,
+        typer.Option(help="Event log (dstack JSON or CCEL) served with the endpoint's quotes."),
+    ] = None,
+    simulated_pki: Annotated[
+        Path | None,
+        typer.Option(help="SIMULATED TEE only: the simulated PKI directory that signs quotes."),
+    ] = None,
+    simulated_image: Annotated[
+        str, typer.Option(help="SIMULATED TEE only: the simulated image name.")
+    ] = "umbra-security-cvm",
+    tunnel_header_timeout: Annotated[
+        float, typer.Option(help="Seconds a tunnel may take to send its identity header.")
+    ] = 10.0,
+    security_cvm_id_file: Annotated[
+        Path | None,
+        typer.Option(help="Read this Security CVM's id from a (launch-bound) file."),
+    ] = None,
     test_allow_upstream: Annotated[
         list[str] | None,
         typer.Option(
@@ -85,6 +113,19 @@ def serve(
     from umbra.proxy.runner import ProxyConfig, StartupError, UmbraProxy
 
     host, port = _listen(listen)
+    tunnel_host, tunnel_port = _listen(tunnel_listen) if tunnel_listen else (None, 8443)
+    if quote_source not in ("configfs", "simulated"):
+        typer.echo("umbra proxy serve: --quote-source must be configfs or simulated", err=True)
+        raise typer.Exit(2)
+    if security_cvm_id_file is not None:
+        if security_cvm_id is not None:
+            typer.echo("umbra proxy serve: give --security-cvm-id or its file, not both", err=True)
+            raise typer.Exit(2)
+        try:
+            security_cvm_id = security_cvm_id_file.read_text().strip()
+        except OSError as exc:
+            typer.echo(f"umbra proxy serve: {security_cvm_id_file}: {exc.strerror}", err=True)
+            raise typer.Exit(1) from None
     try:
         config = ProxyConfig(
             listen_host=host,
@@ -104,6 +145,13 @@ def serve(
             test_allow_upstream=test_allow_upstream or [],
             test_resolver=test_resolver,
             test_faults=test_faults,
+            tunnel_listen_host=tunnel_host,
+            tunnel_listen_port=tunnel_port,
+            quote_source=quote_source,
+            event_log=event_log,
+            simulated_pki=simulated_pki,
+            simulated_image=simulated_image,
+            tunnel_header_timeout=tunnel_header_timeout,
         )
     except ValidationError as exc:
         first = exc.errors()[0]

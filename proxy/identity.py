@@ -1,11 +1,11 @@
 """Who sent a request: the CVM (and its owner) behind a client connection.
 
 Contract: identity is established by whoever terminates the authenticated tunnel from a Dev CVM's
-forwarder (the tunnel endpoint), never by anything inside the sandbox. The endpoint presents each
-sandbox connection to mitmproxy either from a source address/port range reserved for that CVM, or
-carrying `Proxy-Authorization: Basic base64(cvm_id:credential)` that the endpoint adds and the
-sandbox never sees. An `IdentitySource` maps a client connection to a `CvmIdentity`; no mapping
-means the request is denied.
+forwarder (the tunnel endpoint, `tunnel.py`), never by anything inside the sandbox. The endpoint
+presents each sandbox connection from a loopback source it registered for that CVM
+(`tunnel_identities.py`); non-tunnel clients may be identified by a source range reserved for a CVM
+or by `Proxy-Authorization: Basic base64(cvm_id:credential)`. An `IdentitySource` maps a client
+connection to a `CvmIdentity`; no mapping means the request is denied.
 
 Local mode reads a static identities file (this module); the Console-attached owner/team/profiles
 of a CVM (`Attachments`) override the file's when a Console is configured.
@@ -171,6 +171,17 @@ class StaticIdentities:
                 return None
             return CvmIdentity(cvm_id, attached.owner, attached.team, tuple(attached.profiles))
         return CvmIdentity(cvm_id, entry.owner, entry.team, tuple(entry.profiles))
+
+    def lookup(self, cvm_id: str) -> CvmIdentity | None:
+        """The CVM's identity if it is known (in the file and, with a Console, attached)."""
+        return self._identity(cvm_id)
+
+    def credential_matches(self, cvm_id: str, credential: str) -> bool:
+        """Constant-time check of a tunnel credential; False when the CVM has none configured."""
+        entry = self._entries.get(cvm_id)
+        if entry is None or entry.credential_sha256 is None:
+            return False
+        return hmac.compare_digest(hash_credential(credential), entry.credential_sha256)
 
     def by_source(self, host: str, port: int) -> CvmIdentity | None:
         try:

@@ -18,7 +18,7 @@ import socket
 import sys
 import threading
 from pathlib import Path
-from typing import Self
+from typing import Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -31,6 +31,9 @@ from umbra.proxy.resolver import Resolver, StaticResolver, SystemResolver
 from umbra.proxy.secrets import SecretStore
 from umbra.proxy.spool import Shipper, Spool
 from umbra.proxy.state import PolicyState
+from umbra.proxy.tunnel import TunnelEndpoint
+from umbra.proxy.tunnel_identities import ChainedIdentities, TunnelIdentities
+from umbra.proxy.tunnel_quote import Evidence, EvidenceError, build_evidence
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +57,13 @@ class ProxyConfig(BaseModel):
     state_dir: Path | None = None
     upstream_ca: Path | None = None
     max_body: int = Field(default=DEFAULT_MAX_BODY, ge=1024)
+    tunnel_listen_host: str | None = None
+    tunnel_listen_port: int = Field(default=8443, ge=0, le=65535)
+    quote_source: Literal["configfs", "simulated"] = "configfs"
+    event_log: Path | None = None
+    simulated_pki: Path | None = None
+    simulated_image: str = "umbra-security-cvm"
+    tunnel_header_timeout: float = Field(default=10.0, gt=0)
     test_allow_upstream: list[str] = Field(default_factory=list)
     test_resolver: Path | None = None
     test_faults: bool = False
@@ -73,6 +83,10 @@ class ProxyConfig(BaseModel):
             raise ValueError("--bundle and --console need at least one pinned --bundle-key")
         if self.console_url and not self.security_cvm_id:
             raise ValueError("--console needs --security-cvm-id")
+        if self.tunnel_listen_host is not None and not _is_loopback(self.listen_host):
+            # The endpoint registers loopback sources; a proxy listener others can reach would
+            # accept connections the endpoint never authenticated.
+            raise ValueError("with --tunnel-listen, --listen must be a loopback address")
         for cidr in self.test_allow_upstream:
             ipaddress.ip_network(cidr, strict=True)
         return self
@@ -80,6 +94,13 @@ class ProxyConfig(BaseModel):
 
 class StartupError(Exception):
     pass
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _own_addresses(listen_host: str) -> set[IPAddress]:
@@ -106,6 +127,24 @@ class UmbraProxy:
         self.spool: Spool | None = None
         self.state: PolicyState | None = None
         self.identities: StaticIdentities | None = None
+        self.tunnel_identities = TunnelIdentities()
+        self.tunnel_endpoint: TunnelEndpoint | None = None
+        self.tunnel_port: int | None = None
+        self._tunnel_server: asyncio.Server | None = None
+
+    def _evidence(self) -> Evidence | None:
+        config = self.config
+        if config.tunnel_listen_host is None:
+            return None
+        try:
+            return build_evidence(
+                config.quote_source,
+                event_log=config.event_log,
+                simulated_pki=config.simulated_pki,
+                simulated_image=config.simulated_image,
+            )
+        except EvidenceError as exc:
+            raise StartupError(f"tunnel endpoint: {exc}") from None
 
     def _load(self) -> tuple[PolicyState, StaticIdentities, Resolver, AddressPolicy]:
         config = self.config
@@ -167,6 +206,7 @@ class UmbraProxy:
         mitm_compat.install()
         config = self.config
         state, identities, resolver, addresses = self._load()
+        evidence = self._evidence()
         self.state, self.identities = state, identities
         spool = Spool(config.traffic_log)
         self.spool = spool
@@ -193,7 +233,7 @@ class UmbraProxy:
         check = errorcheck.ErrorCheck(repeat_errors_on_stderr=True)
         addon_config = AddonConfig(
             state=state,
-            identities=identities,
+            identities=ChainedIdentities(self.tunnel_identities, identities),
             resolver=resolver,
             addresses=addresses,
             spool=spool,
@@ -266,16 +306,55 @@ class UmbraProxy:
                         addon_config,
                         addresses=addresses.with_own(own, own_sockets),
                     )
+                    if evidence is not None:
+                        try:
+                            await self._start_tunnel(evidence, identities, spool, port)
+                        except StartupError:
+                            master.shutdown()
+                            with contextlib.suppress(Exception):
+                                await run_task
+                            raise
                     print(f"umbra proxy listening on {config.listen_host}:{port}", flush=True)
                     self._ready.set()
                     break
                 await asyncio.sleep(0.05)
             await run_task
         finally:
+            if self._tunnel_server is not None:
+                self._tunnel_server.close()
             for task in self._tasks:
                 task.cancel()
             spool.close()
             self._ready.set()
+
+    async def _start_tunnel(
+        self, evidence: Evidence, identities: StaticIdentities, spool: Spool, proxy_port: int
+    ) -> None:
+        config = self.config
+        assert config.tunnel_listen_host is not None
+        endpoint = TunnelEndpoint(
+            identities=identities,
+            registry=self.tunnel_identities,
+            proxy_host=config.listen_host,
+            proxy_port=proxy_port,
+            emit=spool.append,
+            header_timeout=config.tunnel_header_timeout,
+        )
+        quote_source, event_log = evidence
+        try:
+            server = await endpoint.serve(
+                config.tunnel_listen_host, config.tunnel_listen_port, quote_source, event_log
+            )
+        except OSError as exc:
+            raise StartupError(f"tunnel endpoint cannot listen: {exc.strerror}") from None
+        self.tunnel_endpoint, self._tunnel_server = endpoint, server
+        self.tunnel_port = int(server.sockets[0].getsockname()[1])
+        simulated = " (SIMULATED TEE)" if getattr(quote_source, "simulated", False) else ""
+        print(
+            f"umbra tunnel endpoint listening on {config.tunnel_listen_host}:{self.tunnel_port}"
+            + simulated,
+            flush=True,
+        )
 
     def shutdown(self) -> None:
         master = self._master

@@ -68,6 +68,8 @@ FORBIDDEN_SERVICE_KEYS = {
 }
 NETWORK_KEYS = {"driver", "internal", "enable_ipv6", "ipam"}
 LAUNCH_PREFIX = "/run/umbra/launch/"
+# The Security CVM's quote interface (configfs-tsm): the one writable host path, and only there.
+TSM_REPORT = "/sys/kernel/config/tsm/report"
 UNSAFE_SECURITY_OPTS = ("unconfined", "label=disable", "label:disable")
 
 
@@ -92,7 +94,12 @@ def service_networks(svc: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {str(k): _mapping(v) for k, v in _mapping(nets).items()}
 
 
-def _common(doc: dict[str, Any], caps: dict[str, set[str]], out: list[str]) -> None:
+def _common(
+    doc: dict[str, Any],
+    caps: dict[str, set[str]],
+    out: list[str],
+    host_paths: frozenset[str] = frozenset(),
+) -> None:
     for key in sorted(set(doc) - TOP_KEYS):
         out.append(f"top-level key {key!r} is not allowed")
     services = _mapping(doc.get("services"))
@@ -130,13 +137,19 @@ def _common(doc: dict[str, Any], caps: dict[str, set[str]], out: list[str]) -> N
             if any(bad in str(opt) for bad in UNSAFE_SECURITY_OPTS):
                 out.append(f"{where}: security_opt {opt!r} disables a protection")
         for vol in svc.get("volumes", []) or []:
-            _check_volume(where, vol, volumes, out)
+            _check_volume(where, vol, volumes, out, host_paths)
         for port in svc.get("ports", []) or []:
             if not str(port).endswith("/tcp"):
                 out.append(f"{where}: port {port!r} must be TCP and say so (/tcp)")
 
 
-def _check_volume(where: str, vol: Any, volumes: dict[str, Any], out: list[str]) -> None:
+def _check_volume(
+    where: str,
+    vol: Any,
+    volumes: dict[str, Any],
+    out: list[str],
+    host_paths: frozenset[str] = frozenset(),
+) -> None:
     if not isinstance(vol, str):
         out.append(f"{where}: volume {vol!r} must use the short string form")
         return
@@ -144,6 +157,9 @@ def _check_volume(where: str, vol: Any, volumes: dict[str, Any], out: list[str])
     src = parts[0]
     if "docker.sock" in vol:
         out.append(f"{where}: mounting the Docker socket is root on the host")
+    elif src in host_paths:
+        if parts[1:2] != [src]:
+            out.append(f"{where}: {src} must be mounted at the same path")
     elif src.startswith("/"):
         if not src.startswith(LAUNCH_PREFIX) or ".." in src:
             out.append(f"{where}: host path {src} is not under {LAUNCH_PREFIX}")
@@ -237,19 +253,42 @@ def _check_forwarder_config(doc: dict[str, Any], out: list[str]) -> None:
             out.append("config forwarder: ingress must refuse the sandbox subnet")
 
 
+def _flag(command: list[str], flag: str) -> str | None:
+    return command[command.index(flag) + 1] if command[:-1].count(flag) == 1 else None
+
+
 def _security(doc: dict[str, Any], out: list[str]) -> None:
-    _common(doc, {}, out)
+    _common(doc, {}, out, frozenset({TSM_REPORT}))
     services = _mapping(doc.get("services"))
     networks = _mapping(doc.get("networks"))
-    _exact("services", services, {"tunnel-endpoint", "proxy", "policy-puller"}, out)
-    _exact("networks", networks, {"inner", "edge"}, out)
-    if _mapping(networks.get("inner")).get("internal") is not True:
-        out.append("network inner must be internal: true")
+    _exact("services", services, {"proxy"}, out)
+    _exact("networks", networks, {"edge"}, out)
     for name, svc in services.items():
         if "runtime" in _mapping(svc):
             out.append(f"service {name}: no runtime override on the Security CVM")
-        if name != "tunnel-endpoint" and _mapping(svc).get("ports"):
-            out.append(f"service {name}: only the tunnel endpoint publishes ports")
+    proxy = _mapping(services.get("proxy"))
+    command = [str(c) for c in proxy.get("command", []) or []]
+    if command[:3] != ["umbra", "proxy", "serve"]:
+        out.append("service proxy: command must be `umbra proxy serve`")
+    # The proxy listener must be loopback: only the tunnel endpoint (same process) may reach it,
+    # since it is what attributes each connection to an authenticated tunnel.
+    listen = _flag(command, "--listen") or ""
+    host = listen.rpartition(":")[0]
+    try:
+        loopback = ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback:
+        out.append("service proxy: --listen must be a loopback address")
+    tunnel = _flag(command, "--tunnel-listen")
+    if tunnel is None:
+        out.append("service proxy: needs exactly one --tunnel-listen")
+    if _flag(command, "--quote-source") != "configfs":
+        out.append("service proxy: the Security CVM quotes with --quote-source configfs")
+    tunnel_port = (tunnel or "").rpartition(":")[2]
+    ports = [str(p) for p in proxy.get("ports", []) or []]
+    if ports != [f"{tunnel_port}:{tunnel_port}/tcp"]:
+        out.append("service proxy: it publishes only the tunnel endpoint's port")
 
 
 def validate_dev_compose(text: str) -> dict[str, Any]:

@@ -71,10 +71,35 @@ def test_dev_topology_as_rendered() -> None:
 def test_security_topology_as_rendered() -> None:
     doc = yaml.safe_load(render_security_cvm(security_definition().compose).text)
     services = doc["services"]
-    assert set(services) == {"tunnel-endpoint", "proxy", "policy-puller"}
-    assert doc["networks"]["inner"]["internal"] is True
-    assert [n for n, s in services.items() if s.get("ports")] == ["tunnel-endpoint"]
+    assert set(services) == {"proxy"}
+    assert services["proxy"]["ports"] == ["8443:8443/tcp"]
+    command = services["proxy"]["command"]
+    assert command[command.index("--listen") + 1] == "127.0.0.1:8080"
+    assert command[command.index("--tunnel-listen") + 1] == "0.0.0.0:8443"
     assert "BEGIN PUBLIC KEY" in doc["configs"]["bundle_keys"]["content"]
+
+
+def test_security_services_run_commands_that_exist() -> None:
+    """Every argument of the rendered command parses with the real `umbra proxy serve`."""
+    from typer.main import get_command
+    from typer.testing import CliRunner
+
+    from umbra.cli.app import app
+    from umbra.cli.proxy import app as proxy_app
+
+    doc = yaml.safe_load(render_security_cvm(security_definition().compose).text)
+    group = get_command(proxy_app)
+    for svc in doc["services"].values():
+        command = svc["command"]
+        assert command[:3] == ["umbra", "proxy", "serve"]
+        listing = CliRunner().invoke(app, ["proxy", "--help"])
+        assert listing.exit_code == 0 and " serve " in listing.output
+        # `umbra proxy` has one command, so typer makes the app that command itself.
+        params = group.make_context("serve", list(command[3:])).params
+        assert params["tunnel_listen"] == "0.0.0.0:8443"
+        assert params["console"] == "https://console.example"
+        assert params["quote_source"] == "configfs"
+        assert params["listen"] == "127.0.0.1:8080"
 
 
 def _mutate(text: str, change: Any) -> str:
@@ -158,9 +183,30 @@ def test_duplicate_keys_are_refused() -> None:
 
 def test_security_validator_refuses_publishing_proxy() -> None:
     text = render_security_cvm(security_definition().compose).text
-    bad = _mutate(text, _set(["services", "proxy", "ports"], ["8080:8080/tcp"]))
-    with pytest.raises(ComposeError, match="only the tunnel endpoint publishes"):
+    bad = _mutate(text, _set(["services", "proxy", "ports"], ["8443:8443/tcp", "8080:8080/tcp"]))
+    with pytest.raises(ComposeError, match="publishes only the tunnel endpoint"):
         validate_security_compose(bad)
+
+
+def test_security_validator_refuses_a_reachable_proxy_listener() -> None:
+    text = render_security_cvm(security_definition().compose).text
+
+    def widen(doc: Any) -> None:
+        command = doc["services"]["proxy"]["command"]
+        command[command.index("--listen") + 1] = "0.0.0.0:8080"
+
+    with pytest.raises(ComposeError, match="--listen must be a loopback address"):
+        validate_security_compose(_mutate(text, widen))
+
+
+def test_security_validator_confines_the_tsm_mount() -> None:
+    text = render_security_cvm(security_definition().compose).text
+
+    def remount(doc: Any) -> None:
+        doc["services"]["proxy"]["volumes"].append("/sys/kernel/config:/sys/kernel/config")
+
+    with pytest.raises(ComposeError, match="host path /sys/kernel/config is not under"):
+        validate_security_compose(_mutate(text, remount))
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,231 @@
+"""The tunnel endpoint: where Dev CVM forwarders' aTLS sessions enter the Security CVM.
+
+Per session: aTLS (we are the attested side), then the identity header (`sandbox.tunnel_header`),
+then the CVM is checked (known, attached, credential matches). Only then the endpoint opens its
+own loopback connection to the proxy, from a source (address, port) it registered for that CVM in
+`TunnelIdentities` before connecting; the addon attributes the connection by that source alone.
+In `tunnel` mode the endpoint itself sends `CONNECT host:port` for the configured destination, so
+the addon's tunnel-rule decision and logging apply unchanged. Any failure closes the session with
+a traffic-log record (kind `connection`, reason `tunnel_*`); no sandbox byte reaches the proxy.
+
+aTLS is one-way (the forwarder verifies us), so the per-CVM credential is what authenticates the
+Dev CVM until mutual attestation exists.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from umbra.attest.atls import ATLSConnection, serve_atls
+from umbra.attest.errors import ATLSError
+from umbra.attest.eventlog import Event
+from umbra.attest.quote_source import QuoteSource
+from umbra.proxy.identity import CvmIdentity, StaticIdentities
+from umbra.proxy.trafficlog import TrafficRecord
+from umbra.proxy.tunnel_identities import TunnelIdentities
+from umbra.sandbox.tunnel_header import (
+    HeaderError,
+    TunnelHeader,
+    decode_header_body,
+    parse_length,
+)
+
+logger = logging.getLogger(__name__)
+
+CHUNK = 64 * 1024
+MAX_CONNECT_RESPONSE = 8192
+
+
+class Refused(Exception):
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclass
+class EndpointStats:
+    accepted: int = 0
+    refused: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class TunnelEndpoint:
+    identities: StaticIdentities
+    registry: TunnelIdentities
+    proxy_host: str  # the proxy's loopback listener
+    proxy_port: int
+    emit: Callable[[TrafficRecord], None]
+    header_timeout: float = 10.0
+    connect_timeout: float = 10.0
+    stats: EndpointStats = field(default_factory=EndpointStats)
+
+    async def serve(
+        self,
+        host: str,
+        port: int,
+        quote_source: QuoteSource,
+        event_log: Callable[[], Sequence[Event]] | None = None,
+        handshake_timeout: float = 30.0,
+    ) -> asyncio.Server:
+        return await serve_atls(
+            host,
+            port,
+            self.handle,
+            quote_source,
+            event_log=event_log,
+            handshake_timeout=handshake_timeout,
+            on_error=self._atls_failed,
+        )
+
+    def _refuse(self, reason: str, detail: str, identity: CvmIdentity | None = None) -> None:
+        self.stats.refused[reason] = self.stats.refused.get(reason, 0) + 1
+        logger.warning("tunnel refused: %s", reason)
+        self.emit(
+            TrafficRecord(
+                kind="connection",
+                cvm_id=identity.cvm_id if identity else None,
+                owner=identity.owner if identity else None,
+                team=identity.team if identity else None,
+                decision="deny",
+                reason=reason,
+                detail=detail[:300],
+            )
+        )
+
+    def _atls_failed(self, exc: ATLSError) -> None:
+        # The message may describe the peer's bytes; only say that the handshake failed.
+        self._refuse("tunnel_atls_failed", "aTLS handshake failed or timed out")
+
+    async def handle(self, conn: ATLSConnection) -> None:
+        try:
+            header, rest = await asyncio.wait_for(_read_header(conn), self.header_timeout)
+        except TimeoutError:
+            return self._refuse("tunnel_header_timeout", "no identity header in time")
+        except Refused as exc:
+            return self._refuse(exc.reason, exc.detail)
+        except (ATLSError, ConnectionError, OSError):
+            return self._refuse("tunnel_closed", "session ended before the identity header")
+        claimed = f"claimed cvm_id {header.cvm_id}"
+        identity = self.identities.lookup(header.cvm_id)
+        if identity is None:
+            return self._refuse("tunnel_unknown_cvm", claimed)
+        if header.credential is None:
+            return self._refuse("tunnel_missing_credential", claimed)
+        if not self.identities.credential_matches(header.cvm_id, header.credential):
+            return self._refuse("tunnel_bad_credential", claimed)
+        try:
+            await self._relay(conn, header, identity, rest)
+        except (ATLSError, ConnectionError, OSError) as exc:
+            logger.info("tunnel of %s ended: %s", identity.cvm_id, type(exc).__name__)
+
+    async def _relay(
+        self, conn: ATLSConnection, header: TunnelHeader, identity: CvmIdentity, rest: bytes
+    ) -> None:
+        sock = socket.socket(socket.AF_INET6 if ":" in self.proxy_host else socket.AF_INET)
+        sock.setblocking(False)
+        registered: tuple[str, int] | None = None
+        writer: asyncio.StreamWriter | None = None
+        try:
+            try:
+                # Register the source before connecting: the addon looks it up on accept.
+                sock.bind((self.proxy_host, 0))
+                local = sock.getsockname()
+                registered = (str(local[0]), int(local[1]))
+                self.registry.register(*registered, identity)
+                await asyncio.wait_for(
+                    asyncio.get_running_loop().sock_connect(
+                        sock, (self.proxy_host, self.proxy_port)
+                    ),
+                    self.connect_timeout,
+                )
+                reader, writer = await asyncio.open_connection(sock=sock)
+            except (OSError, TimeoutError, ValueError):
+                return self._refuse("tunnel_proxy_unreachable", "", identity)
+            if header.mode == "tunnel":
+                assert header.host is not None and header.port is not None
+                if not await _connect(reader, writer, header.host, header.port):
+                    # The addon decided and logged; the sandbox sees the session close.
+                    return
+            self.stats.accepted += 1
+            if rest:
+                writer.write(rest)
+            await _pipe(conn, reader, writer)
+        finally:
+            if writer is not None:
+                writer.close()
+                with contextlib.suppress(Exception):
+                    await writer.wait_closed()
+            else:
+                sock.close()
+            if registered is not None:
+                self.registry.unregister(*registered)
+
+
+async def _exact(conn: ATLSConnection, n: int, buf: bytearray) -> None:
+    while len(buf) < n:
+        chunk = await conn.recv(n - len(buf))
+        if not chunk:
+            raise Refused("tunnel_closed", "session ended before the identity header")
+        buf += chunk
+
+
+async def _read_header(conn: ATLSConnection) -> tuple[TunnelHeader, bytes]:
+    buf = bytearray()
+    await _exact(conn, 4, buf)
+    try:
+        length = parse_length(bytes(buf[:4]))
+    except HeaderError as exc:
+        raise Refused("tunnel_header_too_large", str(exc)) from None
+    await _exact(conn, 4 + length, buf)
+    try:
+        header = decode_header_body(bytes(buf[4 : 4 + length]))
+    except (HeaderError, TypeError, ValueError):
+        # Not the parser's message: it may quote what the client sent.
+        raise Refused("tunnel_malformed_header", "header fields are invalid") from None
+    return header, bytes(buf[4 + length :])
+
+
+async def _connect(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, host: str, port: int
+) -> bool:
+    target = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    writer.write(f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n\r\n".encode())
+    await writer.drain()
+    try:
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 30)
+    except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError, OSError):
+        return False
+    if len(head) > MAX_CONNECT_RESPONSE:
+        return False
+    status_line = head.split(b"\r\n", 1)[0].split()
+    return len(status_line) >= 2 and status_line[1] == b"200"
+
+
+async def _pipe(
+    conn: ATLSConnection, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+) -> None:
+    async def up() -> None:
+        while data := await conn.recv(CHUNK):
+            writer.write(data)
+            await writer.drain()
+
+    async def down() -> None:
+        while data := await reader.read(CHUNK):
+            await conn.send(data)
+
+    tasks = {asyncio.create_task(up()), asyncio.create_task(down())}
+    try:
+        # TLS gives no half-close to pass on: when either side ends, the session ends.
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task

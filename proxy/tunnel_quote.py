@@ -1,0 +1,59 @@
+"""The tunnel endpoint's attestation evidence: a quote source and the event log served with it.
+
+`configfs`: the TD's configfs-tsm quotes (production); the event log file, if given, is served as
+is: forwarders replay it against the quote's RTMRs, so it needs no trust of its own.
+`simulated`: a simulated TD signed by the PKI in `pki_dir` whose RTMR3 is extended with the
+runtime events of the event log file (embedded default and tests only; verifiers accept it only
+when told to).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Literal
+
+from umbra.attest.errors import AttestError
+from umbra.attest.eventlog import Event, load_event_log
+from umbra.attest.quote_source import ConfigfsTsmSource, QuoteSource, SimulatedSource
+from umbra.attest.simpki import SimulatedPki
+from umbra.attest.simulator import SimulatedTdx
+
+QuoteSourceKind = Literal["configfs", "simulated"]
+Evidence = tuple[QuoteSource, Callable[[], Sequence[Event]] | None]
+
+
+class EvidenceError(Exception):
+    pass
+
+
+def build_evidence(
+    kind: QuoteSourceKind,
+    *,
+    event_log: Path | None = None,
+    simulated_pki: Path | None = None,
+    simulated_image: str = "umbra-security-cvm",
+) -> Evidence:
+    events: list[Event] | None = None
+    if event_log is not None:
+        try:
+            events = load_event_log(event_log.read_bytes())
+        except OSError as exc:
+            raise EvidenceError(f"{event_log}: {exc.strerror}") from None
+        except AttestError as exc:
+            raise EvidenceError(f"{event_log}: not a valid event log: {exc}") from None
+    if kind == "configfs":
+        if simulated_pki is not None:
+            raise EvidenceError("--simulated-pki needs --quote-source simulated")
+        fixed = events
+        return ConfigfsTsmSource(), (lambda: fixed) if fixed is not None else None
+    if simulated_pki is None:
+        raise EvidenceError("--quote-source simulated needs --simulated-pki DIR")
+    try:
+        tdx = SimulatedTdx(SimulatedPki.load(simulated_pki), image=simulated_image)
+    except (OSError, AttestError, ValueError) as exc:
+        raise EvidenceError(f"{simulated_pki}: cannot load the simulated PKI: {exc}") from None
+    for event in events or []:
+        if event.name:  # runtime events only; the simulator adds its own boot events
+            tdx.extend_runtime_event(event.name, event.payload, event.imr)
+    return SimulatedSource(tdx), tdx.event_log
