@@ -81,9 +81,7 @@ class DevImages(Strict):
 
 
 class SecurityImages(Strict):
-    proxy: ImageRef
-    tunnel_endpoint: ImageRef
-    policy_puller: ImageRef
+    proxy: ImageRef  # one process: proxy, tunnel endpoint and policy puller
 
 
 # The Dev CVM's published SSH ingress. Port 22 is never opened on a Dev CVM's network.
@@ -136,4 +134,3 @@ class SecurityCvmInputs(Strict):
     bundle_keys: list[Annotated[str, Field(min_length=1, max_length=4096)]] = Field(min_length=1)
     tunnel_port: Port = 8443
     proxy_port: Port = 8080
-    inner_subnet: ipaddress.IPv4Network = ipaddress.IPv4Network("172.31.0.0/24")

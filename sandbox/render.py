@@ -128,18 +128,15 @@ def render_dev_cvm(inputs: DevCvmInputs) -> Rendered:
 
 
 def render_security_cvm(inputs: SecurityCvmInputs) -> Rendered:
-    net = inputs.inner_subnet
     text = (
         _env()
         .get_template("security-cvm.compose.yaml.j2")
         .render(
             release=inputs.release,
             images=inputs.images,
-            addr={"tunnel_endpoint": _host(net, 2), "proxy": _host(net, 3)},
             tunnel_port=inputs.tunnel_port,
             proxy_port=inputs.proxy_port,
             console_url=inputs.console_url,
-            inner_subnet=str(net),
             bundle_keys="".join(k if k.endswith("\n") else k + "\n" for k in inputs.bundle_keys),
         )
     )

@@ -34,8 +34,6 @@ def security_definition_doc(**compose: Any) -> dict[str, Any]:
             "release": "security-cvm-test",
             "images": {
                 "proxy": digest_ref("proxy"),
-                "tunnel_endpoint": digest_ref("tunnel-endpoint"),
-                "policy_puller": digest_ref("policy-puller"),
             },
             "console_url": "https://console.example",
             "bundle_keys": [BUNDLE_KEY],
