@@ -15,12 +15,16 @@ from typer.core import TyperGroup
 # name -> (module, attribute holding its typer.Typer)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "attest": ("umbra.cli.attest", "app"),
+    "auth": ("umbra.cli.auth", "app"),
     "console": ("umbra.cli.console", "app"),
+    "cvm": ("umbra.cli.cvm", "app"),
     "forwarder": ("umbra.cli.sandbox", "forwarder_app"),
     "image": ("umbra.cli.image", "app"),
+    "logs": ("umbra.cli.logs", "app"),
     "policy": ("umbra.cli.policy", "app"),
     "proxy": ("umbra.cli.proxy", "app"),
     "sandbox": ("umbra.cli.sandbox", "app"),
+    "secret": ("umbra.cli.secret", "app"),
 }
 
 

@@ -33,7 +33,10 @@ API_VERSION = "1.0.0"
 
 
 def build_console(
-    settings: Settings, *, release_verifier: SecretReleaseVerifier | None = None
+    settings: Settings,
+    *,
+    release_verifier: SecretReleaseVerifier | None = None,
+    stack_factory: Any = None,
 ) -> Console:
     try:
         keys = [load_public_key(path) for path in settings.bundle_public_keys]
@@ -60,7 +63,7 @@ def build_console(
         except EnvelopeError as exc:
             raise ConfigError(str(exc)) from None
     try:
-        providers = build_providers(settings.providers)
+        providers = build_providers(settings, stack_factory=stack_factory)
     except (ValueError, ProviderError) as exc:
         raise ConfigError(str(exc)) from None
     if release_verifier is None:
@@ -77,9 +80,15 @@ def build_console(
 
 
 def create_app(
-    settings: Settings, *, release_verifier: SecretReleaseVerifier | None = None
+    settings: Settings,
+    *,
+    release_verifier: SecretReleaseVerifier | None = None,
+    stack_factory: Any = None,
 ) -> FastAPI:
-    console = build_console(settings, release_verifier=release_verifier)
+    """`stack_factory` stands in for the Pulumi CLI under the cloud adapters (tests)."""
+    console = build_console(
+        settings, release_verifier=release_verifier, stack_factory=stack_factory
+    )
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -90,6 +99,8 @@ def create_app(
                 log.warning("auto_migrate is honoured for SQLite only; run `umbra console migrate`")
         log.info("console starting: %s", settings_summary(settings))
         yield
+        # Let running provider jobs record their outcome before the engine goes away.
+        console.jobs.shutdown(wait=True)
         console.engine.dispose()
 
     app = FastAPI(

@@ -121,12 +121,14 @@ class ConsoleClient(_Base):
         provider: str = "local",
         security_cvm_id: str | None = None,
         owner: str | None = None,
+        ssh_keys: list[str] | None = None,
+        size: str | None = None,
     ) -> CvmCreated:
         body: dict[str, Any] = {"name": name, "kind": kind, "provider": provider}
-        if security_cvm_id is not None:
-            body["security_cvm_id"] = security_cvm_id
-        if owner is not None:
-            body["owner"] = owner
+        optional = {"security_cvm_id": security_cvm_id, "owner": owner, "ssh_keys": ssh_keys}
+        body |= {key: value for key, value in optional.items() if value is not None}
+        if size is not None:
+            body["size"] = size
         return self._model(CvmCreated, "POST", f"/api/v1/teams/{team}/cvms", ok=(201,), json=body)
 
     def list_cvms(self, team: str, *, include_destroyed: bool = False) -> list[CvmInfo]:
@@ -139,9 +141,21 @@ class ConsoleClient(_Base):
         return self._model(CvmInfo, "GET", f"/api/v1/cvms/{cvm_id}")
 
     def update_cvm(
-        self, cvm_id: str, *, state: str | None = None, security_cvm_id: str | None = None
+        self,
+        cvm_id: str,
+        *,
+        state: str | None = None,
+        security_cvm_id: str | None = None,
+        ssh_keys: list[str] | None = None,
+        size: str | None = None,
     ) -> CvmInfo:
-        body = {k: v for k, v in {"state": state, "security_cvm_id": security_cvm_id}.items() if v}
+        fields = {
+            "state": state,
+            "security_cvm_id": security_cvm_id,
+            "ssh_keys": ssh_keys,
+            "size": size,
+        }
+        body = {k: v for k, v in fields.items() if v}
         return self._model(CvmInfo, "PATCH", f"/api/v1/cvms/{cvm_id}", json=body)
 
     def destroy_cvm(self, cvm_id: str) -> CvmInfo:

@@ -8,11 +8,20 @@ from __future__ import annotations
 
 import base64
 import binascii
+import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
+from uuid import UUID
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 ENV_PREFIX = "UMBRA_CONSOLE_"
 DEFAULT_DATABASE_URL = "sqlite:///umbra-console.db"
@@ -20,6 +29,69 @@ DEFAULT_DATABASE_URL = "sqlite:///umbra-console.db"
 
 class ConfigError(Exception):
     """A configuration that the Console refuses to start with; the message names the setting."""
+
+
+_STACK = r"^[A-Za-z0-9_.-]{1,100}/[A-Za-z0-9_.-]{1,100}/[A-Za-z0-9_.-]{1,100}$"
+_TEAM = r"^[a-z][a-z0-9-]{0,14}[a-z0-9]$"  # what the Pulumi provisioner accepts
+TeamStack = Annotated[str, Field(pattern=_STACK, description="org/project/stack of the team stack")]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class GcpTeam(_Strict):
+    team_stack: TeamStack
+    project: str = Field(pattern=r"^[a-z][a-z0-9-]{4,28}[a-z0-9]$")
+    region: str = Field(pattern=r"^[a-z]+-[a-z]+\d$")
+    zone: str = Field(pattern=r"^[a-z]+-[a-z]+\d-[a-z]$")
+
+    @model_validator(mode="after")
+    def _zone_in_region(self) -> GcpTeam:
+        if not self.zone.startswith(self.region + "-"):
+            raise ValueError(f"zone {self.zone!r} is not in region {self.region!r}")
+        return self
+
+
+class AzureTeam(_Strict):
+    team_stack: TeamStack
+    location: str = Field(pattern=r"^[a-z][a-z0-9]*$")
+    zone: Literal["1", "2", "3"] | None = None
+
+
+class _CloudProvider(_Strict):
+    """What every Dev CVM of this cloud boots: the release's image, app-compose and manifest."""
+
+    org: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.-]{1,100}$")
+    image: str = Field(min_length=1, max_length=512)
+    app_compose: Path = Field(description="The release's app-compose.json (`umbra image measure`).")
+    measurement_manifest: str | None = Field(default=None, max_length=2048)
+    default_size: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+    disk_gb: int = Field(default=50, ge=10, le=4096)
+
+    @field_validator("app_compose")
+    @classmethod
+    def _compose_document(cls, value: Path) -> Path:
+        try:
+            doc = json.loads(value.read_text())
+        except OSError as exc:
+            raise ValueError(f"cannot read {value} ({exc.strerror})") from None
+        except ValueError:
+            doc = None
+        if not isinstance(doc, dict) or not isinstance(doc.get("docker_compose_file"), str):
+            raise ValueError(f"{value} is not an app-compose.json document")
+        return value
+
+
+class GcpProvider(_CloudProvider):
+    teams: dict[Annotated[str, Field(pattern=_TEAM)], GcpTeam] = Field(min_length=1)
+    default_size: str = Field(default="c3-standard-4", pattern=r"^[a-z0-9][a-z0-9-]{0,63}$")
+
+
+class AzureProvider(_CloudProvider):
+    subscription_id: UUID
+    teams: dict[Annotated[str, Field(pattern=_TEAM)], AzureTeam] = Field(min_length=1)
+    default_size: str = Field(default="Standard_DC4es_v5", pattern=r"^[A-Za-z0-9_]{1,64}$")
 
 
 class Settings(BaseModel):
@@ -55,6 +127,15 @@ class Settings(BaseModel):
     )
     kek_current: str | None = Field(default=None, description="Key id that wraps new data keys.")
     providers: list[str] = Field(default_factory=lambda: ["local"])
+    gcp: GcpProvider | None = Field(
+        default=None, description="Settings of the `gcp` provider (JSON in UMBRA_CONSOLE_GCP)."
+    )
+    azure: AzureProvider | None = Field(
+        default=None, description="Settings of the `azure` provider (JSON in UMBRA_CONSOLE_AZURE)."
+    )
+    provider_workers: int = Field(
+        default=4, ge=1, le=64, description="Concurrent cloud launches/updates/destroys."
+    )
     max_request_bytes: int = Field(default=1 << 20, gt=0)
     max_bundle_bytes: int = Field(default=16 << 20, gt=0)
     max_traffic_batch_bytes: int = Field(default=16 << 20, gt=0)
@@ -101,6 +182,16 @@ class Settings(BaseModel):
                 raise ValueError(f"key {key_id!r} must be 32 bytes (AES-256)")
         return value
 
+    @model_validator(mode="after")
+    def _provider_settings(self) -> Settings:
+        for cloud in ("gcp", "azure"):
+            configured = getattr(self, cloud) is not None
+            if cloud in self.providers and not configured:
+                raise ValueError(f"provider {cloud!r} is enabled but {cloud.upper()} is not set")
+            if configured and cloud not in self.providers:
+                raise ValueError(f"{cloud.upper()} is set but {cloud!r} is not in PROVIDERS")
+        return self
+
     @property
     def is_sqlite(self) -> bool:
         return self.database_url.startswith("sqlite")
@@ -122,6 +213,11 @@ def settings_from_env(environ: dict[str, str] | None = None, **overrides: Any) -
             data[name] = [item.strip() for item in raw.split(",") if item.strip()]
         elif name == "kek":
             data[name] = _parse_keks(raw, ENV_PREFIX + "KEK")
+        elif name in ("gcp", "azure"):
+            try:
+                data[name] = json.loads(raw)
+            except ValueError:
+                raise ConfigError(f"{ENV_PREFIX}{name.upper()}: not a JSON object") from None
         else:
             data[name] = raw
     kek_file = env.get(ENV_PREFIX + "KEK_FILE")
@@ -136,7 +232,7 @@ def settings_from_env(environ: dict[str, str] | None = None, **overrides: Any) -
         return Settings.model_validate(data)
     except ValidationError as exc:
         error = exc.errors()[0]
-        where = ".".join(str(part) for part in error["loc"])
+        where = ".".join(str(part) for part in error["loc"]) or "providers"
         raise ConfigError(f"{ENV_PREFIX}{where.upper()}: {error['msg']}") from None
 
 

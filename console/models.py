@@ -61,6 +61,16 @@ class Cvm(SQLModel, table=True):
     security_cvm_id: str | None = Field(default=None, index=True, max_length=40)
     profiles: list[str] = Field(default_factory=list, sa_column=Column(JSON, nullable=False))
     credential_hash: str | None = Field(default=None, unique=True, max_length=64)
+    # Launch inputs and what the provider reported (revision 0003). Public keys, not secrets.
+    ssh_keys: list[str] = Field(default_factory=list, sa_column=Column(JSON, nullable=False))
+    size: str | None = Field(default=None, max_length=64)
+    provider_state: dict[str, Any] = Field(
+        default_factory=dict, sa_column=Column(JSON, nullable=False)
+    )
+    events: list[dict[str, Any]] = Field(
+        default_factory=list, sa_column=Column(JSON, nullable=False)
+    )
+    state_reason: str | None = Field(default=None, max_length=512)
     created_by: str = Field(max_length=255)
     created_at: datetime = _ts()
     updated_at: datetime = _ts()

@@ -1,16 +1,31 @@
 """Provider adapters: how the Console makes a CVM exist. State lives in the Console's database; an
-adapter only performs the side effect and returns a provider reference.
+adapter performs the side effect and returns a reference plus the facts the provider reported.
 
 `local` is the embedded default: the Dev CVM is a network namespace and the Security CVM a local
 proxy, both started by the machine's own tooling, so the adapter records intent and hands back a
-reference. `gcp` and `azure` will drive the Pulumi programs under `infra/`; they are declared here
-so that configuration can name them, and are refused at startup until implemented.
+reference at once (`background = False`: the Console calls it inside the request's transaction).
+`gcp` and `azure` (`providers_pulumi.py`) drive the Pulumi Automation API; a run takes minutes, so
+(`background = True`) the Console records a transitional state, runs the adapter in a worker
+thread outside any transaction, and records the outcome (`provisioning.py`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from umbra.console.config import Settings
+
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]+")
+
+
+def one_line(text: str, limit: int = 300) -> str:
+    """Provider text as the API shows it: no control characters (the schemas refuse them)."""
+    return _CONTROL.sub(" ", text).strip()[:limit]
 
 
 class ProviderError(Exception):
@@ -21,6 +36,10 @@ class ProviderNotImplemented(ProviderError):
     pass
 
 
+class ProviderUnsupported(ProviderError):
+    """The request is valid but this provider cannot do it (a 422, not a provider failure)."""
+
+
 @dataclass(frozen=True)
 class CvmSpec:
     id: str
@@ -28,51 +47,91 @@ class CvmSpec:
     name: str
     kind: str
     owner: str
+    ssh_keys: tuple[str, ...] = ()
+    size: str | None = None
+
+
+@dataclass(frozen=True)
+class ProviderEvent:
+    kind: str
+    message: str
+
+
+OnProviderEvent = Callable[[ProviderEvent], None]
+
+
+@dataclass(frozen=True)
+class Provisioned:
+    ref: str
+    state: dict[str, Any] = field(default_factory=dict)
 
 
 class CvmProvider(Protocol):
     name: str
+    background: bool
 
-    def launch(self, spec: CvmSpec) -> str:
+    def check(self, spec: CvmSpec) -> None:
+        """Refuse (ProviderError) a spec this provider cannot launch, before anything is stored."""
+        ...
+
+    def launch(self, spec: CvmSpec, on_event: OnProviderEvent) -> Provisioned:
         """Create the CVM; return the provider's reference for it."""
+        ...
+
+    def update(self, spec: CvmSpec, ref: str, on_event: OnProviderEvent) -> Provisioned:
+        """Apply new launch inputs (SSH keys, size)."""
         ...
 
     def set_running(self, ref: str, running: bool) -> None: ...
 
-    def destroy(self, ref: str) -> None: ...
+    def destroy(self, spec: CvmSpec, ref: str | None, on_event: OnProviderEvent) -> None: ...
 
 
 class LocalProvider:
     name = "local"
+    background = False
 
     def __init__(self) -> None:
         self.launched: dict[str, bool] = {}
 
-    def launch(self, spec: CvmSpec) -> str:
+    def check(self, spec: CvmSpec) -> None:
+        return None
+
+    def launch(self, spec: CvmSpec, on_event: OnProviderEvent) -> Provisioned:
         ref = f"local:{spec.team}/{spec.name}/{spec.id}"
         self.launched[ref] = True
-        return ref
+        return Provisioned(ref)
+
+    def update(self, spec: CvmSpec, ref: str, on_event: OnProviderEvent) -> Provisioned:
+        if ref not in self.launched:
+            raise ProviderError(f"local provider knows no CVM {ref!r}")
+        return Provisioned(ref)
 
     def set_running(self, ref: str, running: bool) -> None:
         if ref not in self.launched:
             raise ProviderError(f"local provider knows no CVM {ref!r}")
         self.launched[ref] = running
 
-    def destroy(self, ref: str) -> None:
-        self.launched.pop(ref, None)
+    def destroy(self, spec: CvmSpec, ref: str | None, on_event: OnProviderEvent) -> None:
+        if ref is not None:
+            self.launched.pop(ref, None)
 
 
 KNOWN_PROVIDERS = ("local", "gcp", "azure")
 
 
-def build_providers(names: list[str]) -> dict[str, CvmProvider]:
+def build_providers(settings: Settings, *, stack_factory: Any = None) -> dict[str, CvmProvider]:
+    """`stack_factory` replaces the Pulumi CLI for the cloud adapters (tests)."""
     providers: dict[str, CvmProvider] = {}
-    for name in names:
+    for name in settings.providers:
         if name == "local":
             providers[name] = LocalProvider()
         elif name in ("gcp", "azure"):
-            raise ProviderNotImplemented(
-                f"providers: {name!r} will drive the Pulumi programs and is not implemented yet"
+            # Imported here so a local-only Console never loads the Pulumi SDK.
+            from umbra.console.providers_pulumi import PulumiCvmProvider
+
+            providers[name] = PulumiCvmProvider.from_settings(
+                settings, name, stack_factory=stack_factory
             )
         else:
             raise ValueError(f"providers: unknown provider {name!r} (known: {KNOWN_PROVIDERS})")

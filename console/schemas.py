@@ -5,7 +5,7 @@ from __future__ import annotations
 import socket
 import uuid
 from datetime import UTC, datetime
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     AfterValidator,
@@ -78,6 +78,17 @@ Host = Annotated[str, Field(min_length=1, max_length=253), AfterValidator(_host)
 Name = Annotated[str, Field(pattern=NAME_PATTERN)]
 ProfileName = Annotated[str, Field(pattern=NAME_PATTERN)]
 Label = Annotated[str, Field(min_length=1, max_length=255)]
+
+
+def _ssh_key(value: str) -> str:
+    parts = value.split()
+    if len(parts) < 2 or not parts[0].startswith(("ssh-", "ecdsa-", "sk-")):
+        raise ValueError("not an OpenSSH public key line ('TYPE BASE64 [comment]')")
+    return value.strip()
+
+
+SshKey = Annotated[str, Field(min_length=1, max_length=16384), AfterValidator(_ssh_key)]
+MachineSize = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")]
 ShortToken = Annotated[str, Field(pattern=r"^[A-Za-z0-9._:/-]{1,160}$")]
 
 
@@ -105,7 +116,11 @@ class BundleInfo(Strict):
 
 # -- CVMs -----------------------------------------------------------------------------------
 CvmKind = Literal["dev", "security"]
-CvmState = Literal["pending", "running", "stopped", "destroyed"]
+# launching/updating/destroying: a cloud provider is working outside any transaction; a failed
+# run ends in `failed` with `state_reason` (destroy it to clean up what the run left behind).
+CvmState = Literal[
+    "pending", "launching", "updating", "destroying", "running", "stopped", "failed", "destroyed"
+]
 
 
 class CvmCreate(Strict):
@@ -116,11 +131,25 @@ class CvmCreate(Strict):
     security_cvm_id: Annotated[str, Field(pattern=CVM_ID_PATTERN)] | None = Field(
         default=None, description="Dev CVMs: the Security CVM their egress goes through."
     )
+    ssh_keys: list[SshKey] = Field(
+        default_factory=list,
+        max_length=32,
+        description="Owner's SSH public keys (cloud: required).",
+    )
+    size: MachineSize | None = Field(default=None, description="Machine type; provider default.")
 
 
 class CvmUpdate(Strict):
     state: Literal["running", "stopped"] | None = None
     security_cvm_id: Annotated[str, Field(pattern=CVM_ID_PATTERN)] | None = None
+    ssh_keys: list[SshKey] | None = Field(default=None, min_length=1, max_length=32)
+    size: MachineSize | None = None
+
+
+class CvmEvent(Strict):
+    time: datetime
+    kind: str
+    message: str
 
 
 class CvmInfo(Strict):
@@ -134,6 +163,13 @@ class CvmInfo(Strict):
     state: CvmState
     security_cvm_id: str | None
     profiles: list[str]
+    ssh_keys: list[str] = Field(default_factory=list)
+    size: str | None = None
+    provider_state: dict[str, Any] = Field(
+        default_factory=dict, description="Stack, instance id, private IP, digests, events."
+    )
+    events: list[CvmEvent] = Field(default_factory=list, description="Last provider events.")
+    state_reason: str | None = Field(default=None, description="Why the last run failed.")
     created_at: datetime
     updated_at: datetime
 

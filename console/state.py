@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from threading import Lock
@@ -39,6 +40,10 @@ class Console:
 
     def __post_init__(self) -> None:
         self.write_gate = WriteGate(serialize=self.settings.is_sqlite)
+        # Cloud provider runs (minutes each) happen here, never inside a request's transaction.
+        self.jobs = ThreadPoolExecutor(
+            max_workers=self.settings.provider_workers, thread_name_prefix="umbra-provider"
+        )
 
     def session(self) -> Session:
         return Session(self.engine, expire_on_commit=False)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import secrets
+from collections.abc import Callable
 from typing import Annotated
 
 from fastapi import APIRouter, HTTPException, Query, status
@@ -11,7 +12,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 from sqlmodel import col
 
-from umbra.console import audit
+from umbra.console import audit, provisioning
 from umbra.console.deps import (
     CREDENTIAL_PREFIX,
     ConsoleDep,
@@ -20,7 +21,13 @@ from umbra.console.deps import (
     require_role,
 )
 from umbra.console.models import Cvm, utcnow
-from umbra.console.providers import CvmSpec, ProviderError
+from umbra.console.providers import (
+    CvmProvider,
+    CvmSpec,
+    ProviderError,
+    ProviderEvent,
+    ProviderUnsupported,
+)
 from umbra.console.routes.common import (
     CvmIdPath,
     TeamPath,
@@ -69,6 +76,20 @@ def create_cvm(team: TeamPath, body: CvmCreate, console: ConsoleDep, user: UserD
         raise HTTPException(UNPROCESSABLE, f"provider: {body.provider!r} is not configured")
     if body.kind == "security" and body.security_cvm_id is not None:
         raise HTTPException(UNPROCESSABLE, "security_cvm_id: only Dev CVMs route through one")
+    cvm_id = "cvm_" + secrets.token_hex(8)
+    spec = CvmSpec(
+        id=cvm_id,
+        team=team,
+        name=body.name,
+        kind=body.kind,
+        owner=owner,
+        ssh_keys=tuple(body.ssh_keys),
+        size=body.size,
+    )
+    try:
+        provider.check(spec)
+    except ProviderError as exc:
+        raise HTTPException(UNPROCESSABLE, f"provider: {exc}") from None
     credential = None
     with console.write() as session:
         if body.security_cvm_id is not None:
@@ -80,12 +101,9 @@ def create_cvm(team: TeamPath, body: CvmCreate, console: ConsoleDep, user: UserD
             raise HTTPException(
                 status.HTTP_409_CONFLICT, f"name: CVM {body.name!r} exists in team {team!r}"
             )
-        cvm_id = "cvm_" + secrets.token_hex(8)
-        spec = CvmSpec(id=cvm_id, team=team, name=body.name, kind=body.kind, owner=owner)
-        try:
-            ref = provider.launch(spec)
-        except ProviderError as exc:
-            raise HTTPException(status.HTTP_502_BAD_GATEWAY, f"provider: {exc}") from None
+        ref: str | None = None
+        if not provider.background:
+            ref = _call(lambda: provider.launch(spec, _ignore)).ref
         cvm = Cvm(
             id=cvm_id,
             team=team,
@@ -94,9 +112,11 @@ def create_cvm(team: TeamPath, body: CvmCreate, console: ConsoleDep, user: UserD
             owner=owner,
             provider=body.provider,
             provider_ref=ref,
-            state="running",
+            state="launching" if provider.background else "running",
             security_cvm_id=body.security_cvm_id,
             profiles=[],
+            ssh_keys=list(body.ssh_keys),
+            size=body.size,
             created_by=user.subject,
         )
         if body.kind == "security":
@@ -123,8 +143,32 @@ def create_cvm(team: TeamPath, body: CvmCreate, console: ConsoleDep, user: UserD
                 status.HTTP_409_CONFLICT, f"name: CVM {body.name!r} exists"
             ) from None
         info = cvm_info(cvm)
+    # Committed: a cloud launch now runs outside the transaction and records its own outcome.
+    if provider.background:
+        provisioning.submit(console, provider, "launch", cvm)
     console.notifier.notify()
     return CvmCreated(**info.model_dump(), credential=credential)
+
+
+def _ignore(_event: ProviderEvent) -> None:
+    """Synchronous (local) providers report nothing worth keeping."""
+
+
+def _call[T](action: Callable[[], T]) -> T:
+    """Run a synchronous provider call: refusals are 422, failures 502, both with its message."""
+    try:
+        return action()
+    except ProviderUnsupported as exc:
+        raise HTTPException(UNPROCESSABLE, f"provider: {exc}") from None
+    except ProviderError as exc:
+        raise HTTPException(status.HTTP_502_BAD_GATEWAY, f"provider: {exc}") from None
+
+
+def _not_busy(cvm: Cvm) -> None:
+    if cvm.state in provisioning.BUSY_STATES:
+        raise HTTPException(
+            status.HTTP_409_CONFLICT, f"CVM {cvm.id} is {cvm.state}; wait for it to finish"
+        )
 
 
 @router.get("/teams/{team}/cvms", summary="List CVMs (admin: all of the team; developer: own).")
@@ -156,14 +200,16 @@ def _may_manage(cvm: Cvm, role: str | None) -> None:
         raise HTTPException(status.HTTP_403_FORBIDDEN, "only admins manage Security CVMs")
 
 
-@router.patch("/cvms/{cvm_id}", summary="Start/stop a CVM or re-route a Dev CVM.")
+@router.patch("/cvms/{cvm_id}", summary="Start/stop, re-route, or change SSH keys/size.")
 def update_cvm(cvm_id: CvmIdPath, body: CvmUpdate, console: ConsoleDep, user: UserDep) -> CvmInfo:
+    background: tuple[CvmProvider, Cvm] | None = None
     with console.write() as session:
         cvm = visible_cvm(session, user, cvm_id)
         role = user.role_in(cvm.team)
         _may_manage(cvm, role)
         if cvm.state == "destroyed":
             raise HTTPException(status.HTTP_409_CONFLICT, f"CVM {cvm_id} is destroyed")
+        _not_busy(cvm)
         changes: dict[str, object] = {}
         if body.security_cvm_id is not None:
             if role != "admin":
@@ -175,16 +221,36 @@ def update_cvm(cvm_id: CvmIdPath, body: CvmUpdate, console: ConsoleDep, user: Us
             _security_cvm_in_team(session, cvm.team, body.security_cvm_id)
             cvm.security_cvm_id = body.security_cvm_id
             changes["security_cvm_id"] = body.security_cvm_id
+        provider = console.providers.get(cvm.provider)
+        wants_provider = (body.state is not None and body.state != cvm.state) or (
+            body.ssh_keys is not None or body.size is not None
+        )
+        if wants_provider and provider is None:
+            raise HTTPException(
+                status.HTTP_409_CONFLICT, f"provider {cvm.provider!r} is no longer configured"
+            )
+        if body.ssh_keys is not None or body.size is not None:
+            assert provider is not None
+            if body.state is not None:
+                raise HTTPException(UNPROCESSABLE, "state: change it in a separate request")
+            cvm.ssh_keys = list(body.ssh_keys) if body.ssh_keys is not None else cvm.ssh_keys
+            cvm.size = body.size if body.size is not None else cvm.size
+            spec = provisioning.spec_of(cvm)
+            _call(lambda: provider.check(spec))
+            changes["launch_inputs"] = {"ssh_keys": len(cvm.ssh_keys), "size": cvm.size}
+            if provider.background:
+                cvm.state, cvm.state_reason = "updating", None
+                background = (provider, cvm)
+            else:
+                _call(lambda: provider.update(spec, cvm.provider_ref or "", _ignore))
         if body.state is not None and body.state != cvm.state:
-            provider = console.providers.get(cvm.provider)
-            if provider is None:
+            assert provider is not None
+            if cvm.state == "failed":
                 raise HTTPException(
-                    status.HTTP_409_CONFLICT, f"provider {cvm.provider!r} is no longer configured"
+                    status.HTTP_409_CONFLICT, f"CVM {cvm_id} failed; update or destroy it"
                 )
-            try:
-                provider.set_running(cvm.provider_ref or "", body.state == "running")
-            except ProviderError as exc:
-                raise HTTPException(status.HTTP_502_BAD_GATEWAY, f"provider: {exc}") from None
+            running = body.state == "running"
+            _call(lambda: provider.set_running(cvm.provider_ref or "", running))
             cvm.state = body.state
             changes["state"] = body.state
         if changes:
@@ -200,23 +266,30 @@ def update_cvm(cvm_id: CvmIdPath, body: CvmUpdate, console: ConsoleDep, user: Us
             )
         session.flush()
         info = cvm_info(cvm)
+    if background is not None:
+        provisioning.submit(console, background[0], "update", background[1])
     console.notifier.notify()
     return info
 
 
 @router.delete("/cvms/{cvm_id}", summary="Destroy a CVM (admin, or the owner of a Dev CVM).")
 def destroy_cvm(cvm_id: CvmIdPath, console: ConsoleDep, user: UserDep) -> CvmInfo:
+    background: tuple[CvmProvider, Cvm] | None = None
     with console.write() as session:
         cvm = visible_cvm(session, user, cvm_id)
         _may_manage(cvm, user.role_in(cvm.team))
         if cvm.state != "destroyed":
+            _not_busy(cvm)
             provider = console.providers.get(cvm.provider)
-            if provider is not None and cvm.provider_ref:
-                try:
-                    provider.destroy(cvm.provider_ref)
-                except ProviderError as exc:
-                    raise HTTPException(status.HTTP_502_BAD_GATEWAY, f"provider: {exc}") from None
-            cvm.state = "destroyed"
+            final = "destroyed"
+            if provider is not None and provider.background:
+                final, background = "destroying", (provider, cvm)
+            elif provider is not None and cvm.provider_ref:
+                spec = provisioning.spec_of(cvm)
+                _call(lambda: provider.destroy(spec, cvm.provider_ref, _ignore))
+            # Routing, attachments and the credential end now, whatever the cloud run does.
+            cvm.state = final
+            cvm.state_reason = None
             cvm.credential_hash = None
             cvm.profiles = []
             cvm.updated_at = utcnow()
@@ -231,6 +304,8 @@ def destroy_cvm(cvm_id: CvmIdPath, console: ConsoleDep, user: UserDep) -> CvmInf
             )
         session.flush()
         info = cvm_info(cvm)
+    if background is not None:
+        provisioning.submit(console, background[0], "destroy", background[1])
     console.notifier.notify()
     return info
 

@@ -131,6 +131,8 @@ def start_server(
     issuer_url: str,
     bundle_key: Ed25519PrivateKey,
     tmp: Path,
+    *,
+    stack_factory: Any = None,
     **overrides: Any,
 ) -> Server:
     from cryptography.hazmat.primitives import serialization
@@ -154,7 +156,7 @@ def start_server(
         long_poll_db_interval_seconds=0.25,
         **overrides,
     )
-    app = create_app(settings)
+    app = create_app(settings, stack_factory=stack_factory)
     sock = listening_socket("127.0.0.1", 0)
     port = sock.getsockname()[1]
     config = uvicorn.Config(app, log_config=None, access_log=True, lifespan="on")
@@ -233,8 +235,8 @@ class Team:
             client.close()
 
 
-def new_team(server: Server, issuer: Any) -> Team:
-    name = unique("team")
+def new_team(server: Server, issuer: Any, name: str | None = None) -> Team:
+    name = name or unique("team")
     admin_subject, dev_subject = unique("admin"), unique("dev")
     admin = server.client(issuer.token(admin_subject, [f"{name}:admin"]))
     dev = server.client(issuer.token(dev_subject, [f"{name}:developer"]))

@@ -22,6 +22,10 @@ class LocalIssuer:
         self._keys: list[RSAKey] = []
         self._generation = 0
         self.jwks_fetches = 0
+        # When set, discovery offers an RFC 8628 device flow that logs in as (subject, roles);
+        # the first poll answers authorization_pending, like a user who has not approved yet.
+        self.device_grant: tuple[str, list[str]] | None = None
+        self.device_polls = 0
         self.rotate(keep_old=False)
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
         self._thread.start()
@@ -77,6 +81,9 @@ class LocalIssuer:
                         "jwks_uri": issuer.url + "/jwks",
                         "id_token_signing_alg_values_supported": ["RS256"],
                     }
+                    if issuer.device_grant is not None:
+                        body["device_authorization_endpoint"] = issuer.url + "/device"
+                        body["token_endpoint"] = issuer.url + "/token"
                 elif self.path == "/jwks":
                     issuer.jwks_fetches += 1
                     body = issuer.jwks()
@@ -85,6 +92,40 @@ class LocalIssuer:
                     return
                 raw = json.dumps(body).encode()
                 self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(raw)))
+                self.end_headers()
+                self.wfile.write(raw)
+
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers.get("Content-Length", "0")))
+                status, body = 200, {}
+                if issuer.device_grant is None:
+                    self.send_error(404)
+                    return
+                if self.path == "/device":
+                    body = {
+                        "device_code": "dc-1",
+                        "user_code": "WDJB-MJHT",
+                        "verification_uri": issuer.url + "/activate",
+                        "expires_in": 60,
+                        "interval": 0,
+                    }
+                elif self.path == "/token":
+                    issuer.device_polls += 1
+                    if issuer.device_polls == 1:
+                        status, body = 400, {"error": "authorization_pending"}
+                    else:
+                        subject, roles = issuer.device_grant
+                        body = {
+                            "access_token": issuer.token(subject, roles),
+                            "token_type": "Bearer",
+                        }
+                else:
+                    self.send_error(404)
+                    return
+                raw = json.dumps(body).encode()
+                self.send_response(status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(raw)))
                 self.end_headers()

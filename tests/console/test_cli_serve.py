@@ -65,4 +65,6 @@ def test_serve_refuses_bad_configuration(tmp_path: Path) -> None:
         [str(umbra), "console", "serve"], env=env, capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 2
-    assert "not implemented yet" in " ".join((result.stdout + result.stderr).split())
+    assert "'gcp' is enabled but GCP is not set" in " ".join(
+        (result.stdout + result.stderr).split()
+    )

@@ -1,0 +1,214 @@
+"""`umbra cvm`: launch, list, update and destroy CVMs through the Console.
+
+Cloud providers answer at once with a transitional state (`launching`, `updating`,
+`destroying`); `--wait` follows the CVM until it settles and exits 1 if it ends `failed`.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Annotated, Literal
+
+import httpx
+import typer
+from rich.table import Table
+
+from umbra.cli.auth import api_failure, open_client, resolve_team
+from umbra.cli.output import EXIT_FINDINGS, EXIT_USAGE, console, fail, print_json, stderr
+from umbra.console.client import ConsoleApiError, ConsoleClient
+from umbra.console.schemas import CvmCreated, CvmInfo
+
+app = typer.Typer(help="Launch, list, update and destroy CVMs.", no_args_is_help=True)
+
+JsonFlag = Annotated[bool, typer.Option("--json", help="Machine-readable output on stdout.")]
+TeamOption = Annotated[
+    str | None, typer.Option("--team", help="Team (default: your login's team, or your only one).")
+]
+SshKeyOption = Annotated[
+    list[Path] | None,
+    typer.Option("--ssh-key", help="An SSH public key file (repeat); cloud providers need one."),
+]
+SizeOption = Annotated[str | None, typer.Option(help="Machine type (provider default if unset).")]
+WaitFlag = Annotated[bool, typer.Option("--wait", help="Follow the CVM until it settles.")]
+TRANSITIONAL = ("launching", "updating", "destroying")
+
+
+def _keys(paths: list[Path] | None, as_json: bool) -> list[str] | None:
+    if not paths:
+        return None
+    keys: list[str] = []
+    for path in paths:
+        try:
+            lines = [line.strip() for line in path.read_text().splitlines()]
+        except OSError as exc:
+            fail(f"--ssh-key {path}: {exc.strerror}", EXIT_USAGE, as_json=as_json)
+        if any("PRIVATE KEY" in line for line in lines):
+            fail(
+                f"--ssh-key {path} is a private key; pass the .pub file",
+                EXIT_USAGE,
+                as_json=as_json,
+            )
+        keys += [line for line in lines if line and not line.startswith("#")]
+    return keys
+
+
+def _wait(client: ConsoleClient, cvm: CvmInfo, timeout: float = 1800) -> CvmInfo:
+    deadline = time.monotonic() + timeout
+    shown = len(cvm.events)
+    while cvm.state in TRANSITIONAL and time.monotonic() < deadline:
+        time.sleep(1.0)
+        cvm = client.get_cvm(cvm.id)
+        for event in cvm.events[shown:]:
+            # Progress goes to stderr so that `--json` stdout stays one document.
+            stderr.print(f"  [dim]{event.kind}[/] {event.message}", highlight=False)
+        shown = len(cvm.events)
+    return cvm
+
+
+def _show(cvm: CvmInfo, as_json: bool, credential: str | None = None) -> None:
+    if as_json:
+        doc = cvm.model_dump(mode="json")
+        if credential is not None:
+            doc["credential"] = credential
+        print_json(doc)
+    else:
+        where = cvm.provider_state.get("private_ip") or "-"
+        console.print(
+            f"{cvm.id} [bold]{cvm.name}[/] ({cvm.kind}, {cvm.provider}) is [bold]{cvm.state}[/]"
+            f" private IP {where}",
+            highlight=False,
+        )
+        if cvm.state_reason:
+            console.print(f"  reason: {cvm.state_reason}", highlight=False)
+        if credential is not None:
+            console.print("Security CVM credential (shown once, store it in the CVM now):")
+            console.print(credential, highlight=False, soft_wrap=True)
+    if cvm.state == "failed":
+        raise typer.Exit(EXIT_FINDINGS)
+
+
+@app.command()
+def launch(
+    name: Annotated[str, typer.Argument(help="CVM name, unique in the team.")],
+    provider: Annotated[str, typer.Option(help="Provider adapter: local, gcp, azure.")] = "local",
+    kind: Annotated[Literal["dev", "security"], typer.Option(help="dev or security.")] = "dev",
+    ssh_key: SshKeyOption = None,
+    size: SizeOption = None,
+    security_cvm: Annotated[
+        str | None, typer.Option("--security-cvm", help="Dev CVMs: route egress via this id.")
+    ] = None,
+    owner: Annotated[str | None, typer.Option(help="Owner (admins; default: you).")] = None,
+    team: TeamOption = None,
+    wait: WaitFlag = False,
+    as_json: JsonFlag = False,
+) -> None:
+    """Launch a CVM."""
+    keys = _keys(ssh_key, as_json)
+    client, login = open_client(as_json)
+    try:
+        with client:
+            team_name = resolve_team(client, login, team, as_json)
+            created: CvmCreated = client.create_cvm(
+                team_name,
+                name,
+                kind=kind,
+                provider=provider,
+                security_cvm_id=security_cvm,
+                owner=owner,
+                ssh_keys=keys,
+                size=size,
+            )
+            cvm: CvmInfo = _wait(client, created) if wait else created
+    except (ConsoleApiError, httpx.HTTPError) as exc:
+        api_failure(exc, as_json)
+    _show(cvm, as_json, created.credential)
+
+
+@app.command("list")
+def list_cvms(
+    team: TeamOption = None,
+    all_: Annotated[bool, typer.Option("--all", help="Include destroyed CVMs.")] = False,
+    as_json: JsonFlag = False,
+) -> None:
+    """CVMs of the team (admins: all; developers: their own)."""
+    client, login = open_client(as_json)
+    try:
+        with client:
+            team_name = resolve_team(client, login, team, as_json)
+            rows = client.list_cvms(team_name, include_destroyed=all_)
+    except (ConsoleApiError, httpx.HTTPError) as exc:
+        api_failure(exc, as_json)
+    if as_json:
+        print_json([row.model_dump(mode="json") for row in rows])
+        return
+    table = Table(title=f"CVMs of {team_name}")
+    for column in ("id", "name", "kind", "owner", "provider", "state", "private IP", "profiles"):
+        table.add_column(column)
+    for row in rows:
+        state = row.state if not row.state_reason else f"{row.state}: {row.state_reason}"
+        table.add_row(
+            row.id,
+            row.name,
+            row.kind,
+            row.owner,
+            row.provider,
+            state,
+            str(row.provider_state.get("private_ip") or "-"),
+            ", ".join(row.profiles) or "-",
+        )
+    console.print(table)
+
+
+@app.command()
+def update(
+    cvm_id: Annotated[str, typer.Argument(help="CVM id (cvm_...).")],
+    state: Annotated[
+        Literal["running", "stopped"] | None, typer.Option(help="Start or stop (local).")
+    ] = None,
+    ssh_key: SshKeyOption = None,
+    size: SizeOption = None,
+    security_cvm: Annotated[
+        str | None, typer.Option("--security-cvm", help="Re-route a Dev CVM (admins).")
+    ] = None,
+    wait: WaitFlag = False,
+    as_json: JsonFlag = False,
+) -> None:
+    """Start/stop a CVM, re-route it, or change its SSH keys or size."""
+    keys = _keys(ssh_key, as_json)
+    if state is None and keys is None and size is None and security_cvm is None:
+        fail(
+            "nothing to change: pass --state, --ssh-key, --size or --security-cvm",
+            EXIT_USAGE,
+            as_json=as_json,
+        )
+    client, _login = open_client(as_json)
+    try:
+        with client:
+            cvm = client.update_cvm(
+                cvm_id, state=state, security_cvm_id=security_cvm, ssh_keys=keys, size=size
+            )
+            cvm = _wait(client, cvm) if wait else cvm
+    except (ConsoleApiError, httpx.HTTPError) as exc:
+        api_failure(exc, as_json)
+    _show(cvm, as_json)
+
+
+@app.command()
+def destroy(
+    cvm_id: Annotated[str, typer.Argument(help="CVM id (cvm_...).")],
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
+    wait: WaitFlag = False,
+    as_json: JsonFlag = False,
+) -> None:
+    """Destroy a CVM (its record stays for the logs)."""
+    if not yes and not typer.confirm(f"Destroy {cvm_id}?"):
+        fail("not confirmed", EXIT_USAGE, as_json=as_json)
+    client, _login = open_client(as_json)
+    try:
+        with client:
+            cvm = client.destroy_cvm(cvm_id)
+            cvm = _wait(client, cvm) if wait else cvm
+    except (ConsoleApiError, httpx.HTTPError) as exc:
+        api_failure(exc, as_json)
+    _show(cvm, as_json)

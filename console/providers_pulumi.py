@@ -1,0 +1,169 @@
+"""The `gcp` and `azure` adapters: the Console's `CvmProvider` on the Pulumi Dev CVM provisioner
+(`umbra.components.automation`), one stack per Dev CVM on the team's network.
+
+The Console's record maps onto a `DevCvmSpec`: the CVM name is the stack's `cvm`, the owner (an
+OIDC `sub`, free-form) becomes a short `developer` slug, the SSH keys and size come from the
+request, and the image, app-compose and measurement manifest from the provider's settings (every
+Dev CVM of a cloud boots the same release). Security CVMs belong to the team stack, not here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import asdict
+from typing import Any, Literal
+
+from pulumi import automation as auto
+
+from umbra.components.automation import (
+    DevCvmSpec,
+    ProvisionerError,
+    ProvisionEvent,
+    PulumiDevCvmProvisioner,
+    StackFactory,
+    TeamTarget,
+)
+from umbra.components.config import AzurePlacement, GcpPlacement
+from umbra.console.config import AzureProvider, ConfigError, GcpProvider, Settings
+from umbra.console.providers import (
+    CvmSpec,
+    OnProviderEvent,
+    ProviderError,
+    ProviderEvent,
+    ProviderUnsupported,
+    Provisioned,
+    one_line,
+)
+
+_SLUG = re.compile(r"^[a-z][a-z0-9-]{0,14}[a-z0-9]$")
+
+
+def developer_slug(owner: str) -> str:
+    """The owner as a stack-name part: itself when it already fits, else a stable digest."""
+    if _SLUG.match(owner):
+        return owner
+    return "u" + hashlib.sha256(owner.encode()).hexdigest()[:15]
+
+
+class PulumiCvmProvider:
+    background = True
+
+    def __init__(
+        self,
+        name: Literal["gcp", "azure"],
+        config: GcpProvider | AzureProvider,
+        targets: dict[str, TeamTarget],
+        *,
+        env: dict[str, str] | None = None,
+        stack_factory: StackFactory | None = None,
+    ) -> None:
+        self.name: str = name
+        self.config = config
+        self.app_compose = config.app_compose.read_text()
+        self._provisioners = {
+            team: PulumiDevCvmProvisioner(
+                target, org=config.org, env=env, stack_factory=stack_factory
+            )
+            for team, target in targets.items()
+        }
+
+    @classmethod
+    def from_settings(
+        cls, settings: Settings, name: str, *, stack_factory: StackFactory | None = None
+    ) -> PulumiCvmProvider:
+        targets: dict[str, TeamTarget] = {}
+        try:
+            if name == "gcp":
+                assert settings.gcp is not None  # Settings refuses `gcp` without its settings
+                for team, g in settings.gcp.teams.items():
+                    placement = GcpPlacement(project=g.project, region=g.region, zone=g.zone)
+                    targets[team] = TeamTarget(team, "gcp", g.team_stack, gcp=placement)
+                return cls("gcp", settings.gcp, targets, stack_factory=stack_factory)
+            assert name == "azure" and settings.azure is not None
+            for team, a in settings.azure.teams.items():
+                placement_az = AzurePlacement(location=a.location, zone=a.zone)
+                targets[team] = TeamTarget(team, "azure", a.team_stack, azure=placement_az)
+            # The azure-native provider reads the subscription from the environment.
+            env = {"ARM_SUBSCRIPTION_ID": str(settings.azure.subscription_id)}
+            return cls("azure", settings.azure, targets, env=env, stack_factory=stack_factory)
+        except (ProvisionerError, ValueError) as exc:
+            raise ConfigError(f"{name}: {one_line(str(exc))}") from None
+
+    # -- mapping -------------------------------------------------------------------------------
+
+    def _provisioner(self, team: str) -> PulumiDevCvmProvisioner:
+        provisioner = self._provisioners.get(team)
+        if provisioner is None:
+            raise ProviderUnsupported(f"team {team!r} has no {self.name} team stack configured")
+        return provisioner
+
+    def dev_spec(self, spec: CvmSpec) -> DevCvmSpec:
+        if spec.kind != "dev":
+            raise ProviderUnsupported(
+                f"{self.name} launches Dev CVMs; a team's Security CVM is part of its team stack"
+            )
+        try:
+            return DevCvmSpec(
+                developer=developer_slug(spec.owner),
+                cvm=spec.name,
+                ssh_authorized_keys=spec.ssh_keys,
+                size=spec.size or self.config.default_size,
+                image=self.config.image,
+                app_compose=self.app_compose,
+                measurement_manifest=self.config.measurement_manifest,
+                disk_gb=self.config.disk_gb,
+                cvm_id=spec.id,
+            )
+        except ProvisionerError as exc:
+            raise ProviderUnsupported(one_line(str(exc))) from None
+
+    def check(self, spec: CvmSpec) -> None:
+        self._provisioner(spec.team)
+        self.dev_spec(spec)
+
+    # -- runs (called from a worker thread, never inside a transaction) -----------------------
+
+    def launch(self, spec: CvmSpec, on_event: OnProviderEvent) -> Provisioned:
+        provisioner, dev = self._provisioner(spec.team), self.dev_spec(spec)
+        try:
+            outputs = provisioner.launch(dev, _relay(on_event))
+        except ProvisionerError as exc:
+            raise ProviderError(one_line(str(exc))) from None
+        return Provisioned(outputs.stack, _jsonable(asdict(outputs)))
+
+    def update(self, spec: CvmSpec, ref: str, on_event: OnProviderEvent) -> Provisioned:
+        provisioner, dev = self._provisioner(spec.team), self.dev_spec(spec)
+        try:
+            outputs = provisioner.update(dev, _relay(on_event))
+        except ProvisionerError as exc:
+            raise ProviderError(one_line(str(exc))) from None
+        return Provisioned(outputs.stack, _jsonable(asdict(outputs)))
+
+    def set_running(self, ref: str, running: bool) -> None:
+        raise ProviderUnsupported(
+            f"{self.name} does not stop or start Dev CVMs; destroy and launch instead"
+        )
+
+    def destroy(self, spec: CvmSpec, ref: str | None, on_event: OnProviderEvent) -> None:
+        provisioner, dev = self._provisioner(spec.team), self.dev_spec(spec)
+        try:
+            provisioner.destroy(dev, _relay(on_event))
+        except ProvisionerError as exc:
+            if isinstance(exc.__cause__, auto.StackNotFoundError):
+                # A launch that failed before its stack existed left nothing to destroy.
+                on_event(ProviderEvent("finished", "no stack to destroy"))
+                return
+            raise ProviderError(one_line(str(exc))) from None
+
+
+def _relay(on_event: OnProviderEvent) -> Any:
+    def relay(event: ProvisionEvent) -> None:
+        on_event(ProviderEvent(event.kind, one_line(event.message)))
+
+    return relay
+
+
+def _jsonable(value: dict[str, Any]) -> dict[str, Any]:
+    value["expected_events"] = dict(value["expected_events"])
+    return value
