@@ -91,6 +91,12 @@ def serve(
     tunnel_header_timeout: Annotated[
         float, typer.Option(help="Seconds a tunnel may take to send its identity header.")
     ] = 10.0,
+    console_credential_file: Annotated[
+        Path | None,
+        typer.Option(
+            help="File holding the bearer credential the Console issued this Security CVM."
+        ),
+    ] = None,
     security_cvm_id_file: Annotated[
         Path | None,
         typer.Option(help="Read this Security CVM's id from a (launch-bound) file."),
@@ -138,6 +144,7 @@ def serve(
             bundle_keys=bundle_key or [],
             console_url=console,
             security_cvm_id=security_cvm_id,
+            console_credential_file=console_credential_file,
             state_dir=state_dir,
             secrets=secrets,
             upstream_ca=upstream_ca,

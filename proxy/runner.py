@@ -20,6 +20,7 @@ import threading
 from pathlib import Path
 from typing import Literal, Self
 
+import httpx
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from umbra.proxy.identity import StaticIdentities
@@ -50,6 +51,8 @@ class ProxyConfig(BaseModel):
     bundle_keys: list[Path] = Field(default_factory=list)
     console_url: str | None = None
     security_cvm_id: str | None = None
+    # The bearer credential the Console issued this Security CVM at registration (launch-bound).
+    console_credential_file: Path | None = None
     identities: Path
     secrets: Path | None = None
     traffic_log: Path
@@ -83,6 +86,8 @@ class ProxyConfig(BaseModel):
             raise ValueError("--bundle and --console need at least one pinned --bundle-key")
         if self.console_url and not self.security_cvm_id:
             raise ValueError("--console needs --security-cvm-id")
+        if self.console_url and self.console_credential_file is None:
+            raise ValueError("--console needs --console-credential-file")
         if self.tunnel_listen_host is not None and not _is_loopback(self.listen_host):
             # The endpoint registers loopback sources; a proxy listener others can reach would
             # accept connections the endpoint never authenticated.
@@ -145,6 +150,21 @@ class UmbraProxy:
             )
         except EvidenceError as exc:
             raise StartupError(f"tunnel endpoint: {exc}") from None
+
+    def _console_client(self) -> httpx.AsyncClient | None:
+        """One HTTP client for the Console, carrying this Security CVM's credential."""
+        path = self.config.console_credential_file
+        if self.config.console_url is None or path is None:
+            return None
+        try:
+            credential = path.read_text().strip()
+        except OSError as exc:
+            raise StartupError(
+                f"{path}: cannot read the Console credential ({exc.strerror})"
+            ) from None
+        if not credential or any(ord(char) < 0x21 or ord(char) > 0x7E for char in credential):
+            raise StartupError(f"{path}: the Console credential must be one printable token")
+        return httpx.AsyncClient(timeout=10, headers={"Authorization": f"Bearer {credential}"})
 
     def _load(self) -> tuple[PolicyState, StaticIdentities, Resolver, AddressPolicy]:
         config = self.config
@@ -211,6 +231,7 @@ class UmbraProxy:
         spool = Spool(config.traffic_log)
         self.spool = spool
         puller = None
+        console_client = self._console_client()
         if config.console_url is not None:
             from umbra.proxy.puller import PolicyPuller
 
@@ -223,6 +244,7 @@ class UmbraProxy:
                 identities,
                 config.state_dir,
                 interval=config.poll_interval,
+                client=console_client,
             )
             puller.load_cache()
             self.puller = puller
@@ -276,7 +298,12 @@ class UmbraProxy:
         if puller is not None:
             self._tasks.append(asyncio.create_task(puller.run()))
         if config.console_url is not None:
-            shipper = Shipper(config.traffic_log, config.console_url, interval=config.ship_interval)
+            shipper = Shipper(
+                config.traffic_log,
+                config.console_url,
+                interval=config.ship_interval,
+                client=console_client,
+            )
             self._tasks.append(asyncio.create_task(shipper.run()))
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):

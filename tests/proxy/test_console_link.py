@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -19,6 +20,7 @@ from cryptography.hazmat.primitives import serialization
 from tests.proxy.conftest import Env
 from tests.proxy.harness import (
     BOB_TOKEN,
+    UMBRA,
     auth_header,
     connect_tunnel,
     read_response,
@@ -29,6 +31,7 @@ from umbra.proxy.policy.bundle import generate_key, payload_document, sign_bundl
 from umbra.proxy.policy.loader import load_policy_dir
 
 SECURITY_CVM = "sec-1"
+CONSOLE_CREDENTIAL = "scvm-credential-0123456789abcdef"
 
 
 class ConsoleStandIn(ThreadingHTTPServer):
@@ -43,6 +46,7 @@ class ConsoleStandIn(ThreadingHTTPServer):
         self.batches: list[list[dict[str, Any]]] = []
         self.up = True
         self.bundle_requests: list[str | None] = []
+        self.unauthorized = 0
         threading.Thread(target=self.serve_forever, daemon=True).start()
 
     @property
@@ -75,7 +79,17 @@ class _ConsoleHandler(BaseHTTPRequestHandler):
         else:
             self._send(200, body, {"etag": etag})
 
+    def _authorized(self) -> bool:
+        # As the real Console: every Security CVM endpoint needs the credential from registration.
+        if self.headers.get("authorization") == f"Bearer {CONSOLE_CREDENTIAL}":
+            return True
+        self.server.unauthorized += 1
+        self._send(401, b"")
+        return False
+
     def do_GET(self) -> None:
+        if not self._authorized():
+            return
         if not self.server.up:
             self._send(503, b"down")
         elif self.path == f"/api/v1/security-cvms/{SECURITY_CVM}/bundle":
@@ -88,6 +102,8 @@ class _ConsoleHandler(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         body = self.rfile.read(int(self.headers.get("content-length") or 0))
+        if not self._authorized():
+            return
         if self.path != "/api/v1/traffic/batches" or not self.server.up:
             self._send(503, b"down")
             return
@@ -145,7 +161,11 @@ def test_bundle_pull_rollback_and_shipping(
     console.bundle = _bundle(env, tmp_path, key, serial=5, allow_ro=False)
     workdir = tmp_path / "proxy"
     workdir.mkdir()
+    credential = tmp_path / "console-credential"
+    credential.write_text(CONSOLE_CREDENTIAL + "\n")
     args = [
+        "--console-credential-file",
+        str(credential),
         "--console",
         console.url,
         "--security-cvm-id",
@@ -233,3 +253,24 @@ def test_bundle_pull_rollback_and_shipping(
             time.sleep(0.1)
     finally:
         proxy.stop()
+    assert console.unauthorized == 0, "every Console call carried the Security CVM's credential"
+    assert CONSOLE_CREDENTIAL not in proxy.output.read_text(errors="replace"), "never logged"
+
+
+def test_console_mode_refuses_to_start_without_a_credential(tmp_path: Path) -> None:
+    key_path = tmp_path / "bundle-key.pub"
+    key_path.write_bytes(
+        generate_key()
+        .public_key()
+        .public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    )
+    identities = tmp_path / "identities.yaml"
+    identities.write_text("cvms: {}\n")
+    result = subprocess.run(
+        [str(UMBRA), "proxy", "serve", "--console", "http://127.0.0.1:9", "--security-cvm-id",
+         SECURITY_CVM, "--bundle-key", str(key_path), "--identities", str(identities),
+         "--traffic-log", str(tmp_path / "spool"), "--confdir", str(tmp_path / "ca")],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "--console needs --console-credential-file" in result.stderr
