@@ -1,0 +1,142 @@
+"""The real Console and the real proxy together: a bundle uploaded and attached at the Console is
+pulled, verified and enforced by the proxy, and the proxy's decisions arrive in the Console's
+traffic log attributed to the CVM, with every Console call authenticated by the Security CVM's
+credential. (test_console_link.py covers rollback, outages and restarts against a stand-in.)"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.console.helpers import Server, Team, new_team, start_server
+from tests.console.oidc_issuer import LocalIssuer
+from tests.proxy.conftest import Env
+from tests.proxy.harness import auth_header, connect_tunnel, read_response, start_proxy, status_of
+from umbra.proxy.identity import hash_credential
+from umbra.proxy.policy.bundle import generate_key, payload_document, sign_bundle
+from umbra.proxy.policy.loader import load_policy_dir
+
+CVM_TOKEN = "integration-cvm-credential-7f3a"
+
+
+@pytest.fixture(scope="module")
+def console(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, LocalIssuer]]:
+    issuer = LocalIssuer()
+    tmp = tmp_path_factory.mktemp("console")
+    server = start_server(
+        "sqlite", f"sqlite:///{tmp / 'console.db'}", tmp / "console.db", issuer.url,
+        generate_key(), tmp,
+    )  # fmt: skip
+    yield server, issuer
+    server.stop()
+    issuer.close()
+
+
+def _bundle(server: Server, env: Env, tmp: Path) -> bytes:
+    directory = tmp / "policies"
+    directory.mkdir()
+    (directory / "base.yaml").write_text(
+        "apiVersion: umbra/v1\nkind: Profile\nname: base\negress:\n"
+        f"  - id: other\n    allow: {{hosts: [other.test], ports: [{env.origin.port}]}}\n"
+    )
+    compiled = [loaded.compiled for loaded in load_policy_dir(directory).profiles.values()]
+    return sign_bundle(payload_document(compiled, 1, "integration"), [server.bundle_key])
+
+
+def _status(env: Env, proxy: Any, cvm_id: str, host: str) -> int:
+    auth = auth_header(cvm_id, CVM_TOKEN)
+    sock, response = connect_tunnel(proxy, f"{host}:{env.origin.port}", sni=host, auth=auth)
+    if status_of(response) != 200:
+        return status_of(response)
+    sock.sendall(f"GET /integration HTTP/1.1\r\nHost: {host}:{env.origin.port}\r\n\r\n".encode())
+    return status_of(read_response(sock))
+
+
+def _wait_for(condition: Any, seconds: float, what: str) -> Any:
+    deadline = time.monotonic() + seconds
+    while True:
+        result = condition()
+        if result:
+            return result
+        assert time.monotonic() < deadline, what
+        time.sleep(0.1)
+
+
+def test_console_policy_reaches_the_proxy_and_its_decisions_reach_the_console(
+    env: Env, console: tuple[Server, LocalIssuer], tmp_path: Path
+) -> None:
+    server, issuer = console
+    team: Team = new_team(server, issuer)
+    try:
+        assert team.upload(1, _bundle(server, env, tmp_path)).status_code == 201
+        cvm_id = team.dev_cvm()
+        attached = team.admin.put(f"/api/v1/cvms/{cvm_id}/profiles", json={"profiles": ["base"]})
+        assert attached.status_code == 200, attached.text
+
+        # Local identity file: how a connection proves it is that CVM (the tunnel endpoint does
+        # this in production); who the CVM belongs to and what it may reach come from the Console.
+        identities = tmp_path / "identities.json"
+        identities.write_text(
+            json.dumps(
+                {
+                    "cvms": [
+                        {
+                            "cvm_id": cvm_id,
+                            "owner": "unused",
+                            "team": "unused",
+                            "profiles": [],
+                            "credential_sha256": hash_credential(CVM_TOKEN),
+                        }
+                    ]
+                }
+            )
+        )
+        credential = tmp_path / "console-credential"
+        credential.write_text(team.scvm.headers["authorization"].removeprefix("Bearer "))
+        key = tmp_path / "bundle.pub"
+        key.write_bytes((Path(server.settings.bundle_public_keys[0])).read_bytes())
+        workdir = tmp_path / "proxy"
+        workdir.mkdir()
+        proxy = start_proxy(
+            [
+                "--console", server.url, "--security-cvm-id", team.scvm_id,
+                "--console-credential-file", str(credential), "--bundle-key", str(key),
+                "--state-dir", str(workdir / "state"), "--identities", str(identities),
+                "--upstream-ca", str(env.ca.cert_path), "--test-allow-upstream", "127.0.0.1/32",
+                "--test-resolver", str(env.resolver),
+            ],
+            workdir,
+        )  # fmt: skip
+        try:
+            _wait_for(
+                lambda: _status(env, proxy, cvm_id, "other.test") == 200,
+                10,
+                "the Console's bundle and attachment never took effect at the proxy",
+            )
+            assert _status(env, proxy, cvm_id, "evil.test") == 403
+
+            def shipped() -> list[dict[str, Any]]:
+                page = team.admin.get(
+                    f"/api/v1/teams/{team.name}/traffic", params={"cvm_id": cvm_id, "limit": 100}
+                ).json()
+                records: list[dict[str, Any]] = page["records"]
+                hosts = {(r.get("connect_host"), r.get("decision")) for r in records}
+                ok = {("other.test", "allow"), ("evil.test", "deny")} <= hosts
+                return records if ok else []
+
+            records = _wait_for(shipped, 20, "the proxy's records never reached the Console")
+            for record in records:
+                assert record["cvm_id"] == cvm_id
+                assert record["owner"] == team.dev_subject, "owner comes from the Console"
+                assert record["team"] == team.name
+        finally:
+            output = proxy.stop()
+        assert credential.read_text() not in output, "the Console credential is never logged"
+        assert CVM_TOKEN not in output
+    finally:
+        team.close()
