@@ -97,6 +97,12 @@ def serve(
             help="File holding the bearer credential the Console issued this Security CVM."
         ),
     ] = None,
+    secrets_from_console: Annotated[
+        bool,
+        typer.Option(
+            help="Take injection secrets from the Console's attested release (needs --console)."
+        ),
+    ] = False,
     security_cvm_id_file: Annotated[
         Path | None,
         typer.Option(help="Read this Security CVM's id from a (launch-bound) file."),
@@ -145,6 +151,7 @@ def serve(
             console_url=console,
             security_cvm_id=security_cvm_id,
             console_credential_file=console_credential_file,
+            secrets_from_console=secrets_from_console,
             state_dir=state_dir,
             secrets=secrets,
             upstream_ca=upstream_ca,

@@ -13,22 +13,19 @@ from __future__ import annotations
 
 import base64
 import binascii
-import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from cryptography.hazmat.primitives import hpke
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PublicKey
 from pydantic import BaseModel, ConfigDict, Field
 
 from umbra.attest.errors import AttestError
 from umbra.attest.eventlog import load_event_log
 from umbra.attest.verify import Verifier
+from umbra.proxy.release_protocol import SUITE, expected_report_data, hpke_info
 
-REPORT_DATA_CONTEXT = b"umbra-secret-release-v1\x00"
-HPKE_INFO_CONTEXT = b"umbra-secret-release-v1"
-SUITE = hpke.Suite(hpke.KEM.X25519, hpke.KDF.HKDF_SHA256, hpke.AEAD.AES_256_GCM)
+__all__ = ["SUITE", "expected_report_data", "hpke_info"]
 
 
 class ReleaseRefused(Exception):
@@ -58,17 +55,6 @@ def public_key_bytes(evidence: ReleaseEvidence) -> bytes:
     if len(raw) != 32:
         raise ReleaseRefused("public_key must be a raw 32-byte X25519 key")
     return raw
-
-
-def expected_report_data(nonce: str, security_cvm_id: str, public_key: bytes) -> bytes:
-    return hashlib.sha512(
-        REPORT_DATA_CONTEXT
-        + nonce.encode()
-        + b"\x00"
-        + security_cvm_id.encode()
-        + b"\x00"
-        + public_key
-    ).digest()
 
 
 class SecretReleaseVerifier(Protocol):
@@ -101,10 +87,6 @@ class AttestedReleaseVerifier:
         if not verdict.ok:
             raise ReleaseRefused("attestation failed: " + "; ".join(verdict.reasons))
         return X25519PublicKey.from_public_bytes(key)
-
-
-def hpke_info(security_cvm_id: str, nonce: str) -> bytes:
-    return HPKE_INFO_CONTEXT + b"\x00" + security_cvm_id.encode() + b"\x00" + nonce.encode()
 
 
 def seal_release(document: bytes, recipient: X25519PublicKey, info: bytes) -> bytes:

@@ -595,13 +595,15 @@ class UmbraAddon:
         identity = state.identity
         assert identity is not None
         try:
-            rendered = render_injections(injections, self.config.state.secrets, identity.owner)
+            rendered = render_injections(
+                injections, self.config.state.secrets, identity.owner, host
+            )
         except InjectionError as exc:
             raise Denied(403, "secret_unavailable", str(exc), exc.rule_id) from None
         except ValueError:
             raise Denied(403, "secret_unavailable", "secret value cannot be rendered") from None
         injected = apply_injections(
-            request.headers, rendered, self.config.state.secrets, identity.owner
+            request.headers, rendered, self.config.state.secrets, identity.owner, host
         )
         fstate.injected_headers = injected.header_names
         fstate.injected_values = injected.values

@@ -28,11 +28,11 @@ class Injected:
 
 
 def render_injections(
-    injections: tuple[CompiledInject, ...], secrets: SecretStore, owner: str
+    injections: tuple[CompiledInject, ...], secrets: SecretStore, owner: str, host: str
 ) -> list[tuple[CompiledInject, str]]:
     rendered: list[tuple[CompiledInject, str]] = []
     for rule in injections:
-        value = secrets.resolve(rule.secret, owner)
+        value = secrets.resolve(rule.secret, owner, host)
         if value is None:
             raise InjectionError(rule.id, rule.secret)
         rendered.append((rule, rule.render(value)))
@@ -44,6 +44,7 @@ def apply_injections(
     rendered: list[tuple[CompiledInject, str]],
     secrets: SecretStore,
     owner: str,
+    host: str,
 ) -> Injected:
     """Replace each bound header; `headers` is mitmproxy's case-insensitive multi-dict."""
     result = Injected()
@@ -53,7 +54,7 @@ def apply_injections(
         headers[rule.header] = value
         result.header_names.append(rule.header)
         result.values.append(value)
-        raw = secrets.resolve(rule.secret, owner)
+        raw = secrets.resolve(rule.secret, owner, host)
         if raw is not None:
             result.values.append(raw)
         result.refs.add(rule.secret)

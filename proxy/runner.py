@@ -53,6 +53,9 @@ class ProxyConfig(BaseModel):
     security_cvm_id: str | None = None
     # The bearer credential the Console issued this Security CVM at registration (launch-bound).
     console_credential_file: Path | None = None
+    # Take injection secrets from the Console's attested release instead of a local file.
+    secrets_from_console: bool = False
+    secrets_interval: float = Field(default=300.0, gt=0)
     identities: Path
     secrets: Path | None = None
     traffic_log: Path
@@ -88,6 +91,8 @@ class ProxyConfig(BaseModel):
             raise ValueError("--console needs --security-cvm-id")
         if self.console_url and self.console_credential_file is None:
             raise ValueError("--console needs --console-credential-file")
+        if self.secrets_from_console and (self.console_url is None or self.secrets is not None):
+            raise ValueError("--secrets-from-console needs --console and no --secrets file")
         if self.tunnel_listen_host is not None and not _is_loopback(self.listen_host):
             # The endpoint registers loopback sources; a proxy listener others can reach would
             # accept connections the endpoint never authenticated.
@@ -139,7 +144,7 @@ class UmbraProxy:
 
     def _evidence(self) -> Evidence | None:
         config = self.config
-        if config.tunnel_listen_host is None:
+        if config.tunnel_listen_host is None and not config.secrets_from_console:
             return None
         try:
             return build_evidence(
@@ -149,7 +154,7 @@ class UmbraProxy:
                 simulated_image=config.simulated_image,
             )
         except EvidenceError as exc:
-            raise StartupError(f"tunnel endpoint: {exc}") from None
+            raise StartupError(f"attestation evidence: {exc}") from None
 
     def _console_client(self) -> httpx.AsyncClient | None:
         """One HTTP client for the Console, carrying this Security CVM's credential."""
@@ -297,6 +302,21 @@ class UmbraProxy:
         opts.update(**updates)
         if puller is not None:
             self._tasks.append(asyncio.create_task(puller.run()))
+        if config.secrets_from_console:
+            from umbra.proxy.secret_puller import SecretPuller
+
+            assert evidence is not None and console_client is not None  # config validation
+            quote_source, event_log = evidence
+            secret_puller = SecretPuller(
+                config.console_url or "",
+                config.security_cvm_id or "",
+                quote_source,
+                event_log,
+                state,
+                console_client,
+                interval=config.secrets_interval,
+            )
+            self._tasks.append(asyncio.create_task(secret_puller.run()))
         if config.console_url is not None:
             shipper = Shipper(
                 config.traffic_log,
@@ -333,7 +353,7 @@ class UmbraProxy:
                         addon_config,
                         addresses=addresses.with_own(own, own_sockets),
                     )
-                    if evidence is not None:
+                    if evidence is not None and config.tunnel_listen_host is not None:
                         try:
                             await self._start_tunnel(evidence, identities, spool, port)
                         except StartupError:

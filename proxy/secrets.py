@@ -50,13 +50,24 @@ class _SecretsFile(BaseModel):
     personal: dict[str, dict[str, str]] = {}
 
 
+# (ref, owner or None) -> the hosts a secret may be sent to, as bound at the Console.
+HostBindings = dict[tuple[str, str | None], frozenset[str]]
+
+
 class SecretStore:
-    def __init__(self, team: dict[str, str], personal: dict[str, dict[str, str]]) -> None:
+    def __init__(
+        self,
+        team: dict[str, str],
+        personal: dict[str, dict[str, str]],
+        hosts: HostBindings | None = None,
+    ) -> None:
         for name in [*team, *(name for values in personal.values() for name in values)]:
             if not _NAME.match(name):
                 raise SecretsError(f"secret name {name[:64]!r} is not a valid name")
         self._team = dict(team)
         self._personal = {owner: dict(values) for owner, values in personal.items()}
+        # None: a local secrets file, bound to hosts by the policy's inject rules alone.
+        self._hosts = hosts
 
     @classmethod
     def empty(cls) -> SecretStore:
@@ -84,14 +95,20 @@ class SecretStore:
             raise SecretsError(f"{path}: not a valid secrets file{where}") from None
         return cls(parsed.team, parsed.personal)
 
-    def resolve(self, ref: str, owner: str) -> str | None:
-        """The value of `team/x`, or of `personal/x` for this CVM owner; None when absent."""
+    def resolve(self, ref: str, owner: str, host: str) -> str | None:
+        """The value of `team/x`, or of `personal/x` for this CVM owner, for a request to `host`;
+        None when absent or when the secret is bound to other hosts."""
         kind, _, name = ref.partition("/")
+        key: tuple[str, str | None]
         if kind == "team":
-            return self._team.get(name)
-        if kind == "personal":
-            return self._personal.get(owner, {}).get(name)
-        return None
+            value, key = self._team.get(name), (ref, None)
+        elif kind == "personal":
+            value, key = self._personal.get(owner, {}).get(name), (ref, owner)
+        else:
+            return None
+        if value is None or self._hosts is None or key not in self._hosts:
+            return value
+        return value if host in self._hosts[key] else None
 
     def all_values(self) -> list[SecretValue]:
         values = [SecretValue(f"team/{name}", value) for name, value in sorted(self._team.items())]

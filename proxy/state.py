@@ -7,6 +7,7 @@ a composition that fails yields `deny_all()` for that CVM, never a partial polic
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections.abc import Sequence
@@ -82,6 +83,14 @@ class PolicyState:
             self._cache = {}
         logger.info("policy now: %s", source.label)
         return source
+
+    def install_secrets(self, secrets: SecretStore) -> None:
+        """Swap the secret store; scanners (which match the exact values) are rebuilt with it."""
+        with self._lock:
+            self._secrets = secrets
+            self._scanners = {}
+            self._source = dataclasses.replace(self._source, generation=self._source.generation + 1)
+            self._cache = {}
 
     def _scanner(self, policy: EffectivePolicy) -> Scanner:
         scanner = self._scanners.get(policy.hash)

@@ -17,6 +17,12 @@ from tests.console.helpers import Server, Team, new_team, start_server
 from tests.console.oidc_issuer import LocalIssuer
 from tests.proxy.conftest import Env
 from tests.proxy.harness import auth_header, connect_tunnel, read_response, start_proxy, status_of
+from umbra.attest.collateral import StaticCollateral
+from umbra.attest.measurement import MeasurementPolicy
+from umbra.attest.simpki import SimulatedPki
+from umbra.attest.simulator import SimulatedTdx
+from umbra.attest.verify import Verifier
+from umbra.console.release import AttestedReleaseVerifier
 from umbra.proxy.identity import hash_credential
 from umbra.proxy.policy.bundle import generate_key, payload_document, sign_bundle
 from umbra.proxy.policy.loader import load_policy_dir
@@ -40,12 +46,57 @@ def console(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, 
 def _bundle(server: Server, env: Env, tmp: Path) -> bytes:
     directory = tmp / "policies"
     directory.mkdir()
+    port = env.origin.port
     (directory / "base.yaml").write_text(
         "apiVersion: umbra/v1\nkind: Profile\nname: base\negress:\n"
-        f"  - id: other\n    allow: {{hosts: [other.test], ports: [{env.origin.port}]}}\n"
+        f"  - id: other\n    allow: {{hosts: [other.test], ports: [{port}]}}\n"
+    )
+    (directory / "keys.yaml").write_text(
+        "apiVersion: umbra/v1\nkind: Profile\nname: keys\negress:\n"
+        f"  - id: apis\n    allow: {{hosts: [api.test, ai.test], ports: [{port}]}}\n"
+        "inject:\n"
+        "  - {id: bot, header: Authorization, format: 'Bearer {secret}', secret: team/bot,"
+        " hosts: [api.test]}\n"
+        "  - {id: misbound, header: X-Key, format: '{secret}', secret: team/misbound,"
+        " hosts: [ai.test]}\n"
     )
     compiled = [loaded.compiled for loaded in load_policy_dir(directory).profiles.values()]
     return sign_bundle(payload_document(compiled, 1, "integration"), [server.bundle_key])
+
+
+def _console_args(
+    server: Server, team: Team, cvm_id: str, tmp: Path, workdir: Path, env: Env
+) -> list[str]:
+    """Console mode. The identities file says how a connection proves it is that CVM (the tunnel
+    endpoint does this in production); who owns the CVM and what it may reach come from the
+    Console."""
+    identities = tmp / "identities.json"
+    identities.write_text(
+        json.dumps(
+            {
+                "cvms": [
+                    {
+                        "cvm_id": cvm_id,
+                        "owner": "unused",
+                        "team": "unused",
+                        "profiles": [],
+                        "credential_sha256": hash_credential(CVM_TOKEN),
+                    }
+                ]
+            }
+        )
+    )
+    credential = tmp / "console-credential"
+    credential.write_text(team.scvm.headers["authorization"].removeprefix("Bearer "))
+    key = tmp / "bundle.pub"
+    key.write_bytes(Path(server.settings.bundle_public_keys[0]).read_bytes())
+    return [
+        "--console", server.url, "--security-cvm-id", team.scvm_id,
+        "--console-credential-file", str(credential), "--bundle-key", str(key),
+        "--state-dir", str(workdir / "state"), "--identities", str(identities),
+        "--upstream-ca", str(env.ca.cert_path), "--test-allow-upstream", "127.0.0.1/32",
+        "--test-resolver", str(env.resolver),
+    ]  # fmt: skip
 
 
 def _status(env: Env, proxy: Any, cvm_id: str, host: str) -> int:
@@ -78,40 +129,9 @@ def test_console_policy_reaches_the_proxy_and_its_decisions_reach_the_console(
         attached = team.admin.put(f"/api/v1/cvms/{cvm_id}/profiles", json={"profiles": ["base"]})
         assert attached.status_code == 200, attached.text
 
-        # Local identity file: how a connection proves it is that CVM (the tunnel endpoint does
-        # this in production); who the CVM belongs to and what it may reach come from the Console.
-        identities = tmp_path / "identities.json"
-        identities.write_text(
-            json.dumps(
-                {
-                    "cvms": [
-                        {
-                            "cvm_id": cvm_id,
-                            "owner": "unused",
-                            "team": "unused",
-                            "profiles": [],
-                            "credential_sha256": hash_credential(CVM_TOKEN),
-                        }
-                    ]
-                }
-            )
-        )
-        credential = tmp_path / "console-credential"
-        credential.write_text(team.scvm.headers["authorization"].removeprefix("Bearer "))
-        key = tmp_path / "bundle.pub"
-        key.write_bytes((Path(server.settings.bundle_public_keys[0])).read_bytes())
         workdir = tmp_path / "proxy"
         workdir.mkdir()
-        proxy = start_proxy(
-            [
-                "--console", server.url, "--security-cvm-id", team.scvm_id,
-                "--console-credential-file", str(credential), "--bundle-key", str(key),
-                "--state-dir", str(workdir / "state"), "--identities", str(identities),
-                "--upstream-ca", str(env.ca.cert_path), "--test-allow-upstream", "127.0.0.1/32",
-                "--test-resolver", str(env.resolver),
-            ],
-            workdir,
-        )  # fmt: skip
+        proxy = start_proxy(_console_args(server, team, cvm_id, tmp_path, workdir, env), workdir)
         try:
             _wait_for(
                 lambda: _status(env, proxy, cvm_id, "other.test") == 200,
@@ -136,7 +156,77 @@ def test_console_policy_reaches_the_proxy_and_its_decisions_reach_the_console(
                 assert record["team"] == team.name
         finally:
             output = proxy.stop()
-        assert credential.read_text() not in output, "the Console credential is never logged"
+        assert (tmp_path / "console-credential").read_text() not in output, "credential logged"
         assert CVM_TOKEN not in output
     finally:
+        team.close()
+
+
+BOT_SECRET = "bot-secret-released-7c1d9e"
+MISBOUND_SECRET = "misbound-secret-4b8a2f"
+
+
+def test_secrets_are_released_to_the_attested_proxy_and_injected_only_where_bound(
+    env: Env, console: tuple[Server, LocalIssuer], tmp_path: Path
+) -> None:
+    server, issuer = console
+    team: Team = new_team(server, issuer)
+    pki_dir = tmp_path / "sim-pki"
+    pki = SimulatedPki.load_or_create(pki_dir)
+    verifier = Verifier(
+        MeasurementPolicy(release=SimulatedTdx(pki, image="umbra-security-cvm").release_manifest()),
+        StaticCollateral(pki.collateral(int(time.time()) - 3600)),
+        allow_simulated=True,
+        simulated_root_der=pki.root_der,
+    )
+    previous = server.console.release_verifier
+    server.console.release_verifier = None
+    try:
+        assert team.upload(1, _bundle(server, env, tmp_path)).status_code == 201
+        cvm_id = team.dev_cvm()
+        team.admin.put(f"/api/v1/cvms/{cvm_id}/profiles", json={"profiles": ["keys"]})
+        for name, value, hosts in (
+            ("bot", BOT_SECRET, ["api.test"]),
+            ("misbound", MISBOUND_SECRET, ["elsewhere.test"]),
+        ):
+            put = team.admin.put(
+                f"/api/v1/teams/{team.name}/secrets/{name}", json={"value": value, "hosts": hosts}
+            )
+            assert put.status_code == 200, put.text
+        workdir = tmp_path / "proxy"
+        workdir.mkdir()
+        proxy = start_proxy(
+            [*_console_args(server, team, cvm_id, tmp_path, workdir, env),
+             "--secrets-from-console", "--quote-source", "simulated",
+             "--simulated-pki", str(pki_dir)],
+            workdir,
+        )  # fmt: skip
+        try:
+            # No release yet (the Console has no verifier configured): nothing is injected, so
+            # requests that need a credential are refused rather than sent without one.
+            _wait_for(
+                lambda: _status(env, proxy, cvm_id, "api.test") == 403,
+                10,
+                "a request needing a secret was not refused before any release",
+            )
+            assert not env.recorder.host_saw("api.test", BOT_SECRET.encode())
+
+            server.console.release_verifier = AttestedReleaseVerifier(verifier)
+            _wait_for(
+                lambda: _status(env, proxy, cvm_id, "api.test") == 200,
+                15,
+                "the released secret was never injected",
+            )
+            assert env.recorder.host_saw("api.test", f"Bearer {BOT_SECRET}".encode())
+            # Bound at the Console to another host: the policy's inject rule alone is not enough.
+            assert _status(env, proxy, cvm_id, "ai.test") == 403
+            assert not env.recorder.contains(MISBOUND_SECRET.encode())
+        finally:
+            output = proxy.stop()
+        for secret in (BOT_SECRET, MISBOUND_SECRET):
+            assert secret not in output, "a released secret appeared in the proxy's output"
+            spool = b"".join(p.read_bytes() for p in (workdir / "spool").glob("*.jsonl"))
+            assert secret.encode() not in spool
+    finally:
+        server.console.release_verifier = previous
         team.close()

@@ -155,6 +155,7 @@ def test_git_clone_over_https_with_injected_credential(env: Env, tmp_path: Path)
         ],
     )
     assert (clone / "README.md").read_text() == "hello from the git origin\n"
+    env.proxy.log.wait_for(mark, lambda r: r["connect_host"] == "git.test")
     records = env.proxy.log.records()[mark:]
     allowed = [r for r in records if r["decision"] == "allow" and r["connect_host"] == "git.test"]
     assert allowed and all(r["injected_headers"] == ["Authorization"] for r in allowed)
@@ -239,8 +240,9 @@ def test_pip_install_from_index_with_injected_credential(
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "installed through umbra" in (target / "umbra_demo" / "__init__.py").read_text()
-    records = env.proxy.log.records()[mark:]
-    assert any(r["connect_host"] == "pypi.test" and r["injected_headers"] for r in records)
+    env.proxy.log.wait_for(
+        mark, lambda r: r["connect_host"] == "pypi.test" and r["injected_headers"]
+    )
     assert PYPI_SECRET not in result.stdout + result.stderr
 
 

@@ -232,9 +232,13 @@ def test_another_cvms_credential_never_changes_attribution(tun: Tun, alice: list
     assert status_of(https_via(tun, alice[0], f"/{needle}", auth=bob)) == 407
     assert status_of(plain_via(alice[0], tun, needle, auth=bob)) == 407
     assert not tun.env.recorder.contains(needle.encode())
-    time.sleep(0.5)  # let the spool write every record of both requests
-    new = tun.proxy.log.records()[mark:]
-    conflicts = [r for r in new if r["reason"] == "identity_conflict"]
+    deadline = time.monotonic() + 5  # records are committed in writer batches
+    while True:
+        new = tun.proxy.log.records()[mark:]
+        conflicts = [r for r in new if r["reason"] == "identity_conflict"]
+        if len(conflicts) >= 2 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
     assert len(conflicts) == 2
     assert all(r["cvm_id"] == "cvm-alice" for r in conflicts)
     assert not [r for r in new if r["cvm_id"] == "cvm-bob"]

@@ -88,8 +88,25 @@ def test_secrets_file_must_be_private(tmp_path: Path) -> None:
     assert "value-123456" not in str(caught.value)
     path.chmod(0o600)
     store = SecretStore.from_file(path)
-    assert store.resolve("team/x", "anyone") == "value-123456"
+    assert store.resolve("team/x", "anyone", "any.host") == "value-123456"
     assert "value-123456" not in repr(store.all_values())
+
+
+def test_secrets_bound_at_the_console_resolve_only_for_their_hosts() -> None:
+    store = SecretStore(
+        {"bot": "team-value-1"},
+        {"alice": {"key": "alice-value-1"}, "bob": {"key": "bob-value-1"}},
+        hosts={
+            ("team/bot", None): frozenset({"api.test"}),
+            ("personal/key", "alice"): frozenset({"ai.test"}),
+        },
+    )
+    assert store.resolve("team/bot", "alice", "api.test") == "team-value-1"
+    assert store.resolve("team/bot", "alice", "other.test") is None
+    assert store.resolve("personal/key", "alice", "ai.test") == "alice-value-1"
+    assert store.resolve("personal/key", "alice", "api.test") is None
+    assert store.resolve("personal/key", "bob", "api.test") == "bob-value-1", "no binding: policy"
+    assert store.resolve("personal/key", "carol", "ai.test") is None
 
 
 def test_spool_survives_a_torn_line_and_ships_in_order(tmp_path: Path) -> None:
