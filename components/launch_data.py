@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from umbra.attest.measurement import COMPOSE_HASH_EVENT, SSH_KEYS_EVENT, ssh_keys_digest
+from umbra.sandbox.render import canonical_json
 
 # GCP metadata and Azure custom-data keys the image's launch agent reads.
 META_APP_COMPOSE = "umbra-app-compose"
@@ -34,10 +35,6 @@ AZURE_CUSTOM_DATA_MAX = 65536
 PLACEHOLDER_MARK = "# UMBRA PLACEHOLDER COMPOSE: not a release, do not attest against it"
 
 
-def _canonical_json(doc: object) -> str:
-    return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
-
-
 def placeholder_app_compose(role: str) -> str:
     """An app-compose.json (the measured document, see umbra.images.measure) around a compose
     file that starts nothing useful, for trying the program before a release exists. Its hash
@@ -51,7 +48,7 @@ def placeholder_app_compose(role: str) -> str:
         '    command: ["sh", "-c", "echo placeholder compose; sleep infinity"]\n'
         "    network_mode: none\n"
     )
-    return _canonical_json(
+    return canonical_json(
         {
             "docker_compose_file": compose,
             "manifest_version": 2,
@@ -127,7 +124,7 @@ class LaunchData:
         }
 
     def azure_custom_data(self) -> str:
-        blob = _canonical_json({"umbra": self.as_metadata()})
+        blob = canonical_json({"umbra": self.as_metadata()})
         encoded = base64.b64encode(blob.encode()).decode()
         if len(encoded) > AZURE_CUSTOM_DATA_MAX:
             raise ValueError(
