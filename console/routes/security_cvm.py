@@ -35,6 +35,7 @@ from umbra.console.routes.common import (
 )
 from umbra.console.schemas import AttachmentsDoc, ReleaseChallenge, ReleaseResponse
 from umbra.console.state import Console
+from umbra.proxy.release_protocol import ReleaseDocument, ReleasedSecret
 
 router = APIRouter(prefix="/api/v1/security-cvms/{cvm_id}", tags=["security-cvm"])
 IfNoneMatch = Annotated[str | None, Header(alias="If-None-Match", max_length=1024)]
@@ -246,10 +247,16 @@ def _release(console: Console, caller: Cvm, evidence: ReleaseEvidence) -> Releas
             target=caller.id,
             details={"refs": sorted(f"{item['ref']}@{item['owner'] or ''}" for item in released)},
         )
-    document = json.dumps(
-        {"security_cvm_id": caller.id, "nonce": evidence.nonce, "secrets": released},
-        sort_keys=True,
-    ).encode()
+    # The proxy parses exactly this model (umbra.proxy.release_protocol), so build it from it too.
+    document = (
+        ReleaseDocument(
+            security_cvm_id=caller.id,
+            nonce=evidence.nonce,
+            secrets=[ReleasedSecret.model_validate(item) for item in released],
+        )
+        .model_dump_json()
+        .encode()
+    )
     info = hpke_info(caller.id, evidence.nonce)
     sealed = seal_release(document, recipient, info)
     console.metrics.secret_releases.labels("released").inc()
