@@ -1,10 +1,11 @@
-"""umbra.attest: TDX quote parsing and DCAP verification, event-log replay, measurement
+"""umbra.attest: TDX quote parsing (bare, or through Azure's paravisor and vTPM) and DCAP verification, event-log replay, measurement
 policy, attested TLS, and a simulated TEE. Depends on nothing else in Umbra.
 
 The entry points other parts call are re-exported here; see docs/specs/attestation.md.
 """
 
 from umbra.attest.atls import ATLSConnection, atls_connect, serve_atls
+from umbra.attest.azure_source import AzureVtpmSource
 from umbra.attest.collateral import (
     Collateral,
     CollateralCache,
@@ -31,15 +32,17 @@ from umbra.attest.measurement import (
 )
 from umbra.attest.quote import Quote, parse_quote
 from umbra.attest.quote_source import ConfigfsTsmSource, QuoteSource, SimulatedSource
+from umbra.attest.simazure import SimulatedAzureCvm
 from umbra.attest.simpccs import SimulatedPccs
 from umbra.attest.simpki import SimulatedPki
 from umbra.attest.simulator import SimulatedTdx
-from umbra.attest.verify import Verdict, Verifier, verify_quote
+from umbra.attest.verify import Failure, Step, Verdict, Verifier, verify_quote
 
 __all__ = [
     "ATLSConnection",
     "ATLSError",
     "AttestError",
+    "AzureVtpmSource",
     "Collateral",
     "CollateralCache",
     "CollateralError",
@@ -47,6 +50,7 @@ __all__ = [
     "ConfigfsTsmSource",
     "Event",
     "EventLogError",
+    "Failure",
     "InstanceBinding",
     "MeasurementPolicy",
     "PccsCollateral",
@@ -56,11 +60,13 @@ __all__ = [
     "QuoteSource",
     "QuoteSourceError",
     "ReleaseManifest",
+    "SimulatedAzureCvm",
     "SimulatedPccs",
     "SimulatedPki",
     "SimulatedSource",
     "SimulatedTdx",
     "StaticCollateral",
+    "Step",
     "Verdict",
     "Verifier",
     "atls_connect",

@@ -35,6 +35,8 @@ def _hex_of(n: int) -> Any:
 
 
 Hex48 = Annotated[str, _hex_of(48)]
+Hex32 = Annotated[str, _hex_of(32)]
+PcrIndex = Annotated[int, Field(ge=0, le=23)]
 HexAny = Annotated[str, _hex_of(0)]
 
 
@@ -59,11 +61,15 @@ class ReleaseManifest(_Strict):
     apiVersion: Literal["umbra/v1"]
     kind: Literal["ReleaseManifest"]
     name: str = Field(min_length=1)
-    tee: Literal["tdx", "simulated"]
+    tee: Literal["tdx", "simulated"]  # whose root CA signs the quote
+    # How the evidence is shaped: a bare TD quote, or Azure's paravisor chain (HCL report + vTPM
+    # quote), whose boot measurements are PCRs because the guest's RTMRs stay zero.
+    platform: Literal["tdx", "azure-tdx"] = "tdx"
     mrtd: list[Hex48] = Field(min_length=1)
-    rtmr0: list[Hex48] = Field(min_length=1)
-    rtmr1: list[Hex48] = Field(min_length=1)
-    rtmr2: list[Hex48] = Field(min_length=1)
+    rtmr0: list[Hex48] | None = Field(default=None, min_length=1)
+    rtmr1: list[Hex48] | None = Field(default=None, min_length=1)
+    rtmr2: list[Hex48] | None = Field(default=None, min_length=1)
+    pcrs: dict[PcrIndex, list[Hex32]] | None = Field(default=None, min_length=1)
     mr_seam: list[Hex48] | None = Field(default=None, min_length=1)
     events: list[ExpectedEvent] = Field(default_factory=list)
     other_runtime_events: Literal["refuse", "allow"] = "refuse"
@@ -73,6 +79,19 @@ class ReleaseManifest(_Strict):
     @model_validator(mode="after")
     def _unique_events(self) -> ReleaseManifest:
         _check_unique(self.events)
+        rtmrs = (self.rtmr0, self.rtmr1, self.rtmr2)
+        if self.platform == "tdx":
+            if any(r is None for r in rtmrs):
+                raise ValueError("platform tdx needs rtmr0, rtmr1 and rtmr2")
+            if self.pcrs is not None:
+                raise ValueError("pcrs are measured only on platform azure-tdx")
+        else:
+            if self.pcrs is None:
+                raise ValueError("platform azure-tdx needs pcrs (its boot measurements)")
+            if any(r is not None for r in rtmrs):
+                raise ValueError("RTMRs are zero under the Azure paravisor: pin pcrs instead")
+            if self.events:
+                raise ValueError("runtime events are not measured on platform azure-tdx yet")
         return self
 
 

@@ -5,14 +5,24 @@ Every check runs and every failure is reported; the verdict is OK only when ther
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 from cryptography.hazmat.primitives.serialization import Encoding
 
+from umbra.attest.azure import (
+    AzureEvidence,
+    HclReport,
+    decode_envelope,
+    is_azure_envelope,
+    parse_hcl_report,
+    tpm_nonce_for,
+)
 from umbra.attest.collateral import Collateral, CollateralSource, StaticCollateral
 from umbra.attest.dcap import verify_dcap
 from umbra.attest.errors import AttestError, QuoteParseError
@@ -20,6 +30,30 @@ from umbra.attest.eventlog import RUNTIME_EVENT_TYPE, Event, replay
 from umbra.attest.intel_root import INTEL_SGX_ROOT_CA_DER
 from umbra.attest.measurement import MeasurementPolicy
 from umbra.attest.quote import Quote, parse_quote
+from umbra.attest.tpm import verify_tpm_quote
+
+
+class Step(StrEnum):
+    """The verification step a failure belongs to: callers branch on it, people read the text."""
+
+    EVIDENCE = "evidence"  # the quote / envelope / HCL report does not parse
+    POLICY = "policy"  # the caller's settings refuse this kind of evidence (simulated, platform)
+    COLLATERAL = "collateral"
+    QUOTE_SIGNATURE = "quote_signature"  # PCK chain, QE report, quote signature (DCAP)
+    TCB = "tcb"
+    MEASUREMENT = "measurement"  # MRTD, RTMR0-2, MRSEAM, PCRs, TD attributes, XFAM
+    EVENT_LOG = "event_log"
+    BINDING = "binding"  # report_data / user-data / vTPM nonce: freshness and channel binding
+    PLATFORM = "platform"  # Azure: HCL report ↔ TD quote, vTPM quote signature and PCR digest
+
+
+@dataclass(frozen=True)
+class Failure:
+    step: Step
+    reason: str
+
+    def to_json(self) -> dict[str, str]:
+        return {"step": self.step.value, "reason": self.reason}
 
 
 @dataclass(frozen=True)
@@ -32,13 +66,24 @@ class Verdict:
     quote: dict[str, Any] = field(default_factory=dict)
     events_checked: list[str] = field(default_factory=list)
     verified_at: int = 0
+    failures: list[Failure] = field(default_factory=list)
+    platform: str = "tdx"
+    pcrs: dict[int, str] = field(default_factory=dict)
+
+    @property
+    def failed_steps(self) -> list[Step]:
+        return sorted({f.step for f in self.failures}, key=list(Step).index)
 
     def to_json(self) -> dict[str, Any]:
         return {
             "ok": self.ok,
             "verdict": "PASS" if self.ok else "FAIL",
             "simulated": self.simulated,
+            "platform": self.platform,
             "reasons": self.reasons,
+            "failures": [f.to_json() for f in self.failures],
+            "failed_steps": [s.value for s in self.failed_steps],
+            "pcrs": {str(i): v for i, v in sorted(self.pcrs.items())},
             "tcb_status": self.tcb_status,
             "advisory_ids": self.advisory_ids,
             "quote": self.quote,
@@ -87,45 +132,82 @@ class Verifier:
         expected_report_data: bytes | None = None,
         now: int | None = None,
     ) -> Verdict:
+        """Verify a bare TDX quote or an Azure evidence envelope (`umbra.attest.azure`): the
+        bytes say which, the policy's `platform` says which is acceptable."""
         when = int(time.time()) if now is None else now
         try:
             return self._verify(raw_quote, event_log, expected_report_data, when)
         except AttestError as exc:  # an error from a deeper layer is a failed verdict, not a crash
-            return Verdict(ok=False, simulated=False, reasons=[str(exc)], verified_at=when)
+            return Verdict(
+                ok=False,
+                simulated=False,
+                reasons=[str(exc)],
+                verified_at=when,
+                failures=[Failure(Step.EVIDENCE, str(exc))],
+            )
 
     def _verify(
         self,
-        raw_quote: bytes,
+        raw_evidence: bytes,
         event_log: Sequence[Event] | None,
         expected_report_data: bytes | None,
         now: int,
     ) -> Verdict:
         simulated = self.policy.tee == "simulated"
-        reasons: list[str] = []
+        platform = self.policy.release.platform
+        failures: list[Failure] = []
 
-        def fail(*more: str, **kw: Any) -> Verdict:
+        def add(step: Step, *reasons: str) -> None:
+            failures.extend(Failure(step, r) for r in reasons)
+
+        def done(**kw: Any) -> Verdict:
             return Verdict(
-                ok=False, simulated=simulated, reasons=reasons + list(more), verified_at=now, **kw
+                ok=not failures,
+                simulated=simulated,
+                reasons=[f.reason for f in failures],
+                verified_at=now,
+                failures=list(failures),
+                platform=platform,
+                **kw,
             )
+
+        azure: AzureEvidence | None = None
+        hcl: HclReport | None = None
+        raw_quote = raw_evidence
+        if is_azure_envelope(raw_evidence):
+            if platform != "azure-tdx":
+                add(Step.POLICY, "Azure evidence, but the release's platform is tdx")
+                return done()
+            try:
+                azure = decode_envelope(raw_evidence)
+                hcl = parse_hcl_report(azure.hcl_report)
+            except QuoteParseError as exc:
+                add(Step.EVIDENCE, f"malformed Azure evidence: {exc}")
+                return done()
+            raw_quote = azure.td_quote
+        elif platform == "azure-tdx":
+            add(Step.POLICY, "a bare TDX quote, but the release's platform is azure-tdx")
+            return done()
 
         try:
             q = parse_quote(raw_quote)
         except QuoteParseError as exc:
-            return fail(f"malformed quote: {exc}")
+            add(Step.EVIDENCE, f"malformed quote: {exc}")
+            return done()
         summary = summarize(q)
 
         root: bytes | None = None
         if simulated:
             if not self.allow_simulated:
-                return fail(
+                add(
+                    Step.POLICY,
                     "the measurement policy says tee: simulated, but simulated quotes were "
                     "not allowed by the caller (allow_simulated)",
-                    quote=summary,
                 )
+                return done(quote=summary)
             if self.simulated_root_der is None:
-                return fail(
-                    "simulated quotes allowed but no simulated root CA given", quote=summary
-                )
+                add(Step.POLICY, "simulated quotes allowed but no simulated root CA given")
+                return done(quote=summary)
             root = self.simulated_root_der
 
         anchor = root if root is not None else INTEL_SGX_ROOT_CA_DER
@@ -134,35 +216,109 @@ class Verifier:
         except (ValueError, TypeError):
             chain_root = b""
         if not hmac.compare_digest(chain_root, anchor):
-            reasons.append(
+            add(
+                Step.QUOTE_SIGNATURE,
                 "the quote's PCK chain does not end in the "
-                + ("simulated root CA" if simulated else "Intel SGX Root CA")
+                + ("simulated root CA" if simulated else "Intel SGX Root CA"),
             )
 
         try:
             collateral = self.collateral.collateral_for(raw_quote, now)
         except AttestError as exc:
-            return fail(f"collateral unavailable: {exc}", quote=summary)
+            add(Step.COLLATERAL, f"collateral unavailable: {exc}")
+            return done(quote=summary)
 
-        tcb = self.policy.release.tcb
-        dcap = verify_dcap(raw_quote, collateral, now, tcb, root_ca_der=root)
-        reasons.extend(dcap.reasons)
-        reasons.extend(td_reasons(q, self.policy))
-        if expected_report_data is not None and not hmac.compare_digest(
+        dcap = verify_dcap(raw_quote, collateral, now, self.policy.release.tcb, root_ca_der=root)
+        # No status means the signature chain itself failed; otherwise the TCB policy refused.
+        add(Step.QUOTE_SIGNATURE if dcap.status is None else Step.TCB, *dcap.reasons)
+        add(Step.MEASUREMENT, *td_reasons(q, self.policy))
+        pcrs: dict[int, str] = {}
+        if azure is not None and hcl is not None:
+            pcrs = _azure_checks(q, hcl, azure, self.policy, expected_report_data, add)
+        elif expected_report_data is not None and not hmac.compare_digest(
             q.td_report.report_data, expected_report_data
         ):
-            reasons.append("report_data does not match the expected value (stale or replayed?)")
-        checked = event_reasons(q, self.policy, event_log, reasons)
-        return Verdict(
-            ok=not reasons,
-            simulated=simulated,
-            reasons=reasons,
+            add(Step.BINDING, "report_data does not match the expected value (stale or replayed?)")
+        log_reasons: list[str] = []
+        if azure is not None:
+            checked: list[str] = []
+            if event_log is not None:
+                log_reasons.append("event logs are not replayed on azure-tdx (RTMRs stay zero)")
+        else:
+            checked = event_reasons(q, self.policy, event_log, log_reasons)
+        add(Step.EVENT_LOG, *log_reasons)
+        return done(
             tcb_status=dcap.status,
             advisory_ids=dcap.advisory_ids,
             quote=summary,
             events_checked=checked,
-            verified_at=now,
+            pcrs=pcrs,
         )
+
+
+def _azure_checks(
+    q: Quote,
+    hcl: HclReport,
+    ev: AzureEvidence,
+    policy: MeasurementPolicy,
+    expected_report_data: bytes | None,
+    add: Any,
+) -> dict[int, str]:
+    """The paravisor chain after DCAP: HCL TD report = quoted TD report, runtime data bound by
+    REPORTDATA, user-data = the expected binding, vTPM quote by the bound AK, PCRs by policy.
+    Returns the PCR values, hex, once the vTPM quote vouches for them (else empty)."""
+    td, hc = q.td_report, hcl.td_report
+    pairs = (
+        ("REPORTDATA", td.report_data, hc.report_data),
+        ("TEE_TCB_SVN", td.tee_tcb_svn, hc.tee_tcb_svn),
+        ("MRSEAM", td.mr_seam, hc.mr_seam),
+        ("MRSIGNERSEAM", td.mr_signer_seam, hc.mr_signer_seam),
+        ("SEAMATTRIBUTES", td.seam_attributes, hc.seam_attributes),
+        ("TDATTRIBUTES", td.td_attributes, hc.td_attributes),
+        ("XFAM", td.xfam, hc.xfam),
+        ("MRTD", td.mr_td, hc.mr_td),
+        ("MRCONFIGID", td.mr_config_id, hc.mr_config_id),
+        ("MROWNER", td.mr_owner, hc.mr_owner),
+        ("MROWNERCONFIG", td.mr_owner_config, hc.mr_owner_config),
+        *((f"RTMR{i}", td.rtmrs[i], hc.rtmrs[i]) for i in range(4)),
+    )
+    differ = [name for name, a, b in pairs if not hmac.compare_digest(a, b)]
+    if differ:
+        add(
+            Step.PLATFORM,
+            "the HCL report's TD report differs from the quoted one: " + ", ".join(differ),
+        )
+    runtime = hcl.runtime_data
+    if not hmac.compare_digest(td.report_data, hashlib.sha256(runtime.raw).digest() + bytes(32)):
+        add(
+            Step.BINDING,
+            "REPORTDATA is not SHA-256 of the runtime data: the runtime data is not bound",
+        )
+        return {}
+    if expected_report_data is not None and (
+        runtime.user_data is None
+        or not hmac.compare_digest(runtime.user_data, expected_report_data)
+    ):
+        add(
+            Step.BINDING,
+            "the runtime data's user-data does not match the expected value (stale or replayed?)",
+        )
+    nonce = tpm_nonce_for(expected_report_data) if expected_report_data is not None else None
+    _, tpm_reasons = verify_tpm_quote(ev.tpm_attest, ev.tpm_signature, ev.pcrs, runtime.ak, nonce)
+    for reason in tpm_reasons:
+        add(Step.BINDING if "nonce" in reason else Step.PLATFORM, reason)
+    if tpm_reasons:
+        return {}
+    values = {i: v.hex() for i, v in ev.pcrs.items()}
+    for index, accepted in sorted((policy.release.pcrs or {}).items()):
+        if values.get(index) not in accepted:
+            add(
+                Step.MEASUREMENT,
+                f"PCR{index} {values.get(index)} is not among the release's accepted values",
+            )
+    if any(any(r) for r in td.rtmrs):
+        add(Step.MEASUREMENT, "RTMRs are not zero, which the Azure paravisor never leaves them")
+    return values
 
 
 def td_reasons(q: Quote, policy: MeasurementPolicy) -> list[str]:
