@@ -1,8 +1,14 @@
 """Attested TLS: a quote bound to one TLS 1.3 session, exchanged before any application byte.
 
     client → server  NONCE     32 random bytes
-    server → client  EVIDENCE  {"quote": b64, "event_log": dstack JSON | null}
-    client → server  VERDICT   {"ok": bool, "reasons": [...]}
+    server → client  EVIDENCE  {"quote": b64, "event_log": dstack JSON | null,
+                                "format": "tdx-quote" | "azure-tdx"}
+    client → server  VERDICT   {"ok": bool, "reasons": [...], "failures": [{step, reason}]}
+
+`quote` is whatever the server's `QuoteSource` returns: a bare TDX quote, or on Azure the
+evidence envelope of `umbra.attest.azure` (TD quote, HCL report, vTPM quote), which the same
+`Verifier.verify` recognises by its magic. `format` and `failures` are informational additions
+(older peers ignore them); the bytes alone decide how evidence is verified.
 
 The quote's report_data must equal SHA-512(DOMAIN_TAG ‖ nonce ‖ exporter), where exporter is
 the session's RFC 8446 exporter secret. A quote replayed from another session (other nonce,
@@ -23,6 +29,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from umbra.attest.azure import is_azure_envelope
 from umbra.attest.errors import ATLSError, AttestError, EventLogError
 from umbra.attest.eventlog import Event, dump_dstack_event_log, parse_dstack_event_log
 from umbra.attest.quote_source import QuoteSource
@@ -142,7 +149,15 @@ async def client_handshake(
             verifier.verify, quote, event_log=log, expected_report_data=expected, now=now
         )
         await write_frame(
-            tls, FRAME_VERDICT, json.dumps({"ok": verdict.ok, "reasons": verdict.reasons}).encode()
+            tls,
+            FRAME_VERDICT,
+            json.dumps(
+                {
+                    "ok": verdict.ok,
+                    "reasons": verdict.reasons,
+                    "failures": [f.to_json() for f in verdict.failures],
+                }
+            ).encode(),
         )
         if not verdict.ok:
             raise ATLSError("peer attestation refused: " + "; ".join(verdict.reasons))
@@ -177,6 +192,7 @@ async def server_handshake(
         evidence = {
             "quote": base64.b64encode(quote).decode(),
             "event_log": dump_dstack_event_log(event_log()) if event_log else None,
+            "format": "azure-tdx" if is_azure_envelope(quote) else "tdx-quote",
         }
         await write_frame(tls, FRAME_EVIDENCE, json.dumps(evidence).encode())
         try:

@@ -260,3 +260,40 @@ async def test_plain_tcp_peer_is_not_tls(verifier: Verifier) -> None:
     finally:
         server.close()
         await server.wait_closed()
+
+
+async def test_azure_evidence_over_atls(pki: SimulatedPki, sim_collateral: Collateral) -> None:
+    """The same client and server, an Azure quote source: the exporter binding goes through the
+    vTPM's user-data and the vTPM quote's nonce."""
+    from umbra.attest.simazure import SimulatedAzureCvm
+
+    cvm = SimulatedAzureCvm(pki)
+    verifier = Verifier(
+        MeasurementPolicy(release=cvm.release_manifest()),
+        StaticCollateral(sim_collateral),
+        allow_simulated=True,
+        simulated_root_der=pki.root_der,
+    )
+    server = await serve_atls("127.0.0.1", 0, _echo, cvm.source())
+    port = server.sockets[0].getsockname()[1]
+    try:
+        conn = await atls_connect("127.0.0.1", port, verifier, now=T_SIM)
+        assert conn.verdict is not None and conn.verdict.ok, conn.verdict
+        assert conn.verdict.platform == "azure-tdx"
+        await conn.send(b"hi")
+        assert await conn.recv() == b"echo:hi"
+        await conn.close()
+    finally:
+        server.close()
+        await server.wait_closed()
+
+    async def replay(tls: TlsStream, frames: FrameReader) -> None:
+        await frames.read(FRAME_NONCE)
+        stale = cvm.source().get_quote(os.urandom(64))  # not this session's binding
+        doc = {"quote": base64.b64encode(stale).decode(), "event_log": None}
+        await write_frame(tls, FRAME_EVIDENCE, json.dumps(doc).encode())
+        await tls.recv()
+
+    async with rogue_server(replay) as port:
+        with pytest.raises(ATLSError, match="user-data does not match"):
+            await atls_connect("127.0.0.1", port, verifier, now=T_SIM)
