@@ -5,7 +5,11 @@ from the event's own bytes: runtime events (dstack type 0x08000001), EV_SEPARATO
 and EV_EFI_VARIABLE_DRIVER_CONFIG. Other firmware events measure data that is not in the log
 (e.g. a PE image's Authenticode hash); their logged digest is replayed as is, which is safe only
 because RTMR0-2 are pinned to golden values by the measurement policy and no named-event check
-ever reads those events.
+ever reads those events. For the same reason a boot event (RTMR0-2) whose payload was stripped
+(dstack's current log format keeps only digests) replays its logged digest; events on RTMR3 are
+always recomputed from their payload.
+
+Parsing is linear in the log's size and bounded: at most MAX_LOG_BYTES and MAX_EVENTS records.
 """
 
 from __future__ import annotations
@@ -30,6 +34,9 @@ DIGEST_LEN = 48
 ZERO_MR = bytes(DIGEST_LEN)
 MAX_EVENTS = 4096
 MAX_PAYLOAD = 1 << 20
+MAX_LOG_BYTES = 2 << 20
+MAX_DIGESTS_PER_EVENT = 8
+RUNTIME_IMR = 3
 TPM_ALG_SHA384 = 0x000C
 _ALG_SIZES = {0x0004: 20, 0x000B: 32, 0x000C: 48, 0x000D: 64, 0x0012: 32}
 
@@ -60,7 +67,7 @@ def make_event(imr: int, event_type: int, name: str, payload: bytes, logged: byt
         raise EventLogError(f"event {name or hex(event_type)}: IMR {imr} is not an RTMR (0-3)")
     if event_type == RUNTIME_EVENT_TYPE:
         digest, recomputed = runtime_event_digest(name, payload), True
-    elif event_type in _HASH_OF_DATA_TYPES:
+    elif event_type in _HASH_OF_DATA_TYPES and (payload or imr == RUNTIME_IMR or not logged):
         digest, recomputed = hashlib.sha384(payload).digest(), True
     else:
         if len(logged) != DIGEST_LEN:
@@ -87,8 +94,14 @@ def make_runtime_event(imr: int, name: str, payload: bytes) -> Event:
     return make_event(imr, RUNTIME_EVENT_TYPE, name, payload, b"")
 
 
+def _check_size(size: int) -> None:
+    if size > MAX_LOG_BYTES:
+        raise EventLogError(f"event log of {size} bytes is larger than {MAX_LOG_BYTES}")
+
+
 def parse_dstack_event_log(text: str | bytes) -> list[Event]:
     """Parse dstack's JSON event log: [{imr, event_type, digest, event, event_payload}, ...]."""
+    _check_size(len(text))
     try:
         doc = json.loads(text)
     except (ValueError, UnicodeDecodeError) as exc:
@@ -143,7 +156,10 @@ def parse_ccel(data: bytes) -> list[Event]:
     EV_NO_ACTION events are informational and not extended. The log ends at the data's end
     or at padding (0xFF.. or 0x00.. after the last event).
     """
+    _check_size(len(data))
     pos = 0
+    # Trailing padding is found once, not by rescanning the rest of the log at every event.
+    end = min(len(data.rstrip(b"\xff")), len(data.rstrip(b"\0")))
 
     def take(n: int, what: str) -> bytes:
         nonlocal pos
@@ -175,16 +191,20 @@ def parse_ccel(data: bytes) -> list[Event]:
         raise EventLogError("CCEL does not log SHA-384 digests")
 
     events: list[Event] = []
-    while pos < len(data):
-        rest = data[pos:]
-        if rest.count(0xFF) == len(rest) or rest.count(0) == len(rest):
-            break
-        if len(events) >= MAX_EVENTS:
+    records = 0
+    while pos < end:
+        records += 1
+        if records > MAX_EVENTS:
             raise EventLogError(f"CCEL has more than {MAX_EVENTS} events")
         index = u32("event.mr_index")
         event_type = u32("event.type")
         digests: dict[int, bytes] = {}
-        for _ in range(u32("event.digest_count")):
+        count = u32("event.digest_count")
+        if count > MAX_DIGESTS_PER_EVENT:
+            raise EventLogError(
+                f"CCEL event has {count} digests, more than {MAX_DIGESTS_PER_EVENT}"
+            )
+        for _ in range(count):
             alg = int(struct.unpack("<H", take(2, "event.alg"))[0])
             size = sizes.get(alg, _ALG_SIZES.get(alg))
             if size is None:
