@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import dcap_qvl
+from cryptography import x509
 
 from umbra.attest.errors import CollateralError, QuoteParseError
 
@@ -55,6 +56,20 @@ class Collateral:
     tcb_info_issue_date: int
     qe_identity_issue_date: int
     next_update: int  # the earlier of the two nextUpdate times
+
+    @property
+    def expires_at(self) -> int:
+        """When the first part of the set lapses: TCB info, QE identity, or either CRL."""
+        when = self.next_update
+        try:
+            doc = json.loads(self.json_text)
+            for key in ("pck_crl", "root_ca_crl"):
+                crl = x509.load_der_x509_crl(bytes.fromhex(str(doc.get(key, ""))))
+                if crl.next_update_utc is not None:
+                    when = min(when, int(crl.next_update_utc.timestamp()))
+        except ValueError:
+            pass  # unreadable CRLs are dcap-qvl's to refuse; the dates above still hold
+        return when
 
     @property
     def issue_date(self) -> int:
@@ -107,6 +122,19 @@ class Collateral:
     @classmethod
     def from_qvl(cls, qvl: Any) -> Collateral:
         return cls.from_json(qvl.to_json())
+
+
+def pck_identity(raw_quote: bytes) -> tuple[str, str]:
+    """(FMSPC, issuing PCK CA) from the quote's PCK certificate: which collateral fits it."""
+    try:
+        parsed = dcap_qvl.parse_quote(raw_quote)
+        return parsed.fmspc().upper(), str(parsed.ca())
+    except ValueError as exc:
+        raise QuoteParseError(
+            f"cannot read FMSPC/CA from the PCK certificate: {exc}",
+            field="pck_cert_data.chain",
+            offset=0,
+        ) from None
 
 
 class CollateralSource(Protocol):
@@ -205,15 +233,7 @@ class PccsCollateral:
         self.fetch_count = 0
 
     def _key(self, endpoint: str, raw_quote: bytes) -> tuple[str, str, str]:
-        try:
-            parsed = dcap_qvl.parse_quote(raw_quote)
-            return (endpoint, parsed.fmspc().upper(), parsed.ca())
-        except ValueError as exc:
-            raise QuoteParseError(
-                f"cannot read FMSPC/CA from the PCK certificate: {exc}",
-                field="pck_cert_data.chain",
-                offset=0,
-            ) from None
+        return (endpoint, *pck_identity(raw_quote))
 
     def cached(self, raw_quote: bytes, now: int) -> Collateral | None:
         """A fresh cache entry from any configured endpoint, earlier endpoints preferred."""

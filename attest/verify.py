@@ -9,7 +9,8 @@ import hashlib
 import hmac
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any
 
@@ -69,6 +70,11 @@ class Verdict:
     failures: list[Failure] = field(default_factory=list)
     platform: str = "tdx"
     pcrs: dict[int, str] = field(default_factory=dict)
+
+    def with_failure(self, step: Step, reason: str) -> Verdict:
+        """This verdict with one more failure (e.g. an event log that did not even parse)."""
+        failures = [*self.failures, Failure(step, reason)]
+        return replace(self, ok=False, failures=failures, reasons=[f.reason for f in failures])
 
     @property
     def failed_steps(self) -> list[Step]:
@@ -228,6 +234,10 @@ class Verifier:
             add(Step.COLLATERAL, f"collateral unavailable: {exc}")
             return done(quote=summary)
 
+        if now >= collateral.expires_at:
+            # Said plainly rather than as dcap-qvl's CRL/TCB-info error text.
+            add(Step.COLLATERAL, f"collateral expired at {_iso(collateral.expires_at)}")
+            return done(quote=summary)
         dcap = verify_dcap(raw_quote, collateral, now, self.policy.release.tcb, root_ca_der=root)
         # No status means the signature chain itself failed; otherwise the TCB policy refused.
         add(Step.QUOTE_SIGNATURE if dcap.status is None else Step.TCB, *dcap.reasons)
@@ -254,6 +264,10 @@ class Verifier:
             events_checked=checked,
             pcrs=pcrs,
         )
+
+
+def _iso(ts: int) -> str:
+    return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def _azure_checks(

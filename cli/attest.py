@@ -2,47 +2,57 @@
 
 from __future__ import annotations
 
-import re
+import os
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 import yaml
+from rich.markup import escape
 from rich.panel import Panel
 from rich.table import Table
 
+from umbra.attest.azure import decode_envelope, is_azure_envelope, parse_hcl_report
 from umbra.attest.collateral import (
     Collateral,
     CollateralCache,
     CollateralSource,
     PccsCollateral,
     StaticCollateral,
+    pck_identity,
 )
 from umbra.attest.errors import AttestError
 from umbra.attest.eventlog import Event, dump_dstack_event_log, load_event_log
-from umbra.attest.measurement import load_measurement_policy
+from umbra.attest.inputs import decode_evidence
+from umbra.attest.measurement import MeasurementPolicy, ReleaseManifest, load_measurement_policy
+from umbra.attest.policy_from import release_from_evidence
 from umbra.attest.quote import parse_quote
 from umbra.attest.simpki import SimulatedPki
 from umbra.attest.simulator import SimulatedTdx
-from umbra.attest.verify import Verdict, Verifier, summarize
+from umbra.attest.verify import Step, Verdict, Verifier, summarize
 from umbra.cli.output import EXIT_FINDINGS, EXIT_USAGE, console, fail, print_json
 
 app = typer.Typer(help="Verify TDX attestation quotes; simulate a TEE.", no_args_is_help=True)
 
 JsonFlag = Annotated[bool, typer.Option("--json", help="Machine-readable output on stdout.")]
-_HEX = re.compile(rb"^[0-9a-fA-F\s]+$")
+# Fresh collateral by default: Intel's PCS, or the PCCS an operator names in this variable.
+PCCS_ENV = "UMBRA_PCCS_URL"
+INTEL_PCS_URL = "https://api.trustedservices.intel.com"
+EXPIRED_HINT = " (use fresh collateral, or --at for old vectors)"
 
 
 def _read_quote(path: Path, as_json: bool) -> bytes:
+    """Raw bytes, hex (0x, whitespace) or base64 of a quote or Azure evidence; else one line."""
     try:
         data = path.read_bytes()
     except OSError as exc:
         fail(f"cannot read {path}: {exc.strerror}", EXIT_USAGE, as_json=as_json)
-    # Quotes travel as raw bytes or as hex text (dstack, cloud APIs); accept both.
-    if data and _HEX.match(data):
-        return bytes.fromhex(data.decode())
-    return data
+    try:
+        return decode_evidence(data)
+    except AttestError as exc:
+        fail(f"{path}: {exc}", EXIT_USAGE, as_json=as_json)
 
 
 def _hex_arg(value: str | None, what: str, as_json: bool) -> bytes | None:
@@ -57,7 +67,15 @@ def _hex_arg(value: str | None, what: str, as_json: bool) -> bytes | None:
 @app.command()
 def verify(
     quote_file: Annotated[Path, typer.Argument(help="The quote: raw bytes or hex text.")],
-    policy: Annotated[Path, typer.Option("--policy", "-p", help="Release manifest (YAML/JSON).")],
+    policy: Annotated[
+        Path | None,
+        typer.Option(
+            "--policy",
+            "-p",
+            help="Release manifest (YAML/JSON). Without it: DCAP and TCB checks only, and the "
+            "measurements are printed as a policy to review and paste.",
+        ),
+    ] = None,
     binding: Annotated[
         Path | None, typer.Option("--binding", "-b", help="Instance binding written at launch.")
     ] = None,
@@ -66,7 +84,11 @@ def verify(
     ] = None,
     pccs: Annotated[
         list[str] | None,
-        typer.Option("--pccs", help="PCCS URL to fetch collateral from; repeat to try in turn."),
+        typer.Option(
+            "--pccs",
+            help=f"PCCS URL to fetch collateral from; repeat to try in turn "
+            f"(default: ${PCCS_ENV}, else Intel PCS).",
+        ),
     ] = None,
     cache_dir: Annotated[
         Path | None, typer.Option("--cache-dir", help="Persist fetched collateral here.")
@@ -78,7 +100,8 @@ def verify(
         str | None, typer.Option("--report-data", help="Expected report_data (128 hex digits).")
     ] = None,
     at: Annotated[
-        int | None, typer.Option("--at", help="Verify as of this Unix time (default: now).")
+        int | None,
+        typer.Option("--at", min=0, help="Verify as of this Unix time (default: now)."),
     ] = None,
     allow_simulated: Annotated[
         bool,
@@ -94,27 +117,80 @@ def verify(
     expected_rd = _hex_arg(report_data, "--report-data", as_json)
     if expected_rd is not None and len(expected_rd) != 64:
         fail("--report-data must be 64 bytes (128 hex digits)", EXIT_USAGE, as_json=as_json)
+    if policy is None and binding is not None:
+        fail("--binding needs --policy", EXIT_USAGE, as_json=as_json)
+    pinned: ReleaseManifest | None = None
     try:
-        measurement = load_measurement_policy(policy, binding)
+        if policy is not None:
+            measurement = load_measurement_policy(policy, binding)
+        else:
+            pinned = _pinned(raw, allow_simulated)
+            # Measurements are what we print, not what we check: runtime events are allowed.
+            measurement = MeasurementPolicy(
+                release=pinned.model_copy(update={"other_runtime_events": "allow"})
+            )
         source = _collateral_source(collateral, pccs, cache_dir)
-        log: list[Event] | None = None
-        if event_log is not None:
-            try:
-                log = load_event_log(event_log.read_bytes())
-            except OSError as exc:
-                fail(f"cannot read {event_log}: {exc.strerror}", EXIT_USAGE, as_json=as_json)
         root = _load_root(simulated_root) if simulated_root else None
     except AttestError as exc:
         fail(str(exc), EXIT_USAGE, as_json=as_json)
+    log: list[Event] | None = None
+    log_error: str | None = None
+    if event_log is not None:
+        try:
+            log = load_event_log(event_log.read_bytes())
+        except OSError as exc:
+            fail(f"cannot read {event_log}: {exc.strerror}", EXIT_USAGE, as_json=as_json)
+        except AttestError as exc:  # a forged or broken log is a finding, not a usage error
+            log_error = f"event log {event_log} does not parse: {exc}"
     verdict = Verifier(measurement, source, allow_simulated, root).verify(
         raw, event_log=log, expected_report_data=expected_rd, now=at
     )
+    if log_error is not None:
+        verdict = verdict.with_failure(Step.EVENT_LOG, log_error)
+    verdict = _with_hints(verdict)
     if as_json:
-        print_json(verdict.to_json())
+        doc = verdict.to_json()
+        doc["measurements_checked"] = pinned is None
+        if pinned is not None:
+            doc["policy"] = _policy_doc(pinned)
+        print_json(doc)
     else:
         _render(verdict, quote_file)
+        if pinned is not None:
+            _render_pinned(pinned)
     if not verdict.ok:
         raise typer.Exit(EXIT_FINDINGS)
+
+
+def _pinned(raw: bytes, simulated: bool) -> ReleaseManifest:
+    return release_from_evidence(raw, tee="simulated" if simulated else "tdx")
+
+
+def _policy_doc(release: ReleaseManifest) -> dict[str, Any]:
+    return release.model_dump(mode="json", exclude_defaults=True)
+
+
+def _with_hints(v: Verdict) -> Verdict:
+    """Say what to do about an expired collateral set, in the CLI's own terms."""
+    if not any(f.step is Step.COLLATERAL and "expired at" in f.reason for f in v.failures):
+        return v
+    failures = [
+        f
+        if f.step is not Step.COLLATERAL or "expired at" not in f.reason
+        else type(f)(f.step, f.reason + EXPIRED_HINT)
+        for f in v.failures
+    ]
+    return replace(v, failures=failures, reasons=[f.reason for f in failures])
+
+
+def _render_pinned(release: ReleaseManifest) -> None:
+    # Plain YAML, never wrapped, so it can be pasted as is.
+    console.print(
+        "[yellow]Measurements NOT checked (no --policy).[/] The release manifest below pins what "
+        "this quote measured: review it, save it, and pass it as --policy.",
+        soft_wrap=True,
+    )
+    typer.echo(yaml.safe_dump(_policy_doc(release), sort_keys=False), nl=False)
 
 
 def _collateral_source(
@@ -124,9 +200,8 @@ def _collateral_source(
         raise AttestError("give --collateral or --pccs, not both")
     if path is not None:
         return StaticCollateral(Collateral.from_file(path))
-    if pccs:
-        return PccsCollateral(pccs, cache=CollateralCache(cache_dir))
-    raise AttestError("collateral needed: give --collateral FILE or --pccs URL")
+    endpoints = pccs or [os.environ.get(PCCS_ENV) or INTEL_PCS_URL]
+    return PccsCollateral(endpoints, cache=CollateralCache(cache_dir))
 
 
 def _load_root(path: Path) -> bytes:
@@ -176,21 +251,54 @@ def _render(v: Verdict, source: Path) -> None:
             table.add_row(key.upper(), v.quote[key])
     if v.events_checked:
         table.add_row("events", ", ".join(v.events_checked))
+    if v.platform != "tdx":
+        table.add_row("platform", v.platform)
+    for index, value in sorted(v.pcrs.items()):
+        table.add_row(f"PCR{index}", value)
     table.add_row("verified at", str(v.verified_at))
     console.print(Panel(table, title=title, border_style="green" if v.ok else "red"))
-    for reason in v.reasons:
-        console.print(f"[red]✗[/] {reason}", highlight=False, soft_wrap=True)
+    for failure in v.failures:
+        console.print(
+            f"[red]✗[/] {failure.step.value}: {escape(failure.reason)}",
+            highlight=False,
+            soft_wrap=True,
+        )
+
+
+def _describe(raw: bytes) -> dict[str, Any]:
+    """What a user needs to pick collateral and write a policy; verifies nothing."""
+    quote = raw
+    extra: dict[str, Any] = {"platform": "tdx"}
+    if is_azure_envelope(raw):
+        ev = decode_envelope(raw)
+        hcl = parse_hcl_report(ev.hcl_report)
+        quote = ev.td_quote
+        user_data = hcl.runtime_data.user_data
+        extra = {
+            "platform": "azure-tdx",
+            "pcrs": {str(i): v.hex() for i, v in sorted(ev.pcrs.items())},
+            "runtime_user_data": user_data.hex() if user_data is not None else None,
+        }
+    summary = summarize(parse_quote(quote))
+    fmspc, ca = pck_identity(quote)
+    summary.update(
+        fmspc=fmspc,
+        pck_ca=ca,
+        tee_tcb_svn=parse_quote(quote).td_report.tee_tcb_svn.hex(),
+        **extra,
+    )
+    return summary
 
 
 @app.command()
 def parse(
-    quote_file: Annotated[Path, typer.Argument(help="The quote: raw bytes or hex text.")],
+    quote_file: Annotated[Path, typer.Argument(help="Quote or Azure evidence: raw, hex, base64.")],
     as_json: JsonFlag = False,
 ) -> None:
-    """Parse QUOTE_FILE (no verification) and show its measurements."""
+    """Parse QUOTE_FILE (no verification): measurements, FMSPC, TEE TCB SVN and PCK CA."""
     raw = _read_quote(quote_file, as_json)
     try:
-        summary = summarize(parse_quote(raw))
+        summary = _describe(raw)
     except AttestError as exc:
         fail(str(exc), EXIT_FINDINGS, as_json=as_json)
     if as_json:
@@ -198,8 +306,32 @@ def parse(
         return
     table = _table()
     for key, value in summary.items():
+        if isinstance(value, dict):
+            value = "\n".join(f"{k}: {v}" for k, v in value.items())
         table.add_row(key, str(value))
     console.print(Panel(table, title="quote (unverified)"))
+
+
+@app.command("policy-from")
+def policy_from(
+    quote_file: Annotated[Path, typer.Argument(help="Quote or Azure evidence: raw, hex, base64.")],
+    name: Annotated[str, typer.Option("--name", help="The release's name.")] = "pinned-release",
+    simulated: Annotated[
+        bool, typer.Option("--simulated", help="Write tee: simulated (for simulated quotes).")
+    ] = False,
+    as_json: JsonFlag = False,
+) -> None:
+    """Print a release manifest pinning QUOTE_FILE's measurements (unverified: run `verify`
+    first, and review before trusting it)."""
+    raw = _read_quote(quote_file, as_json)
+    try:
+        release = release_from_evidence(raw, name=name, tee="simulated" if simulated else "tdx")
+    except AttestError as exc:
+        fail(str(exc), EXIT_FINDINGS, as_json=as_json)
+    if as_json:
+        print_json(_policy_doc(release))
+        return
+    typer.echo(yaml.safe_dump(_policy_doc(release), sort_keys=False), nl=False)
 
 
 @app.command()

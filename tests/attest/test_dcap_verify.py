@@ -12,7 +12,7 @@ from umbra.attest.measurement import MeasurementPolicy
 from umbra.attest.simpki import SimulatedPki
 from umbra.attest.simulator import SimulatedTdx
 from umbra.attest.tcb import MaskedValue, TcbPolicy, TdPolicy
-from umbra.attest.verify import Verdict, verify_quote
+from umbra.attest.verify import Step, Verdict, verify_quote
 
 from .conftest import T_INSIDE, T_SIM, release_for
 
@@ -39,7 +39,12 @@ def test_real_quote_fails_outside_collateral_window(
 ) -> None:
     v = verify_quote(real_quote, policy=real_policy, collateral=real_collateral, now=when)
     assert not v.ok
-    assert any("DCAP verification failed" in r for r in v.reasons)
+    if when > T_INSIDE:  # said plainly, before dcap-qvl is asked
+        assert v.reasons == ["collateral expired at 2025-07-19T10:00:35Z"]
+        assert v.failed_steps == [Step.COLLATERAL]
+    else:
+        assert any("DCAP verification failed" in r for r in v.reasons)
+        assert v.failed_steps == [Step.QUOTE_SIGNATURE]
 
 
 def test_outdated_vector_fails(outdated_quote: bytes, outdated_collateral: Collateral) -> None:
