@@ -19,8 +19,22 @@ from umbra.attest.simpki import SIM_FMSPC, SimulatedPki
 class SimulatedPccs:
     """Context manager: `with SimulatedPccs(pki, issued_at) as pccs: pccs.url`."""
 
-    def __init__(self, pki: SimulatedPki, issued_at: int, host: str = "127.0.0.1") -> None:
-        self.collateral: Collateral = pki.collateral(issued_at)
+    def __init__(
+        self,
+        pki: SimulatedPki | None,
+        issued_at: int = 0,
+        host: str = "127.0.0.1",
+        *,
+        collateral: Collateral | None = None,
+    ) -> None:
+        """Serve `pki`'s collateral issued at `issued_at`, or a recorded `collateral` set (a
+        stand-in for Intel PCS in tests of the fetch path with real quotes)."""
+        if collateral is None:
+            if pki is None:
+                raise ValueError("give a simulated PKI or a recorded collateral set")
+            collateral = pki.collateral(issued_at)
+        self.collateral: Collateral = collateral
+        fmspc = (collateral.fmspc or SIM_FMSPC.hex()).upper()
         self.requests: list[str] = []
         doc = json.loads(self.collateral.json_text)
         routes = _routes(doc)
@@ -33,8 +47,7 @@ class SimulatedPccs:
                 query = urllib.parse.parse_qs(parsed.query)
                 route = routes.get(parsed.path)
                 if route is None or (
-                    parsed.path.endswith("/tcb")
-                    and query.get("fmspc", [""])[0].upper() != SIM_FMSPC.hex().upper()
+                    parsed.path.endswith("/tcb") and query.get("fmspc", [""])[0].upper() != fmspc
                 ):
                     self.send_error(404)
                     return

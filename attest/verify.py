@@ -239,8 +239,8 @@ class Verifier:
             add(Step.COLLATERAL, f"collateral expired at {_iso(collateral.expires_at)}")
             return done(quote=summary)
         dcap = verify_dcap(raw_quote, collateral, now, self.policy.release.tcb, root_ca_der=root)
-        # No status means the signature chain itself failed; otherwise the TCB policy refused.
-        add(Step.QUOTE_SIGNATURE if dcap.status is None else Step.TCB, *dcap.reasons)
+        for reason in dcap.reasons:
+            add(_dcap_step(reason, dcap.status), reason)
         add(Step.MEASUREMENT, *td_reasons(q, self.policy))
         pcrs: dict[int, str] = {}
         if azure is not None and hcl is not None:
@@ -264,6 +264,16 @@ class Verifier:
             events_checked=checked,
             pcrs=pcrs,
         )
+
+
+def _dcap_step(reason: str, status: str | None) -> Step:
+    """Which step a DCAP reason belongs to. With a TCB status, the chain verified and our TCB
+    policy refused; without one, dcap-qvl stopped early, and its text says where."""
+    if status is not None or "TCB level" in reason:
+        return Step.TCB
+    if any(w in reason for w in ("Crl", "CRL", "expired", "issue date", "TCBInfo", "QEIdentity")):
+        return Step.COLLATERAL
+    return Step.QUOTE_SIGNATURE
 
 
 def _iso(ts: int) -> str:
