@@ -14,6 +14,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -57,7 +58,7 @@ class Collateral:
     qe_identity_issue_date: int
     next_update: int  # the earlier of the two nextUpdate times
 
-    @property
+    @cached_property
     def expires_at(self) -> int:
         """When the first part of the set lapses: TCB info, QE identity, or either CRL."""
         when = self.next_update

@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from umbra.attest.atls import _decode_evidence
+from umbra.attest.azure import AzureEvidence, decode_envelope, parse_hcl_report
 from umbra.attest.collateral import Collateral
 from umbra.attest.errors import (
     ATLSError,
@@ -19,7 +20,9 @@ from umbra.attest.errors import (
     QuoteParseError,
 )
 from umbra.attest.eventlog import dump_ccel, parse_ccel, parse_dstack_event_log
+from umbra.attest.inputs import decode_evidence
 from umbra.attest.quote import parse_quote
+from umbra.attest.tpm import parse_tpm_quote
 
 from .conftest import DATA
 
@@ -175,3 +178,38 @@ _evidence_doc = st.one_of(
 def test_atls_evidence_decoder(payload: bytes) -> None:
     with contextlib.suppress(ATLSError):
         _decode_evidence(payload)
+
+
+AZ = DATA.parent / "azure"
+HCL = (AZ / "hcl-report-tdx.bin").read_bytes()
+AZ_QUOTE = (AZ / "quote.bin").read_bytes()
+TPM_ATTEST = AZ_QUOTE[8 + 256 + 8 : 8 + 256 + 8 + 122]
+ENVELOPE = AzureEvidence(REAL, HCL, TPM_ATTEST, bytes(256), {0: bytes(32)}).encode()
+
+
+@FUZZ
+@given(st.one_of(mutated(HCL), st.binary(max_size=3000)))
+def test_hcl_report_parser(raw: bytes) -> None:
+    with contextlib.suppress(QuoteParseError):
+        parse_hcl_report(raw)
+
+
+@FUZZ
+@given(st.one_of(mutated(TPM_ATTEST), st.binary(max_size=300)))
+def test_tpm_attest_parser(raw: bytes) -> None:
+    with contextlib.suppress(QuoteParseError):
+        parse_tpm_quote(raw)
+
+
+@FUZZ
+@given(st.one_of(mutated(ENVELOPE), st.binary(max_size=300)))
+def test_azure_envelope_parser(raw: bytes) -> None:
+    with contextlib.suppress(QuoteParseError):
+        decode_envelope(raw)
+
+
+@FUZZ
+@given(st.one_of(st.binary(max_size=200), st.text(max_size=200).map(str.encode), mutated(REAL)))
+def test_evidence_input_decoder(raw: bytes) -> None:
+    with contextlib.suppress(AttestError):
+        decode_evidence(raw)
