@@ -38,6 +38,7 @@ MAX_LOG_BYTES = 2 << 20
 MAX_DIGESTS_PER_EVENT = 8
 RUNTIME_IMR = 3
 TPM_ALG_SHA384 = 0x000C
+_HEADER = struct.Struct("<III")  # mr_index, event type, digest count: one unpack per event
 _ALG_SIZES = {0x0004: 20, 0x000B: 32, 0x000C: 48, 0x000D: 64, 0x0012: 32}
 
 
@@ -196,10 +197,8 @@ def parse_ccel(data: bytes) -> list[Event]:
         records += 1
         if records > MAX_EVENTS:
             raise EventLogError(f"CCEL has more than {MAX_EVENTS} events")
-        index = u32("event.mr_index")
-        event_type = u32("event.type")
+        index, event_type, count = _HEADER.unpack(take(12, "event header"))
         digests: dict[int, bytes] = {}
-        count = u32("event.digest_count")
         if count > MAX_DIGESTS_PER_EVENT:
             raise EventLogError(
                 f"CCEL event has {count} digests, more than {MAX_DIGESTS_PER_EVENT}"
