@@ -79,21 +79,29 @@ class AzureVtpmSource:
 
 
 class Tpm2ToolsVtpm:
-    """The vTPM through `tpm2-tools` on the kernel's resource manager (/dev/tpmrm0)."""
+    """The vTPM through `tpm2-tools`: the kernel's resource manager (/dev/tpmrm0) by default, or
+    any TCTI (tests use swtpm's)."""
 
-    def __init__(self, device: Path = TPM_DEVICE, ak_handle: int = AZURE_AK_HANDLE) -> None:
+    def __init__(
+        self,
+        device: Path = TPM_DEVICE,
+        ak_handle: int = AZURE_AK_HANDLE,
+        *,
+        tcti: str | None = None,
+    ) -> None:
         self.device = device
         self.ak_handle = ak_handle
+        self.tcti = tcti if tcti is not None else f"device:{device}"
 
     def _run(self, *args: str) -> None:
-        if not self.device.exists():
+        if self.tcti.startswith("device:") and not self.device.exists():
             raise QuoteSourceError(
                 f"no vTPM at {self.device}: not an Azure confidential VM, or the TPM driver "
                 "is not loaded"
             )
         if shutil.which(args[0]) is None:
             raise QuoteSourceError(f"{args[0]} not found: install tpm2-tools")
-        env = {**os.environ, "TPM2TOOLS_TCTI": f"device:{self.device}"}
+        env = {**os.environ, "TPM2TOOLS_TCTI": self.tcti}
         try:
             subprocess.run(args, check=True, capture_output=True, env=env, timeout=30)
         except subprocess.CalledProcessError as exc:
