@@ -327,3 +327,46 @@ def test_release_manifest_platform_rules() -> None:
         {**base, "platform": "azure-tdx", "pcrs": {"4": ["00" * 32]}}
     )
     assert ok.pcrs == {4: ["00" * 32]}
+
+
+def test_imds_client_against_a_loopback_stand_in(cvm: SimulatedAzureCvm) -> None:
+    """`ImdsTdQuote` speaks HTTP to a loopback stand-in for IMDS's /acc/tdquote."""
+    import base64
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from umbra.attest.azure_source import ImdsTdQuote
+
+    seen: list[bytes] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            report = base64.urlsafe_b64decode(body["report"] + "==")
+            seen.append(report)
+            quote = cvm.td_quote(report)
+            out = json.dumps({"quote": base64.urlsafe_b64encode(quote).decode().rstrip("=")})
+            self.send_response(200 if self.path == "/acc/tdquote" else 404)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(out.encode())
+
+        def log_message(self, format: str, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/acc/tdquote"
+        source = AzureVtpmSource(cvm, ImdsTdQuote(url))
+        evidence = decode_envelope(source.get_quote(BINDING))
+        assert seen == [parse_hcl_report(evidence.hcl_report).td_report_raw]
+        assert evidence.td_quote[:2] == b"\x04\x00"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+    with pytest.raises(QuoteSourceError, match="unreachable"):
+        ImdsTdQuote("http://127.0.0.1:9/acc/tdquote", timeout=2).td_quote(bytes(1024))
