@@ -34,3 +34,7 @@ class QuoteSourceError(AttestError):
 
 class ATLSError(AttestError):
     """The attested-TLS exchange failed: protocol, framing or verification."""
+
+
+class EvidenceFormatError(AttestError):
+    """Input handed over as evidence is neither a binary quote nor hex or base64 of one."""

@@ -13,16 +13,12 @@ import re
 import string
 
 from umbra.attest.azure import ENVELOPE_MAGIC
-from umbra.attest.errors import AttestError
+from umbra.attest.errors import EvidenceFormatError
 
 _TEXT = frozenset(string.printable.encode())
 _HEX = re.compile(r"[0-9a-fA-F]*")
 _B64 = re.compile(r"[A-Za-z0-9+/_-]*={0,2}")
 MAX_INPUT = 1 << 20
-
-
-class EvidenceFormatError(AttestError):
-    """The input is neither a binary quote nor hex nor base64 of one."""
 
 
 def _binary(data: bytes) -> bool:
