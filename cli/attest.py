@@ -29,6 +29,7 @@ from umbra.attest.inputs import decode_evidence
 from umbra.attest.measurement import MeasurementPolicy, ReleaseManifest, load_measurement_policy
 from umbra.attest.policy_from import release_from_evidence
 from umbra.attest.quote import parse_quote
+from umbra.attest.simazure import SimulatedAzureCvm
 from umbra.attest.simpki import SimulatedPki
 from umbra.attest.simulator import SimulatedTdx
 from umbra.attest.verify import Step, Verdict, Verifier, summarize
@@ -253,8 +254,12 @@ def _render(v: Verdict, source: Path) -> None:
         table.add_row("events", ", ".join(v.events_checked))
     if v.platform != "tdx":
         table.add_row("platform", v.platform)
+    zero = "00" * 32
     for index, value in sorted(v.pcrs.items()):
-        table.add_row(f"PCR{index}", value)
+        if value != zero:  # 24 PCRs, most of them zero: show what was measured
+            table.add_row(f"PCR{index}", value)
+    if any(value == zero for value in v.pcrs.values()):
+        table.add_row("PCRs zero", ",".join(str(i) for i, x in sorted(v.pcrs.items()) if x == zero))
     table.add_row("verified at", str(v.verified_at))
     console.print(Panel(table, title=title, border_style="green" if v.ok else "red"))
     for failure in v.failures:
@@ -347,41 +352,60 @@ def simulate(
     ] = None,
     version: Annotated[int, typer.Option("--version", help="Quote version: 4 or 5.")] = 4,
     image: Annotated[str, typer.Option("--image", help="Simulated image name.")] = "umbra-dev-cvm",
+    platform: Annotated[
+        str,
+        typer.Option(
+            "--platform", help="tdx, or azure-tdx: evidence through a simulated paravisor + vTPM."
+        ),
+    ] = "tdx",
     at: Annotated[int | None, typer.Option("--at", help="Collateral issue time.")] = None,
     as_json: JsonFlag = False,
 ) -> None:
     """Emit a SIMULATED quote plus its collateral, event log, release manifest and root CA."""
     rd = _hex_arg(report_data, "--report-data", as_json) or b""
+    if platform not in ("tdx", "azure-tdx"):
+        fail("--platform must be tdx or azure-tdx", EXIT_USAGE, as_json=as_json)
+    if platform == "azure-tdx" and event:
+        fail("runtime events are not measured on azure-tdx", EXIT_USAGE, as_json=as_json)
     try:
         pki = SimulatedPki.load_or_create(pki_dir)
-        tdx = SimulatedTdx(pki, image=image, version=version)
-        names: list[dict[str, Any]] = []
-        for spec in event or []:
-            name, sep, payload = spec.partition("=")
-            if not sep or not name:
-                raise AttestError(f"--event {spec!r}: expected NAME=HEXPAYLOAD")
-            value = _hex_arg(payload, f"--event {name}", as_json) or b""
-            tdx.extend_runtime_event(name, value)
-            names.append({"name": name, "payloads": [value.hex()]})
-        quote = tdx.quote(rd)
-        issued = (int(time.time()) if at is None else at) - 60
+        files = ["quote", "collateral.json", "root.der", "release.yaml"]
         out_dir.mkdir(parents=True, exist_ok=True)
+        if platform == "azure-tdx":
+            if len(rd) > 64:
+                raise AttestError("report_data is at most 64 bytes")
+            cvm = SimulatedAzureCvm(pki, image=image)
+            quote = cvm.source().get_quote(rd.ljust(64, b"\0"))
+            manifest = cvm.release_manifest().model_dump(mode="json", exclude_defaults=True)
+        else:
+            tdx = SimulatedTdx(pki, image=image, version=version)
+            names: list[dict[str, Any]] = []
+            for spec in event or []:
+                name, sep, payload = spec.partition("=")
+                if not sep or not name:
+                    raise AttestError(f"--event {spec!r}: expected NAME=HEXPAYLOAD")
+                value = _hex_arg(payload, f"--event {name}", as_json) or b""
+                tdx.extend_runtime_event(name, value)
+                names.append({"name": name, "payloads": [value.hex()]})
+            quote = tdx.quote(rd)
+            (out_dir / "event_log.json").write_text(dump_dstack_event_log(tdx.event_log()))
+            files.insert(2, "event_log.json")
+            manifest = tdx.release_manifest(events=names).model_dump(mode="json")
+        issued = (int(time.time()) if at is None else at) - 60
         (out_dir / "quote").write_bytes(quote)
         (out_dir / "collateral.json").write_text(pki.collateral(issued).json_text)
-        (out_dir / "event_log.json").write_text(dump_dstack_event_log(tdx.event_log()))
         (out_dir / "root.der").write_bytes(pki.root_der)
-        manifest = tdx.release_manifest(events=names).model_dump(mode="json")
         (out_dir / "release.yaml").write_text(yaml.safe_dump(manifest, sort_keys=False))
     except (AttestError, OSError) as exc:
         fail(str(exc), EXIT_USAGE, as_json=as_json)
-    files = ["quote", "collateral.json", "event_log.json", "root.der", "release.yaml"]
     if as_json:
         print_json({"ok": True, "simulated": True, "files": [str(out_dir / f) for f in files]})
         return
     console.print("[bold magenta]SIMULATED[/] quote written to " + str(out_dir))
+    log = f"-e {out_dir}/event_log.json " if "event_log.json" in files else ""
     console.print(
         f"verify with: umbra attest verify {out_dir}/quote -p {out_dir}/release.yaml "
-        f"-c {out_dir}/collateral.json -e {out_dir}/event_log.json "
+        f"-c {out_dir}/collateral.json {log}"
         f"--allow-simulated --simulated-root {out_dir}/root.der",
         highlight=False,
         soft_wrap=True,

@@ -183,3 +183,24 @@ def test_azure_evidence_through_the_cli(tmp_path: Path) -> None:
     stale = runner.invoke(app, [*args, *sim, "--report-data", "11" * 64])
     assert stale.exit_code == 1
     assert json.loads(stale.stdout)["failed_steps"] == ["binding"]
+
+
+def test_simulate_azure_then_verify(tmp_path: Path) -> None:
+    out = tmp_path / "az"
+    made = runner.invoke(
+        app,
+        ["attest", "simulate", str(out), "--pki", str(tmp_path / "pki"), "--platform", "azure-tdx",
+         "--at", str(T_SIM), "--report-data", "ab" * 64],
+    )  # fmt: skip
+    assert made.exit_code == 0, made.output
+    assert not (out / "event_log.json").exists()
+    args = ["attest", "verify", str(out / "quote"), "-p", str(out / "release.yaml"),
+            "-c", str(out / "collateral.json"), "--at", str(T_SIM), "--allow-simulated",
+            "--simulated-root", str(out / "root.der")]  # fmt: skip
+    res = runner.invoke(app, [*args, "--report-data", "ab" * 64])
+    assert res.exit_code == 0, res.output
+    assert "PASS" in res.stdout and "PCR0" in res.stdout and "SIMULATED TEE" in res.stdout
+    refused = runner.invoke(
+        app, ["attest", "simulate", str(out), "--platform", "azure-tdx", "--event", "a=00"]
+    )
+    assert refused.exit_code == 2
