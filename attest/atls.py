@@ -116,7 +116,7 @@ def _decode_evidence(payload: bytes) -> tuple[bytes, list[Event] | None]:
         doc = json.loads(payload)
         quote = base64.b64decode(doc["quote"], validate=True)
         log_text = doc.get("event_log")
-    except (ValueError, KeyError, TypeError, binascii.Error):
+    except (ValueError, KeyError, TypeError, binascii.Error, RecursionError):
         raise ATLSError("EVIDENCE frame is malformed") from None
     if log_text is None:
         return quote, None
@@ -198,7 +198,7 @@ async def server_handshake(
         try:
             result = json.loads(await frames.read(FRAME_VERDICT))
             ok = result["ok"] is True
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, RecursionError):
             raise ATLSError("VERDICT frame is malformed") from None
         if not ok:
             raise ATLSError(

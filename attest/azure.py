@@ -152,7 +152,7 @@ def _b64url_int(value: object, what: str) -> int:
 def parse_runtime_data(raw: bytes) -> RuntimeData:
     try:
         doc = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):  # deep nesting is hostile input
         raise QuoteParseError("runtime data is not JSON", field="runtime_data", offset=0) from None
     if not isinstance(doc, dict) or not isinstance(doc.get("keys"), list):
         raise QuoteParseError("runtime data has no key list", field="keys", offset=0)
@@ -168,7 +168,12 @@ def parse_runtime_data(raw: bytes) -> RuntimeData:
     e = _b64url_int(jwk.get("e"), "HCLAkPub.e")
     if n.bit_length() < 2048 or e < 3:
         raise QuoteParseError("HCLAkPub is weaker than RSA-2048", field="HCLAkPub.n", offset=0)
-    ak = rsa.RSAPublicNumbers(e, n).public_key()
+    try:
+        ak = rsa.RSAPublicNumbers(e, n).public_key()
+    except ValueError:  # e.g. an even exponent: not a key, whatever its size
+        raise QuoteParseError(
+            "HCLAkPub is not a valid RSA key", field="HCLAkPub", offset=0
+        ) from None
     user_data: bytes | None = None
     if "user-data" in doc:
         try:
@@ -204,7 +209,13 @@ def parse_hcl_report(raw: bytes) -> HclReport:
             offset=4,
         )
     off = HCL_HEADER_LEN + HW_REPORT_LEN
-    data_size, _data_version, report_type, hash_type, var_size = struct.unpack_from("<5I", raw, off)
+    data_size, data_version, report_type, hash_type, var_size = struct.unpack_from("<5I", raw, off)
+    if data_version != 1:
+        raise QuoteParseError(
+            f"IGVM request data version {data_version} is not 1",
+            field="data_version",
+            offset=off + 4,
+        )
     if report_type != IGVM_REPORT_TYPE_TDX:
         raise QuoteParseError(
             f"HCL report type {report_type} is not TDX ({IGVM_REPORT_TYPE_TDX})",

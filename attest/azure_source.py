@@ -171,5 +171,5 @@ class ImdsTdQuote:
             raise QuoteSourceError(
                 f"Azure IMDS quote endpoint {self.url} unreachable: {exc}"
             ) from None
-        except (ValueError, KeyError, TypeError, binascii.Error):
+        except (ValueError, KeyError, TypeError, binascii.Error, RecursionError):
             raise QuoteSourceError("Azure IMDS returned no quote") from None

@@ -81,7 +81,7 @@ class Collateral:
     def from_json(cls, text: str | bytes) -> Collateral:
         try:
             doc = json.loads(text)
-        except (ValueError, UnicodeDecodeError) as exc:
+        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
             raise CollateralError(f"collateral is not JSON: {exc}") from None
         if not isinstance(doc, dict):
             raise CollateralError("collateral must be a JSON object")
@@ -91,7 +91,7 @@ class Collateral:
         try:
             tcb = json.loads(doc["tcb_info"])
             qe = json.loads(doc["qe_identity"])
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, RecursionError) as exc:
             raise CollateralError(f"collateral tcb_info/qe_identity is not JSON: {exc}") from None
         if not isinstance(tcb, dict) or not isinstance(qe, dict):
             raise CollateralError("collateral tcb_info/qe_identity must be JSON objects")
@@ -202,7 +202,7 @@ class CollateralCache:
         try:
             doc = json.loads(path.read_text())
             entry = _Entry(Collateral.from_json(doc["collateral"]), int(doc["expires_at"]))
-        except (OSError, ValueError, KeyError, TypeError, CollateralError):
+        except (OSError, ValueError, KeyError, TypeError, RecursionError, CollateralError):
             return None  # a damaged cache file is a miss, never an error
         with self._lock:
             self._entries[key] = entry

@@ -105,7 +105,7 @@ def parse_dstack_event_log(text: str | bytes) -> list[Event]:
     _check_size(len(text))
     try:
         doc = json.loads(text)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # deep nesting: hostile
         raise EventLogError(f"event log is not JSON: {exc}") from None
     if not isinstance(doc, list):
         raise EventLogError("event log must be a JSON list")

@@ -178,7 +178,7 @@ def _read(path: Path) -> tuple[str, Any]:
         raise PolicyFileError(f"{path}: cannot read: {exc}") from None
     try:
         doc = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
-    except (ValueError, yaml.YAMLError) as exc:
+    except (ValueError, yaml.YAMLError, RecursionError) as exc:
         raise PolicyFileError(
             f"{path}: not valid {path.suffix.lstrip('.') or 'YAML'}: {exc}"
         ) from None

@@ -144,13 +144,17 @@ class Verifier:
         try:
             return self._verify(raw_quote, event_log, expected_report_data, when)
         except AttestError as exc:  # an error from a deeper layer is a failed verdict, not a crash
-            return Verdict(
-                ok=False,
-                simulated=False,
-                reasons=[str(exc)],
-                verified_at=when,
-                failures=[Failure(Step.EVIDENCE, str(exc))],
-            )
+            reason = str(exc)
+        except (ValueError, TypeError, OverflowError, RecursionError) as exc:
+            # A parser that missed a case must still fail closed, never crash the caller.
+            reason = f"evidence could not be processed ({type(exc).__name__}: {exc})"
+        return Verdict(
+            ok=False,
+            simulated=False,
+            reasons=[reason],
+            verified_at=when,
+            failures=[Failure(Step.EVIDENCE, reason)],
+        )
 
     def _verify(
         self,

@@ -87,7 +87,7 @@ def test_real_hcl_report_tampering_is_refused_or_unbinds() -> None:
     assert bad.td_report.report_data[:32] != hashlib.sha256(bad.runtime_data.raw).digest()
 
 
-@pytest.mark.parametrize("where", [0, 4, 8, 1216 + 8, 1216 + 12, 2599])
+@pytest.mark.parametrize("where", [0, 4, 8, 1216 + 4, 1216 + 8, 1216 + 12, 2599])
 def test_real_hcl_report_structure_is_strict(where: int) -> None:
     raw = bytearray((AZ / "hcl-report-tdx.bin").read_bytes())
     raw[where] ^= 0x40
@@ -277,9 +277,11 @@ def test_azure_envelope_bit_flips_never_accepted(
     assert v.verify(evidence, expected_report_data=BINDING, now=T_SIM).ok
     env = decode_envelope(evidence)
     # The HCL report's CPUSVN and MAC: no quote repeats them and only the TDX module on that host
-    # can check the MAC, so the verifier reads neither (spec: "what is not authenticated").
+    # can check the MAC, so the verifier reads neither; REPORTTYPE.VERSION may be 0 or 1 (TDX
+    # 1.0 / 1.5 modules) under a v4 quote (spec: "what is not authenticated").
     td_at = evidence.index(env.hcl_report) + 32
     unread = set(range(td_at + 16, td_at + 32)) | set(range(td_at + 224, td_at + 256))
+    unread.add(td_at + 2)
     accepted = []
     step = max(1, len(evidence) * 8 // 600)
     for bit in range(0, len(evidence) * 8, step):
@@ -370,3 +372,28 @@ def test_imds_client_against_a_loopback_stand_in(cvm: SimulatedAzureCvm) -> None
         thread.join()
     with pytest.raises(QuoteSourceError, match="unreachable"):
         ImdsTdQuote("http://127.0.0.1:9/acc/tdquote", timeout=2).td_quote(bytes(1024))
+
+
+def test_hostile_runtime_data_is_a_parse_error() -> None:
+    """Found by the envelope bit-flip test: an even RSA exponent made `cryptography` raise
+    ValueError out of the parser. Deep JSON nesting is refused the same way."""
+    from umbra.attest.azure import parse_runtime_data
+
+    n = "x" * 342  # 2048-bit modulus in base64url
+    for doc in (
+        b'{"keys":[{"kid":"HCLAkPub","kty":"RSA","e":"AQAA","n":"' + n.encode() + b'"}]}',
+        b'{"a":' * 50_000,
+    ):
+        with pytest.raises(QuoteParseError):
+            parse_runtime_data(doc)
+
+
+def test_deeply_nested_json_never_escapes_as_recursion_error() -> None:
+    from umbra.attest.atls import _decode_evidence
+    from umbra.attest.errors import ATLSError, EventLogError
+    from umbra.attest.eventlog import load_event_log
+
+    with pytest.raises(EventLogError):
+        load_event_log(b"[" * 100_000)
+    with pytest.raises(ATLSError):
+        _decode_evidence(b"[" * 100_000)
