@@ -8,7 +8,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from enum import StrEnum
@@ -290,7 +290,7 @@ def _azure_checks(
     ev: AzureEvidence,
     policy: MeasurementPolicy,
     expected_report_data: bytes | None,
-    add: Any,
+    add: Callable[..., None],
 ) -> dict[int, str]:
     """The paravisor chain after DCAP: HCL TD report = quoted TD report, runtime data bound by
     REPORTDATA, user-data = the expected binding, vTPM quote by the bound AK, PCRs by policy.
