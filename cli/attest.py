@@ -67,7 +67,9 @@ def _hex_arg(value: str | None, what: str, as_json: bool) -> bytes | None:
 
 @app.command()
 def verify(
-    quote_file: Annotated[Path, typer.Argument(help="The quote: raw bytes or hex text.")],
+    quote_file: Annotated[
+        Path, typer.Argument(help="Quote or Azure evidence: raw, hex or base64.")
+    ],
     policy: Annotated[
         Path | None,
         typer.Option(
