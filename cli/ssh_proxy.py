@@ -1,0 +1,112 @@
+"""`umbra ssh-proxy CVM`: OpenSSH's ProxyCommand for a Dev CVM.
+
+Asks the Console where the CVM is and what it must be, opens aTLS to its ingress, verifies the
+quote (release, CVM id, launch-bound keys, host key), pins the attested host key for ssh, and only
+then relays stdin/stdout. stdout carries nothing but the SSH stream; a refusal is one line on
+stderr naming the failed check, exit 1, before any SSH byte. Imports only what it needs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import sys
+
+import httpx
+from pydantic import ValidationError
+
+from umbra.cli.credentials import LoginMissing, pin_host_key, read_login
+from umbra.cli.ssh_attest import Check, Refused, connect_attested
+from umbra.contracts.session import SESSION_API, SessionInfo
+
+EXIT_REFUSED = 1
+CONSOLE_TIMEOUT = 10.0
+CHUNK = 64 * 1024
+
+
+def fetch_session(cvm_id: str, timeout: float = CONSOLE_TIMEOUT) -> SessionInfo:
+    try:
+        login = read_login()
+    except LoginMissing as exc:
+        raise Refused(Check.console, str(exc)) from None
+    url = login.url.rstrip("/") + SESSION_API.format(cvm_id=cvm_id)
+    try:
+        response = httpx.get(
+            url, headers={"Authorization": f"Bearer {login.token}"}, timeout=timeout
+        )
+    except httpx.HTTPError as exc:
+        raise Refused(
+            Check.console, f"cannot reach the Console at {login.url} ({type(exc).__name__})"
+        ) from None
+    if response.status_code == 401:
+        raise Refused(Check.console, "the Console login has expired: run `umbra auth login`")
+    if response.status_code == 404:
+        raise Refused(Check.console, f"no CVM {cvm_id} visible to you")
+    if response.status_code != 200:
+        raise Refused(Check.console, f"the Console answered {response.status_code}")
+    try:
+        return SessionInfo.model_validate_json(response.content)
+    except ValidationError as exc:
+        raise Refused(Check.console, f"malformed session info: {exc.errors()[0]['msg']}") from None
+
+
+async def _relay(conn: object) -> None:
+    from umbra.attest.atls import ATLSConnection
+
+    assert isinstance(conn, ATLSConnection)
+    loop = asyncio.get_running_loop()
+    stdin = asyncio.StreamReader()
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(stdin), sys.stdin.buffer)
+    transport, protocol = await loop.connect_write_pipe(
+        asyncio.streams.FlowControlMixin, sys.stdout.buffer
+    )
+    stdout = asyncio.StreamWriter(transport, protocol, None, loop)
+
+    async def up() -> None:
+        while data := await stdin.read(CHUNK):
+            await conn.send(data)
+
+    async def down() -> None:
+        while data := await conn.recv(CHUNK):
+            stdout.write(data)
+            await stdout.drain()
+
+    tasks = {asyncio.ensure_future(up()), asyncio.ensure_future(down())}
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+        await conn.close()
+        stdout.close()
+
+
+async def run(cvm_id: str) -> None:
+    info = await asyncio.to_thread(fetch_session, cvm_id)
+    if info.cvm_id != cvm_id:
+        raise Refused(Check.console, f"the Console answered for {info.cvm_id}, not {cvm_id}")
+    session = await connect_attested(info)
+    pin_host_key(cvm_id, session.host_key)
+    await _relay(session.conn)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="umbra ssh-proxy", description=__doc__.split("\n")[0])
+    parser.add_argument("cvm", help="the Dev CVM's id")
+    args = parser.parse_args(argv)
+    try:
+        asyncio.run(run(args.cvm))
+    except Refused as exc:
+        line = " ".join(f"{exc.check}: {exc.reason}".split())[:800]
+        print(f"umbra ssh-proxy: refused {args.cvm}: {line}", file=sys.stderr)
+        return EXIT_REFUSED
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
