@@ -84,8 +84,9 @@ class Developer:
         )
 
 
-@pytest.fixture
-def developer(console: Server, issuer: LocalIssuer, pki_dir: Path, tmp_path: Path) -> Developer:
+def make_developer(
+    console: Server, issuer: LocalIssuer, pki_dir: Path, tmp_path: Path
+) -> Developer:
     team = unique("team")
     subject = unique("dev")
     token = issuer.token(subject, [f"{team}:developer"])
@@ -108,3 +109,10 @@ def developer(console: Server, issuer: LocalIssuer, pki_dir: Path, tmp_path: Pat
         "UMBRA_SSH_IDENTITY": str(key),
     }
     return Developer(home, key, pub, token, team, env, console)
+
+
+@pytest.fixture(scope="module")
+def developer(
+    console: Server, issuer: LocalIssuer, pki_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Developer:
+    return make_developer(console, issuer, pki_dir, tmp_path_factory.mktemp("dev"))

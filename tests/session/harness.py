@@ -82,7 +82,9 @@ class Sandbox:
     def bin(self) -> Path:
         return self.root / "bin"
 
-    def run(self, cmd: str, *, root: bool = False, timeout: float = 20) -> subprocess.CompletedProcess[str]:
+    def run(
+        self, cmd: str, *, root: bool = False, timeout: float = 20
+    ) -> subprocess.CompletedProcess[str]:
         """Run `cmd` inside the sandbox as its user (or as root inside it)."""
         uid = "0" if root else str(SANDBOX_UID)
         argv = [
@@ -187,7 +189,11 @@ def write_ingress_config(
             "path": f"{box.bin}:/usr/local/bin:/usr/bin:/bin",
             "sessions_dir": str(box.sessions),
         },
-        "quote_source": {"kind": "simulated", "simulated_pki": str(pki_dir), "simulated_image": IMAGE},
+        "quote_source": {
+            "kind": "simulated",
+            "simulated_pki": str(pki_dir),
+            "simulated_image": IMAGE,
+        },
     }
     path = work / "ingress.json"
     path.write_text(json.dumps(config))
@@ -195,7 +201,9 @@ def write_ingress_config(
 
 
 @contextmanager
-def ingress(box: Sandbox, work: Path, cvm_id: str, keys: list[str], pki_dir: Path) -> Iterator[IngressProc]:
+def ingress(
+    box: Sandbox, work: Path, cvm_id: str, keys: list[str], pki_dir: Path
+) -> Iterator[IngressProc]:
     port = free_port()
     config = write_ingress_config(box, work, cvm_id, keys, pki_dir, port)
     proc = subprocess.Popen(
