@@ -105,6 +105,10 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_REFUSED
     except KeyboardInterrupt:
         return 130
+    except Exception as exc:  # anything else is still one line, never a traceback
+        line = " ".join(f"{type(exc).__name__}: {exc}".split())[:800]
+        print(f"umbra ssh-proxy: failed {args.cvm}: internal: {line}", file=sys.stderr)
+        return EXIT_REFUSED
     return 0
 
 
