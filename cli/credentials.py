@@ -5,19 +5,30 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 
 class Login(BaseModel):
+    """A Console login. `token`/`refresh_token` live in the OS keyring when one exists (then
+    `keyring: true` and the file holds neither), else in this 0600 file."""
+
     model_config = ConfigDict(extra="forbid")
 
     url: str
-    token: str
+    token: str = ""
     team: str | None = None
+    refresh_token: str | None = None
+    expires_at: int | None = None  # unix seconds; refreshed silently a minute before
+    token_endpoint: str | None = None
+    client_id: str | None = None
+    keyring: bool = False
 
     def __repr__(self) -> str:  # never show the token in tracebacks
         return f"Login(url={self.url!r}, team={self.team!r})"
@@ -53,20 +64,114 @@ def write_private(path: Path, text: str) -> None:
     os.replace(temp, path)
 
 
+KEYRING_SERVICE = "umbra-console"
+REFRESH_MARGIN = 60
+
+
+def _keyring() -> Any | None:
+    """The OS keyring (python `keyring`, when installed and backed by a real store), else None."""
+    if os.environ.get("UMBRA_NO_KEYRING"):
+        return None
+    try:
+        import keyring  # type: ignore[import-not-found,unused-ignore]
+        from keyring.backends import fail  # type: ignore[import-not-found,unused-ignore]
+    except ImportError:
+        return None
+    try:
+        if isinstance(keyring.get_keyring(), fail.Keyring):
+            return None
+    except Exception:  # a broken keyring backend means: no keyring
+        return None
+    return keyring
+
+
 def save_login(login: Login) -> Path:
     path = login_path()
-    write_private(path, login.model_dump_json())
+    ring = _keyring()
+    stored = login
+    if ring is not None:
+        secret = json.dumps({"token": login.token, "refresh_token": login.refresh_token})
+        try:
+            ring.set_password(KEYRING_SERVICE, login.url, secret)
+            stored = login.model_copy(update={"token": "", "refresh_token": None, "keyring": True})
+        except Exception:  # keyring refused: the 0600 file it is
+            stored = login.model_copy(update={"keyring": False})
+    write_private(path, stored.model_dump_json())
     return path
 
 
 def read_login() -> Login:
     path = login_path()
     try:
-        return Login.model_validate_json(path.read_text())
+        login = Login.model_validate_json(path.read_text())
     except FileNotFoundError:
         raise LoginMissing("not logged in: run `umbra auth login URL`") from None
     except (OSError, ValidationError):
         raise LoginMissing(f"{path} is unreadable: run `umbra auth login URL` again") from None
+    if login.keyring:
+        ring = _keyring()
+        raw = ring.get_password(KEYRING_SERVICE, login.url) if ring is not None else None
+        if not raw:
+            raise LoginMissing("the keyring holds no token: run `umbra auth login URL`")
+        secret = json.loads(raw)
+        login = login.model_copy(
+            update={"token": secret.get("token", ""), "refresh_token": secret.get("refresh_token")}
+        )
+    if not login.token:
+        raise LoginMissing(f"{path} holds no token: run `umbra auth login URL`")
+    return login
+
+
+def forget_login() -> None:
+    path = login_path()
+    try:
+        login = Login.model_validate_json(path.read_text())
+    except (OSError, ValidationError):
+        login = None
+    ring = _keyring()
+    if login is not None and login.keyring and ring is not None:
+        with contextlib.suppress(Exception):
+            ring.delete_password(KEYRING_SERVICE, login.url)
+    path.unlink(missing_ok=True)
+
+
+def fresh_login(now: float | None = None) -> Login:
+    """The stored login, its access token refreshed silently when it is about to expire.
+
+    Raises LoginMissing("… run `umbra auth login` …") when the session has truly expired."""
+    login = read_login()
+    when = time.time() if now is None else now
+    if login.expires_at is None or when < login.expires_at - REFRESH_MARGIN:
+        return login
+    if not (login.refresh_token and login.token_endpoint and login.client_id):
+        raise LoginMissing("your Console session has expired: run `umbra auth login`")
+    import httpx
+
+    try:
+        answer = httpx.post(
+            login.token_endpoint,
+            data={
+                "grant_type": "refresh_token",
+                "refresh_token": login.refresh_token,
+                "client_id": login.client_id,
+            },
+            timeout=20,
+        )
+        body = answer.json()
+    except (httpx.HTTPError, ValueError):
+        raise LoginMissing("cannot refresh the Console session (issuer unreachable)") from None
+    token = body.get("access_token") if answer.status_code == 200 else None
+    if not isinstance(token, str) or not token:
+        raise LoginMissing("your Console session has expired: run `umbra auth login`")
+    refreshed = login.model_copy(
+        update={
+            "token": token,
+            "refresh_token": body.get("refresh_token") or login.refresh_token,
+            "expires_at": int(when) + int(body["expires_in"]) if "expires_in" in body else None,
+        }
+    )
+    save_login(refreshed)
+    return refreshed
 
 
 # -- SSH: known_hosts written only from attested host keys -----------------------------------

@@ -16,8 +16,9 @@ import sys
 import httpx
 from pydantic import ValidationError
 
-from umbra.cli.credentials import LoginMissing, pin_host_key, read_login
+from umbra.cli.credentials import LoginMissing, fresh_login, pin_host_key
 from umbra.cli.ssh_attest import Check, Refused, connect_attested
+from umbra.contracts.console_url import ConsoleUrlError, check_console_url
 from umbra.contracts.session import SESSION_API, SessionInfo
 
 EXIT_REFUSED = 1
@@ -27,10 +28,13 @@ CHUNK = 64 * 1024
 
 def fetch_session(cvm_id: str, timeout: float = CONSOLE_TIMEOUT) -> SessionInfo:
     try:
-        login = read_login()
+        login = fresh_login()
     except LoginMissing as exc:
         raise Refused(Check.console, str(exc)) from None
-    url = login.url.rstrip("/") + SESSION_API.format(cvm_id=cvm_id)
+    try:
+        url = check_console_url(login.url).rstrip("/") + SESSION_API.format(cvm_id=cvm_id)
+    except ConsoleUrlError as exc:
+        raise Refused(Check.console, str(exc)) from None
     try:
         response = httpx.get(
             url, headers={"Authorization": f"Bearer {login.token}"}, timeout=timeout

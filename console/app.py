@@ -27,6 +27,7 @@ from umbra.console.routes import (
     audit,
     bundles,
     cvms,
+    login,
     meta,
     secrets,
     security_cvm,
@@ -120,7 +121,7 @@ def create_app(
         lifespan=lifespan,
     )
     app.state.console = console
-    for module in (meta, bundles, cvms, session, secrets, security_cvm, traffic, audit):
+    for module in (meta, login, bundles, cvms, session, secrets, security_cvm, traffic, audit):
         app.include_router(module.router)
     _install_error_handlers(app)
     _register_extra_schemas(app, [TrafficBatch])
