@@ -11,9 +11,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import http.client
+import ssl
 import sys
+from urllib.parse import urlsplit
 
-import httpx
 from pydantic import ValidationError
 
 from umbra.cli.credentials import LoginMissing, fresh_login, pin_host_key
@@ -24,6 +26,27 @@ from umbra.contracts.session import SESSION_API, SessionInfo
 EXIT_REFUSED = 1
 CONSOLE_TIMEOUT = 10.0
 CHUNK = 64 * 1024
+MAX_BODY = 1 << 20
+
+
+def _get(url: str, token: str, timeout: float) -> tuple[int, bytes]:
+    """One GET with the stdlib: httpx costs ~0.1-0.2 s of imports, and this runs per connection."""
+    parts = urlsplit(url)
+    host, port = parts.hostname or "", parts.port
+    conn: http.client.HTTPConnection
+    if parts.scheme == "https":
+        conn = http.client.HTTPSConnection(
+            host, port, timeout=timeout, context=ssl.create_default_context()
+        )
+    else:
+        conn = http.client.HTTPConnection(host, port, timeout=timeout)
+    try:
+        path = parts.path + (f"?{parts.query}" if parts.query else "")
+        conn.request("GET", path, headers={"Authorization": f"Bearer {token}"})
+        response = conn.getresponse()
+        return response.status, response.read(MAX_BODY)
+    finally:
+        conn.close()
 
 
 def fetch_session(cvm_id: str, timeout: float = CONSOLE_TIMEOUT) -> SessionInfo:
@@ -36,21 +59,19 @@ def fetch_session(cvm_id: str, timeout: float = CONSOLE_TIMEOUT) -> SessionInfo:
     except ConsoleUrlError as exc:
         raise Refused(Check.console, str(exc)) from None
     try:
-        response = httpx.get(
-            url, headers={"Authorization": f"Bearer {login.token}"}, timeout=timeout
-        )
-    except httpx.HTTPError as exc:
+        status, body = _get(url, login.token, timeout)
+    except (OSError, http.client.HTTPException) as exc:
         raise Refused(
             Check.console, f"cannot reach the Console at {login.url} ({type(exc).__name__})"
         ) from None
-    if response.status_code == 401:
+    if status == 401:
         raise Refused(Check.console, "the Console login has expired: run `umbra auth login`")
-    if response.status_code == 404:
+    if status == 404:
         raise Refused(Check.console, f"no CVM {cvm_id} visible to you")
-    if response.status_code != 200:
-        raise Refused(Check.console, f"the Console answered {response.status_code}")
+    if status != 200:
+        raise Refused(Check.console, f"the Console answered {status}")
     try:
-        return SessionInfo.model_validate_json(response.content)
+        return SessionInfo.model_validate_json(body)
     except ValidationError as exc:
         raise Refused(Check.console, f"malformed session info: {exc.errors()[0]['msg']}") from None
 
