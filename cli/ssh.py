@@ -95,6 +95,9 @@ def ssh(
     reuse: ReuseOpt = True,
 ) -> None:
     """Open a shell (or run a command) in your sandbox over attested SSH."""
+    if cvm is not None and "--" in sys.argv and sys.argv[sys.argv.index("--") + 1 :][:1] == [cvm]:
+        command = [cvm, *(command or [])]  # `umbra ssh -- cmd`: no CVM was named
+        cvm = None
     target = pick_cvm(cvm_opt or cvm)
     remote = [" ".join(command)] if command else []  # as ssh does: the remote shell parses it
     _exec([*ssh_argv(target.id, reuse=reuse), *remote])
@@ -175,6 +178,9 @@ def sessions(cvm: CvmArg = None, reuse: ReuseOpt = True, as_json: JsonFlag = Fal
 
 
 def _ide(binary: str, cvm: str | None, path: str, dry_run: bool) -> None:
+    if cvm is not None and cvm.startswith("/") and path == DEFAULT_IDE_PATH:
+        path = cvm  # `umbra code /path`: the only CVM, that folder
+        cvm = None
     target = pick_cvm(cvm)
     _write_ssh_config(_dev_cvms(None, False), dry_run=False, quiet=True)
     argv = [binary, "--remote", f"ssh-remote+umbra-{target.name}", path]
@@ -184,18 +190,21 @@ def _ide(binary: str, cvm: str | None, path: str, dry_run: bool) -> None:
     _exec(argv)
 
 
+DEFAULT_IDE_PATH = "/home/dev"
 PathArg = Annotated[str, typer.Argument(help="Folder in the sandbox.")]
 DryRunIde = Annotated[bool, typer.Option("--dry-run", help="Print the IDE command only.")]
 
 
 @code_app.command("code")
-def code(cvm: CvmArg = None, path: PathArg = "/home/dev", dry_run: DryRunIde = False) -> None:
+def code(cvm: CvmArg = None, path: PathArg = DEFAULT_IDE_PATH, dry_run: DryRunIde = False) -> None:
     """Open VS Code on your sandbox via Remote-SSH (writes the ~/.ssh/config block first)."""
     _ide("code", cvm, path, dry_run)
 
 
 @cursor_app.command("cursor")
-def cursor(cvm: CvmArg = None, path: PathArg = "/home/dev", dry_run: DryRunIde = False) -> None:
+def cursor(
+    cvm: CvmArg = None, path: PathArg = DEFAULT_IDE_PATH, dry_run: DryRunIde = False
+) -> None:
     """Open Cursor on your sandbox via Remote-SSH (writes the ~/.ssh/config block first)."""
     _ide("cursor", cvm, path, dry_run)
 

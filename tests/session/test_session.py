@@ -58,6 +58,8 @@ def test_umbra_ssh_runs_a_command_in_the_sandbox(
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["1000", str(box.home), "no-agent"]
+    default = developer.umbra("ssh", "--no-reuse", "--", "echo default-cvm")  # the only running one
+    assert default.stdout.strip() == "default-cvm", default.stderr
     known = (developer.home / ".config/umbra/ssh/known_hosts").read_text()
     host_pub = (ing.state_dir / "ssh_host_ed25519_key.pub").read_text().split()[:2]
     assert known == f"umbra-{cvm_id} {' '.join(host_pub)}\n"
@@ -253,6 +255,9 @@ def test_config_ssh_round_trip(developer: Developer) -> None:
         capture_output=True, text=True, env=developer.env, timeout=60,
     )  # fmt: skip
     assert done.stdout.strip() == "via-config", done.stderr
+    ide = developer.umbra("code", "--dry-run", "/home/dev/project")
+    assert ide.returncode == 0, ide.stderr
+    assert f'"ssh-remote+{name}"' in ide.stdout and '"--remote"' in ide.stdout
     again = developer.umbra("config-ssh", "--dry-run")
     assert again.stdout == ""  # idempotent: nothing to change
     assert config.read_text() == text
