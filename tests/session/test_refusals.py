@@ -231,3 +231,10 @@ def test_a_host_key_other_than_the_attested_one_is_refused_by_ssh(
         assert done.returncode == 255
         assert "should-not-run" not in done.stdout
         assert "Host key verification failed" in done.stderr
+
+
+def test_no_default_cvm_among_several(developer: Developer, ingresses: dict[str, Any]) -> None:
+    done = developer.umbra("ssh", "--no-reuse", "--", "true")
+    assert done.returncode == 2
+    assert "pass a CVM name or --cvm" in done.stderr
+    assert ingresses["a"] in done.stderr and ingresses["b"] in done.stderr
