@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 
 class Login(BaseModel):
@@ -22,9 +22,9 @@ class Login(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     url: str
-    token: str = ""
+    token: str = Field(default="", repr=False)
     team: str | None = None
-    refresh_token: str | None = None
+    refresh_token: str | None = Field(default=None, repr=False)
     expires_at: int | None = None  # unix seconds; refreshed silently a minute before
     token_endpoint: str | None = None
     client_id: str | None = None
