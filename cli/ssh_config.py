@@ -26,7 +26,7 @@ class SshConfigError(Exception):
 
 def control_dir() -> Path:
     """Short (Unix socket paths are ≤ 108 bytes), private, ours."""
-    path = Path(tempfile.gettempdir()) / f"umbra-ssh-{os.getuid()}"
+    path = Path(os.environ.get("TMPDIR") or tempfile.gettempdir()) / f"umbra-ssh-{os.getuid()}"
     path.mkdir(mode=0o700, exist_ok=True)
     st = os.lstat(path)
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
