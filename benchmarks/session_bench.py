@@ -3,8 +3,10 @@ reuse, all in one run so the ratios compare like with like.
 
 - plain cold:     ssh, ProxyCommand = the gateway's own `sshd -i` (same config, host key,
                   ForceCommand into the sandbox): what OpenSSH alone costs per connection.
-- attested cold:  ssh, ProxyCommand = `umbra ssh-proxy` (Console lookup, aTLS, simulated quote,
-                  full verification, known_hosts pin) → ingress → the same `sshd -i`.
+- attested cold:  ssh, the fast ProxyCommand (warm agent, fd passing; per connection: Console
+                  lookup, aTLS, simulated quote, full verification, known_hosts pin) → ingress →
+                  the same `sshd -i`. "one process": the same checks in `python -m
+                  umbra.cli.ssh_proxy`, paying interpreter start and imports each time.
 - reused:         both again through an established ControlMaster (`ssh -S … true`).
 Each sample runs `true` in the sandbox. Targets (issue #10): attested cold ≤ plain cold + 0.3 s;
 attested reused ≤ 1.2 x plain reused.
@@ -94,15 +96,24 @@ def main() -> None:
                 from umbra.sandbox.ingress_config import load_ingress_config
 
                 direct = shlex.join(sshd_argv(load_ingress_config(ing.config)))
-                plain = [
-                    a if not a.startswith("ProxyCommand=") else f"ProxyCommand={direct}"
-                    for a in attested
-                ]
+
+                def swap(argv: list[str], command: str) -> list[str]:
+                    out = [
+                        f"ProxyCommand={command}" if a.startswith("ProxyCommand=") else a
+                        for a in argv
+                    ]
+                    return [a.replace("ProxyUseFdpass=yes", "ProxyUseFdpass=no") for a in out]
+
+                plain = swap(attested, direct)
+                one_process = swap(
+                    attested, shlex.join([sys.executable, "-m", "umbra.cli.ssh_proxy", cvm_id])
+                )
                 env = dict(os.environ)
                 results: dict[str, list[float]] = {}
                 # attested first: it pins the attested host key that plain ssh then checks too
                 results["attested cold"] = _time([*attested, "true"], env, n)
                 results["plain cold"] = _time([*plain, "true"], env, n)
+                results["attested cold, one process"] = _time([*one_process, "true"], env, n)
                 for label, argv in (("plain", plain), ("attested", attested)):
                     sock = str(work / f"cm-{label}")
                     base = [a.replace("ControlPath=none", f"ControlPath={sock}") for a in argv[:-1]]
@@ -124,13 +135,16 @@ def main() -> None:
         print(f"session_bench: {n} samples each, median (p90) seconds")
         for key, values in results.items():
             p90 = sorted(values)[max(0, int(0.9 * len(values)) - 1)]
-            print(f"  {key:15} {med[key]:.3f} ({p90:.3f})")
+            print(f"  {key:27} {med[key]:.3f} ({p90:.3f})")
         extra = med["attested cold"] - med["plain cold"]
         ratio = med["attested reused"] / med["plain reused"]
         print(f"  attested cold - plain cold = {extra:+.3f} s   (target ≤ +0.300 s)")
+        one = med["attested cold, one process"] - med["plain cold"]
+        print(f"  attested cold (one process) - plain cold = {one:+.3f} s")
         print(f"  one cold ProxyCommand, seconds: {phases.stdout.strip() or phases.stderr[-300:]}")
         print(f"  attested reused / plain reused = {ratio:.2f}x   (target ≤ 1.20x)")
     finally:
+        harness.stop_agents(Path(os.environ.get("TMPDIR", work)))
         console.stop()
         issuer.close()
         subprocess.run(["rm", "-rf", str(work)], check=False)

@@ -34,14 +34,20 @@ def control_dir() -> Path:
     return path
 
 
+FAST_PROXY = Path(__file__).with_name("ssh_fastproxy.py")
+
+
 def proxy_command(cvm_id: str) -> str:
-    return shlex.join([sys.executable, "-m", "umbra.cli.ssh_proxy", cvm_id])
+    """The fast ProxyCommand (warm agent, fd passing); `umbra ssh-proxy` is the same checks in
+    one process (`python -m umbra.cli.ssh_proxy`)."""
+    return shlex.join([sys.executable, "-S", "-I", str(FAST_PROXY), cvm_id])
 
 
 def options(cvm_id: str, *, reuse: bool = True) -> list[tuple[str, str]]:
     opts = [
         ("User", LOGIN_USER),
         ("ProxyCommand", proxy_command(cvm_id)),
+        ("ProxyUseFdpass", "yes"),
         ("HostKeyAlias", host_alias(cvm_id)),
         ("UserKnownHostsFile", str(known_hosts_path())),
         ("GlobalKnownHostsFile", "/dev/null"),

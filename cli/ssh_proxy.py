@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 from pydantic import ValidationError
 
 from umbra.cli.credentials import LoginMissing, fresh_login, pin_host_key
-from umbra.cli.ssh_attest import Check, Refused, connect_attested
+from umbra.cli.ssh_attest import AttestedSession, Check, Refused, connect_attested
 from umbra.contracts.console_url import ConsoleUrlError, check_console_url
 from umbra.contracts.session import SESSION_API, SessionInfo
 
@@ -109,12 +109,18 @@ async def _relay(conn: object) -> None:
         stdout.close()
 
 
-async def run(cvm_id: str) -> None:
+async def attest(cvm_id: str) -> AttestedSession:
+    """Every check, in order; the attested host key pinned for ssh. Raises Refused."""
     info = await asyncio.to_thread(fetch_session, cvm_id)
     if info.cvm_id != cvm_id:
         raise Refused(Check.console, f"the Console answered for {info.cvm_id}, not {cvm_id}")
     session = await connect_attested(info)
     pin_host_key(cvm_id, session.host_key)
+    return session
+
+
+async def run(cvm_id: str) -> None:
+    session = await attest(cvm_id)
     await _relay(session.conn)
 
 

@@ -114,5 +114,9 @@ def make_developer(
 @pytest.fixture(scope="module")
 def developer(
     console: Server, issuer: LocalIssuer, pki_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Developer:
-    return make_developer(console, issuer, pki_dir, tmp_path_factory.mktemp("dev"))
+) -> Iterator[Developer]:
+    dev = make_developer(console, issuer, pki_dir, tmp_path_factory.mktemp("dev"))
+    try:
+        yield dev
+    finally:
+        harness.stop_agents(Path(dev.env["TMPDIR"]))

@@ -6,6 +6,7 @@ Names carry the prefix `uss-<pid>-<n>`; every process and directory is removed i
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import shutil
@@ -242,3 +243,10 @@ def keypair(directory: Path, name: str = "id_ed25519") -> tuple[Path, str]:
 
 def unique_name() -> str:
     return f"uss{os.getpid() % 10000}-{next(_counter)}"
+
+
+def stop_agents(tmpdir: Path) -> None:
+    """End the warm ssh agents started under this TMPDIR (by their pid files), if any."""
+    for pid_file in tmpdir.glob("umbra-ssh-*/agent-*.pid"):
+        with contextlib.suppress(OSError, ValueError):
+            os.kill(int(pid_file.read_text().strip()), signal.SIGTERM)

@@ -238,3 +238,23 @@ def test_no_default_cvm_among_several(developer: Developer, ingresses: dict[str,
     assert done.returncode == 2
     assert "pass a CVM name or --cvm" in done.stderr
     assert ingresses["a"] in done.stderr and ingresses["b"] in done.stderr
+
+
+def test_the_fast_proxy_refuses_with_the_same_line(
+    developer: Developer, a: str, ingresses: dict[str, Any]
+) -> None:
+    from umbra.cli.ssh_config import FAST_PROXY
+
+    developer.record(a, port=ingresses["ia"].port, release=harness.release_manifest("umbra-other"))
+    done = subprocess.run(
+        [sys.executable, "-S", "-I", str(FAST_PROXY), a],
+        input=BANNER, capture_output=True, env=developer.env, timeout=60,
+    )  # fmt: skip
+    assert "MRTD" in assert_refused(done, a, "release")
+    os.environ.update({k: v for k, v in developer.env.items() if k.startswith(("UMBRA_", "XDG_"))})
+    via_ssh = subprocess.run(
+        [*ssh_argv(a, reuse=False), "echo should-not-run"],
+        capture_output=True, text=True, env=developer.env, timeout=60,
+    )  # fmt: skip
+    assert via_ssh.returncode == 255 and "should-not-run" not in via_ssh.stdout
+    assert f"umbra ssh-proxy: refused {a}: release: " in via_ssh.stderr
