@@ -26,13 +26,32 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "sandbox": ("umbra.cli.sandbox", "app"),
     "secret": ("umbra.cli.secret", "app"),
 }
+# name -> (module, attribute holding a one-command typer.Typer): top-level commands, not groups
+COMMANDS: dict[str, tuple[str, str]] = {
+    "claude": ("umbra.cli.ssh", "claude_app"),
+    "code": ("umbra.cli.ssh", "code_app"),
+    "codex": ("umbra.cli.ssh", "codex_app"),
+    "config-ssh": ("umbra.cli.ssh", "config_ssh_app"),
+    "cursor": ("umbra.cli.ssh", "cursor_app"),
+    "sessions": ("umbra.cli.ssh", "sessions_app"),
+    "shell": ("umbra.cli.ssh", "shell_app"),
+    "ssh": ("umbra.cli.ssh", "ssh_app"),
+    "ssh-proxy": ("umbra.cli.ssh", "proxy_app"),
+}
 
 
 class LazyGroup(TyperGroup):
     def list_commands(self, ctx: click.Context) -> list[str]:
-        return sorted({*super().list_commands(ctx), *SUBCOMMANDS})
+        return sorted({*super().list_commands(ctx), *SUBCOMMANDS, *COMMANDS})
 
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name in COMMANDS:
+            module_name, attribute = COMMANDS[cmd_name]
+            single = typer.main.get_command(
+                getattr(importlib.import_module(module_name), attribute)
+            )
+            single.name = cmd_name
+            return single
         if cmd_name not in SUBCOMMANDS:
             return super().get_command(ctx, cmd_name)
         module_name, attribute = SUBCOMMANDS[cmd_name]

@@ -1,15 +1,17 @@
 """`umbra auth`: log in to a Console and keep its URL and a bearer token for the other commands.
 
-The token comes from the OIDC issuer's device flow (RFC 8628) when the issuer offers one, else
-from `--token-file` or stdin. It is stored in `$XDG_CONFIG_HOME/umbra/console.json` (default
-`~/.config/umbra/`), directory 0700 and file 0600, written by create-then-rename so that it is
-never readable by others, and it is never printed.
+`umbra auth login URL` asks the Console which OIDC issuer it trusts (`/api/v1/auth/oidc`) and runs
+that issuer's device flow (RFC 8628) by default; `--token-file`/stdin is the fallback when the
+issuer offers none. Tokens go to the OS keyring when one exists (python `keyring` with a real
+backend), else to `$XDG_CONFIG_HOME/umbra/console.json` (directory 0700, file 0600, create-then-
+rename); they are never printed. A refresh token, when the issuer gives one, renews the access
+token silently; a session that truly expired says "run `umbra auth login`". `http://` Console
+URLs are refused except for loopback.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -17,10 +19,21 @@ from typing import Annotated, Any, NoReturn
 
 import httpx
 import typer
-from pydantic import BaseModel, ConfigDict, ValidationError
 
+from umbra.cli.credentials import (
+    Login,
+    LoginMissing,
+    config_dir,
+    forget_login,
+    fresh_login,
+    login_path,
+    save_login,
+)
 from umbra.cli.output import EXIT_FINDINGS, EXIT_USAGE, console, fail, print_json
 from umbra.console.client import ConsoleApiError, ConsoleClient
+from umbra.contracts.console_url import ConsoleUrlError, check_console_url
+
+__all__ = ["Login", "config_dir", "login_path", "save_login"]
 
 app = typer.Typer(help="Log in to an Umbra Console.", no_args_is_help=True)
 
@@ -28,48 +41,11 @@ JsonFlag = Annotated[bool, typer.Option("--json", help="Machine-readable output 
 DEVICE_GRANT = "urn:ietf:params:oauth:grant-type:device_code"
 
 
-class Login(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    url: str
-    token: str
-    team: str | None = None
-
-    def __repr__(self) -> str:  # never show the token in tracebacks
-        return f"Login(url={self.url!r}, team={self.team!r})"
-
-
-def config_dir() -> Path:
-    base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
-    return Path(base) / "umbra"
-
-
-def login_path() -> Path:
-    return config_dir() / "console.json"
-
-
-def save_login(login: Login) -> Path:
-    directory = config_dir()
-    directory.mkdir(parents=True, exist_ok=True)
-    directory.chmod(0o700)
-    path = login_path()
-    temp = path.with_suffix(".tmp")
-    temp.unlink(missing_ok=True)
-    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as handle:
-        handle.write(login.model_dump_json())
-    os.replace(temp, path)
-    return path
-
-
 def load_login(as_json: bool = False) -> Login:
-    path = login_path()
     try:
-        return Login.model_validate_json(path.read_text())
-    except FileNotFoundError:
-        fail("not logged in: run `umbra auth login URL`", EXIT_USAGE, as_json=as_json)
-    except (OSError, ValidationError):
-        fail(f"{path} is unreadable: run `umbra auth login URL` again", EXIT_USAGE, as_json=as_json)
+        return fresh_login()
+    except LoginMissing as exc:
+        fail(str(exc), EXIT_USAGE, as_json=as_json)
 
 
 def open_client(as_json: bool = False) -> tuple[ConsoleClient, Login]:
@@ -105,8 +81,9 @@ def resolve_team(client: ConsoleClient, login: Login, team: str | None, as_json:
     return teams[0]
 
 
-def _device_flow(issuer: str, client_id: str, scope: str) -> str | None:
-    """The issuer's device flow, or None when it does not offer one."""
+def _device_flow(issuer: str, client_id: str, scope: str) -> dict[str, Any] | None:
+    """The issuer's device flow (the token response plus `token_endpoint`), or None when it
+    does not offer one."""
     with httpx.Client(timeout=30, follow_redirects=False) as http:
         discovery = http.get(issuer.rstrip("/") + "/.well-known/openid-configuration")
         discovery.raise_for_status()
@@ -136,16 +113,31 @@ def _device_flow(issuer: str, client_id: str, scope: str) -> str | None:
             )
             body = answer.json()
             if answer.status_code == 200:
-                token = body.get("access_token")
-                if not isinstance(token, str):
+                if not isinstance(body.get("access_token"), str):
                     raise ValueError("the issuer answered without an access_token")
-                return token
+                return {**body, "token_endpoint": token_endpoint}
             error = body.get("error")
             if error == "slow_down":
                 interval += 5
             elif error != "authorization_pending":
                 raise ValueError(f"the issuer refused the device login ({error})")
         raise ValueError("the device code expired before the login was approved")
+
+
+def _console_issuer(url: str) -> tuple[str | None, str | None]:
+    """The issuer and CLI client id the Console advertises; (None, None) if it says nothing."""
+    try:
+        answer = httpx.get(url.rstrip("/") + "/api/v1/auth/oidc", timeout=20)
+        if answer.status_code != 200:
+            return None, None
+        doc = answer.json()
+    except (httpx.HTTPError, ValueError):
+        return None, None
+    issuer, client_id = doc.get("issuer"), doc.get("client_id")
+    return (
+        issuer if isinstance(issuer, str) else None,
+        client_id if isinstance(client_id, str) else None,
+    )
 
 
 def _read_token(token_file: Path | None) -> str:
@@ -164,12 +156,14 @@ def login(
     issuer: Annotated[
         str | None,
         typer.Option(
-            help="OIDC issuer: use its device flow when it offers one.", envvar="UMBRA_OIDC_ISSUER"
+            help="OIDC issuer (default: the one the Console advertises); its device flow is used "
+            "when it offers one.",
+            envvar="UMBRA_OIDC_ISSUER",
         ),
     ] = None,
     client_id: Annotated[
-        str, typer.Option(help="OIDC client id for the device flow.")
-    ] = "umbra-cli",
+        str | None, typer.Option(help="OIDC client id (default: the Console's, else umbra-cli).")
+    ] = None,
     scope: Annotated[str, typer.Option(help="Scopes for the device flow.")] = "openid",
     token_file: Annotated[
         Path | None,
@@ -179,14 +173,21 @@ def login(
     as_json: JsonFlag = False,
 ) -> None:
     """Store the Console URL and a bearer token (never printed) for the other commands."""
-    if not url.startswith(("https://", "http://")):
-        fail(
-            "URL must start with https:// (http:// for loopback only)", EXIT_USAGE, as_json=as_json
-        )
-    token: str | None = None
     try:
+        check_console_url(url)
+    except ConsoleUrlError as exc:
+        fail(str(exc), EXIT_USAGE, as_json=as_json)
+    token: str | None = None
+    grant: dict[str, Any] | None = None
+    try:
+        if token_file is None:
+            advertised, advertised_client = _console_issuer(url)
+            issuer = issuer or advertised
+            client_id = client_id or advertised_client
+        client_id = client_id or "umbra-cli"
         if issuer and token_file is None:
-            token = _device_flow(issuer, client_id, scope)
+            grant = _device_flow(issuer, client_id, scope)
+            token = grant["access_token"] if grant else None
         if token is None:
             token = _read_token(token_file)
     except (OSError, ValueError, KeyError, httpx.HTTPError) as exc:
@@ -202,7 +203,19 @@ def login(
             me = client.me()
     except (ConsoleApiError, httpx.HTTPError) as exc:
         api_failure(exc, as_json)
-    path = save_login(Login(url=url.rstrip("/"), token=token, team=team))
+    expires_in = grant.get("expires_in") if grant else None
+    refresh = grant.get("refresh_token") if grant else None
+    path = save_login(
+        Login(
+            url=url.rstrip("/"),
+            token=token,
+            team=team,
+            refresh_token=refresh if isinstance(refresh, str) else None,
+            expires_at=int(time.time()) + int(expires_in) if isinstance(expires_in, int) else None,
+            token_endpoint=grant["token_endpoint"] if grant else None,
+            client_id=client_id if grant else None,
+        )
+    )
     if as_json:
         print_json(
             {"ok": True, "url": url, "subject": me.subject, "roles": me.roles, "saved": str(path)}
@@ -232,5 +245,5 @@ def status(as_json: JsonFlag = False) -> None:
 @app.command()
 def logout() -> None:
     """Forget the stored token."""
-    login_path().unlink(missing_ok=True)
+    forget_login()
     console.print("Logged out.")

@@ -109,3 +109,29 @@ def serve(
         asyncio.run(forwarder.serve_forever())
     except OSError as exc:
         fail(f"cannot listen: {exc}", EXIT_USAGE)
+
+
+@app.command()
+def ingress(
+    config: Annotated[Path, typer.Option("--config", "-c", help="ingress config (YAML/JSON).")],
+    verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
+) -> None:
+    """The Dev CVM's attested SSH ingress: aTLS on one port, a gateway sshd behind it."""
+    from umbra.sandbox.ingress import Ingress
+    from umbra.sandbox.ingress_config import IngressConfigError, load_ingress_config
+
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING)
+
+    async def run() -> None:
+        server = await Ingress(load_ingress_config(config)).start()
+        addr = server.sockets[0].getsockname()
+        console.print(f"ingress listening on {addr[0]}:{addr[1]}", highlight=False)
+        async with server:
+            await server.serve_forever()
+
+    try:
+        asyncio.run(run())
+    except IngressConfigError as exc:
+        fail(str(exc), EXIT_USAGE)
+    except OSError as exc:
+        fail(f"cannot listen: {exc}", EXIT_USAGE)

@@ -26,8 +26,12 @@ from umbra.console.schemas import (
     SecretInfo,
     TrafficPage,
 )
+from umbra.contracts.console_url import ConsoleUrlError, check_console_url
 
 DEFAULT_TIMEOUT = 30.0
+
+
+__all__ = ["ConsoleApiError", "ConsoleClient", "ConsoleUrlError", "SecurityCvmClient"]
 
 
 class ConsoleApiError(Exception):
@@ -56,7 +60,7 @@ class _Base:
         verify: bool | str = True,
     ) -> None:
         self._http = httpx.Client(
-            base_url=base_url.rstrip("/"),
+            base_url=check_console_url(base_url).rstrip("/"),
             headers={"Authorization": f"Bearer {token}"},
             timeout=timeout,
             transport=transport,

@@ -28,9 +28,10 @@ import subprocess
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+# Permission prompts off: the sandbox is the boundary, not a prompt (docs/specs/session.md).
 AGENTS: Mapping[str, tuple[str, ...]] = {
-    "claude": ("claude",),
-    "codex": ("codex",),
+    "claude": ("claude", "--dangerously-skip-permissions"),
+    "codex": ("codex", "--dangerously-bypass-approvals-and-sandbox"),
     "shell": ("bash", "-l"),
 }
 DEFAULT_AGENT = "shell"

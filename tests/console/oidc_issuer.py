@@ -8,6 +8,7 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+from urllib.parse import parse_qsl
 
 from joserfc import jwt
 from joserfc.jwk import ECKey, RSAKey
@@ -26,6 +27,10 @@ class LocalIssuer:
         # the first poll answers authorization_pending, like a user who has not approved yet.
         self.device_grant: tuple[str, list[str]] | None = None
         self.device_polls = 0
+        # Refresh tokens handed out with device grants (RFC 6749 §6); revoke one to expire it.
+        self.refresh_tokens: dict[str, tuple[str, list[str]]] = {}
+        self.refreshes = 0
+        self.device_expires_in = 600
         self.rotate(keep_old=False)
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
         self._thread.start()
@@ -98,8 +103,22 @@ class LocalIssuer:
                 self.wfile.write(raw)
 
             def do_POST(self) -> None:
-                self.rfile.read(int(self.headers.get("Content-Length", "0")))
+                raw_form = self.rfile.read(int(self.headers.get("Content-Length", "0")))
+                form = dict(parse_qsl(raw_form.decode()))
                 status, body = 200, {}
+                if self.path == "/token" and form.get("grant_type") == "refresh_token":
+                    issuer.refreshes += 1
+                    who = issuer.refresh_tokens.get(form.get("refresh_token", ""))
+                    if who is None:
+                        status, body = 400, {"error": "invalid_grant"}
+                    else:
+                        body = {
+                            "access_token": issuer.token(*who),
+                            "token_type": "Bearer",
+                            "expires_in": issuer.device_expires_in,
+                        }
+                    self._answer(status, body)
+                    return
                 if issuer.device_grant is None:
                     self.send_error(404)
                     return
@@ -117,13 +136,25 @@ class LocalIssuer:
                         status, body = 400, {"error": "authorization_pending"}
                     else:
                         subject, roles = issuer.device_grant
+                        refresh = f"rt-{len(issuer.refresh_tokens) + 1}"
+                        issuer.refresh_tokens[refresh] = (subject, roles)
                         body = {
                             "access_token": issuer.token(subject, roles),
                             "token_type": "Bearer",
+                            "expires_in": issuer.device_expires_in,
+                            "refresh_token": refresh,
                         }
                 else:
                     self.send_error(404)
                     return
+                raw = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(raw)))
+                self.end_headers()
+                self.wfile.write(raw)
+
+            def _answer(self, status: int, body: dict[str, Any]) -> None:
                 raw = json.dumps(body).encode()
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")

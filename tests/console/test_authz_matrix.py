@@ -178,6 +178,14 @@ USER_MATRIX: dict[tuple[str, str], tuple[Case, dict[str, int]]] = {
         lambda w, p: w.call(p, "GET", f"/api/v1/cvms/{w.admin_cvm}"),
         expect(200, 404, 404, 404, 404, 401),
     ),
+    ("GET", "/api/v1/cvms/{cvm_id}/session"): (
+        lambda w, p: w.call(p, "GET", f"/api/v1/cvms/{w.dev_cvm}/session"),
+        expect(200, 200, 404, 404, 404, 401),
+    ),
+    ("GET", "/api/v1/cvms/{cvm_id}/session#admins"): (
+        lambda w, p: w.call(p, "GET", f"/api/v1/cvms/{w.admin_cvm}/session"),
+        expect(200, 404, 404, 404, 404, 401),
+    ),
     ("PATCH", "/api/v1/cvms/{cvm_id}"): (
         lambda w, p: w.call(p, "PATCH", f"/api/v1/cvms/{w.dev_cvm}", json={"state": "running"}),
         expect(200, 200, 404, 404, 404, 401),
@@ -283,7 +291,12 @@ MACHINE_MATRIX: dict[tuple[str, str], tuple[Case, dict[str, int]]] = {
     ),
 }
 
-PUBLIC = {("GET", "/healthz"), ("GET", "/readyz"), ("GET", "/metrics")}
+PUBLIC = {
+    ("GET", "/healthz"),
+    ("GET", "/readyz"),
+    ("GET", "/metrics"),
+    ("GET", "/api/v1/auth/oidc"),
+}
 
 USER_CASES = [(route, who) for route in USER_MATRIX for who in USERS]
 MACHINE_CASES = [(route, who) for route in MACHINE_MATRIX for who in MACHINES]

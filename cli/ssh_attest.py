@@ -1,0 +1,193 @@
+"""Client side of the attested SSH ingress: from the Console's `SessionInfo` to a verified aTLS
+connection and the host key the quote binds. Kept free of typer/rich so the ProxyCommand starts
+fast. Order of checks: docs/specs/session.md.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from umbra.attest.atls import ATLSConnection, atls_connect
+from umbra.attest.collateral import CollateralSource, PccsCollateral, StaticCollateral
+from umbra.attest.errors import ATLSError, AttestError
+from umbra.attest.eventlog import RUNTIME_EVENT_TYPE, Event
+from umbra.attest.measurement import (
+    SSH_KEYS_EVENT,
+    ExpectedEvent,
+    InstanceBinding,
+    MeasurementPolicy,
+    canonical_ssh_key,
+)
+from umbra.attest.verify import Verdict, Verifier
+from umbra.contracts.session import CVM_ID_EVENT, SSH_HOST_KEY_EVENT, SessionInfo, SessionState
+
+SIMULATED_PKI_ENV = "UMBRA_SIMULATED_PKI"  # opt in to simulated TEEs (the embedded default)
+PCCS_ENV = "UMBRA_PCCS_URL"
+DEFAULT_PCCS = "https://api.trustedservices.intel.com"
+
+
+class Check(enum.StrEnum):
+    """The check that refused a session; the one word the refusal line leads with."""
+
+    console = "console"
+    cvm_state = "cvm-state"
+    launch_data = "launch-data"
+    ingress = "ingress"
+    atls = "atls"
+    release = "release"
+    measurement = "measurement"
+    cvm_id = "cvm-id"
+    authorized_keys = "authorized-keys"
+    host_key = "host-key"
+    freshness = "freshness"
+    simulated = "simulated"
+
+
+class Refused(Exception):
+    def __init__(self, check: Check, reason: str) -> None:
+        self.check = check
+        self.reason = reason
+        super().__init__(f"{check}: {reason}")
+
+
+def session_policy(info: SessionInfo) -> MeasurementPolicy:
+    """The release's golden values plus this launch: exactly this CVM id, exactly these keys,
+    and one host-key event (whose payload the client then reads from the verified log)."""
+    if info.state != SessionState.running:
+        raise Refused(Check.cvm_state, f"CVM {info.cvm_id} is {info.state}, not running")
+    if info.release is None:
+        raise Refused(
+            Check.launch_data, f"the Console records no release manifest for {info.cvm_id}"
+        )
+    if not info.ssh_authorized_keys:
+        raise Refused(Check.launch_data, f"no SSH keys were bound at launch of {info.cvm_id}")
+    pinned_id = ExpectedEvent(name=CVM_ID_EVENT, payloads=[info.cvm_id.encode().hex()])
+    release_events: list[ExpectedEvent] = []
+    binding_events: list[ExpectedEvent] = []
+    names = {e.name for e in info.release.events}
+    for event in info.release.events:
+        release_events.append(pinned_id if event.name == CVM_ID_EVENT else event)
+    if CVM_ID_EVENT not in names:
+        binding_events.append(pinned_id)
+    if SSH_HOST_KEY_EVENT not in names:
+        binding_events.append(ExpectedEvent(name=SSH_HOST_KEY_EVENT))
+    release = info.release.model_copy(update={"events": release_events})
+    binding = InstanceBinding(
+        apiVersion="umbra/v1",
+        kind="InstanceBinding",
+        release=release.name,
+        instance_id=info.cvm_id,
+        ssh_authorized_keys=list(info.ssh_authorized_keys),
+        events=binding_events,
+    )
+    return MeasurementPolicy(release=release, binding=binding)
+
+
+class CapturingVerifier(Verifier):
+    """A Verifier that keeps the verdict and the event log it verified (for the host key)."""
+
+    verdict: Verdict | None = None
+    log: list[Event] | None = None
+
+    def verify(
+        self,
+        raw_quote: bytes,
+        *,
+        event_log: Sequence[Event] | None = None,
+        expected_report_data: bytes | None = None,
+        now: int | None = None,
+    ) -> Verdict:
+        verdict = super().verify(
+            raw_quote, event_log=event_log, expected_report_data=expected_report_data, now=now
+        )
+        self.verdict = verdict
+        self.log = list(event_log) if event_log is not None else None
+        return verdict
+
+
+def collateral_and_root(simulated: bool) -> tuple[CollateralSource, bytes | None]:
+    """Trust roots are the client's own: never from the Console."""
+    pki_dir = os.environ.get(SIMULATED_PKI_ENV)
+    if simulated:
+        if not pki_dir:
+            raise Refused(
+                Check.simulated,
+                f"the release is tee: simulated; set {SIMULATED_PKI_ENV} to trust a local "
+                "simulated TEE (never for production)",
+            )
+        import time
+
+        from umbra.attest.simpki import SimulatedPki
+
+        try:
+            pki = SimulatedPki.load(Path(pki_dir))
+        except AttestError as exc:
+            raise Refused(Check.simulated, str(exc)) from None
+        return StaticCollateral(pki.collateral(int(time.time()) - 60)), pki.root_der
+    return PccsCollateral([os.environ.get(PCCS_ENV) or DEFAULT_PCCS]), None
+
+
+def classify(reasons: Sequence[str]) -> Check:
+    text = " ".join(reasons)
+    for needle, check in (
+        ("simulated", Check.simulated),
+        ("report_data", Check.freshness),
+        (CVM_ID_EVENT, Check.cvm_id),
+        (SSH_KEYS_EVENT, Check.authorized_keys),
+        (SSH_HOST_KEY_EVENT, Check.host_key),
+        ("MRTD", Check.release),
+        ("RTMR", Check.measurement),
+    ):
+        if needle in text:
+            return check
+    return Check.measurement
+
+
+def attested_host_key(log: Sequence[Event] | None) -> str:
+    hits = [
+        e for e in log or () if e.event_type == RUNTIME_EVENT_TYPE and e.name == SSH_HOST_KEY_EVENT
+    ]
+    if len(hits) != 1:
+        raise Refused(Check.host_key, f"the quote binds {len(hits)} host keys, not one")
+    try:
+        return canonical_ssh_key(hits[0].payload.decode())
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise Refused(Check.host_key, f"the bound host key is not an SSH key: {exc}") from None
+
+
+@dataclass
+class AttestedSession:
+    conn: ATLSConnection
+    host_key: str
+    verdict: Verdict
+
+
+async def connect_attested(info: SessionInfo, handshake_timeout: float = 20.0) -> AttestedSession:
+    policy = session_policy(info)
+    if info.ingress is None:
+        raise Refused(Check.launch_data, f"the Console records no SSH ingress for {info.cvm_id}")
+    collateral, root = collateral_and_root(policy.tee == "simulated")
+    verifier = CapturingVerifier(
+        policy, collateral, allow_simulated=root is not None, simulated_root_der=root
+    )
+    try:
+        conn = await atls_connect(
+            info.ingress.host, info.ingress.port, verifier, handshake_timeout=handshake_timeout
+        )
+    except ATLSError as exc:
+        verdict = verifier.verdict
+        if verdict is not None and not verdict.ok:
+            raise Refused(classify(verdict.reasons), "; ".join(verdict.reasons)) from None
+        check = Check.ingress if "cannot connect" in str(exc) else Check.atls
+        raise Refused(check, str(exc)) from None
+    assert verifier.verdict is not None
+    try:
+        host_key = attested_host_key(verifier.log)
+    except Refused:
+        await conn.close()
+        raise
+    return AttestedSession(conn, host_key, verifier.verdict)

@@ -1,0 +1,48 @@
+"""What a developer's SSH client needs to know about one Dev CVM (`contracts.session`).
+
+The provider records the ingress address and the release manifest in `provider_state` when it
+launches the CVM (`ssh_ingress`: {host, port}; `release_manifest`: an attest ReleaseManifest).
+The client trusts none of it on its own word: every item is checked against the CVM's quote.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from pydantic import ValidationError
+
+from umbra.attest.measurement import ReleaseManifest
+from umbra.console.models import Cvm
+from umbra.contracts.session import SessionInfo, SessionState, SshIngress
+
+log = logging.getLogger("umbra.console.session")
+INGRESS_KEY = "ssh_ingress"
+RELEASE_KEY = "release_manifest"
+
+
+def session_info(cvm: Cvm) -> SessionInfo:
+    state = {"running": SessionState.running, "stopped": SessionState.stopped}.get(
+        cvm.state, SessionState.other
+    )
+    ingress: SshIngress | None = None
+    release: ReleaseManifest | None = None
+    raw_ingress, raw_release = (
+        cvm.provider_state.get(INGRESS_KEY),
+        cvm.provider_state.get(RELEASE_KEY),
+    )
+    try:
+        ingress = SshIngress.model_validate(raw_ingress) if raw_ingress is not None else None
+    except ValidationError:
+        log.warning("CVM %s: provider_state.%s is invalid; not served", cvm.id, INGRESS_KEY)
+    try:
+        release = ReleaseManifest.model_validate(raw_release) if raw_release is not None else None
+    except ValidationError:
+        log.warning("CVM %s: provider_state.%s is invalid; not served", cvm.id, RELEASE_KEY)
+    return SessionInfo(
+        cvm_id=cvm.id,
+        name=cvm.name,
+        state=state,
+        ingress=ingress,
+        release=release,
+        ssh_authorized_keys=list(cvm.ssh_keys),
+    )

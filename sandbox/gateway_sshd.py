@@ -1,0 +1,206 @@
+"""The gateway sshd behind the attested ingress: host-side files and the per-connection argv.
+
+One `sshd -i` per attested connection, run as host root from a root-only state directory the
+sandbox cannot see: host key (generated here, never leaves the CVM), `sshd_config`, the copy of
+the launch-bound `authorized_keys`, and the `enter` script that is sshd's ForceCommand. sshd sits
+in the sandbox's network namespace (so `-L` reaches sandbox ports); every session channel (shell,
+exec, sftp) runs through `enter`, which joins the sandbox as its user. Nothing inside the sandbox
+can change who logs in: keys are read from the state directory, never from a home directory.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from umbra.attest.measurement import canonical_ssh_key
+from umbra.contracts.session import LOGIN_USER
+from umbra.sandbox.ingress_config import IngressConfig, IngressConfigError
+
+HOST_KEY = "ssh_host_ed25519_key"
+CVM_ID = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+PRIVSEP_DIR = Path("/run/sshd")
+
+
+@dataclass(frozen=True)
+class LaunchData:
+    cvm_id: str
+    authorized_keys: tuple[str, ...]  # canonical `type base64` lines
+
+
+def read_launch(launch_dir: Path) -> LaunchData:
+    try:
+        cvm_id = (launch_dir / "cvm-id").read_text().strip()
+        lines = (launch_dir / "authorized_keys").read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise IngressConfigError(f"{launch_dir}: cannot read launch data: {exc}") from None
+    if not CVM_ID.match(cvm_id):
+        raise IngressConfigError(f"{launch_dir}/cvm-id: {cvm_id[:40]!r} is not a CVM id")
+    keys: list[str] = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        try:
+            keys.append(canonical_ssh_key(line))
+        except ValueError as exc:
+            raise IngressConfigError(f"{launch_dir}/authorized_keys:{number}: {exc}") from None
+    if not keys:
+        raise IngressConfigError(f"{launch_dir}/authorized_keys: no key: nobody could log in")
+    return LaunchData(cvm_id, tuple(sorted(set(keys))))
+
+
+def secure_state_dir(path: Path) -> None:
+    """Create or check the state directory: a real directory, owned by us, mode 0700."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+        raise IngressConfigError(
+            f"{path}: state_dir must be a directory owned by uid {os.geteuid()}"
+        )
+    if st.st_mode & 0o077:
+        os.chmod(path, 0o700)
+
+
+def ensure_host_key(state_dir: Path) -> str:
+    """The CVM's SSH host key, generated on first start; returns its public line."""
+    key = state_dir / HOST_KEY
+    if not key.exists():
+        done = subprocess.run(
+            ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "umbra-ingress", "-f", str(key)],
+            capture_output=True,
+            text=True,
+        )
+        if done.returncode != 0:
+            raise IngressConfigError(f"ssh-keygen failed: {done.stderr.strip()}")
+    try:
+        return canonical_ssh_key(key.with_suffix(".pub").read_text())
+    except (OSError, ValueError) as exc:
+        raise IngressConfigError(f"{key}.pub: {exc}") from None
+
+
+def _write(path: Path, text: str, mode: int) -> None:
+    temp = path.with_name(path.name + ".tmp")
+    temp.unlink(missing_ok=True)
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(text)
+    os.replace(temp, path)
+
+
+def sandbox_pid(config: IngressConfig) -> int | None:
+    entry = config.sandbox
+    if entry.pid is not None:
+        return entry.pid
+    if entry.pid_file is None:
+        return None
+    try:
+        return int(entry.pid_file.read_text().strip())
+    except (OSError, ValueError) as exc:
+        raise IngressConfigError(f"{entry.pid_file}: no sandbox pid: {exc}") from None
+
+
+def netns_path(config: IngressConfig) -> str:
+    """The sandbox's network namespace, where sshd runs."""
+    if config.sandbox.netns is not None:
+        return f"/run/netns/{config.sandbox.netns}"
+    return f"/proc/{sandbox_pid(config)}/ns/net"
+
+
+def enter_script(config: IngressConfig) -> str:
+    entry = config.sandbox
+    env = (
+        f"HOME={entry.home} USER={entry.user} LOGNAME={entry.user} SHELL={entry.shell} "
+        f"PATH={entry.path} UMBRA_SESSIONS={entry.sessions_dir} LANG=C.UTF-8"
+    )
+    if entry.pid is not None or entry.pid_file is not None:
+        target = str(entry.pid) if entry.pid is not None else f'"$(cat {entry.pid_file})"'
+        join = (
+            f"/usr/bin/nsenter --target {target} --user --mount --pid --net --uts --ipc "
+            f"--setuid {entry.uid} --setgid {entry.gid} --wd={entry.home} --"
+        )
+    else:
+        join = (
+            f"/usr/bin/nsenter --net=/run/netns/{entry.netns} -- /usr/bin/setpriv "
+            f"--reuid {entry.uid} --regid {entry.gid} --clear-groups --no-new-privs --"
+        )
+    return f"""#!/bin/sh
+# Written by `umbra sandbox ingress`: sshd's ForceCommand. Runs the session in the sandbox as
+# its user: an interactive login shell, or the requested command (exec, sftp) via the shell.
+set -eu
+if [ -z "${{SSH_ORIGINAL_COMMAND:-}}" ]; then set -- {entry.shell} -l
+else set -- {entry.shell} -c "$SSH_ORIGINAL_COMMAND"; fi
+exec /usr/bin/env -i {env} TERM="${{TERM:-dumb}}" SSH_CONNECTION="${{SSH_CONNECTION:-}}" \\
+  {join} "$@"
+"""
+
+
+def sshd_config(config: IngressConfig) -> str:
+    state = config.state_dir
+    return f"""# Written by `umbra sandbox ingress`; regenerated at every start.
+HostKey {state / HOST_KEY}
+AuthorizedKeysFile {state / "authorized_keys"}
+AuthorizedKeysCommand none
+AuthorizedPrincipalsFile none
+PubkeyAuthentication yes
+PasswordAuthentication no
+KbdInteractiveAuthentication no
+HostbasedAuthentication no
+PermitRootLogin prohibit-password
+AllowUsers {LOGIN_USER}
+UsePAM no
+# The ingress checks {state} itself (root, 0700): StrictModes would also walk its parents.
+StrictModes no
+AllowAgentForwarding no
+AllowStreamLocalForwarding no
+AllowTcpForwarding local
+GatewayPorts no
+PermitTunnel no
+X11Forwarding no
+PermitUserEnvironment no
+PermitUserRC no
+PrintMotd no
+PrintLastLog no
+PidFile none
+LogLevel INFO
+LoginGraceTime 30
+MaxAuthTries 3
+ClientAliveInterval 30
+Subsystem sftp {config.sftp_server}
+ForceCommand {state / "enter"}
+"""
+
+
+def prepare(config: IngressConfig, launch: LaunchData) -> str:
+    """Write the gateway's files; return the host public key line."""
+    secure_state_dir(config.state_dir)
+    host_key = ensure_host_key(config.state_dir)
+    _write(config.state_dir / "authorized_keys", "\n".join(launch.authorized_keys) + "\n", 0o600)
+    _write(config.state_dir / "enter", enter_script(config), 0o700)
+    _write(config.state_dir / "sshd_config", sshd_config(config), 0o600)
+    PRIVSEP_DIR.mkdir(mode=0o755, exist_ok=True)
+    done = subprocess.run(
+        [str(config.sshd), "-t", "-f", str(config.state_dir / "sshd_config")],
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode != 0:
+        raise IngressConfigError(f"sshd refuses the generated config: {done.stderr.strip()}")
+    return host_key
+
+
+def sshd_argv(config: IngressConfig) -> list[str]:
+    """One inetd-mode sshd in the sandbox's network namespace (still host root, host mounts)."""
+    return [
+        "/usr/bin/nsenter",
+        f"--net={netns_path(config)}",
+        "--",
+        str(config.sshd),
+        "-i",
+        "-e",
+        "-f",
+        str(config.state_dir / "sshd_config"),
+    ]
