@@ -26,6 +26,7 @@ from umbra.console.release_config import verifier_from_settings
 from umbra.console.routes import audit, bundles, cvms, meta, secrets, security_cvm, traffic
 from umbra.console.schemas import TrafficBatch
 from umbra.console.state import Console
+from umbra.console.web import mount as mount_web
 from umbra.proxy.policy.bundle import BundleError, load_public_key
 
 log = logging.getLogger("umbra.console")
@@ -113,6 +114,7 @@ def create_app(
     app.state.console = console
     for module in (meta, bundles, cvms, secrets, security_cvm, traffic, audit):
         app.include_router(module.router)
+    mount_web(app)
     _install_error_handlers(app)
     _register_extra_schemas(app, [TrafficBatch])
     app.add_middleware(
