@@ -3,8 +3,9 @@ visible text.
 
 Records carry attacker-chosen hosts, paths and headers. Autoescaping turns markup into text; the
 finalizer additionally rewrites control characters, bidirectional overrides, zero-width characters
-and lone surrogates as visible `\\uXXXX` escapes, so a value can neither hide itself, reorder the
-line it sits on, nor break the page's UTF-8 encoding.
+and lone surrogates as visible `\\uXXXX` escapes (and a backslash as two, so an escape is never
+ambiguous), so a value can neither hide itself, reorder the line it sits on, nor break the page's
+UTF-8 encoding.
 """
 
 from __future__ import annotations
@@ -26,11 +27,13 @@ _HIDDEN = frozenset({"Cc", "Cf", "Cs", "Co", "Zl", "Zp"})
 
 
 def visible(value: str) -> str:
-    if value.isprintable() and value.isascii():
+    if value.isprintable() and value.isascii() and "\\" not in value:
         return value
     out = []
     for char in value:
-        if unicodedata.category(char) in _HIDDEN:
+        if char == "\\":
+            out.append("\\\\")  # so a typed "\\x1b" is not mistaken for an escaped ESC
+        elif unicodedata.category(char) in _HIDDEN:
             code = ord(char)
             out.append(f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}")
         else:

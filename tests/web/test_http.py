@@ -8,10 +8,12 @@ from urllib.parse import quote
 
 import httpx
 import pytest
+from starlette.requests import Request
 
 from tests.console.oidc_issuer import LocalIssuer
 from tests.web.conftest import CONTROL_PATH, HOSTILE_HOST, SECRET_VALUE, Seed, login
 from umbra.console.web.render import visible
+from umbra.console.web.session import cookie_names, is_loopback_http
 
 
 @pytest.fixture(params=["pg", "sqlite"])
@@ -252,3 +254,40 @@ def test_visible_escapes_hidden_characters() -> None:
     assert visible("zero\u200bwidth") == "zero\\u200bwidth"
     assert visible("lone\udcff") == "lone\\udcff"
     assert visible("ünïcödé") == "ünïcödé"
+    assert visible("typed\\x1b") == "typed\\\\x1b"
+
+
+def test_cookies_are_secure_off_loopback() -> None:
+    def request(scheme: str, host: str) -> Request:
+        return Request({"type": "http", "scheme": scheme, "server": (host, 443), "path": "/",
+                        "headers": [(b"host", host.encode())], "query_string": b""})  # fmt: skip
+
+    assert is_loopback_http(request("http", "127.0.0.1"))
+    assert is_loopback_http(request("http", "localhost"))
+    assert not is_loopback_http(request("https", "127.0.0.1"))
+    assert not is_loopback_http(request("http", "console.example.com"))
+    assert not is_loopback_http(request("http", "10.0.0.5"))
+    assert cookie_names(request("https", "console.example.com"))[0].startswith("__Host-")
+
+
+def test_destroy_from_the_page_is_audited(seeded: Seed, issuer: LocalIssuer) -> None:
+    team = seeded.team.name
+    doomed = seeded.team.dev_cvm("doomed")
+    with closing(admin(seeded, issuer)) as client:
+        page = client.get(f"/ui/teams/{team}/cvms/{doomed}").text
+        token = re.search(r'name="csrf" value="([^"]+)"', page)
+        assert token is not None
+        url = f"/ui/teams/{team}/cvms/{doomed}/actions"
+        unconfirmed = client.post(url, data={"csrf": token.group(1), "action": "destroy"})
+        assert unconfirmed.status_code == 422
+        done = client.post(
+            url, data={"csrf": token.group(1), "action": "destroy", "confirm": "yes"}
+        )
+        assert done.status_code == 200 and "doomed is destroyed" in done.text
+        entries = client.get(f"/ui/teams/{team}/audit").text
+        first = entries.split("<tbody>", 1)[1].split("</tr>", 1)[0]
+        assert "cvm.destroy" in first and doomed in first
+        api = seeded.team.admin.get(f"/api/v1/teams/{team}/audit", params={"limit": 1000})
+        assert api.json()["entries"][-1]["action"] == "cvm.destroy"
+        bogus = client.post(url, data={"csrf": token.group(1), "action": "explode"})
+        assert bogus.status_code == 422
