@@ -291,3 +291,17 @@ def test_destroy_from_the_page_is_audited(seeded: Seed, issuer: LocalIssuer) -> 
         assert api.json()["entries"][-1]["action"] == "cvm.destroy"
         bogus = client.post(url, data={"csrf": token.group(1), "action": "explode"})
         assert bogus.status_code == 422
+
+
+def test_no_team_and_logout(seeded: Seed, issuer: LocalIssuer) -> None:
+    with closing(login(seeded.server, issuer, "outsider", [])) as client:
+        page = client.get("/ui/")
+        assert page.status_code == 200 and "holds no role in any team" in page.text
+        assert client.get(f"/ui/teams/{seeded.team.name}/traffic").status_code == 403
+        token = re.search(r'name="csrf" value="([^"]+)"', page.text)
+        assert token is not None
+        assert client.post("/ui/logout", data={}).status_code == 403
+        out = client.post("/ui/logout", data={"csrf": token.group(1)})
+        assert out.status_code == 200 and "Logged out" in out.text
+        again = client.get("/ui/", follow_redirects=False)
+        assert again.status_code == 303 and again.headers["location"].startswith("/ui/login")
