@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import uuid
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -48,7 +48,7 @@ def scoped(user: User, team: str, filters: TrafficFilters) -> TrafficFilters:
         return filters
     if filters.owner is not None and filters.owner != user.subject:
         raise HTTPException(status.HTTP_403_FORBIDDEN, "owner: developers see their own traffic")
-    return TrafficFilters(**{**filters.__dict__, "owner": user.subject})
+    return replace(filters, owner=user.subject)
 
 
 def _where(team: str, filters: TrafficFilters) -> list[ColumnElement[bool]]:
@@ -163,7 +163,7 @@ def overview(
     now = now or datetime.now(UTC)
     width = max(1, seconds // CHART_BUCKETS)
     since = now - timedelta(seconds=width * CHART_BUCKETS)
-    window = TrafficFilters(**{**filters.__dict__, "since": since})
+    window = replace(filters, since=since)
     c = TABLE.c
     where = _where(team, window)
     denied = func.sum(case((c.decision == "deny", 1), else_=0))

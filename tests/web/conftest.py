@@ -16,6 +16,7 @@ import pytest
 from tests.console.helpers import Server, Team, new_team, start_server, traffic_record, unique
 from tests.console.oidc_issuer import LocalIssuer
 from tests.console.postgres import PostgresServer, find_bindir
+from umbra.console import audit
 from umbra.console.models import TrafficRecord
 from umbra.proxy.policy.bundle import generate_key
 
@@ -127,6 +128,17 @@ def seed(server: Server, issuer: LocalIssuer) -> Seed:
                 decision="deny",
                 reason="host_not_allowed",
             )
+        )
+    # The audit entry an attested secret release leaves (the release itself is tested in
+    # tests/console with the simulated TEE): the CVM pages derive attestation status from it.
+    with server.console.write() as session:
+        audit.append(
+            session,
+            actor=f"security-cvm:{team.scvm_id}",
+            team=team.name,
+            action="secret.release",
+            target=team.scvm_id,
+            details={"refs": []},
         )
     return Seed(
         server,

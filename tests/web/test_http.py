@@ -76,6 +76,9 @@ def test_pages_render_seeded_data(seeded: Seed, issuer: LocalIssuer) -> None:
         assert "evil.example" in overview.text
         cvms = client.get(f"/ui/teams/{team}/cvms")
         assert "alpha" in cvms.text and "beta" in cvms.text and "sec" in cvms.text
+        assert cvms.text.count('<span class="ok">attested</span>') == 3
+        other = client.get(f"/ui/teams/{seeded.other.name}/cvms")
+        assert other.status_code == 403
         profiles = client.get(f"/ui/teams/{team}/profiles")
         assert "test@1" in profiles.text and "clash-a" in profiles.text
         secrets = client.get(f"/ui/teams/{team}/secrets")
