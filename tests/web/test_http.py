@@ -120,6 +120,10 @@ def test_developer_sees_only_their_own(seeded: Seed, issuer: LocalIssuer) -> Non
         assert client.get(f"/ui/teams/{team}/records/{seeded.other_record}").status_code == 404
         cvms = client.get(f"/ui/teams/{team}/cvms")
         assert "alpha" in cvms.text and "beta" not in cvms.text
+        overview = client.get(f"/ui/teams/{team}/overview")
+        assert "evil.example" in overview.text and "pypi.org" not in overview.text
+        live = client.get(f"/ui/teams/{team}/traffic/live").json()["records"]
+        assert live and all(record["owner"] == seeded.team.dev_subject for record in live)
 
 
 def test_hostile_values_are_text(seeded: Seed, issuer: LocalIssuer) -> None:
