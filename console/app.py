@@ -36,6 +36,7 @@ from umbra.console.routes import (
 )
 from umbra.console.schemas import TrafficBatch
 from umbra.console.state import Console
+from umbra.console.web import mount as mount_web
 from umbra.proxy.policy.bundle import BundleError, load_public_key
 
 log = logging.getLogger("umbra.console")
@@ -123,6 +124,7 @@ def create_app(
     app.state.console = console
     for module in (meta, login, bundles, cvms, session, secrets, security_cvm, traffic, audit):
         app.include_router(module.router)
+    mount_web(app)
     _install_error_handlers(app)
     _register_extra_schemas(app, [TrafficBatch])
     app.add_middleware(

@@ -3,12 +3,15 @@ joserfc. Keys can be rotated; the Console must pick up the new key by refetching
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
+import secrets
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
-from urllib.parse import parse_qsl
+from urllib.parse import parse_qs, parse_qsl, urlencode, urlsplit
 
 from joserfc import jwt
 from joserfc.jwk import ECKey, RSAKey
@@ -31,6 +34,10 @@ class LocalIssuer:
         self.refresh_tokens: dict[str, tuple[str, list[str]]] = {}
         self.refreshes = 0
         self.device_expires_in = 600
+        # When set, /authorize approves at once as (subject, roles) and redirects back with a code
+        # bound to the PKCE challenge (RFC 7636 S256); /token redeems a code once.
+        self.browser_grant: tuple[str, list[str]] | None = None
+        self._codes: dict[str, dict[str, Any]] = {}
         self.rotate(keep_old=False)
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
         self._thread.start()
@@ -71,6 +78,48 @@ class LocalIssuer:
         header = {"alg": alg, "kid": kid or signer.kid}
         return jwt.encode(header, body, signer)
 
+    def _authorize(self, handler: BaseHTTPRequestHandler) -> None:
+        query = {k: v[-1] for k, v in parse_qs(urlsplit(handler.path).query).items()}
+        if (
+            self.browser_grant is None
+            or query.get("response_type") != "code"
+            or query.get("code_challenge_method") != "S256"
+            or not query.get("code_challenge")
+            or not query.get("redirect_uri")
+        ):
+            handler.send_error(400)
+            return
+        code = secrets.token_urlsafe(16)
+        self._codes[code] = {
+            "grant": self.browser_grant,
+            "challenge": query["code_challenge"],
+            "redirect_uri": query["redirect_uri"],
+            "client_id": query.get("client_id"),
+        }
+        target = (
+            query["redirect_uri"] + "?" + urlencode({"code": code, "state": query.get("state", "")})
+        )
+        handler.send_response(302)
+        handler.send_header("Location", target)
+        handler.send_header("Content-Length", "0")
+        handler.end_headers()
+
+    def _redeem(self, form: dict[str, str]) -> tuple[int, dict[str, Any]]:
+        pending = self._codes.pop(form.get("code", ""), None)
+        if pending is None:
+            return 400, {"error": "invalid_grant"}
+        verifier = form.get("code_verifier", "")
+        digest = hashlib.sha256(verifier.encode()).digest()
+        challenge = base64.urlsafe_b64encode(digest).decode().rstrip("=")
+        if (
+            challenge != pending["challenge"]
+            or form.get("redirect_uri") != pending["redirect_uri"]
+            or form.get("client_id") != pending["client_id"]
+        ):
+            return 400, {"error": "invalid_grant"}
+        subject, roles = pending["grant"]
+        return 200, {"access_token": self.token(subject, roles), "token_type": "Bearer"}
+
     def close(self) -> None:
         self._server.shutdown()
         self._server.server_close()
@@ -89,6 +138,12 @@ class LocalIssuer:
                     if issuer.device_grant is not None:
                         body["device_authorization_endpoint"] = issuer.url + "/device"
                         body["token_endpoint"] = issuer.url + "/token"
+                    if issuer.browser_grant is not None:
+                        body["authorization_endpoint"] = issuer.url + "/authorize"
+                        body["token_endpoint"] = issuer.url + "/token"
+                elif self.path.startswith("/authorize?"):
+                    issuer._authorize(self)
+                    return
                 elif self.path == "/jwks":
                     issuer.jwks_fetches += 1
                     body = issuer.jwks()
@@ -106,6 +161,9 @@ class LocalIssuer:
                 raw_form = self.rfile.read(int(self.headers.get("Content-Length", "0")))
                 form = dict(parse_qsl(raw_form.decode()))
                 status, body = 200, {}
+                if self.path == "/token" and form.get("grant_type") == "authorization_code":
+                    self._answer(*issuer._redeem(form))
+                    return
                 if self.path == "/token" and form.get("grant_type") == "refresh_token":
                     issuer.refreshes += 1
                     who = issuer.refresh_tokens.get(form.get("refresh_token", ""))
@@ -147,12 +205,7 @@ class LocalIssuer:
                 else:
                     self.send_error(404)
                     return
-                raw = json.dumps(body).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(raw)))
-                self.end_headers()
-                self.wfile.write(raw)
+                self._answer(status, body)
 
             def _answer(self, status: int, body: dict[str, Any]) -> None:
                 raw = json.dumps(body).encode()
