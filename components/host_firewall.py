@@ -51,7 +51,11 @@ class HostFirewall:
         if not self.security_cvm_ips:
             raise ValueError("HostFirewall: no Security CVM address")
         for ip in [*self.security_cvm_ips, *self.metadata_addresses, *self.ntp_servers]:
-            ipaddress.IPv4Address(ip)  # raises ValueError on anything but a dotted quad
+            try:
+                ipaddress.IPv4Address(ip)
+            except ValueError:
+                # No names: resolving one is exactly the DNS this ruleset closes.
+                raise ValueError(f"HostFirewall: {ip!r} is not an IPv4 address") from None
         for cidr in [self.uplink_cidr, *self.internal_cidrs]:
             ipaddress.IPv4Network(cidr)
         for port in (self.tunnel_port, self.ssh_port, self.forwarder_ingress_port):
