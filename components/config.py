@@ -54,6 +54,13 @@ def _not_everywhere(net: ipaddress.IPv4Network) -> ipaddress.IPv4Network:
     return net
 
 
+def _public(addr: ipaddress.IPv4Address) -> ipaddress.IPv4Address:
+    if not addr.is_global:
+        raise ValueError(f"{addr} is not a public address")
+    return addr
+
+
+PublicAddress = Annotated[ipaddress.IPv4Address, AfterValidator(_public)]
 SshKey = Annotated[str, AfterValidator(_ssh_key)]
 HttpsUrl = Annotated[str, AfterValidator(_https)]
 IngressCidr = Annotated[ipaddress.IPv4Network, AfterValidator(_not_everywhere)]
@@ -88,6 +95,17 @@ class NetworkConfig(_Strict):
     ssh_ingress_cidrs: list[IngressCidr] = Field(min_length=1)
     # Where the Console is reached when that is not the public internet on 443.
     console_cidrs: list[ipaddress.IPv4Network] = Field(default_factory=list)
+    # Public resolvers the Security CVM's proxy uses (udp/tcp 53, through the team's NAT). The
+    # team network's own DNS answers no public name (a Dev CVM's lookups are a channel out).
+    security_dns_resolvers: list[PublicAddress] = Field(
+        default_factory=lambda: [
+            ipaddress.IPv4Address("8.8.8.8"),
+            ipaddress.IPv4Address("1.1.1.1"),
+        ],
+        min_length=1,
+    )
+    # Log denied flows: off by default (a hostile agent can make many, each one billed).
+    log_denied: bool = False
 
     @model_validator(mode="after")
     def _disjoint(self) -> NetworkConfig:
@@ -108,6 +126,8 @@ class CvmConfig(_Strict):
     # A TDX-capable image: GCP image self link/family, Azure image id or "publisher:offer:sku:version".
     image: str = Field(min_length=1)
     disk_gb: int = Field(default=50, ge=20, le=2048)
+    # The persistent disk kept across replacement (Dev CVMs; default 100 GB for them).
+    data_disk_gb: int | None = Field(default=None, ge=10, le=65536)
     # Output directory of `umbra image measure DEF --out DIR` (relative to the project root):
     # app-compose.json is delivered, measurement-manifest.json named by its digest.
     # Unset: images/build/<role> if it holds app-compose.json, else a marked placeholder.
@@ -143,6 +163,8 @@ class TeamStack(_Strict):
     security_cvm: CvmConfig
     dev_cvm: CvmConfig
     developers: list[Developer] = Field(default_factory=list)
+    # A label on every resource (GCP label value syntax), for billing.
+    cost_centre: Annotated[str, Field(pattern=r"^[a-z0-9_-]{1,63}$")] | None = None
 
     @model_validator(mode="after")
     def _consistent(self) -> TeamStack:
@@ -194,12 +216,22 @@ def _check_placement(cloud: str, gcp: GcpPlacement | None, azure: AzurePlacement
         raise ValueError("cloud 'azure' needs an 'azure' block and no 'gcp' block")
 
 
-# TDX sizes only: DCesv5/DCedsv5/ECesv5/ECedsv5 (and v6). DCasv5 is AMD SEV-SNP, refused.
+# TDX machine types only. GCP: C3 standard (c3-standard-N; the TDX-capable C3 shapes, see the
+# zones list in docs/specs/infra.md). Azure: DCesv5/DCedsv5/ECesv5/ECedsv5 and DCesv6/ECesv6.
+# DCasv5/ECasv5 are AMD SEV-SNP and refused.
+GCP_TDX_SIZE = re.compile(r"^c3-standard-(4|8|22|44|88|176)$")
+AZURE_TDX_SIZE = re.compile(r"^Standard_[DE]C\d+(ed|e)s_v5$|^Standard_[DE]C\d+es_v6$")
+
+
 def _check_size(cloud: str, where: str, size: str) -> None:
-    if cloud == "gcp" and not re.fullmatch(r"c3-(standard|highcpu|highmem)-\d+", size):
-        raise ValueError(f"{where} {size!r} is not a C3 machine type (TDX runs on C3 only)")
-    if cloud == "azure" and not re.fullmatch(r"Standard_[DE]C\d+(-\d+)?ed?s_v[56]", size):
-        raise ValueError(f"{where} {size!r} is not a TDX size (DCesv5/DCedsv5/ECesv5/ECedsv5)")
+    if cloud == "gcp" and not GCP_TDX_SIZE.fullmatch(size):
+        raise ValueError(
+            f"{where} {size!r} is not a TDX machine type (c3-standard-4/8/22/44/88/176)"
+        )
+    if cloud == "azure" and not AZURE_TDX_SIZE.fullmatch(size):
+        raise ValueError(
+            f"{where} {size!r} is not a TDX size (DCesv5/DCedsv5/ECesv5/ECedsv5/DCesv6/ECesv6)"
+        )
 
 
 def _check_image(cloud: str, where: str, image: str) -> None:

@@ -46,12 +46,19 @@ class CvmArgs:
     # GCP: the service account the network's firewall rules target.
     identity: pulumi.Input[str] | None = None
     labels: dict[str, str] = field(default_factory=dict)
+    # A persistent disk separate from the boot disk (0: none). It is its own resource, so it
+    # survives the VM's replacement on a launch-data change and image updates.
+    data_disk_gb: int = 0
+    # False stops the VM (GCP: TERMINATED; Azure: the VM is removed, its disk and NIC stay).
+    running: bool = True
 
 
 @dataclass(frozen=True)
 class SecurityCvmArgs(CvmArgs):
     # The fixed address Dev CVM egress rules name (TeamNetwork.security_cvm_ip).
     private_ip: pulumi.Input[str] = ""
+    # Public resolvers the proxy uses: the team network's own DNS answers nothing public.
+    dns_resolvers: Sequence[str] = ()
 
 
 @dataclass(frozen=True)
@@ -59,6 +66,10 @@ class DevCvmArgs(CvmArgs):
     developer: str = ""
     # Launch-bound: their hash is the `umbra.ssh-authorized-keys` RTMR3 event.
     ssh_authorized_keys: Sequence[str] = ()
+    # The team's Security CVM address(es): the host firewall and /etc/hosts name them, so the
+    # Dev CVM needs no DNS at all.
+    security_cvm_ips: pulumi.Input[Sequence[str]] = ()
+    data_disk_gb: int = 100
 
     def __post_init__(self) -> None:
         if not self.developer:
@@ -86,9 +97,15 @@ class VmParts:
     public_ip: pulumi.Output[str] | None = None
 
 
-def _launch_data(role: str, args: CvmArgs, keys: Sequence[str]) -> pulumi.Output[LaunchData]:
+def _launch_data(
+    role: str,
+    args: CvmArgs,
+    keys: Sequence[str],
+    security_ips: pulumi.Input[Sequence[str]] = (),
+    dns_resolvers: Sequence[str] = (),
+) -> pulumi.Output[LaunchData]:
     manifest = args.measurement_manifest
-    return pulumi.Output.all(args.app_compose, manifest).apply(
+    return pulumi.Output.all(args.app_compose, manifest, security_ips).apply(
         lambda v: LaunchData(
             role=role,
             team=args.team,
@@ -96,6 +113,8 @@ def _launch_data(role: str, args: CvmArgs, keys: Sequence[str]) -> pulumi.Output
             app_compose=v[0],
             measurement_manifest=v[1],
             ssh_authorized_keys=tuple(keys),
+            security_cvm_ips=tuple(v[2] or ()),
+            dns_resolvers=tuple(dns_resolvers),
         )
     )
 
@@ -142,19 +161,19 @@ class SecurityCvm(_Cvm):
         self, name: str, args: SecurityCvmArgs, opts: pulumi.ResourceOptions | None = None
     ) -> None:
         super().__init__("umbra:infra:SecurityCvm", name, None, opts)
-        # The proxy dials the internet, so this is the one CVM with a public address; its
-        # firewall admits only the tunnel from the team's Dev CVMs.
+        # The proxy dials the internet through the team's NAT (one static egress address); the
+        # VM has no public address and its firewall admits only the tunnel from Dev CVMs.
         spec = VmSpec(
             role=ROLE_SECURITY,
             args=args,
-            launch=_launch_data(ROLE_SECURITY, args, ()),
+            launch=_launch_data(ROLE_SECURITY, args, (), dns_resolvers=args.dns_resolvers),
             private_ip=args.private_ip or None,
-            public_ip=True,
+            public_ip=False,
             ssh_keys=(),
         )
         parts = _build(name, spec, pulumi.ResourceOptions(parent=self))
         self.public_ip = parts.public_ip
-        self._finish(spec, parts, {"public_ip": parts.public_ip} if parts.public_ip else {})
+        self._finish(spec, parts, {})
 
 
 class DevCvm(_Cvm):
@@ -168,7 +187,7 @@ class DevCvm(_Cvm):
         spec = VmSpec(
             role=ROLE_DEV,
             args=args,
-            launch=_launch_data(ROLE_DEV, args, keys),
+            launch=_launch_data(ROLE_DEV, args, keys, args.security_cvm_ips),
             private_ip=None,
             public_ip=False,
             ssh_keys=keys,

@@ -37,6 +37,10 @@ class TeamNetworkArgs:
     gcp: GcpPlacement | None = None
     azure: AzurePlacement | None = None
     labels: dict[str, str] = field(default_factory=dict)
+    # Public resolvers the Security CVM's proxy uses (the team network's own DNS is closed).
+    security_dns_resolvers: Sequence[str] = ("8.8.8.8", "1.1.1.1")
+    # Log denied flows (firewall deny rules, NAT errors): off by default, it costs per packet.
+    log_denied: bool = False
 
     def __post_init__(self) -> None:
         # The config layer checks this too; components are also used directly (automation).
@@ -63,6 +67,8 @@ class NetworkParts:
     security_identity: pulumi.Output[str] | None = None
     # Azure: the team's resource group. GCP: None.
     resource_group_name: pulumi.Output[str] | None = None
+    # The Security CVM's static egress address (Cloud NAT / NAT Gateway).
+    egress_ip: pulumi.Output[str] | None = None
 
 
 class TeamNetwork(pulumi.ComponentResource):
@@ -73,6 +79,7 @@ class TeamNetwork(pulumi.ComponentResource):
     dev_identity: pulumi.Output[str] | None
     security_identity: pulumi.Output[str] | None
     resource_group_name: pulumi.Output[str] | None
+    egress_ip: pulumi.Output[str] | None
 
     def __init__(
         self, name: str, args: TeamNetworkArgs, opts: pulumi.ResourceOptions | None = None
@@ -96,6 +103,7 @@ class TeamNetwork(pulumi.ComponentResource):
         self.dev_identity = parts.dev_identity
         self.security_identity = parts.security_identity
         self.resource_group_name = parts.resource_group_name
+        self.egress_ip = parts.egress_ip
         outputs: dict[str, pulumi.Input[str]] = {
             "network_id": self.network_id,
             "dev_subnet_id": self.dev_subnet_id,
@@ -106,6 +114,7 @@ class TeamNetwork(pulumi.ComponentResource):
             ("dev_identity", self.dev_identity),
             ("security_identity", self.security_identity),
             ("resource_group_name", self.resource_group_name),
+            ("egress_ip", self.egress_ip),
         ):
             if value is not None:
                 outputs[key] = value

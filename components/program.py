@@ -21,8 +21,9 @@ from umbra.components.config import (
 )
 from umbra.components.cvm import DevCvm, DevCvmArgs, Placement, SecurityCvm, SecurityCvmArgs
 from umbra.components.launch_data import placeholder_app_compose
+from umbra.components.naming import Owner, dev_cvm_name, security_cvm_name
 from umbra.components.network import TeamNetwork, TeamNetworkArgs
-from umbra.components.ports import ROLE_DEV, ROLE_SECURITY
+from umbra.components.ports import COST_CENTRE_LABEL, ROLE_DEV, ROLE_SECURITY
 
 BUILD = Path("images") / "build"
 
@@ -89,8 +90,12 @@ def placement_for(
     )
 
 
+DEFAULT_DEV_DATA_DISK_GB = 100
+
+
 def build_team(cfg: TeamStack, root: Path) -> Team:
     net_cfg = cfg.network
+    labels = {COST_CENTRE_LABEL: cfg.cost_centre} if cfg.cost_centre else {}
     network = TeamNetwork(
         cfg.team,
         TeamNetworkArgs(
@@ -102,6 +107,9 @@ def build_team(cfg: TeamStack, root: Path) -> Team:
             console_cidrs=[str(c) for c in net_cfg.console_cidrs],
             gcp=cfg.gcp,
             azure=cfg.azure,
+            labels=labels,
+            security_dns_resolvers=[str(a) for a in net_cfg.security_dns_resolvers],
+            log_denied=net_cfg.log_denied,
         ),
     )
     place = placement_for(cfg, network.resource_group_name)
@@ -110,7 +118,7 @@ def build_team(cfg: TeamStack, root: Path) -> Team:
         f"{cfg.team}-security",
         SecurityCvmArgs(
             team=cfg.team,
-            vm_name=f"umbra-{cfg.team}-sec",
+            vm_name=security_cvm_name(cfg.team),
             placement=place,
             size=cfg.security_cvm.size,
             image=cfg.security_cvm.image,
@@ -120,6 +128,9 @@ def build_team(cfg: TeamStack, root: Path) -> Team:
             app_compose=sec_files.app_compose,
             measurement_manifest=sec_files.measurement_manifest,
             private_ip=network.security_cvm_ip,
+            dns_resolvers=tuple(str(a) for a in net_cfg.security_dns_resolvers),
+            labels=labels,
+            data_disk_gb=cfg.security_cvm.data_disk_gb or 0,
         ),
         opts=pulumi.ResourceOptions(depends_on=[network]),
     )
@@ -131,7 +142,7 @@ def build_team(cfg: TeamStack, root: Path) -> Team:
                 f"{cfg.team}-{dev.name}-{cvm}",
                 DevCvmArgs(
                     team=cfg.team,
-                    vm_name=f"umbra-{cfg.team}-{dev.name}-{cvm}",
+                    vm_name=dev_cvm_name(cfg.team, dev.name, cvm, Owner.TEAM_STACK),
                     placement=place,
                     size=dev.size or cfg.dev_cvm.size,
                     image=cfg.dev_cvm.image,
@@ -142,6 +153,9 @@ def build_team(cfg: TeamStack, root: Path) -> Team:
                     measurement_manifest=dev_files.measurement_manifest,
                     developer=dev.name,
                     ssh_authorized_keys=dev.ssh_keys,
+                    security_cvm_ips=network.security_cvm_ip.apply(lambda ip: [ip]),
+                    labels=labels,
+                    data_disk_gb=cfg.dev_cvm.data_disk_gb or DEFAULT_DEV_DATA_DISK_GB,
                 ),
                 opts=pulumi.ResourceOptions(depends_on=[security]),
             )
@@ -168,7 +182,8 @@ def export_team(cfg: TeamStack, team: Team) -> None:
         pulumi.export("dev_identity", net.dev_identity)
     if net.resource_group_name is not None:
         pulumi.export("resource_group_name", net.resource_group_name)
-    pulumi.export("security_cvm_public_ip", team.security.public_ip)
+    # The address the internet sees for this team's egress (allow-list it where needed).
+    pulumi.export("security_egress_ip", net.egress_ip)
     pulumi.export("security_cvm_compose_sha256", team.security.compose_sha256)
     pulumi.export(
         "dev_cvms",
