@@ -50,6 +50,8 @@ class Recorder(Mocks):
                     self._next_ip += 1
                     ni["networkIp"] = f"10.99.0.{self._next_ip}"
             out["networkInterfaces"] = nis
+        if args.typ == "gcp:compute/disk:Disk":
+            out["selfLink"] = f"zones/{args.inputs.get('zone')}/disks/{args.inputs['name']}"
         if args.typ == "azure-native:compute:VirtualMachine":
             out["vmId"] = f"{args.name}-vm-id"
         if args.typ == "pulumi:pulumi:StackReference":
