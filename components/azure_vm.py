@@ -53,6 +53,20 @@ def build_azure_vm(name: str, spec: VmSpec, opts: pulumi.ResourceOptions) -> VmP
     developer = getattr(args, "developer", None) or None
     tags = {**args.labels, **make_labels(args.team, spec.role, developer=developer)}
     zones = [place.zone] if place.zone else None
+    # Only the Console serves the internet; team CVMs egress through the team's NAT Gateway.
+    public_ip = None
+    if spec.public_ip:
+        public_ip = azure.network.PublicIPAddress(
+            f"{name}-pip",
+            public_ip_address_name=f"{args.vm_name}-pip",
+            resource_group_name=place.resource_group_name,
+            location=place.location,
+            sku=azure.network.PublicIPAddressSkuArgs(name="Standard"),
+            public_ip_allocation_method="Static",
+            zones=zones,
+            tags=tags,
+            opts=opts,
+        )
     nic = azure.network.NetworkInterface(
         f"{name}-nic",
         network_interface_name=f"{args.vm_name}-nic",
@@ -66,6 +80,9 @@ def build_azure_vm(name: str, spec: VmSpec, opts: pulumi.ResourceOptions) -> VmP
                 subnet=azure.network.SubnetArgs(id=args.subnet_id),
                 private_ip_allocation_method="Static" if spec.private_ip else "Dynamic",
                 private_ip_address=spec.private_ip,
+                public_ip_address=azure.network.PublicIPAddressArgs(id=public_ip.id)
+                if public_ip
+                else None,
             )
         ],
         tags=tags,
@@ -162,4 +179,8 @@ def build_azure_vm(name: str, spec: VmSpec, opts: pulumi.ResourceOptions) -> VmP
             ),
         ),
     )
-    return VmParts(instance_id=vm.vm_id, private_ip=private_ip, public_ip=None)
+    return VmParts(
+        instance_id=vm.vm_id,
+        private_ip=private_ip,
+        public_ip=public_ip.ip_address.apply(lambda a: a or "") if public_ip else None,
+    )

@@ -9,6 +9,8 @@ re-attached to the new instance.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pulumi
 import pulumi_gcp as gcp
 
@@ -43,9 +45,14 @@ def build_gcp_vm(name: str, spec: VmSpec, opts: pulumi.ResourceOptions) -> VmPar
                 source=disk.self_link, device_name=DATA_DEVICE, mode="READ_WRITE"
             )
         )
-    # No access config on any CVM: the Security CVM egresses through the team's Cloud NAT.
+    # Team CVMs have no access config (the Security CVM egresses through the team's Cloud NAT);
+    # only the Console, which serves HTTPS to the internet, asks for an external address.
     ni = gcp.compute.InstanceNetworkInterfaceArgs(
-        subnetwork=args.subnet_id, network_ip=spec.private_ip
+        subnetwork=args.subnet_id,
+        network_ip=spec.private_ip,
+        access_configs=[gcp.compute.InstanceNetworkInterfaceAccessConfigArgs()]
+        if spec.public_ip
+        else None,
     )
     vm = gcp.compute.Instance(
         name,
@@ -92,4 +99,10 @@ def build_gcp_vm(name: str, spec: VmSpec, opts: pulumi.ResourceOptions) -> VmPar
         ),
     )
     private_ip = vm.network_interfaces.apply(lambda nis: nis[0].network_ip or "")
-    return VmParts(instance_id=vm.instance_id, private_ip=private_ip, public_ip=None)
+    public_ip = vm.network_interfaces.apply(_nat_ip) if spec.public_ip else None
+    return VmParts(instance_id=vm.instance_id, private_ip=private_ip, public_ip=public_ip)
+
+
+def _nat_ip(nis: Sequence[gcp.compute.outputs.InstanceNetworkInterface]) -> str:
+    configs = nis[0].access_configs or []
+    return (configs[0].nat_ip or "") if configs else ""
