@@ -111,7 +111,8 @@ def build_azure_network(
                 "attested-ssh-in",
                 100,
                 "Inbound",
-                [str(c) for c in args.ssh_ingress_cidrs],
+                [str(c) for c in args.ssh_ingress_cidrs]
+                + ([args.bastion_cidr] if args.bastion_cidr else []),
                 [args.dev_cidr],
                 [DEV_ATTESTED_SSH_PORT],
             ),
@@ -199,6 +200,7 @@ def build_azure_network(
         location=location,
         address_space=azure.network.AddressSpaceArgs(
             address_prefixes=[args.dev_cidr, args.security_cidr]
+            + ([args.bastion_cidr] if args.bastion_cidr else [])
         ),
         tags=tags,
         opts=pulumi.ResourceOptions.merge(opts, pulumi.ResourceOptions(ignore_changes=["subnets"])),
@@ -277,6 +279,8 @@ def build_azure_network(
         opts=opts,
     )
     _close_dns(name, prefix, rg.name, location, vnet.id, tags, opts)
+    if args.reachability == "bastion" and args.bastion_cidr:
+        _bastion(name, prefix, args, rg.name, vnet, tags, opts, after=sec_subnet)
     return NetworkParts(
         network_id=vnet.id,
         dev_subnet_id=dev_subnet.id,
@@ -346,5 +350,58 @@ def _close_dns(
         location=location,
         virtual_network=azure.dnsresolver.SubResourceArgs(id=vnet_id),
         tags=tags,
+        opts=opts,
+    )
+
+
+def _bastion(
+    name: str,
+    prefix: str,
+    args: TeamNetworkArgs,
+    rg: pulumi.Output[str],
+    vnet: azure.network.VirtualNetwork,
+    tags: dict[str, str],
+    opts: pulumi.ResourceOptions,
+    after: pulumi.Resource,
+) -> None:
+    """Azure Bastion (Standard, native-client tunnelling): `az network bastion tunnel` carries
+    the developer's aTLS connection to the Dev CVM's port 8022; the Dev NSG admits it from the
+    Bastion subnet only."""
+    assert args.azure is not None and args.bastion_cidr is not None
+    subnet = azure.network.Subnet(
+        f"{name}-bastion",
+        subnet_name="AzureBastionSubnet",  # the name Azure requires
+        resource_group_name=rg,
+        virtual_network_name=vnet.name,
+        address_prefix=args.bastion_cidr,
+        opts=pulumi.ResourceOptions.merge(opts, pulumi.ResourceOptions(depends_on=[after])),
+    )
+    pip = azure.network.PublicIPAddress(
+        f"{name}-bastion-ip",
+        public_ip_address_name=f"{prefix}-bastion",
+        resource_group_name=rg,
+        location=args.azure.location,
+        sku=azure.network.PublicIPAddressSkuArgs(name="Standard"),
+        public_ip_allocation_method="Static",
+        tags={**tags, ROLE_LABEL: "bastion"},
+        opts=opts,
+    )
+    azure.network.BastionHost(
+        f"{name}-bastion-host",
+        bastion_host_name=f"{prefix}-bastion",
+        resource_group_name=rg,
+        location=args.azure.location,
+        sku=azure.network.SkuArgs(name="Standard"),
+        enable_tunneling=True,
+        enable_file_copy=False,
+        enable_shareable_link=False,
+        ip_configurations=[
+            azure.network.BastionHostIPConfigurationArgs(
+                name="primary",
+                subnet=azure.network.SubResourceArgs(id=subnet.id),
+                public_ip_address=azure.network.SubResourceArgs(id=pip.id),
+            )
+        ],
+        tags={**tags, ROLE_LABEL: "bastion"},
         opts=opts,
     )

@@ -60,6 +60,7 @@ def _public(addr: ipaddress.IPv4Address) -> ipaddress.IPv4Address:
     return addr
 
 
+IapMember = Annotated[str, Field(pattern=r"^(user|group|serviceAccount|domain):[^\s]+$")]
 PublicAddress = Annotated[ipaddress.IPv4Address, AfterValidator(_public)]
 SshKey = Annotated[str, AfterValidator(_ssh_key)]
 HttpsUrl = Annotated[str, AfterValidator(_https)]
@@ -106,6 +107,31 @@ class NetworkConfig(_Strict):
     )
     # Log denied flows: off by default (a hostile agent can make many, each one billed).
     log_denied: bool = False
+    # How a developer's machine reaches the Dev CVM's attested SSH port (8022):
+    #   public: from ssh_ingress_cidrs only;  iap (GCP): IAP TCP forwarding, with
+    #   roles/iap.tunnelResourceAccessor (port 8022 only) granted to iap_members;
+    #   bastion (Azure): an Azure Bastion (Standard, native-client tunnelling) in bastion_cidr.
+    reachability: Literal["public", "iap", "bastion"] = "public"
+    iap_members: list[IapMember] = Field(default_factory=list)
+    bastion_cidr: ipaddress.IPv4Network | None = None
+
+    @model_validator(mode="after")
+    def _reachability(self) -> NetworkConfig:
+        if self.reachability == "iap" and not self.iap_members:
+            raise ValueError("reachability 'iap' needs iap_members (who may open the tunnel)")
+        if self.reachability != "iap" and self.iap_members:
+            raise ValueError("iap_members are only used with reachability 'iap'")
+        if self.reachability == "bastion":
+            net = self.bastion_cidr
+            if net is None:
+                raise ValueError("reachability 'bastion' needs bastion_cidr (a /26 or larger)")
+            if not net.is_private or net.prefixlen > 26:
+                raise ValueError(f"bastion_cidr {net} must be a private /26 or larger")
+            if net.overlaps(self.dev_cidr) or net.overlaps(self.security_cidr):
+                raise ValueError(f"bastion_cidr {net} overlaps dev_cidr or security_cidr")
+        elif self.bastion_cidr is not None:
+            raise ValueError("bastion_cidr is only used with reachability 'bastion'")
+        return self
 
     @model_validator(mode="after")
     def _disjoint(self) -> NetworkConfig:
@@ -169,6 +195,9 @@ class TeamStack(_Strict):
     @model_validator(mode="after")
     def _consistent(self) -> TeamStack:
         _check_placement(self.cloud, self.gcp, self.azure)
+        mode = self.network.reachability
+        if (mode == "iap" and self.cloud != "gcp") or (mode == "bastion" and self.cloud != "azure"):
+            raise ValueError(f"network.reachability {mode!r} does not exist on {self.cloud}")
         sizes = [("security_cvm.size", self.security_cvm.size), ("dev_cvm.size", self.dev_cvm.size)]
         sizes += [
             (f"developers[{i}].size", d.size) for i, d in enumerate(self.developers) if d.size

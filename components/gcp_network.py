@@ -28,6 +28,8 @@ from umbra.components.ports import (
 
 ALLOW_PRIORITY = 1000
 DENY_ALL_PRIORITY = 65000
+# Where IAP TCP forwarding connects from.
+IAP_RANGE = "35.235.240.0/20"
 # The APIs a team stack calls; enabled by the stack so a fresh project deploys.
 REQUIRED_APIS = ("compute.googleapis.com", "dns.googleapis.com", "iam.googleapis.com")
 # What every name but the Security CVM's resolves to inside a team VPC: nothing routable.
@@ -51,7 +53,7 @@ def build_gcp_network(
             disable_on_destroy=False,
             opts=opts,
         )
-        for api in REQUIRED_APIS
+        for api in REQUIRED_APIS + (("iap.googleapis.com",) if args.reachability == "iap" else ())
     ]
     opts = pulumi.ResourceOptions.merge(opts, pulumi.ResourceOptions(depends_on=services))
 
@@ -262,9 +264,25 @@ def build_gcp_network(
         direction="INGRESS",
         priority=ALLOW_PRIORITY,
         target_service_accounts=[dev_sa.email],
-        source_ranges=list(args.ssh_ingress_cidrs),
+        source_ranges=sorted(
+            {*args.ssh_ingress_cidrs, *([IAP_RANGE] if args.reachability == "iap" else [])}
+        ),
         allows=[tcp(protocol="tcp", ports=[str(DEV_ATTESTED_SSH_PORT)])],
     )
+    # IAP TCP forwarding: who may open a tunnel, and only to the attested SSH port.
+    for i, member in enumerate(args.iap_members if args.reachability == "iap" else ()):
+        gcp.projects.IAMMember(
+            f"{name}-iap-{i}",
+            project=project,
+            role="roles/iap.tunnelResourceAccessor",
+            member=member,
+            condition=gcp.projects.IAMMemberConditionArgs(
+                title=f"{prefix}-attested-ssh-only",
+                description="Umbra: IAP tunnels to the Dev CVMs' attested SSH port only",
+                expression=f"destination.port == {DEV_ATTESTED_SSH_PORT}",
+            ),
+            opts=opts,
+        )
     rule(
         "security-tunnel-in",
         direction="INGRESS",

@@ -41,6 +41,10 @@ class TeamNetworkArgs:
     security_dns_resolvers: Sequence[str] = ("8.8.8.8", "1.1.1.1")
     # Log denied flows (firewall deny rules, NAT errors): off by default, it costs per packet.
     log_denied: bool = False
+    # public | iap (GCP) | bastion (Azure): see components.config.NetworkConfig.
+    reachability: str = "public"
+    iap_members: Sequence[str] = ()
+    bastion_cidr: str | None = None
 
     def __post_init__(self) -> None:
         # The config layer checks this too; components are also used directly (automation).

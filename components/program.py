@@ -110,6 +110,9 @@ def build_team(cfg: TeamStack, root: Path) -> Team:
             labels=labels,
             security_dns_resolvers=[str(a) for a in net_cfg.security_dns_resolvers],
             log_denied=net_cfg.log_denied,
+            reachability=net_cfg.reachability,
+            iap_members=list(net_cfg.iap_members),
+            bastion_cidr=str(net_cfg.bastion_cidr) if net_cfg.bastion_cidr else None,
         ),
     )
     place = placement_for(cfg, network.resource_group_name)

@@ -301,3 +301,61 @@ def test_every_labelled_resource_carries_team_role_developer_and_cost_centre() -
         dev = next(r for r in labelled if r.name == f"{stack['team']}-{first}-main")
         assert dev.inputs[key]["umbra-developer"] == first
         assert dev.inputs[key]["umbra-role"] == "dev-cvm"
+
+
+# --- reachability of the attested SSH port ------------------------------------------------------
+
+
+def test_gcp_iap_reachability_opens_8022_to_iap_and_grants_only_that_port() -> None:
+    stack = example_stack("acme-gcp")
+    stack["network"] |= {"reachability": "iap", "iap_members": ["group:acme-devs@example.com"]}
+    mocks = team(stack)
+    ssh = mocks.one("gcp:compute/firewall:Firewall", "acme-dev-attested-ssh").inputs
+    assert "35.235.240.0/20" in ssh["sourceRanges"]
+    assert ssh["allows"] == [{"protocol": "tcp", "ports": ["8022"]}]
+    (grant,) = mocks.of_type("gcp:projects/iAMMember:IAMMember")
+    assert grant.inputs["role"] == "roles/iap.tunnelResourceAccessor"
+    assert grant.inputs["member"] == "group:acme-devs@example.com"
+    assert grant.inputs["condition"]["expression"] == "destination.port == 8022"
+    services = {s.inputs["service"] for s in mocks.of_type("gcp:projects/service:Service")}
+    assert "iap.googleapis.com" in services
+
+
+def test_azure_bastion_reachability_admits_8022_from_the_bastion_subnet_only() -> None:
+    stack = example_stack("globex-azure")
+    stack["network"] |= {"reachability": "bastion", "bastion_cidr": "10.30.2.0/26"}
+    mocks = team(stack)
+    (host,) = mocks.of_type("azure-native:network:BastionHost")
+    assert host.inputs["enableTunneling"] is True and host.inputs["sku"] == {"name": "Standard"}
+    subnet = mocks.one("azure-native:network:Subnet", "globex-bastion").inputs
+    assert subnet["subnetName"] == "AzureBastionSubnet"
+    dev_nsg = mocks.one(NSG, "globex-dev-nsg")
+    assert azure_allows(dev_nsg, direction="Inbound", src="10.30.2.5", dst="10.30.0.4", port=8022)
+    assert not azure_allows(dev_nsg, direction="Inbound", src="10.30.2.5", dst="10.30.0.4", port=22)
+
+
+@pytest.mark.parametrize(
+    ("stack_name", "network", "message"),
+    [
+        ("acme-gcp", {"reachability": "iap"}, "reachability 'iap' needs iap_members"),
+        (
+            "acme-gcp",
+            {"reachability": "bastion", "bastion_cidr": "10.20.2.0/26"},
+            "does not exist on gcp",
+        ),
+        ("globex-azure", {"reachability": "bastion"}, "needs bastion_cidr"),
+        ("globex-azure", {"reachability": "bastion", "bastion_cidr": "10.30.0.0/26"}, "overlaps"),
+        (
+            "globex-azure",
+            {"iap_members": ["user:a@example.com"]},
+            "only used with reachability 'iap'",
+        ),
+    ],
+)
+def test_reachability_config_errors_are_precise(
+    stack_name: str, network: dict[str, Any], message: str
+) -> None:
+    stack = example_stack(stack_name)
+    stack["network"] |= network
+    with pytest.raises(ConfigError, match=message):
+        parse_stack_config(raw_of(stack), frozenset())
