@@ -164,6 +164,12 @@ class CvmConfig(_Strict):
     ) = None
 
 
+class SecurityCvmConfig(CvmConfig):
+    # Replicas behind the cloud's internal passthrough TCP load balancer on the fixed address;
+    # the forwarder attests whichever replica it reaches (they run the same release).
+    replicas: int = Field(default=1, ge=1, le=8)
+
+
 class Developer(_Strict):
     name: Name
     ssh_keys: list[SshKey] = Field(min_length=1)
@@ -186,7 +192,7 @@ class TeamStack(_Strict):
     azure: AzurePlacement | None = None
     console_url: HttpsUrl
     network: NetworkConfig
-    security_cvm: CvmConfig
+    security_cvm: SecurityCvmConfig
     dev_cvm: CvmConfig
     developers: list[Developer] = Field(default_factory=list)
     # A label on every resource (GCP label value syntax), for billing.
@@ -195,6 +201,20 @@ class TeamStack(_Strict):
     @model_validator(mode="after")
     def _consistent(self) -> TeamStack:
         _check_placement(self.cloud, self.gcp, self.azure)
+        replicas = self.security_cvm.replicas
+        if replicas > 1:
+            if self.cloud != "gcp":
+                raise ValueError(
+                    "security_cvm.replicas > 1 is only implemented on gcp (Azure internal load "
+                    "balancer: not yet)"
+                )
+            room = self.network.security_cidr.num_addresses - 3 - 10
+            if replicas > room:
+                raise ValueError(
+                    f"security_cvm.replicas {replicas} do not fit in security_cidr "
+                    f"{self.network.security_cidr} (load balancer at host .10, replicas from .11; "
+                    f"at most {room}: use a larger range)"
+                )
         mode = self.network.reachability
         if (mode == "iap" and self.cloud != "gcp") or (mode == "bastion" and self.cloud != "azure"):
             raise ValueError(f"network.reachability {mode!r} does not exist on {self.cloud}")

@@ -59,6 +59,9 @@ class SecurityCvmArgs(CvmArgs):
     private_ip: pulumi.Input[str] = ""
     # Public resolvers the proxy uses: the team network's own DNS answers nothing public.
     dns_resolvers: Sequence[str] = ()
+    # Replicas: the load balancer's address, which the guest adds as a local route (an internal
+    # passthrough LB delivers packets addressed to it).
+    lb_ip: str = ""
 
 
 @dataclass(frozen=True)
@@ -95,6 +98,8 @@ class VmParts:
     instance_id: pulumi.Output[str]
     private_ip: pulumi.Output[str]
     public_ip: pulumi.Output[str] | None = None
+    # GCP: the instance's self link (load-balancer instance groups name instances by it).
+    self_link: pulumi.Output[str] | None = None
 
 
 def _launch_data(
@@ -103,6 +108,7 @@ def _launch_data(
     keys: Sequence[str],
     security_ips: pulumi.Input[Sequence[str]] = (),
     dns_resolvers: Sequence[str] = (),
+    lb_ip: str = "",
 ) -> pulumi.Output[LaunchData]:
     manifest = args.measurement_manifest
     return pulumi.Output.all(args.app_compose, manifest, security_ips).apply(
@@ -115,6 +121,7 @@ def _launch_data(
             ssh_authorized_keys=tuple(keys),
             security_cvm_ips=tuple(v[2] or ()),
             dns_resolvers=tuple(dns_resolvers),
+            lb_ip=lb_ip or None,
         )
     )
 
@@ -135,9 +142,11 @@ class _Cvm(pulumi.ComponentResource):
     compose_sha256: pulumi.Output[str]
     expected_events: pulumi.Output[dict[str, str]]
     is_placeholder: pulumi.Output[bool]
+    self_link: pulumi.Output[str] | None
 
     def _finish(self, spec: VmSpec, parts: VmParts, extra: dict[str, Any]) -> None:
         self.instance_id = parts.instance_id
+        self.self_link = parts.self_link
         self.private_ip = parts.private_ip
         self.compose_sha256 = spec.launch.apply(lambda d: d.compose_sha256)
         self.expected_events = spec.launch.apply(lambda d: d.expected_events())
@@ -166,7 +175,9 @@ class SecurityCvm(_Cvm):
         spec = VmSpec(
             role=ROLE_SECURITY,
             args=args,
-            launch=_launch_data(ROLE_SECURITY, args, (), dns_resolvers=args.dns_resolvers),
+            launch=_launch_data(
+                ROLE_SECURITY, args, (), dns_resolvers=args.dns_resolvers, lb_ip=args.lb_ip
+            ),
             private_ip=args.private_ip or None,
             public_ip=False,
             ssh_keys=(),

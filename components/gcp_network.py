@@ -28,6 +28,8 @@ from umbra.components.ports import (
 
 ALLOW_PRIORITY = 1000
 DENY_ALL_PRIORITY = 65000
+# Where Google's load-balancer health checks come from.
+HEALTH_CHECK_RANGES = ("35.191.0.0/16", "130.211.0.0/22")
 # Where IAP TCP forwarding connects from.
 IAP_RANGE = "35.235.240.0/20"
 # The APIs a team stack calls; enabled by the stack so a fresh project deploys.
@@ -299,6 +301,15 @@ def build_gcp_network(
         destination_ranges=["0.0.0.0/0"],
         allows=[tcp(protocol="tcp", ports=[str(p) for p in SECURITY_EGRESS_PORTS])],
     )
+    if args.security_replicas > 1:
+        rule(
+            "security-health-check",
+            direction="INGRESS",
+            priority=ALLOW_PRIORITY,
+            target_service_accounts=[sec_sa.email],
+            source_ranges=list(HEALTH_CHECK_RANGES),
+            allows=[tcp(protocol="tcp", ports=[str(SECURITY_TUNNEL_PORT)])],
+        )
     if args.security_dns_resolvers:
         rule(
             "security-dns-egress",

@@ -100,7 +100,12 @@ def build_gcp_vm(name: str, spec: VmSpec, opts: pulumi.ResourceOptions) -> VmPar
     )
     private_ip = vm.network_interfaces.apply(lambda nis: nis[0].network_ip or "")
     public_ip = vm.network_interfaces.apply(_nat_ip) if spec.public_ip else None
-    return VmParts(instance_id=vm.instance_id, private_ip=private_ip, public_ip=public_ip)
+    return VmParts(
+        instance_id=vm.instance_id,
+        private_ip=private_ip,
+        public_ip=public_ip,
+        self_link=vm.self_link,
+    )
 
 
 def _nat_ip(nis: Sequence[gcp.compute.outputs.InstanceNetworkInterface]) -> str:

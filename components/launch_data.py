@@ -33,6 +33,8 @@ META_EVENTS = "umbra-rtmr3-events"
 META_HOST_FIREWALL = "umbra-host-firewall"
 META_SECURITY_CVM_IPS = "umbra-security-cvm-ips"
 META_DNS_RESOLVERS = "umbra-dns-resolvers"
+# Security CVM replicas: the internal load balancer's address, added as a local route.
+META_LB_IP = "umbra-security-lb-ip"
 # Same name as umbra.images.measure.CVM_ID_EVENT (a test keeps them equal).
 CVM_ID_EVENT = "umbra.cvm-id"
 
@@ -78,6 +80,7 @@ class LaunchData:
     ssh_authorized_keys: Sequence[str] = field(default_factory=tuple)
     security_cvm_ips: Sequence[str] = field(default_factory=tuple)
     dns_resolvers: Sequence[str] = field(default_factory=tuple)
+    lb_ip: str | None = None
 
     @property
     def host_firewall(self) -> str | None:
@@ -134,6 +137,8 @@ class LaunchData:
             meta[META_SECURITY_CVM_IPS] = " ".join(self.security_cvm_ips)
         if self.dns_resolvers:
             meta[META_DNS_RESOLVERS] = " ".join(self.dns_resolvers)
+        if self.lb_ip:
+            meta[META_LB_IP] = self.lb_ip
         return meta
 
     def gcp_metadata(self) -> dict[str, str]:

@@ -18,6 +18,14 @@ from umbra.components.config import AzurePlacement, GcpPlacement
 Cloud = Literal["gcp", "azure"]
 
 
+def security_replica_ip(security_cidr: str, replica: int, replicas: int) -> str:
+    """One replica: the fixed address itself. Several: .11, .12, … behind the load balancer,
+    whose frontend holds the fixed address."""
+    if replicas == 1:
+        return security_cvm_ip(security_cidr)
+    return str(ipaddress.IPv4Network(security_cidr).network_address + 11 + replica)
+
+
 def security_cvm_ip(security_cidr: str) -> str:
     """The Security CVM's fixed private address: Dev CVM egress rules name exactly this /32.
     Host 10 clears every cloud's reserved low addresses (GCP .0-.1, Azure .0-.3)."""
@@ -45,6 +53,8 @@ class TeamNetworkArgs:
     reachability: str = "public"
     iap_members: Sequence[str] = ()
     bastion_cidr: str | None = None
+    # Security CVM replicas (> 1: GCP health-check ingress for the internal load balancer).
+    security_replicas: int = 1
 
     def __post_init__(self) -> None:
         # The config layer checks this too; components are also used directly (automation).

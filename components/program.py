@@ -22,8 +22,14 @@ from umbra.components.config import (
 from umbra.components.cvm import DevCvm, DevCvmArgs, Placement, SecurityCvm, SecurityCvmArgs
 from umbra.components.launch_data import placeholder_app_compose
 from umbra.components.naming import Owner, dev_cvm_name, security_cvm_name
-from umbra.components.network import TeamNetwork, TeamNetworkArgs
+from umbra.components.network import (
+    TeamNetwork,
+    TeamNetworkArgs,
+    security_cvm_ip,
+    security_replica_ip,
+)
 from umbra.components.ports import COST_CENTRE_LABEL, ROLE_DEV, ROLE_SECURITY
+from umbra.components.security_pool import build_gcp_security_lb
 
 BUILD = Path("images") / "build"
 
@@ -73,6 +79,7 @@ def read_launch_files(root: Path, cvm: CvmConfig, role: str, where: str) -> Laun
 class Team:
     network: TeamNetwork
     security: SecurityCvm
+    security_replicas: list[SecurityCvm] = field(default_factory=list)
     dev_cvms: dict[str, dict[str, DevCvm]] = field(default_factory=dict)
 
 
@@ -113,31 +120,53 @@ def build_team(cfg: TeamStack, root: Path) -> Team:
             reachability=net_cfg.reachability,
             iap_members=list(net_cfg.iap_members),
             bastion_cidr=str(net_cfg.bastion_cidr) if net_cfg.bastion_cidr else None,
+            security_replicas=cfg.security_cvm.replicas,
         ),
     )
     place = placement_for(cfg, network.resource_group_name)
     sec_files = read_launch_files(root, cfg.security_cvm, ROLE_SECURITY, "security_cvm")
-    security = SecurityCvm(
-        f"{cfg.team}-security",
-        SecurityCvmArgs(
-            team=cfg.team,
-            vm_name=security_cvm_name(cfg.team),
-            placement=place,
-            size=cfg.security_cvm.size,
-            image=cfg.security_cvm.image,
-            disk_gb=cfg.security_cvm.disk_gb,
+    replicas = cfg.security_cvm.replicas
+    lb_ip = security_cvm_ip(str(net_cfg.security_cidr))
+    securities = [
+        SecurityCvm(
+            f"{cfg.team}-security" + (f"-{i}" if i else ""),
+            SecurityCvmArgs(
+                team=cfg.team,
+                vm_name=security_cvm_name(cfg.team, i),
+                placement=place,
+                size=cfg.security_cvm.size,
+                image=cfg.security_cvm.image,
+                disk_gb=cfg.security_cvm.disk_gb,
+                subnet_id=network.security_subnet_id,
+                identity=network.security_identity,
+                app_compose=sec_files.app_compose,
+                measurement_manifest=sec_files.measurement_manifest,
+                private_ip=security_replica_ip(str(net_cfg.security_cidr), i, replicas),
+                dns_resolvers=tuple(str(a) for a in net_cfg.security_dns_resolvers),
+                labels=labels,
+                data_disk_gb=cfg.security_cvm.data_disk_gb or 0,
+                lb_ip=lb_ip if replicas > 1 else "",
+            ),
+            opts=pulumi.ResourceOptions(depends_on=[network]),
+        )
+        for i in range(replicas)
+    ]
+    security = securities[0]
+    if replicas > 1:
+        assert cfg.gcp is not None  # the config refuses replicas elsewhere
+        build_gcp_security_lb(
+            cfg.team,
+            prefix=f"umbra-{cfg.team}",
+            project=cfg.gcp.project,
+            region=cfg.gcp.region,
+            zone=cfg.gcp.zone,
+            network_id=network.network_id,
             subnet_id=network.security_subnet_id,
-            identity=network.security_identity,
-            app_compose=sec_files.app_compose,
-            measurement_manifest=sec_files.measurement_manifest,
-            private_ip=network.security_cvm_ip,
-            dns_resolvers=tuple(str(a) for a in net_cfg.security_dns_resolvers),
-            labels=labels,
-            data_disk_gb=cfg.security_cvm.data_disk_gb or 0,
-        ),
-        opts=pulumi.ResourceOptions(depends_on=[network]),
-    )
-    team = Team(network=network, security=security)
+            lb_ip=lb_ip,
+            instances=[s.self_link for s in securities if s.self_link is not None],
+            opts=pulumi.ResourceOptions(),
+        )
+    team = Team(network=network, security=security, security_replicas=securities)
     dev_files = read_launch_files(root, cfg.dev_cvm, ROLE_DEV, "dev_cvm")
     for dev in cfg.developers:
         for cvm in dev.cvms:

@@ -44,6 +44,7 @@ class Recorder(Mocks):
             )
         if args.typ == "gcp:compute/instance:Instance":
             out["instanceId"] = f"{args.name}-instance-id"
+            out["selfLink"] = f"zones/{args.inputs.get('zone')}/instances/{args.inputs['name']}"
             nis = [dict(ni) for ni in out.get("networkInterfaces", [])]
             for ni in nis:
                 if not ni.get("networkIp"):

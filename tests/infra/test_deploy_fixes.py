@@ -359,3 +359,47 @@ def test_reachability_config_errors_are_precise(
     stack["network"] |= network
     with pytest.raises(ConfigError, match=message):
         parse_stack_config(raw_of(stack), frozenset())
+
+
+# --- Security CVM replicas ----------------------------------------------------------------------
+
+
+def test_security_cvm_replicas_sit_behind_an_internal_passthrough_lb_on_the_fixed_address() -> None:
+    stack = example_stack("acme-gcp")
+    stack["security_cvm"]["replicas"] = 3
+    mocks = team(stack)
+    secs = sorted(
+        (i.inputs["name"], i.inputs["networkInterfaces"][0]["networkIp"])
+        for i in mocks.of_type(INSTANCE)
+        if i.inputs["labels"]["umbra-role"] == "security-cvm"
+    )
+    assert secs == [
+        ("umbra-acme-sec", "10.20.1.11"),
+        ("umbra-acme-sec-1", "10.20.1.12"),
+        ("umbra-acme-sec-2", "10.20.1.13"),
+    ]
+    (rule,) = mocks.of_type("gcp:compute/forwardingRule:ForwardingRule")
+    assert rule.inputs["ipAddress"] == "10.20.1.10"  # what Dev CVMs dial, unchanged
+    assert rule.inputs["loadBalancingScheme"] == "INTERNAL"
+    assert rule.inputs["ports"] == ["8443"]
+    (backend,) = mocks.of_type("gcp:compute/regionBackendService:RegionBackendService")
+    assert backend.inputs["protocol"] == "TCP" and backend.inputs["sessionAffinity"] == "CLIENT_IP"
+    (group,) = mocks.of_type("gcp:compute/instanceGroup:InstanceGroup")
+    assert len(group.inputs["instances"]) == 3
+    meta = mocks.one(INSTANCE, "acme-security-2").inputs["metadata"]
+    assert meta["umbra-security-lb-ip"] == "10.20.1.10"
+    dev_meta = mocks.one(INSTANCE, "acme-alice-main").inputs["metadata"]
+    assert dev_meta["umbra-security-cvm-ips"] == "10.20.1.10"
+    hc = mocks.one("gcp:compute/firewall:Firewall", "acme-security-health-check").inputs
+    assert hc["sourceRanges"] == ["35.191.0.0/16", "130.211.0.0/22"]
+
+
+def test_replicas_must_fit_and_are_gcp_only() -> None:
+    stack = example_stack("acme-gcp")
+    stack["security_cvm"]["replicas"] = 4
+    with pytest.raises(ConfigError, match=r"do not fit in security_cidr 10.20.1.0/28 .* at most 3"):
+        parse_stack_config(raw_of(stack), frozenset())
+    az = example_stack("globex-azure")
+    az["security_cvm"]["replicas"] = 2
+    with pytest.raises(ConfigError, match="only implemented on gcp"):
+        parse_stack_config(raw_of(az), frozenset())
