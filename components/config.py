@@ -190,7 +190,12 @@ class TeamStack(_Strict):
     cloud: Literal["gcp", "azure"]
     gcp: GcpPlacement | None = None
     azure: AzurePlacement | None = None
-    console_url: HttpsUrl
+    # Where the Console is: named here, or read from the Console stack (its `console_url` and
+    # `console_ca_pem` outputs) with a StackReference such as "acme-org/umbra/console-gcp".
+    console_url: HttpsUrl | None = None
+    console_stack: (
+        Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+){0,2}$")] | None
+    ) = None
     network: NetworkConfig
     security_cvm: SecurityCvmConfig
     dev_cvm: CvmConfig
@@ -201,6 +206,8 @@ class TeamStack(_Strict):
     @model_validator(mode="after")
     def _consistent(self) -> TeamStack:
         _check_placement(self.cloud, self.gcp, self.azure)
+        if (self.console_url is None) == (self.console_stack is None):
+            raise ValueError("name exactly one of console_url and console_stack")
         replicas = self.security_cvm.replicas
         if replicas > 1:
             if self.cloud != "gcp":
@@ -247,6 +254,19 @@ class ConsoleStack(_Strict):
     ]
     ingress_cidrs: list[IngressCidr] = Field(min_length=1)
     db_tier: str = Field(min_length=1)
+    # Exported for team stacks (StackReference): the Console's URL and the CA its TLS chains to
+    # (a PEM file relative to the project root; unset when a public CA issues its certificate).
+    url: HttpsUrl | None = None
+    tls_ca_file: str | None = None
+    # GCP: the projects whose Dev CVMs the Console's provisioner launches (default: its own) and
+    # the bucket holding the Pulumi state (`pulumi login gs://…`); the Console's service account
+    # gets exactly the provisioner's roles there.
+    team_projects: list[Annotated[str, Field(pattern=r"^[a-z][a-z0-9-]{4,28}[a-z0-9]$")]] = Field(
+        default_factory=list
+    )
+    state_bucket: Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9._-]{1,220}[a-z0-9]$")] | None = (
+        None
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> ConsoleStack:

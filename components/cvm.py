@@ -46,6 +46,9 @@ class CvmArgs:
     # GCP: the service account the network's firewall rules target.
     identity: pulumi.Input[str] | None = None
     labels: dict[str, str] = field(default_factory=dict)
+    # GCP: the VM calls Google APIs (the Console's provisioner): scope cloud-platform, with the
+    # service account's roles as the limit. Team CVMs call none and keep the narrowest scope.
+    api_access: bool = False
     # A persistent disk separate from the boot disk (0: none). It is its own resource, so it
     # survives the VM's replacement on a launch-data change and image updates.
     data_disk_gb: int = 0
@@ -62,6 +65,9 @@ class SecurityCvmArgs(CvmArgs):
     # Replicas: the load balancer's address, which the guest adds as a local route (an internal
     # passthrough LB delivers packets addressed to it).
     lb_ip: str = ""
+    # The Console the proxy reports to (from config or the Console stack) and its TLS CA.
+    console_url: pulumi.Input[str] | None = None
+    console_ca: pulumi.Input[str] | None = None
 
 
 @dataclass(frozen=True)
@@ -109,9 +115,10 @@ def _launch_data(
     security_ips: pulumi.Input[Sequence[str]] = (),
     dns_resolvers: Sequence[str] = (),
     lb_ip: str = "",
+    console: tuple[pulumi.Input[str] | None, pulumi.Input[str] | None] = (None, None),
 ) -> pulumi.Output[LaunchData]:
     manifest = args.measurement_manifest
-    return pulumi.Output.all(args.app_compose, manifest, security_ips).apply(
+    return pulumi.Output.all(args.app_compose, manifest, security_ips, *console).apply(
         lambda v: LaunchData(
             role=role,
             team=args.team,
@@ -122,6 +129,8 @@ def _launch_data(
             security_cvm_ips=tuple(v[2] or ()),
             dns_resolvers=tuple(dns_resolvers),
             lb_ip=lb_ip or None,
+            console_url=v[3] or None,
+            console_ca=v[4] or None,
         )
     )
 
@@ -176,7 +185,12 @@ class SecurityCvm(_Cvm):
             role=ROLE_SECURITY,
             args=args,
             launch=_launch_data(
-                ROLE_SECURITY, args, (), dns_resolvers=args.dns_resolvers, lb_ip=args.lb_ip
+                ROLE_SECURITY,
+                args,
+                (),
+                dns_resolvers=args.dns_resolvers,
+                lb_ip=args.lb_ip,
+                console=(args.console_url, args.console_ca),
             ),
             private_ip=args.private_ip or None,
             public_ip=False,

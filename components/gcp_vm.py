@@ -20,6 +20,7 @@ from umbra.components.ports import ROLE_SECURITY, SECURITY_ROUTE_TAG
 
 # No API access is wanted; GCP requires a scope list, so the narrowest one.
 MINIMAL_SCOPES = ["https://www.googleapis.com/auth/userinfo.email"]
+API_SCOPES = ["https://www.googleapis.com/auth/cloud-platform"]
 DATA_DEVICE = "umbra-data"
 
 
@@ -83,7 +84,7 @@ def build_gcp_vm(name: str, spec: VmSpec, opts: pulumi.ResourceOptions) -> VmPar
         network_interfaces=[ni],
         can_ip_forward=False,
         service_account=gcp.compute.InstanceServiceAccountArgs(
-            email=args.identity, scopes=MINIMAL_SCOPES
+            email=args.identity, scopes=API_SCOPES if args.api_access else MINIMAL_SCOPES
         ),
         metadata=spec.launch.apply(lambda d: d.gcp_metadata()),
         tags=[SECURITY_ROUTE_TAG] if spec.role == ROLE_SECURITY else [],

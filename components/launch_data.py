@@ -33,6 +33,11 @@ META_EVENTS = "umbra-rtmr3-events"
 META_HOST_FIREWALL = "umbra-host-firewall"
 META_SECURITY_CVM_IPS = "umbra-security-cvm-ips"
 META_DNS_RESOLVERS = "umbra-dns-resolvers"
+# Security CVM: where the Console is and the CA its TLS chains to (PEM; absent: public CA).
+META_CONSOLE_URL = "umbra-console-url"
+META_CONSOLE_CA = "umbra-console-ca"
+# Console: the CA its database's TLS certificate chains to (verify-full against exactly this).
+META_DATABASE_CA = "umbra-database-ca"
 # Security CVM replicas: the internal load balancer's address, added as a local route.
 META_LB_IP = "umbra-security-lb-ip"
 # Same name as umbra.images.measure.CVM_ID_EVENT (a test keeps them equal).
@@ -81,6 +86,9 @@ class LaunchData:
     security_cvm_ips: Sequence[str] = field(default_factory=tuple)
     dns_resolvers: Sequence[str] = field(default_factory=tuple)
     lb_ip: str | None = None
+    console_url: str | None = None
+    console_ca: str | None = None
+    database_ca: str | None = None
 
     @property
     def host_firewall(self) -> str | None:
@@ -139,6 +147,13 @@ class LaunchData:
             meta[META_DNS_RESOLVERS] = " ".join(self.dns_resolvers)
         if self.lb_ip:
             meta[META_LB_IP] = self.lb_ip
+        for key, value in (
+            (META_CONSOLE_URL, self.console_url),
+            (META_CONSOLE_CA, self.console_ca),
+            (META_DATABASE_CA, self.database_ca),
+        ):
+            if value:
+                meta[key] = value
         return meta
 
     def gcp_metadata(self) -> dict[str, str]:

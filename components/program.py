@@ -80,7 +80,21 @@ class Team:
     network: TeamNetwork
     security: SecurityCvm
     security_replicas: list[SecurityCvm] = field(default_factory=list)
+    console_url: pulumi.Input[str] = ""
     dev_cvms: dict[str, dict[str, DevCvm]] = field(default_factory=dict)
+
+
+def console_endpoint(
+    cfg: TeamStack,
+) -> tuple[pulumi.Input[str], pulumi.Input[str] | None]:
+    """The Console's URL and TLS CA: from config, or from the Console stack's outputs."""
+    if cfg.console_stack is None:
+        assert cfg.console_url is not None  # the config requires exactly one
+        return cfg.console_url, None
+    ref = pulumi.StackReference(
+        f"console-{cfg.console_stack.replace('/', '-')}", stack_name=cfg.console_stack
+    )
+    return ref.require_output("console_url"), ref.get_output("console_ca_pem")
 
 
 def placement_for(
@@ -125,6 +139,7 @@ def build_team(cfg: TeamStack, root: Path) -> Team:
     )
     place = placement_for(cfg, network.resource_group_name)
     sec_files = read_launch_files(root, cfg.security_cvm, ROLE_SECURITY, "security_cvm")
+    console_url, console_ca = console_endpoint(cfg)
     replicas = cfg.security_cvm.replicas
     lb_ip = security_cvm_ip(str(net_cfg.security_cidr))
     securities = [
@@ -146,6 +161,8 @@ def build_team(cfg: TeamStack, root: Path) -> Team:
                 labels=labels,
                 data_disk_gb=cfg.security_cvm.data_disk_gb or 0,
                 lb_ip=lb_ip if replicas > 1 else "",
+                console_url=console_url,
+                console_ca=console_ca,
             ),
             opts=pulumi.ResourceOptions(depends_on=[network]),
         )
@@ -166,7 +183,9 @@ def build_team(cfg: TeamStack, root: Path) -> Team:
             instances=[s.self_link for s in securities if s.self_link is not None],
             opts=pulumi.ResourceOptions(),
         )
-    team = Team(network=network, security=security, security_replicas=securities)
+    team = Team(
+        network=network, security=security, security_replicas=securities, console_url=console_url
+    )
     dev_files = read_launch_files(root, cfg.dev_cvm, ROLE_DEV, "dev_cvm")
     for dev in cfg.developers:
         for cvm in dev.cvms:
@@ -204,7 +223,7 @@ def export_team(cfg: TeamStack, team: Team) -> None:
     net = team.network
     pulumi.export("team", cfg.team)
     pulumi.export("cloud", cfg.cloud)
-    pulumi.export("console_url", cfg.console_url)
+    pulumi.export("console_url", team.console_url)
     placement = cfg.gcp.model_dump() if cfg.gcp else cfg.azure.model_dump() if cfg.azure else {}
     pulumi.export("placement", placement)
     pulumi.export("network_id", net.network_id)
@@ -255,8 +274,19 @@ def build_console(cfg: ConsoleStack, root: Path) -> None:
             app_compose=files.app_compose,
             db_tier=cfg.db_tier,
             db_password=password,
+            team_projects=list(cfg.team_projects),
+            state_bucket=cfg.state_bucket,
         ),
     )
+    # What team stacks read through their StackReference (`console_stack`).
+    if cfg.url:
+        pulumi.export("console_url", cfg.url)
+    if cfg.tls_ca_file:
+        ca = root / cfg.tls_ca_file
+        if not ca.is_file():
+            raise ConfigError(f"umbra:stack.tls_ca_file: {cfg.tls_ca_file} is not a file")
+        pulumi.export("console_ca_pem", ca.read_text())
+    pulumi.export("database_ca_pem", console.database_ca_pem)
     pulumi.export("console_private_ip", console.private_ip)
     pulumi.export("console_public_ip", console.public_ip)
     pulumi.export("database_url", console.database_url)

@@ -16,6 +16,7 @@ import yaml
 from pulumi.runtime import MockCallArgs, MockResourceArgs, Mocks
 
 ROOT = Path(__file__).resolve().parents[2]
+FAKE_DB_CA = "-----BEGIN CERTIFICATE-----\nMIIfakeCloudSqlServerCa\n-----END CERTIFICATE-----\n"
 STACKS = ROOT / "stacks"
 
 
@@ -51,6 +52,9 @@ class Recorder(Mocks):
                     self._next_ip += 1
                     ni["networkIp"] = f"10.99.0.{self._next_ip}"
             out["networkInterfaces"] = nis
+        if args.typ == "gcp:sql/databaseInstance:DatabaseInstance":
+            out["serverCaCerts"] = [{"cert": FAKE_DB_CA}]
+            out["privateIpAddress"] = "10.10.128.5"
         if args.typ == "gcp:compute/disk:Disk":
             out["selfLink"] = f"zones/{args.inputs.get('zone')}/disks/{args.inputs['name']}"
         if args.typ == "azure-native:compute:VirtualMachine":

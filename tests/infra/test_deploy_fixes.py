@@ -403,3 +403,27 @@ def test_replicas_must_fit_and_are_gcp_only() -> None:
     az["security_cvm"]["replicas"] = 2
     with pytest.raises(ConfigError, match="only implemented on gcp"):
         parse_stack_config(raw_of(az), frozenset())
+
+
+# --- stacks that know each other ----------------------------------------------------------------
+
+
+def test_a_team_stack_reads_the_console_url_and_ca_from_the_console_stack() -> None:
+    stack = example_stack("acme-gcp")
+    del stack["console_url"]
+    stack["console_stack"] = "umbra-org/umbra/console-gcp"
+    cfg = parse_stack_config(raw_of(stack), frozenset())
+    assert isinstance(cfg, TeamStack)
+    ca = "-----BEGIN CERTIFICATE-----\nconsole\n-----END CERTIFICATE-----\n"
+    outputs = {"console_url": "https://console.umbra.example.com", "console_ca_pem": ca}
+    mocks, _ = run_program(
+        lambda: build_team(cfg, ROOT).security.instance_id, stack_outputs=outputs
+    )
+    (ref,) = mocks.of_type("pulumi:pulumi:StackReference")
+    assert ref.inputs["name"] == "umbra-org/umbra/console-gcp"
+    meta = mocks.one(INSTANCE, "acme-security").inputs["metadata"]
+    assert meta["umbra-console-url"] == "https://console.umbra.example.com"
+    assert meta["umbra-console-ca"] == ca
+    both = example_stack("acme-gcp") | {"console_stack": "umbra-org/umbra/console-gcp"}
+    with pytest.raises(ConfigError, match="exactly one of console_url and console_stack"):
+        parse_stack_config(raw_of(both), frozenset())
