@@ -46,6 +46,12 @@ class ConsoleServiceArgs:
 PROVISIONER_PROJECT_ROLES = ("roles/compute.instanceAdmin.v1", "roles/iam.serviceAccountUser")
 PROVISIONER_BUCKET_ROLE = "roles/storage.objectAdmin"
 DATABASE_CA_PATH = "/run/umbra/launch/database-ca.pem"
+CONSOLE_APIS = (
+    "compute.googleapis.com",
+    "iam.googleapis.com",
+    "servicenetworking.googleapis.com",
+    "sqladmin.googleapis.com",
+)
 
 
 def _halves(cidr: str) -> tuple[str, str]:
@@ -140,6 +146,18 @@ def _gcp_base(
     assert args.gcp is not None
     project, region = args.gcp.project, args.gcp.region
     vm_cidr, _ = _halves(args.cidr)
+    # A fresh project: the APIs the Console stack calls, never switched off on destroy.
+    services = [
+        gcp.projects.Service(
+            f"{name}-api-{api.split('.')[0]}",
+            project=project,
+            service=api,
+            disable_on_destroy=False,
+            opts=opts,
+        )
+        for api in CONSOLE_APIS
+    ]
+    opts = pulumi.ResourceOptions.merge(opts, pulumi.ResourceOptions(depends_on=services))
     vpc = gcp.compute.Network(
         f"{name}-vpc",
         name=f"umbra-{args.name}",

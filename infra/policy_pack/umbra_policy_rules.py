@@ -21,6 +21,7 @@ SECURITY_TUNNEL_PORT = 8443
 SSH_PORTS = (22, 8022)
 
 ROLE_CONSOLE = "console"
+MINIMAL_SCOPES = ("https://www.googleapis.com/auth/userinfo.email",)
 GCP_INSTANCE = "gcp:compute/instance:Instance"
 GCP_INSTANCE_TEMPLATE = "gcp:compute/instanceTemplate:InstanceTemplate"
 GCP_REGION_TEMPLATE = "gcp:compute/regionInstanceTemplate:RegionInstanceTemplate"
@@ -199,6 +200,14 @@ def check_dev_isolation(resource_type: str, props: Props) -> list[str]:
                 )
         if props.get("canIpForward"):
             out.append(f"canIpForward is enabled ({ROLE_LABEL}={_role(props, 'labels')!r})")
+        if _role(props, "labels") != ROLE_CONSOLE:
+            scopes = _list(_get(props, "serviceAccount", "scopes"))
+            broad = [x for x in scopes if x not in MINIMAL_SCOPES and x != "userinfo-email"]
+            if broad:
+                out.append(
+                    f"service account scopes {broad}: a team CVM calls no Google API "
+                    "(only the Console's VM may hold API scopes)"
+                )
     elif resource_type == GCP_ROUTE:
         hop_gateway = props.get("nextHopGateway")
         dests = [props.get("destRange")]

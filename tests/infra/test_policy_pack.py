@@ -68,6 +68,10 @@ def test_pack_constants_match_the_components() -> None:
         ports.ROLE_SECURITY,
     )
     assert rules.SECURITY_ROUTE_TAG == ports.SECURITY_ROUTE_TAG
+    from umbra.components.gcp_vm import MINIMAL_SCOPES
+
+    assert list(rules.MINIMAL_SCOPES) == MINIMAL_SCOPES
+    assert rules.ROLE_CONSOLE == ports.ROLE_CONSOLE
     assert set(POLICIES) == {
         "umbra-cvm-requires-tdx",
         "umbra-dev-cvm-no-bypass",
@@ -421,3 +425,11 @@ def test_non_tdx_machine_types_are_refused(built: dict[str, Recorder], machine: 
     assert "is not a TDX machine type" in violations(rules.GCP_INSTANCE, vm)[TDX][0]
     vm["machineType"] = "zones/us-central1-a/machineTypes/c3-standard-8"
     assert violations(rules.GCP_INSTANCE, vm) == {}
+
+
+def test_api_scopes_on_a_team_cvm_are_refused(built: dict[str, Recorder]) -> None:
+    vm = _gcp(built, "acme-alice-main")
+    vm["serviceAccount"]["scopes"] = ["https://www.googleapis.com/auth/cloud-platform"]
+    assert "a team CVM calls no Google API" in violations(rules.GCP_INSTANCE, vm)[BYPASS][0]
+    vm["labels"]["umbra-role"] = "console"
+    assert BYPASS not in violations(rules.GCP_INSTANCE, vm)
