@@ -140,13 +140,16 @@ def build_azure_network(
         ],
         opts=opts,
     )
+    # Replicas sit behind an internal load balancer that rewrites the destination to the
+    # replica's own address, and its health probe comes from the AzureLoadBalancer tag.
+    tunnel_dst = [args.security_cidr] if args.security_replicas > 1 else [f"{security_ip}/32"]
     sec_rules = [
         _allow(
             "tunnel-from-dev",
             100,
             "Inbound",
             [args.dev_cidr],
-            [f"{security_ip}/32"],
+            tunnel_dst,
             [SECURITY_TUNNEL_PORT],
         ),
         _deny_all("Inbound"),
@@ -160,6 +163,17 @@ def build_azure_network(
         ),
         _deny_all("Outbound"),
     ]
+    if args.security_replicas > 1:
+        sec_rules.append(
+            _allow(
+                "lb-probe-in",
+                105,
+                "Inbound",
+                ["AzureLoadBalancer"],
+                [args.security_cidr],
+                [SECURITY_TUNNEL_PORT],
+            )
+        )
     for i, proto in enumerate(("Udp", "Tcp")):
         sec_rules.append(
             _allow(

@@ -53,6 +53,8 @@ def build_azure_vm(name: str, spec: VmSpec, opts: pulumi.ResourceOptions) -> VmP
     developer = getattr(args, "developer", None) or None
     tags = {**args.labels, **make_labels(args.team, spec.role, developer=developer)}
     zones = [place.zone] if place.zone else None
+    # Security CVM replicas on Azure: the internal load balancer's pool this NIC joins.
+    pool = getattr(args, "lb_backend_pool", None)
     # Only the Console serves the internet; team CVMs egress through the team's NAT Gateway.
     public_ip = None
     if spec.public_ip:
@@ -82,6 +84,9 @@ def build_azure_vm(name: str, spec: VmSpec, opts: pulumi.ResourceOptions) -> VmP
                 private_ip_address=spec.private_ip,
                 public_ip_address=azure.network.PublicIPAddressArgs(id=public_ip.id)
                 if public_ip
+                else None,
+                load_balancer_backend_address_pools=[azure.network.BackendAddressPoolArgs(id=pool)]
+                if pool is not None
                 else None,
             )
         ],

@@ -210,11 +210,6 @@ class TeamStack(_Strict):
             raise ValueError("name exactly one of console_url and console_stack")
         replicas = self.security_cvm.replicas
         if replicas > 1:
-            if self.cloud != "gcp":
-                raise ValueError(
-                    "security_cvm.replicas > 1 is only implemented on gcp (Azure internal load "
-                    "balancer: not yet)"
-                )
             room = self.network.security_cidr.num_addresses - 3 - 10
             if replicas > room:
                 raise ValueError(

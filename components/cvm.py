@@ -65,6 +65,8 @@ class SecurityCvmArgs(CvmArgs):
     # Replicas: the load balancer's address, which the guest adds as a local route (an internal
     # passthrough LB delivers packets addressed to it).
     lb_ip: str = ""
+    # Azure replicas: the internal load balancer's backend pool the replica's NIC joins.
+    lb_backend_pool: pulumi.Input[str] | None = None
     # The Console the proxy reports to (from config or the Console stack) and its TLS CA.
     console_url: pulumi.Input[str] | None = None
     console_ca: pulumi.Input[str] | None = None

@@ -28,8 +28,14 @@ from umbra.components.network import (
     security_cvm_ip,
     security_replica_ip,
 )
-from umbra.components.ports import COST_CENTRE_LABEL, ROLE_DEV, ROLE_SECURITY
-from umbra.components.security_pool import build_gcp_security_lb
+from umbra.components.ports import (
+    COST_CENTRE_LABEL,
+    ROLE_DEV,
+    ROLE_LABEL,
+    ROLE_SECURITY,
+    TEAM_LABEL,
+)
+from umbra.components.security_pool import build_azure_security_lb, build_gcp_security_lb
 
 BUILD = Path("images") / "build"
 
@@ -142,6 +148,19 @@ def build_team(cfg: TeamStack, root: Path) -> Team:
     console_url, console_ca = console_endpoint(cfg)
     replicas = cfg.security_cvm.replicas
     lb_ip = security_cvm_ip(str(net_cfg.security_cidr))
+    pool: pulumi.Output[str] | None = None
+    if replicas > 1 and cfg.azure is not None:
+        assert network.resource_group_name is not None
+        pool = build_azure_security_lb(
+            cfg.team,
+            prefix=f"umbra-{cfg.team}",
+            resource_group=network.resource_group_name,
+            location=cfg.azure.location,
+            subnet_id=network.security_subnet_id,
+            lb_ip=lb_ip,
+            tags={**labels, TEAM_LABEL: cfg.team, ROLE_LABEL: ROLE_SECURITY},
+            opts=pulumi.ResourceOptions(depends_on=[network]),
+        )
     securities = [
         SecurityCvm(
             f"{cfg.team}-security" + (f"-{i}" if i else ""),
@@ -160,7 +179,9 @@ def build_team(cfg: TeamStack, root: Path) -> Team:
                 dns_resolvers=tuple(str(a) for a in net_cfg.security_dns_resolvers),
                 labels=labels,
                 data_disk_gb=cfg.security_cvm.data_disk_gb or 0,
-                lb_ip=lb_ip if replicas > 1 else "",
+                # GCP's passthrough LB delivers to the LB address: a local route on the guest.
+                lb_ip=lb_ip if replicas > 1 and cfg.gcp is not None else "",
+                lb_backend_pool=pool,
                 console_url=console_url,
                 console_ca=console_ca,
             ),
@@ -169,8 +190,7 @@ def build_team(cfg: TeamStack, root: Path) -> Team:
         for i in range(replicas)
     ]
     security = securities[0]
-    if replicas > 1:
-        assert cfg.gcp is not None  # the config refuses replicas elsewhere
+    if replicas > 1 and cfg.gcp is not None:
         build_gcp_security_lb(
             cfg.team,
             prefix=f"umbra-{cfg.team}",

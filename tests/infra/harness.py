@@ -65,7 +65,14 @@ class Recorder(Mocks):
         return f"{args.name}-id", out
 
     def call(self, args: MockCallArgs) -> tuple[dict[str, Any], list[tuple[str, str]] | None]:
-        return {}, None
+        if args.token == "azure-native:authorization:getClientConfig":
+            return {
+                "subscriptionId": "sub-0000",
+                "tenantId": "t",
+                "clientId": "c",
+                "objectId": "o",
+            }, []
+        return {}, []
 
     def of_type(self, typ: str) -> list[Res]:
         return [r for r in self.resources if r.typ == typ]
@@ -224,6 +231,10 @@ def _az_match(rule: Mapping[str, Any], side: str, ip: str) -> bool:
             return True
         if p == "Internet":
             if ipaddress.ip_address(ip).is_global:
+                return True
+            continue
+        if p == "AzureLoadBalancer":
+            if ip == "168.63.129.16":
                 return True
             continue
         if p == "AzurePlatformDNS":

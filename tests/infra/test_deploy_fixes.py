@@ -394,15 +394,45 @@ def test_security_cvm_replicas_sit_behind_an_internal_passthrough_lb_on_the_fixe
     assert hc["sourceRanges"] == ["35.191.0.0/16", "130.211.0.0/22"]
 
 
-def test_replicas_must_fit_and_are_gcp_only() -> None:
+def test_replicas_must_fit_in_the_security_range() -> None:
     stack = example_stack("acme-gcp")
     stack["security_cvm"]["replicas"] = 4
     with pytest.raises(ConfigError, match=r"do not fit in security_cidr 10.20.1.0/28 .* at most 3"):
         parse_stack_config(raw_of(stack), frozenset())
-    az = example_stack("globex-azure")
-    az["security_cvm"]["replicas"] = 2
-    with pytest.raises(ConfigError, match="only implemented on gcp"):
-        parse_stack_config(raw_of(az), frozenset())
+
+
+def test_azure_replicas_sit_behind_an_internal_standard_lb_on_the_fixed_address() -> None:
+    stack = example_stack("globex-azure")
+    stack["security_cvm"]["replicas"] = 2
+    mocks = team(stack)
+    (lb,) = mocks.of_type("azure-native:network:LoadBalancer")
+    (front,) = lb.inputs["frontendIPConfigurations"]
+    assert front["privateIPAddress"] == "10.30.1.10"
+    assert front["privateIPAllocationMethod"] == "Static"
+    (rule,) = lb.inputs["loadBalancingRules"]
+    assert (rule["frontendPort"], rule["backendPort"], rule["protocol"]) == (8443, 8443, "Tcp")
+    assert rule["loadDistribution"] == "SourceIP"
+    lb_id = "/subscriptions/sub-0000/resourceGroups/globex-rg/providers/Microsoft.Network/loadBalancers/umbra-globex-sec"
+    assert rule["probe"] == {"id": f"{lb_id}/probes/tunnel"}
+    nics = {
+        n.name: n.inputs["ipConfigurations"][0]
+        for n in mocks.of_type("azure-native:network:NetworkInterface")
+    }
+    for name, ip in (
+        ("globex-security-nic", "10.30.1.11"),
+        ("globex-security-1-nic", "10.30.1.12"),
+    ):
+        assert nics[name]["privateIPAddress"] == ip
+        assert nics[name]["loadBalancerBackendAddressPools"] == [
+            {"id": "globex-security-lb-id/backendAddressPools/replicas"}
+        ]
+    assert "loadBalancerBackendAddressPools" not in nics["globex-carol-main-nic"]
+    sec_nsg = mocks.one(NSG, "globex-security-nsg")
+    # The LB rewrites the destination to the replica; its probe comes from AzureLoadBalancer.
+    assert azure_allows(sec_nsg, direction="Inbound", src="10.30.0.5", dst="10.30.1.12", port=8443)
+    assert not azure_allows(
+        sec_nsg, direction="Inbound", src="10.30.0.5", dst="10.30.1.12", port=22
+    )
 
 
 # --- stacks that know each other ----------------------------------------------------------------
