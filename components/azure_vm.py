@@ -167,6 +167,12 @@ def build_azure_vm(name: str, spec: VmSpec, opts: pulumi.ResourceOptions) -> VmP
                 ),
             ),
         ),
+        # Only the Console's VM calls Azure APIs (its provisioner): a system-assigned identity.
+        identity=azure.compute.VirtualMachineIdentityArgs(
+            type=azure.compute.ResourceIdentityType.SYSTEM_ASSIGNED
+        )
+        if args.api_access
+        else None,
         network_profile=azure.compute.NetworkProfileArgs(
             network_interfaces=[
                 azure.compute.NetworkInterfaceReferenceArgs(id=nic.id, primary=True)
@@ -188,4 +194,7 @@ def build_azure_vm(name: str, spec: VmSpec, opts: pulumi.ResourceOptions) -> VmP
         instance_id=vm.vm_id,
         private_ip=private_ip,
         public_ip=public_ip.ip_address.apply(lambda a: a or "") if public_ip else None,
+        principal_id=vm.identity.apply(lambda i: (i.principal_id or "") if i else "")
+        if args.api_access
+        else None,
     )

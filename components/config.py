@@ -262,6 +262,11 @@ class ConsoleStack(_Strict):
     state_bucket: Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9._-]{1,220}[a-z0-9]$")] | None = (
         None
     )
+    # Azure: the same, as team resource group names and the state's storage resource id.
+    team_resource_groups: list[Annotated[str, Field(pattern=r"^[A-Za-z0-9._()-]{1,90}$")]] = Field(
+        default_factory=list
+    )
+    state_scope: Annotated[str, Field(pattern=r"^/subscriptions/[^\s]+$")] | None = None
 
     @model_validator(mode="after")
     def _consistent(self) -> ConsoleStack:

@@ -38,6 +38,10 @@ class ConsoleServiceArgs:
     # GCP: where the provisioner launches Dev CVMs (default: this project) and the state bucket.
     team_projects: Sequence[str] = ()
     state_bucket: str | None = None
+    # Azure: the team resource groups the provisioner launches into (default: the Console's
+    # own) and the resource id of the state's storage account or container.
+    team_resource_groups: Sequence[str] = ()
+    state_scope: str | None = None
 
 
 # Exactly what the Dev CVM provisioner does on GCP: create/delete/stop instances and their disks
@@ -45,6 +49,10 @@ class ConsoleServiceArgs:
 # (iam.serviceAccountUser), and read/write stack state in the bucket (storage.objectAdmin).
 PROVISIONER_PROJECT_ROLES = ("roles/compute.instanceAdmin.v1", "roles/iam.serviceAccountUser")
 PROVISIONER_BUCKET_ROLE = "roles/storage.objectAdmin"
+# Azure built-in roles (fixed ids): Virtual Machine Contributor covers VMs, their disks and
+# NICs and joining a subnet; Storage Blob Data Contributor covers the Pulumi state blobs.
+AZURE_VM_CONTRIBUTOR = "9980e02c-c2be-4d73-94e8-173b1dc7cf3c"
+AZURE_BLOB_DATA_CONTRIBUTOR = "ba92f5b4-2d11-453d-a403-e96b0029c9fe"
 DATABASE_CA_PATH = "/run/umbra/launch/database-ca.pem"
 CONSOLE_APIS = (
     "compute.googleapis.com",
@@ -110,6 +118,7 @@ class ConsoleService(pulumi.ComponentResource):
             from umbra.components.azure_vm import build_azure_vm
 
             parts = build_azure_vm(f"{name}-vm", spec, child)
+            _azure_provisioner_roles(name, args, parts, child)
         self.private_ip = parts.private_ip
         self.public_ip = parts.public_ip
         self.database_host = db_host
@@ -372,3 +381,38 @@ def _azure_base(
     )
     host = server.fully_qualified_domain_name.apply(lambda h: h or "")
     return vm_subnet.id, None, host, place
+
+
+def _azure_provisioner_roles(
+    name: str, args: ConsoleServiceArgs, parts: VmParts, opts: pulumi.ResourceOptions
+) -> None:
+    """Exactly the provisioner's roles for the Console VM's identity: Virtual Machine
+    Contributor on each team resource group, Blob Data Contributor on the state."""
+    import pulumi_azure_native as azure
+
+    assert parts.principal_id is not None
+    sub = azure.authorization.get_client_config_output().subscription_id
+
+    def role(role_id: str) -> pulumi.Output[str]:
+        return pulumi.Output.concat(
+            "/subscriptions/", sub, "/providers/Microsoft.Authorization/roleDefinitions/", role_id
+        )
+
+    for rg in args.team_resource_groups or [f"umbra-{args.name}"]:
+        azure.authorization.RoleAssignment(
+            f"{name}-{rg}-vm-contributor",
+            principal_id=parts.principal_id,
+            principal_type="ServicePrincipal",
+            role_definition_id=role(AZURE_VM_CONTRIBUTOR),
+            scope=pulumi.Output.concat("/subscriptions/", sub, "/resourceGroups/", rg),
+            opts=opts,
+        )
+    if args.state_scope:
+        azure.authorization.RoleAssignment(
+            f"{name}-state",
+            principal_id=parts.principal_id,
+            principal_type="ServicePrincipal",
+            role_definition_id=role(AZURE_BLOB_DATA_CONTRIBUTOR),
+            scope=args.state_scope,
+            opts=opts,
+        )

@@ -108,6 +108,8 @@ class VmParts:
     public_ip: pulumi.Output[str] | None = None
     # GCP: the instance's self link (load-balancer instance groups name instances by it).
     self_link: pulumi.Output[str] | None = None
+    # Azure, api_access: the VM's system-assigned identity (the principal roles are granted to).
+    principal_id: pulumi.Output[str] | None = None
 
 
 def _launch_data(

@@ -296,6 +296,8 @@ def build_console(cfg: ConsoleStack, root: Path) -> None:
             db_password=password,
             team_projects=list(cfg.team_projects),
             state_bucket=cfg.state_bucket,
+            team_resource_groups=list(cfg.team_resource_groups),
+            state_scope=cfg.state_scope,
         ),
     )
     # What team stacks read through their StackReference (`console_stack`).

@@ -170,3 +170,28 @@ def test_the_console_exports_its_url_and_ca_for_team_stacks(tmp_path: Any) -> No
     )
     assert exported["console_url"] == "https://console.umbra.example.com"
     assert exported["console_ca_pem"] == pem
+
+
+def test_on_azure_the_console_identity_holds_exactly_the_provisioner_roles() -> None:
+    raw = _raw("azure")
+    doc = json.loads(raw["umbra:stack"]) | {
+        "team_resource_groups": ["umbra-globex"],
+        "state_scope": "/subscriptions/s/resourceGroups/state/providers/Microsoft.Storage/storageAccounts/umbrastate",
+    }
+    raw["umbra:stack"] = json.dumps(doc)
+    cfg = parse_stack_config(raw, frozenset({"umbra:consoleDbPassword"}))
+    assert isinstance(cfg, ConsoleStack)
+    mocks, _ = run_program(lambda: build_console(cfg, ROOT), config=raw)
+    (vm,) = mocks.of_type("azure-native:compute:VirtualMachine")
+    assert vm.inputs["identity"] == {"type": "SystemAssigned"}
+    grants = sorted(
+        (r.inputs["scope"], r.inputs["roleDefinitionId"].rsplit("/", 1)[1])
+        for r in mocks.of_type("azure-native:authorization:RoleAssignment")
+    )
+    assert grants == [
+        (doc["state_scope"], "ba92f5b4-2d11-453d-a403-e96b0029c9fe"),
+        (
+            "/subscriptions/sub-0000/resourceGroups/umbra-globex",
+            "9980e02c-c2be-4d73-94e8-173b1dc7cf3c",
+        ),
+    ]
