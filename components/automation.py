@@ -8,10 +8,15 @@ The Automation API drives the `pulumi` CLI; `stack_factory` is the seam where th
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import re
+import time
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
 from typing import Any, Literal, Protocol
 
 import pulumi
@@ -20,9 +25,14 @@ from pulumi import automation as auto
 from umbra.attest.measurement import canonical_ssh_key
 from umbra.components.config import AzurePlacement, GcpPlacement
 from umbra.components.cvm import DevCvm, DevCvmArgs, Placement
+from umbra.components.naming import Owner, dev_cvm_name
 from umbra.components.network import Cloud
 
 PROJECT = "umbra-dev-cvm"
+# The policy pack every Console launch runs under (the same one team stacks use).
+POLICY_PACK = Path(__file__).resolve().parents[1] / "infra" / "policy_pack"
+DEV_CVM_KEY = "umbra:devCvm"
+RUNNING_KEY = "umbra:running"
 _NAME = re.compile(r"^[a-z][a-z0-9-]{0,14}[a-z0-9]$")
 
 
@@ -67,8 +77,11 @@ class DevCvmSpec:
     measurement_manifest: str | None = None
     disk_gb: int = 50
     cvm_id: str | None = None
+    data_disk_gb: int = 100
 
     def __post_init__(self) -> None:
+        # From JSON (the stack's own config) the keys arrive as a list.
+        object.__setattr__(self, "ssh_authorized_keys", tuple(self.ssh_authorized_keys))
         for what, value in (("developer", self.developer), ("cvm", self.cvm)):
             if not _NAME.match(value):
                 raise ProvisionerError(f"{what} {value!r} is not a valid name (a-z, 0-9, -; 2-16)")
@@ -166,8 +179,137 @@ def translate_event(event: auto.EngineEvent) -> ProvisionEvent | None:
     return None
 
 
+class EngineStack(Protocol):
+    """The part of `pulumi.automation.Stack` `RobustStack` drives (a fake engine fits too)."""
+
+    @property
+    def workspace(self) -> Any: ...
+
+    def set_all_config(self, config: MutableMapping[str, auto.ConfigValue]) -> None: ...
+
+    def up(
+        self, *, on_event: Callable[[auto.EngineEvent], None], policy_packs: list[str] | None = ...
+    ) -> Any: ...
+
+    def refresh(self, *, on_event: Callable[[auto.EngineEvent], None]) -> Any: ...
+
+    def destroy(
+        self, *, on_event: Callable[[auto.EngineEvent], None], remove: bool = ...
+    ) -> Any: ...
+
+    def cancel(self) -> None: ...
+
+    def export_stack(self) -> auto.Deployment: ...
+
+    def import_stack(self, state: auto.Deployment) -> None: ...
+
+
+# Provider plugins an inline program needs (a fresh Console host has none): package -> plugin.
+PLUGINS = {"pulumi-gcp": "gcp", "pulumi-azure-native": "azure-native"}
+
+
+def installed_plugins() -> dict[str, str]:
+    """Plugin name -> version, matching the provider SDKs installed with the Console."""
+    out = {}
+    for package, plugin in PLUGINS.items():
+        try:
+            out[plugin] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            continue
+    return out
+
+
+class RobustStack:
+    """A real stack made safe to re-run: plugins installed, a crashed run's lock cancelled and
+    its pending operations cleared, state refreshed before every up/destroy, and the policy pack
+    applied to every update. Assumes the Console is the only writer of a Dev CVM stack (it runs
+    one operation per CVM at a time), so a lock found here is a crashed run's, not a live one."""
+
+    def __init__(
+        self,
+        stack: EngineStack,
+        *,
+        policy_packs: Sequence[str],
+        plugins: Mapping[str, str],
+        on_notice: Callable[[str], None] = lambda _m: None,
+    ) -> None:
+        self.stack = stack
+        self.policy_packs = list(policy_packs)
+        self.plugins = dict(plugins)
+        self.on_notice = on_notice
+        self._prepared = False
+
+    def set_all_config(self, config: MutableMapping[str, auto.ConfigValue]) -> None:
+        self.stack.set_all_config(config)
+
+    def _prepare(self) -> None:
+        if self._prepared:
+            return
+        for name, version in sorted(self.plugins.items()):
+            self.stack.workspace.install_plugin(name, version)
+        self._prepared = True
+
+    def recover(self) -> None:
+        """Cancel a stale update and drop pending operations a crash left in the state."""
+        # Nothing to cancel, or a backend without `pulumi cancel`: carry on.
+        with contextlib.suppress(auto.CommandError):
+            self.stack.cancel()
+        state = self.stack.export_stack()
+        deployment = dict(state.deployment or {})
+        pending = list(deployment.get("pending_operations") or [])
+        if not pending:
+            return
+        for op in pending:
+            urn = (op.get("resource") or {}).get("urn", "?")
+            # A pending create may have made a cloud resource the state does not know.
+            self.on_notice(f"cleared pending {op.get('type', '?')} of {urn}: check for orphans")
+        deployment["pending_operations"] = []
+        state.deployment = deployment
+        self.stack.import_stack(state)
+
+    def _run(self, step: Callable[[], Any]) -> Any:
+        self._prepare()
+        try:
+            return step()
+        except auto.ConcurrentUpdateError:
+            self.on_notice("the stack was locked by an interrupted run; cancelling it")
+            self.recover()
+            return step()
+
+    def up(self, *, on_event: Callable[[auto.EngineEvent], None]) -> Any:
+        def step() -> Any:
+            self._check_pending()
+            self.stack.refresh(on_event=on_event)
+            return self.stack.up(on_event=on_event, policy_packs=self.policy_packs)
+
+        return self._run(step)
+
+    def destroy(self, *, on_event: Callable[[auto.EngineEvent], None], remove: bool = False) -> Any:
+        def step() -> Any:
+            self._check_pending()
+            self.stack.refresh(on_event=on_event)
+            return self.stack.destroy(on_event=on_event, remove=remove)
+
+        return self._run(step)
+
+    def _check_pending(self) -> None:
+        state = self.stack.export_stack()
+        if (state.deployment or {}).get("pending_operations"):
+            self.recover()
+
+
+# Cloud and engine errors worth another try; anything else (quota, policy, bad input) is final.
+TRANSIENT = re.compile(
+    r"\b(429|500|502|503|504)\b|rateLimitExceeded|RESOURCE_EXHAUSTED: .*rate|TooManyRequests|"
+    r"ServiceUnavailable|InternalServerError|AnotherOperationInProgress|"
+    r"resourceNotReady|connection reset|timed? ?out|temporarily unavailable",
+    re.IGNORECASE,
+)
+
+
 class PulumiDevCvmProvisioner:
-    """`launch(spec, on_event) -> DevCvmOutputs`, `update(...)`, `destroy(...)` for one team."""
+    """`launch(spec, on_event) -> DevCvmOutputs`, `update(...)`, `set_running(...)`,
+    `destroy(...)` for one team."""
 
     def __init__(
         self,
@@ -176,10 +318,20 @@ class PulumiDevCvmProvisioner:
         org: str | None = None,
         env: Mapping[str, str] | None = None,
         stack_factory: StackFactory | None = None,
+        policy_packs: Sequence[str] = (str(POLICY_PACK),),
+        attempts: int = 3,
+        backoff_s: float = 5.0,
+        sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         self.target = target
         self.org = org
         self.env = dict(env or {})
+        self.policy_packs = tuple(policy_packs)
+        if not self.policy_packs:
+            raise ProvisionerError("a Dev CVM stack runs under the Umbra policy pack; none given")
+        self.attempts = attempts
+        self.backoff_s = backoff_s
+        self.sleep = sleep
         self._factory = stack_factory or self._local_stack
 
     # -- what a run is made of (all testable without the CLI) ------------------------------
@@ -188,11 +340,22 @@ class PulumiDevCvmProvisioner:
         name = f"{self.target.team}-{spec.developer}-{spec.cvm}"
         return f"{self.org}/{PROJECT}/{name}" if self.org else name
 
-    def stack_config(self, spec: DevCvmSpec) -> dict[str, auto.ConfigValue]:
+    def vm_name(self, spec: DevCvmSpec) -> str:
+        return dev_cvm_name(self.target.team, spec.developer, spec.cvm, Owner.CONSOLE)
+
+    def stack_config(self, spec: DevCvmSpec, running: bool = True) -> dict[str, auto.ConfigValue]:
         cfg = {
             "umbra:team": auto.ConfigValue(self.target.team),
             "umbra:developer": auto.ConfigValue(spec.developer),
             "umbra:cvm": auto.ConfigValue(spec.cvm),
+            # The whole request, so stop/start can re-run the same program from the ref alone.
+            DEV_CVM_KEY: auto.ConfigValue(
+                json.dumps(
+                    {"target": _target_doc(self.target), "spec": dataclasses.asdict(spec)},
+                    sort_keys=True,
+                )
+            ),
+            RUNNING_KEY: auto.ConfigValue("true" if running else "false"),
         }
         if self.target.gcp is not None:
             g = self.target.gcp
@@ -209,42 +372,8 @@ class PulumiDevCvmProvisioner:
         target = self.target
 
         def run() -> None:
-            team = pulumi.StackReference(target.team_stack)
-            if target.gcp is not None:
-                place = Placement(cloud="gcp", project=target.gcp.project, zone=target.gcp.zone)
-                identity: pulumi.Output[Any] | None = team.require_output("dev_identity")
-            else:
-                assert target.azure is not None
-                place = Placement(
-                    cloud="azure",
-                    location=target.azure.location,
-                    zone=target.azure.zone,
-                    resource_group_name=team.require_output("resource_group_name"),
-                )
-                identity = None
-            cvm = DevCvm(
-                f"{target.team}-{spec.developer}-{spec.cvm}",
-                DevCvmArgs(
-                    team=target.team,
-                    vm_name=f"umbra-{target.team}-{spec.developer}-{spec.cvm}",
-                    placement=place,
-                    size=spec.size,
-                    image=spec.image,
-                    disk_gb=spec.disk_gb,
-                    subnet_id=team.require_output("dev_subnet_id"),
-                    identity=identity,
-                    app_compose=spec.app_compose,
-                    cvm_id=spec.cvm_id or "",
-                    measurement_manifest=spec.measurement_manifest,
-                    developer=spec.developer,
-                    ssh_authorized_keys=spec.ssh_authorized_keys,
-                ),
-            )
-            pulumi.export("instance_id", cvm.instance_id)
-            pulumi.export("private_ip", cvm.private_ip)
-            pulumi.export("compose_sha256", cvm.compose_sha256)
-            pulumi.export("ssh_keys_sha256", cvm.ssh_keys_sha256)
-            pulumi.export("expected_events", cvm.expected_events)
+            running = pulumi.Config("umbra").get_bool("running")
+            build_dev_cvm(target, spec, running=running is not False)
 
         return run
 
@@ -254,35 +383,77 @@ class PulumiDevCvmProvisioner:
         return self._up(spec, on_event, create=True)
 
     def update(self, spec: DevCvmSpec, on_event: OnProvisionEvent) -> DevCvmOutputs:
-        """Same program with new inputs. Launch-bound data (compose, keys) replaces the VM."""
+        """Same program with new inputs. Launch-bound data (compose, keys) replaces the VM; the
+        data disk stays and is re-attached."""
         return self._up(spec, on_event, create=False)
+
+    def set_running(self, stack: str, running: bool, on_event: OnProvisionEvent) -> None:
+        """Stop or start the Dev CVM of `stack` (a ref from launch): the stack's own config holds
+        the request, so only `umbra:running` changes and the launch data stays the same."""
+        verb = "start" if running else "stop"
+        on_event(ProvisionEvent("started", f"{verb} {stack}"))
+
+        def run() -> Any:
+            st = self._factory(stack, config_program, False)
+            st.set_all_config({RUNNING_KEY: auto.ConfigValue("true" if running else "false")})
+            return st.up(on_event=self._relay(on_event))
+
+        self._attempt(f"{verb} {stack}", run, on_event)
+        on_event(ProvisionEvent("finished", f"{stack} {'started' if running else 'stopped'}"))
 
     def destroy(self, spec: DevCvmSpec, on_event: OnProvisionEvent) -> None:
         name = self.stack_name(spec)
         on_event(ProvisionEvent("started", f"destroy {name}"))
-        try:
+
+        def run() -> Any:
             stack = self._factory(name, self.program(spec), False)
-            stack.destroy(on_event=self._relay(on_event), remove=True)
-        except Exception as exc:
-            on_event(ProvisionEvent("failed", _short(exc)))
-            raise ProvisionerError(f"destroy {name}: {_short(exc)}") from exc
+            return stack.destroy(on_event=self._relay(on_event), remove=True)
+
+        self._attempt(f"destroy {name}", run, on_event)
         on_event(ProvisionEvent("finished", f"destroyed {name}"))
 
     def _up(self, spec: DevCvmSpec, on_event: OnProvisionEvent, *, create: bool) -> DevCvmOutputs:
         name = self.stack_name(spec)
         on_event(ProvisionEvent("started", f"{'launch' if create else 'update'} {name}"))
-        try:
+
+        def run() -> DevCvmOutputs:
             stack = self._factory(name, self.program(spec), create)
             stack.set_all_config(self.stack_config(spec))
             result = stack.up(on_event=self._relay(on_event))
-            outputs = _outputs(name, result.outputs)
-        except Exception as exc:
-            on_event(ProvisionEvent("failed", _short(exc)))
-            raise ProvisionerError(f"{name}: {_short(exc)}") from exc
+            return _outputs(name, result.outputs)
+
+        outputs: DevCvmOutputs = self._attempt(name, run, on_event)
         on_event(
             ProvisionEvent("finished", f"{name} is up", data={"private_ip": outputs.private_ip})
         )
         return outputs
+
+    def _attempt(self, what: str, run: Callable[[], Any], on_event: OnProvisionEvent) -> Any:
+        """Run with retries and exponential backoff for transient cloud/engine errors; the
+        error that ends it is reported with its full text, not only its last line."""
+        for attempt in range(1, self.attempts + 1):
+            try:
+                return run()
+            except ProvisionerError as exc:
+                on_event(ProvisionEvent("failed", str(exc)))
+                raise
+            except Exception as exc:
+                reason = error_text(exc)
+                if attempt < self.attempts and TRANSIENT.search(str(exc)):
+                    delay = self.backoff_s * 2 ** (attempt - 1)
+                    on_event(
+                        ProvisionEvent(
+                            "diagnostic",
+                            f"transient failure (attempt {attempt}/{self.attempts}), "
+                            f"retrying in {delay:.0f}s: {reason}",
+                            data={"severity": "warning"},
+                        )
+                    )
+                    self.sleep(delay)
+                    continue
+                on_event(ProvisionEvent("failed", reason))
+                raise ProvisionerError(f"{what}: {reason}") from exc
+        raise AssertionError("unreachable")  # pragma: no cover
 
     @staticmethod
     def _relay(on_event: OnProvisionEvent) -> Callable[[auto.EngineEvent], None]:
@@ -296,10 +467,84 @@ class PulumiDevCvmProvisioner:
     def _local_stack(self, name: str, program: auto.PulumiFn, create: bool) -> StackLike:
         opts = auto.LocalWorkspaceOptions(env_vars=self.env or None)
         if create:
-            return auto.create_or_select_stack(
+            stack = auto.create_or_select_stack(
                 name, project_name=PROJECT, program=program, opts=opts
             )
-        return auto.select_stack(name, project_name=PROJECT, program=program, opts=opts)
+        else:
+            stack = auto.select_stack(name, project_name=PROJECT, program=program, opts=opts)
+        return RobustStack(stack, policy_packs=self.policy_packs, plugins=installed_plugins())
+
+
+def build_dev_cvm(target: TeamTarget, spec: DevCvmSpec, *, running: bool = True) -> DevCvm:
+    """The inline program body: one Dev CVM on the team network the team stack exports."""
+    team = pulumi.StackReference(target.team_stack)
+    if target.gcp is not None:
+        place = Placement(cloud="gcp", project=target.gcp.project, zone=target.gcp.zone)
+        identity: pulumi.Output[Any] | None = team.require_output("dev_identity")
+    else:
+        assert target.azure is not None
+        place = Placement(
+            cloud="azure",
+            location=target.azure.location,
+            zone=target.azure.zone,
+            resource_group_name=team.require_output("resource_group_name"),
+        )
+        identity = None
+    cvm = DevCvm(
+        f"{target.team}-{spec.developer}-{spec.cvm}",
+        DevCvmArgs(
+            team=target.team,
+            vm_name=dev_cvm_name(target.team, spec.developer, spec.cvm, Owner.CONSOLE),
+            placement=place,
+            size=spec.size,
+            image=spec.image,
+            disk_gb=spec.disk_gb,
+            subnet_id=team.require_output("dev_subnet_id"),
+            identity=identity,
+            app_compose=spec.app_compose,
+            cvm_id=spec.cvm_id or "",
+            measurement_manifest=spec.measurement_manifest,
+            developer=spec.developer,
+            ssh_authorized_keys=spec.ssh_authorized_keys,
+            security_cvm_ips=team.require_output("security_cvm_ip").apply(lambda ip: [ip]),
+            data_disk_gb=spec.data_disk_gb,
+            running=running,
+        ),
+    )
+    pulumi.export("instance_id", cvm.instance_id)
+    pulumi.export("private_ip", cvm.private_ip)
+    pulumi.export("compose_sha256", cvm.compose_sha256)
+    pulumi.export("ssh_keys_sha256", cvm.ssh_keys_sha256)
+    pulumi.export("expected_events", cvm.expected_events)
+    return cvm
+
+
+def config_program() -> None:
+    """The same program, with the request read from the stack's own config (stop/start)."""
+    config = pulumi.Config("umbra")
+    doc = config.require_object(DEV_CVM_KEY.split(":")[1])
+    target, spec = _target_of(doc["target"]), DevCvmSpec(**doc["spec"])
+    build_dev_cvm(target, spec, running=config.get_bool("running") is not False)
+
+
+def _target_doc(target: TeamTarget) -> dict[str, Any]:
+    return {
+        "team": target.team,
+        "cloud": target.cloud,
+        "team_stack": target.team_stack,
+        "gcp": target.gcp.model_dump() if target.gcp else None,
+        "azure": target.azure.model_dump() if target.azure else None,
+    }
+
+
+def _target_of(doc: Mapping[str, Any]) -> TeamTarget:
+    return TeamTarget(
+        team=doc["team"],
+        cloud=doc["cloud"],
+        team_stack=doc["team_stack"],
+        gcp=GcpPlacement(**doc["gcp"]) if doc.get("gcp") else None,
+        azure=AzurePlacement(**doc["azure"]) if doc.get("azure") else None,
+    )
 
 
 def _outputs(stack: str, outputs: Mapping[str, Any]) -> DevCvmOutputs:
@@ -318,11 +563,17 @@ def _outputs(stack: str, outputs: Mapping[str, Any]) -> DevCvmOutputs:
     )
 
 
-def _short(exc: BaseException) -> str:
+def error_text(exc: BaseException, limit: int = 4000) -> str:
+    """The whole failure, error lines first: Pulumi's last line is usually a summary, and the
+    cloud's reason sits in the middle of its output."""
     if isinstance(exc, FileNotFoundError) and "pulumi" in str(exc):
         return "the Pulumi CLI is not installed on this host (`pulumi` is not on PATH)"
-    text = str(exc).strip().splitlines()
-    return text[-1][:500] if text else type(exc).__name__
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    if not lines:
+        return type(exc).__name__
+    errors = [ln for ln in lines if "error" in ln.lower()]
+    ordered = list(dict.fromkeys(errors + lines))
+    return " | ".join(ordered)[:limit]
 
 
 __all__: Sequence[str] = (
@@ -332,6 +583,10 @@ __all__: Sequence[str] = (
     "ProvisionEvent",
     "ProvisionerError",
     "PulumiDevCvmProvisioner",
+    "RobustStack",
     "TeamTarget",
+    "build_dev_cvm",
+    "config_program",
+    "error_text",
     "translate_event",
 )

@@ -8,6 +8,9 @@ may take) so only the named allows pass.
 
 from __future__ import annotations
 
+import ipaddress
+from typing import Any
+
 import pulumi
 import pulumi_azure_native as azure
 
@@ -25,6 +28,29 @@ from umbra.components.ports import (
 )
 
 DENY_ALL_PRIORITY = 4096
+# The platform resolver (168.63.129.16) is reachable whatever `*` rules say; its service tag
+# is the one way an NSG names it, so the Dev NSG denies it explicitly above everything else.
+PLATFORM_DNS_TAG = "AzurePlatformDNS"
+PLATFORM_DNS_PRIORITY = 100
+
+
+def _prefixes(side: str, values: list[str]) -> dict[str, Any]:
+    """Azure takes service tags ("Internet", "AzurePlatformDNS") only in the single-value field;
+    the list field refuses them (SecurityRuleParameterContainsUnsupportedValue)."""
+    if len(values) == 1:
+        return {f"{side}_address_prefix": values[0]}
+    tags = [v for v in values if not _is_cidr(v)]
+    if tags:
+        raise ValueError(f"{side} prefixes {values}: service tags {tags} cannot share a rule")
+    return {f"{side}_address_prefixes": values}
+
+
+def _is_cidr(value: str) -> bool:
+    try:
+        ipaddress.ip_network(value, strict=False)
+    except ValueError:
+        return False
+    return True
 
 
 def _allow(
@@ -34,17 +60,18 @@ def _allow(
     source: list[str],
     destination: list[str],
     ports: list[int],
+    protocol: str = "Tcp",
 ) -> azure.network.SecurityRuleArgs:
     return azure.network.SecurityRuleArgs(
         name=name,
         priority=priority,
         direction=direction,
         access="Allow",
-        protocol="Tcp",
-        source_address_prefixes=source,
+        protocol=protocol,
         source_port_range="*",
-        destination_address_prefixes=destination,
         destination_port_ranges=[str(p) for p in ports],
+        **_prefixes("source", source),
+        **_prefixes("destination", destination),
     )
 
 
@@ -84,14 +111,26 @@ def build_azure_network(
                 "attested-ssh-in",
                 100,
                 "Inbound",
-                [str(c) for c in args.ssh_ingress_cidrs],
+                [str(c) for c in args.ssh_ingress_cidrs]
+                + ([args.bastion_cidr] if args.bastion_cidr else []),
                 [args.dev_cidr],
                 [DEV_ATTESTED_SSH_PORT],
             ),
             _deny_all("Inbound"),
+            azure.network.SecurityRuleArgs(
+                name="deny-platform-dns",
+                priority=PLATFORM_DNS_PRIORITY,
+                direction="Outbound",
+                access="Deny",
+                protocol="*",
+                source_address_prefix="*",
+                source_port_range="*",
+                destination_address_prefix=PLATFORM_DNS_TAG,
+                destination_port_range="*",
+            ),
             _allow(
                 "to-security-cvm",
-                100,
+                110,
                 "Outbound",
                 [args.dev_cidr],
                 [f"{security_ip}/32"],
@@ -101,13 +140,16 @@ def build_azure_network(
         ],
         opts=opts,
     )
+    # Replicas sit behind an internal load balancer that rewrites the destination to the
+    # replica's own address, and its health probe comes from the AzureLoadBalancer tag.
+    tunnel_dst = [args.security_cidr] if args.security_replicas > 1 else [f"{security_ip}/32"]
     sec_rules = [
         _allow(
             "tunnel-from-dev",
             100,
             "Inbound",
             [args.dev_cidr],
-            [f"{security_ip}/32"],
+            tunnel_dst,
             [SECURITY_TUNNEL_PORT],
         ),
         _deny_all("Inbound"),
@@ -121,6 +163,29 @@ def build_azure_network(
         ),
         _deny_all("Outbound"),
     ]
+    if args.security_replicas > 1:
+        sec_rules.append(
+            _allow(
+                "lb-probe-in",
+                105,
+                "Inbound",
+                ["AzureLoadBalancer"],
+                [args.security_cidr],
+                [SECURITY_TUNNEL_PORT],
+            )
+        )
+    for i, proto in enumerate(("Udp", "Tcp")):
+        sec_rules.append(
+            _allow(
+                f"dns-egress-{proto.lower()}",
+                120 + i,
+                "Outbound",
+                [args.security_cidr],
+                [f"{ip}/32" for ip in args.security_dns_resolvers],
+                [53],
+                protocol=proto,
+            )
+        )
     if args.console_cidrs:
         sec_rules.append(
             _allow(
@@ -149,6 +214,7 @@ def build_azure_network(
         location=location,
         address_space=azure.network.AddressSpaceArgs(
             address_prefixes=[args.dev_cidr, args.security_cidr]
+            + ([args.bastion_cidr] if args.bastion_cidr else [])
         ),
         tags=tags,
         opts=pulumi.ResourceOptions.merge(opts, pulumi.ResourceOptions(ignore_changes=["subnets"])),
@@ -163,6 +229,29 @@ def build_azure_network(
         network_security_group=azure.network.NetworkSecurityGroupArgs(id=dev_nsg.id),
         opts=opts,
     )
+    # Security CVM egress: a NAT Gateway on one static Standard address, no public IP on the VM.
+    egress_ip = azure.network.PublicIPAddress(
+        f"{name}-egress-ip",
+        public_ip_address_name=f"{prefix}-egress",
+        resource_group_name=rg.name,
+        location=location,
+        sku=azure.network.PublicIPAddressSkuArgs(name="Standard"),
+        public_ip_allocation_method="Static",
+        zones=[args.azure.zone] if args.azure.zone else None,
+        tags={**tags, ROLE_LABEL: ROLE_SECURITY},
+        opts=opts,
+    )
+    nat = azure.network.NatGateway(
+        f"{name}-nat",
+        nat_gateway_name=f"{prefix}-nat",
+        resource_group_name=rg.name,
+        location=location,
+        sku=azure.network.NatGatewaySkuArgs(name="Standard"),
+        public_ip_addresses=[azure.network.SubResourceArgs(id=egress_ip.id)],
+        zones=[args.azure.zone] if args.azure.zone else None,
+        tags={**tags, ROLE_LABEL: ROLE_SECURITY},
+        opts=opts,
+    )
     sec_subnet = azure.network.Subnet(
         f"{name}-security",
         subnet_name="security",
@@ -171,6 +260,7 @@ def build_azure_network(
         address_prefix=args.security_cidr,
         default_outbound_access=False,
         network_security_group=azure.network.NetworkSecurityGroupArgs(id=sec_nsg.id),
+        nat_gateway=azure.network.SubResourceArgs(id=nat.id),
         opts=pulumi.ResourceOptions.merge(opts, pulumi.ResourceOptions(depends_on=[dev_subnet])),
     )
     zone = azure.privatedns.PrivateZone(
@@ -202,9 +292,130 @@ def build_azure_network(
         ttl=300,
         opts=opts,
     )
+    _close_dns(name, prefix, rg.name, location, vnet.id, tags, opts)
+    if args.reachability == "bastion" and args.bastion_cidr:
+        _bastion(name, prefix, args, rg.name, vnet, tags, opts, after=sec_subnet)
     return NetworkParts(
         network_id=vnet.id,
         dev_subnet_id=dev_subnet.id,
         security_subnet_id=sec_subnet.id,
         resource_group_name=rg.name,
+        egress_ip=egress_ip.ip_address.apply(lambda a: a or ""),
+    )
+
+
+def _close_dns(
+    name: str,
+    prefix: str,
+    rg: pulumi.Output[str],
+    location: str,
+    vnet_id: pulumi.Output[str],
+    tags: dict[str, str],
+    opts: pulumi.ResourceOptions,
+) -> None:
+    """A DNS security policy on the VNet: the platform resolver answers the private zone and
+    blocks every other name, so no query leaves for a foreign authoritative server."""
+    policy = azure.dnsresolver.DnsResolverPolicy(
+        f"{name}-dns-policy",
+        dns_resolver_policy_name=f"{prefix}-closed",
+        resource_group_name=rg,
+        location=location,
+        tags=tags,
+        opts=opts,
+    )
+    lists = {
+        "private": [f"{PRIVATE_ZONE}."],
+        "everything": ["."],
+    }
+    domain_lists = {
+        key: azure.dnsresolver.DnsResolverDomainList(
+            f"{name}-dns-{key}",
+            dns_resolver_domain_list_name=f"{prefix}-{key}",
+            resource_group_name=rg,
+            location=location,
+            domains=domains,
+            tags=tags,
+            opts=opts,
+        )
+        for key, domains in lists.items()
+    }
+    for rule, priority, action, key in (
+        ("allow-private-zone", 100, "Allow", "private"),
+        ("block-everything-else", 1000, "Block", "everything"),
+    ):
+        azure.dnsresolver.DnsSecurityRule(
+            f"{name}-dns-{rule}",
+            dns_security_rule_name=rule,
+            dns_resolver_policy_name=policy.name,
+            resource_group_name=rg,
+            location=location,
+            priority=priority,
+            action=azure.dnsresolver.DnsSecurityRuleActionArgs(action_type=action),
+            dns_resolver_domain_lists=[azure.dnsresolver.SubResourceArgs(id=domain_lists[key].id)],
+            dns_security_rule_state="Enabled",
+            tags=tags,
+            opts=opts,
+        )
+    azure.dnsresolver.DnsResolverPolicyVirtualNetworkLink(
+        f"{name}-dns-policy-link",
+        dns_resolver_policy_virtual_network_link_name=prefix,
+        dns_resolver_policy_name=policy.name,
+        resource_group_name=rg,
+        location=location,
+        virtual_network=azure.dnsresolver.SubResourceArgs(id=vnet_id),
+        tags=tags,
+        opts=opts,
+    )
+
+
+def _bastion(
+    name: str,
+    prefix: str,
+    args: TeamNetworkArgs,
+    rg: pulumi.Output[str],
+    vnet: azure.network.VirtualNetwork,
+    tags: dict[str, str],
+    opts: pulumi.ResourceOptions,
+    after: pulumi.Resource,
+) -> None:
+    """Azure Bastion (Standard, native-client tunnelling): `az network bastion tunnel` carries
+    the developer's aTLS connection to the Dev CVM's port 8022; the Dev NSG admits it from the
+    Bastion subnet only."""
+    assert args.azure is not None and args.bastion_cidr is not None
+    subnet = azure.network.Subnet(
+        f"{name}-bastion",
+        subnet_name="AzureBastionSubnet",  # the name Azure requires
+        resource_group_name=rg,
+        virtual_network_name=vnet.name,
+        address_prefix=args.bastion_cidr,
+        opts=pulumi.ResourceOptions.merge(opts, pulumi.ResourceOptions(depends_on=[after])),
+    )
+    pip = azure.network.PublicIPAddress(
+        f"{name}-bastion-ip",
+        public_ip_address_name=f"{prefix}-bastion",
+        resource_group_name=rg,
+        location=args.azure.location,
+        sku=azure.network.PublicIPAddressSkuArgs(name="Standard"),
+        public_ip_allocation_method="Static",
+        tags={**tags, ROLE_LABEL: "bastion"},
+        opts=opts,
+    )
+    azure.network.BastionHost(
+        f"{name}-bastion-host",
+        bastion_host_name=f"{prefix}-bastion",
+        resource_group_name=rg,
+        location=args.azure.location,
+        sku=azure.network.SkuArgs(name="Standard"),
+        enable_tunneling=True,
+        enable_file_copy=False,
+        enable_shareable_link=False,
+        ip_configurations=[
+            azure.network.BastionHostIPConfigurationArgs(
+                name="primary",
+                subnet=azure.network.SubResourceArgs(id=subnet.id),
+                public_ip_address=azure.network.SubResourceArgs(id=pip.id),
+            )
+        ],
+        tags={**tags, ROLE_LABEL: "bastion"},
+        opts=opts,
     )

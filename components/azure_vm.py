@@ -2,6 +2,12 @@
 vTPM, OS disk encrypted with the VM guest state (keys bound to the vTPM), launch data in custom
 data. Under Azure's paravisor the guest measures this into the vTPM, not RTMR3: see
 docs/specs/infra.md.
+
+Custom data cannot change on an existing VM, so a launch-data change replaces the VM
+(`replace_on_changes` on it), deleting the old one first (its name, NIC and address are fixed).
+The developer's work is on a separate managed data disk that is only detached and re-attached.
+Stopping removes the VM and keeps its disk and NIC: Azure bills a deallocated VM's disks only,
+and the same launch data relaunches it.
 """
 
 from __future__ import annotations
@@ -12,9 +18,10 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from umbra.components.cvm import VmParts, VmSpec
-from umbra.components.ports import ROLE_LABEL, TEAM_LABEL
+from umbra.components.naming import labels as make_labels
 
 ADMIN_USER = "umbra"
+CUSTOM_DATA_PATH = "osProfile.customData"
 
 
 def image_reference(image: str) -> azure.compute.ImageReferenceArgs:
@@ -43,7 +50,12 @@ def _unusable_key() -> str:
 def build_azure_vm(name: str, spec: VmSpec, opts: pulumi.ResourceOptions) -> VmParts:
     args = spec.args
     place = args.placement
-    tags = {**args.labels, ROLE_LABEL: spec.role, TEAM_LABEL: args.team}
+    developer = getattr(args, "developer", None) or None
+    tags = {**args.labels, **make_labels(args.team, spec.role, developer=developer)}
+    zones = [place.zone] if place.zone else None
+    # Security CVM replicas on Azure: the internal load balancer's pool this NIC joins.
+    pool = getattr(args, "lb_backend_pool", None)
+    # Only the Console serves the internet; team CVMs egress through the team's NAT Gateway.
     public_ip = None
     if spec.public_ip:
         public_ip = azure.network.PublicIPAddress(
@@ -53,7 +65,7 @@ def build_azure_vm(name: str, spec: VmSpec, opts: pulumi.ResourceOptions) -> VmP
             location=place.location,
             sku=azure.network.PublicIPAddressSkuArgs(name="Standard"),
             public_ip_allocation_method="Static",
-            zones=[place.zone] if place.zone else None,
+            zones=zones,
             tags=tags,
             opts=opts,
         )
@@ -73,18 +85,48 @@ def build_azure_vm(name: str, spec: VmSpec, opts: pulumi.ResourceOptions) -> VmP
                 public_ip_address=azure.network.PublicIPAddressArgs(id=public_ip.id)
                 if public_ip
                 else None,
+                load_balancer_backend_address_pools=[azure.network.BackendAddressPoolArgs(id=pool)]
+                if pool is not None
+                else None,
             )
         ],
         tags=tags,
         opts=opts,
     )
+    data_disks: list[azure.compute.DataDiskArgs] = []
+    if args.data_disk_gb:
+        disk = azure.compute.Disk(
+            f"{name}-data",
+            disk_name=f"{args.vm_name}-data",
+            resource_group_name=place.resource_group_name,
+            location=place.location,
+            zones=zones,
+            sku=azure.compute.DiskSkuArgs(name="Premium_LRS"),
+            creation_data=azure.compute.CreationDataArgs(create_option="Empty"),
+            disk_size_gb=args.data_disk_gb,
+            tags=tags,
+            opts=opts,
+        )
+        data_disks.append(
+            azure.compute.DataDiskArgs(
+                lun=0,
+                create_option="Attach",
+                delete_option="Detach",
+                managed_disk=azure.compute.ManagedDiskParametersArgs(id=disk.id),
+            )
+        )
+    private_ip = nic.ip_configurations.apply(
+        lambda cfgs: (cfgs[0].private_ip_address or "") if cfgs else ""
+    )
+    if not args.running:
+        return VmParts(instance_id=pulumi.Output.from_input(""), private_ip=private_ip)
     keys = list(spec.ssh_keys) or [_unusable_key()]
     vm = azure.compute.VirtualMachine(
         name,
         vm_name=args.vm_name,
         resource_group_name=place.resource_group_name,
         location=place.location,
-        zones=[place.zone] if place.zone else None,
+        zones=zones,
         hardware_profile=azure.compute.HardwareProfileArgs(vm_size=args.size),
         security_profile=azure.compute.SecurityProfileArgs(
             security_type="ConfidentialVM",
@@ -105,6 +147,7 @@ def build_azure_vm(name: str, spec: VmSpec, opts: pulumi.ResourceOptions) -> VmP
                     ),
                 ),
             ),
+            data_disks=data_disks,
         ),
         os_profile=azure.compute.OSProfileArgs(
             computer_name=args.vm_name,
@@ -124,25 +167,34 @@ def build_azure_vm(name: str, spec: VmSpec, opts: pulumi.ResourceOptions) -> VmP
                 ),
             ),
         ),
+        # Only the Console's VM calls Azure APIs (its provisioner): a system-assigned identity.
+        identity=azure.compute.VirtualMachineIdentityArgs(
+            type=azure.compute.ResourceIdentityType.SYSTEM_ASSIGNED
+        )
+        if args.api_access
+        else None,
         network_profile=azure.compute.NetworkProfileArgs(
             network_interfaces=[
                 azure.compute.NetworkInterfaceReferenceArgs(id=nic.id, primary=True)
             ]
         ),
         tags=tags,
-        # The throwaway key is new on every run; only the measured custom data counts.
         opts=pulumi.ResourceOptions.merge(
             opts,
             pulumi.ResourceOptions(
-                ignore_changes=[] if spec.ssh_keys else ["osProfile.linuxConfiguration.ssh"]
+                # Custom data is immutable on Azure: a change is a new launch.
+                replace_on_changes=[CUSTOM_DATA_PATH],
+                delete_before_replace=True,
+                # The throwaway key is new on every run; only the measured custom data counts.
+                ignore_changes=[] if spec.ssh_keys else ["osProfile.linuxConfiguration.ssh"],
             ),
         ),
-    )
-    private_ip = nic.ip_configurations.apply(
-        lambda cfgs: (cfgs[0].private_ip_address or "") if cfgs else ""
     )
     return VmParts(
         instance_id=vm.vm_id,
         private_ip=private_ip,
         public_ip=public_ip.ip_address.apply(lambda a: a or "") if public_ip else None,
+        principal_id=vm.identity.apply(lambda i: (i.principal_id or "") if i else "")
+        if args.api_access
+        else None,
     )

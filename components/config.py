@@ -54,6 +54,14 @@ def _not_everywhere(net: ipaddress.IPv4Network) -> ipaddress.IPv4Network:
     return net
 
 
+def _public(addr: ipaddress.IPv4Address) -> ipaddress.IPv4Address:
+    if not addr.is_global:
+        raise ValueError(f"{addr} is not a public address")
+    return addr
+
+
+IapMember = Annotated[str, Field(pattern=r"^(user|group|serviceAccount|domain):[^\s]+$")]
+PublicAddress = Annotated[ipaddress.IPv4Address, AfterValidator(_public)]
 SshKey = Annotated[str, AfterValidator(_ssh_key)]
 HttpsUrl = Annotated[str, AfterValidator(_https)]
 IngressCidr = Annotated[ipaddress.IPv4Network, AfterValidator(_not_everywhere)]
@@ -88,6 +96,42 @@ class NetworkConfig(_Strict):
     ssh_ingress_cidrs: list[IngressCidr] = Field(min_length=1)
     # Where the Console is reached when that is not the public internet on 443.
     console_cidrs: list[ipaddress.IPv4Network] = Field(default_factory=list)
+    # Public resolvers the Security CVM's proxy uses (udp/tcp 53, through the team's NAT). The
+    # team network's own DNS answers no public name (a Dev CVM's lookups are a channel out).
+    security_dns_resolvers: list[PublicAddress] = Field(
+        default_factory=lambda: [
+            ipaddress.IPv4Address("8.8.8.8"),
+            ipaddress.IPv4Address("1.1.1.1"),
+        ],
+        min_length=1,
+    )
+    # Log denied flows: off by default (a hostile agent can make many, each one billed).
+    log_denied: bool = False
+    # How a developer's machine reaches the Dev CVM's attested SSH port (8022):
+    #   public: from ssh_ingress_cidrs only;  iap (GCP): IAP TCP forwarding, with
+    #   roles/iap.tunnelResourceAccessor (port 8022 only) granted to iap_members;
+    #   bastion (Azure): an Azure Bastion (Standard, native-client tunnelling) in bastion_cidr.
+    reachability: Literal["public", "iap", "bastion"] = "public"
+    iap_members: list[IapMember] = Field(default_factory=list)
+    bastion_cidr: ipaddress.IPv4Network | None = None
+
+    @model_validator(mode="after")
+    def _reachability(self) -> NetworkConfig:
+        if self.reachability == "iap" and not self.iap_members:
+            raise ValueError("reachability 'iap' needs iap_members (who may open the tunnel)")
+        if self.reachability != "iap" and self.iap_members:
+            raise ValueError("iap_members are only used with reachability 'iap'")
+        if self.reachability == "bastion":
+            net = self.bastion_cidr
+            if net is None:
+                raise ValueError("reachability 'bastion' needs bastion_cidr (a /26 or larger)")
+            if not net.is_private or net.prefixlen > 26:
+                raise ValueError(f"bastion_cidr {net} must be a private /26 or larger")
+            if net.overlaps(self.dev_cidr) or net.overlaps(self.security_cidr):
+                raise ValueError(f"bastion_cidr {net} overlaps dev_cidr or security_cidr")
+        elif self.bastion_cidr is not None:
+            raise ValueError("bastion_cidr is only used with reachability 'bastion'")
+        return self
 
     @model_validator(mode="after")
     def _disjoint(self) -> NetworkConfig:
@@ -108,6 +152,8 @@ class CvmConfig(_Strict):
     # A TDX-capable image: GCP image self link/family, Azure image id or "publisher:offer:sku:version".
     image: str = Field(min_length=1)
     disk_gb: int = Field(default=50, ge=20, le=2048)
+    # The persistent disk kept across replacement (Dev CVMs; default 100 GB for them).
+    data_disk_gb: int | None = Field(default=None, ge=10, le=65536)
     # Output directory of `umbra image measure DEF --out DIR` (relative to the project root):
     # app-compose.json is delivered, measurement-manifest.json named by its digest.
     # Unset: images/build/<role> if it holds app-compose.json, else a marked placeholder.
@@ -116,6 +162,12 @@ class CvmConfig(_Strict):
     measurement_manifest: (
         Annotated[str, Field(pattern=r"^(https://\S+|sha256:[0-9a-f]{64})$")] | None
     ) = None
+
+
+class SecurityCvmConfig(CvmConfig):
+    # Replicas behind the cloud's internal passthrough TCP load balancer on the fixed address;
+    # the forwarder attests whichever replica it reaches (they run the same release).
+    replicas: int = Field(default=1, ge=1, le=8)
 
 
 class Developer(_Strict):
@@ -138,15 +190,36 @@ class TeamStack(_Strict):
     cloud: Literal["gcp", "azure"]
     gcp: GcpPlacement | None = None
     azure: AzurePlacement | None = None
-    console_url: HttpsUrl
+    # Where the Console is: named here, or read from the Console stack (its `console_url` and
+    # `console_ca_pem` outputs) with a StackReference such as "acme-org/umbra/console-gcp".
+    console_url: HttpsUrl | None = None
+    console_stack: (
+        Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+){0,2}$")] | None
+    ) = None
     network: NetworkConfig
-    security_cvm: CvmConfig
+    security_cvm: SecurityCvmConfig
     dev_cvm: CvmConfig
     developers: list[Developer] = Field(default_factory=list)
+    # A label on every resource (GCP label value syntax), for billing.
+    cost_centre: Annotated[str, Field(pattern=r"^[a-z0-9_-]{1,63}$")] | None = None
 
     @model_validator(mode="after")
     def _consistent(self) -> TeamStack:
         _check_placement(self.cloud, self.gcp, self.azure)
+        if (self.console_url is None) == (self.console_stack is None):
+            raise ValueError("name exactly one of console_url and console_stack")
+        replicas = self.security_cvm.replicas
+        if replicas > 1:
+            room = self.network.security_cidr.num_addresses - 3 - 10
+            if replicas > room:
+                raise ValueError(
+                    f"security_cvm.replicas {replicas} do not fit in security_cidr "
+                    f"{self.network.security_cidr} (load balancer at host .10, replicas from .11; "
+                    f"at most {room}: use a larger range)"
+                )
+        mode = self.network.reachability
+        if (mode == "iap" and self.cloud != "gcp") or (mode == "bastion" and self.cloud != "azure"):
+            raise ValueError(f"network.reachability {mode!r} does not exist on {self.cloud}")
         sizes = [("security_cvm.size", self.security_cvm.size), ("dev_cvm.size", self.dev_cvm.size)]
         sizes += [
             (f"developers[{i}].size", d.size) for i, d in enumerate(self.developers) if d.size
@@ -176,6 +249,24 @@ class ConsoleStack(_Strict):
     ]
     ingress_cidrs: list[IngressCidr] = Field(min_length=1)
     db_tier: str = Field(min_length=1)
+    # Exported for team stacks (StackReference): the Console's URL and the CA its TLS chains to
+    # (a PEM file relative to the project root; unset when a public CA issues its certificate).
+    url: HttpsUrl | None = None
+    tls_ca_file: str | None = None
+    # GCP: the projects whose Dev CVMs the Console's provisioner launches (default: its own) and
+    # the bucket holding the Pulumi state (`pulumi login gs://…`); the Console's service account
+    # gets exactly the provisioner's roles there.
+    team_projects: list[Annotated[str, Field(pattern=r"^[a-z][a-z0-9-]{4,28}[a-z0-9]$")]] = Field(
+        default_factory=list
+    )
+    state_bucket: Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9._-]{1,220}[a-z0-9]$")] | None = (
+        None
+    )
+    # Azure: the same, as team resource group names and the state's storage resource id.
+    team_resource_groups: list[Annotated[str, Field(pattern=r"^[A-Za-z0-9._()-]{1,90}$")]] = Field(
+        default_factory=list
+    )
+    state_scope: Annotated[str, Field(pattern=r"^/subscriptions/[^\s]+$")] | None = None
 
     @model_validator(mode="after")
     def _consistent(self) -> ConsoleStack:
@@ -194,12 +285,22 @@ def _check_placement(cloud: str, gcp: GcpPlacement | None, azure: AzurePlacement
         raise ValueError("cloud 'azure' needs an 'azure' block and no 'gcp' block")
 
 
-# TDX sizes only: DCesv5/DCedsv5/ECesv5/ECedsv5 (and v6). DCasv5 is AMD SEV-SNP, refused.
+# TDX machine types only. GCP: C3 standard (c3-standard-N; the TDX-capable C3 shapes, see the
+# zones list in docs/specs/infra.md). Azure: DCesv5/DCedsv5/ECesv5/ECedsv5 and DCesv6/ECesv6.
+# DCasv5/ECasv5 are AMD SEV-SNP and refused.
+GCP_TDX_SIZE = re.compile(r"^c3-standard-(4|8|22|44|88|176)$")
+AZURE_TDX_SIZE = re.compile(r"^Standard_[DE]C\d+(ed|e)s_v5$|^Standard_[DE]C\d+es_v6$")
+
+
 def _check_size(cloud: str, where: str, size: str) -> None:
-    if cloud == "gcp" and not re.fullmatch(r"c3-(standard|highcpu|highmem)-\d+", size):
-        raise ValueError(f"{where} {size!r} is not a C3 machine type (TDX runs on C3 only)")
-    if cloud == "azure" and not re.fullmatch(r"Standard_[DE]C\d+(-\d+)?ed?s_v[56]", size):
-        raise ValueError(f"{where} {size!r} is not a TDX size (DCesv5/DCedsv5/ECesv5/ECedsv5)")
+    if cloud == "gcp" and not GCP_TDX_SIZE.fullmatch(size):
+        raise ValueError(
+            f"{where} {size!r} is not a TDX machine type (c3-standard-4/8/22/44/88/176)"
+        )
+    if cloud == "azure" and not AZURE_TDX_SIZE.fullmatch(size):
+        raise ValueError(
+            f"{where} {size!r} is not a TDX size (DCesv5/DCedsv5/ECesv5/ECedsv5/DCesv6/ECesv6)"
+        )
 
 
 def _check_image(cloud: str, where: str, image: str) -> None:

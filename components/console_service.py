@@ -35,6 +35,31 @@ class ConsoleServiceArgs:
     db_password: pulumi.Input[str]
     gcp: GcpPlacement | None = None
     azure: AzurePlacement | None = None
+    # GCP: where the provisioner launches Dev CVMs (default: this project) and the state bucket.
+    team_projects: Sequence[str] = ()
+    state_bucket: str | None = None
+    # Azure: the team resource groups the provisioner launches into (default: the Console's
+    # own) and the resource id of the state's storage account or container.
+    team_resource_groups: Sequence[str] = ()
+    state_scope: str | None = None
+
+
+# Exactly what the Dev CVM provisioner does on GCP: create/delete/stop instances and their disks
+# (compute.instanceAdmin.v1), attach the team's Dev service account to them
+# (iam.serviceAccountUser), and read/write stack state in the bucket (storage.objectAdmin).
+PROVISIONER_PROJECT_ROLES = ("roles/compute.instanceAdmin.v1", "roles/iam.serviceAccountUser")
+PROVISIONER_BUCKET_ROLE = "roles/storage.objectAdmin"
+# Azure built-in roles (fixed ids): Virtual Machine Contributor covers VMs, their disks and
+# NICs and joining a subnet; Storage Blob Data Contributor covers the Pulumi state blobs.
+AZURE_VM_CONTRIBUTOR = "9980e02c-c2be-4d73-94e8-173b1dc7cf3c"
+AZURE_BLOB_DATA_CONTRIBUTOR = "ba92f5b4-2d11-453d-a403-e96b0029c9fe"
+DATABASE_CA_PATH = "/run/umbra/launch/database-ca.pem"
+CONSOLE_APIS = (
+    "compute.googleapis.com",
+    "iam.googleapis.com",
+    "servicenetworking.googleapis.com",
+    "sqladmin.googleapis.com",
+)
 
 
 def _halves(cidr: str) -> tuple[str, str]:
@@ -47,6 +72,7 @@ class ConsoleService(pulumi.ComponentResource):
     public_ip: pulumi.Output[str] | None
     database_host: pulumi.Output[str]
     database_url: pulumi.Output[str]
+    database_ca_pem: pulumi.Output[str]
 
     def __init__(
         self, name: str, args: ConsoleServiceArgs, opts: pulumi.ResourceOptions | None = None
@@ -56,9 +82,10 @@ class ConsoleService(pulumi.ComponentResource):
         password = pulumi.Output.secret(args.db_password)
         identity: pulumi.Output[str] | None
         if args.cloud == "gcp":
-            subnet_id, identity, db_host, place = _gcp_base(name, args, password, child)
+            subnet_id, identity, db_host, place, db_ca = _gcp_base(name, args, password, child)
         else:
             subnet_id, identity, db_host, place = _azure_base(name, args, password, child)
+            db_ca = None  # Azure Flexible Server chains to public roots: the system store
         cvm = CvmArgs(
             team=args.name,
             vm_name=f"umbra-{args.name}",
@@ -69,12 +96,18 @@ class ConsoleService(pulumi.ComponentResource):
             identity=identity,
             app_compose=args.app_compose,
             labels={ROLE_LABEL: ROLE_CONSOLE},
+            api_access=True,
         )
-        launch = pulumi.Output.from_input(args.app_compose).apply(
-            lambda c: LaunchData(
-                role=ROLE_CONSOLE, team=args.name, cvm_id=f"umbra-{args.name}", app_compose=c
+        launch = pulumi.Output.all(args.app_compose, db_ca).apply(
+            lambda v: LaunchData(
+                role=ROLE_CONSOLE,
+                team=args.name,
+                cvm_id=f"umbra-{args.name}",
+                app_compose=v[0],
+                database_ca=v[1] or None,
             )
         )
+        self.database_ca_pem = pulumi.Output.from_input(db_ca or "")
         spec = VmSpec(ROLE_CONSOLE, cvm, launch, private_ip=None, public_ip=True, ssh_keys=())
         parts: VmParts
         if args.cloud == "gcp":
@@ -85,17 +118,20 @@ class ConsoleService(pulumi.ComponentResource):
             from umbra.components.azure_vm import build_azure_vm
 
             parts = build_azure_vm(f"{name}-vm", spec, child)
+            _azure_provisioner_roles(name, args, parts, child)
         self.private_ip = parts.private_ip
         self.public_ip = parts.public_ip
         self.database_host = db_host
         # The URL embeds the password, so it is a secret output end to end.
         self.database_url = pulumi.Output.secret(
             pulumi.Output.format(
-                "postgresql://{0}:{1}@{2}:5432/{3}?sslmode=verify-full",
+                "postgresql://{0}:{1}@{2}:5432/{3}?sslmode=verify-full{4}",
                 DB_USER,
                 password,
                 db_host,
                 DB_NAME,
+                # The CA the stack delivers in launch data, not whatever the image trusts.
+                f"&sslrootcert={DATABASE_CA_PATH}" if db_ca is not None else "",
             )
         )
         self.register_outputs(
@@ -104,18 +140,33 @@ class ConsoleService(pulumi.ComponentResource):
                 "public_ip": self.public_ip,
                 "database_host": self.database_host,
                 "database_url": self.database_url,
+                "database_ca_pem": self.database_ca_pem,
             }
         )
 
 
 def _gcp_base(
     name: str, args: ConsoleServiceArgs, password: pulumi.Output[str], opts: pulumi.ResourceOptions
-) -> tuple[pulumi.Output[str], pulumi.Output[str], pulumi.Output[str], Placement]:
+) -> tuple[
+    pulumi.Output[str], pulumi.Output[str], pulumi.Output[str], Placement, pulumi.Output[str]
+]:
     import pulumi_gcp as gcp
 
     assert args.gcp is not None
     project, region = args.gcp.project, args.gcp.region
     vm_cidr, _ = _halves(args.cidr)
+    # A fresh project: the APIs the Console stack calls, never switched off on destroy.
+    services = [
+        gcp.projects.Service(
+            f"{name}-api-{api.split('.')[0]}",
+            project=project,
+            service=api,
+            disable_on_destroy=False,
+            opts=opts,
+        )
+        for api in CONSOLE_APIS
+    ]
+    opts = pulumi.ResourceOptions.merge(opts, pulumi.ResourceOptions(depends_on=services))
     vpc = gcp.compute.Network(
         f"{name}-vpc",
         name=f"umbra-{args.name}",
@@ -135,6 +186,24 @@ def _gcp_base(
     sa = gcp.serviceaccount.Account(
         f"{name}-sa", account_id=f"umbra-{args.name}", project=project, opts=opts
     )
+    member = sa.email.apply(lambda e: f"serviceAccount:{e}")
+    for target in args.team_projects or [project]:
+        for role in PROVISIONER_PROJECT_ROLES:
+            gcp.projects.IAMMember(
+                f"{name}-{target}-{role.split('/')[1]}",
+                project=target,
+                role=role,
+                member=member,
+                opts=opts,
+            )
+    if args.state_bucket:
+        gcp.storage.BucketIAMMember(
+            f"{name}-state",
+            bucket=args.state_bucket,
+            role=PROVISIONER_BUCKET_ROLE,
+            member=member,
+            opts=opts,
+        )
     gcp.compute.Firewall(
         f"{name}-https-in",
         name=f"umbra-{args.name}-https-in",
@@ -193,7 +262,8 @@ def _gcp_base(
         opts=opts,
     )
     place = Placement(cloud="gcp", project=project, zone=args.gcp.zone)
-    return subnet.id, sa.email, db.private_ip_address, place
+    ca = db.server_ca_certs.apply(lambda certs: (certs[0].cert or "") if certs else "")
+    return subnet.id, sa.email, db.private_ip_address, place, ca
 
 
 def _azure_base(
@@ -311,3 +381,38 @@ def _azure_base(
     )
     host = server.fully_qualified_domain_name.apply(lambda h: h or "")
     return vm_subnet.id, None, host, place
+
+
+def _azure_provisioner_roles(
+    name: str, args: ConsoleServiceArgs, parts: VmParts, opts: pulumi.ResourceOptions
+) -> None:
+    """Exactly the provisioner's roles for the Console VM's identity: Virtual Machine
+    Contributor on each team resource group, Blob Data Contributor on the state."""
+    import pulumi_azure_native as azure
+
+    assert parts.principal_id is not None
+    sub = azure.authorization.get_client_config_output().subscription_id
+
+    def role(role_id: str) -> pulumi.Output[str]:
+        return pulumi.Output.concat(
+            "/subscriptions/", sub, "/providers/Microsoft.Authorization/roleDefinitions/", role_id
+        )
+
+    for rg in args.team_resource_groups or [f"umbra-{args.name}"]:
+        azure.authorization.RoleAssignment(
+            f"{name}-{rg}-vm-contributor",
+            principal_id=parts.principal_id,
+            principal_type="ServicePrincipal",
+            role_definition_id=role(AZURE_VM_CONTRIBUTOR),
+            scope=pulumi.Output.concat("/subscriptions/", sub, "/resourceGroups/", rg),
+            opts=opts,
+        )
+    if args.state_scope:
+        azure.authorization.RoleAssignment(
+            f"{name}-state",
+            principal_id=parts.principal_id,
+            principal_type="ServicePrincipal",
+            role_definition_id=role(AZURE_BLOB_DATA_CONTRIBUTOR),
+            scope=args.state_scope,
+            opts=opts,
+        )

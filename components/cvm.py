@@ -46,12 +46,30 @@ class CvmArgs:
     # GCP: the service account the network's firewall rules target.
     identity: pulumi.Input[str] | None = None
     labels: dict[str, str] = field(default_factory=dict)
+    # GCP: the VM calls Google APIs (the Console's provisioner): scope cloud-platform, with the
+    # service account's roles as the limit. Team CVMs call none and keep the narrowest scope.
+    api_access: bool = False
+    # A persistent disk separate from the boot disk (0: none). It is its own resource, so it
+    # survives the VM's replacement on a launch-data change and image updates.
+    data_disk_gb: int = 0
+    # False stops the VM (GCP: TERMINATED; Azure: the VM is removed, its disk and NIC stay).
+    running: bool = True
 
 
 @dataclass(frozen=True)
 class SecurityCvmArgs(CvmArgs):
     # The fixed address Dev CVM egress rules name (TeamNetwork.security_cvm_ip).
     private_ip: pulumi.Input[str] = ""
+    # Public resolvers the proxy uses: the team network's own DNS answers nothing public.
+    dns_resolvers: Sequence[str] = ()
+    # Replicas: the load balancer's address, which the guest adds as a local route (an internal
+    # passthrough LB delivers packets addressed to it).
+    lb_ip: str = ""
+    # Azure replicas: the internal load balancer's backend pool the replica's NIC joins.
+    lb_backend_pool: pulumi.Input[str] | None = None
+    # The Console the proxy reports to (from config or the Console stack) and its TLS CA.
+    console_url: pulumi.Input[str] | None = None
+    console_ca: pulumi.Input[str] | None = None
 
 
 @dataclass(frozen=True)
@@ -59,6 +77,10 @@ class DevCvmArgs(CvmArgs):
     developer: str = ""
     # Launch-bound: their hash is the `umbra.ssh-authorized-keys` RTMR3 event.
     ssh_authorized_keys: Sequence[str] = ()
+    # The team's Security CVM address(es): the host firewall and /etc/hosts name them, so the
+    # Dev CVM needs no DNS at all.
+    security_cvm_ips: pulumi.Input[Sequence[str]] = ()
+    data_disk_gb: int = 100
 
     def __post_init__(self) -> None:
         if not self.developer:
@@ -84,11 +106,23 @@ class VmParts:
     instance_id: pulumi.Output[str]
     private_ip: pulumi.Output[str]
     public_ip: pulumi.Output[str] | None = None
+    # GCP: the instance's self link (load-balancer instance groups name instances by it).
+    self_link: pulumi.Output[str] | None = None
+    # Azure, api_access: the VM's system-assigned identity (the principal roles are granted to).
+    principal_id: pulumi.Output[str] | None = None
 
 
-def _launch_data(role: str, args: CvmArgs, keys: Sequence[str]) -> pulumi.Output[LaunchData]:
+def _launch_data(
+    role: str,
+    args: CvmArgs,
+    keys: Sequence[str],
+    security_ips: pulumi.Input[Sequence[str]] = (),
+    dns_resolvers: Sequence[str] = (),
+    lb_ip: str = "",
+    console: tuple[pulumi.Input[str] | None, pulumi.Input[str] | None] = (None, None),
+) -> pulumi.Output[LaunchData]:
     manifest = args.measurement_manifest
-    return pulumi.Output.all(args.app_compose, manifest).apply(
+    return pulumi.Output.all(args.app_compose, manifest, security_ips, *console).apply(
         lambda v: LaunchData(
             role=role,
             team=args.team,
@@ -96,6 +130,11 @@ def _launch_data(role: str, args: CvmArgs, keys: Sequence[str]) -> pulumi.Output
             app_compose=v[0],
             measurement_manifest=v[1],
             ssh_authorized_keys=tuple(keys),
+            security_cvm_ips=tuple(v[2] or ()),
+            dns_resolvers=tuple(dns_resolvers),
+            lb_ip=lb_ip or None,
+            console_url=v[3] or None,
+            console_ca=v[4] or None,
         )
     )
 
@@ -116,9 +155,11 @@ class _Cvm(pulumi.ComponentResource):
     compose_sha256: pulumi.Output[str]
     expected_events: pulumi.Output[dict[str, str]]
     is_placeholder: pulumi.Output[bool]
+    self_link: pulumi.Output[str] | None
 
     def _finish(self, spec: VmSpec, parts: VmParts, extra: dict[str, Any]) -> None:
         self.instance_id = parts.instance_id
+        self.self_link = parts.self_link
         self.private_ip = parts.private_ip
         self.compose_sha256 = spec.launch.apply(lambda d: d.compose_sha256)
         self.expected_events = spec.launch.apply(lambda d: d.expected_events())
@@ -142,19 +183,26 @@ class SecurityCvm(_Cvm):
         self, name: str, args: SecurityCvmArgs, opts: pulumi.ResourceOptions | None = None
     ) -> None:
         super().__init__("umbra:infra:SecurityCvm", name, None, opts)
-        # The proxy dials the internet, so this is the one CVM with a public address; its
-        # firewall admits only the tunnel from the team's Dev CVMs.
+        # The proxy dials the internet through the team's NAT (one static egress address); the
+        # VM has no public address and its firewall admits only the tunnel from Dev CVMs.
         spec = VmSpec(
             role=ROLE_SECURITY,
             args=args,
-            launch=_launch_data(ROLE_SECURITY, args, ()),
+            launch=_launch_data(
+                ROLE_SECURITY,
+                args,
+                (),
+                dns_resolvers=args.dns_resolvers,
+                lb_ip=args.lb_ip,
+                console=(args.console_url, args.console_ca),
+            ),
             private_ip=args.private_ip or None,
-            public_ip=True,
+            public_ip=False,
             ssh_keys=(),
         )
         parts = _build(name, spec, pulumi.ResourceOptions(parent=self))
         self.public_ip = parts.public_ip
-        self._finish(spec, parts, {"public_ip": parts.public_ip} if parts.public_ip else {})
+        self._finish(spec, parts, {})
 
 
 class DevCvm(_Cvm):
@@ -168,7 +216,7 @@ class DevCvm(_Cvm):
         spec = VmSpec(
             role=ROLE_DEV,
             args=args,
-            launch=_launch_data(ROLE_DEV, args, keys),
+            launch=_launch_data(ROLE_DEV, args, keys, args.security_cvm_ips),
             private_ip=None,
             public_ip=False,
             ssh_keys=keys,

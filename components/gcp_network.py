@@ -23,10 +23,19 @@ from umbra.components.ports import (
     SECURITY_EGRESS_PORTS,
     SECURITY_ROUTE_TAG,
     SECURITY_TUNNEL_PORT,
+    TEAM_LABEL,
 )
 
 ALLOW_PRIORITY = 1000
 DENY_ALL_PRIORITY = 65000
+# Where Google's load-balancer health checks come from.
+HEALTH_CHECK_RANGES = ("35.191.0.0/16", "130.211.0.0/22")
+# Where IAP TCP forwarding connects from.
+IAP_RANGE = "35.235.240.0/20"
+# The APIs a team stack calls; enabled by the stack so a fresh project deploys.
+REQUIRED_APIS = ("compute.googleapis.com", "dns.googleapis.com", "iam.googleapis.com")
+# What every name but the Security CVM's resolves to inside a team VPC: nothing routable.
+BLACKHOLE_ADDRESS = "0.0.0.0"  # noqa: S104 -- a DNS answer, not a bind address
 
 
 def build_gcp_network(
@@ -35,6 +44,20 @@ def build_gcp_network(
     assert args.gcp is not None
     project, region = args.gcp.project, args.gcp.region
     prefix = f"umbra-{args.team}"
+    labels = {TEAM_LABEL: args.team, **args.labels}
+    # A fresh project has these APIs off; everything below waits for them. Destroying one team
+    # must not turn them off for the other teams or the Console in the same project.
+    services = [
+        gcp.projects.Service(
+            f"{name}-api-{api.split('.')[0]}",
+            project=project,
+            service=api,
+            disable_on_destroy=False,
+            opts=opts,
+        )
+        for api in REQUIRED_APIS + (("iap.googleapis.com",) if args.reachability == "iap" else ())
+    ]
+    opts = pulumi.ResourceOptions.merge(opts, pulumi.ResourceOptions(depends_on=services))
 
     vpc = gcp.compute.Network(
         f"{name}-vpc",
@@ -64,6 +87,42 @@ def build_gcp_network(
         type="A",
         ttl=300,
         rrdatas=[security_ip],
+        opts=opts,
+    )
+    # Cloud-side DNS closure: the metadata server's resolver answers every name in this VPC from
+    # the response policy, so no query reaches a foreign authoritative server. Only the Security
+    # CVM's name passes through to the private zone. The Security CVM resolves public names
+    # through its own resolvers (security_dns_resolvers), over Cloud NAT, not through this VPC.
+    policy = gcp.dns.ResponsePolicy(
+        f"{name}-dns-policy",
+        response_policy_name=f"{prefix}-closed",
+        project=project,
+        description=f"Umbra team {args.team}: no public name resolution inside the team VPC",
+        networks=[gcp.dns.ResponsePolicyNetworkArgs(network_url=vpc.id)],
+        opts=opts,
+    )
+    gcp.dns.ResponsePolicyRule(
+        f"{name}-dns-deny-all",
+        project=project,
+        response_policy=policy.response_policy_name,
+        rule_name="deny-all",
+        dns_name="*.",
+        local_data=gcp.dns.ResponsePolicyRuleLocalDataArgs(
+            local_datas=[
+                gcp.dns.ResponsePolicyRuleLocalDataLocalDataArgs(
+                    name="*.", type="A", ttl=300, rrdatas=[BLACKHOLE_ADDRESS]
+                )
+            ]
+        ),
+        opts=opts,
+    )
+    gcp.dns.ResponsePolicyRule(
+        f"{name}-dns-security-cvm",
+        project=project,
+        response_policy=policy.response_policy_name,
+        rule_name="security-cvm",
+        dns_name=f"{SECURITY_CVM_HOST}.",
+        behavior="bypassResponsePolicy",
         opts=opts,
     )
     dev_subnet = gcp.compute.Subnetwork(
@@ -97,6 +156,43 @@ def build_gcp_network(
         priority=1000,
         opts=opts,
     )
+    # Security CVM egress: Cloud NAT on one static address (allow-listable by the sites the
+    # proxy reaches, no inbound surface); the VM itself has no external address. Only the
+    # security subnet is translated, and Dev CVMs have no route out anyway.
+    router = gcp.compute.Router(
+        f"{name}-router",
+        name=f"{prefix}-router",
+        project=project,
+        region=region,
+        network=vpc.id,
+        opts=opts,
+    )
+    egress_ip = gcp.compute.Address(
+        f"{name}-egress-ip",
+        name=f"{prefix}-egress",
+        project=project,
+        region=region,
+        address_type="EXTERNAL",
+        labels={**labels, ROLE_LABEL: ROLE_SECURITY},
+        opts=opts,
+    )
+    gcp.compute.RouterNat(
+        f"{name}-nat",
+        name=f"{prefix}-nat",
+        project=project,
+        region=region,
+        router=router.name,
+        nat_ip_allocate_option="MANUAL_ONLY",
+        nat_ips=[egress_ip.self_link],
+        source_subnetwork_ip_ranges_to_nat="LIST_OF_SUBNETWORKS",
+        subnetworks=[
+            gcp.compute.RouterNatSubnetworkArgs(
+                name=sec_subnet.id, source_ip_ranges_to_nats=["ALL_IP_RANGES"]
+            )
+        ],
+        log_config=gcp.compute.RouterNatLogConfigArgs(enable=args.log_denied, filter="ERRORS_ONLY"),
+        opts=opts,
+    )
     # Identities with no roles: the instances call no Google API.
     dev_sa = gcp.serviceaccount.Account(
         f"{name}-dev-sa",
@@ -125,6 +221,8 @@ def build_gcp_network(
         source_ranges: list[str] | None = None,
         source_service_accounts: list[pulumi.Output[str]] | None = None,
     ) -> None:
+        # Deny logs cost per packet and a hostile agent can make many; on only when asked.
+        log = args.log_denied and denies is not None
         gcp.compute.Firewall(
             f"{name}-{suffix}",
             name=f"{prefix}-{suffix}",
@@ -140,7 +238,9 @@ def build_gcp_network(
             destination_ranges=destination_ranges,
             source_ranges=source_ranges,
             source_service_accounts=source_service_accounts,
-            log_config=gcp.compute.FirewallLogConfigArgs(metadata="INCLUDE_ALL_METADATA"),
+            log_config=gcp.compute.FirewallLogConfigArgs(metadata="INCLUDE_ALL_METADATA")
+            if log
+            else None,
             opts=opts,
         )
 
@@ -166,9 +266,25 @@ def build_gcp_network(
         direction="INGRESS",
         priority=ALLOW_PRIORITY,
         target_service_accounts=[dev_sa.email],
-        source_ranges=list(args.ssh_ingress_cidrs),
+        source_ranges=sorted(
+            {*args.ssh_ingress_cidrs, *([IAP_RANGE] if args.reachability == "iap" else [])}
+        ),
         allows=[tcp(protocol="tcp", ports=[str(DEV_ATTESTED_SSH_PORT)])],
     )
+    # IAP TCP forwarding: who may open a tunnel, and only to the attested SSH port.
+    for i, member in enumerate(args.iap_members if args.reachability == "iap" else ()):
+        gcp.projects.IAMMember(
+            f"{name}-iap-{i}",
+            project=project,
+            role="roles/iap.tunnelResourceAccessor",
+            member=member,
+            condition=gcp.projects.IAMMemberConditionArgs(
+                title=f"{prefix}-attested-ssh-only",
+                description="Umbra: IAP tunnels to the Dev CVMs' attested SSH port only",
+                expression=f"destination.port == {DEV_ATTESTED_SSH_PORT}",
+            ),
+            opts=opts,
+        )
     rule(
         "security-tunnel-in",
         direction="INGRESS",
@@ -185,6 +301,24 @@ def build_gcp_network(
         destination_ranges=["0.0.0.0/0"],
         allows=[tcp(protocol="tcp", ports=[str(p) for p in SECURITY_EGRESS_PORTS])],
     )
+    if args.security_replicas > 1:
+        rule(
+            "security-health-check",
+            direction="INGRESS",
+            priority=ALLOW_PRIORITY,
+            target_service_accounts=[sec_sa.email],
+            source_ranges=list(HEALTH_CHECK_RANGES),
+            allows=[tcp(protocol="tcp", ports=[str(SECURITY_TUNNEL_PORT)])],
+        )
+    if args.security_dns_resolvers:
+        rule(
+            "security-dns-egress",
+            direction="EGRESS",
+            priority=ALLOW_PRIORITY,
+            target_service_accounts=[sec_sa.email],
+            destination_ranges=[f"{ip}/32" for ip in args.security_dns_resolvers],
+            allows=[tcp(protocol="udp", ports=["53"]), tcp(protocol="tcp", ports=["53"])],
+        )
     if args.console_cidrs:
         rule(
             "security-console-egress",
@@ -208,4 +342,5 @@ def build_gcp_network(
         security_subnet_id=sec_subnet.id,
         dev_identity=dev_sa.email,
         security_identity=sec_sa.email,
+        egress_ip=egress_ip.address,
     )

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from umbra.attest.measurement import COMPOSE_HASH_EVENT, SSH_KEYS_EVENT, ssh_keys_digest
+from umbra.components.host_firewall import HostFirewall, render_host_ruleset
 from umbra.sandbox.render import canonical_json
 
 # GCP metadata and Azure custom-data keys the image's launch agent reads.
@@ -26,6 +27,19 @@ META_MANIFEST = "umbra-measurement-manifest"
 META_ROLE = "umbra-role"
 META_TEAM = "umbra-team"
 META_EVENTS = "umbra-rtmr3-events"
+# Dev CVMs: the host nftables ruleset (components.host_firewall) the launch agent loads with
+# `nft -f` before starting containers, and the Security CVM address(es) it writes to /etc/hosts
+# as SECURITY_CVM_HOST. Security CVMs: the resolvers (space-separated) for its resolv.conf.
+META_HOST_FIREWALL = "umbra-host-firewall"
+META_SECURITY_CVM_IPS = "umbra-security-cvm-ips"
+META_DNS_RESOLVERS = "umbra-dns-resolvers"
+# Security CVM: where the Console is and the CA its TLS chains to (PEM; absent: public CA).
+META_CONSOLE_URL = "umbra-console-url"
+META_CONSOLE_CA = "umbra-console-ca"
+# Console: the CA its database's TLS certificate chains to (verify-full against exactly this).
+META_DATABASE_CA = "umbra-database-ca"
+# Security CVM replicas: the internal load balancer's address, added as a local route.
+META_LB_IP = "umbra-security-lb-ip"
 # Same name as umbra.images.measure.CVM_ID_EVENT (a test keeps them equal).
 CVM_ID_EVENT = "umbra.cvm-id"
 
@@ -69,6 +83,18 @@ class LaunchData:
     app_compose: str
     measurement_manifest: str | None = None
     ssh_authorized_keys: Sequence[str] = field(default_factory=tuple)
+    security_cvm_ips: Sequence[str] = field(default_factory=tuple)
+    dns_resolvers: Sequence[str] = field(default_factory=tuple)
+    lb_ip: str | None = None
+    console_url: str | None = None
+    console_ca: str | None = None
+    database_ca: str | None = None
+
+    @property
+    def host_firewall(self) -> str | None:
+        if not self.security_cvm_ips:
+            return None
+        return render_host_ruleset(HostFirewall(security_cvm_ips=tuple(self.security_cvm_ips)))
 
     @property
     def compose_sha256(self) -> str:
@@ -113,6 +139,21 @@ class LaunchData:
             meta[META_SSH_KEYS] = "\n".join(self.ssh_authorized_keys) + "\n"
         if self.measurement_manifest:
             meta[META_MANIFEST] = self.measurement_manifest
+        ruleset = self.host_firewall
+        if ruleset is not None:
+            meta[META_HOST_FIREWALL] = ruleset
+            meta[META_SECURITY_CVM_IPS] = " ".join(self.security_cvm_ips)
+        if self.dns_resolvers:
+            meta[META_DNS_RESOLVERS] = " ".join(self.dns_resolvers)
+        if self.lb_ip:
+            meta[META_LB_IP] = self.lb_ip
+        for key, value in (
+            (META_CONSOLE_URL, self.console_url),
+            (META_CONSOLE_CA, self.console_ca),
+            (META_DATABASE_CA, self.database_ca),
+        ):
+            if value:
+                meta[key] = value
         return meta
 
     def gcp_metadata(self) -> dict[str, str]:

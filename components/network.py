@@ -18,6 +18,14 @@ from umbra.components.config import AzurePlacement, GcpPlacement
 Cloud = Literal["gcp", "azure"]
 
 
+def security_replica_ip(security_cidr: str, replica: int, replicas: int) -> str:
+    """One replica: the fixed address itself. Several: .11, .12, … behind the load balancer,
+    whose frontend holds the fixed address."""
+    if replicas == 1:
+        return security_cvm_ip(security_cidr)
+    return str(ipaddress.IPv4Network(security_cidr).network_address + 11 + replica)
+
+
 def security_cvm_ip(security_cidr: str) -> str:
     """The Security CVM's fixed private address: Dev CVM egress rules name exactly this /32.
     Host 10 clears every cloud's reserved low addresses (GCP .0-.1, Azure .0-.3)."""
@@ -37,6 +45,16 @@ class TeamNetworkArgs:
     gcp: GcpPlacement | None = None
     azure: AzurePlacement | None = None
     labels: dict[str, str] = field(default_factory=dict)
+    # Public resolvers the Security CVM's proxy uses (the team network's own DNS is closed).
+    security_dns_resolvers: Sequence[str] = ("8.8.8.8", "1.1.1.1")
+    # Log denied flows (firewall deny rules, NAT errors): off by default, it costs per packet.
+    log_denied: bool = False
+    # public | iap (GCP) | bastion (Azure): see components.config.NetworkConfig.
+    reachability: str = "public"
+    iap_members: Sequence[str] = ()
+    bastion_cidr: str | None = None
+    # Security CVM replicas (> 1: GCP health-check ingress for the internal load balancer).
+    security_replicas: int = 1
 
     def __post_init__(self) -> None:
         # The config layer checks this too; components are also used directly (automation).
@@ -63,6 +81,8 @@ class NetworkParts:
     security_identity: pulumi.Output[str] | None = None
     # Azure: the team's resource group. GCP: None.
     resource_group_name: pulumi.Output[str] | None = None
+    # The Security CVM's static egress address (Cloud NAT / NAT Gateway).
+    egress_ip: pulumi.Output[str] | None = None
 
 
 class TeamNetwork(pulumi.ComponentResource):
@@ -73,6 +93,7 @@ class TeamNetwork(pulumi.ComponentResource):
     dev_identity: pulumi.Output[str] | None
     security_identity: pulumi.Output[str] | None
     resource_group_name: pulumi.Output[str] | None
+    egress_ip: pulumi.Output[str] | None
 
     def __init__(
         self, name: str, args: TeamNetworkArgs, opts: pulumi.ResourceOptions | None = None
@@ -96,6 +117,7 @@ class TeamNetwork(pulumi.ComponentResource):
         self.dev_identity = parts.dev_identity
         self.security_identity = parts.security_identity
         self.resource_group_name = parts.resource_group_name
+        self.egress_ip = parts.egress_ip
         outputs: dict[str, pulumi.Input[str]] = {
             "network_id": self.network_id,
             "dev_subnet_id": self.dev_subnet_id,
@@ -106,6 +128,7 @@ class TeamNetwork(pulumi.ComponentResource):
             ("dev_identity", self.dev_identity),
             ("security_identity", self.security_identity),
             ("resource_group_name", self.resource_group_name),
+            ("egress_ip", self.egress_ip),
         ):
             if value is not None:
                 outputs[key] = value

@@ -13,6 +13,8 @@ SECURITY_EGRESS_PORTS: Final = (80, 443)
 
 ROLE_LABEL: Final = "umbra-role"
 TEAM_LABEL: Final = "umbra-team"
+DEVELOPER_LABEL: Final = "umbra-developer"
+COST_CENTRE_LABEL: Final = "umbra-cost-centre"
 ROLE_DEV: Final = "dev-cvm"
 ROLE_SECURITY: Final = "security-cvm"
 ROLE_CONSOLE: Final = "console"
@@ -23,3 +25,12 @@ SECURITY_ROUTE_TAG: Final = "umbra-security-cvm"
 # team network answers it from a private zone with its own Security CVM's fixed address.
 PRIVATE_ZONE: Final = "umbra.internal"
 SECURITY_CVM_HOST: Final = f"security-cvm.{PRIVATE_ZONE}"
+
+# The Dev compose's `uplink` network (only the forwarder sits on it) and its internal networks;
+# the host firewall lets only the uplink reach the Security CVM. Must equal the Dev compose.
+DEV_UPLINK_CIDR: Final = "172.30.2.0/29"
+DEV_INTERNAL_CIDRS: Final = ("172.30.0.0/24", "172.30.1.0/24")
+# The forwarder's ingress port inside its container (umbra.sandbox.render.INGRESS_PORT).
+DEV_FORWARDER_INGRESS_PORT: Final = 2222
+# Cloud metadata / platform DNS addresses a guest reaches whatever the VPC firewall says.
+METADATA_ADDRESSES: Final = ("169.254.169.254", "168.63.129.16")

@@ -21,8 +21,21 @@ from umbra.components.config import (
 )
 from umbra.components.cvm import DevCvm, DevCvmArgs, Placement, SecurityCvm, SecurityCvmArgs
 from umbra.components.launch_data import placeholder_app_compose
-from umbra.components.network import TeamNetwork, TeamNetworkArgs
-from umbra.components.ports import ROLE_DEV, ROLE_SECURITY
+from umbra.components.naming import Owner, dev_cvm_name, security_cvm_name
+from umbra.components.network import (
+    TeamNetwork,
+    TeamNetworkArgs,
+    security_cvm_ip,
+    security_replica_ip,
+)
+from umbra.components.ports import (
+    COST_CENTRE_LABEL,
+    ROLE_DEV,
+    ROLE_LABEL,
+    ROLE_SECURITY,
+    TEAM_LABEL,
+)
+from umbra.components.security_pool import build_azure_security_lb, build_gcp_security_lb
 
 BUILD = Path("images") / "build"
 
@@ -72,7 +85,22 @@ def read_launch_files(root: Path, cvm: CvmConfig, role: str, where: str) -> Laun
 class Team:
     network: TeamNetwork
     security: SecurityCvm
+    security_replicas: list[SecurityCvm] = field(default_factory=list)
+    console_url: pulumi.Input[str] = ""
     dev_cvms: dict[str, dict[str, DevCvm]] = field(default_factory=dict)
+
+
+def console_endpoint(
+    cfg: TeamStack,
+) -> tuple[pulumi.Input[str], pulumi.Input[str] | None]:
+    """The Console's URL and TLS CA: from config, or from the Console stack's outputs."""
+    if cfg.console_stack is None:
+        assert cfg.console_url is not None  # the config requires exactly one
+        return cfg.console_url, None
+    ref = pulumi.StackReference(
+        f"console-{cfg.console_stack.replace('/', '-')}", stack_name=cfg.console_stack
+    )
+    return ref.require_output("console_url"), ref.get_output("console_ca_pem")
 
 
 def placement_for(
@@ -89,8 +117,12 @@ def placement_for(
     )
 
 
+DEFAULT_DEV_DATA_DISK_GB = 100
+
+
 def build_team(cfg: TeamStack, root: Path) -> Team:
     net_cfg = cfg.network
+    labels = {COST_CENTRE_LABEL: cfg.cost_centre} if cfg.cost_centre else {}
     network = TeamNetwork(
         cfg.team,
         TeamNetworkArgs(
@@ -102,28 +134,78 @@ def build_team(cfg: TeamStack, root: Path) -> Team:
             console_cidrs=[str(c) for c in net_cfg.console_cidrs],
             gcp=cfg.gcp,
             azure=cfg.azure,
+            labels=labels,
+            security_dns_resolvers=[str(a) for a in net_cfg.security_dns_resolvers],
+            log_denied=net_cfg.log_denied,
+            reachability=net_cfg.reachability,
+            iap_members=list(net_cfg.iap_members),
+            bastion_cidr=str(net_cfg.bastion_cidr) if net_cfg.bastion_cidr else None,
+            security_replicas=cfg.security_cvm.replicas,
         ),
     )
     place = placement_for(cfg, network.resource_group_name)
     sec_files = read_launch_files(root, cfg.security_cvm, ROLE_SECURITY, "security_cvm")
-    security = SecurityCvm(
-        f"{cfg.team}-security",
-        SecurityCvmArgs(
-            team=cfg.team,
-            vm_name=f"umbra-{cfg.team}-sec",
-            placement=place,
-            size=cfg.security_cvm.size,
-            image=cfg.security_cvm.image,
-            disk_gb=cfg.security_cvm.disk_gb,
+    console_url, console_ca = console_endpoint(cfg)
+    replicas = cfg.security_cvm.replicas
+    lb_ip = security_cvm_ip(str(net_cfg.security_cidr))
+    pool: pulumi.Output[str] | None = None
+    if replicas > 1 and cfg.azure is not None:
+        assert network.resource_group_name is not None
+        pool = build_azure_security_lb(
+            cfg.team,
+            prefix=f"umbra-{cfg.team}",
+            resource_group=network.resource_group_name,
+            location=cfg.azure.location,
             subnet_id=network.security_subnet_id,
-            identity=network.security_identity,
-            app_compose=sec_files.app_compose,
-            measurement_manifest=sec_files.measurement_manifest,
-            private_ip=network.security_cvm_ip,
-        ),
-        opts=pulumi.ResourceOptions(depends_on=[network]),
+            lb_ip=lb_ip,
+            tags={**labels, TEAM_LABEL: cfg.team, ROLE_LABEL: ROLE_SECURITY},
+            opts=pulumi.ResourceOptions(depends_on=[network]),
+        )
+    securities = [
+        SecurityCvm(
+            f"{cfg.team}-security" + (f"-{i}" if i else ""),
+            SecurityCvmArgs(
+                team=cfg.team,
+                vm_name=security_cvm_name(cfg.team, i),
+                placement=place,
+                size=cfg.security_cvm.size,
+                image=cfg.security_cvm.image,
+                disk_gb=cfg.security_cvm.disk_gb,
+                subnet_id=network.security_subnet_id,
+                identity=network.security_identity,
+                app_compose=sec_files.app_compose,
+                measurement_manifest=sec_files.measurement_manifest,
+                private_ip=security_replica_ip(str(net_cfg.security_cidr), i, replicas),
+                dns_resolvers=tuple(str(a) for a in net_cfg.security_dns_resolvers),
+                labels=labels,
+                data_disk_gb=cfg.security_cvm.data_disk_gb or 0,
+                # GCP's passthrough LB delivers to the LB address: a local route on the guest.
+                lb_ip=lb_ip if replicas > 1 and cfg.gcp is not None else "",
+                lb_backend_pool=pool,
+                console_url=console_url,
+                console_ca=console_ca,
+            ),
+            opts=pulumi.ResourceOptions(depends_on=[network]),
+        )
+        for i in range(replicas)
+    ]
+    security = securities[0]
+    if replicas > 1 and cfg.gcp is not None:
+        build_gcp_security_lb(
+            cfg.team,
+            prefix=f"umbra-{cfg.team}",
+            project=cfg.gcp.project,
+            region=cfg.gcp.region,
+            zone=cfg.gcp.zone,
+            network_id=network.network_id,
+            subnet_id=network.security_subnet_id,
+            lb_ip=lb_ip,
+            instances=[s.self_link for s in securities if s.self_link is not None],
+            opts=pulumi.ResourceOptions(),
+        )
+    team = Team(
+        network=network, security=security, security_replicas=securities, console_url=console_url
     )
-    team = Team(network=network, security=security)
     dev_files = read_launch_files(root, cfg.dev_cvm, ROLE_DEV, "dev_cvm")
     for dev in cfg.developers:
         for cvm in dev.cvms:
@@ -131,7 +213,7 @@ def build_team(cfg: TeamStack, root: Path) -> Team:
                 f"{cfg.team}-{dev.name}-{cvm}",
                 DevCvmArgs(
                     team=cfg.team,
-                    vm_name=f"umbra-{cfg.team}-{dev.name}-{cvm}",
+                    vm_name=dev_cvm_name(cfg.team, dev.name, cvm, Owner.TEAM_STACK),
                     placement=place,
                     size=dev.size or cfg.dev_cvm.size,
                     image=cfg.dev_cvm.image,
@@ -142,6 +224,9 @@ def build_team(cfg: TeamStack, root: Path) -> Team:
                     measurement_manifest=dev_files.measurement_manifest,
                     developer=dev.name,
                     ssh_authorized_keys=dev.ssh_keys,
+                    security_cvm_ips=network.security_cvm_ip.apply(lambda ip: [ip]),
+                    labels=labels,
+                    data_disk_gb=cfg.dev_cvm.data_disk_gb or DEFAULT_DEV_DATA_DISK_GB,
                 ),
                 opts=pulumi.ResourceOptions(depends_on=[security]),
             )
@@ -158,7 +243,7 @@ def export_team(cfg: TeamStack, team: Team) -> None:
     net = team.network
     pulumi.export("team", cfg.team)
     pulumi.export("cloud", cfg.cloud)
-    pulumi.export("console_url", cfg.console_url)
+    pulumi.export("console_url", team.console_url)
     placement = cfg.gcp.model_dump() if cfg.gcp else cfg.azure.model_dump() if cfg.azure else {}
     pulumi.export("placement", placement)
     pulumi.export("network_id", net.network_id)
@@ -168,7 +253,8 @@ def export_team(cfg: TeamStack, team: Team) -> None:
         pulumi.export("dev_identity", net.dev_identity)
     if net.resource_group_name is not None:
         pulumi.export("resource_group_name", net.resource_group_name)
-    pulumi.export("security_cvm_public_ip", team.security.public_ip)
+    # The address the internet sees for this team's egress (allow-list it where needed).
+    pulumi.export("security_egress_ip", net.egress_ip)
     pulumi.export("security_cvm_compose_sha256", team.security.compose_sha256)
     pulumi.export(
         "dev_cvms",
@@ -208,8 +294,21 @@ def build_console(cfg: ConsoleStack, root: Path) -> None:
             app_compose=files.app_compose,
             db_tier=cfg.db_tier,
             db_password=password,
+            team_projects=list(cfg.team_projects),
+            state_bucket=cfg.state_bucket,
+            team_resource_groups=list(cfg.team_resource_groups),
+            state_scope=cfg.state_scope,
         ),
     )
+    # What team stacks read through their StackReference (`console_stack`).
+    if cfg.url:
+        pulumi.export("console_url", cfg.url)
+    if cfg.tls_ca_file:
+        ca = root / cfg.tls_ca_file
+        if not ca.is_file():
+            raise ConfigError(f"umbra:stack.tls_ca_file: {cfg.tls_ca_file} is not a file")
+        pulumi.export("console_ca_pem", ca.read_text())
+    pulumi.export("database_ca_pem", console.database_ca_pem)
     pulumi.export("console_private_ip", console.private_ip)
     pulumi.export("console_public_ip", console.public_ip)
     pulumi.export("database_url", console.database_url)

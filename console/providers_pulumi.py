@@ -36,6 +36,8 @@ from umbra.console.providers import (
     one_line,
 )
 
+# Pulumi's failure text is long and its cause is rarely on the last line: keep most of it.
+REASON_LIMIT = 4000
 _SLUG = re.compile(r"^[a-z][a-z0-9-]{0,14}[a-z0-9]$")
 
 
@@ -116,7 +118,7 @@ class PulumiCvmProvider:
                 cvm_id=spec.id,
             )
         except ProvisionerError as exc:
-            raise ProviderUnsupported(one_line(str(exc))) from None
+            raise ProviderUnsupported(one_line(str(exc), REASON_LIMIT)) from None
 
     def check(self, spec: CvmSpec) -> None:
         self._provisioner(spec.team)
@@ -129,7 +131,7 @@ class PulumiCvmProvider:
         try:
             outputs = provisioner.launch(dev, _relay(on_event))
         except ProvisionerError as exc:
-            raise ProviderError(one_line(str(exc))) from None
+            raise ProviderError(one_line(str(exc), REASON_LIMIT)) from None
         return Provisioned(outputs.stack, _jsonable(asdict(outputs)))
 
     def update(self, spec: CvmSpec, ref: str, on_event: OnProviderEvent) -> Provisioned:
@@ -137,13 +139,19 @@ class PulumiCvmProvider:
         try:
             outputs = provisioner.update(dev, _relay(on_event))
         except ProvisionerError as exc:
-            raise ProviderError(one_line(str(exc))) from None
+            raise ProviderError(one_line(str(exc), REASON_LIMIT)) from None
         return Provisioned(outputs.stack, _jsonable(asdict(outputs)))
 
     def set_running(self, ref: str, running: bool) -> None:
-        raise ProviderUnsupported(
-            f"{self.name} does not stop or start Dev CVMs; destroy and launch instead"
-        )
+        """Stop/start by the stack ref alone: the stack's config holds the whole request, so any
+        team's provisioner of this provider (same org, same credentials) can run it."""
+        if not ref or not self._provisioners:
+            raise ProviderUnsupported(f"{self.name}: no Dev CVM stack to stop or start")
+        provisioner = next(iter(self._provisioners.values()))
+        try:
+            provisioner.set_running(ref, running, lambda _e: None)
+        except ProvisionerError as exc:
+            raise ProviderError(one_line(str(exc), REASON_LIMIT)) from None
 
     def destroy(self, spec: CvmSpec, ref: str | None, on_event: OnProviderEvent) -> None:
         provisioner, dev = self._provisioner(spec.team), self.dev_spec(spec)
@@ -154,7 +162,7 @@ class PulumiCvmProvider:
                 # A launch that failed before its stack existed left nothing to destroy.
                 on_event(ProviderEvent("finished", "no stack to destroy"))
                 return
-            raise ProviderError(one_line(str(exc))) from None
+            raise ProviderError(one_line(str(exc), REASON_LIMIT)) from None
 
 
 def _relay(on_event: OnProviderEvent) -> Any:

@@ -20,16 +20,33 @@ SECURITY_TUNNEL_PORT = 8443
 # Port 22 and the Dev CVM's attested SSH port: neither may face the whole internet.
 SSH_PORTS = (22, 8022)
 
+ROLE_CONSOLE = "console"
+MINIMAL_SCOPES = ("https://www.googleapis.com/auth/userinfo.email",)
 GCP_INSTANCE = "gcp:compute/instance:Instance"
 GCP_INSTANCE_TEMPLATE = "gcp:compute/instanceTemplate:InstanceTemplate"
+GCP_REGION_TEMPLATE = "gcp:compute/regionInstanceTemplate:RegionInstanceTemplate"
+GCP_FROM_TEMPLATE = "gcp:compute/instanceFromTemplate:InstanceFromTemplate"
+GCP_FROM_MACHINE_IMAGE = "gcp:compute/instanceFromMachineImage:InstanceFromMachineImage"
+GCP_VMS = (
+    GCP_INSTANCE,
+    GCP_INSTANCE_TEMPLATE,
+    GCP_REGION_TEMPLATE,
+    GCP_FROM_TEMPLATE,
+    GCP_FROM_MACHINE_IMAGE,
+)
 GCP_FIREWALL = "gcp:compute/firewall:Firewall"
 GCP_ROUTE = "gcp:compute/route:Route"
 AZ_VM = "azure-native:compute:VirtualMachine"
+AZ_VMSS = "azure-native:compute:VirtualMachineScaleSet"
+AZ_ROUTE = "azure-native:network:Route"
+AZ_ROUTE_TABLE = "azure-native:network:RouteTable"
 AZ_NIC = "azure-native:network:NetworkInterface"
 AZ_NSG = "azure-native:network:NetworkSecurityGroup"
 AZ_RULE = "azure-native:network:SecurityRule"
 
-AZURE_TDX_SIZE = re.compile(r"^Standard_[DE]C\d+(-\d+)?ed?s_v[56]$")
+AZURE_TDX_SIZE = re.compile(r"^Standard_[DE]C\d+(ed|e)s_v5$|^Standard_[DE]C\d+es_v6$")
+# GCP machine types that run TDX: C3 standard. Self links end with the type.
+GCP_TDX_MACHINE = re.compile(r"(^|/)c3-standard-\d+$")
 # Sources that mean "anyone" (Azure service tags are case-insensitive). Not a bind address.
 WORLD = frozenset({"*", "0.0.0.0/0", "::/0", "internet", "any", "0.0.0.0"})  # noqa: S104
 DEV_SA = re.compile(r"^umbra-[a-z0-9-]+-dev@")
@@ -58,8 +75,24 @@ def _role(props: Props, labels_key: str) -> str | None:
 # --- TDX ---------------------------------------------------------------------------------------
 
 
+def _azure_tdx(out: list[str], sec_profile: Any, size: Any, os_disk: Any, where: str) -> None:
+    sec = _get(sec_profile, "securityType")
+    if sec != "ConfidentialVM":
+        out.append(f"{where}securityProfile.securityType is {sec!r}, not 'ConfidentialVM'")
+    if not isinstance(size, str) or not AZURE_TDX_SIZE.match(size):
+        out.append(f"{where}size {size!r} is not a TDX size (DCesv5/ECesv5/DCesv6)")
+    uefi = _get(sec_profile, "uefiSettings") or {}
+    if uefi.get("secureBootEnabled") is not True or uefi.get("vTpmEnabled") is not True:
+        out.append(f"{where}securityProfile.uefiSettings must enable secure boot and the vTPM")
+    enc = _get(os_disk, "managedDisk", "securityProfile", "securityEncryptionType")
+    if enc != "DiskWithVMGuestState":
+        out.append(f"{where}OS disk securityEncryptionType is {enc!r}, not 'DiskWithVMGuestState'")
+
+
 def check_tdx(resource_type: str, props: Props) -> list[str]:
-    if resource_type in (GCP_INSTANCE, GCP_INSTANCE_TEMPLATE):
+    if resource_type in GCP_VMS:
+        # Instances made from templates or machine images inherit what they do not say: the
+        # pack cannot see the template, so the TDX settings must be stated on the resource.
         out = []
         kind = _get(props, "confidentialInstanceConfig", "confidentialInstanceType")
         if kind != "TDX":
@@ -69,28 +102,30 @@ def check_tdx(resource_type: str, props: Props) -> list[str]:
         maint = _get(props, "scheduling", "onHostMaintenance")
         if maint != "TERMINATE":
             out.append(f"scheduling.onHostMaintenance is {maint!r}; a TDX VM needs 'TERMINATE'")
+        machine = props.get("machineType")
+        if not isinstance(machine, str) or not GCP_TDX_MACHINE.search(machine):
+            out.append(f"machineType {machine!r} is not a TDX machine type (c3-standard-N)")
         return out
     if resource_type == AZ_VM:
         out = []
-        sec = _get(props, "securityProfile", "securityType")
-        if sec != "ConfidentialVM":
-            out.append(f"securityProfile.securityType is {sec!r}, not 'ConfidentialVM'")
-        size = _get(props, "hardwareProfile", "vmSize")
-        if not isinstance(size, str) or not AZURE_TDX_SIZE.match(size):
-            out.append(f"hardwareProfile.vmSize {size!r} is not a TDX size (DCesv5/ECesv5)")
-        uefi = _get(props, "securityProfile", "uefiSettings") or {}
-        if uefi.get("secureBootEnabled") is not True or uefi.get("vTpmEnabled") is not True:
-            out.append("securityProfile.uefiSettings must enable secure boot and the vTPM")
-        enc = _get(
-            props,
-            "storageProfile",
-            "osDisk",
-            "managedDisk",
-            "securityProfile",
-            "securityEncryptionType",
+        _azure_tdx(
+            out,
+            props.get("securityProfile"),
+            _get(props, "hardwareProfile", "vmSize"),
+            _get(props, "storageProfile", "osDisk"),
+            "",
         )
-        if enc != "DiskWithVMGuestState":
-            out.append(f"OS disk securityEncryptionType is {enc!r}, not 'DiskWithVMGuestState'")
+        return [m.replace("size ", "hardwareProfile.vmSize ", 1) for m in out]
+    if resource_type == AZ_VMSS:
+        out = []
+        profile = props.get("virtualMachineProfile")
+        _azure_tdx(
+            out,
+            _get(profile, "securityProfile"),
+            _get(props, "sku", "name"),
+            _get(profile, "storageProfile", "osDisk"),
+            "virtualMachineProfile.",
+        )
         return out
     return []
 
@@ -130,14 +165,98 @@ def _gcp_ports_only_tunnel(allows: list[Any]) -> bool:
     return True
 
 
+def _gcp_external(props: Props) -> list[int]:
+    return [
+        i
+        for i, ni in enumerate(_list(props.get("networkInterfaces")))
+        if _list(_get(ni, "accessConfigs")) or _list(_get(ni, "ipv6AccessConfigs"))
+    ]
+
+
+def _non_private(ranges: Iterable[Any]) -> list[str]:
+    """Destinations that are not inside a private range (0.0.0.0/1 + 128.0.0.0/1 included)."""
+    out = []
+    for r in ranges:
+        try:
+            net = ipaddress.ip_network(str(r), strict=False)
+        except ValueError:
+            out.append(str(r))  # service tags, unknowns: assume the worst
+            continue
+        if not net.is_private:
+            out.append(str(r))
+    return out
+
+
 def check_dev_isolation(resource_type: str, props: Props) -> list[str]:
     out: list[str] = []
-    if resource_type == GCP_INSTANCE and _role(props, "labels") == ROLE_DEV:
-        for i, ni in enumerate(_list(props.get("networkInterfaces"))):
-            if _list(_get(ni, "accessConfigs")) or _list(_get(ni, "ipv6AccessConfigs")):
-                out.append(f"Dev CVM networkInterfaces[{i}] has an external IP")
+    if resource_type in GCP_VMS:
+        # Only the Console serves the internet. Every other VM, labelled or not, has no external
+        # address: the Security CVM egresses through Cloud NAT.
+        if _role(props, "labels") != ROLE_CONSOLE:
+            for i in _gcp_external(props):
+                out.append(
+                    f"networkInterfaces[{i}] has an external IP on a VM that is not the Console "
+                    f"({ROLE_LABEL}={_role(props, 'labels')!r})"
+                )
         if props.get("canIpForward"):
-            out.append("Dev CVM has canIpForward enabled")
+            out.append(f"canIpForward is enabled ({ROLE_LABEL}={_role(props, 'labels')!r})")
+        if _role(props, "labels") != ROLE_CONSOLE:
+            scopes = _list(_get(props, "serviceAccount", "scopes"))
+            broad = [x for x in scopes if x not in MINIMAL_SCOPES and x != "userinfo-email"]
+            if broad:
+                out.append(
+                    f"service account scopes {broad}: a team CVM calls no Google API "
+                    "(only the Console's VM may hold API scopes)"
+                )
+    elif resource_type == GCP_ROUTE:
+        hop_gateway = props.get("nextHopGateway")
+        dests = [props.get("destRange")]
+        if isinstance(hop_gateway, str) and hop_gateway.endswith("default-internet-gateway"):
+            tags = _list(props.get("tags"))
+            if tags != [SECURITY_ROUTE_TAG]:
+                out.append(
+                    f"internet route with tags {tags or 'none (all instances)'}: only the "
+                    f"Security CVM ({SECURITY_ROUTE_TAG}) may have one"
+                )
+        for hop in ("nextHopIp", "nextHopInstance", "nextHopIlb", "nextHopVpnTunnel"):
+            if props.get(hop) and _non_private(dests):
+                out.append(
+                    f"route to {dests[0]} via {hop}: a public destination through another "
+                    "machine would let a Dev CVM around its Security CVM"
+                )
+    elif resource_type in (AZ_ROUTE, AZ_ROUTE_TABLE):
+        routes = [props] if resource_type == AZ_ROUTE else _list(props.get("routes"))
+        for route in routes:
+            hop = _get(route, "nextHopType")
+            dest = _get(route, "addressPrefix")
+            if hop in ("Internet", "VirtualAppliance", "VirtualNetworkGateway") and _non_private(
+                [dest]
+            ):
+                out.append(f"route to {dest} via {hop}: only the Security CVM reaches the internet")
+    elif resource_type == AZ_NIC:
+        role = _role(props, "tags")
+        if role is None:
+            out.append(f"NIC has no {ROLE_LABEL} tag: the pack cannot tell what it carries")
+        if role != ROLE_CONSOLE:
+            for i, cfg in enumerate(_list(props.get("ipConfigurations"))):
+                if _get(cfg, "publicIPAddress"):
+                    out.append(f"NIC ipConfigurations[{i}] has a public IP (role {role!r})")
+        if props.get("enableIPForwarding"):
+            out.append(f"NIC has IP forwarding enabled (role {role!r})")
+    elif resource_type in (AZ_VM, AZ_VMSS):
+        base = props if resource_type == AZ_VM else props.get("virtualMachineProfile")
+        if _role(props, "tags") != ROLE_CONSOLE:
+            for nic in _list(_get(base, "networkProfile", "networkInterfaceConfigurations")):
+                for cfg in _list(_get(nic, "ipConfigurations")):
+                    if _get(cfg, "publicIPAddressConfiguration"):
+                        out.append("network interface configuration has a public IP")
+    elif resource_type == AZ_RULE and props.get("access") != "Deny":
+        # A standalone allow joins an NSG the pack cannot see (a deny only narrows): allow
+        # rules live inline in their NSG, where the whole set is checked.
+        out.append(
+            "standalone allow SecurityRule: declare it inline in its NetworkSecurityGroup so the "
+            "whole rule set is checked"
+        )
     elif resource_type == GCP_FIREWALL:
         egress_allow = props.get("direction") == "EGRESS" and _list(props.get("allows"))
         if egress_allow and _gcp_firewall_targets_dev(props):
@@ -149,26 +268,6 @@ def check_dev_isolation(resource_type: str, props: Props) -> list[str]:
                     f"egress rule for Dev CVMs allows {dests or 'every destination'}: "
                     f"only the Security CVM's address on tcp:{SECURITY_TUNNEL_PORT} is allowed"
                 )
-    elif resource_type == GCP_ROUTE:
-        hop = props.get("nextHopGateway")
-        if isinstance(hop, str) and hop.endswith("default-internet-gateway"):
-            tags = _list(props.get("tags"))
-            if tags != [SECURITY_ROUTE_TAG]:
-                out.append(
-                    f"internet route with tags {tags or 'none (all instances)'}: only the "
-                    f"Security CVM ({SECURITY_ROUTE_TAG}) may have one"
-                )
-    elif resource_type == AZ_NIC and _role(props, "tags") == ROLE_DEV:
-        for i, cfg in enumerate(_list(props.get("ipConfigurations"))):
-            if _get(cfg, "publicIPAddress"):
-                out.append(f"Dev CVM NIC ipConfigurations[{i}] has a public IP")
-        if props.get("enableIPForwarding"):
-            out.append("Dev CVM NIC has IP forwarding enabled")
-    elif resource_type == AZ_VM and _role(props, "tags") == ROLE_DEV:
-        for nic in _list(_get(props, "networkProfile", "networkInterfaceConfigurations")):
-            for cfg in _list(_get(nic, "ipConfigurations")):
-                if _get(cfg, "publicIPAddressConfiguration"):
-                    out.append("Dev CVM network interface configuration has a public IP")
     elif resource_type == AZ_NSG and _role(props, "tags") == ROLE_DEV:
         for rule in _list(props.get("securityRules")):
             if _get(rule, "direction") == "Outbound" and _get(rule, "access") == "Allow":
@@ -252,11 +351,12 @@ def check_public_ssh(resource_type: str, props: Props) -> list[str]:
 
 RULES: dict[str, tuple[str, Rule]] = {
     "umbra-cvm-requires-tdx": (
-        "Every VM is an Intel TDX confidential VM (GCP TDX; Azure ConfidentialVM on DCesv5/ECesv5).",
+        "Every VM, template and scale set is an Intel TDX confidential VM on a TDX machine type.",
         check_tdx,
     ),
     "umbra-dev-cvm-no-bypass": (
-        "A Dev CVM has no external IP and no egress except to its Security CVM's tunnel port.",
+        "No VM but the Console has an external IP; no route or rule lets a Dev CVM around its "
+        "Security CVM.",
         check_dev_isolation,
     ),
     "umbra-no-public-ssh": (

@@ -3,6 +3,7 @@ every registered resource, with its camelCase inputs as the engine and policy pa
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import json
 from collections.abc import Callable, Mapping
@@ -15,6 +16,7 @@ import yaml
 from pulumi.runtime import MockCallArgs, MockResourceArgs, Mocks
 
 ROOT = Path(__file__).resolve().parents[2]
+FAKE_DB_CA = "-----BEGIN CERTIFICATE-----\nMIIfakeCloudSqlServerCa\n-----END CERTIFICATE-----\n"
 STACKS = ROOT / "stacks"
 
 
@@ -29,6 +31,8 @@ class Res:
 class Recorder(Mocks):
     def __init__(self, stack_outputs: Mapping[str, Any] | None = None) -> None:
         self.resources: list[Res] = []
+        # Resource options by (type, name): the mock monitor never sees them.
+        self.options: dict[tuple[str, str], pulumi.ResourceOptions] = {}
         self.stack_outputs = dict(stack_outputs or {})
         self._next_ip = 100
 
@@ -41,12 +45,18 @@ class Recorder(Mocks):
             )
         if args.typ == "gcp:compute/instance:Instance":
             out["instanceId"] = f"{args.name}-instance-id"
+            out["selfLink"] = f"zones/{args.inputs.get('zone')}/instances/{args.inputs['name']}"
             nis = [dict(ni) for ni in out.get("networkInterfaces", [])]
             for ni in nis:
                 if not ni.get("networkIp"):
                     self._next_ip += 1
                     ni["networkIp"] = f"10.99.0.{self._next_ip}"
             out["networkInterfaces"] = nis
+        if args.typ == "gcp:sql/databaseInstance:DatabaseInstance":
+            out["serverCaCerts"] = [{"cert": FAKE_DB_CA}]
+            out["privateIpAddress"] = "10.10.128.5"
+        if args.typ == "gcp:compute/disk:Disk":
+            out["selfLink"] = f"zones/{args.inputs.get('zone')}/disks/{args.inputs['name']}"
         if args.typ == "azure-native:compute:VirtualMachine":
             out["vmId"] = f"{args.name}-vm-id"
         if args.typ == "pulumi:pulumi:StackReference":
@@ -55,7 +65,14 @@ class Recorder(Mocks):
         return f"{args.name}-id", out
 
     def call(self, args: MockCallArgs) -> tuple[dict[str, Any], list[tuple[str, str]] | None]:
-        return {}, None
+        if args.token == "azure-native:authorization:getClientConfig":
+            return {
+                "subscriptionId": "sub-0000",
+                "tenantId": "t",
+                "clientId": "c",
+                "objectId": "o",
+            }, []
+        return {}, []
 
     def of_type(self, typ: str) -> list[Res]:
         return [r for r in self.resources if r.typ == typ]
@@ -67,20 +84,48 @@ class Recorder(Mocks):
 
 
 def run_program(
-    body: Callable[[], Any], stack_outputs: Mapping[str, Any] | None = None
+    body: Callable[[], Any],
+    stack_outputs: Mapping[str, Any] | None = None,
+    config: Mapping[str, str] | None = None,
 ) -> tuple[Recorder, Any]:
     """Run `body` as a Pulumi program; returns the recorder and body's result, its Outputs
     resolved (so assertions can read them)."""
+    try:
+        asyncio.get_event_loop()
+    except RuntimeError:  # a module-scoped fixture runs before the per-test loop exists
+        asyncio.set_event_loop(asyncio.new_event_loop())
     mocks = Recorder(stack_outputs)
     pulumi.runtime.set_mocks(mocks, project="umbra", stack="test", preview=False)
+    if config is not None:  # the program sees exactly this config
+        pulumi.runtime.set_all_config(dict(config))
     holder: dict[str, Any] = {}
+    original = pulumi.Resource.__init__
+
+    def recording_init(
+        self: pulumi.Resource,
+        t: str,
+        name: str,
+        custom: bool,
+        props: Any = None,
+        opts: pulumi.ResourceOptions | None = None,
+        *args: Any,
+        **kwargs: Any,
+    ) -> None:
+        mocks.options[(t, name)] = opts or pulumi.ResourceOptions()
+        original(self, t, name, custom, props, opts, *args, **kwargs)
 
     @pulumi.runtime.test  # type: ignore[untyped-decorator]
     def program() -> Any:
         result = body()
         return pulumi.Output.from_input(result).apply(lambda v: holder.__setitem__("v", v))
 
-    program()
+    pulumi.Resource.__init__ = recording_init  # type: ignore[method-assign]
+    try:
+        program()
+    finally:
+        pulumi.Resource.__init__ = original  # type: ignore[method-assign]
+        if config is not None:
+            pulumi.runtime.set_all_config({})
     return mocks, holder.get("v")
 
 
@@ -186,6 +231,14 @@ def _az_match(rule: Mapping[str, Any], side: str, ip: str) -> bool:
             return True
         if p == "Internet":
             if ipaddress.ip_address(ip).is_global:
+                return True
+            continue
+        if p == "AzureLoadBalancer":
+            if ip == "168.63.129.16":
+                return True
+            continue
+        if p == "AzurePlatformDNS":
+            if ip == "168.63.129.16":
                 return True
             continue
         if ipaddress.ip_address(ip) in ipaddress.ip_network(p):

@@ -4,6 +4,7 @@ stand-in stack. The real `pulumi` CLI is not installed here."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
@@ -20,6 +21,7 @@ from umbra.components.automation import (
     TeamTarget,
 )
 from umbra.components.config import AzurePlacement, GcpPlacement
+from umbra.components.naming import Owner, dev_cvm_name
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -62,6 +64,12 @@ def test_stack_name_and_config_mapping() -> None:
         "acme-org/umbra-dev-cvm/acme-alice-scratch"
     )
     cfg = {k: v.value for k, v in gcp.stack_config(spec()).items()}
+    # The whole request rides in the stack's config, so stop/start needs only the stack ref.
+    request = json.loads(cfg.pop("umbra:devCvm"))
+    assert request["target"]["team_stack"] == "acme-org/umbra/acme-gcp"
+    assert request["spec"]["ssh_authorized_keys"] == [KEY]
+    assert DevCvmSpec(**request["spec"]) == spec()
+    assert cfg.pop("umbra:running") == "true"
     assert cfg == {
         "umbra:team": "acme",
         "umbra:developer": "alice",
@@ -95,6 +103,7 @@ def test_inline_program_builds_a_tdx_dev_cvm_on_the_team_network() -> None:
     team_outputs = {
         "dev_subnet_id": "projects/acme-umbra/regions/us-central1/subnetworks/umbra-acme-dev",
         "dev_identity": "umbra-acme-dev@acme-umbra.iam.gserviceaccount.com",
+        "security_cvm_ip": "10.20.1.10",
     }
     program = PulumiDevCvmProvisioner(GCP).program(spec())
     mocks, _ = run_program(program, stack_outputs=team_outputs)
@@ -102,11 +111,10 @@ def test_inline_program_builds_a_tdx_dev_cvm_on_the_team_network() -> None:
     assert ref.name == "acme-org/umbra/acme-gcp"
     (vm,) = mocks.of_type("gcp:compute/instance:Instance")
     p = vm.inputs
-    assert p["name"] == "umbra-acme-alice-main"
+    assert p["name"] == dev_cvm_name("acme", "alice", "main", Owner.CONSOLE)
     assert p["confidentialInstanceConfig"]["confidentialInstanceType"] == "TDX"
-    assert p["networkInterfaces"] == [
-        {"subnetwork": team_outputs["dev_subnet_id"], "accessConfigs": []}
-    ]
+    assert p["networkInterfaces"] == [{"subnetwork": team_outputs["dev_subnet_id"]}]
+    assert "10.20.1.10" in p["metadata"]["umbra-host-firewall"]
     assert p["serviceAccount"]["email"] == team_outputs["dev_identity"]
     assert p["metadata"]["umbra-measurement-manifest"] == "sha256:" + "ab" * 32
     assert p["metadata"]["umbra-app-compose"] == APP_COMPOSE
@@ -118,6 +126,7 @@ def test_inline_program_on_azure_uses_the_team_resource_group() -> None:
     outputs = {
         "dev_subnet_id": "/subscriptions/s/.../subnets/dev",
         "resource_group_name": "umbra-globex",
+        "security_cvm_ip": "10.30.1.10",
     }
     program = PulumiDevCvmProvisioner(AZURE).program(
         spec(size="Standard_DC4es_v5", image="Canonical:ubuntu-24_04-lts:cvm:latest")
@@ -221,7 +230,10 @@ def test_a_failed_run_reports_failed_and_raises() -> None:
     failing = FakeStack([], fail=RuntimeError("error: quota exceeded\nC3 CPUS limit 0"))
     prov = PulumiDevCvmProvisioner(GCP, stack_factory=lambda n, p, c: failing)
     seen: list[ProvisionEvent] = []
-    with pytest.raises(ProvisionerError, match=r"^acme-alice-main: C3 CPUS limit 0$"):
+    # The whole text, error lines first: the cause is rarely on Pulumi's last line.
+    with pytest.raises(
+        ProvisionerError, match=r"^acme-alice-main: error: quota exceeded \| C3 CPUS limit 0$"
+    ):
         prov.launch(spec(), seen.append)
     assert [e.kind for e in seen] == ["started", "failed"]
 

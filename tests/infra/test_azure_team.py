@@ -55,12 +55,15 @@ def test_custom_data_carries_the_launch_data(globex: Recorder) -> None:
     assert SSH_KEYS_EVENT in json.loads(data["umbra-rtmr3-events"])
 
 
-def test_only_the_security_cvm_has_a_public_ip_and_a_fixed_address(globex: Recorder) -> None:
+def test_no_nic_has_a_public_ip_and_the_security_cvm_has_a_fixed_address(
+    globex: Recorder,
+) -> None:
     sec = globex.one(NIC, "globex-security-nic").inputs["ipConfigurations"][0]
     dev = globex.one(NIC, "globex-carol-main-nic").inputs["ipConfigurations"][0]
     assert sec["privateIPAddress"] == SECURITY_IP
     assert sec["privateIPAllocationMethod"] == "Static"
-    assert "publicIPAddress" in sec
+    # The Security CVM egresses through the NAT Gateway: no NIC has a public address.
+    assert "publicIPAddress" not in sec
     assert "publicIPAddress" not in dev
     for subnet in globex.of_type("azure-native:network:Subnet"):
         assert subnet.inputs["defaultOutboundAccess"] is False

@@ -77,7 +77,7 @@ def test_example_stacks_validate() -> None:
         (
             "acme-gcp",
             _set("security_cvm.size", "n2d-standard-4"),
-            "umbra:stack: security_cvm.size 'n2d-standard-4' is not a C3 machine type",
+            "umbra:stack: security_cvm.size 'n2d-standard-4' is not a TDX machine type",
         ),
         (
             "acme-gcp",

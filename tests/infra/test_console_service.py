@@ -10,10 +10,10 @@ from typing import Any
 import pulumi
 import pytest
 
-from tests.infra.harness import ROOT, example_raw, example_stack, run_program
+from tests.infra.harness import FAKE_DB_CA, ROOT, example_raw, example_stack, run_program
 from tests.infra.test_policy_pack import violations
 from umbra.components.config import ConsoleStack, parse_stack_config
-from umbra.components.console_service import ConsoleService
+from umbra.components.console_service import DATABASE_CA_PATH, ConsoleService
 from umbra.components.program import build_console
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -104,3 +104,94 @@ def test_database_url_is_a_secret_output() -> None:
     _, (url, is_secret) = run_program(body)
     assert url.startswith("postgresql://umbra_console:" + PASSWORD + "@")
     assert is_secret is True
+
+
+def _console(doc_changes: dict[str, Any], root: Any = ROOT) -> tuple[Any, dict[str, Any]]:
+    """Build the Console stack; returns the mocks and its exports, resolved."""
+    doc = copy.deepcopy(example_stack("console-gcp")) | doc_changes
+    raw = {"umbra:stack": json.dumps(doc), "umbra:consoleDbPassword": PASSWORD}
+    cfg = parse_stack_config(raw, frozenset({"umbra:consoleDbPassword"}))
+    assert isinstance(cfg, ConsoleStack)
+    exported: dict[str, Any] = {}
+    original = pulumi.export
+
+    def body() -> Any:
+        pulumi.export = lambda name, value: exported.__setitem__(name, value)  # type: ignore[assignment]
+        try:
+            build_console(cfg, root)
+        finally:
+            pulumi.export = original  # type: ignore[assignment]
+        return pulumi.Output.all(**exported)
+
+    mocks, values = run_program(body, config=raw)
+    return mocks, dict(values)
+
+
+def test_the_console_service_account_holds_exactly_the_provisioner_roles() -> None:
+    mocks, _ = _console(
+        {"team_projects": ["acme-umbra", "globex-umbra"], "state_bucket": "umbra-state"}
+    )
+    grants = sorted(
+        (m.inputs["project"], m.inputs["role"], m.inputs["member"])
+        for m in mocks.of_type("gcp:projects/iAMMember:IAMMember")
+    )
+    sa = "serviceAccount:umbra-console@umbra-control.iam.gserviceaccount.com"
+    assert grants == [
+        (p, r, sa)
+        for p in ("acme-umbra", "globex-umbra")
+        for r in ("roles/compute.instanceAdmin.v1", "roles/iam.serviceAccountUser")
+    ]
+    (bucket,) = mocks.of_type("gcp:storage/bucketIAMMember:BucketIAMMember")
+    assert (bucket.inputs["bucket"], bucket.inputs["role"]) == (
+        "umbra-state",
+        "roles/storage.objectAdmin",
+    )
+    (vm,) = mocks.of_type("gcp:compute/instance:Instance")
+    assert vm.inputs["serviceAccount"]["scopes"] == [
+        "https://www.googleapis.com/auth/cloud-platform"
+    ]
+
+
+def test_the_database_connection_verifies_the_ca_the_stack_delivers() -> None:
+    mocks, exported = _console({})
+    (vm,) = mocks.of_type("gcp:compute/instance:Instance")
+    assert vm.inputs["metadata"]["umbra-database-ca"] == FAKE_DB_CA
+    assert exported["database_ca_pem"] == FAKE_DB_CA
+    url = exported["database_url"]
+    assert url.endswith(f"?sslmode=verify-full&sslrootcert={DATABASE_CA_PATH}")
+    assert DATABASE_CA_PATH.startswith("/run/umbra/launch/")
+
+
+def test_the_console_exports_its_url_and_ca_for_team_stacks(tmp_path: Any) -> None:
+    pem = "-----BEGIN CERTIFICATE-----\nX\n-----END CERTIFICATE-----\n"
+    (tmp_path / "console-ca.pem").write_text(pem)
+    _, exported = _console(
+        {"url": "https://console.umbra.example.com", "tls_ca_file": "console-ca.pem"}, tmp_path
+    )
+    assert exported["console_url"] == "https://console.umbra.example.com"
+    assert exported["console_ca_pem"] == pem
+
+
+def test_on_azure_the_console_identity_holds_exactly_the_provisioner_roles() -> None:
+    raw = _raw("azure")
+    doc = json.loads(raw["umbra:stack"]) | {
+        "team_resource_groups": ["umbra-globex"],
+        "state_scope": "/subscriptions/s/resourceGroups/state/providers/Microsoft.Storage/storageAccounts/umbrastate",
+    }
+    raw["umbra:stack"] = json.dumps(doc)
+    cfg = parse_stack_config(raw, frozenset({"umbra:consoleDbPassword"}))
+    assert isinstance(cfg, ConsoleStack)
+    mocks, _ = run_program(lambda: build_console(cfg, ROOT), config=raw)
+    (vm,) = mocks.of_type("azure-native:compute:VirtualMachine")
+    assert vm.inputs["identity"] == {"type": "SystemAssigned"}
+    grants = sorted(
+        (r.inputs["scope"], r.inputs["roleDefinitionId"].rsplit("/", 1)[1])
+        for r in mocks.of_type("azure-native:authorization:RoleAssignment")
+    )
+    assert grants == [
+        (doc["state_scope"], "ba92f5b4-2d11-453d-a403-e96b0029c9fe"),
+        (
+            "/subscriptions/sub-0000/resourceGroups/umbra-globex",
+            "9980e02c-c2be-4d73-94e8-173b1dc7cf3c",
+        ),
+    ]

@@ -15,6 +15,7 @@ from tests.infra.harness import ROOT, Recorder, example_raw, gcp_allows, run_pro
 from umbra.attest.measurement import COMPOSE_HASH_EVENT, SSH_KEYS_EVENT, ssh_keys_digest
 from umbra.components.config import ConfigError, CvmConfig, TeamStack, parse_stack_config
 from umbra.components.launch_data import CVM_ID_EVENT, LaunchData
+from umbra.components.naming import Owner, dev_cvm_name
 from umbra.components.ports import PRIVATE_ZONE, SECURITY_CVM_HOST
 from umbra.components.program import build_team, read_launch_files
 
@@ -60,14 +61,15 @@ def test_every_instance_is_a_tdx_shielded_c3_without_live_migration(
         assert p["metadata"]["block-project-ssh-keys"] == "TRUE"
 
 
-def test_only_the_security_cvm_has_an_external_ip_and_the_internet_route_tag(
+def test_no_cvm_has_an_external_ip_and_only_the_security_cvm_has_the_route_tag(
     acme: tuple[Recorder, TeamStack],
 ) -> None:
     mocks, _ = acme
     for inst in mocks.of_type(INSTANCE):
         nic = inst.inputs["networkInterfaces"][0]
         is_security = inst.name == "acme-security"
-        assert bool(nic.get("accessConfigs")) is is_security, inst.name
+        # The Security CVM egresses through Cloud NAT: no CVM has an access config.
+        assert not nic.get("accessConfigs"), inst.name
         assert (inst.inputs.get("tags") == ["umbra-security-cvm"]) is is_security
         assert inst.inputs["serviceAccount"]["email"] == (SEC_SA if is_security else DEV_SA)
     assert (
@@ -87,7 +89,8 @@ def test_launch_data_carries_the_measured_inputs(acme: tuple[Recorder, TeamStack
     events = json.loads(meta["umbra-rtmr3-events"])
     assert list(events) == [COMPOSE_HASH_EVENT, CVM_ID_EVENT, SSH_KEYS_EVENT]
     assert events[SSH_KEYS_EVENT] == ssh_keys_digest(list(alice.ssh_keys)).hex()
-    assert events[CVM_ID_EVENT] == b"umbra-acme-alice-main".hex()
+    name = dev_cvm_name("acme", "alice", "main", Owner.TEAM_STACK)
+    assert events[CVM_ID_EVENT] == name.encode().hex()
     assert (
         events[COMPOSE_HASH_EVENT] == hashlib.sha256(meta["umbra-app-compose"].encode()).hexdigest()
     )

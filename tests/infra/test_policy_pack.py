@@ -68,6 +68,10 @@ def test_pack_constants_match_the_components() -> None:
         ports.ROLE_SECURITY,
     )
     assert rules.SECURITY_ROUTE_TAG == ports.SECURITY_ROUTE_TAG
+    from umbra.components.gcp_vm import MINIMAL_SCOPES
+
+    assert list(rules.MINIMAL_SCOPES) == MINIMAL_SCOPES
+    assert rules.ROLE_CONSOLE == ports.ROLE_CONSOLE
     assert set(POLICIES) == {
         "umbra-cvm-requires-tdx",
         "umbra-dev-cvm-no-bypass",
@@ -130,7 +134,8 @@ def test_dev_cvm_routes_around_the_security_cvm_are_refused(built: dict[str, Rec
     vm = _gcp(built, "acme-alice-main")
     vm["networkInterfaces"][0]["accessConfigs"] = [{}]
     assert violations(rules.GCP_INSTANCE, vm)[bypass] == [
-        "Dev CVM networkInterfaces[0] has an external IP"
+        "networkInterfaces[0] has an external IP on a VM that is not the Console "
+        "(umbra-role='dev-cvm')"
     ]
 
     fw = _gcp(built, "acme-dev-to-security")
@@ -152,7 +157,7 @@ def test_dev_cvm_routes_around_the_security_cvm_are_refused(built: dict[str, Rec
     nic = _az(built, "globex-carol-main-nic")
     nic["ipConfigurations"][0]["publicIPAddress"] = {"id": "/subscriptions/x/publicIPAddresses/p"}
     assert violations(rules.AZ_NIC, nic)[bypass] == [
-        "Dev CVM NIC ipConfigurations[0] has a public IP"
+        "NIC ipConfigurations[0] has a public IP (role 'dev-cvm')"
     ]
 
     nsg = _az(built, "globex-dev-nsg")
@@ -278,17 +283,153 @@ def test_public_ssh_is_refused(resource_type: str, props: dict[str, Any]) -> Non
                 "destinationPortRange": "*",
             },
         ),
-        (
-            rules.AZ_RULE,
-            {
-                "direction": "Inbound",
-                "access": "Allow",
-                "protocol": "Tcp",
-                "sourceAddressPrefix": "10.0.0.0/8",
-                "destinationPortRange": "22",
-            },
-        ),
     ],
 )
 def test_non_public_or_non_ssh_rules_pass(resource_type: str, props: dict[str, Any]) -> None:
     assert violations(resource_type, props) == {}
+
+
+# --- gaps closed: what a reviewer found the pack let through ------------------------------------
+
+BYPASS = "umbra-dev-cvm-no-bypass"
+TDX = "umbra-cvm-requires-tdx"
+
+
+def test_an_external_ip_without_umbra_labels_is_refused(built: dict[str, Recorder]) -> None:
+    vm = _gcp(built, "acme-alice-main")
+    del vm["labels"]
+    vm["networkInterfaces"][0]["accessConfigs"] = [{}]
+    assert "has an external IP" in violations(rules.GCP_INSTANCE, vm)[BYPASS][0]
+    sec = copy.deepcopy(dict(built["acme-gcp"].one(rules.GCP_INSTANCE, "acme-security").inputs))
+    sec["networkInterfaces"][0]["accessConfigs"] = [{}]  # the Security CVM egresses via NAT
+    assert BYPASS in violations(rules.GCP_INSTANCE, sec)
+    console = _gcp(built, "acme-alice-main")
+    console["labels"] = {"umbra-role": "console"}
+    console["networkInterfaces"][0]["accessConfigs"] = [{}]
+    assert BYPASS not in violations(rules.GCP_INSTANCE, console)
+
+
+def test_untagged_or_public_nics_are_refused(built: dict[str, Recorder]) -> None:
+    nic = _az(built, "globex-carol-main-nic")
+    del nic["tags"]
+    assert violations(rules.AZ_NIC, nic)[BYPASS] == [
+        "NIC has no umbra-role tag: the pack cannot tell what it carries"
+    ]
+    sec = _az(built, "globex-security-nic")
+    sec["ipConfigurations"][0]["publicIPAddress"] = {"id": "pip"}
+    assert "has a public IP" in violations(rules.AZ_NIC, sec)[BYPASS][0]
+
+
+def test_standalone_allow_security_rules_are_refused() -> None:
+    allow = {
+        "direction": "Outbound",
+        "access": "Allow",
+        "protocol": "*",
+        "sourceAddressPrefix": "*",
+        "destinationAddressPrefix": "Internet",
+        "destinationPortRange": "*",
+        "networkSecurityGroupName": "umbra-globex-dev",
+    }
+    assert "standalone allow SecurityRule" in violations(rules.AZ_RULE, allow)[BYPASS][0]
+    assert BYPASS not in violations(rules.AZ_RULE, allow | {"access": "Deny"})
+
+
+@pytest.mark.parametrize(
+    "resource_type",
+    [
+        rules.GCP_INSTANCE_TEMPLATE,
+        rules.GCP_REGION_TEMPLATE,
+        rules.GCP_FROM_TEMPLATE,
+        rules.GCP_FROM_MACHINE_IMAGE,
+    ],
+)
+def test_templates_and_instances_from_templates_are_checked(
+    built: dict[str, Recorder], resource_type: str
+) -> None:
+    ok = _gcp(built, "acme-alice-main")
+    assert violations(resource_type, ok) == {}
+    # An instance from a template that does not restate TDX inherits whatever the template says.
+    bare = {"sourceInstanceTemplate": "t", "zone": "us-central1-a", "labels": ok["labels"]}
+    assert len(violations(resource_type, bare)[TDX]) == 3
+    public = ok | {"networkInterfaces": [{"subnetwork": "s", "accessConfigs": [{}]}]}
+    assert BYPASS in violations(resource_type, public)
+
+
+def test_azure_scale_sets_are_checked(built: dict[str, Recorder]) -> None:
+    vm = _az(built, "globex-carol-main")
+    vmss = {
+        "sku": {"name": vm["hardwareProfile"]["vmSize"], "capacity": 1},
+        "tags": vm["tags"],
+        "virtualMachineProfile": {
+            "securityProfile": vm["securityProfile"],
+            "storageProfile": vm["storageProfile"],
+            "networkProfile": {"networkInterfaceConfigurations": []},
+        },
+    }
+    assert violations(rules.AZ_VMSS, vmss) == {}
+    plain = copy.deepcopy(vmss)
+    plain["sku"]["name"] = "Standard_D4s_v5"
+    plain["virtualMachineProfile"]["securityProfile"] = {"securityType": "TrustedLaunch"}
+    assert len(violations(rules.AZ_VMSS, plain)[TDX]) == 3
+    public = copy.deepcopy(vmss)
+    public["virtualMachineProfile"]["networkProfile"]["networkInterfaceConfigurations"] = [
+        {"ipConfigurations": [{"publicIPAddressConfiguration": {"name": "pip"}}]}
+    ]
+    assert BYPASS in violations(rules.AZ_VMSS, public)
+
+
+@pytest.mark.parametrize(
+    ("props", "refused"),
+    [
+        ({"destRange": "0.0.0.0/1", "nextHopIp": "10.20.0.9"}, True),
+        ({"destRange": "128.0.0.0/1", "nextHopInstance": "rogue"}, True),
+        ({"destRange": "0.0.0.0/0", "nextHopIlb": "fr"}, True),
+        ({"destRange": "10.50.0.0/16", "nextHopIp": "10.20.0.9"}, False),
+        (
+            {
+                "destRange": "128.0.0.0/1",
+                "nextHopGateway": "default-internet-gateway",
+                "tags": ["umbra-dev-cvm"],
+            },
+            True,
+        ),
+    ],
+)
+def test_routes_around_the_security_cvm_are_refused(props: dict[str, Any], refused: bool) -> None:
+    assert (BYPASS in violations(rules.GCP_ROUTE, props)) is refused
+
+
+def test_azure_routes_to_the_internet_are_refused() -> None:
+    table = {
+        "routes": [
+            {"addressPrefix": "0.0.0.0/1", "nextHopType": "VirtualAppliance"},
+            {"addressPrefix": "10.0.0.0/8", "nextHopType": "VnetLocal"},
+        ]
+    }
+    assert len(violations(rules.AZ_ROUTE_TABLE, table)[BYPASS]) == 1
+    assert BYPASS in violations(
+        rules.AZ_ROUTE, {"addressPrefix": "128.0.0.0/1", "nextHopType": "Internet"}
+    )
+
+
+def test_split_default_egress_rules_for_dev_cvms_are_refused(built: dict[str, Recorder]) -> None:
+    fw = _gcp(built, "acme-dev-to-security")
+    fw["destinationRanges"] = ["0.0.0.0/1", "128.0.0.0/1"]
+    assert BYPASS in violations(rules.GCP_FIREWALL, fw)
+
+
+@pytest.mark.parametrize("machine", ["n2d-standard-4", "c3-highcpu-4", "c3d-standard-4", None])
+def test_non_tdx_machine_types_are_refused(built: dict[str, Recorder], machine: str | None) -> None:
+    vm = _gcp(built, "acme-alice-main")
+    vm["machineType"] = machine
+    assert "is not a TDX machine type" in violations(rules.GCP_INSTANCE, vm)[TDX][0]
+    vm["machineType"] = "zones/us-central1-a/machineTypes/c3-standard-8"
+    assert violations(rules.GCP_INSTANCE, vm) == {}
+
+
+def test_api_scopes_on_a_team_cvm_are_refused(built: dict[str, Recorder]) -> None:
+    vm = _gcp(built, "acme-alice-main")
+    vm["serviceAccount"]["scopes"] = ["https://www.googleapis.com/auth/cloud-platform"]
+    assert "a team CVM calls no Google API" in violations(rules.GCP_INSTANCE, vm)[BYPASS][0]
+    vm["labels"]["umbra-role"] = "console"
+    assert BYPASS not in violations(rules.GCP_INSTANCE, vm)

@@ -1,0 +1,119 @@
+"""The Dev CVM's host nftables ruleset: the guest-side half of "a Dev CVM reaches nothing but its
+Security CVM". Cloud firewalls do not govern the metadata server's DNS (GCP 169.254.169.254,
+Azure 168.63.129.16), and Docker's embedded DNS forwards container queries to the host's
+resolver, so a name lookup is a channel out unless the guest drops it itself.
+
+The ruleset (one `inet` table, replaced atomically with `nft -f`):
+- forward: only the forwarder's uplink network may open connections, only to the Security CVM's
+  tunnel port; the attested SSH ingress may reach the forwarder; the compose's internal networks
+  talk among themselves; replies of allowed flows pass; everything else, DNS first, is dropped.
+- output (the host's own processes): loopback, replies, DHCP, and optionally NTP and an IMDS
+  HTTP allowance for named uids (Azure's TD quote comes from IMDS); never DNS, never anything else.
+- input: loopback, replies, the attested SSH port, DHCP replies.
+
+A pure function of its inputs: the launch agent writes the text to a file and runs `nft -f`
+before it starts containers (tests/infra/test_host_firewall.py loads it with real nft).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from umbra.components.ports import (
+    DEV_ATTESTED_SSH_PORT,
+    DEV_FORWARDER_INGRESS_PORT,
+    DEV_INTERNAL_CIDRS,
+    DEV_UPLINK_CIDR,
+    METADATA_ADDRESSES,
+    SECURITY_TUNNEL_PORT,
+)
+
+TABLE = "umbra_host"
+
+
+@dataclass(frozen=True)
+class HostFirewall:
+    security_cvm_ips: Sequence[str]
+    tunnel_port: int = SECURITY_TUNNEL_PORT
+    uplink_cidr: str = DEV_UPLINK_CIDR
+    internal_cidrs: Sequence[str] = DEV_INTERNAL_CIDRS
+    ssh_port: int = DEV_ATTESTED_SSH_PORT
+    forwarder_ingress_port: int = DEV_FORWARDER_INGRESS_PORT
+    metadata_addresses: Sequence[str] = METADATA_ADDRESSES
+    # Host NTP servers (GCP: the metadata server answers NTP on 169.254.169.254). Empty: none.
+    ntp_servers: Sequence[str] = ()
+    # uids allowed HTTP to the metadata address (Azure: the attestation agent fetching TD quotes).
+    imds_http_uids: Sequence[int] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if not self.security_cvm_ips:
+            raise ValueError("HostFirewall: no Security CVM address")
+        for ip in [*self.security_cvm_ips, *self.metadata_addresses, *self.ntp_servers]:
+            try:
+                ipaddress.IPv4Address(ip)
+            except ValueError:
+                # No names: resolving one is exactly the DNS this ruleset closes.
+                raise ValueError(f"HostFirewall: {ip!r} is not an IPv4 address") from None
+        for cidr in [self.uplink_cidr, *self.internal_cidrs]:
+            ipaddress.IPv4Network(cidr)
+        for port in (self.tunnel_port, self.ssh_port, self.forwarder_ingress_port):
+            if not 0 < port < 65536:
+                raise ValueError(f"HostFirewall: port {port} out of range")
+        for uid in self.imds_http_uids:
+            if uid < 0:
+                raise ValueError(f"HostFirewall: uid {uid} is negative")
+
+
+def _set(values: Sequence[str] | Sequence[int]) -> str:
+    return "{ " + ", ".join(str(v) for v in values) + " }"
+
+
+def render_host_ruleset(fw: HostFirewall) -> str:
+    """The nft script: deletes and recreates the table in one transaction (flush-safe reload)."""
+    sec = _set(fw.security_cvm_ips)
+    meta = _set(fw.metadata_addresses)
+    internal = _set(fw.internal_cidrs)
+    lines = [
+        f"table inet {TABLE}",
+        f"delete table inet {TABLE}",
+        f"table inet {TABLE} {{",
+        "  chain dns_out {",
+        f"    ip daddr {meta} meta l4proto {{ tcp, udp }} th dport 53 counter drop",
+        "    meta l4proto { tcp, udp } th dport { 53, 853 } counter drop",
+        "  }",
+        "  chain input {",
+        "    type filter hook input priority filter; policy drop;",
+        '    iif "lo" accept',
+        "    ct state established,related accept",
+        "    ct state invalid drop",
+        "    udp sport 67 udp dport 68 accept",
+        f"    tcp dport {fw.ssh_port} ct state new accept",
+        "    counter drop",
+        "  }",
+        "  chain forward {",
+        "    type filter hook forward priority filter; policy drop;",
+        "    ct state established,related accept",
+        "    ct state invalid drop",
+        "    jump dns_out",
+        f"    ip saddr {internal} ip daddr {internal} accept",
+        f"    ip saddr {fw.uplink_cidr} ip daddr {sec} tcp dport {fw.tunnel_port} ct state new accept",
+        f"    ip daddr {fw.uplink_cidr} tcp dport {fw.forwarder_ingress_port} ct state new accept",
+        "    counter drop",
+        "  }",
+        "  chain output {",
+        "    type filter hook output priority filter; policy drop;",
+        '    oif "lo" accept',
+        "    ct state established,related accept",
+        "    jump dns_out",
+        "    udp sport 68 udp dport 67 accept",
+    ]
+    if fw.ntp_servers:
+        lines.append(f"    ip daddr {_set(fw.ntp_servers)} udp dport 123 accept")
+    if fw.imds_http_uids:
+        lines.append(
+            f"    ip daddr {meta} tcp dport 80 meta skuid {_set(fw.imds_http_uids)} accept"
+        )
+    lines += ["    counter drop", "  }", "}", ""]
+    return "\n".join(lines)

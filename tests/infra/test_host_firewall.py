@@ -1,0 +1,228 @@
+"""The Dev CVM host ruleset, loaded with real nft into a network namespace that stands in for the
+VM, with namespaces for the forwarder container, the sandbox container and the cloud network
+(Security CVM, another host, the internet, the metadata server's DNS). Only the forwarder reaches
+the Security CVM's tunnel port; DNS to the metadata server is dropped from everywhere."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from umbra.components.host_firewall import TABLE, HostFirewall, render_host_ruleset
+
+SEC, OTHER, WEB, META = "10.20.1.10", "10.20.1.11", "203.0.113.5", "169.254.169.254"
+VM_IP, FWD_IP, SBX_IP = "10.20.0.5", "172.30.2.2", "172.30.0.3"
+
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("nft") is None or shutil.which("ip") is None,
+    reason="LOUD SKIP: needs root, nft (Debian nftables) and ip to build network namespaces",
+)
+
+SERVER = textwrap.dedent(
+    """
+    import socket, sys, threading
+    def tcp(host, port):
+        s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((host, port)); s.listen(16)
+        while True:
+            c, _ = s.accept(); c.sendall(b"ok"); c.close()
+    def udp(host, port):
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.bind((host, port))
+        while True:
+            data, peer = s.recvfrom(512); s.sendto(b"ok", peer)
+    for kind, host, port in [tuple(x.split(":")) for x in sys.argv[1:]]:
+        target = tcp if kind == "tcp" else udp
+        threading.Thread(target=target, args=(host, int(port)), daemon=True).start()
+    print("ready", flush=True)
+    threading.Event().wait()
+    """
+)
+
+PROBE = textwrap.dedent(
+    """
+    import json, socket, sys
+    from concurrent.futures import ThreadPoolExecutor
+    def one(spec):
+        kind, host, port = spec.split(":")
+        try:
+            if kind == "tcp":
+                s = socket.create_connection((host, int(port)), timeout=0.6)
+                return s.recv(2) == b"ok"
+            s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.settimeout(0.6)
+            s.sendto(b"q", (host, int(port))); return s.recv(2) == b"ok"
+        except OSError:
+            return False
+    with ThreadPoolExecutor(len(sys.argv)) as pool:
+        print(json.dumps(dict(zip(sys.argv[1:], pool.map(one, sys.argv[1:])))))
+    """
+)
+
+
+def sh(*args: str) -> str:
+    return subprocess.run(args, check=True, capture_output=True, text=True).stdout
+
+
+class Lab:
+    def __init__(self, tag: str) -> None:
+        self.ns = {k: f"{tag}{k}" for k in ("v", "f", "s", "n")}
+        self.procs: list[subprocess.Popen[str]] = []
+
+    def ex(self, ns: str, *args: str) -> str:
+        return sh("ip", "netns", "exec", self.ns[ns], *args)
+
+    def link(self, a: str, b: str, a_addr: str, b_addr: str) -> None:
+        ia, ib = f"{self.ns[a]}{b}", f"{self.ns[b]}{a}"
+        sh(
+            "ip",
+            "link",
+            "add",
+            ia,
+            "netns",
+            self.ns[a],
+            "type",
+            "veth",
+            "peer",
+            ib,
+            "netns",
+            self.ns[b],
+        )
+        self.ex(a, "ip", "addr", "add", a_addr, "dev", ia)
+        self.ex(b, "ip", "addr", "add", b_addr, "dev", ib)
+        self.ex(a, "ip", "link", "set", ia, "up")
+        self.ex(b, "ip", "link", "set", ib, "up")
+
+    def up(self) -> None:
+        for ns in self.ns.values():
+            sh("ip", "netns", "add", ns)
+            sh("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
+        self.link("v", "n", f"{VM_IP}/24", "10.20.0.1/24")
+        self.link("v", "f", "172.30.2.1/29", f"{FWD_IP}/29")
+        self.link("v", "s", "172.30.0.1/24", f"{SBX_IP}/24")
+        for addr in (SEC, OTHER, WEB, META):
+            self.ex("n", "ip", "addr", "add", f"{addr}/32", "dev", "lo")
+        self.ex("n", "ip", "route", "add", "172.30.0.0/16", "via", VM_IP)
+        self.ex("v", "ip", "route", "add", "default", "via", "10.20.0.1")
+        self.ex("f", "ip", "route", "add", "default", "via", "172.30.2.1")
+        self.ex("s", "ip", "route", "add", "default", "via", "172.30.0.1")
+        self.ex("v", "sysctl", "-qw", "net.ipv4.ip_forward=1")
+        # What Docker does for the forwarder's published port: 8022 on the VM -> forwarder:2222.
+        nat = f"{self.ns['v']}nat"
+        self.ex("v", "nft", "add", "table", "ip", nat)
+        self.ex(
+            "v", "nft", f"add chain ip {nat} pre {{ type nat hook prerouting priority dstnat; }}"
+        )
+        self.ex("v", "nft", f"add rule ip {nat} pre tcp dport 8022 dnat to {FWD_IP}:2222")
+        self.serve(
+            "n",
+            f"tcp:{SEC}:8443",
+            f"tcp:{SEC}:9000",
+            f"tcp:{OTHER}:8443",
+            f"tcp:{WEB}:443",
+            f"udp:{META}:53",
+            f"tcp:{META}:53",
+            f"udp:{SEC}:53",
+            f"tcp:{META}:80",
+        )
+        self.serve("f", f"tcp:{FWD_IP}:2222")
+
+    def serve(self, ns: str, *specs: str) -> None:
+        proc = subprocess.Popen(
+            ["ip", "netns", "exec", self.ns[ns], sys.executable, "-c", SERVER, *specs],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        self.procs.append(proc)
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+
+    def probe(self, ns: str, *specs: str) -> dict[str, bool]:
+        return dict(json.loads(self.ex(ns, sys.executable, "-c", PROBE, *specs)))
+
+    def down(self) -> None:
+        for proc in self.procs:
+            proc.kill()
+            proc.wait()
+        for ns in self.ns.values():
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
+    lab = Lab(f"uin{os.getpid() % 100000}")
+    try:
+        lab.up()
+        ruleset = render_host_ruleset(HostFirewall(security_cvm_ips=[SEC]))
+        path = Path(tmp_path_factory.mktemp("uin")) / "host.nft"
+        path.write_text(ruleset)
+        lab.ex("v", "nft", "-f", str(path))
+        # Loading twice is the reload path the launch agent takes on every boot.
+        lab.ex("v", "nft", "-f", str(path))
+        yield lab
+    finally:
+        lab.down()
+
+
+def test_only_the_forwarder_reaches_the_security_cvm_tunnel(lab: Lab) -> None:
+    assert lab.probe(
+        "f", f"tcp:{SEC}:8443", f"tcp:{SEC}:9000", f"tcp:{OTHER}:8443", f"tcp:{WEB}:443"
+    ) == {
+        f"tcp:{SEC}:8443": True,
+        f"tcp:{SEC}:9000": False,
+        f"tcp:{OTHER}:8443": False,
+        f"tcp:{WEB}:443": False,
+    }
+    # The sandbox and the VM's own processes reach nothing, not even the tunnel.
+    for ns in ("s", "v"):
+        assert lab.probe(ns, f"tcp:{SEC}:8443", f"tcp:{WEB}:443", f"tcp:{META}:80") == {
+            f"tcp:{SEC}:8443": False,
+            f"tcp:{WEB}:443": False,
+            f"tcp:{META}:80": False,
+        }
+
+
+def test_dns_to_the_metadata_server_is_dropped_from_everywhere(lab: Lab) -> None:
+    before = _dns_drops(lab)
+    for ns in ("f", "s", "v"):
+        assert lab.probe(ns, f"udp:{META}:53", f"tcp:{META}:53", f"udp:{SEC}:53") == {
+            f"udp:{META}:53": False,
+            f"tcp:{META}:53": False,
+            f"udp:{SEC}:53": False,
+        }
+    assert _dns_drops(lab) > before
+
+
+def test_attested_ssh_ingress_reaches_the_forwarder(lab: Lab) -> None:
+    assert lab.probe("n", f"tcp:{VM_IP}:8022", f"tcp:{VM_IP}:22") == {
+        f"tcp:{VM_IP}:8022": True,
+        f"tcp:{VM_IP}:22": False,
+    }
+
+
+def test_the_cloud_network_can_reach_the_uplink_only_through_the_ingress_port(lab: Lab) -> None:
+    assert lab.probe("n", f"tcp:{FWD_IP}:2222") == {f"tcp:{FWD_IP}:2222": True}
+    lab.serve("s", f"tcp:{SBX_IP}:2222")
+    assert lab.probe("n", f"tcp:{SBX_IP}:2222") == {f"tcp:{SBX_IP}:2222": False}
+
+
+def _dns_drops(lab: Lab) -> int:
+    doc = json.loads(lab.ex("v", "nft", "-j", "list", "chain", "inet", TABLE, "dns_out"))
+    total = 0
+    for item in doc["nftables"]:
+        for expr in item.get("rule", {}).get("expr", []):
+            if "counter" in expr:
+                total += int(expr["counter"]["packets"])
+    return total
+
+
+def test_bad_inputs_are_refused() -> None:
+    with pytest.raises(ValueError, match="no Security CVM"):
+        HostFirewall(security_cvm_ips=[])
+    with pytest.raises(ValueError, match="IPv4"):
+        HostFirewall(security_cvm_ips=["security-cvm.umbra.internal"])
