@@ -53,6 +53,7 @@ def build_console(
                 min_refresh_interval=settings.oidc_jwks_min_refresh_seconds,
                 leeway=settings.oidc_leeway_seconds,
                 allow_insecure_http=settings.oidc_allow_insecure_http,
+                accept_development_issuer=settings.embedded_dev,
             )
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
