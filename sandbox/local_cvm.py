@@ -134,7 +134,7 @@ def require_tools() -> None:
 def allocate(root: Path, cvm_id: str, prefix: str) -> LocalCvmPlan:
     """A plan with the lowest free subnet index among the CVMs under `root` (on disk)."""
     root.mkdir(parents=True, exist_ok=True)
-    used = {plan.index for plan in all_plans(root)}
+    used = {plan.index for plan in all_plans(root)} | _host_indices_in_use()
     index = next((i for i in range(1, MAX_CVMS) if i not in used), None)
     if index is None:
         raise LocalCvmError(f"no free local subnet: {MAX_CVMS - 1} local CVMs exist")
@@ -143,6 +143,16 @@ def allocate(root: Path, cvm_id: str, prefix: str) -> LocalCvmPlan:
     directory.mkdir(mode=0o700)
     (directory / "plan.json").write_text(json.dumps(asdict(plan)))
     return plan
+
+
+def _host_indices_in_use() -> set[int]:
+    """Uplink subnets some other state directory (or a leftover) already uses on this host."""
+    shown = _run("ip", "-4", "-o", "addr", "show", check=False).stdout
+    used = set()
+    for word in shown.split():
+        if word.startswith("10.232.") and word.count(".") == 3:
+            used.add(int(word.split(".")[2]))
+    return used
 
 
 def load_plan(root: Path, cvm_id: str) -> LocalCvmPlan | None:
@@ -216,12 +226,11 @@ def create_network(plan: LocalCvmPlan, forwarder_ports: list[int]) -> None:
 
 
 def delete_network(plan: LocalCvmPlan) -> None:
+    # The host end first: a namespace's deletion (and so its veths') completes asynchronously.
+    _run("ip", "link", "del", plan.ifname("d"), check=False)
     for ns in (plan.sandbox_ns, plan.forwarder_ns):
         if _netns_exists(ns):
             _run("ip", "netns", "del", ns, check=False)
-    # Deleting the forwarder namespace deletes its veths and their host ends; this catches a
-    # half-created pair whose namespace end never got there.
-    _run("ip", "link", "del", plan.ifname("d"), check=False)
 
 
 # ----------------------------------------------------------------------------- processes
@@ -364,6 +373,24 @@ def ensure_running(plan: LocalCvmPlan) -> list[str]:
     return restarted
 
 
+def ensure_network(plan: LocalCvmPlan) -> bool:
+    """Recreate the namespaces after `shut_down` (or a reboot); True when it had to."""
+    if _netns_exists(plan.sandbox_ns) and _netns_exists(plan.forwarder_ns):
+        return False
+    for role in ("forwarder", "sandbox"):
+        stop(plan, role)
+    delete_network(plan)
+    create_network(plan, [SANDBOX_PROXY_PORT])
+    return True
+
+
+def shut_down(plan: LocalCvmPlan) -> None:
+    """Stop the CVM's processes and remove its namespaces and veths; keep its files."""
+    for role in ("forwarder", "sandbox", "sandbox-launcher"):
+        stop(plan, role)
+    delete_network(plan)
+
+
 def create(
     root: Path,
     cvm_id: str,
@@ -412,9 +439,7 @@ def _make_rootfs(plan: LocalCvmPlan) -> None:
 
 
 def destroy(plan: LocalCvmPlan) -> None:
-    for role in ("forwarder", "sandbox", "sandbox-launcher"):
-        stop(plan, role)
-    delete_network(plan)
+    shut_down(plan)
     shutil.rmtree(plan.dir, ignore_errors=True)
 
 
