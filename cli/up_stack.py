@@ -156,6 +156,10 @@ class Stack:
         )
         log.close()
         self.p("run", f"{name}.pid").write_text(str(proc.pid))
+        # Until it has exec'd, the child still shows our environment (without the marker).
+        end = time.monotonic() + 10
+        while self.pid(name) is None and proc.poll() is None and time.monotonic() < end:
+            time.sleep(0.01)
         return proc.pid
 
     def stop(self, name: str) -> bool:
@@ -174,6 +178,29 @@ class Stack:
             time.sleep(0.1)
         self.p("run", f"{name}.pid").unlink(missing_ok=True)
         return True
+
+    def reap_orphans(self) -> list[int]:
+        """Kill what is left of a component whose main process died (kill -9 leaves its children
+        holding its ports): any process carrying our marker outside a live component's group."""
+        live = {pid for name in COMPONENTS if (pid := self.pid(name)) is not None}
+        marker = f"UMBRA_UP_STATE={self.state_dir}".encode()
+        reaped = []
+        for proc in Path("/proc").iterdir():
+            if not proc.name.isdigit() or int(proc.name) == os.getpid():
+                continue
+            try:
+                if marker not in (proc / "environ").read_bytes().split(b"\0"):
+                    continue
+                pgid = os.getpgid(int(proc.name))
+            except (OSError, ProcessLookupError):
+                continue
+            if pgid not in live:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(proc.name), signal.SIGKILL)
+                    reaped.append(int(proc.name))
+        if reaped:
+            time.sleep(0.2)
+        return reaped
 
     def wait_http(self, name: str, url: str, timeout: float = 60) -> None:
         end = time.monotonic() + timeout
@@ -216,10 +243,13 @@ def preflight(stack: Stack) -> None:
         raise UpError(
             f"missing system packages: {', '.join(missing)}", "run ./scripts/system-deps as root"
         )
+    stack.reap_orphans()
     for name in PORTS:
         if name in ("tunnel",) or stack.pid(_owner_of(name)) is not None:
             continue
         with socket.socket() as sock:
+            # As the servers do: TIME_WAIT leftovers of a killed component do not count.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 sock.bind(("127.0.0.1", stack.port(name)))
             except OSError:

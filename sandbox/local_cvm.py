@@ -271,6 +271,10 @@ def _spawn(plan: LocalCvmPlan, role: str, argv: list[str]) -> int:
     )
     log.close()
     _pid_file(plan, role).write_text(str(proc.pid))
+    # Until it has exec'd, the child still shows its parent's environment (without the marker).
+    end = time.monotonic() + 10
+    while running_pid(plan, role) is None and proc.poll() is None and time.monotonic() < end:
+        time.sleep(0.01)
     return proc.pid
 
 
