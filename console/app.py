@@ -23,7 +23,16 @@ from umbra.console.oidc import OidcValidator
 from umbra.console.providers import ProviderError, build_providers
 from umbra.console.release import SecretReleaseVerifier
 from umbra.console.release_config import verifier_from_settings
-from umbra.console.routes import audit, bundles, cvms, meta, secrets, security_cvm, traffic
+from umbra.console.routes import (
+    audit,
+    bundles,
+    cvms,
+    enroll,
+    meta,
+    secrets,
+    security_cvm,
+    traffic,
+)
 from umbra.console.schemas import TrafficBatch
 from umbra.console.state import Console
 from umbra.proxy.policy.bundle import BundleError, load_public_key
@@ -112,7 +121,7 @@ def create_app(
         lifespan=lifespan,
     )
     app.state.console = console
-    for module in (meta, bundles, cvms, secrets, security_cvm, traffic, audit):
+    for module in (meta, bundles, cvms, secrets, security_cvm, traffic, audit, enroll):
         app.include_router(module.router)
     _install_error_handlers(app)
     _register_extra_schemas(app, [TrafficBatch])
