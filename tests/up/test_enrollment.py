@@ -141,3 +141,17 @@ def test_a_quote_of_another_release_or_key_is_refused_and_audited(
         assert replay.status_code == 403 and "no_challenge" in replay.text
     finally:
         team.close()
+
+
+def test_a_dev_cvm_is_routed_to_its_teams_security_cvm_by_default(
+    console: tuple[Server, LocalIssuer],
+) -> None:
+    server, issuer = console
+    team = new_team(server, issuer)
+    try:
+        created = team.dev.post(f"/api/v1/teams/{team.name}/cvms", json={"name": "routed"})
+        assert created.status_code == 201, created.text
+        shown = team.dev.get(f"/api/v1/cvms/{created.json()['id']}").json()
+        assert shown["security_cvm_id"] == team.scvm_id  # the developer sees where it routes
+    finally:
+        team.close()
