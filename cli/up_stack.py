@@ -458,6 +458,17 @@ def start_origin(stack: Stack) -> bool:
     return True
 
 
+def wait_tunnel(stack: Stack, timeout: float) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if stack.pid("proxy") is None:
+            raise UpError(f"proxy exited while starting: {stack.log_tail('proxy')}")
+        if _tcp_ok(stack.port("tunnel"), local_cvm.SECURITY_CVM_ADDR):
+            return
+        time.sleep(0.1)
+    raise UpError(f"the tunnel endpoint did not listen within {timeout:.0f}s")
+
+
 def _identities_hash(stack: Stack) -> str:
     return hashlib.sha256(stack.p("security-cvm", "identities.json").read_bytes()).hexdigest()
 
@@ -475,8 +486,8 @@ def start_proxy(stack: Stack) -> bool:
         [
             _umbra(), "proxy", "serve",
             "--listen", f"127.0.0.1:{stack.port('proxy')}",
-            # Reached from each local Dev CVM's forwarder namespace over its uplink veth.
-            "--tunnel-listen", f"0.0.0.0:{stack.port('tunnel')}",
+            # Reached from each local Dev CVM's forwarder namespace over its uplink veth only.
+            "--tunnel-listen", f"{local_cvm.SECURITY_CVM_ADDR}:{stack.port('tunnel')}",
             "--identities", str(s / "identities.json"),
             "--traffic-log", str(s / "spool"),
             "--confdir", str(s / "mitm-ca"),
@@ -495,7 +506,7 @@ def start_proxy(stack: Stack) -> bool:
             "--test-resolver", str(s / "resolver.json"),
         ],
     )  # fmt: skip
-    stack.wait_tcp("proxy", stack.port("tunnel"), 120)
+    wait_tunnel(stack, 120)
     stack.state["proxy_identities"] = current
     stack.save()
     return True
@@ -654,7 +665,7 @@ def status(stack: Stack) -> dict[str, Any]:
         "issuer": lambda: _http_ok(stack.issuer_url + "/healthz"),
         "console": lambda: _http_ok(stack.console_url + "/healthz"),
         "origin": lambda: _tcp_ok(stack.port("origin")),
-        "proxy": lambda: _tcp_ok(stack.port("tunnel")),
+        "proxy": lambda: _tcp_ok(stack.port("tunnel"), local_cvm.SECURITY_CVM_ADDR),
     }
     for name in COMPONENTS:
         pid = stack.pid(name)
@@ -679,9 +690,9 @@ def _http_ok(url: str) -> bool:
         return False
 
 
-def _tcp_ok(port: int) -> bool:
+def _tcp_ok(port: int, host: str = "127.0.0.1") -> bool:
     try:
-        with socket.create_connection(("127.0.0.1", port), 1):
+        with socket.create_connection((host, port), 1):
             return True
     except OSError:
         return False

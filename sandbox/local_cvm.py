@@ -33,6 +33,10 @@ from pathlib import Path
 from typing import Any
 
 SANDBOX_PROXY_PORT = 3128
+# The local Security CVM's tunnel endpoint: a /32 on the host end of every CVM's uplink veth (the
+# kernel has no dummy interfaces in every container), so it is reachable from each forwarder
+# namespace over its own uplink and on no other host interface.
+SECURITY_CVM_ADDR = "10.232.0.1"
 UID_BASE = 200_000
 UID_COUNT = 65_536
 MAX_CVMS = 250
@@ -215,9 +219,11 @@ def create_network(plan: LocalCvmPlan, forwarder_ports: list[int]) -> None:
     _run("ip", "-n", plan.forwarder_ns, "addr", "add", f"{plan.forwarder_addr}/30", "dev", b)
     _run("ip", "-n", plan.forwarder_ns, "addr", "add", f"{plan.uplink_addr}/30", "dev", c)
     _run("ip", "addr", "add", f"{plan.host_addr}/30", "dev", d)
+    _run("ip", "addr", "add", f"{SECURITY_CVM_ADDR}/32", "dev", d)
     for ns, ifname in ((plan.sandbox_ns, a), (plan.forwarder_ns, b), (plan.forwarder_ns, c)):
         _run("ip", "-n", ns, "link", "set", ifname, "up")
     _run("ip", "link", "set", d, "up")
+    _run("ip", "-n", plan.forwarder_ns, "route", "add", f"{SECURITY_CVM_ADDR}/32", "dev", c)
     rules = _nft_rules(plan, forwarder_ports)
     subprocess.run(
         ["ip", "netns", "exec", plan.forwarder_ns, "nft", "-f", "-"],
@@ -418,7 +424,7 @@ def create(
             "proxy_port": SANDBOX_PROXY_PORT,
             "tunnels": [],
         }
-        config["security_cvm"] = {**config["security_cvm"], "host": plan.host_addr}
+        config["security_cvm"] = {**config["security_cvm"], "host": SECURITY_CVM_ADDR}
         config["cvm_id_file"] = str(plan.dir / "cvm-id")
         config["credential_file"] = str(credential_path)
         (plan.dir / "forwarder.json").write_text(json.dumps(config, indent=2))

@@ -199,7 +199,8 @@ def test_sandbox_root_is_unprivileged_and_reaches_only_the_forwarder(up: Up) -> 
     )
     targets = [
         f"http://{plan.uplink_addr}:{stack.port('tunnel')}/",  # the forwarder's uplink address
-        f"http://{plan.host_addr}:{stack.port('tunnel')}/",  # the Security CVM, directly
+        f"http://{plan.host_addr}:{stack.port('tunnel')}/",  # the host end of the uplink
+        f"http://{local_cvm.SECURITY_CVM_ADDR}:{stack.port('tunnel')}/",  # the Security CVM
         f"http://{plan.forwarder_addr}:22/",  # another port on the forwarder
         f"http://127.0.0.1:{stack.port('console')}/healthz",  # the host's loopback
     ]
