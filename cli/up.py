@@ -95,6 +95,7 @@ def up(
             prefix = os.environ.get("UMBRA_UP_NAME_PREFIX")
             if prefix:
                 stack.state["name_prefix"] = prefix
+            stack.state["internet"] = internet
             stack.save()
             step("Preparing keys, the simulated TEE and golden values")
             s.prepare_material(stack)

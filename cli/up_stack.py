@@ -48,6 +48,9 @@ DEMO_SECRET_NAME = "demo-token"  # noqa: S105 -- a secret's name, not its value
 DEMO_HOSTS = ("api.demo.test", "evil.demo.test")
 SIMULATED_IMAGE = "umbra-security-cvm"
 COMPONENTS = ("issuer", "console", "origin", "proxy")
+INTERNET_HOSTS = ("pypi.org", "files.pythonhosted.org", "github.com")
+# Attached to the Dev CVM when the bundle has them (--internet uses github and pypi).
+DEFAULT_PROFILES = ("demo", "github", "pypi")
 # Offsets from --port-base.
 PORTS = {"issuer": 0, "console": 1, "proxy": 2, "tunnel": 3, "origin": 4}
 REQUIRED_TOOLS = {"ip": "iproute2", "nft": "nftables", "nsenter": "util-linux", "curl": "curl"}
@@ -355,7 +358,9 @@ def prepare_material(stack: Stack) -> None:
     stack.p("security-cvm").mkdir(exist_ok=True, mode=0o700)
     stack.p("security-cvm", "release.json").write_text(json.dumps(release_doc, indent=2))
     _demo_ca(stack.p("demo-origin"))
-    resolver = {host: ["127.0.0.1"] for host in DEMO_HOSTS}
+    resolver: dict[str, list[str]] = {host: ["127.0.0.1"] for host in DEMO_HOSTS}
+    if stack.state.get("internet"):
+        resolver |= _resolve_now(INTERNET_HOSTS)
     stack.p("security-cvm", "resolver.json").write_text(json.dumps(resolver))
     identities = stack.p("security-cvm", "identities.json")
     if not identities.exists():
@@ -370,6 +375,19 @@ def prepare_material(stack: Stack) -> None:
         "identities_file": str(identities),
     }
     stack.p("local-cvms.json").write_text(json.dumps(local, indent=2))
+
+
+def _resolve_now(hosts: tuple[str, ...]) -> dict[str, list[str]]:
+    """The proxy runs with a static resolver map (for the stand-in origin): with --internet the
+    real hosts the walkthrough uses are resolved once, here, and added to it."""
+    answers = {}
+    for host in hosts:
+        try:
+            infos = socket.getaddrinfo(host, 443, type=socket.SOCK_STREAM)
+        except OSError as exc:
+            raise UpError(f"--internet: cannot resolve {host} ({exc})", "check DNS") from None
+        answers[host] = sorted({str(info[4][0]) for info in infos})
+    return answers
 
 
 def demo_profile(port: int) -> str:
@@ -470,7 +488,10 @@ def wait_tunnel(stack: Stack, timeout: float) -> None:
 
 
 def _identities_hash(stack: Stack) -> str:
-    return hashlib.sha256(stack.p("security-cvm", "identities.json").read_bytes()).hexdigest()
+    """What the proxy loads only at start: the Dev CVMs it knows and the resolver map."""
+    s = stack.p("security-cvm")
+    raw = (s / "identities.json").read_bytes() + b"\0" + (s / "resolver.json").read_bytes()
+    return hashlib.sha256(raw).hexdigest()
 
 
 def start_proxy(stack: Stack) -> bool:
@@ -561,6 +582,7 @@ def publish_bundle(stack: Stack, client: httpx.Client, policies: Path) -> int:
     digest = hashlib.sha256(
         json.dumps(sorted(p.model_dump_json() for p in compiled)).encode()
     ).hexdigest()
+    stack.state["bundle_profiles"] = sorted(loaded.profiles)
     if stack.state.get("bundle_digest") == digest:
         return int(stack.state["bundle_serial"])
     serial = max(int(time.time()), int(stack.state.get("bundle_serial", 0)) + 1)
@@ -630,7 +652,8 @@ def ensure_dev_cvm(stack: Stack, client: httpx.Client, scvm_id: str, ssh_keys: l
         raise UpError(f"the Dev CVM did not start: {created.get('state_reason') or created}")
     stack.state["dev_cvm_id"] = created["id"]
     stack.save()
-    _expect(client.put(f"/api/v1/cvms/{created['id']}/profiles", json={"profiles": ["demo"]}), 200)
+    profiles = [p for p in DEFAULT_PROFILES if p in stack.state.get("bundle_profiles", [])]
+    _expect(client.put(f"/api/v1/cvms/{created['id']}/profiles", json={"profiles": profiles}), 200)
     return str(created["id"])
 
 
