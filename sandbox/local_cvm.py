@@ -412,6 +412,11 @@ def create(
     """Build and start a local Dev CVM; on any failure remove everything it had made."""
     require_tools()
     plan = allocate(root, cvm_id, prefix)
+    taken = [ns for ns in (plan.sandbox_ns, plan.forwarder_ns) if _netns_exists(ns)]
+    if taken:
+        # Not ours: refuse without touching it (cleanup below would delete it by name).
+        shutil.rmtree(plan.dir, ignore_errors=True)
+        raise LocalCvmError(f"network namespace {taken[0]} already exists; remove it or rename")
     try:
         (plan.dir / "cvm-id").write_text(cvm_id + "\n")
         credential_path = plan.dir / "credential"
