@@ -238,10 +238,15 @@ def test_kill_9_is_reported_restarted_and_no_record_is_lost(up: Up) -> None:
     )  # fmt: skip
     assert done.stdout == "200", done
     os.killpg(forwarder_pid, signal.SIGKILL)
+    proxy_pid = stack.pid("proxy")
+    assert proxy_pid
+    time.sleep(0.5)  # the record reaches the spool on disk
+    os.killpg(proxy_pid, signal.SIGKILL)
     time.sleep(0.3)
     report = up.json("status")
     assert not report["healthy"]
     assert not report["components"]["console"]["running"]
+    assert not report["components"]["proxy"]["running"]
     assert not report["dev_cvms"][0]["healthy"]
     assert up.run("status").returncode == 1
 
