@@ -17,6 +17,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "attest": ("umbra.cli.attest", "app"),
     "auth": ("umbra.cli.auth", "app"),
     "console": ("umbra.cli.console", "app"),
+    "down": ("umbra.cli.up", "down_app"),
     "cvm": ("umbra.cli.cvm", "app"),
     "forwarder": ("umbra.cli.sandbox", "forwarder_app"),
     "image": ("umbra.cli.image", "app"),
@@ -25,6 +26,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "proxy": ("umbra.cli.proxy", "app"),
     "sandbox": ("umbra.cli.sandbox", "app"),
     "secret": ("umbra.cli.secret", "app"),
+    "status": ("umbra.cli.up", "status_app"),
+    "up": ("umbra.cli.up", "up_app"),
 }
 # name -> (module, attribute holding a one-command typer.Typer): top-level commands, not groups
 COMMANDS: dict[str, tuple[str, str]] = {

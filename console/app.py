@@ -27,6 +27,7 @@ from umbra.console.routes import (
     audit,
     bundles,
     cvms,
+    enroll,
     login,
     meta,
     secrets,
@@ -64,6 +65,7 @@ def build_console(
                 min_refresh_interval=settings.oidc_jwks_min_refresh_seconds,
                 leeway=settings.oidc_leeway_seconds,
                 allow_insecure_http=settings.oidc_allow_insecure_http,
+                accept_development_issuer=settings.embedded_dev,
             )
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
@@ -122,7 +124,18 @@ def create_app(
         lifespan=lifespan,
     )
     app.state.console = console
-    for module in (meta, login, bundles, cvms, session, secrets, security_cvm, traffic, audit):
+    for module in (
+        meta,
+        login,
+        bundles,
+        cvms,
+        session,
+        secrets,
+        security_cvm,
+        traffic,
+        audit,
+        enroll,
+    ):
         app.include_router(module.router)
     mount_web(app)
     _install_error_handlers(app)

@@ -12,6 +12,7 @@ import json
 import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 from uuid import UUID
 
 from pydantic import (
@@ -160,6 +161,16 @@ class Settings(BaseModel):
     release_simulated_root: Path | None = Field(
         default=None, description="The simulated root CA (DER or PEM)."
     )
+    embedded_dev: bool = Field(
+        default=False,
+        description="`umbra up` only: trust the development issuer (console/dev_issuer.py). "
+        "Refused unless the database is SQLite and the issuer is on loopback.",
+    )
+    local_cvm_config: Path | None = Field(
+        default=None,
+        description="`umbra up` only: the local provider's config (sandbox/local_cvm.py); "
+        "without it the local provider records intent only.",
+    )
 
     @field_validator("database_url")
     @classmethod
@@ -190,6 +201,17 @@ class Settings(BaseModel):
                 raise ValueError(f"provider {cloud!r} is enabled but {cloud.upper()} is not set")
             if configured and cloud not in self.providers:
                 raise ValueError(f"{cloud.upper()} is set but {cloud!r} is not in PROVIDERS")
+        return self
+
+    @model_validator(mode="after")
+    def _embedded_dev_only_locally(self) -> Settings:
+        if self.embedded_dev:
+            host = urlsplit(self.oidc_issuer or "").hostname
+            if not self.is_sqlite or host not in ("127.0.0.1", "localhost", "::1"):
+                raise ValueError(
+                    "embedded_dev needs a sqlite:// database and a loopback issuer: it trusts the "
+                    "development issuer and is for `umbra up` only"
+                )
         return self
 
     @property

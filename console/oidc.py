@@ -22,6 +22,8 @@ from joserfc import jwt
 from joserfc.errors import JoseError
 from joserfc.jwk import KeySet
 
+from umbra.console.dev_issuer import DEV_ISSUER_MARKER
+
 log = logging.getLogger(__name__)
 
 ASYMMETRIC_ALGORITHMS = frozenset(
@@ -56,6 +58,7 @@ class OidcValidator:
         leeway: int = 30,
         allow_insecure_http: bool = False,
         http_timeout: float = 5.0,
+        accept_development_issuer: bool = False,
     ) -> None:
         unsupported = set(algorithms) - ASYMMETRIC_ALGORITHMS
         if unsupported:
@@ -76,6 +79,7 @@ class OidcValidator:
         self._kids: frozenset[str] = frozenset()
         self._fetched_at = 0.0
         self._jwks_uri: str | None = None
+        self._accept_development_issuer = accept_development_issuer
 
     # -- key management ---------------------------------------------------------------------
     def _discover(self, client: httpx.Client) -> str:
@@ -83,6 +87,11 @@ class OidcValidator:
         document = _get_json(client, url)
         if document.get("issuer") != self.issuer:
             raise IssuerUnavailable("discovery document names a different issuer")
+        # `umbra up`'s issuer approves every login of its one user: only embedded mode trusts it.
+        if document.get(DEV_ISSUER_MARKER) is not None and not self._accept_development_issuer:
+            raise IssuerUnavailable(
+                "the issuer is Umbra's development issuer, trusted only in embedded mode (umbra up)"
+            )
         jwks_uri = document.get("jwks_uri")
         if not isinstance(jwks_uri, str) or not jwks_uri.startswith(("https://", "http://")):
             raise IssuerUnavailable("discovery document has no usable jwks_uri")

@@ -124,7 +124,12 @@ def build_providers(settings: Settings, *, stack_factory: Any = None) -> dict[st
     """`stack_factory` replaces the Pulumi CLI for the cloud adapters (tests)."""
     providers: dict[str, CvmProvider] = {}
     for name in settings.providers:
-        if name == "local":
+        if name == "local" and settings.local_cvm_config is not None:
+            # `umbra up`: Dev CVMs become real local sandboxes.
+            from umbra.console.providers_local import LocalCvmProvider, load_settings
+
+            providers[name] = LocalCvmProvider(load_settings(settings.local_cvm_config))
+        elif name == "local":
             providers[name] = LocalProvider()
         elif name in ("gcp", "azure"):
             # Imported here so a local-only Console never loads the Pulumi SDK.

@@ -28,6 +28,7 @@ from umbra.console.providers import (
     ProviderEvent,
     ProviderUnsupported,
 )
+from umbra.console.provisioning_defaults import default_security_cvm
 from umbra.console.routes.common import (
     CvmIdPath,
     TeamPath,
@@ -92,8 +93,11 @@ def create_cvm(team: TeamPath, body: CvmCreate, console: ConsoleDep, user: UserD
         raise HTTPException(UNPROCESSABLE, f"provider: {exc}") from None
     credential = None
     with console.write() as session:
-        if body.security_cvm_id is not None:
-            _security_cvm_in_team(session, team, body.security_cvm_id)
+        security_cvm_id = body.security_cvm_id
+        if security_cvm_id is not None:
+            _security_cvm_in_team(session, team, security_cvm_id)
+        elif body.kind == "dev":
+            security_cvm_id = default_security_cvm(session, team)
         taken = session.execute(
             select(col(Cvm.id)).where(col(Cvm.team) == team, col(Cvm.name) == body.name)
         ).first()
@@ -113,7 +117,7 @@ def create_cvm(team: TeamPath, body: CvmCreate, console: ConsoleDep, user: UserD
             provider=body.provider,
             provider_ref=ref,
             state="launching" if provider.background else "running",
-            security_cvm_id=body.security_cvm_id,
+            security_cvm_id=security_cvm_id,
             profiles=[],
             ssh_keys=list(body.ssh_keys),
             size=body.size,

@@ -200,6 +200,10 @@ USER_MATRIX: dict[tuple[str, str], tuple[Case, dict[str, int]]] = {
         lambda w, p: w.call(p, "DELETE", f"/api/v1/cvms/{_fresh_dev_cvm_of(w, p)}"),
         expect(200, 200, 404, 404, 404, 401),
     ),
+    ("POST", "/api/v1/cvms/{cvm_id}/enrollment-token"): (
+        lambda w, p: w.call(p, "POST", f"/api/v1/cvms/{w.dev_cvm}/enrollment-token"),
+        expect(201, 403, 404, 404, 404, 401),
+    ),
     ("PUT", "/api/v1/cvms/{cvm_id}/profiles"): (
         lambda w, p: w.call(
             p, "PUT", f"/api/v1/cvms/{w.dev_cvm}/profiles", json={"profiles": ["github"]}
@@ -297,6 +301,8 @@ PUBLIC = {
     ("GET", "/metrics"),
     ("GET", "/api/v1/auth/oidc"),
 }
+# Authenticated by a one-time enrollment token and a quote, not a principal (tests/up/).
+PUBLIC |= {("POST", "/api/v1/enroll/challenge"), ("POST", "/api/v1/enroll")}
 
 USER_CASES = [(route, who) for route in USER_MATRIX for who in USERS]
 MACHINE_CASES = [(route, who) for route in MACHINE_MATRIX for who in MACHINES]

@@ -1,0 +1,77 @@
+"""`umbra up` to a working system, and `umbra down`, on a warm machine (root).
+
+Until the attested SSH ingress lands, "working" means `umbra up --check` passed (four requests from
+inside the sandbox, their records in the Console), not `umbra ssh -- true`.
+
+Measured in one run, each against a baseline from the same run:
+- cold: `umbra up --check` from an empty state directory (keys, PKI, migrations, first launch);
+- warm: `umbra down` then `umbra up --check` on the same state (the target: <= 15 s);
+- down: `umbra down` (the target: <= 5 s);
+- baseline: `umbra --help` (the CLI's own start-up), so the ratios say what up itself costs.
+
+Run (root): .venv/bin/python benchmarks/up_bench.py [--rounds N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+UMBRA = str(ROOT / ".venv" / "bin" / "umbra")
+
+
+def _base() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return min(int(sock.getsockname()[1]), 60000)
+
+
+def _timed(argv: list[str], env: dict[str, str]) -> float:
+    started = time.perf_counter()
+    done = subprocess.run(argv, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    elapsed = time.perf_counter() - started
+    if done.returncode != 0:
+        raise SystemExit(
+            f"{' '.join(argv[:3])} failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}"
+        )
+    return elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+    if os.geteuid() != 0:
+        raise SystemExit("up_bench needs root (umbra up creates namespaces)")
+    with tempfile.TemporaryDirectory(prefix="umbra-up-bench-") as tmp:
+        env = {
+            **os.environ,
+            "XDG_CONFIG_HOME": f"{tmp}/config",
+            "UMBRA_UP_NAME_PREFIX": f"ubn{os.getpid() % 10000}",
+        }
+        where = ["--state-dir", f"{tmp}/state", "--port-base", str(_base())]
+        try:
+            baseline = statistics.median(_timed([UMBRA, "--help"], env) for _ in range(3))
+            cold = _timed([UMBRA, "up", "--check", *where], env)
+            warm, down = [], []
+            for _ in range(args.rounds):
+                down.append(_timed([UMBRA, "down", *where], env))
+                warm.append(_timed([UMBRA, "up", "--check", *where], env))
+        finally:
+            subprocess.run([UMBRA, "down", *where], env=env, capture_output=True, timeout=120)
+    w, d = statistics.median(warm), statistics.median(down)
+    print(f"baseline `umbra --help`:            {baseline:6.2f} s")
+    print(f"cold `umbra up --check`:            {cold:6.2f} s  ({cold / baseline:5.1f}x baseline)")
+    print(f"warm `umbra up --check` (median):   {w:6.2f} s  ({w / baseline:5.1f}x)  target <= 15 s")
+    print(f"`umbra down` (median):              {d:6.2f} s  ({d / baseline:5.1f}x)  target <= 5 s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,265 @@
+"""`umbra up | down | status`: the whole of Umbra on this machine, on embedded defaults.
+
+The machinery is `up_stack.py`; the walkthrough (`--check`) is `up_check.py`.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import subprocess
+import time
+from pathlib import Path
+from typing import Annotated, Any, NoReturn
+
+import typer
+from rich.table import Table
+
+from umbra.cli.output import EXIT_FINDINGS, console, print_json
+
+StateDir = Annotated[
+    Path,
+    typer.Option(
+        "--state-dir", envvar="UMBRA_STATE_DIR", help="Where `umbra up` keeps everything."
+    ),
+]
+PortBase = Annotated[
+    int,
+    typer.Option(
+        "--port-base",
+        envvar="UMBRA_UP_PORT_BASE",
+        min=1024,
+        max=65000,
+        help="First of five loopback ports (issuer, Console, proxy, tunnel, demo origin).",
+    ),
+]
+JsonFlag = Annotated[bool, typer.Option("--json", help="Machine-readable output on stdout.")]
+
+up_app = typer.Typer(help="Start Umbra on this machine (embedded defaults).")
+down_app = typer.Typer(help="Stop everything `umbra up` started.")
+status_app = typer.Typer(help="What `umbra up` started, and whether it is healthy.")
+
+
+def _stack(state_dir: Path, port_base: int) -> Any:
+    from umbra.cli.up_stack import Stack
+
+    stack = Stack(state_dir.resolve(), port_base)
+    stack.load()
+    return stack
+
+
+def _fail(exc: Exception, as_json: bool) -> NoReturn:
+    fix = getattr(exc, "fix", "")
+    if as_json:
+        print_json({"ok": False, "error": str(exc), "fix": fix})
+    else:
+        console.print(f"[red]umbra up:[/] {exc}")
+        if fix:
+            console.print(f"[bold]fix:[/] {fix}")
+    raise typer.Exit(EXIT_FINDINGS)
+
+
+@up_app.callback(invoke_without_command=True)
+def up(
+    state_dir: StateDir = Path(".umbra"),
+    port_base: PortBase = 7080,
+    policies: Annotated[
+        Path, typer.Option(help="The team's policy directory (profiles/ and tests/).")
+    ] = Path("policies"),
+    check: Annotated[
+        bool, typer.Option("--check", help="Then run the walkthrough inside the Dev CVM.")
+    ] = False,
+    internet: Annotated[
+        bool,
+        typer.Option(help="With --check: also pip download and git ls-remote real hosts."),
+    ] = False,
+    as_json: JsonFlag = False,
+) -> None:
+    """Start the Console, a development OIDC issuer, a Security CVM and a local Dev CVM."""
+    from umbra.cli import up_stack as s
+    from umbra.sandbox.local_cvm import LocalCvmError
+
+    stack = _stack(state_dir, port_base)
+    quiet = as_json
+
+    def step(text: str) -> None:
+        if not quiet:
+            console.print(f"[bold cyan]▸[/] {text}")
+
+    stack.progress = step
+    started = time.monotonic()
+    summary: dict[str, Any] = {}
+    try:
+        with stack.locked():
+            s.preflight(stack)
+            prefix = os.environ.get("UMBRA_UP_NAME_PREFIX")
+            if prefix:
+                stack.state["name_prefix"] = prefix
+            stack.state["internet"] = internet
+            stack.save()
+            step("Preparing keys, the simulated TEE and golden values")
+            s.prepare_material(stack)
+            try:
+                _bring_up(stack, policies.resolve(), step, summary)
+            except BaseException:
+                if not stack.state.get("completed_once"):
+                    s.down(stack)  # nothing half-started is left behind
+                raise
+            stack.state["completed_once"] = True
+            stack.save()
+            if check:
+                _check(stack, summary, internet, step, quiet)
+    except (s.UpError, LocalCvmError, OSError) as exc:
+        _fail(exc, as_json)
+    summary["seconds"] = round(time.monotonic() - started, 1)
+    if as_json:
+        print_json({"ok": True, **summary})
+        return
+    cvm = summary["dev_cvm_id"]
+    console.print(
+        f"\n[green]Umbra is up[/] in {summary['seconds']} s. Console: [bold]{stack.console_url}[/]"
+    )
+    console.print(
+        "Next:\n"
+        f"  umbra ssh {cvm}            # a shell in the Dev CVM (attested SSH ingress)\n"
+        f"  umbra claude {cvm}         # Claude Code in a dtach session\n"
+        f"  umbra logs --cvm {cvm}     # every request it made, allowed or denied\n"
+        "  umbra status               # what runs, and whether it is healthy\n"
+        "  umbra down                 # stop everything"
+    )
+
+
+def _bring_up(stack: Any, policies: Path, step: Any, summary: dict[str, Any]) -> None:
+    from umbra.cli import up_stack as s
+
+    step(f"Development OIDC issuer on {stack.issuer_url} (auto-approves the local user)")
+    s.start_issuer(stack)
+    step(f"Console on {stack.console_url} (SQLite, migrated)")
+    s.start_console(stack)
+    env = dict(os.environ)
+    step(f"Logging in as {s.SUBJECT} (device flow against the development issuer)")
+    s.login(stack, env)
+    with s.api(stack, s.token(env)) as client:
+        step(f"Publishing the signed bundle built from {policies} (+ the demo profile)")
+        summary["bundle_serial"] = s.publish_bundle(stack, client, policies)
+        step(f"Team {s.TEAM!r} with you as admin; its Security CVM")
+        summary["security_cvm_id"] = s.ensure_security_cvm(stack, client)
+        secret = stack.p("keys", "demo-token")
+        if not secret.exists():
+            s._write_secret(secret, ("demo_" + secrets.token_urlsafe(24)).encode())
+        s.ensure_demo_secret(client, secret.read_text().strip())
+        step("Stand-in origin for the walkthrough (its own CA)")
+        s.start_origin(stack)
+        step("Launching the Dev CVM through the Console (local provider: namespaces)")
+        summary["dev_cvm_id"] = s.ensure_dev_cvm(
+            stack, client, summary["security_cvm_id"], _ssh_keys()
+        )
+        step("Security CVM: egress proxy + aTLS tunnel endpoint on the simulated TEE")
+        s.start_proxy(stack)
+        s.install_proxy_ca(stack, summary["dev_cvm_id"])
+    summary["console_url"] = stack.console_url
+
+
+def _ssh_keys() -> list[str]:
+    for name in ("id_ed25519.pub", "id_ecdsa.pub", "id_rsa.pub"):
+        path = Path.home() / ".ssh" / name
+        if path.exists():
+            return [path.read_text().strip()]
+    return []
+
+
+def _check(stack: Any, summary: dict[str, Any], internet: bool, step: Any, quiet: bool) -> None:
+    from umbra.cli import up_check as c
+    from umbra.cli import up_stack as s
+
+    cvm = summary["dev_cvm_id"]
+    step("Walkthrough inside the sandbox (as its root)")
+
+    def report(probe: Any, code: int, error: str) -> None:
+        ok = code == probe.expect_status
+        mark = "[green]✓[/]" if ok else "[red]✗[/]"
+        if not quiet:
+            console.print(
+                f"   {mark} {probe.method} {probe.host}{probe.path} → {code} ({probe.name})"
+            )
+
+    with s.api(stack, s.token(dict(os.environ))) as client:
+        secret = stack.p("keys", "demo-token").read_text().strip()
+        records = c.run_check(stack, client, cvm, report, secret)
+    summary["check"] = {
+        "records": [
+            {
+                k: r.get(k)
+                for k in ("cvm_id", "method", "connect_host", "decision", "reason", "owner")
+            }
+            for r in records
+        ]
+    }
+    if not quiet:
+        step(f"The records in the Console (umbra logs --cvm {cvm}):")
+        subprocess.run([s._umbra(), "logs", "--cvm", cvm, "--limit", "8"], check=False)
+    if internet:
+        step("--internet: pip download and git ls-remote against the real hosts")
+        summary["internet"] = c.run_internet(stack, cvm)
+
+
+@down_app.callback(invoke_without_command=True)
+def down(
+    state_dir: StateDir = Path(".umbra"), port_base: PortBase = 7080, as_json: JsonFlag = False
+) -> None:
+    """Stop every process and remove every namespace, veth and mount `umbra up` made."""
+    from umbra.cli import up_stack as s
+
+    stack = _stack(state_dir, port_base)
+    started = time.monotonic()
+    try:
+        with stack.locked():
+            stopped = s.down(stack)
+    except (s.UpError, OSError) as exc:
+        _fail(exc, as_json)
+    seconds = round(time.monotonic() - started, 2)
+    if as_json:
+        print_json({"ok": True, "stopped": stopped, "seconds": seconds})
+        return
+    console.print(f"Stopped {', '.join(stopped) or 'nothing (nothing was running)'} in {seconds} s")
+
+
+@status_app.callback(invoke_without_command=True)
+def status(
+    state_dir: StateDir = Path(".umbra"), port_base: PortBase = 7080, as_json: JsonFlag = False
+) -> None:
+    """Each component: running, healthy; each Dev CVM: its runtime and processes."""
+    from umbra.cli import up_stack as s
+
+    stack = _stack(state_dir, port_base)
+    report = s.status(stack)
+    healthy = all(c["healthy"] for c in report["components"].values()) and all(
+        c["healthy"] for c in report["dev_cvms"]
+    )
+    report["healthy"] = healthy and bool(report["dev_cvms"])
+    if as_json:
+        print_json(report)
+    else:
+        table = Table(title=f"umbra up: {report['state_dir']}")
+        for column in ("component", "pid", "state"):
+            table.add_column(column)
+        for name, c in report["components"].items():
+            state = (
+                "[green]healthy[/]"
+                if c["healthy"]
+                else ("[yellow]unhealthy[/]" if c["running"] else "[red]not running[/]")
+            )
+            table.add_row(name, str(c["pid"] or "-"), state)
+        for cvm in report["dev_cvms"]:
+            state = "[green]healthy[/]" if cvm["healthy"] else "[red]down[/]"
+            table.add_row(
+                f"dev cvm {cvm['cvm_id']} (runtime: {cvm['runtime']})",
+                f"sandbox {cvm['sandbox_pid'] or '-'}, forwarder {cvm['forwarder_pid'] or '-'}",
+                state,
+            )
+        console.print(table)
+        console.print(f"Console: {report['console_url']}")
+        if not report["healthy"]:
+            console.print("Run [bold]umbra up[/] to restart what is down.")
+    if not report["healthy"]:
+        raise typer.Exit(EXIT_FINDINGS)

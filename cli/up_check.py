@@ -1,0 +1,161 @@
+"""`umbra up --check`: the walkthrough, run inside the Dev CVM's sandbox as its root.
+
+Four requests through the sandbox's only exit (the forwarder, then the attested Security CVM):
+1. allowed, with the team's demo token injected by the Security CVM (the sandbox never holds it);
+2. a host no profile allows;
+3. a method the profile does not allow;
+4. an exfiltration attempt: a credential planted in the sandbox sent to an allowed host.
+Then the four records must show up in the Console's traffic log, attributed to the CVM.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import httpx
+
+from umbra.cli.up_stack import DEMO_HOSTS, TEAM, Stack, UpError
+from umbra.sandbox import local_cvm
+
+# A fake AWS access key id: the shape the built-in scanner knows, valid for nothing.
+PLANTED = "AKIA" + "UMBRADEMOPLANTED"
+
+
+@dataclass(frozen=True)
+class Probe:
+    name: str
+    method: str
+    host: str
+    path: str
+    expect_status: int
+    expect_decision: str
+    body: str | None = None
+
+
+def probes() -> list[Probe]:
+    api, evil = DEMO_HOSTS
+    return [
+        Probe("allowed, credential injected", "GET", api, "/v1/whoami", 200, "allow"),
+        Probe("host not allowed", "GET", evil, "/", 403, "deny"),
+        Probe("method not allowed", "DELETE", api, "/v1/items/1", 403, "deny"),
+        Probe("exfiltration of a planted secret", "POST", api, "/v1/upload", 403, "deny", "@"),
+    ]
+
+
+def _curl(stack: Stack, plan: local_cvm.LocalCvmPlan, probe: Probe) -> tuple[int, str]:
+    url = f"https://{probe.host}:{stack.port('origin')}{probe.path}"
+    argv = [
+        "curl", "-sS", "--max-time", "20", "-o", "/root/umbra-check-body", "-w", "%{http_code}",
+        "--cacert", "/umbra/proxy-ca.pem",
+        "--proxy", f"http://{plan.forwarder_addr}:{local_cvm.SANDBOX_PROXY_PORT}",
+        "-X", probe.method,
+    ]  # fmt: skip
+    if probe.body is not None:
+        argv += ["--data-binary", "@/root/.aws/credentials"]
+    done = subprocess.run(
+        local_cvm.exec_argv(plan, [*argv, url]), capture_output=True, text=True, timeout=60
+    )
+    code = int(done.stdout.strip() or 0) if done.stdout.strip().isdigit() else 0
+    return code, done.stderr.strip()[:200]
+
+
+def plant_secret(plan: local_cvm.LocalCvmPlan) -> None:
+    script = (
+        "mkdir -p /root/.aws && printf '[default]\\naws_access_key_id = %s\\n' "
+        f"{PLANTED} > /root/.aws/credentials"
+    )
+    subprocess.run(local_cvm.exec_argv(plan, ["sh", "-c", script]), check=True, timeout=30)
+
+
+def injected(plan: local_cvm.LocalCvmPlan, secret: str) -> bool:
+    """Did the origin receive `Bearer <secret>`? It answers with the header's hash only."""
+    done = subprocess.run(
+        local_cvm.exec_argv(plan, ["cat", "/root/umbra-check-body"]),
+        capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    try:
+        seen = json.loads(done.stdout).get("authorization_sha256")
+    except ValueError:
+        return False
+    return bool(seen == hashlib.sha256(f"Bearer {secret}".encode()).hexdigest())
+
+
+def run_check(
+    stack: Stack, client: httpx.Client, cvm_id: str, report: Any, secret: str
+) -> list[dict[str, Any]]:
+    plan = local_cvm.load_plan(stack.p("cvms"), cvm_id)
+    if plan is None:
+        raise UpError(f"no local Dev CVM {cvm_id} on disk", "run `umbra up` first")
+    plant_secret(plan)
+    started = time.time()
+    # The first request may wait for the Security CVM's first bundle and secret release.
+    results: list[tuple[Probe, int]] = []
+    for probe in probes():
+        end = time.monotonic() + 60
+        while True:
+            code, error = _curl(stack, plan, probe)
+            if code == probe.expect_status or time.monotonic() > end:
+                break
+            time.sleep(0.5)
+        if probe.expect_decision == "allow" and code == 200 and not injected(plan, secret):
+            raise UpError("the allowed request reached the origin without the injected token")
+        results.append((probe, code))
+        report(probe, code, error)
+    wrong = [(p.name, c) for p, c in results if c != p.expect_status]
+    if wrong:
+        raise UpError(f"the walkthrough got unexpected answers: {wrong}", "see `umbra status`")
+    return wait_records(client, cvm_id, started)
+
+
+def wait_records(client: httpx.Client, cvm_id: str, since: float) -> list[dict[str, Any]]:
+    """This run's four records, as the Console shows them (newest first)."""
+    want = {(p.method, p.host, p.expect_decision) for p in probes()}
+    after = datetime.fromtimestamp(since - 2, UTC)
+    end = time.monotonic() + 60
+    seen: list[dict[str, Any]] = []
+    while time.monotonic() < end:
+        page = client.get(f"/api/v1/teams/{TEAM}/traffic", params={"cvm_id": cvm_id, "limit": 200})
+        if page.status_code == 200:
+            seen = [
+                r
+                for r in page.json()["records"]
+                if r.get("cvm_id") == cvm_id
+                and datetime.fromisoformat(r["time"]) >= after
+                and (r.get("method"), r.get("connect_host"), r.get("decision")) in want
+            ]
+            if {(r["method"], r["connect_host"], r["decision"]) for r in seen} >= want:
+                return seen
+        time.sleep(0.5)
+    raise UpError(
+        f"the Console did not receive all four records within 60s (got {len(seen)})",
+        "see logs/proxy.log in the state directory",
+    )
+
+
+def run_internet(stack: Stack, cvm_id: str) -> dict[str, int]:
+    """Real tools against real hosts through the Security CVM (needs internet and profiles that
+    allow pypi.org and github.com; not run in CI)."""
+    plan = local_cvm.load_plan(stack.p("cvms"), cvm_id)
+    if plan is None:
+        raise UpError(f"no local Dev CVM {cvm_id} on disk", "run `umbra up` first")
+    proxy = f"http://{plan.forwarder_addr}:{local_cvm.SANDBOX_PROXY_PORT}"
+    env = [
+        "env", f"HTTPS_PROXY={proxy}", "PIP_CERT=/umbra/proxy-ca.pem",
+        "GIT_SSL_CAINFO=/umbra/proxy-ca.pem",
+    ]  # fmt: skip
+    commands = {
+        "pip download": [*env, "python3", "-m", "pip", "download", "--no-deps", "-d", "/root/dl",
+                         "requests"],
+        "git ls-remote": [*env, "git", "ls-remote", "https://github.com/git/git", "HEAD"],
+    }  # fmt: skip
+    results = {}
+    for name, argv in commands.items():
+        done = subprocess.run(local_cvm.exec_argv(plan, argv), capture_output=True, timeout=300)
+        results[name] = done.returncode
+    return results

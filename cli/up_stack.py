@@ -1,0 +1,721 @@
+"""`umbra up`'s machinery: the embedded stack as real processes supervised from a state directory.
+
+    .umbra/
+      up.lock            held while an `umbra up`/`down` runs (a second one is refused)
+      state.json         ports, ids of the team's Security CVM and Dev CVM
+      run/NAME.pid       one per component; each process carries UMBRA_UP_STATE=<dir> in its
+                         environment, so a recycled pid is never mistaken for ours
+      logs/NAME.log      stdout+stderr of each component
+      keys/, pki/, ...   development keys, the simulated TEE's PKI, the demo origin's CA
+      cvms/ID/           local Dev CVMs (sandbox/local_cvm.py)
+
+Components: the development OIDC issuer, the Console (SQLite, migrated at start, embedded mode),
+the Security CVM (`umbra proxy serve` with its aTLS tunnel endpoint on the simulated TEE) and the
+walkthrough's stand-in origin. The Dev CVM is launched through the Console's API exactly as
+`umbra cvm launch` does; the Console's local provider builds it.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import datetime
+import fcntl
+import hashlib
+import ipaddress
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from umbra.sandbox import local_cvm
+
+TEAM = "local"
+SUBJECT = "developer@umbra.local"
+DEV_CVM_NAME = "dev"
+SECURITY_CVM_NAME = "security"
+DEMO_SECRET_NAME = "demo-token"  # noqa: S105 -- a secret's name, not its value
+DEMO_HOSTS = ("api.demo.test", "evil.demo.test")
+SIMULATED_IMAGE = "umbra-security-cvm"
+COMPONENTS = ("issuer", "console", "origin", "proxy")
+INTERNET_HOSTS = ("pypi.org", "files.pythonhosted.org", "github.com")
+# Attached to the Dev CVM when the bundle has them (--internet uses github and pypi).
+DEFAULT_PROFILES = ("demo", "github", "pypi")
+# Offsets from --port-base.
+PORTS = {"issuer": 0, "console": 1, "proxy": 2, "tunnel": 3, "origin": 4}
+REQUIRED_TOOLS = {"ip": "iproute2", "nft": "nftables", "nsenter": "util-linux", "curl": "curl"}
+
+
+class UpError(Exception):
+    """One clear message (what and why) and the fix."""
+
+    def __init__(self, message: str, fix: str = "") -> None:
+        super().__init__(message)
+        self.fix = fix
+
+
+@dataclass
+class Stack:
+    state_dir: Path
+    port_base: int
+    progress: Callable[[str], None] = print
+    state: dict[str, Any] = field(default_factory=dict)
+
+    # ------------------------------------------------------------------ paths and state
+    def p(self, *parts: str) -> Path:
+        return self.state_dir.joinpath(*parts)
+
+    def load(self) -> None:
+        try:
+            self.state = json.loads(self.p("state.json").read_text())
+        except (OSError, ValueError):
+            self.state = {}
+        self.port_base = int(self.state.get("port_base", self.port_base))
+
+    def save(self) -> None:
+        self.state["port_base"] = self.port_base
+        temp = self.p("state.json.tmp")
+        temp.write_text(json.dumps(self.state, indent=2))
+        os.replace(temp, self.p("state.json"))
+
+    def port(self, name: str) -> int:
+        return self.port_base + PORTS[name]
+
+    @property
+    def console_url(self) -> str:
+        return f"http://127.0.0.1:{self.port('console')}"
+
+    @property
+    def issuer_url(self) -> str:
+        return f"http://127.0.0.1:{self.port('issuer')}"
+
+    # ------------------------------------------------------------------ locking
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[None]:
+        self.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        handle = self.p("up.lock").open("a+")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "?"
+            handle.close()
+            raise UpError(
+                f"another `umbra up` or `umbra down` is running on {self.state_dir} (pid {holder})",
+                "wait for it to finish, or stop it",
+            ) from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(str(os.getpid()))
+        handle.flush()
+        try:
+            yield
+        finally:
+            handle.close()
+
+    # ------------------------------------------------------------------ processes
+    def pid(self, name: str) -> int | None:
+        try:
+            pid = int(self.p("run", f"{name}.pid").read_text())
+            environ = Path(f"/proc/{pid}/environ").read_bytes()
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except (OSError, ValueError):
+            return None
+        if f"UMBRA_UP_STATE={self.state_dir}".encode() not in environ.split(b"\0"):
+            return None
+        if stat.rsplit(")", 1)[1].split()[0] == "Z":
+            return None
+        return pid
+
+    def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> int:
+        self.p("run").mkdir(exist_ok=True)
+        self.p("logs").mkdir(exist_ok=True)
+        log = self.p("logs", f"{name}.log").open("ab")
+        full_env = {
+            "PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin"),
+            "LANG": "C.UTF-8",
+            "HOME": os.environ.get("HOME", "/root"),
+            **(env or {}),
+            "UMBRA_UP_STATE": str(self.state_dir),
+        }
+        proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
+            env=full_env,
+            cwd=self.state_dir,
+            start_new_session=True,
+        )
+        log.close()
+        self.p("run", f"{name}.pid").write_text(str(proc.pid))
+        # Until it has exec'd, the child still shows our environment (without the marker).
+        end = time.monotonic() + 10
+        while self.pid(name) is None and proc.poll() is None and time.monotonic() < end:
+            time.sleep(0.01)
+        return proc.pid
+
+    def stop(self, name: str) -> bool:
+        pid = self.pid(name)
+        if pid is None:
+            self.p("run", f"{name}.pid").unlink(missing_ok=True)
+            return False
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGTERM)
+        end = time.monotonic() + 5
+        while time.monotonic() < end and self.pid(name) is not None:
+            time.sleep(0.05)
+        if self.pid(name) is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+            time.sleep(0.1)
+        self.p("run", f"{name}.pid").unlink(missing_ok=True)
+        return True
+
+    def reap_orphans(self) -> list[int]:
+        """Kill what is left of a component whose main process died (kill -9 leaves its children
+        holding its ports): any process carrying our marker outside a live component's group."""
+        live = {pid for name in COMPONENTS if (pid := self.pid(name)) is not None}
+        marker = f"UMBRA_UP_STATE={self.state_dir}".encode()
+        reaped = []
+        for proc in Path("/proc").iterdir():
+            if not proc.name.isdigit() or int(proc.name) == os.getpid():
+                continue
+            try:
+                if marker not in (proc / "environ").read_bytes().split(b"\0"):
+                    continue
+                pgid = os.getpgid(int(proc.name))
+            except (OSError, ProcessLookupError):
+                continue
+            if pgid not in live:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(proc.name), signal.SIGKILL)
+                    reaped.append(int(proc.name))
+        if reaped:
+            time.sleep(0.2)
+        return reaped
+
+    def wait_http(self, name: str, url: str, timeout: float = 60) -> None:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if self.pid(name) is None:
+                raise UpError(f"{name} exited while starting: {self.log_tail(name)}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url, timeout=2).status_code == 200:
+                    return
+            time.sleep(0.1)
+        raise UpError(f"{name} did not answer {url} within {timeout:.0f}s: {self.log_tail(name)}")
+
+    def wait_tcp(self, name: str, port: int, timeout: float = 90) -> None:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if self.pid(name) is None:
+                raise UpError(f"{name} exited while starting: {self.log_tail(name)}")
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1):
+                return
+            time.sleep(0.1)
+        raise UpError(f"{name} did not listen on port {port} within {timeout:.0f}s")
+
+    def log_tail(self, name: str, chars: int = 600) -> str:
+        with contextlib.suppress(OSError):
+            return self.p("logs", f"{name}.log").read_text(errors="replace")[-chars:].strip()
+        return "(no log)"
+
+
+# ---------------------------------------------------------------------- preflight
+
+
+def preflight(stack: Stack) -> None:
+    if os.geteuid() != 0:
+        raise UpError(
+            "umbra up needs root: it creates network and user namespaces for the Dev CVM",
+            "run it as root (sudo ./scripts/up)",
+        )
+    missing = sorted({pkg for tool, pkg in REQUIRED_TOOLS.items() if shutil.which(tool) is None})
+    if missing:
+        raise UpError(
+            f"missing system packages: {', '.join(missing)}", "run ./scripts/system-deps as root"
+        )
+    stack.reap_orphans()
+    for name in PORTS:
+        if name in ("tunnel",) or stack.pid(_owner_of(name)) is not None:
+            continue
+        with socket.socket() as sock:
+            # As the servers do: TIME_WAIT leftovers of a killed component do not count.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind(("127.0.0.1", stack.port(name)))
+            except OSError:
+                raise UpError(
+                    f"port {stack.port(name)} ({name}) is in use by another program",
+                    "stop that program, or pick other ports with --port-base",
+                ) from None
+
+
+def _owner_of(port_name: str) -> str:
+    return "proxy" if port_name == "tunnel" else port_name
+
+
+# ---------------------------------------------------------------------- one-time material
+
+
+def _pem_cert(cert: Any) -> bytes:
+    from cryptography.hazmat.primitives import serialization
+
+    data: bytes = cert.public_bytes(serialization.Encoding.PEM)
+    return data
+
+
+def _demo_ca(directory: Path) -> None:
+    """A CA of its own for the stand-in origin, and the origin's certificate."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    if (directory / "origin.pem").exists():
+        return
+    directory.mkdir(parents=True, exist_ok=True)
+    now = datetime.datetime.now(datetime.UTC)
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "Umbra demo origin CA")])
+    ca = (
+        x509.CertificateBuilder()
+        .subject_name(ca_name)
+        .issuer_name(ca_name)
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(days=1))
+        .not_valid_after(now + datetime.timedelta(days=365))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .sign(ca_key, hashes.SHA256())
+    )
+    key = ec.generate_private_key(ec.SECP256R1())
+    sans: list[x509.GeneralName] = [x509.DNSName(h) for h in DEMO_HOSTS]
+    sans.append(x509.IPAddress(ipaddress.ip_address("127.0.0.1")))
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, DEMO_HOSTS[0])]))
+        .issuer_name(ca_name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(days=1))
+        .not_valid_after(now + datetime.timedelta(days=300))
+        .add_extension(x509.SubjectAlternativeName(sans), critical=False)
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    (directory / "ca.pem").write_bytes(_pem_cert(ca))
+    key_path = directory / "origin-key.pem"
+    fd = os.open(key_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as handle:
+        handle.write(
+            key.private_bytes(
+                serialization.Encoding.PEM,
+                serialization.PrivateFormat.PKCS8,
+                serialization.NoEncryption(),
+            )
+        )
+    (directory / "origin.pem").write_bytes(_pem_cert(cert))
+
+
+def _write_secret(path: Path, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as handle:
+        handle.write(data)
+
+
+def prepare_material(stack: Stack) -> None:
+    """Keys, the simulated TEE, golden values and config files; made once, reused after."""
+    from umbra.attest.simpki import SimulatedPki
+    from umbra.attest.simulator import SimulatedTdx
+    from umbra.proxy.policy.bundle import generate_key, write_key_pair
+
+    keys = stack.p("keys")
+    keys.mkdir(exist_ok=True, mode=0o700)
+    release_key = keys / "dev-release.pem"
+    if not release_key.exists():
+        write_key_pair(generate_key(), release_key)
+    kek = keys / "console-kek"
+    if not kek.exists():
+        _write_secret(kek, f"k1={base64.b64encode(os.urandom(32)).decode()}\n".encode())
+    pki = SimulatedPki.load_or_create(stack.p("pki"))
+    # Collateral is dated: refreshed on every `umbra up` so it never expires under a long run.
+    stack.p("pki", "collateral.json").write_text(pki.collateral(int(time.time()) - 3600).json_text)
+    stack.p("pki", "root.der").write_bytes(pki.root_der)
+    release = SimulatedTdx(pki, image=SIMULATED_IMAGE).release_manifest()
+    release_doc = release.model_dump(mode="json", exclude_none=True)
+    stack.p("security-cvm").mkdir(exist_ok=True, mode=0o700)
+    stack.p("security-cvm", "release.json").write_text(json.dumps(release_doc, indent=2))
+    _demo_ca(stack.p("demo-origin"))
+    resolver: dict[str, list[str]] = {host: ["127.0.0.1"] for host in DEMO_HOSTS}
+    if stack.state.get("internet"):
+        resolver |= _resolve_now(INTERNET_HOSTS)
+    stack.p("security-cvm", "resolver.json").write_text(json.dumps(resolver))
+    identities = stack.p("security-cvm", "identities.json")
+    if not identities.exists():
+        identities.write_text(json.dumps({"cvms": []}))
+    local = {
+        "runtime_dir": str(stack.state_dir),
+        "name_prefix": stack.state.get("name_prefix", "umbra"),
+        "security_cvm_port": stack.port("tunnel"),
+        "security_cvm_release": release_doc,
+        "collateral_file": str(stack.p("pki", "collateral.json")),
+        "simulated_root": str(stack.p("pki", "root.der")),
+        "identities_file": str(identities),
+    }
+    stack.p("local-cvms.json").write_text(json.dumps(local, indent=2))
+
+
+def _resolve_now(hosts: tuple[str, ...]) -> dict[str, list[str]]:
+    """The proxy runs with a static resolver map (for the stand-in origin): with --internet the
+    real hosts the walkthrough uses are resolved once, here, and added to it."""
+    answers = {}
+    for host in hosts:
+        try:
+            infos = socket.getaddrinfo(host, 443, type=socket.SOCK_STREAM)
+        except OSError as exc:
+            raise UpError(f"--internet: cannot resolve {host} ({exc})", "check DNS") from None
+        answers[host] = sorted({str(info[4][0]) for info in infos})
+    return answers
+
+
+def demo_profile(port: int) -> str:
+    """The walkthrough's profile: the stand-in origin, GET and POST only, the demo token injected."""
+    return f"""apiVersion: umbra/v1
+kind: Profile
+name: demo
+description: umbra up's walkthrough origin (a local stand-in with its own CA).
+egress:
+  - id: demo-api
+    allow: {{hosts: [{DEMO_HOSTS[0]}], ports: [{port}], methods: [GET, POST]}}
+inject:
+  - id: demo-token
+    header: Authorization
+    format: "Bearer {{secret}}"
+    secret: team/{DEMO_SECRET_NAME}
+    hosts: [{DEMO_HOSTS[0]}]
+"""
+
+
+# ---------------------------------------------------------------------- components
+
+
+def _umbra() -> str:
+    return str(Path(sys.executable).parent / "umbra")
+
+
+def console_env(stack: Stack) -> dict[str, str]:
+    p = stack.p
+    return {
+        "UMBRA_CONSOLE_DATABASE_URL": f"sqlite:///{p('console.db')}",
+        "UMBRA_CONSOLE_OIDC_ISSUER": stack.issuer_url,
+        "UMBRA_CONSOLE_OIDC_ALLOW_INSECURE_HTTP": "true",
+        "UMBRA_CONSOLE_EMBEDDED_DEV": "true",
+        "UMBRA_CONSOLE_BUNDLE_PUBLIC_KEYS": str(p("keys", "dev-release.pem.pub")),
+        "UMBRA_CONSOLE_KEK_FILE": str(p("keys", "console-kek")),
+        "UMBRA_CONSOLE_KEK_CURRENT": "k1",
+        "UMBRA_CONSOLE_LOCAL_CVM_CONFIG": str(p("local-cvms.json")),
+        "UMBRA_CONSOLE_RELEASE_POLICY": str(p("security-cvm", "release.json")),
+        "UMBRA_CONSOLE_RELEASE_COLLATERAL": str(p("pki", "collateral.json")),
+        "UMBRA_CONSOLE_RELEASE_ALLOW_SIMULATED": "true",
+        "UMBRA_CONSOLE_RELEASE_SIMULATED_ROOT": str(p("pki", "root.der")),
+        "UMBRA_CONSOLE_LONG_POLL_DB_INTERVAL_SECONDS": "0.25",
+    }
+
+
+def start_issuer(stack: Stack) -> bool:
+    if stack.pid("issuer") is not None:
+        return False
+    stack.spawn(
+        "issuer",
+        [
+            sys.executable, "-m", "umbra.console.dev_issuer",
+            "--state-dir", str(stack.p("issuer")), "--subject", SUBJECT,
+            "--role", f"{TEAM}:admin", "--port", str(stack.port("issuer")),
+        ],
+    )  # fmt: skip
+    stack.wait_http("issuer", stack.issuer_url + "/healthz")
+    return True
+
+
+def start_console(stack: Stack) -> bool:
+    if stack.pid("console") is not None:
+        return False
+    stack.spawn(
+        "console",
+        [_umbra(), "console", "serve", "--port", str(stack.port("console")), "--migrate"],
+        console_env(stack),
+    )
+    stack.wait_http("console", stack.console_url + "/healthz")
+    return True
+
+
+def start_origin(stack: Stack) -> bool:
+    if stack.pid("origin") is not None:
+        return False
+    d = stack.p("demo-origin")
+    stack.spawn(
+        "origin",
+        [
+            sys.executable, "-m", "umbra.cli.demo_origin", "--cert", str(d / "origin.pem"),
+            "--key", str(d / "origin-key.pem"), "--port", str(stack.port("origin")),
+        ],
+    )  # fmt: skip
+    stack.wait_tcp("origin", stack.port("origin"), 20)
+    return True
+
+
+def wait_tunnel(stack: Stack, timeout: float) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if stack.pid("proxy") is None:
+            raise UpError(f"proxy exited while starting: {stack.log_tail('proxy')}")
+        if _tcp_ok(stack.port("tunnel"), local_cvm.SECURITY_CVM_ADDR):
+            return
+        time.sleep(0.1)
+    raise UpError(f"the tunnel endpoint did not listen within {timeout:.0f}s")
+
+
+def _identities_hash(stack: Stack) -> str:
+    """What the proxy loads only at start: the Dev CVMs it knows and the resolver map."""
+    s = stack.p("security-cvm")
+    raw = (s / "identities.json").read_bytes() + b"\0" + (s / "resolver.json").read_bytes()
+    return hashlib.sha256(raw).hexdigest()
+
+
+def start_proxy(stack: Stack) -> bool:
+    """The Security CVM; restarted when the Dev CVMs it must know changed (identities file)."""
+    current = _identities_hash(stack)
+    if stack.pid("proxy") is not None:
+        if stack.state.get("proxy_identities") == current:
+            return False
+        stack.stop("proxy")
+    s = stack.p("security-cvm")
+    stack.spawn(
+        "proxy",
+        [
+            _umbra(), "proxy", "serve",
+            "--listen", f"127.0.0.1:{stack.port('proxy')}",
+            # Reached from each local Dev CVM's forwarder namespace over its uplink veth only.
+            "--tunnel-listen", f"{local_cvm.SECURITY_CVM_ADDR}:{stack.port('tunnel')}",
+            "--identities", str(s / "identities.json"),
+            "--traffic-log", str(s / "spool"),
+            "--confdir", str(s / "mitm-ca"),
+            "--console", stack.console_url,
+            "--security-cvm-id", stack.state["security_cvm_id"],
+            "--console-credential-file", str(s / "console-credential"),
+            "--bundle-key", str(stack.p("keys", "dev-release.pem.pub")),
+            "--state-dir", str(s / "state"),
+            "--secrets-from-console",
+            "--quote-source", "simulated",
+            "--simulated-pki", str(stack.p("pki")),
+            "--simulated-image", SIMULATED_IMAGE,
+            # The stand-in origin lives on loopback with its own CA (embedded mode only).
+            "--upstream-ca", str(stack.p("demo-origin", "ca.pem")),
+            "--test-allow-upstream", "127.0.0.1/32",
+            "--test-resolver", str(s / "resolver.json"),
+        ],
+    )  # fmt: skip
+    wait_tunnel(stack, 120)
+    stack.state["proxy_identities"] = current
+    stack.save()
+    return True
+
+
+# ---------------------------------------------------------------------- Console steps
+
+
+def login(stack: Stack, env: dict[str, str]) -> None:
+    done = subprocess.run(
+        [_umbra(), "auth", "login", stack.console_url, "--issuer", stack.issuer_url,
+         "--team", TEAM, "--json"],
+        capture_output=True, text=True, env=env, timeout=60, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    if done.returncode != 0:
+        raise UpError(f"login failed: {(done.stdout + done.stderr).strip()[-400:]}")
+
+
+def token(env: dict[str, str]) -> str:
+    base = env.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
+    doc = json.loads((Path(base) / "umbra" / "console.json").read_text())
+    value: str = doc["token"]
+    return value
+
+
+def api(stack: Stack, bearer: str) -> httpx.Client:
+    return httpx.Client(
+        base_url=stack.console_url, headers={"Authorization": f"Bearer {bearer}"}, timeout=60
+    )
+
+
+def _expect(response: httpx.Response, *ok: int) -> Any:
+    if response.status_code not in ok:
+        raise UpError(
+            f"Console {response.request.method} {response.request.url.path}: "
+            f"{response.status_code} {response.text[:300]}"
+        )
+    return response.json() if response.content else None
+
+
+def publish_bundle(stack: Stack, client: httpx.Client, policies: Path) -> int:
+    from umbra.proxy.policy.bundle import load_private_key, payload_document, sign_bundle
+    from umbra.proxy.policy.loader import load_policy_dir
+
+    work = stack.p("policy-build")
+    shutil.rmtree(work, ignore_errors=True)
+    shutil.copytree(policies, work)
+    (work / "profiles" / "zz-umbra-up-demo.yaml").write_text(demo_profile(stack.port("origin")))
+    shutil.rmtree(work / "tests", ignore_errors=True)
+    loaded = load_policy_dir(work)
+    compiled = [p.compiled for p in loaded.profiles.values()]
+    digest = hashlib.sha256(
+        json.dumps(sorted(p.model_dump_json() for p in compiled)).encode()
+    ).hexdigest()
+    stack.state["bundle_profiles"] = sorted(loaded.profiles)
+    if stack.state.get("bundle_digest") == digest:
+        return int(stack.state["bundle_serial"])
+    serial = max(int(time.time()), int(stack.state.get("bundle_serial", 0)) + 1)
+    key = load_private_key(stack.p("keys", "dev-release.pem"))
+    raw = sign_bundle(payload_document(compiled, serial, "umbra up: policies/"), [key])
+    _expect(client.post(f"/api/v1/teams/{TEAM}/bundles", content=raw), 200, 201)
+    stack.state.update(bundle_digest=digest, bundle_serial=serial)
+    stack.save()
+    return serial
+
+
+def ensure_security_cvm(stack: Stack, client: httpx.Client) -> str:
+    known = stack.state.get("security_cvm_id")
+    credential = stack.p("security-cvm", "console-credential")
+    if known and credential.exists():
+        info = client.get(f"/api/v1/cvms/{known}")
+        if info.status_code == 200 and info.json().get("state") != "destroyed":
+            return str(known)
+    created = _expect(
+        client.post(
+            f"/api/v1/teams/{TEAM}/cvms",
+            json={"name": f"{SECURITY_CVM_NAME}-{int(time.time())}", "kind": "security"},
+        ),
+        201,
+    )
+    _write_secret(credential, created["credential"].encode())
+    stack.state["security_cvm_id"] = created["id"]
+    stack.save()
+    return str(created["id"])
+
+
+def ensure_demo_secret(client: httpx.Client, value: str) -> None:
+    _expect(
+        client.put(
+            f"/api/v1/teams/{TEAM}/secrets/{DEMO_SECRET_NAME}",
+            json={"value": value, "hosts": [DEMO_HOSTS[0]]},
+        ),
+        200,
+        201,
+    )
+
+
+def ensure_dev_cvm(stack: Stack, client: httpx.Client, scvm_id: str, ssh_keys: list[str]) -> str:
+    """Launch the Dev CVM as `umbra cvm launch` does, or bring the known one back up."""
+    known = stack.state.get("dev_cvm_id")
+    if known:
+        info = client.get(f"/api/v1/cvms/{known}")
+        plan = local_cvm.load_plan(stack.p("cvms"), str(known))
+        if info.status_code == 200 and info.json().get("state") == "running" and plan:
+            local_cvm.ensure_network(plan)
+            local_cvm.ensure_running(plan)
+            return str(known)
+        if info.status_code == 200 and info.json().get("state") != "destroyed":
+            client.delete(f"/api/v1/cvms/{known}")
+    created = _expect(
+        client.post(
+            f"/api/v1/teams/{TEAM}/cvms",
+            json={
+                "name": f"{DEV_CVM_NAME}-{int(time.time())}",
+                "security_cvm_id": scvm_id,
+                "ssh_keys": ssh_keys,
+            },
+        ),
+        201,
+    )
+    if created.get("state") != "running":
+        raise UpError(f"the Dev CVM did not start: {created.get('state_reason') or created}")
+    stack.state["dev_cvm_id"] = created["id"]
+    stack.save()
+    profiles = [p for p in DEFAULT_PROFILES if p in stack.state.get("bundle_profiles", [])]
+    _expect(client.put(f"/api/v1/cvms/{created['id']}/profiles", json={"profiles": profiles}), 200)
+    return str(created["id"])
+
+
+def install_proxy_ca(stack: Stack, cvm_id: str) -> None:
+    """The sandbox trusts the Security CVM's interception CA (as the Dev CVM image does)."""
+    plan = local_cvm.load_plan(stack.p("cvms"), cvm_id)
+    if plan is None:
+        return
+    src = stack.p("security-cvm", "mitm-ca", "mitmproxy-ca-cert.pem")
+    end = time.monotonic() + 30
+    while not src.exists() and time.monotonic() < end:
+        time.sleep(0.1)
+    dest = plan.rootfs / "umbra" / "proxy-ca.pem"
+    shutil.copyfile(src, dest)
+    dest.chmod(0o644)
+
+
+# ---------------------------------------------------------------------- down and status
+
+
+def down(stack: Stack) -> list[str]:
+    stopped = [name for name in reversed(COMPONENTS) if stack.stop(name)]
+    for plan in local_cvm.all_plans(stack.p("cvms")):
+        local_cvm.shut_down(plan)
+        stopped.append(f"dev-cvm {plan.cvm_id}")
+    return stopped
+
+
+def status(stack: Stack) -> dict[str, Any]:
+    out: dict[str, Any] = {"state_dir": str(stack.state_dir), "components": {}}
+    probes = {
+        "issuer": lambda: _http_ok(stack.issuer_url + "/healthz"),
+        "console": lambda: _http_ok(stack.console_url + "/healthz"),
+        "origin": lambda: _tcp_ok(stack.port("origin")),
+        "proxy": lambda: _tcp_ok(stack.port("tunnel"), local_cvm.SECURITY_CVM_ADDR),
+    }
+    for name in COMPONENTS:
+        pid = stack.pid(name)
+        out["components"][name] = {
+            "pid": pid,
+            "running": pid is not None,
+            "healthy": pid is not None and probes[name](),
+        }
+    out["console_url"] = stack.console_url
+    out["dev_cvms"] = []
+    for plan in local_cvm.all_plans(stack.p("cvms")):
+        info = local_cvm.status(plan)
+        info["healthy"] = bool(info["sandbox_pid"] and info["forwarder_pid"])
+        out["dev_cvms"].append(info)
+    return out
+
+
+def _http_ok(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _tcp_ok(port: int, host: str = "127.0.0.1") -> bool:
+    try:
+        with socket.create_connection((host, port), 1):
+            return True
+    except OSError:
+        return False

@@ -1,0 +1,205 @@
+"""Credentials only after attestation: a CVM trades a one-time enrollment token plus a quote for
+its long-lived credential.
+
+Launch data (which the cloud operator can read) carries at most the enrollment token. The booted
+CVM asks for a single-use nonce, generates an X25519 key inside the TEE and puts
+`SHA-512("umbra-enroll-v1\\0" ‖ nonce ‖ \\0 ‖ cvm_id ‖ \\0 ‖ public_key)` in its quote's report_data.
+The Console verifies the quote against that CVM's release (measurement policy, collateral, event
+log) and only then issues the credential, HPKE-sealed to the bound key: the operator who copied
+the token cannot use it without a genuine TD of the right release, and cannot read the credential.
+
+Refusals (unknown/expired/reused token, no nonce, a quote that does not verify or binds something
+else) are audited with their reason and never issue anything. A reused token also revokes nothing
+already issued: the first enrollment stands, the second is refused and audited.
+
+Today the Console holds one release policy (the Security CVM image's, `release_policy`), so only
+Security CVMs enroll; Dev CVM enrollment needs a per-release policy and is refused as
+`no_release_policy` until then.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import enum
+import hashlib
+import secrets
+from datetime import datetime, timedelta
+
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PublicKey
+from pydantic import BaseModel, ConfigDict
+from pydantic import Field as PydanticField
+from sqlalchemy import Column, DateTime
+from sqlalchemy.orm import Session
+from sqlmodel import Field, SQLModel
+
+from umbra.attest.errors import AttestError
+from umbra.attest.eventlog import load_event_log
+from umbra.console import audit
+from umbra.console.deps import CREDENTIAL_PREFIX, credential_hash
+from umbra.console.models import Cvm, utcnow
+from umbra.console.release import AttestedReleaseVerifier, seal_release
+from umbra.proxy.release_protocol import SUITE
+
+TOKEN_PREFIX = "enr_"  # noqa: S105 -- a prefix, not a token
+TOKEN_TTL = timedelta(hours=1)
+NONCE_TTL = timedelta(minutes=2)
+REPORT_DATA_CONTEXT = b"umbra-enroll-v1\x00"
+HPKE_INFO_CONTEXT = b"umbra-enroll-credential-v1"
+_ = SUITE  # the suite the seal uses (release_protocol); named here for readers
+
+
+class RefusalReason(enum.StrEnum):
+    unknown_token = "unknown_token"  # noqa: S105 -- a reason, not a token
+    expired_token = "expired_token"  # noqa: S105 -- a reason, not a token
+    reused_token = "reused_token"  # noqa: S105 -- a reason, not a token
+    no_challenge = "no_challenge"
+    wrong_nonce = "wrong_nonce"
+    cvm_gone = "cvm_gone"
+    no_release_policy = "no_release_policy"
+    bad_evidence = "bad_evidence"
+    attestation_failed = "attestation_failed"
+
+
+class EnrollmentRefused(Exception):
+    def __init__(self, reason: RefusalReason, detail: str = "") -> None:
+        super().__init__(f"{reason.value}: {detail}" if detail else reason.value)
+        self.reason = reason
+
+
+class CvmEnrollment(SQLModel, table=True):
+    __tablename__ = "cvm_enrollment"
+
+    token_sha256: str = Field(primary_key=True, max_length=64)
+    cvm_id: str = Field(max_length=64, index=True)
+    created_at: datetime = Field(sa_column=Column(DateTime(timezone=True), nullable=False))
+    expires_at: datetime = Field(sa_column=Column(DateTime(timezone=True), nullable=False))
+    nonce: str | None = Field(default=None, max_length=64)
+    nonce_expires_at: datetime | None = Field(
+        default=None, sa_column=Column(DateTime(timezone=True), nullable=True)
+    )
+    used_at: datetime | None = Field(
+        default=None, sa_column=Column(DateTime(timezone=True), nullable=True)
+    )
+
+
+class EnrollEvidence(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    token: str = PydanticField(min_length=8, max_length=128)
+    nonce: str = PydanticField(pattern=r"^[A-Za-z0-9_-]{16,64}$")
+    quote: str = PydanticField(max_length=64 << 10, description="Base64 TDX quote.")
+    event_log: str | None = PydanticField(default=None, max_length=1 << 20)
+    public_key: str = PydanticField(max_length=64, description="Base64 raw X25519 key.")
+
+
+def report_data(nonce: str, cvm_id: str, public_key: bytes) -> bytes:
+    return hashlib.sha512(
+        REPORT_DATA_CONTEXT + nonce.encode() + b"\x00" + cvm_id.encode() + b"\x00" + public_key
+    ).digest()
+
+
+def hpke_info(cvm_id: str, nonce: str) -> bytes:
+    return HPKE_INFO_CONTEXT + b"\x00" + cvm_id.encode() + b"\x00" + nonce.encode()
+
+
+def _hash(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def _aware(value: datetime) -> datetime:
+    return value if value.tzinfo is not None else value.replace(tzinfo=utcnow().tzinfo)
+
+
+def issue_token(session: Session, cvm: Cvm, actor: str) -> tuple[str, datetime]:
+    """A fresh one-time token for `cvm` (the launch data carries it)."""
+    token = TOKEN_PREFIX + secrets.token_urlsafe(32)
+    now = utcnow()
+    row = CvmEnrollment(
+        token_sha256=_hash(token), cvm_id=cvm.id, created_at=now, expires_at=now + TOKEN_TTL
+    )
+    session.add(row)
+    audit.append(
+        session, actor=actor, team=cvm.team, action="cvm.enrollment_token", target=cvm.id,
+        details={"expires_at": row.expires_at.isoformat()},
+    )  # fmt: skip
+    return token, row.expires_at
+
+
+def _live(session: Session, token: str) -> tuple[CvmEnrollment, Cvm]:
+    row = session.get(CvmEnrollment, _hash(token))
+    if row is None:
+        raise EnrollmentRefused(RefusalReason.unknown_token)
+    if row.used_at is not None:
+        raise EnrollmentRefused(RefusalReason.reused_token, f"used at {row.used_at.isoformat()}")
+    if _aware(row.expires_at) < utcnow():
+        raise EnrollmentRefused(RefusalReason.expired_token)
+    cvm = session.get(Cvm, row.cvm_id)
+    if cvm is None or cvm.state == "destroyed":
+        raise EnrollmentRefused(RefusalReason.cvm_gone)
+    return row, cvm
+
+
+def challenge(session: Session, token: str) -> str:
+    row, _cvm = _live(session, token)
+    row.nonce = secrets.token_urlsafe(24)
+    row.nonce_expires_at = utcnow() + NONCE_TTL
+    session.add(row)
+    return row.nonce
+
+
+def refusal_target(session: Session, token: str) -> tuple[str, str]:
+    """(team, cvm id) to audit a refusal under; unknown tokens are audited without a team."""
+    row = session.get(CvmEnrollment, _hash(token))
+    cvm = session.get(Cvm, row.cvm_id) if row is not None else None
+    return (cvm.team, cvm.id) if cvm is not None else ("-", "-")
+
+
+def enroll(
+    session: Session, verifier: AttestedReleaseVerifier | None, evidence: EnrollEvidence
+) -> tuple[str, bytes]:
+    """Verify and issue: returns (cvm id, HPKE-sealed credential). Raises EnrollmentRefused."""
+    row, cvm = _live(session, evidence.token)
+    if row.nonce is None or row.nonce_expires_at is None:
+        raise EnrollmentRefused(RefusalReason.no_challenge)
+    if not secrets.compare_digest(row.nonce, evidence.nonce) or (
+        _aware(row.nonce_expires_at) < utcnow()
+    ):
+        raise EnrollmentRefused(RefusalReason.wrong_nonce)
+    if verifier is None or cvm.kind != "security":
+        raise EnrollmentRefused(
+            RefusalReason.no_release_policy, f"no release policy for {cvm.kind} CVMs"
+        )
+    try:
+        key = base64.b64decode(evidence.public_key, validate=True)
+        quote = base64.b64decode(evidence.quote, validate=True)
+        events = (
+            load_event_log(base64.b64decode(evidence.event_log, validate=True))
+            if evidence.event_log is not None
+            else None
+        )
+    except (binascii.Error, AttestError, ValueError) as exc:
+        raise EnrollmentRefused(RefusalReason.bad_evidence, str(exc)[:200]) from None
+    if len(key) != 32:
+        raise EnrollmentRefused(RefusalReason.bad_evidence, "public_key must be 32 bytes")
+    verdict = verifier.verifier.verify(
+        quote, event_log=events, expected_report_data=report_data(evidence.nonce, cvm.id, key)
+    )
+    if not verdict.ok:
+        raise EnrollmentRefused(RefusalReason.attestation_failed, "; ".join(verdict.reasons)[:300])
+    credential = CREDENTIAL_PREFIX + secrets.token_urlsafe(32)
+    cvm.credential_hash = credential_hash(credential)
+    cvm.updated_at = utcnow()
+    row.used_at = utcnow()
+    row.nonce = None
+    session.add_all([cvm, row])
+    audit.append(
+        session, actor=f"cvm:{cvm.id}", team=cvm.team, action="cvm.enroll", target=cvm.id,
+        details={"kind": cvm.kind},
+    )  # fmt: skip
+    sealed = seal_release(
+        credential.encode(),
+        X25519PublicKey.from_public_bytes(key),
+        hpke_info(cvm.id, evidence.nonce),
+    )
+    return cvm.id, sealed

@@ -1,0 +1,164 @@
+"""The `local` provider when `umbra up` configures it: Dev CVMs become real sandboxes on this
+machine (`sandbox/local_cvm.py`), the Security CVM is the local proxy that `umbra up` supervises.
+
+Nothing is kept in memory: every CVM's plan, pids and files live under `runtime_dir`, so a Console
+restart finds them again. Registering a Dev CVM with the Security CVM means writing its tunnel
+credential's hash into the Security CVM's identities file (`umbra up` restarts the proxy to load
+it; the cloud path delivers identities after enrollment).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from umbra.console.providers import (
+    CvmSpec,
+    OnProviderEvent,
+    ProviderError,
+    ProviderEvent,
+    Provisioned,
+)
+from umbra.proxy.identity import hash_credential
+from umbra.sandbox import local_cvm
+
+
+class LocalCvmSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    runtime_dir: Path
+    name_prefix: str = Field(default="umbra", pattern=r"^[a-z][a-z0-9]{1,8}$")
+    security_cvm_port: int = Field(ge=1, le=65535)
+    security_cvm_release: dict[str, Any]
+    collateral_file: Path
+    simulated_root: Path
+    identities_file: Path
+
+
+def load_settings(path: Path) -> LocalCvmSettings:
+    try:
+        return LocalCvmSettings.model_validate_json(path.read_text())
+    except OSError as exc:
+        raise ProviderError(f"local_cvm_config {path}: {exc.strerror}") from None
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise ProviderError(f"local_cvm_config {path}: {where}: {first['msg']}") from None
+
+
+class LocalCvmProvider:
+    name = "local"
+    background = False
+
+    def __init__(self, settings: LocalCvmSettings) -> None:
+        self.settings = settings
+        self.cvms = settings.runtime_dir / "cvms"
+
+    def check(self, spec: CvmSpec) -> None:
+        if spec.kind == "dev":
+            try:
+                local_cvm.require_tools()
+            except local_cvm.LocalCvmError as exc:
+                raise ProviderError(str(exc)) from None
+
+    def _forwarder_config(self) -> dict[str, Any]:
+        s = self.settings
+        return {
+            "apiVersion": "umbra/v1",
+            "kind": "ForwarderConfig",
+            "security_cvm": {"host": "127.0.0.1", "port": s.security_cvm_port},
+            "security_cvm_release": s.security_cvm_release,
+            "collateral": {"file": str(s.collateral_file)},
+            "allow_simulated": True,
+            "simulated_root": str(s.simulated_root),
+            "connect_timeout": 5,
+            "handshake_timeout": 20,
+        }
+
+    def launch(self, spec: CvmSpec, on_event: OnProviderEvent) -> Provisioned:
+        if spec.kind == "security":
+            # The local Security CVM is the proxy `umbra up` runs; nothing to create here.
+            return Provisioned(f"local:security/{spec.id}", {"runtime": "process"})
+        credential = "tun_" + secrets.token_urlsafe(32)
+        try:
+            plan = local_cvm.create(
+                self.cvms,
+                spec.id,
+                self.settings.name_prefix,
+                self._forwarder_config(),
+                credential,
+                list(spec.ssh_keys),
+            )
+        except (local_cvm.LocalCvmError, OSError) as exc:
+            raise ProviderError(f"local CVM {spec.id}: {exc}") from None
+        self._register(spec, credential)
+        on_event(ProviderEvent("launched", f"local sandbox {plan.sandbox_ns}"))
+        return Provisioned(f"local:{spec.id}", {"runtime": "namespaces", "proxy": _proxy(plan)})
+
+    def _register(self, spec: CvmSpec, credential: str | None) -> None:
+        """Add (or with None, remove) this Dev CVM in the Security CVM's identities file."""
+        path = self.settings.identities_file
+        try:
+            doc = json.loads(path.read_text())
+        except (OSError, ValueError):
+            doc = {"cvms": []}
+        entries = [e for e in doc.get("cvms", []) if e.get("cvm_id") != spec.id]
+        if credential is not None:
+            entries.append(
+                {
+                    "cvm_id": spec.id,
+                    "owner": spec.owner,
+                    "team": spec.team,
+                    "profiles": [],
+                    "credential_sha256": hash_credential(credential),
+                }
+            )
+        temp = path.with_suffix(".tmp")
+        temp.write_text(json.dumps({"cvms": entries}, indent=2))
+        os.replace(temp, path)
+
+    def update(self, spec: CvmSpec, ref: str, on_event: OnProviderEvent) -> Provisioned:
+        plan = self._plan(spec.id, ref)
+        if plan is not None:
+            local_cvm.write_launch_dir(plan, list(spec.ssh_keys))
+        return Provisioned(ref)
+
+    def _plan(self, cvm_id: str, ref: str) -> local_cvm.LocalCvmPlan | None:
+        if ref.startswith("local:security/"):
+            return None
+        plan = local_cvm.load_plan(self.cvms, cvm_id)
+        if plan is None:
+            raise ProviderError(f"local provider has no CVM {cvm_id} on disk")
+        return plan
+
+    def set_running(self, ref: str, running: bool) -> None:
+        cvm_id = ref.removeprefix("local:")
+        if cvm_id.startswith("security/"):
+            return
+        plan = self._plan(cvm_id, ref)
+        assert plan is not None
+        try:
+            if running:
+                local_cvm.ensure_running(plan)
+            else:
+                for role in ("forwarder", "sandbox"):
+                    local_cvm.stop(plan, role)
+        except local_cvm.LocalCvmError as exc:
+            raise ProviderError(str(exc)) from None
+
+    def destroy(self, spec: CvmSpec, ref: str | None, on_event: OnProviderEvent) -> None:
+        if spec.kind != "dev":
+            return
+        plan = local_cvm.load_plan(self.cvms, spec.id)
+        if plan is not None:
+            local_cvm.destroy(plan)
+        self._register(spec, None)
+
+
+def _proxy(plan: local_cvm.LocalCvmPlan) -> str:
+    return f"http://{plan.forwarder_addr}:{local_cvm.SANDBOX_PROXY_PORT}"

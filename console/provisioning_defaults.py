@@ -1,0 +1,23 @@
+"""What a CVM gets by default at launch, for every provider.
+
+A Dev CVM launched without `security_cvm_id` is routed to its team's Security CVM when the team
+has exactly one live one (with several, the caller must choose; with none, it stays unrouted and
+its forwarder refuses everything, which is fail-closed).
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+from sqlmodel import col
+
+from umbra.console.models import Cvm
+
+
+def default_security_cvm(session: Session, team: str) -> str | None:
+    rows = session.execute(
+        select(col(Cvm.id)).where(
+            col(Cvm.team) == team, col(Cvm.kind) == "security", col(Cvm.state) != "destroyed"
+        )
+    ).all()
+    return str(rows[0][0]) if len(rows) == 1 else None

@@ -1,0 +1,110 @@
+"""Enrollment: one-time tokens for launch data, and credentials only after attestation.
+
+Handlers delegate to `console/enrollment.py`; a refusal is audited in its own transaction (the
+attempt's transaction is rolled back) and answered 403 with its reason.
+"""
+
+from __future__ import annotations
+
+import base64
+from datetime import datetime
+
+from fastapi import APIRouter, HTTPException, status
+from fastapi.concurrency import run_in_threadpool
+from pydantic import BaseModel, ConfigDict, Field
+
+from umbra.console import audit, enrollment
+from umbra.console.deps import ConsoleDep, UserDep, require_role
+from umbra.console.enrollment import EnrollEvidence, EnrollmentRefused
+from umbra.console.release import AttestedReleaseVerifier
+from umbra.console.routes.common import CvmIdPath, visible_cvm
+from umbra.console.state import Console
+
+router = APIRouter(prefix="/api/v1", tags=["enrollment"])
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class EnrollmentToken(_Strict):
+    cvm_id: str
+    token: str = Field(description="One-time; goes into the CVM's launch data, nothing more.")
+    expires_at: datetime
+
+
+class ChallengeRequest(_Strict):
+    token: str = Field(min_length=8, max_length=128)
+
+
+class EnrollChallenge(_Strict):
+    nonce: str
+    report_data_rule: str
+
+
+class Enrolled(_Strict):
+    cvm_id: str
+    sealed_credential: str = Field(description="Base64 HPKE enc ‖ ciphertext of the credential.")
+
+
+@router.post(
+    "/cvms/{cvm_id}/enrollment-token",
+    status_code=status.HTTP_201_CREATED,
+    summary="A one-time enrollment token for a CVM's launch data (admin).",
+)
+def create_token(cvm_id: CvmIdPath, console: ConsoleDep, user: UserDep) -> EnrollmentToken:
+    with console.write() as session:
+        cvm = visible_cvm(session, user, cvm_id)
+        require_role(user, cvm.team, "admin")
+        if cvm.state == "destroyed":
+            raise HTTPException(status.HTTP_409_CONFLICT, f"CVM {cvm_id} is destroyed")
+        token, expires = enrollment.issue_token(session, cvm, user.subject)
+    return EnrollmentToken(cvm_id=cvm_id, token=token, expires_at=expires)
+
+
+def _refused(console: Console, token: str, exc: EnrollmentRefused) -> HTTPException:
+    with console.write() as session:
+        team, target = enrollment.refusal_target(session, token)
+        row = session.get(enrollment.CvmEnrollment, enrollment._hash(token))
+        if row is not None:  # a nonce is good for one attempt, successful or not
+            row.nonce = None
+            session.add(row)
+        audit.append(
+            session, actor=f"cvm:{target}", team=team, action="cvm.enroll_refused",
+            target=target, details={"reason": exc.reason.value},
+        )  # fmt: skip
+    return HTTPException(status.HTTP_403_FORBIDDEN, f"enrollment refused: {exc.reason.value}")
+
+
+@router.post("/enroll/challenge", summary="A single-use nonce for one enrollment attempt.")
+def enroll_challenge(body: ChallengeRequest, console: ConsoleDep) -> EnrollChallenge:
+    try:
+        with console.write() as session:
+            nonce = enrollment.challenge(session, body.token)
+    except EnrollmentRefused as exc:
+        raise _refused(console, body.token, exc) from None
+    return EnrollChallenge(
+        nonce=nonce,
+        report_data_rule='SHA-512("umbra-enroll-v1\\0" || nonce || "\\0" || cvm_id || "\\0" || '
+        "x25519_public_key)",
+    )
+
+
+@router.post(
+    "/enroll",
+    summary="Trade the token and a quote binding a TEE-held key for the CVM's credential.",
+    responses={403: {"description": "Refused (audited)"}},
+)
+async def enroll(body: EnrollEvidence, console: ConsoleDep) -> Enrolled:
+    return await run_in_threadpool(_enroll, console, body)
+
+
+def _enroll(console: Console, body: EnrollEvidence) -> Enrolled:
+    verifier = console.release_verifier
+    attested = verifier if isinstance(verifier, AttestedReleaseVerifier) else None
+    try:
+        with console.write() as session:
+            cvm_id, sealed = enrollment.enroll(session, attested, body)
+    except EnrollmentRefused as exc:
+        raise _refused(console, body.token, exc) from None
+    return Enrolled(cvm_id=cvm_id, sealed_credential=base64.b64encode(sealed).decode())

@@ -1,0 +1,492 @@
+"""A local Dev CVM: the cloud sandbox's isolation rebuilt from Linux namespaces on this machine.
+
+    sandbox netns  {a}  ──veth──  {b}  forwarder netns  {c}  ──veth──  {d}  host
+    10.231.N.2/30                 10.231.N.1/30         10.232.N.2/30        10.232.N.1/30
+
+- The sandbox process runs in its own network, user (root maps to an unprivileged host uid range),
+  mount, PID, UTS and IPC namespaces, chrooted into its own tree under the CVM's directory.
+- Its only route is the /30 to the forwarder; no default route, no IPv6, ip_forward=0.
+- The forwarder namespace has ip_forward=0 and an nftables filter: from the sandbox link only the
+  forwarder's own sandbox-side listeners are reachable (not its uplink address, not anything else),
+  and nothing is ever forwarded. The forwarder (`umbra forwarder serve`) attests the Security CVM
+  before passing a byte.
+- Every sysctl that matters is set explicitly in every namespace we create: a new namespace may
+  inherit values from the host (Docker sets the host's ip_forward to 1).
+
+Everything lives on disk under the CVM's directory (`plan.json`, pid files, logs, rootfs), so a
+Console restart loses nothing; `destroy` kills the processes, deletes the namespaces (and with them
+the veths) and removes the directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+SANDBOX_PROXY_PORT = 3128
+# The local Security CVM's tunnel endpoint: a /32 on the host end of every CVM's uplink veth (the
+# kernel has no dummy interfaces in every container), so it is reachable from each forwarder
+# namespace over its own uplink and on no other host interface.
+SECURITY_CVM_ADDR = "10.232.0.1"
+UID_BASE = 200_000
+UID_COUNT = 65_536
+MAX_CVMS = 250
+# Read-only views of the host's userland inside the sandbox tree (the local stand-in for an image).
+HOST_DIRS = ("usr", "bin", "sbin", "lib", "lib64", "etc")
+
+
+class LocalCvmError(Exception):
+    """A local CVM could not be created, started or destroyed; the message says why."""
+
+
+@dataclass(frozen=True)
+class LocalCvmPlan:
+    cvm_id: str
+    index: int
+    prefix: str
+    directory: str
+    uid: int
+
+    @property
+    def dir(self) -> Path:
+        return Path(self.directory)
+
+    @property
+    def short(self) -> str:
+        return self.cvm_id.removeprefix("cvm_")[:8]
+
+    @property
+    def sandbox_ns(self) -> str:
+        return f"{self.prefix}-{self.short}-sbx"
+
+    @property
+    def forwarder_ns(self) -> str:
+        return f"{self.prefix}-{self.short}-fwd"
+
+    def ifname(self, role: str) -> str:
+        return f"{self.prefix}{self.index}{role}"[-15:]
+
+    @property
+    def sandbox_addr(self) -> str:
+        return f"10.231.{self.index}.2"
+
+    @property
+    def forwarder_addr(self) -> str:
+        """The forwarder's sandbox-side address: the only one the sandbox can reach."""
+        return f"10.231.{self.index}.1"
+
+    @property
+    def uplink_addr(self) -> str:
+        return f"10.232.{self.index}.2"
+
+    @property
+    def host_addr(self) -> str:
+        """The host end of the uplink: where the forwarder reaches the Security CVM."""
+        return f"10.232.{self.index}.1"
+
+    @property
+    def rootfs(self) -> Path:
+        return self.dir / "rootfs"
+
+    @property
+    def launch_dir(self) -> Path:
+        """What the attested SSH ingress needs (`umbra sandbox ingress --config`)."""
+        return self.dir / "launch"
+
+
+# ----------------------------------------------------------------------------- commands
+
+
+def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    done = subprocess.run(list(argv), capture_output=True, text=True, timeout=30)
+    if check and done.returncode != 0:
+        raise LocalCvmError(f"{' '.join(argv)}: {done.stderr.strip() or done.stdout.strip()}")
+    return done
+
+
+def _sysctl(ns: str, key: str, value: str) -> None:
+    _run("ip", "netns", "exec", ns, "sysctl", "-q", "-w", f"{key}={value}")
+
+
+def _netns_exists(name: str) -> bool:
+    return Path("/run/netns", name).exists()
+
+
+def require_tools() -> None:
+    """Root and the commands the local provider drives; one message naming what is missing."""
+    if os.geteuid() != 0:
+        raise LocalCvmError("local CVMs need root (network and user namespaces): run as root")
+    missing = [tool for tool in ("ip", "nft", "nsenter", "sysctl") if shutil.which(tool) is None]
+    if missing:
+        raise LocalCvmError(
+            f"missing commands: {', '.join(missing)}; run ./scripts/system-deps as root"
+        )
+
+
+# ----------------------------------------------------------------------------- plan
+
+
+def allocate(root: Path, cvm_id: str, prefix: str) -> LocalCvmPlan:
+    """A plan with the lowest free subnet index among the CVMs under `root` (on disk)."""
+    root.mkdir(parents=True, exist_ok=True)
+    used = {plan.index for plan in all_plans(root)} | _host_indices_in_use()
+    index = next((i for i in range(1, MAX_CVMS) if i not in used), None)
+    if index is None:
+        raise LocalCvmError(f"no free local subnet: {MAX_CVMS - 1} local CVMs exist")
+    directory = root / cvm_id
+    plan = LocalCvmPlan(cvm_id, index, prefix, str(directory), UID_BASE + index * UID_COUNT)
+    directory.mkdir(mode=0o700)
+    (directory / "plan.json").write_text(json.dumps(asdict(plan)))
+    return plan
+
+
+def _host_indices_in_use() -> set[int]:
+    """Uplink subnets some other state directory (or a leftover) already uses on this host."""
+    shown = _run("ip", "-4", "-o", "addr", "show", check=False).stdout
+    used = set()
+    for word in shown.split():
+        if word.startswith("10.232.") and word.count(".") == 3:
+            used.add(int(word.split(".")[2]))
+    return used
+
+
+def load_plan(root: Path, cvm_id: str) -> LocalCvmPlan | None:
+    try:
+        return LocalCvmPlan(**json.loads((root / cvm_id / "plan.json").read_text()))
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def all_plans(root: Path) -> list[LocalCvmPlan]:
+    if not root.is_dir():
+        return []
+    plans = [load_plan(root, child.name) for child in sorted(root.iterdir())]
+    return [plan for plan in plans if plan is not None]
+
+
+# ----------------------------------------------------------------------------- network
+
+
+def _nft_rules(plan: LocalCvmPlan, ports: list[int]) -> str:
+    sandbox_if = plan.ifname("b")
+    port_set = ", ".join(str(p) for p in sorted(set(ports)))
+    return f"""table inet umbra_local {{
+  chain input {{
+    type filter hook input priority 0; policy accept;
+    iifname "{sandbox_if}" ip daddr {plan.forwarder_addr} tcp dport {{ {port_set} }} ct state new,established accept
+    iifname "{sandbox_if}" drop
+  }}
+  chain forward {{
+    type filter hook forward priority 0; policy drop;
+  }}
+}}
+"""
+
+
+def create_network(plan: LocalCvmPlan, forwarder_ports: list[int]) -> None:
+    """Namespaces, veths, addresses, routes, sysctls and the forwarder namespace's filter."""
+    for ns in (plan.sandbox_ns, plan.forwarder_ns):
+        if _netns_exists(ns):
+            raise LocalCvmError(f"network namespace {ns} already exists (stale state?)")
+    for ns in (plan.sandbox_ns, plan.forwarder_ns):
+        _run("ip", "netns", "add", ns)
+        _run("ip", "-n", ns, "link", "set", "lo", "up")
+        # Explicitly, whatever the host's values (Docker sets the host's ip_forward to 1).
+        _sysctl(ns, "net.ipv4.ip_forward", "0")
+        _sysctl(ns, "net.ipv6.conf.all.forwarding", "0")
+        _sysctl(ns, "net.ipv6.conf.all.disable_ipv6", "1")
+        _sysctl(ns, "net.ipv6.conf.default.disable_ipv6", "1")
+        _sysctl(ns, "net.ipv4.conf.all.accept_redirects", "0")
+        _sysctl(ns, "net.ipv4.conf.all.send_redirects", "0")
+        _sysctl(ns, "net.ipv4.conf.all.rp_filter", "1")
+        _sysctl(ns, "net.ipv4.conf.default.rp_filter", "1")
+    a, b, c, d = (plan.ifname(r) for r in "abcd")
+    _run(
+        "ip", "link", "add", a, "netns", plan.sandbox_ns,
+        "type", "veth", "peer", "name", b, "netns", plan.forwarder_ns,
+    )  # fmt: skip
+    _run("ip", "link", "add", c, "netns", plan.forwarder_ns, "type", "veth", "peer", "name", d)
+    _run("ip", "-n", plan.sandbox_ns, "addr", "add", f"{plan.sandbox_addr}/30", "dev", a)
+    _run("ip", "-n", plan.forwarder_ns, "addr", "add", f"{plan.forwarder_addr}/30", "dev", b)
+    _run("ip", "-n", plan.forwarder_ns, "addr", "add", f"{plan.uplink_addr}/30", "dev", c)
+    _run("ip", "addr", "add", f"{plan.host_addr}/30", "dev", d)
+    _run("ip", "addr", "add", f"{SECURITY_CVM_ADDR}/32", "dev", d)
+    for ns, ifname in ((plan.sandbox_ns, a), (plan.forwarder_ns, b), (plan.forwarder_ns, c)):
+        _run("ip", "-n", ns, "link", "set", ifname, "up")
+    _run("ip", "link", "set", d, "up")
+    _run("ip", "-n", plan.forwarder_ns, "route", "add", f"{SECURITY_CVM_ADDR}/32", "dev", c)
+    rules = _nft_rules(plan, forwarder_ports)
+    subprocess.run(
+        ["ip", "netns", "exec", plan.forwarder_ns, "nft", "-f", "-"],
+        input=rules, text=True, check=True, capture_output=True, timeout=30,
+    )  # fmt: skip
+
+
+def delete_network(plan: LocalCvmPlan) -> None:
+    # The host end first: a namespace's deletion (and so its veths') completes asynchronously.
+    _run("ip", "link", "del", plan.ifname("d"), check=False)
+    for ns in (plan.sandbox_ns, plan.forwarder_ns):
+        if _netns_exists(ns):
+            _run("ip", "netns", "del", ns, check=False)
+
+
+# ----------------------------------------------------------------------------- processes
+
+
+def _pid_file(plan: LocalCvmPlan, role: str) -> Path:
+    return plan.dir / f"{role}.pid"
+
+
+def _marker(plan: LocalCvmPlan) -> str:
+    return f"umbra-local-cvm={plan.cvm_id}"
+
+
+def running_pid(plan: LocalCvmPlan, role: str) -> int | None:
+    """The pid of this CVM's `role` process if it is alive and really ours (checked by marker)."""
+    try:
+        pid = int(_pid_file(plan, role).read_text())
+        environ = Path(f"/proc/{pid}/environ").read_bytes()
+    except (OSError, ValueError):
+        return None
+    if f"UMBRA_LOCAL_CVM={plan.cvm_id}\0".encode() not in environ + b"\0":
+        return None
+    with contextlib.suppress(OSError):
+        if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+            return None
+    return pid
+
+
+def _spawn(plan: LocalCvmPlan, role: str, argv: list[str]) -> int:
+    log = (plan.dir / f"{role}.log").open("ab")
+    env = {
+        "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+        "UMBRA_LOCAL_CVM": plan.cvm_id,
+        "LANG": "C.UTF-8",
+    }
+    proc = subprocess.Popen(
+        argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env, start_new_session=True
+    )
+    log.close()
+    _pid_file(plan, role).write_text(str(proc.pid))
+    # Until it has exec'd, the child still shows its parent's environment (without the marker).
+    end = time.monotonic() + 10
+    while running_pid(plan, role) is None and proc.poll() is None and time.monotonic() < end:
+        time.sleep(0.01)
+    return proc.pid
+
+
+def umbra_executable() -> str:
+    return str(Path(sys.executable).parent / "umbra")
+
+
+def start_forwarder(plan: LocalCvmPlan) -> int:
+    return _spawn(
+        plan,
+        "forwarder",
+        [
+            "ip", "netns", "exec", plan.forwarder_ns,
+            umbra_executable(), "forwarder", "serve", "-c", str(plan.dir / "forwarder.json"),
+        ],
+    )  # fmt: skip
+
+
+def start_sandbox(plan: LocalCvmPlan) -> int:
+    """The sandbox's PID 1 (in its own namespaces); its host pid is what `nsenter` targets."""
+    _spawn(
+        plan,
+        "sandbox-launcher",
+        [sys.executable, "-m", "umbra.sandbox.local_init", str(plan.dir / "plan.json")],
+    )
+    end = time.monotonic() + 15
+    while time.monotonic() < end:
+        pid = running_pid(plan, "sandbox")
+        if pid is not None:
+            return pid
+        time.sleep(0.05)
+    log = (plan.dir / "sandbox-launcher.log").read_text(errors="replace")[-500:]
+    raise LocalCvmError(f"the sandbox of {plan.cvm_id} did not start: {log.strip()}")
+
+
+def wait_listening(ns: str, host: str, port: int, timeout: float = 60) -> None:
+    addr = "".join(f"{int(x):02X}" for x in reversed(host.split(".")))
+    want = f"{addr}:{port:04X}"
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        table = _run("ip", "netns", "exec", ns, "cat", "/proc/net/tcp", check=False).stdout
+        if any(
+            len(cols := line.split()) > 3 and cols[1] == want and cols[3] == "0A"
+            for line in table.splitlines()[1:]
+        ):
+            return
+        time.sleep(0.1)
+    raise LocalCvmError(f"nothing listens on {host}:{port} in {ns} after {timeout:.0f}s")
+
+
+def stop(plan: LocalCvmPlan, role: str) -> None:
+    pid = running_pid(plan, role)
+    if pid is None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL) if role == "forwarder" else os.kill(pid, signal.SIGKILL)
+    end = time.monotonic() + 5
+    while time.monotonic() < end and Path(f"/proc/{pid}").exists():
+        if Path(f"/proc/{pid}/stat").exists():
+            with contextlib.suppress(OSError):
+                if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                    break
+        time.sleep(0.02)
+
+
+# ----------------------------------------------------------------------------- lifecycle
+
+
+def write_launch_dir(plan: LocalCvmPlan, authorized_keys: list[str]) -> None:
+    """What the attested SSH ingress (`umbra sandbox ingress --config`) will need: the lead wires
+    its start in `start_ingress`."""
+    launch = plan.launch_dir
+    launch.mkdir(mode=0o700, exist_ok=True)
+    (launch / "cvm-id").write_text(plan.cvm_id + "\n")
+    (launch / "authorized_keys").write_text("".join(k.strip() + "\n" for k in authorized_keys))
+    (launch / "netns").write_text(plan.forwarder_ns + "\n")
+    sessions = plan.rootfs / "run" / "umbra-sessions"
+    (launch / "sessions-dir").write_text(str(sessions) + "\n")
+    pid = running_pid(plan, "sandbox")
+    (launch / "sandbox-pid").write_text(f"{pid or ''}\n")
+
+
+def start_ingress(plan: LocalCvmPlan) -> None:
+    """THE place where a local CVM starts its attested SSH ingress (aTLS + gateway sshd).
+
+    Not wired yet: `umbra sandbox ingress --config FILE` is being built separately; it reads the
+    launch directory written by `write_launch_dir`."""
+
+
+def ensure_running(plan: LocalCvmPlan) -> list[str]:
+    """Restart whichever of the CVM's processes died; returns the roles restarted."""
+    restarted = []
+    if running_pid(plan, "sandbox") is None:
+        start_sandbox(plan)
+        restarted.append("sandbox")
+    if running_pid(plan, "forwarder") is None:
+        start_forwarder(plan)
+        wait_listening(plan.forwarder_ns, plan.forwarder_addr, SANDBOX_PROXY_PORT)
+        restarted.append("forwarder")
+    return restarted
+
+
+def ensure_network(plan: LocalCvmPlan) -> bool:
+    """Recreate the namespaces after `shut_down` (or a reboot); True when it had to."""
+    if _netns_exists(plan.sandbox_ns) and _netns_exists(plan.forwarder_ns):
+        return False
+    for role in ("forwarder", "sandbox"):
+        stop(plan, role)
+    delete_network(plan)
+    create_network(plan, [SANDBOX_PROXY_PORT])
+    return True
+
+
+def shut_down(plan: LocalCvmPlan) -> None:
+    """Stop the CVM's processes and remove its namespaces and veths; keep its files."""
+    for role in ("forwarder", "sandbox", "sandbox-launcher"):
+        stop(plan, role)
+    delete_network(plan)
+
+
+def create(
+    root: Path,
+    cvm_id: str,
+    prefix: str,
+    forwarder_config: dict[str, Any],
+    credential: str,
+    authorized_keys: list[str],
+) -> LocalCvmPlan:
+    """Build and start a local Dev CVM; on any failure remove everything it had made."""
+    require_tools()
+    plan = allocate(root, cvm_id, prefix)
+    taken = [ns for ns in (plan.sandbox_ns, plan.forwarder_ns) if _netns_exists(ns)]
+    if taken:
+        # Not ours: refuse without touching it (cleanup below would delete it by name).
+        shutil.rmtree(plan.dir, ignore_errors=True)
+        raise LocalCvmError(f"network namespace {taken[0]} already exists; remove it or rename")
+    try:
+        (plan.dir / "cvm-id").write_text(cvm_id + "\n")
+        credential_path = plan.dir / "credential"
+        fd = os.open(credential_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as handle:
+            handle.write(credential + "\n")
+        config = dict(forwarder_config)
+        config["listen"] = {
+            "host": plan.forwarder_addr,
+            "proxy_port": SANDBOX_PROXY_PORT,
+            "tunnels": [],
+        }
+        config["security_cvm"] = {**config["security_cvm"], "host": SECURITY_CVM_ADDR}
+        config["cvm_id_file"] = str(plan.dir / "cvm-id")
+        config["credential_file"] = str(credential_path)
+        (plan.dir / "forwarder.json").write_text(json.dumps(config, indent=2))
+        _make_rootfs(plan)
+        create_network(plan, [SANDBOX_PROXY_PORT])
+        ensure_running(plan)
+        write_launch_dir(plan, authorized_keys)
+        start_ingress(plan)
+    except BaseException:
+        destroy(plan)
+        raise
+    return plan
+
+
+def _make_rootfs(plan: LocalCvmPlan) -> None:
+    root = plan.rootfs
+    for sub in (*HOST_DIRS, "proc", "dev", "tmp", "root", "home", "run/umbra-sessions", "umbra"):
+        (root / sub).mkdir(parents=True, exist_ok=True)
+    for sub in ("tmp", "root", "home", "run", "run/umbra-sessions"):
+        os.chown(root / sub, plan.uid, plan.uid)
+    (root / "tmp").chmod(0o1777)
+
+
+def destroy(plan: LocalCvmPlan) -> None:
+    shut_down(plan)
+    shutil.rmtree(plan.dir, ignore_errors=True)
+
+
+def status(plan: LocalCvmPlan) -> dict[str, Any]:
+    return {
+        "cvm_id": plan.cvm_id,
+        "runtime": "namespaces",
+        "sandbox_pid": running_pid(plan, "sandbox"),
+        "forwarder_pid": running_pid(plan, "forwarder"),
+        "sandbox_netns": plan.sandbox_ns if _netns_exists(plan.sandbox_ns) else None,
+        "forwarder_netns": plan.forwarder_ns if _netns_exists(plan.forwarder_ns) else None,
+        "proxy": f"http://{plan.forwarder_addr}:{SANDBOX_PROXY_PORT}",
+    }
+
+
+def exec_argv(plan: LocalCvmPlan, command: list[str]) -> list[str]:
+    """Run `command` inside the sandbox, as its root (an unprivileged uid on the host)."""
+    pid = running_pid(plan, "sandbox")
+    if pid is None:
+        raise LocalCvmError(f"the sandbox of {plan.cvm_id} is not running")
+    return [
+        "nsenter",
+        "-t",
+        str(pid),
+        "-U",
+        "-m",
+        "-n",
+        "-p",
+        "-i",
+        "-u",
+        "-r",
+        "-w",
+        "--",
+        *command,
+    ]
