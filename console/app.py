@@ -24,8 +24,8 @@ from umbra.console.providers import ProviderError, build_providers
 from umbra.console.release import SecretReleaseVerifier
 from umbra.console.release_config import verifier_from_settings
 from umbra.console.routes import audit, bundles, cvms, meta, secrets, security_cvm, traffic
-from umbra.console.schemas import TrafficBatch
 from umbra.console.state import Console
+from umbra.contracts.traffic import TrafficBatch
 from umbra.proxy.policy.bundle import BundleError, load_public_key
 
 log = logging.getLogger("umbra.console")
