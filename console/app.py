@@ -13,6 +13,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
+from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
+from sqlalchemy.exc import TimeoutError as SqlTimeoutError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from umbra.console import db
@@ -30,6 +32,7 @@ from umbra.proxy.policy.bundle import BundleError, load_public_key
 
 log = logging.getLogger("umbra.console")
 API_VERSION = "1.0.0"
+RETRY_AFTER_SECONDS = 5
 
 
 def build_console(
@@ -70,7 +73,9 @@ def build_console(
         release_verifier = verifier_from_settings(settings)
     return Console(
         settings=settings,
-        engine=db.make_engine(settings.database_url),
+        engine=db.make_engine(
+            settings.database_url, statement_timeout_ms=settings.db_statement_timeout_ms
+        ),
         oidc=oidc,
         bundle_keys=keys,
         keyring=keyring,
@@ -122,6 +127,7 @@ def create_app(
         ),
     )
     app.add_middleware(MetricsMiddleware, console=console)
+    app.add_middleware(ErrorMiddleware)
     return app
 
 
@@ -161,10 +167,69 @@ def _install_error_handlers(app: FastAPI) -> None:
         ]
         return JSONResponse({"detail": errors}, status_code=422)
 
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        log.error("unhandled %s on %s %s", type(exc).__name__, request.method, request.url.path)
+    @app.exception_handler(IntegrityError)
+    async def _conflict(request: Request, exc: IntegrityError) -> JSONResponse:
+        # Named locks make this rare; if two writers still collide on a unique key, the loser's
+        # answer is a retryable conflict. Only the type is logged: SQL parameters may be secrets.
+        log.warning("conflict %s on %s %s", _db_error(exc), request.method, request.url.path)
+        return JSONResponse({"detail": "conflicting concurrent change; retry"}, status_code=409)
+
+    @app.exception_handler(DBAPIError)
+    async def _database(request: Request, exc: DBAPIError) -> JSONResponse:
+        log.error("database %s on %s %s", _db_error(exc), request.method, request.url.path)
+        if isinstance(exc, OperationalError) or exc.connection_invalidated:
+            return JSONResponse(
+                {"detail": "the database is unavailable or too slow; retry later"},
+                status_code=503,
+                headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
+            )
         return JSONResponse({"detail": "internal error"}, status_code=500)
+
+    @app.exception_handler(SqlTimeoutError)
+    async def _pool(request: Request, _exc: SqlTimeoutError) -> JSONResponse:
+        log.error("database pool exhausted on %s %s", request.method, request.url.path)
+        return JSONResponse(
+            {"detail": "the database is busy; retry later"},
+            status_code=503,
+            headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
+        )
+
+
+def _db_error(exc: DBAPIError) -> str:
+    """The driver's exception type, e.g. `psycopg.errors.UniqueViolation`: never its message,
+    which quotes the statement's parameters."""
+    original = exc.orig
+    return type(original).__name__ if original is not None else type(exc).__name__
+
+
+class ErrorMiddleware:
+    """Outermost: an unexpected exception becomes a plain 500, logged by type only. (Starlette's
+    own server-error handling re-raises, and the server then logs the whole traceback, which can
+    hold request values.)"""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking)
+        except Exception as exc:
+            log.error("unhandled %s on %s %s", type(exc).__name__, scope["method"], scope["path"])
+            if started:
+                return
+            response = JSONResponse({"detail": "internal error"}, status_code=500)
+            await response(scope, receive, send)
 
 
 class MetricsMiddleware:

@@ -140,6 +140,15 @@ class Settings(BaseModel):
     max_bundle_bytes: int = Field(default=16 << 20, gt=0)
     max_traffic_batch_bytes: int = Field(default=16 << 20, gt=0)
     max_traffic_batch_records: int = Field(default=10_000, gt=0)
+    db_statement_timeout_ms: int = Field(
+        default=15_000,
+        ge=0,
+        description="PostgreSQL statement_timeout for the Console's own connections (0: none); "
+        "a query over it answers 503 instead of holding a connection.",
+    )
+    release_challenges_per_minute: int = Field(
+        default=30, ge=1, description="Per Security CVM: challenge requests beyond this get 429."
+    )
     long_poll_max_seconds: int = Field(default=60, ge=1, le=600)
     long_poll_db_interval_seconds: float = Field(
         default=0.5, gt=0, le=1.0, description="How often a long poll rechecks the database."

@@ -54,7 +54,7 @@ def record_event(console: Console, cvm_id: str, event: ProviderEvent) -> None:
         "message": one_line(event.message),
     }
     try:
-        with console.write() as session:
+        with console.write(f"cvm:{cvm_id}") as session:
             cvm = session.get(Cvm, cvm_id)
             if cvm is not None:
                 cvm.events = [*cvm.events, entry][-MAX_EVENTS:]
@@ -113,7 +113,7 @@ def finish(
     result: Provisioned | None,
 ) -> None:
     try:
-        with console.write() as session:
+        with console.write(f"cvm:{spec.id}") as session:
             cvm = session.get(Cvm, spec.id)
             if cvm is None or cvm.state != TRANSITIONAL[operation]:
                 log.warning(

@@ -33,7 +33,9 @@ from umbra.console.routes.common import (
     TeamPath,
     current_bundle,
     cvm_info,
+    cvm_lock,
     not_found,
+    policy_lock,
     visible_cvm,
 )
 from umbra.console.schemas import CvmCreate, CvmCreated, CvmInfo, CvmUpdate, ProfilesUpdate
@@ -91,15 +93,20 @@ def create_cvm(team: TeamPath, body: CvmCreate, console: ConsoleDep, user: UserD
     except ProviderError as exc:
         raise HTTPException(UNPROCESSABLE, f"provider: {exc}") from None
     credential = None
-    with console.write() as session:
+    locks = [f"cvm-name:{team}:{owner}:{body.name}"]
+    if body.security_cvm_id is not None:
+        locks.append(cvm_lock(body.security_cvm_id))  # not destroyed while we route through it
+    with console.write(*locks) as session:
         if body.security_cvm_id is not None:
             _security_cvm_in_team(session, team, body.security_cvm_id)
         taken = session.execute(
-            select(col(Cvm.id)).where(col(Cvm.team) == team, col(Cvm.name) == body.name)
+            select(col(Cvm.id)).where(
+                col(Cvm.team) == team, col(Cvm.owner) == owner, col(Cvm.name) == body.name
+            )
         ).first()
         if taken is not None:
             raise HTTPException(
-                status.HTTP_409_CONFLICT, f"name: CVM {body.name!r} exists in team {team!r}"
+                status.HTTP_409_CONFLICT, f"name: {owner!r} already has a CVM {body.name!r}"
             )
         ref: str | None = None
         if not provider.background:
@@ -123,6 +130,14 @@ def create_cvm(team: TeamPath, body: CvmCreate, console: ConsoleDep, user: UserD
             credential = CREDENTIAL_PREFIX + secrets.token_urlsafe(32)
             cvm.credential_hash = credential_hash(credential)
         session.add(cvm)
+        try:
+            # Flushed here, not by autoflush inside the audit append, so a unique violation
+            # (should the lock ever be bypassed) is this request's 409, not a 500.
+            session.flush()
+        except IntegrityError:
+            raise HTTPException(
+                status.HTTP_409_CONFLICT, f"name: {owner!r} already has a CVM {body.name!r}"
+            ) from None
         audit.append(
             session,
             actor=user.subject,
@@ -136,12 +151,7 @@ def create_cvm(team: TeamPath, body: CvmCreate, console: ConsoleDep, user: UserD
                 "provider": body.provider,
             },
         )
-        try:
-            session.flush()
-        except IntegrityError:
-            raise HTTPException(
-                status.HTTP_409_CONFLICT, f"name: CVM {body.name!r} exists"
-            ) from None
+        session.flush()
         info = cvm_info(cvm)
     # Committed: a cloud launch now runs outside the transaction and records its own outcome.
     if provider.background:
@@ -203,7 +213,10 @@ def _may_manage(cvm: Cvm, role: str | None) -> None:
 @router.patch("/cvms/{cvm_id}", summary="Start/stop, re-route, or change SSH keys/size.")
 def update_cvm(cvm_id: CvmIdPath, body: CvmUpdate, console: ConsoleDep, user: UserDep) -> CvmInfo:
     background: tuple[CvmProvider, Cvm] | None = None
-    with console.write() as session:
+    locks = [cvm_lock(cvm_id)]
+    if body.security_cvm_id is not None:
+        locks.append(cvm_lock(body.security_cvm_id))
+    with console.write(*locks) as session:
         cvm = visible_cvm(session, user, cvm_id)
         role = user.role_in(cvm.team)
         _may_manage(cvm, role)
@@ -275,7 +288,7 @@ def update_cvm(cvm_id: CvmIdPath, body: CvmUpdate, console: ConsoleDep, user: Us
 @router.delete("/cvms/{cvm_id}", summary="Destroy a CVM (admin, or the owner of a Dev CVM).")
 def destroy_cvm(cvm_id: CvmIdPath, console: ConsoleDep, user: UserDep) -> CvmInfo:
     background: tuple[CvmProvider, Cvm] | None = None
-    with console.write() as session:
+    with console.write(cvm_lock(cvm_id)) as session:
         cvm = visible_cvm(session, user, cvm_id)
         _may_manage(cvm, user.role_in(cvm.team))
         if cvm.state != "destroyed":
@@ -315,9 +328,10 @@ def attach_profiles(
     cvm_id: CvmIdPath, body: ProfilesUpdate, console: ConsoleDep, user: UserDep
 ) -> CvmInfo:
     profiles = sorted(set(body.profiles))
-    with console.write() as session:
+    with console.write(cvm_lock(cvm_id)) as session:
         cvm = visible_cvm(session, user, cvm_id)
         require_role(user, cvm.team, "admin")
+        console.lock(session, policy_lock(cvm.team))  # after the CVM lock, as everywhere
         if cvm.kind != "dev":
             raise HTTPException(UNPROCESSABLE, "profiles: attach profiles to Dev CVMs only")
         if cvm.state == "destroyed":
@@ -354,7 +368,9 @@ def attach_profiles(
     summary="Issue a new credential for a Security CVM, revoking the old one (admin).",
 )
 def rotate_credential(cvm_id: CvmIdPath, console: ConsoleDep, user: UserDep) -> CvmCreated:
-    with console.write() as session:
+    # Serialized per CVM: of concurrent rotations, the one that commits last holds the only
+    # working credential, and every earlier one is revoked by it.
+    with console.write(cvm_lock(cvm_id)) as session:
         cvm = visible_cvm(session, user, cvm_id)
         require_role(user, cvm.team, "admin")
         if cvm.kind != "security" or cvm.state == "destroyed":
