@@ -103,6 +103,8 @@ def create_app(
             else:
                 log.warning("auto_migrate is honoured for SQLite only; run `umbra console migrate`")
         log.info("console starting: %s", settings_summary(settings))
+        if console.oidc is not None:
+            console.oidc.refresh_soon()  # keys arrive in the background, before most requests
         yield
         # Let running provider jobs record their outcome before the engine goes away.
         console.jobs.shutdown(wait=True)
