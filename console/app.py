@@ -15,9 +15,10 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
 from sqlalchemy.exc import TimeoutError as SqlTimeoutError
+from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from umbra.console import db
+from umbra.console import children, db, provisioning
 from umbra.console.config import ConfigError, Settings, settings_summary
 from umbra.console.envelope import EnvelopeError, LocalKeyring
 from umbra.console.limits import BodyLimitMiddleware, limit_for
@@ -89,8 +90,11 @@ def create_app(
     *,
     release_verifier: SecretReleaseVerifier | None = None,
     stack_factory: Any = None,
+    owns_process: bool = False,
 ) -> FastAPI:
-    """`stack_factory` stands in for the Pulumi CLI under the cloud adapters (tests)."""
+    """`stack_factory` stands in for the Pulumi CLI under the cloud adapters (tests).
+    `owns_process`: this process is the Console's alone (`umbra console serve`), so at shutdown
+    every child process it has is a provider's and is ended."""
     console = build_console(
         settings, release_verifier=release_verifier, stack_factory=stack_factory
     )
@@ -98,16 +102,13 @@ def create_app(
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         if settings.auto_migrate:
-            if settings.is_sqlite:
-                db.upgrade(settings.database_url)
-            else:
-                log.warning("auto_migrate is honoured for SQLite only; run `umbra console migrate`")
+            await run_in_threadpool(db.upgrade, settings.database_url)
         log.info("console starting: %s", settings_summary(settings))
         if console.oidc is not None:
             console.oidc.refresh_soon()  # keys arrive in the background, before most requests
+        await run_in_threadpool(provisioning.reconcile, console)
         yield
-        # Let running provider jobs record their outcome before the engine goes away.
-        console.jobs.shutdown(wait=True)
+        await run_in_threadpool(_stop_jobs, console, owns_process)
         console.engine.dispose()
 
     app = FastAPI(
@@ -131,6 +132,18 @@ def create_app(
     app.add_middleware(MetricsMiddleware, console=console)
     app.add_middleware(ErrorMiddleware)
     return app
+
+
+def _stop_jobs(console: Console, owns_process: bool, grace: float = 3.0) -> None:
+    """Shutdown within seconds: queued runs are cancelled, the provider's child processes are
+    ended (so running ones fail fast and record it), and a run that still has not finished is
+    left for `reconcile` at the next start."""
+    console.jobs.shutdown(wait=False, cancel_futures=True)
+    if owns_process and children.terminate_descendants(grace=grace):
+        log.warning("ended provider child processes at shutdown")
+    deadline = time.monotonic() + grace
+    for thread in list(getattr(console.jobs, "_threads", ())):
+        thread.join(timeout=max(0.0, deadline - time.monotonic()))
 
 
 def _register_extra_schemas(app: FastAPI, models: list[type[BaseModel]]) -> None:

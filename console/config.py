@@ -103,7 +103,7 @@ class Settings(BaseModel):
     )
     auto_migrate: bool = Field(
         default=False,
-        description="Run Alembic `upgrade head` at startup; honoured for SQLite only.",
+        description="Run Alembic `upgrade head` before serving (`console serve --migrate`).",
     )
     oidc_issuer: str | None = Field(default=None, description="Issuer URL; `iss` must equal it.")
     oidc_audience: str = Field(default="umbra-console", description="Required `aud` value.")
