@@ -1,41 +1,69 @@
 """The `umbra` command: a thin typer app that parses, calls the other parts and renders with rich.
 
 Sub-commands load on first use, so `umbra policy check` does not import mitmproxy, FastAPI or the
-Pulumi SDKs; only `umbra --help` loads them all, to list them.
+Pulumi SDKs, and `umbra --help` imports none of them: it lists the commands from the static table
+below (a test keeps each line equal to its module's own help).
 """
 
 from __future__ import annotations
 
 import importlib
+from typing import Any
 
 import typer
 from typer import _click as click  # typer vendors click; TyperGroup speaks these types
 from typer.core import TyperGroup
 
-# name -> (module, attribute holding its typer.Typer)
-SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "attest": ("umbra.cli.attest", "app"),
-    "auth": ("umbra.cli.auth", "app"),
-    "console": ("umbra.cli.console", "app"),
-    "cvm": ("umbra.cli.cvm", "app"),
-    "forwarder": ("umbra.cli.sandbox", "forwarder_app"),
-    "image": ("umbra.cli.image", "app"),
-    "logs": ("umbra.cli.logs", "app"),
-    "policy": ("umbra.cli.policy", "app"),
-    "proxy": ("umbra.cli.proxy", "app"),
-    "sandbox": ("umbra.cli.sandbox", "app"),
-    "secret": ("umbra.cli.secret", "app"),
+# name -> (module, attribute holding its typer.Typer, one-line help)
+SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
+    "attest": ("umbra.cli.attest", "app", "Verify TDX attestation quotes; simulate a TEE."),
+    "audit": ("umbra.cli.audit", "app", "The Console's hash-chained audit log (admins)."),
+    "auth": ("umbra.cli.auth", "app", "Log in to an Umbra Console."),
+    "console": (
+        "umbra.cli.console",
+        "app",
+        "Run and maintain the Umbra Console (settings come from UMBRA_CONSOLE_* variables).",
+    ),
+    "cvm": ("umbra.cli.cvm", "app", "Launch, list, update and destroy CVMs."),
+    "forwarder": ("umbra.cli.sandbox", "forwarder_app", "The Dev CVM's attested egress forwarder."),
+    "image": (
+        "umbra.cli.image",
+        "app",
+        "Measure CVM releases: compose hash, RTMR3 events, signed manifests.",
+    ),
+    "logs": ("umbra.cli.logs", "app", "Query the traffic log."),
+    "policy": ("umbra.cli.policy", "app", "Lint, test, diff, build and verify egress policy."),
+    "profile": ("umbra.cli.profile", "app", "Attach policy profiles to Dev CVMs (admins)."),
+    "proxy": ("umbra.cli.proxy", "app", "The Security CVM's policy-enforcing egress proxy."),
+    "sandbox": ("umbra.cli.sandbox", "app", "Dev CVM sandbox: compose files and agent sessions."),
+    "secret": (
+        "umbra.cli.secret",
+        "app",
+        "Write-only secrets, bound to the hosts they may be sent to.",
+    ),
 }
 
 
 class LazyGroup(TyperGroup):
+    _listing = False
+
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted({*super().list_commands(ctx), *SUBCOMMANDS})
+
+    def format_help(self, ctx: click.Context, formatter: Any) -> None:
+        # While help is rendered, sub-commands are stand-ins carrying only their help line.
+        self._listing = True
+        try:
+            super().format_help(ctx, formatter)
+        finally:
+            self._listing = False
 
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
         if cmd_name not in SUBCOMMANDS:
             return super().get_command(ctx, cmd_name)
-        module_name, attribute = SUBCOMMANDS[cmd_name]
+        module_name, attribute, help_text = SUBCOMMANDS[cmd_name]
+        if self._listing:
+            return TyperGroup(name=cmd_name, help=help_text)
         sub_app = getattr(importlib.import_module(module_name), attribute)
         command = typer.main.get_group(sub_app)
         command.name = cmd_name

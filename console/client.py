@@ -21,6 +21,7 @@ from umbra.console.schemas import (
     CvmInfo,
     IngestResult,
     Me,
+    QuarantinePage,
     ReleaseChallenge,
     ReleaseResponse,
     SecretInfo,
@@ -199,12 +200,16 @@ class ConsoleClient(_Base):
         until: datetime | None = None,
         limit: int = 100,
         cursor: str | None = None,
+        reason: str | None = None,
+        rule_id: str | None = None,
     ) -> TrafficPage:
         params = {
             "cvm_id": cvm_id,
             "owner": owner,
             "host": host,
             "decision": decision,
+            "reason": reason,
+            "rule_id": rule_id,
             "since": since.isoformat() if since else None,
             "until": until.isoformat() if until else None,
             "limit": limit,
@@ -212,6 +217,10 @@ class ConsoleClient(_Base):
         }
         query = {key: value for key, value in params.items() if value is not None}
         return self._model(TrafficPage, "GET", f"/api/v1/teams/{team}/traffic", params=query)
+
+    def quarantine(self, team: str, *, limit: int = 100) -> QuarantinePage:
+        url = f"/api/v1/teams/{team}/traffic/quarantine"
+        return self._model(QuarantinePage, "GET", url, params={"limit": limit})
 
     def audit(self, team: str, *, after: int = 0, limit: int = 100) -> AuditPage:
         params = {"after": after, "limit": limit}
