@@ -6,8 +6,11 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
@@ -43,7 +46,7 @@ def build_console(
     stack_factory: Any = None,
 ) -> Console:
     try:
-        keys = [load_public_key(path) for path in settings.bundle_public_keys]
+        keys = [_bundle_key(entry) for entry in settings.bundle_public_keys]
     except BundleError as exc:
         raise ConfigError(f"bundle_public_keys: {exc}") from None
     oidc = None
@@ -83,6 +86,19 @@ def build_console(
         providers=providers,
         release_verifier=release_verifier,
     )
+
+
+def _bundle_key(entry: Path | str) -> Ed25519PublicKey:
+    """A key setting is PEM text (starts with `-----BEGIN`) or the path of a PEM file."""
+    if isinstance(entry, str) and entry.lstrip().startswith("-----BEGIN"):
+        try:
+            key = serialization.load_pem_public_key(entry.strip().encode())
+        except ValueError:
+            raise BundleError("PEM text does not parse as a public key") from None
+        if not isinstance(key, Ed25519PublicKey):
+            raise BundleError("PEM text is not an Ed25519 public key")
+        return key
+    return load_public_key(Path(entry))
 
 
 def create_app(

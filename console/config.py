@@ -119,8 +119,9 @@ class Settings(BaseModel):
     oidc_allow_insecure_http: bool = Field(
         default=False, description="Allow an http:// issuer; only ever for loopback test issuers."
     )
-    bundle_public_keys: list[Path] = Field(
-        default_factory=list, description="PEM Ed25519 keys that may sign policy bundles."
+    bundle_public_keys: list[Path | str] = Field(
+        default_factory=list,
+        description="Ed25519 keys that may sign policy bundles: each a PEM file path or PEM text.",
     )
     kek: dict[str, str] = Field(
         default_factory=dict, description="Key encryption keys: key id -> base64 of 32 bytes."

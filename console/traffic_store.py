@@ -39,6 +39,7 @@ _SQLITE_INSERT = (
     f"INSERT OR IGNORE INTO traffic_record ({_COLUMN_LIST}) "  # noqa: S608
     f"VALUES ({', '.join('?' for _ in COLUMNS)})"
 )
+QUARANTINE_CHUNK = 500
 _dumps = json.JSONEncoder(separators=(",", ":")).encode
 
 
@@ -106,18 +107,20 @@ def _insert_sqlite(
 def insert_quarantined(session: Session, rows: Sequence[dict[str, Any]]) -> int:
     """Insert quarantine rows unless the same record (by fingerprint) is already quarantined for
     the team; return how many were new."""
-    if not rows:
+    unique = list({row["fingerprint"]: row for row in rows}.values())
+    if not unique:
         return 0
     from umbra.console.models import TrafficQuarantine
 
     table = TrafficQuarantine.__table__  # type: ignore[attr-defined]
-    statement: Any
     if session.get_bind().dialect.name == "postgresql":
-        from sqlalchemy.dialects.postgresql import insert as pg_insert
-
-        statement = pg_insert(table).values(list(rows)).on_conflict_do_nothing()
+        from sqlalchemy.dialects.postgresql import insert
     else:
-        from sqlalchemy.dialects.sqlite import insert as sqlite_insert
-
-        statement = sqlite_insert(table).values(list(rows)).on_conflict_do_nothing()
-    return int(session.execute(statement).rowcount)  # type: ignore[attr-defined]
+        from sqlalchemy.dialects.sqlite import insert  # type: ignore[assignment]
+    inserted = 0
+    # Chunks keep every statement under the drivers' bound-parameter limits (PostgreSQL: 65535).
+    for start in range(0, len(unique), QUARANTINE_CHUNK):
+        chunk = unique[start : start + QUARANTINE_CHUNK]
+        statement: Any = insert(table).values(chunk).on_conflict_do_nothing()
+        inserted += int(session.execute(statement).rowcount)  # type: ignore[attr-defined]
+    return inserted

@@ -22,7 +22,7 @@ ROTATED = "admin-cli-rotated-Vb5Nn1Kd8"
 
 
 class Cli:
-    def __init__(self, home: Path, columns: int = 80) -> None:
+    def __init__(self, home: Path, columns: int = 200) -> None:
         self.env = {"XDG_CONFIG_HOME": str(home), "COLUMNS": str(columns)}
         self.runner = CliRunner()
         self.outputs: list[str] = []
@@ -88,10 +88,15 @@ def test_admin_commands(
     denied = admin.json("logs", "--decision", "deny", "--reason", "no_rule", "--until", "0s")
     assert [r["id"] for r in denied] == [records[1]["id"]]
     assert admin.json("logs", "--owner", team.dev_subject)[0]["id"] == records[0]["id"]
+    from umbra.cli import output
+
+    # The CLI's rich console is created once per process; pin an 80-column terminal for this call.
+    monkeypatch.setattr(output.console, "_width", 80)
     narrow = admin("logs", "--cvm", cvm).output
+    monkeypatch.undo()
     assert all(len(line) <= 80 for line in narrow.splitlines()), narrow
     assert cvm not in narrow and cvm[-6:] in narrow
-    wide = Cli(tmp_path / "admin", columns=400)("logs", "--cvm", cvm, "--wide").output
+    wide = admin("logs", "--cvm", cvm, "--wide").output
     assert cvm in wide and long_path in wide
     quarantined = admin.json("logs", "--quarantined")
     assert [q["reason"] for q in quarantined] == ["invalid"]
