@@ -43,13 +43,13 @@ FILL = """
 INSERT INTO traffic_record (team, id, security_cvm_id, time, cvm_id, owner, kind, method, host,
     path, query_keys, decision, rule_id, reason, status, bytes_sent, bytes_received, duration_ms,
     scan_rule_ids, injected_headers, truncated, received_at)
-SELECT 't' || (g % 50), md5(g::text)::uuid::text, 'cvm_00000000000000aa',
-    now() - (g % 2592000) * interval '1 second',
-    'cvm_' || lpad(to_hex((g / 50) % 40), 16, '0'), 'dev' || ((g / 50) % 20), 'http', 'GET',
-    'h' || (g % 200) || '.example.com', '/p/' || (g % 1000), '[]',
-    CASE WHEN g % 10 = 0 THEN 'deny' ELSE 'allow' END,
-    CASE WHEN g % 10 = 0 THEN NULL ELSE 'p:egress-' || (g % 7) END,
-    CASE WHEN g % 10 = 0 THEN 'no_rule' WHEN g % 997 = 0 THEN 'scan_block' ELSE 'rule_allow' END,
+SELECT 't' || mod(g, 50), md5(g::text)::uuid::text, 'cvm_00000000000000aa',
+    now() - mod(g, 2592000) * interval '1 second',
+    'cvm_' || lpad(to_hex(mod(g / 50, 40)), 16, '0'), 'dev' || mod(g / 50, 20), 'http', 'GET',
+    'h' || mod(g, 200) || '.example.com', '/p/' || mod(g, 1000), '[]',
+    CASE WHEN mod(g, 10) = 0 THEN 'deny' ELSE 'allow' END,
+    CASE WHEN mod(g, 10) = 0 THEN NULL ELSE 'p:egress-' || mod(g, 7) END,
+    CASE WHEN mod(g, 10) = 0 THEN 'no_rule' WHEN mod(g, 997) = 0 THEN 'scan_block' ELSE 'rule_allow' END,
     200, 10, 20, 1.5, '[]', '[]', '[]', now()
 FROM generate_series(1, %(rows)s) AS g
 """
@@ -92,6 +92,7 @@ def run(url: str, rows: int, repeat: int) -> None:
     console = build_console(Settings(database_url=url))
     started = time.perf_counter()
     with console.engine.begin() as connection:
+        connection.exec_driver_sql("SET LOCAL statement_timeout = 0")  # the fill takes a while
         connection.exec_driver_sql(FILL.replace("%(rows)s", str(int(rows))))
         connection.exec_driver_sql("ANALYZE traffic_record")
     print(f"{rows:,} rows generated in {time.perf_counter() - started:.1f} s")
@@ -151,6 +152,7 @@ def run(url: str, rows: int, repeat: int) -> None:
 
     with_new = measure()
     with console.engine.begin() as connection:
+        connection.exec_driver_sql("SET LOCAL statement_timeout = 0")
         for name in NEW_INDEXES:
             connection.execute(text(f"DROP INDEX {name}"))
         for name, columns in OLD_INDEXES.items():
