@@ -14,7 +14,15 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.console.helpers import Server, Team, make_bundle, profile, standard_bundle, unique
+from tests.console.helpers import (
+    CaptureHandler,
+    Server,
+    Team,
+    make_bundle,
+    profile,
+    standard_bundle,
+    unique,
+)
 from tests.console.oidc_issuer import LocalIssuer
 
 pytestmark = pytest.mark.parametrize("server", ["postgresql"], indirect=True)
@@ -111,7 +119,9 @@ def test_parallel_credential_rotations_one_defined_winner(team: Team) -> None:
     assert works == [False, False, False, True]
 
 
-def test_database_outage_is_503_with_retry_after(team: Team, postgres: Any) -> None:
+def test_database_outage_is_503_with_retry_after(
+    team: Team, postgres: Any, log_capture: CaptureHandler
+) -> None:
     # Terminate every connection of the Console's database, then make new ones fail: the next
     # request gets a retryable 503, not a 500 with a traceback.
     database = team.server.settings.database_url.rsplit("/", 1)[1]
@@ -124,9 +134,13 @@ def test_database_outage_is_503_with_retry_after(team: Team, postgres: Any) -> N
             (database,),
         )
         try:
+            mark = len(log_capture.lines)
             response = team.admin.get(f"/api/v1/teams/{team.name}/cvms")
             assert response.status_code == 503
             assert response.headers["Retry-After"]
+            logged = "\n".join(log_capture.lines[mark:])
+            assert "OperationalError" in logged  # the type, and nothing more
+            assert "Traceback" not in logged and "SELECT" not in logged
         finally:
             admin.execute(f'ALTER DATABASE "{database}" ALLOW_CONNECTIONS true')
     assert team.admin.get(f"/api/v1/teams/{team.name}/cvms").status_code == 200
