@@ -48,7 +48,7 @@ _TOKEN_CHARS = re.compile(r"[^!#$%&'*+.^_`|~0-9A-Za-z-]")
 _RULE = r"^[A-Za-z0-9._:/-]{1,160}$"
 _RULE_CHARS = re.compile(r"[^A-Za-z0-9._:/-]")
 _REASON = r"^[a-z0-9_]{0,64}$"
-_CVM_ID = r"^cvm_[0-9a-f]{16}$"
+_CVM_ID = r"^[A-Za-z0-9_.:-]{1,40}$"  # the Console checks it names a Dev CVM of the team
 _TEAM = r"^[a-z0-9](?:[a-z0-9-]{0,62}[a-z0-9])?$"
 _HEADER_NAME = r"^[!#$%&'*+.^_`|~0-9A-Za-z-]{1,128}$"
 
@@ -176,8 +176,20 @@ class TrafficRecord(BaseModel):
             if fixed_items != list(items):
                 cut.append(name)
             fields[name] = fixed_items
-        if cut:
-            fields["truncated"] = sorted(set(cut))
+        for _ in range(3):
+            if cut:
+                fields["truncated"] = sorted(set(cut))
+            try:
+                return cls.model_validate(fields)
+            except ValidationError as exc:
+                # A value that still does not fit (e.g. an empty team) is dropped and marked,
+                # never allowed to fail the proxy's request path; required fields stay errors.
+                bad = {str(e["loc"][0]) for e in exc.errors() if e["loc"]} - _REQUIRED
+                if not bad or not bad <= set(fields):
+                    raise
+                for name in bad:
+                    fields.pop(name)
+                    cut.append(name)
         return cls.model_validate(fields)
 
     def wire(self) -> dict[str, Any]:
@@ -185,6 +197,7 @@ class TrafficRecord(BaseModel):
         return self.model_dump(mode="json", exclude_defaults=False)
 
 
+_REQUIRED = frozenset({"decision", "truncated"})
 _TEXT_LIMITS = {
     "method": MAX_METHOD,
     "connect_host": MAX_HOST,
