@@ -14,6 +14,7 @@ from uvicorn.supervisors import Multiprocess
 from umbra.console import db
 from umbra.console.app import create_app
 from umbra.console.config import ConfigError, Settings
+from umbra.console.http_guard import GuardedH11Protocol
 
 # Worker processes rebuild the parent's validated settings from this variable (same trust as the
 # environment the parent read them from).
@@ -111,8 +112,9 @@ def serve(
         "proxy_headers": False,
         "server_header": False,
         "timeout_graceful_shutdown": 5,
-        # Bounds the header section (uvicorn answers an oversized one with 400 and closes).
+        # Bounds the header section (431 and close) and the time to read it (close).
         "h11_max_incomplete_event_size": 32 << 10,
+        "http": GuardedH11Protocol,
     }
     if tls_cert is not None and tls_key is not None:
         options.update(ssl_certfile=str(tls_cert), ssl_keyfile=str(tls_key))
