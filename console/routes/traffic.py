@@ -82,7 +82,7 @@ def list_quarantine(
     console: ConsoleDep,
     user: UserDep,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
-    cursor: Annotated[int | None, Query(ge=1)] = None,
+    cursor: Annotated[int | None, Query(ge=1, le=(1 << 31) - 1)] = None,
 ) -> QuarantinePage:
     require_role(user, team, "admin")
     columns = QUARANTINE.c
