@@ -83,9 +83,21 @@ def parse(raw: bytes) -> tuple[list[TrafficRecord], list[_Quarantine], int]:
     return good, bad, len(loose.records)
 
 
-def ingest(session: Session, raw: bytes, team: str, security_cvm_id: str) -> IngestOutcome:
+def ingest(
+    session: Session, raw: bytes, team: str, security_cvm_id: str, max_records: int
+) -> IngestOutcome:
     """Runs inside the caller's write transaction."""
     good, bad, received = parse(raw)
+    if received > max_records:
+        raise BatchRejected(
+            [
+                {
+                    "loc": ("body", "records"),
+                    "msg": f"at most {max_records} records per batch",
+                    "type": "too_long",
+                }
+            ]
+        )
     unique: dict[uuid.UUID, TrafficRecord] = {}
     for record in good:
         if record.team is None:
@@ -121,10 +133,8 @@ def ingest(session: Session, raw: bytes, team: str, security_cvm_id: str) -> Ing
                 )
     now = utcnow()
     inserted = insert_records(session, list(unique.values()), security_cvm_id, now)
-    quarantined = insert_quarantined(
-        session, [_row(item, team, security_cvm_id, now) for item in bad]
-    )
-    del quarantined  # retries quarantine nothing new; the count reported is this batch's
+    # A retry quarantines nothing new; the count reported is this batch's.
+    insert_quarantined(session, [_row(item, team, security_cvm_id, now) for item in bad])
     return IngestOutcome(
         received=received,
         inserted=inserted,

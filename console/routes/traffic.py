@@ -60,7 +60,9 @@ async def ingest(request: Request, caller: SecurityCvmDep, console: ConsoleDep) 
 def _ingest(raw: bytes, caller: Cvm, console: Console) -> IngestResult:
     try:
         with console.write() as session:
-            outcome = ingest_service.ingest(session, raw, caller.team, caller.id)
+            outcome = ingest_service.ingest(
+                session, raw, caller.team, caller.id, console.settings.max_traffic_batch_records
+            )
     except ingest_service.BatchRejected as exc:
         raise RequestValidationError(exc.errors) from None
     console.metrics.traffic_inserted.inc(outcome.inserted)
