@@ -12,7 +12,7 @@ from rich.table import Table
 from umbra.cli.auth import api_failure, open_client, resolve_team
 from umbra.cli.output import console, print_json
 from umbra.console.client import ConsoleApiError
-from umbra.console.schemas import CvmInfo
+from umbra.console.schemas import CvmInfo, profiles_etag
 
 app = typer.Typer(help="Attach policy profiles to Dev CVMs (admins).", no_args_is_help=True)
 
@@ -62,7 +62,8 @@ def _change(cvm_id: str, add: list[str], remove: list[str], as_json: bool) -> Cv
         with client:
             current = client.get_cvm(cvm_id)
             wanted = sorted((set(current.profiles) | set(add)) - set(remove))
-            return client.attach_profiles(cvm_id, wanted)
+            # If another admin changed them meanwhile the Console answers 412: nothing is lost.
+            return client.attach_profiles(cvm_id, wanted, if_match=profiles_etag(current.profiles))
     except (ConsoleApiError, httpx.HTTPError) as exc:
         api_failure(exc, as_json)
 

@@ -107,9 +107,16 @@ class ConsoleClient(_Base):
         response = self._request("GET", f"/api/v1/teams/{team}/bundles")
         return [BundleInfo.model_validate(item) for item in response.json()]
 
-    def attach_profiles(self, cvm_id: str, profiles: list[str]) -> CvmInfo:
+    def attach_profiles(
+        self, cvm_id: str, profiles: list[str], *, if_match: str | None = None
+    ) -> CvmInfo:
+        headers = {"If-Match": f'"{if_match}"'} if if_match else {}
         return self._model(
-            CvmInfo, "PUT", f"/api/v1/cvms/{cvm_id}/profiles", json={"profiles": profiles}
+            CvmInfo,
+            "PUT",
+            f"/api/v1/cvms/{cvm_id}/profiles",
+            json={"profiles": profiles},
+            headers=headers,
         )
 
     # CVMs

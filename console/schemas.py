@@ -181,6 +181,13 @@ class ProfilesUpdate(Strict):
     profiles: list[ProfileName] = Field(max_length=64)
 
 
+def profiles_etag(profiles: list[str]) -> str:
+    """The version of a CVM's attachments a read-modify-write sends back as `If-Match`."""
+    import hashlib
+
+    return hashlib.sha256("\n".join(sorted(set(profiles))).encode()).hexdigest()[:32]
+
+
 # -- secrets --------------------------------------------------------------------------------
 class TeamSecretSet(Strict):
     value: str = Field(min_length=1, max_length=MAX_SECRET_BYTES)

@@ -6,7 +6,7 @@ import secrets
 from collections.abc import Callable
 from typing import Annotated
 
-from fastapi import APIRouter, HTTPException, Query, status
+from fastapi import APIRouter, Header, HTTPException, Query, status
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
@@ -38,7 +38,14 @@ from umbra.console.routes.common import (
     policy_lock,
     visible_cvm,
 )
-from umbra.console.schemas import CvmCreate, CvmCreated, CvmInfo, CvmUpdate, ProfilesUpdate
+from umbra.console.schemas import (
+    CvmCreate,
+    CvmCreated,
+    CvmInfo,
+    CvmUpdate,
+    ProfilesUpdate,
+    profiles_etag,
+)
 from umbra.proxy.policy.bundle import BundleError
 
 router = APIRouter(prefix="/api/v1", tags=["cvms"])
@@ -325,7 +332,18 @@ def destroy_cvm(cvm_id: CvmIdPath, console: ConsoleDep, user: UserDep) -> CvmInf
 
 @router.put("/cvms/{cvm_id}/profiles", summary="Attach policy profiles to a Dev CVM (admin).")
 def attach_profiles(
-    cvm_id: CvmIdPath, body: ProfilesUpdate, console: ConsoleDep, user: UserDep
+    cvm_id: CvmIdPath,
+    body: ProfilesUpdate,
+    console: ConsoleDep,
+    user: UserDep,
+    if_match: Annotated[
+        str | None,
+        Header(
+            alias="If-Match",
+            max_length=128,
+            description="Attach only if the attachments are still this version (else 412).",
+        ),
+    ] = None,
 ) -> CvmInfo:
     profiles = sorted(set(body.profiles))
     with console.write(cvm_lock(cvm_id)) as session:
@@ -336,6 +354,11 @@ def attach_profiles(
             raise HTTPException(UNPROCESSABLE, "profiles: attach profiles to Dev CVMs only")
         if cvm.state == "destroyed":
             raise HTTPException(status.HTTP_409_CONFLICT, f"CVM {cvm_id} is destroyed")
+        if if_match is not None and if_match.strip('" ') != profiles_etag(cvm.profiles):
+            raise HTTPException(
+                status.HTTP_412_PRECONDITION_FAILED,
+                f"CVM {cvm_id}'s attachments changed since you read them; read and retry",
+            )
         if profiles:
             bundle_row = current_bundle(session, cvm.team)
             if bundle_row is None:

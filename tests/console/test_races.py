@@ -104,6 +104,30 @@ def test_stop_racing_destroy_never_resurrects(team: Team) -> None:
     assert not set(ids) & set(document["cvms"])
 
 
+def test_parallel_read_modify_write_of_attachments(team: Team) -> None:
+    """Two admins each add a profile to what they read: one wins, the other gets 412, not a
+    silently lost change."""
+    from umbra.console.schemas import profiles_etag
+
+    team.upload(1)
+    cvm_id = team.dev_cvm()
+    read = team.admin.get(f"/api/v1/cvms/{cvm_id}").json()["profiles"]
+    tag = f'"{profiles_etag(read)}"'
+    pool = clients(team.server, token_of(team.admin), 2)
+    url = f"/api/v1/cvms/{cvm_id}/profiles"
+    responses = race(
+        [
+            lambda c=pool[0]: c.put(
+                url, json={"profiles": [*read, "github"]}, headers={"If-Match": tag}
+            ),  # type: ignore[misc]
+            lambda c=pool[1]: c.put(
+                url, json={"profiles": [*read, "web"]}, headers={"If-Match": tag}
+            ),  # type: ignore[misc]
+        ]
+    )
+    assert sorted(r.status_code for r in responses) == [200, 412]
+
+
 def test_parallel_credential_rotations_one_defined_winner(team: Team) -> None:
     pool = clients(team.server, token_of(team.admin), 4)
     url = f"/api/v1/cvms/{team.scvm_id}/credential"
