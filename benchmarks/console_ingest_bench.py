@@ -52,7 +52,9 @@ def _server(url: str, port: int, token: str, scvm_id: str, dev_id: str, workers:
                         credential_hash=credential_hash(token), **common))  # fmt: skip
         session.add(Cvm(id=dev_id, name="dev", kind="dev", security_cvm_id=scvm_id, **common))
     engine.dispose()
-    serve(Settings(database_url=url), "127.0.0.1", port, workers=workers, access_log=False)
+    # serve() refuses to start without an issuer; ingest never consults it.
+    settings = Settings(database_url=url, oidc_issuer="https://issuer.invalid")
+    serve(settings, "127.0.0.1", port, workers=workers, access_log=False)
 
 
 def _batches(count: int, size: int, dev_id: str) -> list[bytes]:

@@ -1,55 +1,120 @@
 """The `umbra` command: a thin typer app that parses, calls the other parts and renders with rich.
 
 Sub-commands load on first use, so `umbra policy check` does not import mitmproxy, FastAPI or the
-Pulumi SDKs; only `umbra --help` loads them all, to list them.
+Pulumi SDKs, and `umbra --help` imports none of them: it lists the commands from the static table
+below (a test keeps each line equal to its module's own help).
 """
 
 from __future__ import annotations
 
 import importlib
+from typing import Any
 
 import typer
 from typer import _click as click  # typer vendors click; TyperGroup speaks these types
-from typer.core import TyperGroup
+from typer.core import TyperCommand, TyperGroup
 
-# name -> (module, attribute holding its typer.Typer)
-SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "attest": ("umbra.cli.attest", "app"),
-    "auth": ("umbra.cli.auth", "app"),
-    "console": ("umbra.cli.console", "app"),
-    "down": ("umbra.cli.up", "down_app"),
-    "cvm": ("umbra.cli.cvm", "app"),
-    "forwarder": ("umbra.cli.sandbox", "forwarder_app"),
-    "image": ("umbra.cli.image", "app"),
-    "logs": ("umbra.cli.logs", "app"),
-    "policy": ("umbra.cli.policy", "app"),
-    "proxy": ("umbra.cli.proxy", "app"),
-    "sandbox": ("umbra.cli.sandbox", "app"),
-    "secret": ("umbra.cli.secret", "app"),
-    "status": ("umbra.cli.up", "status_app"),
-    "up": ("umbra.cli.up", "up_app"),
+# name -> (module, attribute holding its typer.Typer, one-line help)
+SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
+    "attest": ("umbra.cli.attest", "app", "Verify TDX attestation quotes; simulate a TEE."),
+    "audit": ("umbra.cli.audit", "app", "The Console's hash-chained audit log (admins)."),
+    "auth": ("umbra.cli.auth", "app", "Log in to an Umbra Console."),
+    "console": (
+        "umbra.cli.console",
+        "app",
+        "Run and maintain the Umbra Console (settings come from UMBRA_CONSOLE_* variables).",
+    ),
+    "cvm": ("umbra.cli.cvm", "app", "Launch, list, update and destroy CVMs."),
+    "down": ("umbra.cli.up", "down_app", "Stop everything `umbra up` started."),
+    "forwarder": ("umbra.cli.sandbox", "forwarder_app", "The Dev CVM's attested egress forwarder."),
+    "image": (
+        "umbra.cli.image",
+        "app",
+        "Measure CVM releases: compose hash, RTMR3 events, signed manifests.",
+    ),
+    "logs": ("umbra.cli.logs", "app", "Query the traffic log."),
+    "policy": ("umbra.cli.policy", "app", "Lint, test, diff, build and verify egress policy."),
+    "profile": ("umbra.cli.profile", "app", "Attach policy profiles to Dev CVMs (admins)."),
+    "proxy": ("umbra.cli.proxy", "app", "The Security CVM's policy-enforcing egress proxy."),
+    "sandbox": ("umbra.cli.sandbox", "app", "Dev CVM sandbox: compose files and agent sessions."),
+    "secret": (
+        "umbra.cli.secret",
+        "app",
+        "Write-only secrets, bound to the hosts they may be sent to.",
+    ),
+    "status": ("umbra.cli.up", "status_app", "What `umbra up` started, and whether it is healthy."),
+    "up": ("umbra.cli.up", "up_app", "Start Umbra on this machine (embedded defaults)."),
 }
-# name -> (module, attribute holding a one-command typer.Typer): top-level commands, not groups
-COMMANDS: dict[str, tuple[str, str]] = {
-    "claude": ("umbra.cli.ssh", "claude_app"),
-    "code": ("umbra.cli.ssh", "code_app"),
-    "codex": ("umbra.cli.ssh", "codex_app"),
-    "config-ssh": ("umbra.cli.ssh", "config_ssh_app"),
-    "cursor": ("umbra.cli.ssh", "cursor_app"),
-    "sessions": ("umbra.cli.ssh", "sessions_app"),
-    "shell": ("umbra.cli.ssh", "shell_app"),
-    "ssh": ("umbra.cli.ssh", "ssh_app"),
-    "ssh-proxy": ("umbra.cli.ssh", "proxy_app"),
+# name -> (module, attribute holding a one-command typer.Typer, one-line help): top-level
+# commands rather than groups
+COMMANDS: dict[str, tuple[str, str, str]] = {
+    "claude": (
+        "umbra.cli.ssh",
+        "claude_app",
+        "Attach to (or start) Claude Code in your sandbox, permission prompts off.",
+    ),
+    "code": (
+        "umbra.cli.ssh",
+        "code_app",
+        "Open VS Code on your sandbox via Remote-SSH (writes the ~/.ssh/config block first).",
+    ),
+    "codex": (
+        "umbra.cli.ssh",
+        "codex_app",
+        "Attach to (or start) Codex in your sandbox, approvals off.",
+    ),
+    "config-ssh": (
+        "umbra.cli.ssh",
+        "config_ssh_app",
+        "Write one `Host umbra-<name>` per Dev CVM into a managed block of ~/.ssh/config.",
+    ),
+    "cursor": (
+        "umbra.cli.ssh",
+        "cursor_app",
+        "Open Cursor on your sandbox via Remote-SSH (writes the ~/.ssh/config block first).",
+    ),
+    "sessions": (
+        "umbra.cli.ssh",
+        "sessions_app",
+        "List the agent sessions in your sandbox.",
+    ),
+    "shell": (
+        "umbra.cli.ssh",
+        "shell_app",
+        "Attach to (or start) a persistent shell session in your sandbox.",
+    ),
+    "ssh": (
+        "umbra.cli.ssh",
+        "ssh_app",
+        "Open a shell (or run a command) in your sandbox over attested SSH.",
+    ),
+    "ssh-proxy": (
+        "umbra.cli.ssh",
+        "proxy_app",
+        "OpenSSH ProxyCommand: verify the Dev CVM's quote, then relay stdin/stdout.",
+    ),
 }
 
 
 class LazyGroup(TyperGroup):
+    _listing = False
+
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted({*super().list_commands(ctx), *SUBCOMMANDS, *COMMANDS})
 
+    def format_help(self, ctx: click.Context, formatter: Any) -> None:
+        # While help is rendered, sub-commands are stand-ins carrying only their help line.
+        self._listing = True
+        try:
+            super().format_help(ctx, formatter)
+        finally:
+            self._listing = False
+
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
         if cmd_name in COMMANDS:
-            module_name, attribute = COMMANDS[cmd_name]
+            module_name, attribute, help_text = COMMANDS[cmd_name]
+            if self._listing:
+                return TyperCommand(name=cmd_name, help=help_text)
             single = typer.main.get_command(
                 getattr(importlib.import_module(module_name), attribute)
             )
@@ -57,7 +122,9 @@ class LazyGroup(TyperGroup):
             return single
         if cmd_name not in SUBCOMMANDS:
             return super().get_command(ctx, cmd_name)
-        module_name, attribute = SUBCOMMANDS[cmd_name]
+        module_name, attribute, help_text = SUBCOMMANDS[cmd_name]
+        if self._listing:
+            return TyperGroup(name=cmd_name, help=help_text)
         sub_app = getattr(importlib.import_module(module_name), attribute)
         command = typer.main.get_group(sub_app)
         command.name = cmd_name

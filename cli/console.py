@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -45,7 +46,16 @@ def serve(
     database_url: DatabaseUrl = None,
     migrate: Annotated[
         bool | None,
-        typer.Option("--migrate/--no-migrate", help="Run migrations at startup (SQLite only)."),
+        typer.Option(
+            "--migrate/--no-migrate",
+            help="Apply migrations before serving; without it an unmigrated database is refused.",
+        ),
+    ] = None,
+    tls_cert: Annotated[
+        Path | None, typer.Option(help="PEM certificate chain: serve HTTPS.", show_default=False)
+    ] = None,
+    tls_key: Annotated[
+        Path | None, typer.Option(help="PEM private key of --tls-cert.", show_default=False)
     ] = None,
 ) -> None:
     """Serve the Console API (OpenAPI at /openapi.json, metrics at /metrics)."""
@@ -53,7 +63,7 @@ def serve(
 
     settings = _settings(database_url, auto_migrate=migrate)
     try:
-        run(settings, host, port, workers=workers)
+        run(settings, host, port, workers=workers, tls_cert=tls_cert, tls_key=tls_key)
     except ConfigError as exc:
         err.print(f"[red]configuration error:[/red] {exc}")
         raise typer.Exit(2) from None

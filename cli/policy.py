@@ -1,4 +1,4 @@
-"""`umbra policy`: lint, test, diff, build and verify the policy profiles in `policies/`."""
+"""`umbra policy`: lint, test, diff, build, verify and publish the policy profiles in `policies/`."""
 
 from __future__ import annotations
 
@@ -318,6 +318,40 @@ def verify(
         console.print(
             f"[green]valid[/] {verified.hash}\n  serial {verified.serial}, source {verified.payload.source}\n"
             f"  signed by {verified.keyid}\n  profiles: {', '.join(verified.profile_names())}",
+            highlight=False,
+        )
+
+
+@app.command()
+def publish(
+    bundle: Annotated[Path, typer.Argument(help="A signed bundle file (`umbra policy build`).")],
+    team: Annotated[str | None, typer.Option("--team", help="Team (default: yours).")] = None,
+    as_json: JsonFlag = False,
+) -> None:
+    """Upload a signed bundle to the Console as the team's current policy (admins). The release
+    workflow calls this too; re-publishing the current bundle is a no-op."""
+    import httpx
+
+    from umbra.cli.auth import api_failure, open_client, resolve_team
+    from umbra.console.client import ConsoleApiError
+
+    try:
+        raw = bundle.read_bytes()
+    except OSError as exc:
+        fail(f"{bundle}: {exc.strerror}", EXIT_USAGE, as_json=as_json)
+    client, login = open_client(as_json)
+    try:
+        with client:
+            team_name = resolve_team(client, login, team, as_json)
+            info = client.upload_bundle(team_name, raw)
+    except (ConsoleApiError, httpx.HTTPError) as exc:
+        api_failure(exc, as_json)
+    if as_json:
+        print_json(info.model_dump(mode="json"))
+    else:
+        console.print(
+            f"published serial {info.serial} ({info.hash}) to {team_name}: "
+            f"{', '.join(info.profiles)}",
             highlight=False,
         )
 

@@ -1,4 +1,4 @@
-"""`umbra secret`: set write-only secrets bound to hosts, and list their names.
+"""`umbra secret`: set, rotate and delete write-only secrets bound to hosts; list their names.
 
 The value is read from stdin (when piped) or a hidden prompt, never from argv, and is never
 printed: the Console answers with metadata only.
@@ -104,3 +104,57 @@ def list_secrets(team: TeamOption = None, as_json: JsonFlag = False) -> None:
             row.updated_at.isoformat(timespec="seconds"),
         )
     console.print(table)
+
+
+@app.command("delete")
+def delete_secret(
+    name: Annotated[str, typer.Argument(help="Secret name.")],
+    team: TeamOption = None,
+    personal: PersonalFlag = False,
+    as_json: JsonFlag = False,
+) -> None:
+    """Delete a secret: proxies stop injecting it when they next pull released secrets."""
+    client, login = open_client(as_json)
+    try:
+        with client:
+            team_name = resolve_team(client, login, team, as_json)
+            client.delete_secret(team_name, name, personal=personal)
+    except (ConsoleApiError, httpx.HTTPError) as exc:
+        api_failure(exc, as_json)
+    ref = f"{'personal' if personal else 'team'}/{name}"
+    if as_json:
+        print_json({"ok": True, "deleted": ref})
+    else:
+        console.print(f"Deleted [bold]{ref}[/]")
+
+
+@app.command("rotate")
+def rotate_secret(
+    name: Annotated[str, typer.Argument(help="Secret name (must exist).")],
+    team: TeamOption = None,
+    personal: PersonalFlag = False,
+    as_json: JsonFlag = False,
+) -> None:
+    """Replace an existing secret's value, keeping its hosts; the value comes from stdin or a
+    hidden prompt."""
+    client, login = open_client(as_json)
+    try:
+        with client:
+            team_name = resolve_team(client, login, team, as_json)
+            existing = {row.name: row for row in client.list_secrets(team_name, personal=personal)}
+            if name not in existing:
+                fail(f"no {'personal' if personal else 'team'} secret {name!r} to rotate")
+            value = _read_value()
+            if not value:
+                fail("the secret value is empty", EXIT_USAGE, as_json=as_json)
+            hosts = existing[name].hosts
+            if personal:
+                info = client.set_personal_secret(team_name, name, value, hosts)
+            else:
+                info = client.set_team_secret(team_name, name, value, hosts)
+    except (ConsoleApiError, httpx.HTTPError) as exc:
+        api_failure(exc, as_json)
+    if as_json:
+        print_json(info.model_dump(mode="json"))
+    else:
+        console.print(f"Rotated [bold]{info.ref}[/] to version {info.version}")

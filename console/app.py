@@ -6,16 +6,22 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
+from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
+from sqlalchemy.exc import TimeoutError as SqlTimeoutError
+from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from umbra.console import db
+from umbra.console import children, db, provisioning
 from umbra.console.config import ConfigError, Settings, settings_summary
 from umbra.console.envelope import EnvelopeError, LocalKeyring
 from umbra.console.limits import BodyLimitMiddleware, limit_for
@@ -35,13 +41,14 @@ from umbra.console.routes import (
     session,
     traffic,
 )
-from umbra.console.schemas import TrafficBatch
 from umbra.console.state import Console
 from umbra.console.web import mount as mount_web
+from umbra.contracts.traffic import TrafficBatch
 from umbra.proxy.policy.bundle import BundleError, load_public_key
 
 log = logging.getLogger("umbra.console")
 API_VERSION = "1.0.0"
+RETRY_AFTER_SECONDS = 5
 
 
 def build_console(
@@ -51,7 +58,7 @@ def build_console(
     stack_factory: Any = None,
 ) -> Console:
     try:
-        keys = [load_public_key(path) for path in settings.bundle_public_keys]
+        keys = [_bundle_key(entry) for entry in settings.bundle_public_keys]
     except BundleError as exc:
         raise ConfigError(f"bundle_public_keys: {exc}") from None
     oidc = None
@@ -83,7 +90,9 @@ def build_console(
         release_verifier = verifier_from_settings(settings)
     return Console(
         settings=settings,
-        engine=db.make_engine(settings.database_url),
+        engine=db.make_engine(
+            settings.database_url, statement_timeout_ms=settings.db_statement_timeout_ms
+        ),
         oidc=oidc,
         bundle_keys=keys,
         keyring=keyring,
@@ -92,13 +101,29 @@ def build_console(
     )
 
 
+def _bundle_key(entry: Path | str) -> Ed25519PublicKey:
+    """A key setting is PEM text (starts with `-----BEGIN`) or the path of a PEM file."""
+    if isinstance(entry, str) and entry.lstrip().startswith("-----BEGIN"):
+        try:
+            key = serialization.load_pem_public_key(entry.strip().encode())
+        except ValueError:
+            raise BundleError("PEM text does not parse as a public key") from None
+        if not isinstance(key, Ed25519PublicKey):
+            raise BundleError("PEM text is not an Ed25519 public key")
+        return key
+    return load_public_key(Path(entry))
+
+
 def create_app(
     settings: Settings,
     *,
     release_verifier: SecretReleaseVerifier | None = None,
     stack_factory: Any = None,
+    owns_process: bool = False,
 ) -> FastAPI:
-    """`stack_factory` stands in for the Pulumi CLI under the cloud adapters (tests)."""
+    """`stack_factory` stands in for the Pulumi CLI under the cloud adapters (tests).
+    `owns_process`: this process is the Console's alone (`umbra console serve`), so at shutdown
+    every child process it has is a provider's and is ended."""
     console = build_console(
         settings, release_verifier=release_verifier, stack_factory=stack_factory
     )
@@ -106,14 +131,13 @@ def create_app(
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         if settings.auto_migrate:
-            if settings.is_sqlite:
-                db.upgrade(settings.database_url)
-            else:
-                log.warning("auto_migrate is honoured for SQLite only; run `umbra console migrate`")
+            await run_in_threadpool(db.upgrade, settings.database_url)
         log.info("console starting: %s", settings_summary(settings))
+        if console.oidc is not None:
+            console.oidc.refresh_soon()  # keys arrive in the background, before most requests
+        await run_in_threadpool(provisioning.reconcile, console)
         yield
-        # Let running provider jobs record their outcome before the engine goes away.
-        console.jobs.shutdown(wait=True)
+        await run_in_threadpool(_stop_jobs, console, owns_process)
         console.engine.dispose()
 
     app = FastAPI(
@@ -147,7 +171,20 @@ def create_app(
         ),
     )
     app.add_middleware(MetricsMiddleware, console=console)
+    app.add_middleware(ErrorMiddleware)
     return app
+
+
+def _stop_jobs(console: Console, owns_process: bool, grace: float = 3.0) -> None:
+    """Shutdown within seconds: queued runs are cancelled, the provider's child processes are
+    ended (so running ones fail fast and record it), and a run that still has not finished is
+    left for `reconcile` at the next start."""
+    console.jobs.shutdown(wait=False, cancel_futures=True)
+    if owns_process and children.terminate_descendants(grace=grace):
+        log.warning("ended provider child processes at shutdown")
+    deadline = time.monotonic() + grace
+    for thread in list(getattr(console.jobs, "_threads", ())):
+        thread.join(timeout=max(0.0, deadline - time.monotonic()))
 
 
 def _register_extra_schemas(app: FastAPI, models: list[type[BaseModel]]) -> None:
@@ -186,10 +223,69 @@ def _install_error_handlers(app: FastAPI) -> None:
         ]
         return JSONResponse({"detail": errors}, status_code=422)
 
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        log.error("unhandled %s on %s %s", type(exc).__name__, request.method, request.url.path)
+    @app.exception_handler(IntegrityError)
+    async def _conflict(request: Request, exc: IntegrityError) -> JSONResponse:
+        # Named locks make this rare; if two writers still collide on a unique key, the loser's
+        # answer is a retryable conflict. Only the type is logged: SQL parameters may be secrets.
+        log.warning("conflict %s on %s %s", _db_error(exc), request.method, request.url.path)
+        return JSONResponse({"detail": "conflicting concurrent change; retry"}, status_code=409)
+
+    @app.exception_handler(DBAPIError)
+    async def _database(request: Request, exc: DBAPIError) -> JSONResponse:
+        log.error("database %s on %s %s", _db_error(exc), request.method, request.url.path)
+        if isinstance(exc, OperationalError) or exc.connection_invalidated:
+            return JSONResponse(
+                {"detail": "the database is unavailable or too slow; retry later"},
+                status_code=503,
+                headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
+            )
         return JSONResponse({"detail": "internal error"}, status_code=500)
+
+    @app.exception_handler(SqlTimeoutError)
+    async def _pool(request: Request, _exc: SqlTimeoutError) -> JSONResponse:
+        log.error("database pool exhausted on %s %s", request.method, request.url.path)
+        return JSONResponse(
+            {"detail": "the database is busy; retry later"},
+            status_code=503,
+            headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
+        )
+
+
+def _db_error(exc: DBAPIError) -> str:
+    """The driver's exception type, e.g. `psycopg.errors.UniqueViolation`: never its message,
+    which quotes the statement's parameters."""
+    original = exc.orig
+    return type(original).__name__ if original is not None else type(exc).__name__
+
+
+class ErrorMiddleware:
+    """Outermost: an unexpected exception becomes a plain 500, logged by type only. (Starlette's
+    own server-error handling re-raises, and the server then logs the whole traceback, which can
+    hold request values.)"""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking)
+        except Exception as exc:
+            log.error("unhandled %s on %s %s", type(exc).__name__, scope["method"], scope["path"])
+            if started:
+                return
+            response = JSONResponse({"detail": "internal error"}, status_code=500)
+            await response(scope, receive, send)
 
 
 class MetricsMiddleware:

@@ -21,6 +21,7 @@ from umbra.console.schemas import (
     CvmInfo,
     IngestResult,
     Me,
+    QuarantinePage,
     ReleaseChallenge,
     ReleaseResponse,
     SecretInfo,
@@ -110,9 +111,16 @@ class ConsoleClient(_Base):
         response = self._request("GET", f"/api/v1/teams/{team}/bundles")
         return [BundleInfo.model_validate(item) for item in response.json()]
 
-    def attach_profiles(self, cvm_id: str, profiles: list[str]) -> CvmInfo:
+    def attach_profiles(
+        self, cvm_id: str, profiles: list[str], *, if_match: str | None = None
+    ) -> CvmInfo:
+        headers = {"If-Match": f'"{if_match}"'} if if_match else {}
         return self._model(
-            CvmInfo, "PUT", f"/api/v1/cvms/{cvm_id}/profiles", json={"profiles": profiles}
+            CvmInfo,
+            "PUT",
+            f"/api/v1/cvms/{cvm_id}/profiles",
+            json={"profiles": profiles},
+            headers=headers,
         )
 
     # CVMs
@@ -203,12 +211,16 @@ class ConsoleClient(_Base):
         until: datetime | None = None,
         limit: int = 100,
         cursor: str | None = None,
+        reason: str | None = None,
+        rule_id: str | None = None,
     ) -> TrafficPage:
         params = {
             "cvm_id": cvm_id,
             "owner": owner,
             "host": host,
             "decision": decision,
+            "reason": reason,
+            "rule_id": rule_id,
             "since": since.isoformat() if since else None,
             "until": until.isoformat() if until else None,
             "limit": limit,
@@ -216,6 +228,10 @@ class ConsoleClient(_Base):
         }
         query = {key: value for key, value in params.items() if value is not None}
         return self._model(TrafficPage, "GET", f"/api/v1/teams/{team}/traffic", params=query)
+
+    def quarantine(self, team: str, *, limit: int = 100) -> QuarantinePage:
+        url = f"/api/v1/teams/{team}/traffic/quarantine"
+        return self._model(QuarantinePage, "GET", url, params={"limit": limit})
 
     def audit(self, team: str, *, after: int = 0, limit: int = 100) -> AuditPage:
         params = {"after": after, "limit": limit}

@@ -104,7 +104,7 @@ class Settings(BaseModel):
     )
     auto_migrate: bool = Field(
         default=False,
-        description="Run Alembic `upgrade head` at startup; honoured for SQLite only.",
+        description="Run Alembic `upgrade head` before serving (`console serve --migrate`).",
     )
     oidc_issuer: str | None = Field(default=None, description="Issuer URL; `iss` must equal it.")
     oidc_audience: str = Field(default="umbra-console", description="Required `aud` value.")
@@ -120,8 +120,9 @@ class Settings(BaseModel):
     oidc_allow_insecure_http: bool = Field(
         default=False, description="Allow an http:// issuer; only ever for loopback test issuers."
     )
-    bundle_public_keys: list[Path] = Field(
-        default_factory=list, description="PEM Ed25519 keys that may sign policy bundles."
+    bundle_public_keys: list[Path | str] = Field(
+        default_factory=list,
+        description="Ed25519 keys that may sign policy bundles: each a PEM file path or PEM text.",
     )
     kek: dict[str, str] = Field(
         default_factory=dict, description="Key encryption keys: key id -> base64 of 32 bytes."
@@ -141,6 +142,15 @@ class Settings(BaseModel):
     max_bundle_bytes: int = Field(default=16 << 20, gt=0)
     max_traffic_batch_bytes: int = Field(default=16 << 20, gt=0)
     max_traffic_batch_records: int = Field(default=10_000, gt=0)
+    db_statement_timeout_ms: int = Field(
+        default=15_000,
+        ge=0,
+        description="PostgreSQL statement_timeout for the Console's own connections (0: none); "
+        "a query over it answers 503 instead of holding a connection.",
+    )
+    release_challenges_per_minute: int = Field(
+        default=30, ge=1, description="Per Security CVM: challenge requests beyond this get 429."
+    )
     long_poll_max_seconds: int = Field(default=60, ge=1, le=600)
     long_poll_db_interval_seconds: float = Field(
         default=0.5, gt=0, le=1.0, description="How often a long poll rechecks the database."

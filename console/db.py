@@ -17,7 +17,7 @@ from sqlalchemy import Engine, create_engine, event
 MIGRATIONS_DIR = Path(__file__).parent / "migrations"
 
 
-def make_engine(url: str, **kwargs: Any) -> Engine:
+def make_engine(url: str, *, statement_timeout_ms: int = 0, **kwargs: Any) -> Engine:
     if url.startswith("sqlite"):
         engine = create_engine(
             url, connect_args={"check_same_thread": False, "timeout": 30}, **kwargs
@@ -32,6 +32,11 @@ def make_engine(url: str, **kwargs: Any) -> Engine:
             cursor.close()
 
         return engine
+    if statement_timeout_ms:
+        # Set per connection by the server at login: no query can hold a connection longer.
+        kwargs.setdefault("connect_args", {})["options"] = (
+            f"-c statement_timeout={int(statement_timeout_ms)}"
+        )
     return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20, **kwargs)
 
 

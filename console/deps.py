@@ -63,7 +63,7 @@ def parse_roles(value: object) -> dict[str, Role]:
     for item in value:
         if not isinstance(item, str):
             continue
-        match = _ROLE_ENTRY.match(item)
+        match = _ROLE_ENTRY.fullmatch(item)  # exact: '$' alone accepts a trailing newline
         if match is None:
             continue
         team, role = match.group(1), match.group(2)

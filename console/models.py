@@ -48,7 +48,8 @@ class Cvm(SQLModel, table=True):
     """A confidential VM: a Dev CVM (runs sandboxes) or a Security CVM (runs the egress proxy)."""
 
     __tablename__ = "cvm"
-    __table_args__ = (UniqueConstraint("team", "name", name="uq_cvm_team_name"),)
+    # Names are per owner: two developers may each have a CVM called `main` (revision 0004).
+    __table_args__ = (UniqueConstraint("team", "owner", "name", name="uq_cvm_team_owner_name"),)
 
     id: str = Field(primary_key=True, max_length=40)
     team: str = Field(index=True, max_length=64)
@@ -111,31 +112,39 @@ class ReleaseNonce(SQLModel, table=True):
 
 
 class TrafficRecord(SQLModel, table=True):
-    """One proxy decision; never values or bodies."""
+    """One proxy decision (`umbra.contracts.traffic.TrafficRecord`); never values or bodies.
+
+    The record id is the shipper's idempotency key, scoped per team (revision 0004): one team's
+    Security CVM cannot suppress another team's records by reusing their ids."""
 
     __tablename__ = "traffic_record"
+    # Every developer/dashboard query is per team, newest first, optionally filtered by one of
+    # these columns (revision 0004).
     __table_args__ = (
         Index("ix_traffic_team_time", "team", "time", "id"),
-        Index("ix_traffic_cvm_time", "cvm_id", "time"),
-        Index("ix_traffic_owner_time", "owner", "time"),
-        Index("ix_traffic_host_time", "host", "time"),
+        Index("ix_traffic_team_cvm_time", "team", "cvm_id", "time"),
+        Index("ix_traffic_team_owner_time", "team", "owner", "time"),
+        Index("ix_traffic_team_host_time", "team", "host", "time"),
+        Index("ix_traffic_team_decision_time", "team", "decision", "time"),
+        Index("ix_traffic_team_reason_time", "team", "reason", "time"),
+        Index("ix_traffic_team_rule_time", "team", "rule_id", "time"),
     )
 
+    team: str = Field(primary_key=True, max_length=64)
     id: str = Field(primary_key=True, max_length=36)
     security_cvm_id: str = Field(max_length=40)
     time: datetime = Field(sa_type=DateTime(timezone=True))
     cvm_id: str | None = Field(default=None, max_length=40)
     owner: str | None = Field(default=None, max_length=255)
-    team: str = Field(max_length=64)
     kind: str = Field(default="http", max_length=16)
     policy_hash: str | None = Field(default=None, max_length=80)
-    method: str | None = Field(default=None, max_length=16)
-    connect_host: str | None = Field(default=None, max_length=255)
-    sni: str | None = Field(default=None, max_length=255)
-    host: str | None = Field(default=None, max_length=255)
+    method: str | None = Field(default=None, max_length=32)
+    connect_host: str | None = Field(default=None, max_length=260)
+    sni: str | None = Field(default=None, max_length=260)
+    host: str | None = Field(default=None, max_length=260)
     port: int | None = None
-    pinned_ip: str | None = Field(default=None, max_length=45)
-    path: str | None = Field(default=None, max_length=2048)
+    pinned_ip: str | None = Field(default=None, max_length=64)
+    path: str | None = Field(default=None, max_length=8192)
     query_keys: list[str] = Field(default_factory=list, sa_column=Column(JSON, nullable=False))
     decision: str = Field(max_length=16)
     rule_id: str | None = Field(default=None, max_length=160)
@@ -149,6 +158,29 @@ class TrafficRecord(SQLModel, table=True):
         default_factory=list, sa_column=Column(JSON, nullable=False)
     )
     detail: str | None = Field(default=None, max_length=1024)
+    truncated: list[str] = Field(default_factory=list, sa_column=Column(JSON, nullable=False))
+    received_at: datetime = _ts()
+
+
+class TrafficQuarantine(SQLModel, table=True):
+    """A shipped record the Console could not store, kept with the reason instead of blocking the
+    batch. `fingerprint` (SHA-256 of the record as received) makes shipper retries idempotent;
+    `excerpt` is the start of the record as received, already redacted by the proxy."""
+
+    __tablename__ = "traffic_quarantine"
+    __table_args__ = (
+        UniqueConstraint("team", "fingerprint", name="uq_traffic_quarantine_fingerprint"),
+        Index("ix_traffic_quarantine_team_time", "team", "received_at"),
+    )
+
+    id: int | None = Field(default=None, primary_key=True)
+    team: str = Field(max_length=64)
+    security_cvm_id: str = Field(max_length=40)
+    record_id: str | None = Field(default=None, max_length=64)
+    reason: str = Field(max_length=32)  # umbra.contracts.traffic.QuarantineReason
+    detail: str = Field(max_length=1024)
+    fingerprint: str = Field(max_length=64)
+    excerpt: str = Field(max_length=2048)
     received_at: datetime = _ts()
 
 

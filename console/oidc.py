@@ -1,8 +1,14 @@
 """OIDC bearer-token validation against the issuer's JWKS.
 
 Discovery (`/.well-known/openid-configuration`) must name the configured issuer; keys are cached
-for a TTL and refetched early when a token names an unknown `kid` (rate limited), which is how key
-rotation at the issuer converges without a restart. Only asymmetric algorithms from the configured
+for a TTL and refetched early when a token names an unknown `kid`, which is how key rotation at the
+issuer converges without a restart (a key the issuer removed stops verifying at that refetch).
+
+The issuer can never stall the Console: fetching happens on one background thread at a time
+(single flight), attempts are rate limited whether they succeed or fail, and no lock is held
+during I/O. A token with a known `kid` never waits. A token with an unknown `kid` (or any token
+before the first keys arrive) waits for the fetch in flight only if a few slots are free, and only
+up to a bound; every other such request is answered at once (401, or 503 without keys). Only asymmetric algorithms from the configured
 allowlist are accepted, so `none` and HMAC-with-the-public-key confusions cannot verify.
 """
 
@@ -59,6 +65,8 @@ class OidcValidator:
         allow_insecure_http: bool = False,
         http_timeout: float = 5.0,
         accept_development_issuer: bool = False,
+        max_waiters: int = 4,
+        failure_backoff: float = 2.0,
     ) -> None:
         unsupported = set(algorithms) - ASYMMETRIC_ALGORITHMS
         if unsupported:
@@ -72,12 +80,20 @@ class OidcValidator:
         self.algorithms = list(algorithms)
         self._ttl = jwks_ttl
         self._min_refresh = min_refresh_interval
+        self._failure_backoff = max(failure_backoff, min_refresh_interval)
         self._leeway = leeway
         self._timeout = http_timeout
+        # Discovery and JWKS are two requests, each bounded by the timeout.
+        self._wait_bound = 2 * http_timeout + 1
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._waiters = threading.BoundedSemaphore(max_waiters)
         self._keys: KeySet | None = None
         self._kids: frozenset[str] = frozenset()
         self._fetched_at = 0.0
+        self._next_attempt = 0.0
+        self._refreshing = False
+        self._attempts = 0  # completed fetch attempts, successful or not
         self._jwks_uri: str | None = None
         self._accept_development_issuer = accept_development_issuer
 
@@ -97,11 +113,12 @@ class OidcValidator:
             raise IssuerUnavailable("discovery document has no usable jwks_uri")
         return jwks_uri
 
-    def _refresh(self) -> None:
+    def _fetch(self) -> tuple[KeySet, frozenset[str]]:
+        """Network I/O only; runs on the refresh thread, never under the lock."""
         with httpx.Client(timeout=self._timeout, follow_redirects=False) as client:
-            if self._jwks_uri is None:
-                self._jwks_uri = self._discover(client)
-            document = _get_json(client, self._jwks_uri)
+            jwks_uri = self._jwks_uri or self._discover(client)
+            self._jwks_uri = jwks_uri
+            document = _get_json(client, jwks_uri)
         keys = document.get("keys")
         if not isinstance(keys, list):
             raise IssuerUnavailable("JWKS has no 'keys' list")
@@ -114,25 +131,62 @@ class OidcValidator:
             key_set = KeySet.import_key_set({"keys": usable})
         except (JoseError, ValueError, TypeError) as exc:
             raise IssuerUnavailable(f"JWKS does not parse: {type(exc).__name__}") from None
-        self._keys = key_set
-        self._kids = frozenset(str(key.get("kid")) for key in usable if key.get("kid"))
-        self._fetched_at = time.monotonic()
+        return key_set, frozenset(str(key.get("kid")) for key in usable if key.get("kid"))
+
+    def _refresh_thread(self) -> None:
+        fetched: tuple[KeySet, frozenset[str]] | None = None
+        try:
+            fetched = self._fetch()
+        except (httpx.HTTPError, IssuerUnavailable) as exc:
+            log.warning("OIDC key refresh failed: %s", type(exc).__name__)
+        except Exception as exc:  # never let the refresher die silently with the flag set
+            log.error("OIDC key refresh failed unexpectedly: %s", type(exc).__name__)
+        with self._changed:
+            now = time.monotonic()
+            if fetched is not None:
+                self._keys, self._kids = fetched  # replaces: removed keys stop verifying
+                self._fetched_at = now
+                self._next_attempt = now + self._min_refresh
+            else:
+                self._next_attempt = now + self._failure_backoff
+            self._refreshing = False
+            self._attempts += 1
+            self._changed.notify_all()
+
+    def refresh_soon(self) -> None:
+        """Start a fetch now if none is running and the rate limit allows (startup, tests)."""
+        with self._lock:
+            self._start_locked(time.monotonic())
+
+    def _start_locked(self, now: float) -> bool:
+        if self._refreshing or now < self._next_attempt:
+            return self._refreshing
+        self._refreshing = True
+        self._next_attempt = now + self._min_refresh
+        threading.Thread(target=self._refresh_thread, name="umbra-oidc-jwks", daemon=True).start()
+        return True
 
     def _key_set(self, kid: str | None) -> KeySet:
         with self._lock:
             now = time.monotonic()
             stale = self._keys is None or now - self._fetched_at > self._ttl
             unknown = kid is not None and kid not in self._kids
-            may_refresh = now - self._fetched_at >= self._min_refresh
-            if stale or (unknown and may_refresh):
-                try:
-                    self._refresh()
-                except (httpx.HTTPError, IssuerUnavailable) as exc:
-                    log.warning("OIDC key refresh failed: %s", type(exc).__name__)
-                    if self._keys is None:
-                        raise IssuerUnavailable("the OIDC issuer's keys are unavailable") from None
-            assert self._keys is not None
-            return self._keys
+            in_flight = self._start_locked(now) if stale or unknown else self._refreshing
+            keys, attempts = self._keys, self._attempts
+        if keys is not None and not unknown:
+            return keys  # known key (stale keys are refreshed in the background meanwhile)
+        if in_flight and self._waiters.acquire(blocking=False):
+            try:
+                with self._changed:
+                    self._changed.wait_for(
+                        lambda: self._attempts != attempts, timeout=self._wait_bound
+                    )
+                    keys = self._keys
+            finally:
+                self._waiters.release()
+        if keys is None:
+            raise IssuerUnavailable("the OIDC issuer's keys are unavailable")
+        return keys  # an unknown kid that is still unknown fails verification: 401
 
     # -- validation -----------------------------------------------------------------------
     def validate(self, token: str) -> Claims:

@@ -88,33 +88,33 @@ class CvmProvider(Protocol):
 
 
 class LocalProvider:
+    """No cloud: the CVM row is the whole state. Nothing is kept in memory, so a restart or a
+    second worker process serves the same CVMs."""
+
     name = "local"
     background = False
-
-    def __init__(self) -> None:
-        self.launched: dict[str, bool] = {}
 
     def check(self, spec: CvmSpec) -> None:
         return None
 
+    @staticmethod
+    def _known(ref: str) -> None:
+        if not ref.startswith("local:"):
+            raise ProviderError(f"local provider knows no CVM {ref!r}")
+
     def launch(self, spec: CvmSpec, on_event: OnProviderEvent) -> Provisioned:
-        ref = f"local:{spec.team}/{spec.name}/{spec.id}"
-        self.launched[ref] = True
-        return Provisioned(ref)
+        return Provisioned(f"local:{spec.team}/{spec.name}/{spec.id}")
 
     def update(self, spec: CvmSpec, ref: str, on_event: OnProviderEvent) -> Provisioned:
-        if ref not in self.launched:
-            raise ProviderError(f"local provider knows no CVM {ref!r}")
+        self._known(ref)
         return Provisioned(ref)
 
     def set_running(self, ref: str, running: bool) -> None:
-        if ref not in self.launched:
-            raise ProviderError(f"local provider knows no CVM {ref!r}")
-        self.launched[ref] = running
+        self._known(ref)
 
     def destroy(self, spec: CvmSpec, ref: str | None, on_event: OnProviderEvent) -> None:
         if ref is not None:
-            self.launched.pop(ref, None)
+            self._known(ref)
 
 
 KNOWN_PROVIDERS = ("local", "gcp", "azure")

@@ -11,8 +11,12 @@ only if the row is still in the state the run started from (compare-and-set).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Literal
+
+from sqlalchemy import select, text
+from sqlmodel import col
 
 from umbra.console import audit
 from umbra.console.models import Cvm, utcnow
@@ -25,7 +29,7 @@ from umbra.console.providers import (
     Provisioned,
     one_line,
 )
-from umbra.console.state import Console
+from umbra.console.state import Console, lock_key
 
 log = logging.getLogger("umbra.console.provisioning")
 MAX_EVENTS = 50
@@ -54,13 +58,76 @@ def record_event(console: Console, cvm_id: str, event: ProviderEvent) -> None:
         "message": one_line(event.message),
     }
     try:
-        with console.write() as session:
+        with console.write(f"cvm:{cvm_id}") as session:
             cvm = session.get(Cvm, cvm_id)
             if cvm is not None:
                 cvm.events = [*cvm.events, entry][-MAX_EVENTS:]
                 session.add(cvm)
     except Exception as exc:  # progress is best effort; the outcome is what must land
         log.warning("could not record a provider event for %s (%s)", cvm_id, type(exc).__name__)
+
+
+def _job_key(cvm_id: str) -> int:
+    return lock_key(f"job:{cvm_id}")
+
+
+@contextmanager
+def job_guard(console: Console, cvm_id: str) -> Iterator[None]:
+    """Held while a provider run for the CVM is alive in this process: on PostgreSQL a
+    session-level advisory lock on its own connection, which the server releases when the process
+    dies, so `reconcile` in any worker can tell a live run from an orphaned one."""
+    if console.settings.is_sqlite:
+        yield  # one process: everything transitional at startup is orphaned
+        return
+    with console.engine.connect() as connection:
+        connection.execute(text("SELECT pg_advisory_lock(:key)"), {"key": _job_key(cvm_id)})
+        connection.commit()
+        try:
+            yield
+        finally:
+            connection.execute(text("SELECT pg_advisory_unlock(:key)"), {"key": _job_key(cvm_id)})
+            connection.commit()
+
+
+def reconcile(console: Console) -> list[str]:
+    """At startup: every CVM left transitional by a crash, restart or kill whose run is not alive
+    in any Console process is marked `failed` with a reason saying what was interrupted (the
+    owner or an admin then updates or destroys it; a destroy is idempotent). Returns their ids."""
+    with console.session() as session:
+        busy = list(
+            session.execute(select(col(Cvm.id)).where(col(Cvm.state).in_(BUSY_STATES))).scalars()
+        )
+    failed = []
+    for cvm_id in busy:
+        with console.write(f"cvm:{cvm_id}") as session:
+            if not console.settings.is_sqlite:
+                free = session.execute(
+                    text("SELECT pg_try_advisory_xact_lock(:key)"), {"key": _job_key(cvm_id)}
+                ).scalar_one()
+                if not free:
+                    continue  # another worker's run is alive
+            cvm = session.get(Cvm, cvm_id)
+            if cvm is None or cvm.state not in BUSY_STATES:
+                continue
+            operation = next(op for op, state in TRANSITIONAL.items() if state == cvm.state)
+            reason = (
+                f"{operation}: interrupted by a Console restart; update or destroy the CVM "
+                "(the provider may have left resources behind)"
+            )
+            cvm.state, cvm.state_reason, cvm.updated_at = "failed", reason, utcnow()
+            session.add(cvm)
+            audit.append(
+                session,
+                actor=ACTOR,
+                team=cvm.team,
+                action="cvm.provisioned",
+                target=cvm.id,
+                details={"operation": operation, "state": "failed", "reason": reason},
+            )
+            failed.append(cvm_id)
+    if failed:
+        log.warning("reconciled %d interrupted provider runs as failed", len(failed))
+    return failed
 
 
 def submit(console: Console, provider: CvmProvider, operation: Operation, cvm: Cvm) -> None:
@@ -91,7 +158,8 @@ def run(
     result: Provisioned | None = None
     reason: str | None = None
     try:
-        result = calls[operation](on_event)
+        with job_guard(console, spec.id):
+            result = calls[operation](on_event)
     except ProviderError as exc:
         reason = one_line(f"{operation}: {exc}", 512)
     except Exception as exc:
@@ -113,7 +181,7 @@ def finish(
     result: Provisioned | None,
 ) -> None:
     try:
-        with console.write() as session:
+        with console.write(f"cvm:{spec.id}") as session:
             cvm = session.get(Cvm, spec.id)
             if cvm is None or cvm.state != TRANSITIONAL[operation]:
                 log.warning(

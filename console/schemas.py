@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import socket
-import uuid
 from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
 from pydantic import (
     AfterValidator,
-    AliasChoices,
-    AwareDatetime,
     BaseModel,
     ConfigDict,
     Field,
@@ -184,6 +181,13 @@ class ProfilesUpdate(Strict):
     profiles: list[ProfileName] = Field(max_length=64)
 
 
+def profiles_etag(profiles: list[str]) -> str:
+    """The version of a CVM's attachments a read-modify-write sends back as `If-Match`."""
+    import hashlib
+
+    return hashlib.sha256("\n".join(sorted(set(profiles))).encode()).hexdigest()[:32]
+
+
 # -- secrets --------------------------------------------------------------------------------
 class TeamSecretSet(Strict):
     value: str = Field(min_length=1, max_length=MAX_SECRET_BYTES)
@@ -224,64 +228,12 @@ class ReleaseResponse(Strict):
 
 
 # -- traffic --------------------------------------------------------------------------------
-# Traffic records arrive by the ten thousand: constraints here are declarative (checked in Rust by
-# pydantic-core) rather than Python validators, and text excludes control characters by pattern.
-_PRINTABLE = r"^[^\x00-\x1f\x7f]*$"
-Printable = Annotated[str, Field(max_length=255, pattern=_PRINTABLE)]
-
-
-class TrafficRecordIn(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    id: uuid.UUID
-    time: Annotated[AwareDatetime, AfterValidator(to_utc)] = Field(
-        description="RFC 3339 with offset, or Unix seconds."
-    )
-    kind: Literal["http", "connect", "tunnel", "websocket", "connection"] = "http"
-    cvm_id: Annotated[str, Field(pattern=CVM_ID_PATTERN)] | None = None
-    owner: Annotated[str, Field(min_length=1, max_length=255, pattern=_PRINTABLE)] | None = None
-    team: Name | None = Field(default=None, description="Omitted: the Security CVM's team.")
-    policy_hash: Annotated[str, Field(pattern=r"^sha256:[0-9a-f]{64}$")] | None = None
-    method: Annotated[str, Field(pattern=r"^[A-Z]{1,16}$")] | None = None
-    connect_host: Printable | None = None
-    sni: Printable | None = None
-    host: Printable | None = Field(
-        default=None, validation_alias=AliasChoices("host", "host_header")
-    )
-    port: Annotated[int, Field(ge=0, le=65535)] | None = None
-    pinned_ip: Annotated[str, Field(max_length=64), AfterValidator(_ip)] | None = None
-    path: Annotated[str, Field(max_length=2048, pattern=_PRINTABLE)] | None = None
-    query_keys: list[Annotated[str, Field(max_length=256, pattern=_PRINTABLE)]] = Field(
-        default_factory=list, max_length=256
-    )
-    decision: Literal["allow", "deny"]
-    rule_id: ShortToken | None = None
-    reason: Annotated[str, Field(pattern=r"^[a-z0-9_]{0,64}$")] | None = None
-    status: Annotated[int, Field(ge=0, le=999)] | None = None
-    bytes_sent: Annotated[int, Field(ge=0, le=MAX_BIGINT)] = Field(
-        default=0, validation_alias=AliasChoices("bytes_sent", "request_bytes")
-    )
-    bytes_received: Annotated[int, Field(ge=0, le=MAX_BIGINT)] = Field(
-        default=0, validation_alias=AliasChoices("bytes_received", "response_bytes")
-    )
-    duration_ms: Annotated[float, Field(ge=0, le=1e12, allow_inf_nan=False)] = 0.0
-    scan_rule_ids: list[ShortToken] = Field(default_factory=list, max_length=256)
-    injected_headers: list[
-        Annotated[str, Field(pattern=r"^[!#$%&'*+.^_`|~0-9A-Za-z-]{1,128}$")]
-    ] = Field(default_factory=list, max_length=64)
-    detail: Annotated[str, Field(max_length=1024, pattern=_PRINTABLE)] | None = None
-
-
-class TrafficBatch(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    records: list[TrafficRecordIn] = Field(min_length=1)
-
-
+# The record itself is `umbra.contracts.traffic.TrafficRecord` (one schema for proxy and Console).
 class IngestResult(Strict):
     received: int
     inserted: int
     duplicates: int
+    quarantined: int = Field(default=0, description="Stored aside with a reason; never retried.")
 
 
 class TrafficRecordOut(Strict):
@@ -311,11 +263,27 @@ class TrafficRecordOut(Strict):
     scan_rule_ids: list[str]
     injected_headers: list[str]
     detail: str | None
+    truncated: list[str] = Field(default_factory=list)
 
 
 class TrafficPage(Strict):
     records: list[TrafficRecordOut]
     next_cursor: str | None
+
+
+class QuarantinedRecord(Strict):
+    id: int
+    security_cvm_id: str
+    record_id: str | None
+    reason: Literal["invalid", "foreign_team", "unknown_cvm"]
+    detail: str
+    excerpt: str
+    received_at: datetime
+
+
+class QuarantinePage(Strict):
+    records: list[QuarantinedRecord]
+    next_cursor: int | None
 
 
 # -- audit ----------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -10,7 +11,7 @@ from dataclasses import dataclass, field
 from threading import Lock
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
-from sqlalchemy import Engine
+from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session
 
 from umbra.console.config import Settings
@@ -22,6 +23,11 @@ from umbra.console.oidc import OidcValidator
 from umbra.console.providers import CvmProvider
 from umbra.console.release import SecretReleaseVerifier
 from umbra.proxy.policy.bundle import VerifiedBundle, verify_bundle
+
+
+def lock_key(name: str) -> int:
+    """A signed 64-bit advisory lock key for a name (the audit chain's key is a small constant)."""
+    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big", signed=True)
 
 
 @dataclass
@@ -49,10 +55,24 @@ class Console:
         return Session(self.engine, expire_on_commit=False)
 
     @contextmanager
-    def write(self) -> Iterator[Session]:
-        """A write transaction: committed on success, rolled back on any exception."""
+    def write(self, *locks: str) -> Iterator[Session]:
+        """A write transaction: committed on success, rolled back on any exception.
+
+        `locks` name what the transaction reads and then changes (`cvm:<id>`, `team:<t>:policy`,
+        ...). On PostgreSQL each is a transaction-scoped advisory lock taken first, in sorted
+        order (no deadlocks between two lock sets), so concurrent writers of one thing run one after
+        the other and each reads what the previous committed: every race has one defined outcome.
+        This also covers rows that do not exist yet (a first secret PUT), which row locks cannot.
+        On SQLite the write gate already serializes every writer."""
         with self.write_gate, self.session() as session, session.begin():
+            for key in sorted(set(locks)):
+                self.lock(session, key)
             yield session
+
+    def lock(self, session: Session, name: str) -> None:
+        """Take one more named lock inside a write transaction (after those it already holds)."""
+        if not self.settings.is_sqlite:
+            session.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": lock_key(name)})
 
     def verified(self, bundle_hash: str, raw: bytes) -> VerifiedBundle:
         """Verify stored bundle bytes again (pinned keys may have changed); cached by hash."""

@@ -3,7 +3,7 @@
 PostgreSQL: the validated batch goes to the server as one JSON document and is expanded there by
 `json_populate_recordset` into a single `INSERT ... ON CONFLICT (id) DO NOTHING` (no per-row
 Python work). SQLite: one `executemany` of `INSERT OR IGNORE`. Either way a record id already
-stored is skipped, so shipper retries never duplicate, and the number actually inserted comes back.
+stored is skipped, so shipper retries never duplicate (ids are scoped per team), and the number actually inserted comes back.
 """
 
 from __future__ import annotations
@@ -16,28 +16,30 @@ from typing import Any
 from pydantic import TypeAdapter
 from sqlalchemy.orm import Session
 
-from umbra.console.schemas import TrafficRecordIn
+from umbra.contracts.traffic import TrafficRecord
 
 RECORD_COLUMNS = (
     "id", "time", "kind", "cvm_id", "owner", "team", "policy_hash", "method", "connect_host", "sni",
     "host", "port", "pinned_ip", "path", "query_keys", "decision", "rule_id", "reason", "status",
     "bytes_sent", "bytes_received", "duration_ms", "scan_rule_ids", "injected_headers", "detail",
+    "truncated",
 )  # fmt: skip
 COLUMNS = (*RECORD_COLUMNS, "security_cvm_id", "received_at")
-JSON_COLUMNS = frozenset({"query_keys", "scan_rule_ids", "injected_headers"})
-RECORDS = TypeAdapter(list[TrafficRecordIn])
+JSON_COLUMNS = frozenset({"query_keys", "scan_rule_ids", "injected_headers", "truncated"})
+RECORDS = TypeAdapter(list[TrafficRecord])
 
 _COLUMN_LIST = ", ".join(COLUMNS)
 _PG_INSERT = (
     f"INSERT INTO traffic_record ({_COLUMN_LIST}) "  # noqa: S608 (constant names, no input)
     f"SELECT {', '.join('r.' + c for c in RECORD_COLUMNS)}, %(scvm)s, %(now)s "
     "FROM json_populate_recordset(NULL::traffic_record, %(doc)s::json) AS r "
-    "ON CONFLICT (id) DO NOTHING"
+    "ON CONFLICT (team, id) DO NOTHING"
 )
 _SQLITE_INSERT = (
     f"INSERT OR IGNORE INTO traffic_record ({_COLUMN_LIST}) "  # noqa: S608
     f"VALUES ({', '.join('?' for _ in COLUMNS)})"
 )
+QUARANTINE_CHUNK = 500
 _dumps = json.JSONEncoder(separators=(",", ":")).encode
 
 
@@ -51,7 +53,7 @@ def _sqlite_time(value: datetime) -> str:
 
 def insert_records(
     session: Session,
-    records: Sequence[TrafficRecordIn],
+    records: Sequence[TrafficRecord],
     security_cvm_id: str,
     received_at: datetime,
 ) -> int:
@@ -66,7 +68,7 @@ def insert_records(
 
 
 def _insert_postgresql(
-    connection: Any, records: Sequence[TrafficRecordIn], scvm: str, now: datetime
+    connection: Any, records: Sequence[TrafficRecord], scvm: str, now: datetime
 ) -> int:
     document = RECORDS.dump_json(list(records)).decode()
     with connection.cursor() as cursor:
@@ -75,7 +77,7 @@ def _insert_postgresql(
 
 
 def _insert_sqlite(
-    connection: Any, records: Sequence[TrafficRecordIn], scvm: str, now: datetime
+    connection: Any, records: Sequence[TrafficRecord], scvm: str, now: datetime
 ) -> int:
     values = []
     received = _sqlite_time(now)
@@ -89,6 +91,8 @@ def _insert_sqlite(
                 value = _sqlite_time(value)
             elif column == "id":
                 value = str(value)
+            elif column in ("kind", "decision"):
+                value = str(value.value) if hasattr(value, "value") else value
             item.append(value)
         item.extend((scvm, received))
         values.append(item)
@@ -98,3 +102,25 @@ def _insert_sqlite(
         return int(cursor.rowcount)
     finally:
         cursor.close()
+
+
+def insert_quarantined(session: Session, rows: Sequence[dict[str, Any]]) -> int:
+    """Insert quarantine rows unless the same record (by fingerprint) is already quarantined for
+    the team; return how many were new."""
+    unique = list({row["fingerprint"]: row for row in rows}.values())
+    if not unique:
+        return 0
+    from umbra.console.models import TrafficQuarantine
+
+    table = TrafficQuarantine.__table__  # type: ignore[attr-defined]
+    if session.get_bind().dialect.name == "postgresql":
+        from sqlalchemy.dialects.postgresql import insert
+    else:
+        from sqlalchemy.dialects.sqlite import insert  # type: ignore[assignment]
+    inserted = 0
+    # Chunks keep every statement under the drivers' bound-parameter limits (PostgreSQL: 65535).
+    for start in range(0, len(unique), QUARANTINE_CHUNK):
+        chunk = unique[start : start + QUARANTINE_CHUNK]
+        statement: Any = insert(table).values(chunk).on_conflict_do_nothing()
+        inserted += int(session.execute(statement).rowcount)  # type: ignore[attr-defined]
+    return inserted

@@ -3,7 +3,8 @@
 A writer thread appends records to `segment-<n>.jsonl` and fsyncs after every batch it writes (group
 commit; a record is durable within one flush interval of its decision). Segments rotate at a size
 limit. The shipper reads records after a persisted cursor and POSTs them as
-`{"records": [...]}` to `{console}/api/v1/traffic/batches`; only a 2xx advances the cursor, so a
+`{"records": [...]}` (`umbra.contracts.traffic`) to `{console}/api/v1/traffic/batches`; only a
+2xx advances the cursor, so a
 Console that is down, or a proxy that restarts, loses nothing (records carry ids: the Console
 de-duplicates a batch it sees twice). Fully shipped segments other than the current one are deleted.
 """
@@ -19,8 +20,9 @@ import threading
 from pathlib import Path
 
 import httpx
+from pydantic import BaseModel, ValidationError
 
-from umbra.proxy.trafficlog import TrafficRecord
+from umbra.contracts.traffic import TrafficBatch, TrafficRecord
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +64,12 @@ class Spool:
             os.close(dir_fd)
         return fd
 
-    def append(self, record: TrafficRecord) -> None:
+    def append(self, record: TrafficRecord | BaseModel) -> None:
+        """Queue a record for disk. Anything but a contract record (the proxy's older record
+        type) is converted with `TrafficRecord.build`, which fits sandbox-controlled text to the
+        contract's limits instead of failing."""
+        if not isinstance(record, TrafficRecord):
+            record = TrafficRecord.build(**record.model_dump())
         with self._written:
             self._pending += 1
         self._queue.put(record)
@@ -90,7 +97,9 @@ class Spool:
                 return
 
     def _write(self, records: list[TrafficRecord]) -> None:
-        data = b"".join(record.model_dump_json().encode() + b"\n" for record in records)
+        data = b"".join(
+            record.model_dump_json(by_alias=False).encode() + b"\n" for record in records
+        )
         try:
             os.write(self._file, data)
             os.fsync(self._file)
@@ -116,6 +125,15 @@ def read_records(directory: Path) -> list[dict[str, object]]:
                 except ValueError:
                     continue
     return out
+
+
+def _contract(line: dict[str, object]) -> object:
+    """A spooled line in the contract's form; a line from an older spool that no longer fits is
+    sent as it is, and the Console quarantines it rather than refusing the batch."""
+    try:
+        return TrafficRecord.build(**line).wire()
+    except (ValidationError, TypeError, ValueError):
+        return line
 
 
 class Shipper:
@@ -197,7 +215,8 @@ class Shipper:
                 self._save_cursor(segment, offset)
             return 0
         try:
-            response = await self._client.post(self.url, json={"records": records})
+            body = TrafficBatch(records=[_contract(record) for record in records])
+            response = await self._client.post(self.url, json=body.model_dump(mode="json"))
         except httpx.HTTPError as exc:
             logger.info(
                 "console unreachable, keeping %d records: %s", len(records), type(exc).__name__

@@ -11,7 +11,7 @@ from starlette.concurrency import run_in_threadpool
 from umbra.console import audit
 from umbra.console.deps import ConsoleDep, User, UserDep, require_role
 from umbra.console.models import Cvm, PolicyBundle
-from umbra.console.routes.common import TeamPath, current_bundle
+from umbra.console.routes.common import TeamPath, current_bundle, policy_lock
 from umbra.console.schemas import BundleInfo
 from umbra.console.state import Console
 from umbra.proxy.policy.bundle import BundleError, VerifiedBundle, verify_bundle
@@ -54,7 +54,7 @@ def _store(console: Console, user: User, team: str, raw: bytes, response: Respon
         raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, f"bundle: {exc}") from None
     if bundle.serial > MAX_SERIAL:
         raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, "bundle: serial is too large")
-    with console.write() as session:
+    with console.write(policy_lock(team)) as session:
         current = current_bundle(session, team)
         if current is not None:
             if bundle.serial == current.serial and bundle.hash == current.hash:

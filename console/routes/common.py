@@ -21,6 +21,17 @@ TeamPath = Annotated[str, Path(pattern=NAME_PATTERN, description="Team name.")]
 CvmIdPath = Annotated[str, Path(pattern=CVM_ID_PATTERN, description="CVM id.")]
 
 
+def policy_lock(team: str) -> str:
+    """Taken by bundle uploads and profile attachments: an attachment is checked against the
+    bundle that is current when it commits, and an upload against the attachments."""
+    return f"team:{team}:policy"
+
+
+def cvm_lock(cvm_id: str) -> str:
+    """Taken by every change to one CVM row (routes and provider outcomes)."""
+    return f"cvm:{cvm_id}"
+
+
 def not_found(what: str) -> HTTPException:
     return HTTPException(status.HTTP_404_NOT_FOUND, f"{what} not found")
 

@@ -6,7 +6,7 @@ import secrets
 from collections.abc import Callable
 from typing import Annotated
 
-from fastapi import APIRouter, HTTPException, Query, status
+from fastapi import APIRouter, Header, HTTPException, Query, status
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
@@ -34,10 +34,19 @@ from umbra.console.routes.common import (
     TeamPath,
     current_bundle,
     cvm_info,
+    cvm_lock,
     not_found,
+    policy_lock,
     visible_cvm,
 )
-from umbra.console.schemas import CvmCreate, CvmCreated, CvmInfo, CvmUpdate, ProfilesUpdate
+from umbra.console.schemas import (
+    CvmCreate,
+    CvmCreated,
+    CvmInfo,
+    CvmUpdate,
+    ProfilesUpdate,
+    profiles_etag,
+)
 from umbra.proxy.policy.bundle import BundleError
 
 router = APIRouter(prefix="/api/v1", tags=["cvms"])
@@ -92,18 +101,23 @@ def create_cvm(team: TeamPath, body: CvmCreate, console: ConsoleDep, user: UserD
     except ProviderError as exc:
         raise HTTPException(UNPROCESSABLE, f"provider: {exc}") from None
     credential = None
-    with console.write() as session:
+    locks = [f"cvm-name:{team}:{owner}:{body.name}"]
+    if body.security_cvm_id is not None:
+        locks.append(cvm_lock(body.security_cvm_id))  # not destroyed while we route through it
+    with console.write(*locks) as session:
         security_cvm_id = body.security_cvm_id
         if security_cvm_id is not None:
             _security_cvm_in_team(session, team, security_cvm_id)
         elif body.kind == "dev":
             security_cvm_id = default_security_cvm(session, team)
         taken = session.execute(
-            select(col(Cvm.id)).where(col(Cvm.team) == team, col(Cvm.name) == body.name)
+            select(col(Cvm.id)).where(
+                col(Cvm.team) == team, col(Cvm.owner) == owner, col(Cvm.name) == body.name
+            )
         ).first()
         if taken is not None:
             raise HTTPException(
-                status.HTTP_409_CONFLICT, f"name: CVM {body.name!r} exists in team {team!r}"
+                status.HTTP_409_CONFLICT, f"name: {owner!r} already has a CVM {body.name!r}"
             )
         ref: str | None = None
         if not provider.background:
@@ -127,6 +141,14 @@ def create_cvm(team: TeamPath, body: CvmCreate, console: ConsoleDep, user: UserD
             credential = CREDENTIAL_PREFIX + secrets.token_urlsafe(32)
             cvm.credential_hash = credential_hash(credential)
         session.add(cvm)
+        try:
+            # Flushed here, not by autoflush inside the audit append, so a unique violation
+            # (should the lock ever be bypassed) is this request's 409, not a 500.
+            session.flush()
+        except IntegrityError:
+            raise HTTPException(
+                status.HTTP_409_CONFLICT, f"name: {owner!r} already has a CVM {body.name!r}"
+            ) from None
         audit.append(
             session,
             actor=user.subject,
@@ -140,12 +162,7 @@ def create_cvm(team: TeamPath, body: CvmCreate, console: ConsoleDep, user: UserD
                 "provider": body.provider,
             },
         )
-        try:
-            session.flush()
-        except IntegrityError:
-            raise HTTPException(
-                status.HTTP_409_CONFLICT, f"name: CVM {body.name!r} exists"
-            ) from None
+        session.flush()
         info = cvm_info(cvm)
     # Committed: a cloud launch now runs outside the transaction and records its own outcome.
     if provider.background:
@@ -207,7 +224,10 @@ def _may_manage(cvm: Cvm, role: str | None) -> None:
 @router.patch("/cvms/{cvm_id}", summary="Start/stop, re-route, or change SSH keys/size.")
 def update_cvm(cvm_id: CvmIdPath, body: CvmUpdate, console: ConsoleDep, user: UserDep) -> CvmInfo:
     background: tuple[CvmProvider, Cvm] | None = None
-    with console.write() as session:
+    locks = [cvm_lock(cvm_id)]
+    if body.security_cvm_id is not None:
+        locks.append(cvm_lock(body.security_cvm_id))
+    with console.write(*locks) as session:
         cvm = visible_cvm(session, user, cvm_id)
         role = user.role_in(cvm.team)
         _may_manage(cvm, role)
@@ -279,7 +299,7 @@ def update_cvm(cvm_id: CvmIdPath, body: CvmUpdate, console: ConsoleDep, user: Us
 @router.delete("/cvms/{cvm_id}", summary="Destroy a CVM (admin, or the owner of a Dev CVM).")
 def destroy_cvm(cvm_id: CvmIdPath, console: ConsoleDep, user: UserDep) -> CvmInfo:
     background: tuple[CvmProvider, Cvm] | None = None
-    with console.write() as session:
+    with console.write(cvm_lock(cvm_id)) as session:
         cvm = visible_cvm(session, user, cvm_id)
         _may_manage(cvm, user.role_in(cvm.team))
         if cvm.state != "destroyed":
@@ -316,16 +336,33 @@ def destroy_cvm(cvm_id: CvmIdPath, console: ConsoleDep, user: UserDep) -> CvmInf
 
 @router.put("/cvms/{cvm_id}/profiles", summary="Attach policy profiles to a Dev CVM (admin).")
 def attach_profiles(
-    cvm_id: CvmIdPath, body: ProfilesUpdate, console: ConsoleDep, user: UserDep
+    cvm_id: CvmIdPath,
+    body: ProfilesUpdate,
+    console: ConsoleDep,
+    user: UserDep,
+    if_match: Annotated[
+        str | None,
+        Header(
+            alias="If-Match",
+            max_length=128,
+            description="Attach only if the attachments are still this version (else 412).",
+        ),
+    ] = None,
 ) -> CvmInfo:
     profiles = sorted(set(body.profiles))
-    with console.write() as session:
+    with console.write(cvm_lock(cvm_id)) as session:
         cvm = visible_cvm(session, user, cvm_id)
         require_role(user, cvm.team, "admin")
+        console.lock(session, policy_lock(cvm.team))  # after the CVM lock, as everywhere
         if cvm.kind != "dev":
             raise HTTPException(UNPROCESSABLE, "profiles: attach profiles to Dev CVMs only")
         if cvm.state == "destroyed":
             raise HTTPException(status.HTTP_409_CONFLICT, f"CVM {cvm_id} is destroyed")
+        if if_match is not None and if_match.strip('" ') != profiles_etag(cvm.profiles):
+            raise HTTPException(
+                status.HTTP_412_PRECONDITION_FAILED,
+                f"CVM {cvm_id}'s attachments changed since you read them; read and retry",
+            )
         if profiles:
             bundle_row = current_bundle(session, cvm.team)
             if bundle_row is None:
@@ -358,7 +395,9 @@ def attach_profiles(
     summary="Issue a new credential for a Security CVM, revoking the old one (admin).",
 )
 def rotate_credential(cvm_id: CvmIdPath, console: ConsoleDep, user: UserDep) -> CvmCreated:
-    with console.write() as session:
+    # Serialized per CVM: of concurrent rotations, the one that commits last holds the only
+    # working credential, and every earlier one is revoked by it.
+    with console.write(cvm_lock(cvm_id)) as session:
         cvm = visible_cvm(session, user, cvm_id)
         require_role(user, cvm.team, "admin")
         if cvm.kind != "security" or cvm.state == "destroyed":

@@ -11,7 +11,7 @@ from datetime import timedelta
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, HTTPException, Query, Response, status
-from sqlalchemy import delete, select, update
+from sqlalchemy import delete, func, select, update
 from sqlmodel import col
 from starlette.concurrency import run_in_threadpool
 
@@ -149,8 +149,25 @@ def release_challenge(
     require_same_cvm(caller, cvm_id)
     now = utcnow()
     nonce = secrets.token_urlsafe(32)
-    expires = now + timedelta(seconds=console.settings.release_nonce_ttl_seconds)
-    with console.write() as session:
+    ttl = timedelta(seconds=console.settings.release_nonce_ttl_seconds)
+    expires = now + ttl
+    # Rate limited per Security CVM in the database (so across workers): nonces issued in the
+    # last minute are those expiring later than one minute before a fresh one would.
+    with console.write(f"release-challenge:{caller.id}") as session:
+        recent = session.execute(
+            select(func.count())
+            .select_from(ReleaseNonce)
+            .where(
+                col(ReleaseNonce.security_cvm_id) == caller.id,
+                col(ReleaseNonce.expires_at) > expires - timedelta(seconds=60),
+            )
+        ).scalar_one()
+        if recent >= console.settings.release_challenges_per_minute:
+            raise HTTPException(
+                status.HTTP_429_TOO_MANY_REQUESTS,
+                "too many release challenges for this Security CVM; retry later",
+                headers={"Retry-After": "10"},
+            )
         session.execute(
             delete(ReleaseNonce).where(
                 col(ReleaseNonce.security_cvm_id) == caller.id,

@@ -5,37 +5,35 @@ from __future__ import annotations
 import base64
 import binascii
 import json
-import uuid
 from datetime import datetime
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, HTTPException, Query, Request, status
 from fastapi.exceptions import RequestValidationError
-from pydantic import ValidationError
 from sqlalchemy import Table, and_, or_, select
-from sqlmodel import col
 from starlette.concurrency import run_in_threadpool
 
+from umbra.console import ingest as ingest_service
 from umbra.console.db import as_utc
 from umbra.console.deps import ConsoleDep, SecurityCvmDep, UserDep, require_role
-from umbra.console.models import Cvm, TrafficRecord, utcnow
+from umbra.console.models import Cvm, TrafficQuarantine, TrafficRecord
 from umbra.console.routes.common import TeamPath
 from umbra.console.schemas import (
     CVM_ID_PATTERN,
     IngestResult,
-    TrafficBatch,
+    QuarantinedRecord,
+    QuarantinePage,
     TrafficPage,
-    TrafficRecordIn,
     TrafficRecordOut,
     to_utc,
 )
 from umbra.console.state import Console
-from umbra.console.traffic_store import insert_records
 
 router = APIRouter(prefix="/api/v1", tags=["traffic"])
 UNPROCESSABLE = status.HTTP_422_UNPROCESSABLE_CONTENT
 PRINTABLE = r"^[^\x00-\x1f\x7f]+$"
 TABLE: Table = TrafficRecord.__table__  # type: ignore[attr-defined]
+QUARANTINE: Table = TrafficQuarantine.__table__  # type: ignore[attr-defined]
 
 
 INGEST_BODY = {
@@ -48,7 +46,8 @@ INGEST_BODY = {
 
 @router.post(
     "/traffic/batches",
-    summary="Ingest a batch of traffic records from a Security CVM (idempotent by record id).",
+    summary="Ingest a batch of traffic records from a Security CVM (idempotent by record id "
+    "within the team; a record that cannot be stored is quarantined, never refused).",
     openapi_extra=INGEST_BODY,
 )
 async def ingest(request: Request, caller: SecurityCvmDep, console: ConsoleDep) -> IngestResult:
@@ -60,47 +59,55 @@ async def ingest(request: Request, caller: SecurityCvmDep, console: ConsoleDep) 
 
 def _ingest(raw: bytes, caller: Cvm, console: Console) -> IngestResult:
     try:
-        batch = TrafficBatch.model_validate_json(raw)
-    except ValidationError as exc:
-        raise RequestValidationError(
-            [{**error, "loc": ("body", *error["loc"])} for error in exc.errors(include_input=False)]
-        ) from None
-    limit = console.settings.max_traffic_batch_records
-    if len(batch.records) > limit:
-        raise HTTPException(UNPROCESSABLE, f"records: at most {limit} records per batch")
-    unique: dict[uuid.UUID, TrafficRecordIn] = {}
-    for index, record in enumerate(batch.records):
-        if record.team is None:
-            record.team = caller.team
-        elif record.team != caller.team:
-            raise HTTPException(
-                UNPROCESSABLE,
-                f"records.{index}.team: {record.team!r} is not this Security CVM's team",
+        with console.write() as session:
+            outcome = ingest_service.ingest(
+                session, raw, caller.team, caller.id, console.settings.max_traffic_batch_records
             )
-        unique.setdefault(record.id, record)
-    cvm_ids = {record.cvm_id for record in unique.values() if record.cvm_id is not None}
-    with console.write() as session:
-        if cvm_ids:
-            known = set(
-                session.execute(
-                    select(col(Cvm.id)).where(
-                        col(Cvm.id).in_(cvm_ids),
-                        col(Cvm.team) == caller.team,
-                        col(Cvm.kind) == "dev",
-                    )
-                ).scalars()
+    except ingest_service.BatchRejected as exc:
+        raise RequestValidationError(exc.errors) from None
+    console.metrics.traffic_inserted.inc(outcome.inserted)
+    console.metrics.traffic_duplicates.inc(outcome.duplicates)
+    return IngestResult(
+        received=outcome.received,
+        inserted=outcome.inserted,
+        duplicates=outcome.duplicates,
+        quarantined=outcome.quarantined,
+    )
+
+
+@router.get(
+    "/teams/{team}/traffic/quarantine",
+    summary="Shipped records the Console could not store, with the reason (admin), newest first.",
+)
+def list_quarantine(
+    team: TeamPath,
+    console: ConsoleDep,
+    user: UserDep,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    cursor: Annotated[int | None, Query(ge=1, le=(1 << 31) - 1)] = None,
+) -> QuarantinePage:
+    require_role(user, team, "admin")
+    columns = QUARANTINE.c
+    query = select(TrafficQuarantine).where(columns.team == team)
+    if cursor is not None:
+        query = query.where(columns.id < cursor)
+    query = query.order_by(columns.id.desc()).limit(limit + 1)
+    with console.session() as session:
+        rows = list(session.execute(query).scalars())
+    more = len(rows) > limit
+    rows = rows[:limit]
+    return QuarantinePage(
+        records=[
+            QuarantinedRecord.model_validate(
+                {
+                    **row.model_dump(exclude={"team", "fingerprint"}),
+                    "received_at": as_utc(row.received_at),
+                }
             )
-            for index, record in enumerate(batch.records):
-                if record.cvm_id is not None and record.cvm_id not in known:
-                    raise HTTPException(
-                        UNPROCESSABLE,
-                        f"records.{index}.cvm_id: no Dev CVM {record.cvm_id} in team {caller.team!r}",
-                    )
-        inserted = insert_records(session, list(unique.values()), caller.id, utcnow())
-    duplicates = len(batch.records) - inserted
-    console.metrics.traffic_inserted.inc(inserted)
-    console.metrics.traffic_duplicates.inc(duplicates)
-    return IngestResult(received=len(batch.records), inserted=inserted, duplicates=duplicates)
+            for row in rows
+        ],
+        next_cursor=rows[-1].id if more and rows[-1].id is not None else None,
+    )
 
 
 def _encode_cursor(record: TrafficRecord) -> str:
@@ -138,6 +145,8 @@ def query_traffic(
     owner: Annotated[str | None, Query(min_length=1, max_length=255, pattern=PRINTABLE)] = None,
     host: Annotated[str | None, Query(min_length=1, max_length=255, pattern=PRINTABLE)] = None,
     decision: Literal["allow", "deny"] | None = None,
+    reason: Annotated[str | None, Query(pattern=r"^[a-z0-9_]{1,64}$")] = None,
+    rule_id: Annotated[str | None, Query(pattern=r"^[A-Za-z0-9._:/-]{1,160}$")] = None,
     since: Annotated[datetime | None, Query(description="Inclusive; naive times are UTC.")] = None,
     until: Annotated[datetime | None, Query(description="Exclusive; naive times are UTC.")] = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
@@ -157,6 +166,8 @@ def query_traffic(
         owner,
         host,
         decision,
+        reason,
+        rule_id,
         _utc(since, "since"),
         _utc(until, "until"),
         limit,
@@ -171,6 +182,8 @@ def _query(
     owner: str | None,
     host: str | None,
     decision: str | None,
+    reason: str | None,
+    rule_id: str | None,
     since: datetime | None,
     until: datetime | None,
     limit: int,
@@ -183,6 +196,8 @@ def _query(
         (columns.owner, owner),
         (columns.host, host),
         (columns.decision, decision),
+        (columns.reason, reason),
+        (columns.rule_id, rule_id),
     ):
         if value is not None:
             query = query.where(column == value)

@@ -26,6 +26,8 @@ class LocalIssuer:
         self._keys: list[RSAKey] = []
         self._generation = 0
         self.jwks_fetches = 0
+        # While set, every request hangs (a stalled identity provider).
+        self.stall = threading.Event()
         # When set, discovery offers an RFC 8628 device flow that logs in as (subject, roles);
         # the first poll answers authorization_pending, like a user who has not approved yet.
         self.device_grant: tuple[str, list[str]] | None = None
@@ -129,6 +131,8 @@ class LocalIssuer:
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:
+                while issuer.stall.is_set():
+                    time.sleep(0.05)
                 if self.path == "/.well-known/openid-configuration":
                     body = {
                         "issuer": issuer.url,

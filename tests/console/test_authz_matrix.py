@@ -259,6 +259,10 @@ USER_MATRIX: dict[tuple[str, str], tuple[Case, dict[str, int]]] = {
         lambda w, p: w.call(p, "GET", f"/api/v1/teams/{w.team_a}/audit"),
         expect(200, 403, 403, 403, 403, 401),
     ),
+    ("GET", T + "/traffic/quarantine"): (
+        lambda w, p: w.call(p, "GET", f"/api/v1/teams/{w.team_a}/traffic/quarantine"),
+        expect(200, 403, 403, 403, 403, 401),
+    ),
 }
 
 S = "/api/v1/security-cvms/{cvm_id}"
@@ -291,7 +295,8 @@ MACHINE_MATRIX: dict[tuple[str, str], tuple[Case, dict[str, int]]] = {
             "/api/v1/traffic/batches",
             json={"records": [traffic_record(w.team_a, id=str(uuid.uuid4()), cvm_id=w.dev_cvm)]},
         ),
-        expect(200, 422, 401, 401, principals=MACHINES),
+        # Another team's Security CVM: accepted, and the record is quarantined in its own team.
+        expect(200, 200, 401, 401, principals=MACHINES),
     ),
 }
 

@@ -146,3 +146,29 @@ def test_console_rejects_bad_tokens_with_401(server: Server, issuer: LocalIssuer
             assert response.headers["www-authenticate"] == "Bearer"
     with server.client() as client:
         assert client.get("/api/v1/me", headers={"Authorization": "Basic YTpi"}).status_code == 401
+
+
+def test_a_removed_key_stops_working_at_the_next_refresh(own_issuer: LocalIssuer) -> None:
+    validator = _validator(own_issuer, jwks_ttl=0.2)
+    old_token = own_issuer.token("alice")
+    validator.validate(old_token)
+    own_issuer.rotate(keep_old=False)
+    fetches = own_issuer.jwks_fetches
+    deadline = time.monotonic() + 10
+    while True:  # the stale set is used while the refetch runs in the background
+        try:
+            validator.validate(old_token)
+        except TokenError:
+            break
+        assert time.monotonic() < deadline, "the removed key still verifies"
+        time.sleep(0.05)
+    assert own_issuer.jwks_fetches > fetches
+    assert validator.validate(own_issuer.token("alice")).subject == "alice"
+
+
+def test_role_entries_match_exactly() -> None:
+    from umbra.console.deps import parse_roles
+
+    assert parse_roles(["teama:admin\n", " teama:admin", "teama:admin ", "teamb:developer"]) == {
+        "teamb": "developer"
+    }

@@ -219,7 +219,8 @@ def test_provider_refusals_are_precise_4xx(cloud: Cloud) -> None:
     assert "a-name-far-too-long-for-a-stack" not in names and "sec2" not in names
     running = settle(team, launch(team, "gcp").json()["id"])
     stop = team.dev.patch(f"/api/v1/cvms/{running['id']}", json={"state": "stopped"})
-    assert stop.status_code == 422 and "does not stop" in stop.json()["detail"]
+    # Cloud CVMs stop and start through the provisioner (docs/specs/infra.md, stop/start).
+    assert stop.status_code == 200 and stop.json()["state"] == "stopped", stop.text
 
 
 def test_provider_update_and_destroy(cloud: Cloud) -> None:

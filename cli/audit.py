@@ -1,0 +1,105 @@
+"""`umbra audit`: read a team's audit log and check its entries against their hashes (admins).
+
+A team admin sees the team's entries only, while the chain runs through every team's entries, so
+`verify` here recomputes each entry's hash over its content and its `prev_hash` (an edited entry
+fails) and checks sequence order; the whole chain, links included, is verified by the operator
+with `umbra console audit-verify` against the database.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import httpx
+import typer
+from rich.table import Table
+
+from umbra.cli.auth import api_failure, open_client, resolve_team
+from umbra.cli.output import EXIT_FINDINGS, console, fail, print_json
+from umbra.console.client import ConsoleApiError, ConsoleClient
+from umbra.console.schemas import AuditEntryOut
+
+app = typer.Typer(help="The Console's hash-chained audit log (admins).", no_args_is_help=True)
+
+JsonFlag = Annotated[bool, typer.Option("--json", help="Machine-readable output on stdout.")]
+TeamOption = Annotated[str | None, typer.Option("--team", help="Team (default: yours).")]
+
+
+def _entries(client: ConsoleClient, team: str, limit: int | None) -> list[AuditEntryOut]:
+    entries: list[AuditEntryOut] = []
+    after = 0
+    while True:
+        page = client.audit(team, after=after, limit=1000)
+        entries.extend(page.entries)
+        if page.next_cursor is None or (limit is not None and len(entries) >= limit):
+            return entries if limit is None else entries[-limit:]
+        after = page.next_cursor
+
+
+@app.command("list")
+def list_entries(
+    team: TeamOption = None,
+    limit: Annotated[int, typer.Option(min=1, help="Show the newest N entries.")] = 50,
+    as_json: JsonFlag = False,
+) -> None:
+    """Audit entries in chain order: who did what to which target."""
+    client, login = open_client(as_json)
+    try:
+        with client:
+            team_name = resolve_team(client, login, team, as_json)
+            entries = _entries(client, team_name, None)[-limit:]
+    except (ConsoleApiError, httpx.HTTPError) as exc:
+        api_failure(exc, as_json)
+    if as_json:
+        print_json([entry.model_dump(mode="json") for entry in entries])
+        return
+    table = Table(title=f"audit log of {team_name}")
+    for column in ("seq", "time", "actor", "action", "target"):
+        table.add_column(column, overflow="fold")
+    for entry in entries:
+        table.add_row(
+            str(entry.seq),
+            entry.time.strftime("%Y-%m-%d %H:%M:%S"),
+            entry.actor,
+            entry.action,
+            entry.target,
+        )
+    console.print(table)
+
+
+@app.command()
+def verify(team: TeamOption = None, as_json: JsonFlag = False) -> None:
+    """Recompute every entry's hash; exit 1 at the first that does not match its content."""
+    from umbra.console.audit import entry_hash
+
+    client, login = open_client(as_json)
+    try:
+        with client:
+            team_name = resolve_team(client, login, team, as_json)
+            entries = _entries(client, team_name, None)
+    except (ConsoleApiError, httpx.HTTPError) as exc:
+        api_failure(exc, as_json)
+    previous = 0
+    for entry in entries:
+        recomputed = entry_hash(
+            entry.prev_hash,
+            entry.seq,
+            entry.time,
+            entry.actor,
+            entry.team,
+            entry.action,
+            entry.target,
+            dict(entry.details),
+        )
+        if recomputed != entry.hash or entry.seq <= previous:
+            fail(
+                f"audit entry {entry.seq} does not match its hash (edited or reordered)",
+                EXIT_FINDINGS,
+                as_json=as_json,
+            )
+        previous = entry.seq
+    head = entries[-1].hash if entries else None
+    if as_json:
+        print_json({"ok": True, "entries": len(entries), "head": head})
+    else:
+        console.print(f"audit entries OK: {len(entries)} of team {team_name}, newest {head}")

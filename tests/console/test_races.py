@@ -1,0 +1,174 @@
+"""Concurrent writes on PostgreSQL with real parallel clients: every race has one defined outcome.
+
+SQLite serializes every writer behind the Console's write gate, which hides all of this; these
+run against the PostgreSQL Console only.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.console.helpers import (
+    CaptureHandler,
+    Server,
+    Team,
+    make_bundle,
+    profile,
+    standard_bundle,
+    unique,
+)
+from tests.console.oidc_issuer import LocalIssuer
+
+pytestmark = pytest.mark.parametrize("server", ["postgresql"], indirect=True)
+PARALLEL = 8
+
+
+def race(calls: list[Callable[[], httpx.Response]]) -> list[httpx.Response]:
+    """Run the calls at the same moment, each on its own thread."""
+    barrier = threading.Barrier(len(calls))
+
+    def go(call: Callable[[], httpx.Response]) -> httpx.Response:
+        barrier.wait()
+        return call()
+
+    with ThreadPoolExecutor(len(calls)) as pool:
+        return list(pool.map(go, calls))
+
+
+def clients(server: Server, token: str, count: int) -> list[httpx.Client]:
+    return [server.client(token) for _ in range(count)]
+
+
+def token_of(client: httpx.Client) -> str:
+    return str(client.headers["Authorization"]).removeprefix("Bearer ")
+
+
+def test_parallel_sets_of_one_secret(team: Team) -> None:
+    url = f"/api/v1/teams/{team.name}/secrets/{unique('s')}"
+    pool = clients(team.server, token_of(team.admin), PARALLEL)
+    responses = race(
+        [lambda c=c, i=i: c.put(url, json={"value": f"v{i}"}) for i, c in enumerate(pool)]
+    )  # type: ignore[misc]
+    assert [r.status_code for r in responses] == [200] * PARALLEL, [r.text for r in responses]
+    # The first PUT raced too: no unique violation, and no version bump lost.
+    assert sorted(r.json()["version"] for r in responses) == list(range(1, PARALLEL + 1))
+
+
+def test_parallel_bundle_uploads_with_one_serial(team: Team) -> None:
+    key = team.server.bundle_key
+    bundles = [make_bundle(key, 7, [profile(f"p{i}", hosts=["example.com"])]) for i in range(6)]
+    pool = clients(team.server, token_of(team.admin), len(bundles))
+    url = f"/api/v1/teams/{team.name}/bundles"
+    responses = race(
+        [lambda c=c, b=b: c.post(url, content=b) for c, b in zip(pool, bundles, strict=True)]
+    )  # type: ignore[misc]
+    assert sorted(r.status_code for r in responses) == [201] + [409] * 5
+
+
+def test_parallel_launches_with_one_name(team: Team, issuer: LocalIssuer) -> None:
+    url = f"/api/v1/teams/{team.name}/cvms"
+    name = unique("main")
+    pool = clients(team.server, token_of(team.dev), PARALLEL)
+    body = {"name": name, "security_cvm_id": team.scvm_id}
+    responses = race([lambda c=c: c.post(url, json=body) for c in pool])  # type: ignore[misc]
+    assert sorted(r.status_code for r in responses) == [201] + [409] * (PARALLEL - 1)
+    # Names are per owner: another developer may have a CVM with the same name.
+    other = team.server.client(issuer.token(unique("dev2"), [f"{team.name}:developer"]))
+    assert other.post(url, json=body).status_code == 201
+
+
+def test_stop_racing_destroy_never_resurrects(team: Team) -> None:
+    team.upload(1)
+    ids = [team.dev_cvm() for _ in range(4)]
+    admin = clients(team.server, token_of(team.admin), 3 * len(ids))
+    calls: list[Callable[[], httpx.Response]] = []
+    for index, cvm_id in enumerate(ids):
+        a, b, c = admin[3 * index : 3 * index + 3]
+        calls.append(lambda a=a, i=cvm_id: a.patch(f"/api/v1/cvms/{i}", json={"state": "stopped"}))  # type: ignore[misc]
+        calls.append(lambda b=b, i=cvm_id: b.delete(f"/api/v1/cvms/{i}"))  # type: ignore[misc]
+        calls.append(
+            lambda c=c, i=cvm_id: c.put(f"/api/v1/cvms/{i}/profiles", json={"profiles": ["github"]})  # type: ignore[misc]
+        )
+    responses = race(calls)
+    assert {r.status_code for r in responses} <= {200, 409}, [r.text for r in responses]
+    for cvm_id in ids:
+        cvm = team.admin.get(f"/api/v1/cvms/{cvm_id}").json()
+        assert (cvm["state"], cvm["profiles"]) == ("destroyed", [])
+    document = team.scvm.get(f"/api/v1/security-cvms/{team.scvm_id}/attachments").json()
+    assert not set(ids) & set(document["cvms"])
+
+
+def test_parallel_read_modify_write_of_attachments(team: Team) -> None:
+    """Two admins each add a profile to what they read: one wins, the other gets 412, not a
+    silently lost change."""
+    from umbra.console.schemas import profiles_etag
+
+    team.upload(1)
+    cvm_id = team.dev_cvm()
+    read = team.admin.get(f"/api/v1/cvms/{cvm_id}").json()["profiles"]
+    tag = f'"{profiles_etag(read)}"'
+    pool = clients(team.server, token_of(team.admin), 2)
+    url = f"/api/v1/cvms/{cvm_id}/profiles"
+    responses = race(
+        [
+            lambda c=pool[0]: c.put(
+                url, json={"profiles": [*read, "github"]}, headers={"If-Match": tag}
+            ),  # type: ignore[misc]
+            lambda c=pool[1]: c.put(
+                url, json={"profiles": [*read, "web"]}, headers={"If-Match": tag}
+            ),  # type: ignore[misc]
+        ]
+    )
+    assert sorted(r.status_code for r in responses) == [200, 412]
+
+
+def test_parallel_credential_rotations_one_defined_winner(team: Team) -> None:
+    pool = clients(team.server, token_of(team.admin), 4)
+    url = f"/api/v1/cvms/{team.scvm_id}/credential"
+    responses = race([lambda c=c: c.post(url) for c in pool])  # type: ignore[misc]
+    assert [r.status_code for r in responses] == [200] * 4
+    # Serialized: the rotation that committed last (latest updated_at) holds the only credential.
+    ordered = sorted((r.json() for r in responses), key=lambda body: str(body["updated_at"]))
+    works = []
+    for body in ordered:
+        with team.server.client(str(body["credential"])) as scvm:
+            status = scvm.get(f"/api/v1/security-cvms/{team.scvm_id}/attachments").status_code
+            works.append(status == 200)
+    assert works == [False, False, False, True]
+
+
+def test_database_outage_is_503_with_retry_after(
+    team: Team, postgres: Any, log_capture: CaptureHandler
+) -> None:
+    # Terminate every connection of the Console's database, then make new ones fail: the next
+    # request gets a retryable 503, not a 500 with a traceback.
+    database = team.server.settings.database_url.rsplit("/", 1)[1]
+    import psycopg
+
+    with psycopg.connect(postgres.admin_dsn, autocommit=True) as admin:
+        admin.execute(f'ALTER DATABASE "{database}" ALLOW_CONNECTIONS false')
+        admin.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s",
+            (database,),
+        )
+        try:
+            mark = len(log_capture.lines)
+            response = team.admin.get(f"/api/v1/teams/{team.name}/cvms")
+            assert response.status_code == 503
+            assert response.headers["Retry-After"]
+            logged = "\n".join(log_capture.lines[mark:])
+            assert "OperationalError" in logged  # the type, and nothing more
+            assert "Traceback" not in logged and "SELECT" not in logged
+        finally:
+            admin.execute(f'ALTER DATABASE "{database}" ALLOW_CONNECTIONS true')
+    assert team.admin.get(f"/api/v1/teams/{team.name}/cvms").status_code == 200
+
+
+def test_standard_bundle_still_uploads(team: Team) -> None:
+    assert team.upload(1, standard_bundle(team.server.bundle_key, 1)).status_code == 201

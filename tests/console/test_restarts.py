@@ -1,0 +1,171 @@
+"""Restarts: interrupted provider runs are reconciled at start, `serve` refuses what cannot work,
+SIGTERM ends the server (and its provider children) within seconds, and `--workers 2` serves the
+same CVMs from either worker (no state lives only in one process's memory)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import psycopg
+import pytest
+from sqlalchemy import text
+
+from tests.console.helpers import start_server, unique
+from tests.console.oidc_issuer import LocalIssuer
+from tests.console.postgres import PostgresServer, free_port
+from umbra.console import db
+from umbra.console.models import Cvm
+from umbra.console.provisioning import _job_key
+from umbra.proxy.policy.bundle import generate_key
+
+UMBRA = str(Path(sys.executable).parent / "umbra")
+
+
+def _cvm(state: str) -> Cvm:
+    return Cvm(
+        id="cvm_" + os.urandom(8).hex(),
+        team="t",
+        name=unique("n"),
+        kind="dev",
+        owner="alice",
+        provider="gcp",
+        state=state,
+        created_by="alice",
+    )
+
+
+def test_interrupted_runs_are_reconciled_at_start(
+    postgres: PostgresServer, issuer: LocalIssuer, tmp_path: Path
+) -> None:
+    url = postgres.create_database("r_" + os.urandom(6).hex())
+    db.upgrade(url)
+    rows = {state: _cvm(state) for state in ("launching", "updating", "destroying", "running")}
+    live = _cvm("launching")  # another worker is still running this one
+    engine = db.make_engine(url)
+    from sqlalchemy.orm import Session
+
+    with Session(engine, expire_on_commit=False) as session, session.begin():
+        session.add_all([*rows.values(), live])
+    holder = psycopg.connect(url.replace("postgresql+psycopg", "postgresql"), autocommit=True)
+    holder.execute("SELECT pg_advisory_lock(%s)", (_job_key(live.id),))
+    server = start_server("postgresql", url, None, issuer.url, generate_key(), tmp_path)
+    try:
+        with engine.connect() as connection:
+            states = {r[0]: r[1] for r in connection.execute(text("SELECT id, state FROM cvm"))}
+            reasons = {
+                r[0]: r[1] for r in connection.execute(text("SELECT id, state_reason FROM cvm"))
+            }
+        for state in ("launching", "updating", "destroying"):
+            assert states[rows[state].id] == "failed"
+            operation = {"launching": "launch", "updating": "update", "destroying": "destroy"}
+            assert reasons[rows[state].id].startswith(f"{operation[state]}: interrupted")
+        assert states[rows["running"].id] == "running"
+        assert states[live.id] == "launching"  # a live run is never failed under its feet
+    finally:
+        server.stop()
+        holder.close()
+        engine.dispose()
+
+
+def test_serve_refuses_unmigrated_database_and_missing_issuer(postgres: PostgresServer) -> None:
+    url = postgres.create_database("u_" + os.urandom(6).hex())
+    env = {**os.environ, "UMBRA_CONSOLE_DATABASE_URL": url}
+    env.pop("UMBRA_CONSOLE_OIDC_ISSUER", None)
+    result = subprocess.run([UMBRA, "console", "serve"], env=env, capture_output=True, text=True)
+    assert result.returncode == 2
+    assert "UMBRA_CONSOLE_OIDC_ISSUER" in " ".join(result.stderr.split())
+    env["UMBRA_CONSOLE_OIDC_ISSUER"] = "https://issuer.invalid"
+    result = subprocess.run([UMBRA, "console", "serve"], env=env, capture_output=True, text=True)
+    assert result.returncode == 2
+    assert "umbra console migrate` or start with --migrate" in " ".join(result.stderr.split())
+
+
+@pytest.fixture
+def two_workers(
+    postgres: PostgresServer, issuer: LocalIssuer
+) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    url = postgres.create_database("w_" + os.urandom(6).hex())
+    port = free_port()
+    env = {
+        **os.environ,
+        "UMBRA_CONSOLE_DATABASE_URL": url,
+        "UMBRA_CONSOLE_OIDC_ISSUER": issuer.url,
+        "UMBRA_CONSOLE_OIDC_ALLOW_INSECURE_HTTP": "true",
+    }
+    process = subprocess.Popen(
+        [UMBRA, "console", "serve", "--port", str(port), "--workers", "2", "--migrate"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(base + "/readyz", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert process.poll() is None and time.monotonic() < deadline, "serve did not start"
+            time.sleep(0.2)
+        yield base, process
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=10)
+
+
+def test_two_workers_then_sigterm(
+    two_workers: tuple[str, subprocess.Popen[bytes]], issuer: LocalIssuer
+) -> None:
+    base, process = two_workers
+    team = unique("team")
+    token = issuer.token(unique("dev"), [f"{team}:developer"])
+    with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {token}"}) as client:
+        ids = []
+        for _ in range(4):
+            response = client.post(f"/api/v1/teams/{team}/cvms", json={"name": unique("d")})
+            assert response.status_code == 201, response.text
+            ids.append(response.json()["id"])
+        # New connections land on either worker: every one serves every CVM.
+        for cvm_id in ids:
+            for state in ("stopped", "running"):
+                with httpx.Client(base_url=base, headers=client.headers) as fresh:
+                    patched = fresh.patch(f"/api/v1/cvms/{cvm_id}", json={"state": state})
+                    assert patched.status_code == 200, patched.text
+            assert client.delete(f"/api/v1/cvms/{cvm_id}").status_code == 200
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=30) is not None  # ends within the graceful-shutdown bound
+
+
+def test_provider_children_are_ended(tmp_path: Path) -> None:
+    """What the Console does at shutdown: every descendant (a `pulumi` and its plugins) ends."""
+    script = textwrap.dedent(
+        """
+        import subprocess, sys
+        from umbra.console.children import descendants, terminate_descendants
+        child = subprocess.Popen(["sh", "-c", "sleep 300 & sleep 300"])
+        import time; time.sleep(0.3)
+        before = descendants()
+        print(len(before), terminate_descendants(grace=1.0), flush=True)
+        child.wait(timeout=5)
+        print(*before)
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+    )
+    counts, pids = result.stdout.splitlines()
+    assert int(counts.split()[0]) >= 3
+    for pid in map(int, pids.split()):
+        stat = Path(f"/proc/{pid}/stat")
+        assert not stat.exists() or stat.read_text().split(") ")[1].startswith("Z")
