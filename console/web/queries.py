@@ -122,7 +122,8 @@ def traffic_record(console: Console, user: User, team: str, record_id: str) -> T
     except ValueError:
         raise not_found("traffic record") from None
     with console.session() as session:
-        row = session.get(TrafficRecord, key)
+        # Record ids are unique per team: the primary key is (team, id).
+        row = session.get(TrafficRecord, (team, key))
     if row is None or row.team != team or (role != "admin" and row.owner != user.subject):
         raise not_found("traffic record")
     return row
