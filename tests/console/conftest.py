@@ -12,7 +12,7 @@ import pytest
 
 from tests.console.helpers import CaptureHandler, Server, Team, new_team, start_server
 from tests.console.oidc_issuer import LocalIssuer
-from tests.console.postgres import PostgresServer, find_bindir
+from tests.console.postgres import PostgresServer
 from umbra.proxy.policy.bundle import generate_key
 
 BACKENDS = ["sqlite", "postgresql"]
@@ -20,24 +20,6 @@ CAPTURED_LOGGERS = (
     "umbra", "uvicorn", "httpx", "httpcore", "alembic", "fastapi", "starlette",
     "asyncio", "psycopg", "joserfc", "prometheus_client",
 )  # fmt: skip
-
-
-@pytest.fixture(scope="session")
-def issuer() -> Iterator[LocalIssuer]:
-    server = LocalIssuer()
-    yield server
-    server.close()
-
-
-@pytest.fixture(scope="session")
-def postgres() -> Iterator[PostgresServer]:
-    bindir = find_bindir()
-    if bindir is None:
-        pytest.fail("PostgreSQL binaries not found: run scripts/system-deps (apt `postgresql`)")
-    server = PostgresServer(bindir)
-    server.start()
-    yield server
-    server.stop()
 
 
 @pytest.fixture(scope="session")

@@ -21,13 +21,6 @@ from umbra.proxy.policy.bundle import generate_key
 
 
 @pytest.fixture(scope="session")
-def issuer() -> Iterator[LocalIssuer]:
-    server = LocalIssuer()
-    yield server
-    server.close()
-
-
-@pytest.fixture(scope="session")
 def console(issuer: LocalIssuer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     tmp = tmp_path_factory.mktemp("console")
     db = tmp / "console.db"

@@ -15,7 +15,7 @@ import pytest
 
 from tests.console.helpers import Server, Team, new_team, start_server, traffic_record, unique
 from tests.console.oidc_issuer import LocalIssuer
-from tests.console.postgres import PostgresServer, find_bindir
+from tests.console.postgres import PostgresServer
 from umbra.console import audit
 from umbra.console.models import TrafficRecord
 from umbra.proxy.policy.bundle import generate_key
@@ -153,24 +153,6 @@ def seed(server: Server, issuer: LocalIssuer) -> Seed:
         dev2_records[0]["id"],
         other_record["id"],
     )
-
-
-@pytest.fixture(scope="session")
-def issuer() -> Iterator[LocalIssuer]:
-    server = LocalIssuer()
-    yield server
-    server.close()
-
-
-@pytest.fixture(scope="session")
-def postgres() -> Iterator[PostgresServer]:
-    bindir = find_bindir()
-    if bindir is None:
-        pytest.fail("PostgreSQL binaries not found: run scripts/system-deps (apt `postgresql`)")
-    server = PostgresServer(bindir)
-    server.start()
-    yield server
-    server.stop()
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,3 @@
+"""Fixtures shared across test packages."""
+
+pytest_plugins = ["tests.console.fixtures"]
