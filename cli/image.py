@@ -73,15 +73,24 @@ def measure_cmd(
     ssh_keys_file: Annotated[
         Path | None, typer.Option("--ssh-keys-file", help="authorized_keys file.")
     ] = None,
+    provenance: Annotated[
+        list[Path] | None,
+        typer.Option("--provenance", help="DSSE provenance of the images (named in the manifest)."),
+    ] = None,
     as_json: JsonFlag = False,
 ) -> None:
     """Render the release's compose file and print its golden values."""
+    from umbra.images.provenance import ProvenanceError, provenance_index
+
     keys = _ssh_keys(ssh_key or [], ssh_keys_file, as_json)
     try:
         m = measure(load_definition(definition))
-    except (DefinitionError, ComposeError) as exc:
+        index = provenance_index([p.read_bytes() for p in provenance]) if provenance else None
+    except (DefinitionError, ComposeError, ProvenanceError) as exc:
         fail(str(exc), EXIT_USAGE, as_json=as_json)
-    manifest = build_manifest(m)
+    except OSError as exc:
+        fail(f"cannot read {exc.filename}: {exc.strerror}", EXIT_USAGE, as_json=as_json)
+    manifest = build_manifest(m, index)
     result: dict[str, Any] = {
         "release": m.release.name,
         "role": m.role,
@@ -210,3 +219,134 @@ def keygen_cmd(
     )
     Path(f"{out}.pub").write_bytes(pub)
     console.print(f"wrote {out} and {out}.pub")
+
+
+def _git_commit() -> str:
+    import subprocess
+
+    done = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=False)
+    return done.stdout.strip() if done.returncode == 0 else "unknown"
+
+
+@app.command("build")
+def build_cmd(
+    rootfs: Annotated[str, typer.Argument(help="runtime | sandbox-ci | sandbox")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="Write image archives here.")],
+    wheel: Annotated[Path, typer.Option("--wheel", help="The umbra wheel (uv build --wheel).")],
+    requirements: Annotated[
+        Path, typer.Option("--requirements", help="uv export --frozen --no-dev (with hashes).")
+    ],
+    sign_key: Annotated[
+        Path | None, typer.Option("--sign-key", help="Ed25519 key for the provenance (PEM).")
+    ] = None,
+    epoch: Annotated[
+        int | None, typer.Option("--source-date-epoch", help="Default: $SOURCE_DATE_EPOCH.")
+    ] = None,
+    update_lock: Annotated[
+        bool, typer.Option("--update-lock", help="Rewrite images/packages.lock from this build.")
+    ] = False,
+    builder_id: Annotated[str, typer.Option("--builder-id")] = "local",
+    as_json: JsonFlag = False,
+) -> None:
+    """Build the images of one rootfs reproducibly; write provenance (signed with --sign-key)."""
+    import sys
+
+    from umbra.images.build import BuildError, build_rootfs
+    from umbra.images.provenance import sign_statement, statement
+    from umbra.images.recipes import Rootfs
+    from umbra.sandbox.render import canonical_json
+
+    try:
+        kind = Rootfs(rootfs)
+    except ValueError:
+        fail(f"unknown rootfs {rootfs!r}: want one of {[r.value for r in Rootfs]}", EXIT_USAGE)
+    when = epoch if epoch is not None else int(os.environ.get("SOURCE_DATE_EPOCH", "0") or 0)
+    if when <= 0:
+        fail("give --source-date-epoch or SOURCE_DATE_EPOCH (e.g. the commit time)", EXIT_USAGE)
+    key = None
+    try:
+        key = load_private_key(sign_key) if sign_key is not None else None
+        result = build_rootfs(
+            kind,
+            out,
+            wheel=wheel,
+            requirements=requirements,
+            host_python_prefix=Path(sys.base_prefix),
+            epoch=when,
+            update_lock=update_lock,
+        )
+    except (BuildError, SignatureError) as exc:
+        fail(str(exc), as_json=as_json)
+    st = statement(
+        result,
+        source_repo=os.environ.get("GITHUB_REPOSITORY", "umbra"),
+        source_commit=_git_commit(),
+        builder_id=builder_id,
+        command=["umbra", "image", "build", rootfs],
+    )
+    images = {
+        i.name: {
+            "ref": i.ref,
+            "manifest_digest": i.manifest_digest,
+            "config_digest": i.config_digest,
+            "archive": i.archive.name,
+        }
+        for i in result.images
+    }
+    _write(out / f"images.{kind}.json", canonical_json(images) + "\n")
+    unsigned = canonical_json(st.model_dump(mode="json", by_alias=True)) + "\n"
+    _write(out / f"provenance.{kind}.intoto.json", unsigned)
+    if key is not None:
+        _write(out / f"provenance.{kind}.dsse.json", sign_statement(st, key))
+    if as_json:
+        print_json({"rootfs": str(kind), "images": images, "signed": key is not None})
+        return
+    for name, i in images.items():
+        console.print(f"{name}: {i['ref']} (image id {i['config_digest']})")
+
+
+@app.command("verify")
+def verify_cmd(
+    signed: Annotated[Path, typer.Argument(help="measurement-manifest.signed.json")],
+    key: Annotated[list[Path], typer.Option("--key", "-k", help="Pinned release key (PEM).")],
+    provenance: Annotated[
+        list[Path], typer.Option("--provenance", "-p", help="DSSE provenance envelope(s).")
+    ],
+    commit: Annotated[str, typer.Option("--commit", help="The source commit expected.")],
+    as_json: JsonFlag = False,
+) -> None:
+    """Check a release: its signed manifest, and signed provenance from `--commit` for each of
+    its images (each envelope's SHA-256 as the manifest names it)."""
+    import hashlib
+
+    from umbra.images.provenance import ProvenanceError, verify_release_images
+
+    try:
+        keys = [load_public_key(k) for k in key]
+        manifest = verify_signed_manifest(signed.read_bytes(), keys)
+        envelopes = [p.read_bytes() for p in provenance]
+    except OSError as exc:
+        fail(f"cannot read {exc.filename}: {exc.strerror}", EXIT_USAGE, as_json=as_json)
+    except SignatureError as exc:
+        fail(str(exc), as_json=as_json)
+    if not manifest.images:
+        fail(f"{manifest.release.name}: the manifest names no images", as_json=as_json)
+    sums = {hashlib.sha256(e).hexdigest() for e in envelopes}
+    for name, entry in sorted(manifest.images.items()):
+        if entry.provenance_sha256 is None or entry.provenance_sha256 not in sums:
+            fail(
+                f"{name}: the manifest's provenance for {entry.digest} was not given",
+                as_json=as_json,
+            )
+    try:
+        covered = verify_release_images(
+            {n: e.digest for n, e in manifest.images.items()}, envelopes, keys, commit
+        )
+    except ProvenanceError as exc:
+        fail(str(exc), as_json=as_json)
+    if as_json:
+        print_json({"ok": True, "release": manifest.release.name, "images": sorted(covered)})
+    else:
+        console.print(
+            f"[bold green]OK[/] {manifest.release.name}: {len(covered)} images built from {commit}"
+        )
