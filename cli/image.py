@@ -350,3 +350,57 @@ def verify_cmd(
         console.print(
             f"[bold green]OK[/] {manifest.release.name}: {len(covered)} images built from {commit}"
         )
+
+
+@app.command("launch-agent")
+def launch_agent_cmd(
+    cloud: Annotated[str, typer.Option("--cloud", help="gcp | azure")],
+    tee: Annotated[str, typer.Option("--tee", help="tdx | simulated")] = "tdx",
+    metadata_url: Annotated[
+        str | None, typer.Option("--metadata-url", help="Metadata service base URL (tests).")
+    ] = None,
+    custom_data_file: Annotated[
+        Path | None, typer.Option("--custom-data-file", help="Azure: read custom data here.")
+    ] = None,
+    launch_dir: Annotated[Path, typer.Option("--launch-dir")] = Path("/run/umbra/launch"),
+    serial: Annotated[Path, typer.Option("--console", help="Serial console device.")] = Path(
+        "/dev/ttyS0"
+    ),
+    compose: Annotated[
+        str, typer.Option("--compose", help="The compose command (space-separated).")
+    ] = "docker compose",
+    report_ready: Annotated[bool, typer.Option("--report-ready/--no-report-ready")] = True,
+) -> None:
+    """Boot-time: read launch data, measure it into RTMR3, write /run/umbra/launch, start the
+    compose, report ready. Refuses (exit 1, reason on the serial console) on bad launch data."""
+    from umbra.images import launch_agent as la
+
+    source: la.MetadataSource
+    reporter: la.Reporter | None
+    if cloud == "gcp":
+        source = la.GcpMetadata(metadata_url or la.GCP_METADATA)
+        reporter = la.GcpGuestAttribute(metadata_url or la.GCP_METADATA)
+    elif cloud == "azure":
+        source = la.AzureCustomData(metadata_url or la.AZURE_IMDS, custom_data_file)
+        reporter = la.AzureWireServer()
+    else:
+        fail(f"--cloud must be gcp or azure, got {cloud!r}", EXIT_USAGE)
+    extender: la.Extender
+    if tee == "tdx":
+        extender = la.SysfsRtmr()
+    elif tee == "simulated":
+        extender = la.LogOnly()  # the simulated quote source replays the written event log
+    else:
+        fail(f"--tee must be tdx or simulated, got {tee!r}", EXIT_USAGE)
+    agent = la.Agent(
+        source=source,
+        extender=extender,
+        starter=la.DockerCompose(tuple(compose.split())),
+        reporter=reporter if report_ready else None,
+        launch_dir=launch_dir,
+        say=la.serial_console(serial),
+    )
+    try:
+        agent.run()
+    except la.LaunchError:
+        raise typer.Exit(1) from None
