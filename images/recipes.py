@@ -44,7 +44,7 @@ class Recipe:
     images: dict[str, ImageConfig] = field(default_factory=dict)
 
 
-_PY_LIBS = (
+PY_LIBS = (
     "libssl3",
     "libffi8",
     "libsqlite3-0",
@@ -84,7 +84,7 @@ RECIPES: dict[Rootfs, Recipe] = {
     Rootfs.RUNTIME: Recipe(
         Rootfs.RUNTIME,
         variant="essential",
-        packages=(*_PY_LIBS, "tini", "openssh-server"),
+        packages=(*PY_LIBS, "tini", "openssh-server"),
         images={
             "forwarder": _service(["umbra", "forwarder", "serve"]),
             "proxy": _service(["umbra", "proxy", "serve"]),
@@ -96,7 +96,7 @@ RECIPES: dict[Rootfs, Recipe] = {
     Rootfs.SANDBOX_CI: Recipe(
         Rootfs.SANDBOX_CI,
         variant="minbase",
-        packages=(*_PY_LIBS, "sudo", "git", "curl", "nodejs", "npm", "dtach", "iproute2"),
+        packages=(*PY_LIBS, "sudo", "git", "curl", "nodejs", "npm", "dtach", "iproute2"),
         npm=("@anthropic-ai/claude-code", "@openai/codex"),
         images={"sandbox-ci": _SANDBOX_IMAGE},
     ),
@@ -104,7 +104,7 @@ RECIPES: dict[Rootfs, Recipe] = {
         Rootfs.SANDBOX,
         variant="minbase",
         packages=(
-            *_PY_LIBS,
+            *PY_LIBS,
             "sudo",
             "git",
             "curl",

@@ -5,8 +5,6 @@ image really runs under a real Docker engine (started by scripts/docker-up)."""
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -17,32 +15,13 @@ from umbra.cli.app import app
 from umbra.images.build import BuildError, check_lock
 from umbra.images.recipes import Rootfs
 
+from .conftest import need_root_and
+
 ROOT = Path(__file__).resolve().parents[2]
 EPOCH = "1700000000"
 runner = CliRunner()
-
-
-def _need(cmd: str) -> None:
-    if os.geteuid() != 0:
-        pytest.skip("image builds need root (mmdebstrap --mode=root; CI runs as root)")
-    if shutil.which(cmd) is None:
-        pytest.skip(f"needs {cmd} (scripts/system-deps installs it)")
-
-
-@pytest.fixture(scope="module")
-def inputs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    _need("mmdebstrap")
-    d = tmp_path_factory.mktemp("uim-inputs")
-    subprocess.run(["uv", "build", "--wheel", "-q", "-o", str(d)], cwd=ROOT, check=True)
-    req = subprocess.run(
-        ["uv", "export", "--frozen", "--no-dev", "--no-emit-project", "-q"],
-        cwd=ROOT,
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout
-    (d / "requirements.txt").write_text(req)
-    return next(d.glob("umbra-*.whl")), d / "requirements.txt"
+# Two full rootfs builds (mmdebstrap + wheel install) run in the first test's setup.
+pytestmark = pytest.mark.timeout(1500)
 
 
 def _build(out: Path, wheel: Path, req: Path) -> dict[str, dict[str, str]]:
@@ -58,11 +37,11 @@ def _build(out: Path, wheel: Path, req: Path) -> dict[str, dict[str, str]]:
 
 @pytest.fixture(scope="module")
 def built(
-    inputs: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
+    build_inputs: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
 ) -> tuple[Path, dict[str, dict[str, str]], dict[str, dict[str, str]]]:
     first, second = tmp_path_factory.mktemp("uim-b1"), tmp_path_factory.mktemp("uim-b2")
-    a = _build(first, *inputs)
-    b = _build(second, *inputs)
+    a = _build(first, *build_inputs)
+    b = _build(second, *build_inputs)
     return first, a, b
 
 
@@ -84,7 +63,7 @@ def test_same_inputs_give_the_same_image_digests(
 
 @pytest.fixture
 def docker() -> None:
-    _need("docker")
+    need_root_and("docker")
     done = subprocess.run([str(ROOT / "scripts/docker-up")], capture_output=True, text=True)
     if done.returncode != 0:
         pytest.fail(f"scripts/docker-up could not start a Docker engine:\n{done.stderr}")
