@@ -29,6 +29,7 @@ from umbra.images.recipes import MIRRORS, PY_LIBS, SUITE
 
 OS_DIR = Path(__file__).parent / "os"
 UNIT = OS_DIR / "umbra-launch-agent.service"
+FIREWALL_UNIT = OS_DIR / "umbra-host-firewall.service"
 
 
 class LaunchAgentConfig(BaseModel):
@@ -104,21 +105,23 @@ def build_os_image(
         copy_python(host_python_prefix, root)
         install_wheel(wheel, requirements, host_python_prefix / "bin/python3.12", root)
         unit_dir = root / "etc/systemd/system"
-        shutil.copyfile(UNIT, unit_dir / UNIT.name)
         wants = unit_dir / "multi-user.target.wants"
         wants.mkdir(parents=True, exist_ok=True)
-        (wants / UNIT.name).symlink_to(f"/etc/systemd/system/{UNIT.name}")
+        units = [UNIT] + ([FIREWALL_UNIT] if "iptables" in d.packages else [])
+        for unit in units:
+            shutil.copyfile(unit, unit_dir / unit.name)
+            (wants / unit.name).symlink_to(f"/etc/systemd/system/{unit.name}")
         conf = root / "etc/umbra"
         conf.mkdir(parents=True, exist_ok=True)
         (conf / "launch-agent.env").write_text(
             "".join(f"{k}={v}\n" for k, v in sorted(d.launch_agent.env.items()))
         )
-        for unit, target in (
+        for name, target in (
             ("systemd-networkd.service", "multi-user.target.wants"),
             ("systemd-networkd-wait-online.service", "network-online.target.wants"),
         ):
             (unit_dir / target).mkdir(parents=True, exist_ok=True)
-            (unit_dir / target / unit).symlink_to(f"/lib/systemd/system/{unit}")
+            (unit_dir / target / name).symlink_to(f"/lib/systemd/system/{name}")
         net = root / "etc/systemd/network/20-dhcp.network"
         net.write_text("[Match]\nName=en* eth*\n\n[Network]\nDHCP=ipv4\n")
         (root / "etc/fstab").write_text("/dev/vda / ext4 defaults 0 1\n")

@@ -9,46 +9,20 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
 
-from umbra.cli.app import app
 from umbra.images.build import BuildError, check_lock
 from umbra.images.recipes import Rootfs
 
-from .conftest import need_root_and
+from .conftest import docker_up
 
-ROOT = Path(__file__).resolve().parents[2]
-EPOCH = "1700000000"
-runner = CliRunner()
 # Two full rootfs builds (mmdebstrap + wheel install) run in the first test's setup.
 pytestmark = pytest.mark.timeout(1500)
 
 
-def _build(out: Path, wheel: Path, req: Path) -> dict[str, dict[str, str]]:
-    done = runner.invoke(
-        app,
-        ["image", "build", "runtime", "--out", str(out), "--wheel", str(wheel),
-         "--requirements", str(req), "--source-date-epoch", EPOCH, "--json"],
-    )  # fmt: skip
-    assert done.exit_code == 0, done.output
-    images: dict[str, dict[str, str]] = json.loads(done.stdout)["images"]
-    return images
-
-
-@pytest.fixture(scope="module")
-def built(
-    build_inputs: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
-) -> tuple[Path, dict[str, dict[str, str]], dict[str, dict[str, str]]]:
-    first, second = tmp_path_factory.mktemp("uim-b1"), tmp_path_factory.mktemp("uim-b2")
-    a = _build(first, *build_inputs)
-    b = _build(second, *build_inputs)
-    return first, a, b
-
-
 def test_same_inputs_give_the_same_image_digests(
-    built: tuple[Path, dict[str, dict[str, str]], dict[str, dict[str, str]]],
+    runtime_builds: tuple[Path, dict[str, dict[str, str]], dict[str, dict[str, str]]],
 ) -> None:
-    out, a, b = built
+    out, a, b = runtime_builds
     assert sorted(a) == ["console", "forwarder", "ingress", "proxy", "sshd"]
     assert a == b
     print("reproducible:", {n: i["manifest_digest"] for n, i in a.items()})
@@ -61,18 +35,11 @@ def test_same_inputs_give_the_same_image_digests(
     }
 
 
-@pytest.fixture
-def docker() -> None:
-    need_root_and("docker")
-    done = subprocess.run([str(ROOT / "scripts/docker-up")], capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.fail(f"scripts/docker-up could not start a Docker engine:\n{done.stderr}")
-
-
 def test_built_image_loads_and_runs_umbra(
-    built: tuple[Path, dict[str, dict[str, str]], dict[str, dict[str, str]]], docker: None
+    runtime_builds: tuple[Path, dict[str, dict[str, str]], dict[str, dict[str, str]]],
 ) -> None:
-    out, images, _ = built
+    docker_up()
+    out, images, _ = runtime_builds
     fwd = images["forwarder"]
     tag = f"umbra/forwarder:{fwd['config_digest'][7:19]}"
     subprocess.run(["docker", "load", "-i", str(out / fwd["archive"])], check=True)
