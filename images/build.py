@@ -29,7 +29,6 @@ from umbra.images.recipes import (
 
 LOCK_FILE = Path(__file__).parent / "packages.lock"
 SANDBOX_INIT = Path(__file__).parent / "sandbox" / "umbra-sandbox-init"
-HOST_CA_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"
 _PY_SKIP = {"test", "idlelib", "tkinter", "turtledemo", "ensurepip", "__pycache__", "lib2to3"}
 
 
@@ -248,25 +247,16 @@ def sandbox_setup(recipe: Recipe, root: Path, epoch: int) -> list[Input]:
     init.chmod(0o755)
     inputs = [Input("file:images/sandbox/umbra-sandbox-init", file_sha256(SANDBOX_INIT))]
     if recipe.npm:
-        shutil.copy("/etc/resolv.conf", root / "etc/resolv.conf")
-        # The build host's trust store, for the build's own downloads only: /tmp is emptied by
-        # normalize(), so it never reaches the image.
-        shutil.copy(HOST_CA_BUNDLE, root / "tmp/umbra-build-ca.pem")
+        # The build host's npm installs into the rootfs's /usr/local (relative bin links), so
+        # the image's own Debian npm (9.x) never runs at build time.
+        if shutil.which("npm") is None:
+            raise BuildError("npm is needed on the build host (scripts/system-deps installs it)")
         _run(
-            [
-                "chroot",
-                str(root),
-                "npm",
-                "install",
-                "--global",
-                "--cafile=/tmp/umbra-build-ca.pem",
-                "--no-fund",
-                "--no-audit",
-                *recipe.npm,
-            ],
+            ["npm", "install", "--global", f"--prefix={root}/usr/local", "--no-fund",
+             "--no-audit", "--no-update-notifier", *recipe.npm],
             "npm install",
             env=env,
-        )
+        )  # fmt: skip
         modules = root / "usr/local/lib/node_modules"
         for spec in recipe.npm:
             name = npm_name(spec)
@@ -275,8 +265,6 @@ def sandbox_setup(recipe: Recipe, root: Path, epoch: int) -> list[Input]:
                 raise BuildError(f"npm installed {name}@{meta['version']}, the recipe pins {spec}")
             digest = tree_sha256(modules / name, epoch)
             inputs.append(Input(f"pkg:npm/{name}@{meta['version']}", digest))
-        (root / "etc/resolv.conf").unlink()
-        shutil.rmtree(root / "root/.npm", ignore_errors=True)
     return inputs
 
 
