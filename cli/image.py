@@ -73,15 +73,24 @@ def measure_cmd(
     ssh_keys_file: Annotated[
         Path | None, typer.Option("--ssh-keys-file", help="authorized_keys file.")
     ] = None,
+    provenance: Annotated[
+        list[Path] | None,
+        typer.Option("--provenance", help="DSSE provenance of the images (named in the manifest)."),
+    ] = None,
     as_json: JsonFlag = False,
 ) -> None:
     """Render the release's compose file and print its golden values."""
+    from umbra.images.provenance import ProvenanceError, provenance_index
+
     keys = _ssh_keys(ssh_key or [], ssh_keys_file, as_json)
     try:
         m = measure(load_definition(definition))
-    except (DefinitionError, ComposeError) as exc:
+        index = provenance_index([p.read_bytes() for p in provenance]) if provenance else None
+    except (DefinitionError, ComposeError, ProvenanceError) as exc:
         fail(str(exc), EXIT_USAGE, as_json=as_json)
-    manifest = build_manifest(m)
+    except OSError as exc:
+        fail(f"cannot read {exc.filename}: {exc.strerror}", EXIT_USAGE, as_json=as_json)
+    manifest = build_manifest(m, index)
     result: dict[str, Any] = {
         "release": m.release.name,
         "role": m.role,
@@ -210,3 +219,202 @@ def keygen_cmd(
     )
     Path(f"{out}.pub").write_bytes(pub)
     console.print(f"wrote {out} and {out}.pub")
+
+
+def _git_commit() -> str:
+    import subprocess
+
+    done = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=False)
+    return done.stdout.strip() if done.returncode == 0 else "unknown"
+
+
+@app.command("build")
+def build_cmd(
+    rootfs: Annotated[str, typer.Argument(help="runtime | sandbox-ci | sandbox")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="Write image archives here.")],
+    wheel: Annotated[Path, typer.Option("--wheel", help="The umbra wheel (uv build --wheel).")],
+    requirements: Annotated[
+        Path, typer.Option("--requirements", help="uv export --frozen --no-dev (with hashes).")
+    ],
+    sign_key: Annotated[
+        Path | None, typer.Option("--sign-key", help="Ed25519 key for the provenance (PEM).")
+    ] = None,
+    epoch: Annotated[
+        int | None, typer.Option("--source-date-epoch", help="Default: $SOURCE_DATE_EPOCH.")
+    ] = None,
+    update_lock: Annotated[
+        bool, typer.Option("--update-lock", help="Rewrite images/packages.lock from this build.")
+    ] = False,
+    builder_id: Annotated[str, typer.Option("--builder-id")] = "local",
+    as_json: JsonFlag = False,
+) -> None:
+    """Build the images of one rootfs reproducibly; write provenance (signed with --sign-key)."""
+    import sys
+
+    from umbra.images.build import BuildError, build_rootfs
+    from umbra.images.provenance import sign_statement, statement
+    from umbra.images.recipes import Rootfs
+    from umbra.sandbox.render import canonical_json
+
+    try:
+        kind = Rootfs(rootfs)
+    except ValueError:
+        fail(f"unknown rootfs {rootfs!r}: want one of {[r.value for r in Rootfs]}", EXIT_USAGE)
+    when = epoch if epoch is not None else int(os.environ.get("SOURCE_DATE_EPOCH", "0") or 0)
+    if when <= 0:
+        fail("give --source-date-epoch or SOURCE_DATE_EPOCH (e.g. the commit time)", EXIT_USAGE)
+    key = None
+    try:
+        key = load_private_key(sign_key) if sign_key is not None else None
+        result = build_rootfs(
+            kind,
+            out,
+            wheel=wheel,
+            requirements=requirements,
+            host_python_prefix=Path(sys.base_prefix),
+            epoch=when,
+            update_lock=update_lock,
+        )
+    except (BuildError, SignatureError) as exc:
+        fail(str(exc), as_json=as_json)
+    st = statement(
+        result,
+        source_repo=os.environ.get("GITHUB_REPOSITORY", "umbra"),
+        source_commit=_git_commit(),
+        builder_id=builder_id,
+        command=["umbra", "image", "build", rootfs],
+    )
+    images = {
+        i.name: {
+            "ref": i.ref,
+            "manifest_digest": i.manifest_digest,
+            "config_digest": i.config_digest,
+            "archive": i.archive.name,
+        }
+        for i in result.images
+    }
+    _write(out / f"images.{kind}.json", canonical_json(images) + "\n")
+    unsigned = canonical_json(st.model_dump(mode="json", by_alias=True)) + "\n"
+    _write(out / f"provenance.{kind}.intoto.json", unsigned)
+    if key is not None:
+        _write(out / f"provenance.{kind}.dsse.json", sign_statement(st, key))
+    if as_json:
+        print_json({"rootfs": str(kind), "images": images, "signed": key is not None})
+        return
+    for name, i in images.items():
+        console.print(f"{name}: {i['ref']} (image id {i['config_digest']})")
+
+
+@app.command("verify")
+def verify_cmd(
+    signed: Annotated[Path, typer.Argument(help="measurement-manifest.signed.json")],
+    key: Annotated[list[Path], typer.Option("--key", "-k", help="Pinned release key (PEM).")],
+    provenance: Annotated[
+        list[Path], typer.Option("--provenance", "-p", help="DSSE provenance envelope(s).")
+    ],
+    commit: Annotated[str, typer.Option("--commit", help="The source commit expected.")],
+    as_json: JsonFlag = False,
+) -> None:
+    """Check a release: its signed manifest, and signed provenance from `--commit` for each of
+    its images (each envelope's SHA-256 as the manifest names it)."""
+    import hashlib
+
+    from umbra.images.provenance import ProvenanceError, verify_release_images
+
+    try:
+        keys = [load_public_key(k) for k in key]
+        manifest = verify_signed_manifest(signed.read_bytes(), keys)
+        envelopes = [p.read_bytes() for p in provenance]
+    except OSError as exc:
+        fail(f"cannot read {exc.filename}: {exc.strerror}", EXIT_USAGE, as_json=as_json)
+    except SignatureError as exc:
+        fail(str(exc), as_json=as_json)
+    if not manifest.images:
+        fail(f"{manifest.release.name}: the manifest names no images", as_json=as_json)
+    sums = {hashlib.sha256(e).hexdigest() for e in envelopes}
+    for name, entry in sorted(manifest.images.items()):
+        if entry.provenance_sha256 is None or entry.provenance_sha256 not in sums:
+            fail(
+                f"{name}: the manifest's provenance for {entry.digest} was not given",
+                as_json=as_json,
+            )
+    try:
+        covered = verify_release_images(
+            {n: e.digest for n, e in manifest.images.items()}, envelopes, keys, commit
+        )
+    except ProvenanceError as exc:
+        fail(str(exc), as_json=as_json)
+    if as_json:
+        print_json({"ok": True, "release": manifest.release.name, "images": sorted(covered)})
+    else:
+        console.print(
+            f"[bold green]OK[/] {manifest.release.name}: {len(covered)} images built from {commit}"
+        )
+
+
+@app.command("launch-agent")
+def launch_agent_cmd(
+    cloud: Annotated[str, typer.Option("--cloud", help="gcp | azure")],
+    tee: Annotated[str, typer.Option("--tee", help="tdx | simulated")] = "tdx",
+    metadata_url: Annotated[
+        str | None, typer.Option("--metadata-url", help="Metadata service base URL (tests).")
+    ] = None,
+    custom_data_file: Annotated[
+        Path | None, typer.Option("--custom-data-file", help="Azure: read custom data here.")
+    ] = None,
+    launch_dir: Annotated[Path, typer.Option("--launch-dir")] = Path("/run/umbra/launch"),
+    serial: Annotated[Path, typer.Option("--console", help="Serial console device.")] = Path(
+        "/dev/ttyS0"
+    ),
+    compose: Annotated[
+        str, typer.Option("--compose", help="The compose command (space-separated).")
+    ] = "docker compose",
+    report_ready: Annotated[bool, typer.Option("--report-ready/--no-report-ready")] = True,
+) -> None:
+    """Boot-time: read launch data, measure it into RTMR3, write /run/umbra/launch, start the
+    compose, report ready. Refuses (exit 1, reason on the serial console) on bad launch data."""
+    from umbra.images import launch_agent as la
+
+    source: la.MetadataSource
+    reporter: la.Reporter | None
+    if cloud == "gcp":
+        source = la.GcpMetadata(metadata_url or la.GCP_METADATA)
+        reporter = la.GcpGuestAttribute(metadata_url or la.GCP_METADATA)
+    elif cloud == "azure":
+        source = la.AzureCustomData(metadata_url or la.AZURE_IMDS, custom_data_file)
+        reporter = la.AzureWireServer()
+    else:
+        fail(f"--cloud must be gcp or azure, got {cloud!r}", EXIT_USAGE)
+    extender: la.Extender
+    if tee == "tdx":
+        extender = la.SysfsRtmr()
+    elif tee == "simulated":
+        extender = la.LogOnly()  # the simulated quote source replays the written event log
+    else:
+        fail(f"--tee must be tdx or simulated, got {tee!r}", EXIT_USAGE)
+    agent = la.Agent(
+        source=source,
+        extender=extender,
+        starter=la.DockerCompose(tuple(compose.split())),
+        reporter=reporter if report_ready else None,
+        launch_dir=launch_dir,
+        say=la.serial_console(serial),
+    )
+    try:
+        agent.run()
+    except la.LaunchError:
+        raise typer.Exit(1) from None
+
+
+@app.command("host-firewall")
+def host_firewall_cmd(
+    remove: Annotated[bool, typer.Option("--remove", help="Take the rules out again.")] = False,
+) -> None:
+    """Insert (or remove) the rules that drop traffic from the sandbox bridges to the host."""
+    from umbra.images import host_firewall
+
+    try:
+        (host_firewall.remove if remove else host_firewall.apply)()
+    except host_firewall.FirewallError as exc:
+        fail(str(exc))
+    console.print(("removed" if remove else "applied") + " the sandbox bridge rules")

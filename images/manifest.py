@@ -7,6 +7,7 @@ value came from, so a reviewer can recompute it from the rendered files.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -31,6 +32,14 @@ class RuntimeEventSpec(_Strict):
     describes: str
 
 
+class ImageEntry(_Strict):
+    """One container image the release's compose file pins, and the provenance that built it."""
+
+    ref: str
+    digest: Annotated[str, Field(pattern=r"^sha256:[0-9a-f]{64}$")]
+    provenance_sha256: Sha256Hex | None = None  # the DSSE envelope file's SHA-256
+
+
 class MeasurementManifest(_Strict):
     apiVersion: Literal["umbra/v1"]
     kind: Literal["MeasurementManifest"]
@@ -39,12 +48,25 @@ class MeasurementManifest(_Strict):
     files: dict[str, Sha256Hex]
     compose_hash: Sha256Hex
     rtmr3_events: list[RuntimeEventSpec]
+    images: dict[str, ImageEntry] | None = None
 
     def canonical(self) -> bytes:
         return canonical_json(self.model_dump(mode="json", exclude_none=True)).encode()
 
 
-def build_manifest(m: Measurement) -> MeasurementManifest:
+def image_entries(m: Measurement, provenance: Mapping[str, str]) -> dict[str, ImageEntry]:
+    """The compose's images; `provenance` maps a digest to its envelope's SHA-256 (if known)."""
+    refs: dict[str, str] = m.definition.compose.images.model_dump()
+    out = {}
+    for name, ref in sorted(refs.items()):
+        digest = ref.rsplit("@", 1)[1]
+        out[name] = ImageEntry(ref=ref, digest=digest, provenance_sha256=provenance.get(digest))
+    return out
+
+
+def build_manifest(
+    m: Measurement, provenance: Mapping[str, str] | None = None
+) -> MeasurementManifest:
     events = [
         RuntimeEventSpec(
             name=e.name,
@@ -79,4 +101,5 @@ def build_manifest(m: Measurement) -> MeasurementManifest:
         },
         compose_hash=m.compose_hash.hex(),
         rtmr3_events=events,
+        images=image_entries(m, provenance) if provenance is not None else None,
     )

@@ -66,7 +66,9 @@ FORBIDDEN_SERVICE_KEYS = {
     "cgroup_parent": "cgroup_parent is not allowed",
     "build": "images are pulled by digest, never built at launch",
 }
-NETWORK_KEYS = {"driver", "internal", "enable_ipv6", "ipam"}
+NETWORK_KEYS = {"driver", "internal", "enable_ipv6", "ipam", "driver_opts"}
+# Only the bridge's name may be set: the host firewall (umbra.images.host_firewall) matches on it.
+BRIDGE_NAME_OPT = "com.docker.network.bridge.name"
 LAUNCH_PREFIX = "/run/umbra/launch/"
 # The Security CVM's quote interface (configfs-tsm): the one writable host path, and only there.
 TSM_REPORT = "/sys/kernel/config/tsm/report"
@@ -111,6 +113,8 @@ def _common(
         net = _mapping(raw)
         for key in sorted(set(net) - NETWORK_KEYS):
             out.append(f"network {name}: key {key!r} is not allowed (external networks included)")
+        for opt in sorted(set(_mapping(net.get("driver_opts"))) - {BRIDGE_NAME_OPT}):
+            out.append(f"network {name}: driver_opts {opt!r} is not allowed")
         if net.get("driver") != "bridge":
             out.append(f"network {name}: driver must be bridge")
         if net.get("enable_ipv6") is not False:
@@ -205,9 +209,15 @@ def _dev(doc: dict[str, Any], out: list[str]) -> None:
     networks = _mapping(doc.get("networks"))
     _exact("services", services, {"sandbox", "forwarder", "sshd"}, out)
     _exact("networks", networks, {"sandbox", "sessions", "uplink"}, out)
-    for name in ("sandbox", "sessions"):
+    for name, bridge in (("sandbox", "umbra-sbx0"), ("sessions", "umbra-ses0")):
         if _mapping(networks.get(name)).get("internal") is not True:
             out.append(f"network {name} must be internal: true (no route out)")
+        opts = _mapping(_mapping(networks.get(name)).get("driver_opts"))
+        if opts.get(BRIDGE_NAME_OPT) != bridge:
+            out.append(
+                f"network {name}: driver_opts {BRIDGE_NAME_OPT} must be {bridge} "
+                "(the host firewall drops everything entering from it)"
+            )
     uplinked = _uplinked(doc)
     if uplinked - {"forwarder"}:
         out.append(

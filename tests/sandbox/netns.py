@@ -51,10 +51,44 @@ def namespaces(*roles: str) -> Iterator[dict[str, str]]:
             ip("netns", "add", name)
             created.append(name)
             ip("-n", name, "link", "set", "lo", "up")
+            set_sysctls(name, BASE_SYSCTLS)
         yield names
     finally:
         for name in created:
             ip_may_fail("netns", "del", name)
+
+
+# Every namespace gets these explicitly: a new namespace may inherit the host's values (Docker
+# sets the host's ip_forward to 1), and the topology must never depend on host defaults.
+BASE_SYSCTLS: dict[str, str] = {
+    "net.ipv4.ip_forward": "0",
+    "net.ipv4.conf.all.forwarding": "0",
+    "net.ipv4.conf.default.forwarding": "0",
+    "net.ipv6.conf.all.forwarding": "0",
+    "net.ipv6.conf.default.forwarding": "0",
+    "net.ipv4.conf.all.accept_redirects": "0",
+    "net.ipv4.conf.default.accept_redirects": "0",
+    "net.ipv4.conf.all.send_redirects": "0",
+    "net.ipv4.conf.default.send_redirects": "0",
+    "net.ipv4.conf.all.accept_source_route": "0",
+    "net.ipv4.conf.default.accept_source_route": "0",
+    "net.ipv4.conf.all.proxy_arp": "0",
+    "net.ipv4.conf.default.proxy_arp": "0",
+    "net.ipv6.conf.all.accept_redirects": "0",
+    "net.ipv6.conf.default.accept_redirects": "0",
+    "net.ipv6.conf.all.accept_ra": "0",
+    "net.ipv6.conf.default.accept_ra": "0",
+}
+
+
+def set_sysctls(ns: str, values: dict[str, str]) -> None:
+    """Write each sysctl inside `ns` and read it back: a value that did not stick is an error."""
+    for key, value in values.items():
+        path = "/proc/sys/" + key.replace(".", "/")
+        script = f"echo {value} > {path} && cat {path}"
+        got = ip("netns", "exec", ns, "sh", "-c", script).strip()
+        if got != value:
+            raise RuntimeError(f"{ns}: {key} is {got!r} after writing {value!r}")
 
 
 def _count() -> Iterator[int]:

@@ -148,6 +148,14 @@ def _set(path: list[str], value: Any) -> Any:
         (_set(["services", "sandbox", "dns"], ["8.8.8.8"]), "custom DNS"),
         (_set(["networks", "sandbox", "external"], True), "external"),
         (
+            _set(["networks", "sandbox", "driver_opts"], {"com.docker.network.bridge.name": "x"}),
+            "must be umbra-sbx0",
+        ),
+        (
+            _set(["networks", "uplink", "driver_opts"], {"com.docker.network.driver.mtu": "9000"}),
+            "driver_opts 'com.docker.network.driver.mtu' is not allowed",
+        ),
+        (
             lambda d: d["configs"]["forwarder"].update(
                 content=d["configs"]["forwarder"]["content"].replace('"0.0.0.0"', '"10.9.9.9"')
             ),

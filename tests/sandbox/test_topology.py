@@ -40,7 +40,16 @@ from umbra.sandbox.render import render_dev_cvm
 from umbra.sandbox.tunnel_header import TunnelHeader, read_header
 
 from .fixtures import dev_definition, security_definition
-from .netns import LoopIn, ip, ip_may_fail, namespaces, require_netns, run_in, veth
+from .netns import (
+    LoopIn,
+    ip,
+    ip_may_fail,
+    namespaces,
+    require_netns,
+    run_in,
+    set_sysctls,
+    veth,
+)
 
 SEC, FWD_IN, FWD_OUT, SBX = "10.200.2.2", "10.200.1.1", "10.200.2.1", "10.200.1.2"
 SEC6 = "fd00:200:2::2"
@@ -160,13 +169,9 @@ def topo(pki: SimulatedPki, sec_measurement: Measurement) -> Iterator[Topology]:
             f"{SEC}/24,{SEC6}/64",
         )
         # The sandbox gets no IPv6 at all, as Docker does for enable_ipv6: false.
-        ip(
-            "netns",
-            "exec",
+        set_sysctls(
             ns["sandbox"],
-            "sh",
-            "-c",
-            "echo 1 > /proc/sys/net/ipv6/conf/all/disable_ipv6",
+            {"net.ipv6.conf.all.disable_ipv6": "1", "net.ipv6.conf.default.disable_ipv6": "1"},
         )
         sec = SecurityCvm()
         tdx = attested_td(pki, sec_measurement)

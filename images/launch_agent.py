@@ -1,0 +1,457 @@
+"""The CVM launch agent (systemd: umbra-launch-agent.service), run once at boot before anything
+else Umbra starts.
+
+1. Read the launch data (`umbra-*` keys, see umbra.components.launch_data) from the cloud's
+   metadata service: GCP instance attributes (`Metadata-Flavor: Google`) or Azure custom data.
+2. Validate it strictly: known keys only, canonical app-compose.json whose compose file passes
+   the sandbox validator, the copies (compose hash, event list) consistent with what they copy,
+   SSH keys exactly when the role is dev-cvm.
+3. Extend RTMR3 with the events the verifiers expect, in order (umbra.images.measure's
+   release_events + instance_events: one definition of them), and write the event log.
+4. Write /run/umbra/launch/, start the compose, report ready.
+
+The host controls the metadata, so nothing is trusted for being there: it is measured before use,
+and a verifier refuses a quote whose replayed events differ from the release and the binding.
+Bad or missing launch data: extend nothing, start nothing, say why on the serial console.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+from typing import Protocol
+
+import httpx
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from umbra.attest.eventlog import Event, dump_dstack_event_log
+from umbra.attest.measurement import canonical_ssh_key
+from umbra.attest.simulator import SimulatedTdx
+from umbra.components.launch_data import (
+    META_APP_COMPOSE,
+    META_COMPOSE_HASH,
+    META_CVM_ID,
+    META_EVENTS,
+    META_MANIFEST,
+    META_ROLE,
+    META_SSH_KEYS,
+    META_TEAM,
+    PLACEHOLDER_MARK,
+    LaunchData,
+)
+from umbra.images.measure import instance_events as launch_events
+from umbra.images.measure import release_events
+from umbra.sandbox.render import canonical_json
+from umbra.sandbox.validate import (
+    ComposeError,
+    load_compose,
+    validate_dev_compose,
+    validate_security_compose,
+)
+
+GCP_METADATA = "http://metadata.google.internal"
+AZURE_IMDS = "http://169.254.169.254"
+LAUNCH_DIR = Path("/run/umbra/launch")
+# Linux >= 6.16 exposes TDX RTMRs in sysfs; writing a SHA-384 digest extends the register.
+RTMR3_SYSFS = Path("/sys/class/misc/tdx_guest/measurements/rtmr3:sha384")
+_ID = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
+_KNOWN = {
+    META_APP_COMPOSE,
+    META_COMPOSE_HASH,
+    META_CVM_ID,
+    META_EVENTS,
+    META_MANIFEST,
+    META_ROLE,
+    META_SSH_KEYS,
+    META_TEAM,
+}
+_REQUIRED = {META_ROLE, META_TEAM, META_CVM_ID, META_APP_COMPOSE, META_COMPOSE_HASH}
+
+
+class Refusal(StrEnum):
+    UNREACHABLE = "metadata_unreachable"
+    MISSING = "missing_field"
+    UNKNOWN = "unknown_field"
+    INVALID = "invalid_field"
+    MISMATCH = "copy_mismatch"
+    EXTEND_FAILED = "extend_failed"
+    START_FAILED = "start_failed"
+
+
+class LaunchError(Exception):
+    def __init__(self, reason: Refusal, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+
+
+# ---- where launch data comes from ------------------------------------------------------------
+
+
+class MetadataSource(Protocol):
+    def fetch(self) -> dict[str, str]: ...
+
+
+@dataclass(frozen=True)
+class GcpMetadata:
+    base: str = GCP_METADATA
+    timeout: float = 10
+
+    def fetch(self) -> dict[str, str]:
+        url = f"{self.base}/computeMetadata/v1/instance/attributes/"
+        try:
+            r = httpx.get(
+                url,
+                params={"recursive": "true"},
+                headers={"Metadata-Flavor": "Google"},
+                timeout=self.timeout,
+            )
+            r.raise_for_status()
+            doc = r.json()
+        except (httpx.HTTPError, ValueError) as exc:
+            raise LaunchError(Refusal.UNREACHABLE, f"GCP metadata: {exc}") from None
+        if not isinstance(doc, dict) or not all(isinstance(v, str) for v in doc.values()):
+            raise LaunchError(Refusal.INVALID, "GCP metadata attributes are not a string map")
+        return {k: v for k, v in doc.items() if k.startswith("umbra-")}
+
+
+@dataclass(frozen=True)
+class AzureCustomData:
+    """Custom data is base64 of canonical JSON {"umbra": {...}} (components.launch_data). With
+    the VM agent off it is read from IMDS userData or the provisioning medium's file."""
+
+    base: str = AZURE_IMDS
+    file: Path | None = None
+    timeout: float = 10
+
+    def fetch(self) -> dict[str, str]:
+        try:
+            if self.file is not None:
+                blob = self.file.read_text()
+            else:
+                r = httpx.get(
+                    f"{self.base}/metadata/instance/compute/userData",
+                    params={"api-version": "2021-01-01", "format": "text"},
+                    headers={"Metadata": "true"},
+                    timeout=self.timeout,
+                )
+                r.raise_for_status()
+                blob = r.text
+        except (OSError, httpx.HTTPError) as exc:
+            raise LaunchError(Refusal.UNREACHABLE, f"Azure custom data: {exc}") from None
+        try:
+            doc = json.loads(base64.b64decode(blob.strip(), validate=True))
+            meta = doc["umbra"]
+        except (ValueError, KeyError, TypeError, binascii.Error):
+            raise LaunchError(
+                Refusal.INVALID, "Azure custom data is not base64 {umbra: …}"
+            ) from None
+        if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+            raise LaunchError(Refusal.INVALID, "Azure custom data's umbra map is not strings")
+        return meta
+
+
+# ---- validation -------------------------------------------------------------------------------
+
+
+def parse_launch_data(meta: dict[str, str]) -> LaunchData:
+    unknown = sorted(set(meta) - _KNOWN)
+    if unknown:
+        raise LaunchError(Refusal.UNKNOWN, f"unknown launch keys {unknown}")
+    missing = sorted(_REQUIRED - set(meta))
+    if missing:
+        raise LaunchError(Refusal.MISSING, f"missing launch keys {missing}")
+    role, team, cvm_id = meta[META_ROLE], meta[META_TEAM], meta[META_CVM_ID]
+    if role not in ("dev-cvm", "security-cvm"):
+        raise LaunchError(Refusal.INVALID, f"{META_ROLE}: {role!r} is not dev-cvm or security-cvm")
+    for key, value in ((META_TEAM, team), (META_CVM_ID, cvm_id)):
+        if not _ID.match(value):
+            raise LaunchError(Refusal.INVALID, f"{key}: {value!r} is not [a-z0-9-], 1-63 chars")
+    app = meta[META_APP_COMPOSE]
+    _check_app_compose(app, role)
+    keys = [ln for ln in meta.get(META_SSH_KEYS, "").splitlines() if ln.strip()]
+    for n, key in enumerate(keys, 1):
+        try:
+            canonical_ssh_key(key)
+        except ValueError as exc:
+            raise LaunchError(Refusal.INVALID, f"{META_SSH_KEYS} line {n}: {exc}") from None
+    if role == "dev-cvm" and not keys:
+        raise LaunchError(Refusal.MISSING, "a Dev CVM needs at least one SSH authorized key")
+    if role == "security-cvm" and keys:
+        raise LaunchError(Refusal.INVALID, "a Security CVM takes no SSH authorized keys")
+    data = LaunchData(
+        role=role,
+        team=team,
+        cvm_id=cvm_id,
+        app_compose=app,
+        measurement_manifest=meta.get(META_MANIFEST),
+        ssh_authorized_keys=tuple(keys),
+    )
+    if meta[META_COMPOSE_HASH] != data.compose_sha256:
+        raise LaunchError(Refusal.MISMATCH, f"{META_COMPOSE_HASH} is not the app-compose's SHA-256")
+    if META_EVENTS in meta:
+        try:
+            copy = json.loads(meta[META_EVENTS])
+        except ValueError:
+            copy = None
+        if copy != data.expected_events():
+            raise LaunchError(Refusal.MISMATCH, f"{META_EVENTS} differs from the launch data")
+    return data
+
+
+def _check_app_compose(text: str, role: str) -> None:
+    try:
+        doc = json.loads(text)
+    except ValueError:
+        raise LaunchError(Refusal.INVALID, f"{META_APP_COMPOSE} is not JSON") from None
+    if not isinstance(doc, dict) or set(doc) != {
+        "docker_compose_file",
+        "manifest_version",
+        "name",
+        "runner",
+    }:
+        raise LaunchError(Refusal.INVALID, f"{META_APP_COMPOSE} has the wrong fields")
+    if doc["manifest_version"] != 2 or doc["runner"] != "docker-compose":
+        raise LaunchError(Refusal.INVALID, f"{META_APP_COMPOSE}: want manifest 2, docker-compose")
+    if canonical_json(doc) != text:
+        # The measured bytes must be the canonical form, or two texts could mean one release.
+        raise LaunchError(Refusal.INVALID, f"{META_APP_COMPOSE} is not canonical JSON")
+    if not isinstance(doc["docker_compose_file"], str):
+        raise LaunchError(Refusal.INVALID, "docker_compose_file is not a string")
+    compose: str = doc["docker_compose_file"]
+    try:
+        if compose.startswith(PLACEHOLDER_MARK):
+            load_compose(compose)  # starts nothing useful; no verifier accepts its hash
+        elif role == "dev-cvm":
+            validate_dev_compose(compose)
+        else:
+            validate_security_compose(compose)
+    except ComposeError as exc:
+        raise LaunchError(Refusal.INVALID, f"docker_compose_file: {exc}") from None
+
+
+def launch_event_list(data: LaunchData) -> list[Event]:
+    """The RTMR3 events, in extend order, from the one definition verifiers replay."""
+    compose_hash = hashlib.sha256(data.app_compose.encode()).digest()
+    return release_events(compose_hash) + launch_events(
+        data.role, data.cvm_id, list(data.ssh_authorized_keys)
+    )
+
+
+# ---- measuring --------------------------------------------------------------------------------
+
+
+class Extender(Protocol):
+    def extend(self, event: Event) -> None: ...
+
+
+@dataclass(frozen=True)
+class SysfsRtmr:
+    """TDX guest: write the event's SHA-384 digest to the RTMR3 measurement file."""
+
+    path: Path = RTMR3_SYSFS
+
+    def extend(self, event: Event) -> None:
+        try:
+            with self.path.open("wb", buffering=0) as f:
+                f.write(event.digest)
+        except OSError as exc:
+            raise LaunchError(Refusal.EXTEND_FAILED, f"{self.path}: {exc.strerror}") from None
+
+
+@dataclass(frozen=True)
+class SimulatedRtmr:
+    """Simulated TEE: extend the simulator's state (the quote source replays the same log)."""
+
+    tdx: SimulatedTdx
+
+    def extend(self, event: Event) -> None:
+        self.tdx.extend_runtime_event(event.name, event.payload, event.imr)
+
+
+@dataclass(frozen=True)
+class LogOnly:
+    """Simulated TEE in a separate process: the written event log *is* the simulator's input
+    (`umbra proxy serve --quote-source simulated --event-log …`)."""
+
+    def extend(self, event: Event) -> None:
+        return None
+
+
+# ---- writing, starting, reporting -------------------------------------------------------------
+
+
+def _write(path: Path, data: str | bytes, mode: int = 0o644) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data.encode() if isinstance(data, str) else data)
+    os.chmod(tmp, mode)
+    tmp.replace(path)
+
+
+def write_launch_dir(root: Path, data: LaunchData, events: Sequence[Event]) -> Path:
+    """Everything the compose mounts from /run/umbra/launch; returns the compose file path."""
+    doc = json.loads(data.app_compose)
+    _write(root / "app-compose.json", data.app_compose)
+    compose = root / "docker-compose.yaml"
+    _write(compose, doc["docker_compose_file"])
+    _write(root / "role", data.role + "\n")
+    _write(root / "team", data.team + "\n")
+    log = dump_dstack_event_log(events)
+    _write(root / "event-log.json", log)
+    if data.role == "dev-cvm":
+        _write(root / "forwarder/cvm-id", data.cvm_id + "\n")
+        _write(root / "ssh/authorized_keys", "\n".join(data.ssh_authorized_keys) + "\n")
+        # The host key is born here and never leaves the CVM.
+        host = root / "ssh/ssh_host_ed25519_key"
+        if not host.exists():
+            key = Ed25519PrivateKey.generate()
+            pem = key.private_bytes(
+                serialization.Encoding.PEM,
+                serialization.PrivateFormat.OpenSSH,
+                serialization.NoEncryption(),
+            )
+            _write(host, pem, 0o600)
+            pub = key.public_key().public_bytes(
+                serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH
+            )
+            _write(root / "ssh/ssh_host_ed25519_key.pub", pub + b"\n")
+    else:
+        _write(root / "security/security-cvm-id", data.cvm_id + "\n")
+        _write(root / "security/event-log.json", log)
+    if data.measurement_manifest:
+        _write(root / "measurement-manifest.json", data.measurement_manifest)
+    return compose
+
+
+class Starter(Protocol):
+    def start(self, compose: Path) -> None: ...
+
+
+@dataclass(frozen=True)
+class DockerCompose:
+    argv: tuple[str, ...] = ("docker", "compose")
+
+    def start(self, compose: Path) -> None:
+        cmd = [*self.argv, "-f", str(compose), "up", "--detach", "--no-build", "--pull", "never"]
+        done = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=600)
+        if done.returncode != 0:
+            tail = (done.stderr or done.stdout).strip().splitlines()[-5:]
+            raise LaunchError(Refusal.START_FAILED, " / ".join(tail) or "compose up failed")
+
+
+class Reporter(Protocol):
+    def ready(self, data: LaunchData) -> None: ...
+
+
+@dataclass(frozen=True)
+class GcpGuestAttribute:
+    base: str = GCP_METADATA
+
+    def ready(self, data: LaunchData) -> None:
+        httpx.put(
+            f"{self.base}/computeMetadata/v1/instance/guest-attributes/umbra/ready",
+            content=data.compose_sha256,
+            headers={"Metadata-Flavor": "Google"},
+            timeout=10,
+        ).raise_for_status()
+
+
+_AZURE_READY = (
+    '<?xml version="1.0" encoding="utf-8"?><Health><GoalStateIncarnation>{inc}'
+    "</GoalStateIncarnation><Container><ContainerId>{cid}</ContainerId><RoleInstanceList>"
+    "<Role><InstanceId>{iid}</InstanceId><Health><State>Ready</State></Health></Role>"
+    "</RoleInstanceList></Container></Health>"
+)
+
+
+@dataclass(frozen=True)
+class AzureWireServer:
+    """With the VM agent off, the guest itself reports Ready to the wire server's goal state."""
+
+    base: str = "http://168.63.129.16"
+
+    def ready(self, data: LaunchData) -> None:
+        headers = {"x-ms-version": "2012-11-30"}
+        goal = httpx.get(f"{self.base}/machine/?comp=goalstate", headers=headers, timeout=10)
+        goal.raise_for_status()
+
+        def tag(name: str) -> str:
+            m = re.search(f"<{name}>([^<]*)</{name}>", goal.text)
+            if m is None:
+                raise LaunchError(Refusal.START_FAILED, f"goal state has no {name}")
+            return m.group(1)
+
+        body = _AZURE_READY.format(
+            inc=tag("Incarnation"), cid=tag("ContainerId"), iid=tag("InstanceId")
+        )
+        httpx.post(
+            f"{self.base}/machine/?comp=health",
+            content=body,
+            headers=headers | {"Content-Type": "text/xml;charset=utf-8"},
+            timeout=10,
+        ).raise_for_status()
+
+
+# ---- the run ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Agent:
+    source: MetadataSource
+    extender: Extender
+    starter: Starter
+    reporter: Reporter | None
+    launch_dir: Path = LAUNCH_DIR
+    say: Callable[[str], None] = lambda line: print(line, file=sys.stderr)
+
+    def run(self) -> LaunchData:
+        """Raises LaunchError (after saying why) when it refuses; starts nothing then."""
+        try:
+            data = parse_launch_data(self.source.fetch())
+            events = launch_event_list(data)
+            if data.is_placeholder:
+                self.say("umbra-launch: PLACEHOLDER compose: no verifier will accept this CVM")
+            # Measure first: whatever runs afterwards is already bound into RTMR3.
+            for event in events:
+                self.extender.extend(event)
+            compose = write_launch_dir(self.launch_dir, data, events)
+            self.starter.start(compose)
+        except LaunchError as exc:
+            self.say(f"umbra-launch: REFUSED, nothing started: {exc}")
+            raise
+        self.say(
+            f"umbra-launch: {data.role} {data.cvm_id} started, compose-hash {data.compose_sha256}"
+        )
+        if self.reporter is not None:
+            try:
+                self.reporter.ready(data)
+            except (httpx.HTTPError, LaunchError) as exc:
+                self.say(f"umbra-launch: could not report ready: {exc}")
+        return data
+
+
+def serial_console(path: Path) -> Callable[[str], None]:
+    """Lines go to the serial console (what the cloud's serial log shows) and to stderr."""
+
+    def say(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+        try:
+            with path.open("a") as f:
+                f.write(line + "\n")
+        except OSError:
+            pass
+
+    return say

@@ -1,0 +1,154 @@
+"""The CVM OS image: Debian bookworm with the cloud kernel, systemd, Docker, CPython 3.12 + the
+umbra wheel, and the launch agent unit, from one definition per cloud (images/os/*.yaml).
+
+Output: `rootfs.ext4` (the root file system, built with `mke2fs -d`: no loop mounts), and the
+kernel and initrd beside it. `qemu` boots these directly under OVMF (the CI boot test); the
+cloud disk formats (GCP raw.tar.gz with an ESP and a UKI, Azure fixed VHD) wrap the same files
+and are produced by the release workflow, not here.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from umbra.images.build import (
+    BuildError,
+    _run,
+    _workdir,
+    copy_python,
+    install_wheel,
+    normalize,
+)
+from umbra.images.recipes import MIRRORS, PY_LIBS, SUITE
+
+OS_DIR = Path(__file__).parent / "os"
+UNIT = OS_DIR / "umbra-launch-agent.service"
+FIREWALL_UNIT = OS_DIR / "umbra-host-firewall.service"
+
+
+class LaunchAgentConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    env: dict[str, str]
+
+
+class OsDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    cloud: Literal["gcp", "azure", "qemu"]
+    boot: Literal["uefi"]
+    kernel: str
+    packages: list[str] = Field(min_length=1)
+    launch_agent: LaunchAgentConfig
+    guest_os_features: list[str] = Field(default_factory=list)
+    machine_type: str | None = None
+    confidential_instance_type: str | None = None
+    hyper_v_generation: str | None = None
+    security_type: str | None = None
+    disk_format: str | None = None
+
+
+def load_os_definition(path: Path) -> OsDefinition:
+    try:
+        return OsDefinition.model_validate(yaml.safe_load(path.read_text()))
+    except (OSError, yaml.YAMLError) as exc:
+        raise BuildError(f"{path}: cannot read: {exc}") from None
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise BuildError(f"{path}: {where}: {first['msg']}") from None
+
+
+@dataclass(frozen=True)
+class OsImage:
+    rootfs: Path
+    kernel: Path
+    initrd: Path
+
+
+def build_os_image(
+    d: OsDefinition,
+    out: Path,
+    *,
+    wheel: Path,
+    requirements: Path,
+    host_python_prefix: Path,
+    epoch: int,
+    extra_files: dict[str, str] | None = None,
+    size: str = "3G",
+) -> OsImage:
+    import os
+
+    out.mkdir(parents=True, exist_ok=True)
+    with _workdir() as work:
+        root = work / "rootfs"
+        env = os.environ | {"SOURCE_DATE_EPOCH": str(epoch), "LC_ALL": "C.UTF-8"}
+        _run(
+            [
+                "mmdebstrap",
+                "--mode=root",
+                "--variant=minbase",
+                "--format=directory",
+                "--include=" + ",".join([d.kernel, "initramfs-tools", *PY_LIBS, *d.packages]),
+                SUITE,
+                str(root),
+                *MIRRORS,
+            ],
+            "mmdebstrap (OS image)",
+            env=env,
+        )
+        copy_python(host_python_prefix, root)
+        install_wheel(wheel, requirements, host_python_prefix / "bin/python3.12", root)
+        unit_dir = root / "etc/systemd/system"
+        wants = unit_dir / "multi-user.target.wants"
+        wants.mkdir(parents=True, exist_ok=True)
+        units = [UNIT] + ([FIREWALL_UNIT] if "iptables" in d.packages else [])
+        for unit in units:
+            shutil.copyfile(unit, unit_dir / unit.name)
+            (wants / unit.name).symlink_to(f"/etc/systemd/system/{unit.name}")
+        conf = root / "etc/umbra"
+        conf.mkdir(parents=True, exist_ok=True)
+        (conf / "launch-agent.env").write_text(
+            "".join(f"{k}={v}\n" for k, v in sorted(d.launch_agent.env.items()))
+        )
+        for name, target in (
+            ("systemd-networkd.service", "multi-user.target.wants"),
+            ("systemd-networkd-wait-online.service", "network-online.target.wants"),
+        ):
+            (unit_dir / target).mkdir(parents=True, exist_ok=True)
+            (unit_dir / target / name).symlink_to(f"/lib/systemd/system/{name}")
+        net = root / "etc/systemd/network/20-dhcp.network"
+        net.write_text("[Match]\nName=en* eth*\n\n[Network]\nDHCP=ipv4\n")
+        (root / "etc/fstab").write_text("/dev/vda / ext4 defaults 0 1\n")
+        (root / "etc/hostname").write_text("umbra-cvm\n")
+        for rel, content in (extra_files or {}).items():
+            path = root / rel.lstrip("/")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(content)
+            if rel.startswith(("/usr/local/bin/", "usr/local/bin/")):
+                path.chmod(0o755)
+        kernel = sorted((root / "boot").glob("vmlinuz-*"))
+        initrd = sorted((root / "boot").glob("initrd.img-*"))
+        if not kernel or not initrd:
+            raise BuildError(f"{d.kernel}: no kernel/initrd under /boot")
+        shutil.copyfile(kernel[-1], out / "vmlinuz")
+        shutil.copyfile(initrd[-1], out / "initrd.img")
+        normalize(root)
+        image = out / "rootfs.ext4"
+        image.unlink(missing_ok=True)
+        _run(
+            ["mke2fs", "-q", "-t", "ext4", "-E", f"root_owner=0:0,hash_seed={_SEED}",
+             "-U", _SEED, "-L", "umbra-root", "-d", str(root), str(image), size],
+            "mke2fs",
+            env=env,
+        )  # fmt: skip
+    return OsImage(image, out / "vmlinuz", out / "initrd.img")
+
+
+# Fixed UUID and hash seed: the file system carries no random ids.
+_SEED = "0d3c9a52-6b8e-4f5a-9d0b-2f1e0c7b4a11"

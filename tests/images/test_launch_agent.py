@@ -1,0 +1,304 @@
+"""The launch agent against a metadata stand-in (a real HTTP server speaking GCP's metadata and
+Azure's IMDS/wire-server protocols) and the simulated TEE: the events it extends replay to exactly
+what `umbra image measure` predicts, a verifier accepts the quote, and bad launch data starts
+nothing and says why on the serial console."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from umbra.attest.collateral import StaticCollateral
+from umbra.attest.eventlog import load_event_log, replay
+from umbra.attest.measurement import MeasurementPolicy
+from umbra.attest.simpki import SimulatedPki
+from umbra.attest.simulator import SimulatedTdx
+from umbra.attest.verify import Verifier
+from umbra.cli.app import app
+from umbra.components.launch_data import LaunchData
+from umbra.images.launch_agent import (
+    Agent,
+    AzureCustomData,
+    AzureWireServer,
+    GcpGuestAttribute,
+    GcpMetadata,
+    LaunchError,
+    LogOnly,
+    Refusal,
+    SimulatedRtmr,
+)
+from umbra.images.measure import measure
+
+from ..sandbox.fixtures import (
+    dev_definition,
+    dev_definition_doc,
+    security_definition,
+    security_definition_doc,
+)
+
+ALICE = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIOMqqnkVzrm0SdG6UOoqKLsabgH5C9okWi0dh2l9GKJl alice"
+runner = CliRunner()
+
+
+@dataclass
+class StandIn:
+    """GCP metadata + Azure IMDS + Azure wire server, on loopback."""
+
+    attributes: dict[str, str] = field(default_factory=dict)
+    user_data: str = ""
+    guest_attributes: dict[str, str] = field(default_factory=dict)
+    health: list[str] = field(default_factory=list)
+    url: str = ""
+
+
+@pytest.fixture
+def standin() -> Iterator[StandIn]:
+    state = StandIn()
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args: Any) -> None:
+            return None
+
+        def _send(self, code: int, body: str, ctype: str = "text/plain") -> None:
+            data = body.encode()
+            self.send_response(code)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self) -> None:
+            if self.path.startswith("/computeMetadata/v1/instance/attributes/?recursive=true"):
+                if self.headers.get("Metadata-Flavor") != "Google":
+                    return self._send(403, "missing Metadata-Flavor")
+                return self._send(200, json.dumps(state.attributes), "application/json")
+            if self.path.startswith("/metadata/instance/compute/userData"):
+                if self.headers.get("Metadata") != "true":
+                    return self._send(400, "missing Metadata: true")
+                return self._send(200, state.user_data)
+            if self.path == "/machine/?comp=goalstate":
+                return self._send(
+                    200,
+                    "<GoalState><Incarnation>7</Incarnation><Container><ContainerId>c-1"
+                    "</ContainerId><RoleInstanceList><RoleInstance><InstanceId>i-1</InstanceId>"
+                    "</RoleInstance></RoleInstanceList></Container></GoalState>",
+                )
+            return self._send(404, "no such path")
+
+        def do_PUT(self) -> None:
+            body = self.rfile.read(int(self.headers.get("Content-Length", 0))).decode()
+            state.guest_attributes[self.path.rsplit("/", 1)[1]] = body
+            self._send(200, "")
+
+        def do_POST(self) -> None:
+            state.health.append(
+                self.rfile.read(int(self.headers.get("Content-Length", 0))).decode()
+            )
+            self._send(200, "")
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    state.url = f"http://127.0.0.1:{server.server_address[1]}"
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield state
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@dataclass
+class RecordingStarter:
+    started: list[str] = field(default_factory=list)
+
+    def start(self, compose: Path) -> None:
+        self.started.append(compose.read_text())
+
+
+@pytest.fixture(scope="module")
+def pki() -> SimulatedPki:
+    return SimulatedPki.generate()
+
+
+def _dev_launch() -> tuple[LaunchData, Any]:
+    m = measure(dev_definition())
+    data = LaunchData(
+        role="dev-cvm",
+        team="team-a",
+        cvm_id="dev-alice-1",
+        app_compose=m.app_compose.decode(),
+        ssh_authorized_keys=(ALICE,),
+    )
+    return data, m
+
+
+def _predicted(tmp_path: Path, cvm_id: str, keys: list[str], definition: dict[str, Any]) -> str:
+    """What `umbra image measure` says RTMR3 must be for this instance."""
+    path = tmp_path / "definition.yaml"
+    path.write_text(yaml.safe_dump(definition))
+    args = ["image", "measure", str(path), "--cvm-id", cvm_id, "--json"]
+    for k in keys:
+        args += ["--ssh-key", k]
+    done = runner.invoke(app, args)
+    assert done.exit_code == 0, done.output
+    expected: str = json.loads(done.stdout)["instance"]["expected_rtmr3"]
+    return expected
+
+
+def test_dev_cvm_on_gcp_extends_what_measure_predicts_and_verifies(
+    standin: StandIn, pki: SimulatedPki, tmp_path: Path
+) -> None:
+    data, m = _dev_launch()
+    standin.attributes = data.gcp_metadata() | {"startup-script": "ignored: not umbra-*"}
+    tdx = SimulatedTdx(pki, image="umbra-dev-cvm")
+    starter, lines = RecordingStarter(), []
+    agent = Agent(
+        source=GcpMetadata(standin.url),
+        extender=SimulatedRtmr(tdx),
+        starter=starter,
+        reporter=GcpGuestAttribute(standin.url),
+        launch_dir=tmp_path / "launch",
+        say=lines.append,
+    )
+    agent.run()
+    predicted = _predicted(tmp_path, "dev-alice-1", [ALICE], dev_definition_doc())
+    assert tdx.rtmrs()[3].hex() == predicted
+    # The event log the agent wrote replays to the same value.
+    log = load_event_log((tmp_path / "launch/event-log.json").read_bytes())
+    assert replay(log)[3].hex() == predicted
+    assert starter.started == [m.compose.text]
+    assert (tmp_path / "launch/forwarder/cvm-id").read_text() == "dev-alice-1\n"
+    assert (tmp_path / "launch/ssh/authorized_keys").read_text() == ALICE + "\n"
+    assert (tmp_path / "launch/ssh/ssh_host_ed25519_key").stat().st_mode & 0o777 == 0o600
+    assert standin.guest_attributes == {"ready": data.compose_sha256}
+    # And a verifier holding the release + this instance's binding accepts the quote.
+    verifier = Verifier(
+        MeasurementPolicy(release=m.release, binding=m.binding("dev-alice-1", [ALICE])),
+        StaticCollateral(pki.collateral(int(time.time()) - 60)),
+        allow_simulated=True,
+        simulated_root_der=pki.root_der,
+    )
+    verifier.verify(tdx.quote(b"nonce"), event_log=tdx.event_log())
+    assert any("started" in line for line in lines)
+
+
+def test_security_cvm_on_azure_custom_data_reports_ready(standin: StandIn, tmp_path: Path) -> None:
+    m = measure(security_definition())
+    data = LaunchData(
+        role="security-cvm", team="team-a", cvm_id="sec-team-a", app_compose=m.app_compose.decode()
+    )
+    standin.user_data = data.azure_custom_data()
+    starter = RecordingStarter()
+    Agent(
+        source=AzureCustomData(standin.url),
+        extender=LogOnly(),
+        starter=starter,
+        reporter=AzureWireServer(standin.url),
+        launch_dir=tmp_path / "launch",
+        say=lambda _line: None,
+    ).run()
+    log = load_event_log((tmp_path / "launch/security/event-log.json").read_bytes())
+    predicted = _predicted(tmp_path, "sec-team-a", [], security_definition_doc())
+    assert replay(log)[3].hex() == predicted
+    assert starter.started == [m.compose.text]
+    assert (tmp_path / "launch/security/security-cvm-id").read_text() == "sec-team-a\n"
+    assert len(standin.health) == 1 and "<State>Ready</State>" in standin.health[0]
+    assert "<GoalStateIncarnation>7<" in standin.health[0]
+
+
+def _mutations() -> list[tuple[str, Refusal, Any]]:
+    def drop(key: str) -> Any:
+        return lambda meta: {k: v for k, v in meta.items() if k != key}
+
+    def put(key: str, value: str) -> Any:
+        return lambda meta: meta | {key: value}
+
+    return [
+        ("compose hash copy differs", Refusal.MISMATCH, put("umbra-compose-hash", "0" * 64)),
+        ("no cvm id", Refusal.MISSING, drop("umbra-cvm-id")),
+        ("unknown key", Refusal.UNKNOWN, put("umbra-extra", "x")),
+        ("no ssh keys", Refusal.MISSING, drop("umbra-ssh-authorized-keys")),
+        ("bad ssh key", Refusal.INVALID, put("umbra-ssh-authorized-keys", "not-a-key\n")),
+        ("bad role", Refusal.INVALID, put("umbra-role", "root")),
+        ("bad cvm id", Refusal.INVALID, put("umbra-cvm-id", "../../etc")),
+        ("events copy differs", Refusal.MISMATCH, put("umbra-rtmr3-events", "{}")),
+        (
+            "non-canonical app compose",
+            Refusal.INVALID,
+            lambda meta: meta | {"umbra-app-compose": meta["umbra-app-compose"] + " "},
+        ),
+        ("nothing at all", Refusal.MISSING, lambda meta: {}),
+    ]
+
+
+@pytest.mark.parametrize(("what", "reason", "mutate"), _mutations(), ids=lambda x: str(x))
+def test_bad_launch_data_starts_nothing_and_says_why(
+    standin: StandIn, pki: SimulatedPki, tmp_path: Path, what: str, reason: Refusal, mutate: Any
+) -> None:
+    data, _ = _dev_launch()
+    standin.attributes = mutate(data.as_metadata())
+    tdx = SimulatedTdx(pki, image="umbra-dev-cvm")
+    before = tdx.event_log()
+    starter, lines = RecordingStarter(), []
+    agent = Agent(
+        GcpMetadata(standin.url), SimulatedRtmr(tdx), starter, None, tmp_path / "l", lines.append
+    )
+    with pytest.raises(LaunchError) as exc:
+        agent.run()
+    assert exc.value.reason is reason, what
+    assert tdx.event_log() == before and starter.started == []
+    assert not (tmp_path / "l").exists()
+    assert lines and "REFUSED, nothing started" in lines[-1] and str(reason) in lines[-1]
+
+
+def test_unreachable_metadata_starts_nothing(tmp_path: Path) -> None:
+    lines: list[str] = []
+    agent = Agent(
+        GcpMetadata("http://127.0.0.1:9", timeout=2),
+        LogOnly(),
+        RecordingStarter(),
+        None,
+        tmp_path / "l",
+        lines.append,
+    )
+    with pytest.raises(LaunchError) as exc:
+        agent.run()
+    assert exc.value.reason is Refusal.UNREACHABLE and "REFUSED" in lines[-1]
+
+
+def test_cli_agent_runs_the_compose_command_or_refuses_on_the_console(
+    standin: StandIn, tmp_path: Path
+) -> None:
+    data, _ = _dev_launch()
+    standin.attributes = data.gcp_metadata()
+    serial = tmp_path / "ttyS0"
+    marker = tmp_path / "compose-ran"
+    script = tmp_path / "compose"
+    script.write_text(f'#!/bin/sh\necho "$@" > {marker}\n')
+    script.chmod(0o755)
+    base = ["image", "launch-agent", "--cloud", "gcp", "--tee", "simulated",
+            "--metadata-url", standin.url, "--launch-dir", str(tmp_path / "launch"),
+            "--console", str(serial), "--compose", str(script)]  # fmt: skip
+    done = runner.invoke(app, base)
+    assert done.exit_code == 0, done.output
+    compose = tmp_path / "launch/docker-compose.yaml"
+    assert marker.read_text().split() == ["-f", str(compose), "up", "--detach", "--no-build",
+                                          "--pull", "never"]  # fmt: skip
+    assert "started" in serial.read_text()
+    standin.attributes = data.gcp_metadata() | {"umbra-compose-hash": "f" * 64}
+    marker.unlink()
+    refused = runner.invoke(app, [*base[:-6], "--launch-dir", str(tmp_path / "l2"),
+                                  "--console", str(serial), "--compose", str(script)])  # fmt: skip
+    assert refused.exit_code == 1
+    assert "REFUSED, nothing started: copy_mismatch" in serial.read_text()
+    assert not marker.exists()
