@@ -230,13 +230,18 @@ def test_sandbox_root_is_unprivileged_and_reaches_only_the_forwarder(up: Up) -> 
     targets = [
         f"http://{plan.uplink_addr}:{stack.port('tunnel')}/",  # the forwarder's uplink address
         f"http://{plan.host_addr}:{stack.port('tunnel')}/",  # the host end of the uplink
+        f"http://{plan.host_addr}:{local_cvm.INGRESS_PORT}/",  # the SSH ingress
         f"http://{local_cvm.SECURITY_CVM_ADDR}:{stack.port('tunnel')}/",  # the Security CVM
         f"http://{plan.forwarder_addr}:22/",  # another port on the forwarder
         f"http://127.0.0.1:{stack.port('console')}/healthz",  # the host's loopback
     ]
-    for url in targets:
-        done = _sandbox(up, "curl", "-sS", "--connect-timeout", "2", "--max-time", "4", url)
-        assert done.returncode in (7, 28), (url, done.returncode, done.stdout)
+    try:
+        for url in targets:
+            done = _sandbox(up, "curl", "-sS", "--connect-timeout", "2", "--max-time", "4", url)
+            assert done.returncode in (7, 28), (url, done.returncode, done.stdout)
+    finally:
+        # Later tests log in: with a route, a login shell's lookups would wait out timeouts.
+        subprocess.run(["ip", "-n", plan.sandbox_ns, "route", "del", "default"], check=True)
     dns = _sandbox(up, "sh", "-c", "getent hosts example.com || echo unresolved")
     assert "unresolved" in dns.stdout
     assert _sandbox(up, "ip", "-6", "addr").stdout.strip() == ""
