@@ -686,6 +686,11 @@ def ensure_dev_cvm(stack: Stack, client: httpx.Client, scvm_id: str, ssh_keys: l
         if info.status_code == 200 and info.json().get("state") == "running" and plan and usable:
             local_cvm.ensure_network(plan)
             local_cvm.ensure_running(plan)
+            if _canonical(info.json().get("ssh_keys", [])) != _canonical(ssh_keys):
+                # The developer's key changed (e.g. they made ~/.ssh/id_ed25519 since): bind
+                # the new one; the provider restarts the ingress with it.
+                patch = client.patch(f"/api/v1/cvms/{known}", json={"ssh_keys": ssh_keys})
+                _wait_settled(client, str(_expect(patch, 200)["id"]), "updating")
             return str(known)
         if info.status_code == 200 and info.json().get("state") != "destroyed":
             client.delete(f"/api/v1/cvms/{known}")
@@ -700,18 +705,29 @@ def ensure_dev_cvm(stack: Stack, client: httpx.Client, scvm_id: str, ssh_keys: l
         ),
         201,
     )
-    info = created
-    end = time.monotonic() + 120  # the Console's provisioning job builds it
-    while info.get("state") == "launching" and time.monotonic() < end:
-        time.sleep(0.1)
-        info = _expect(client.get(f"/api/v1/cvms/{created['id']}"), 200)
-    if info.get("state") != "running":
-        raise UpError(f"the Dev CVM did not start: {info.get('state_reason') or info}")
+    _wait_settled(client, str(created["id"]), "launching")
     stack.state["dev_cvm_id"] = created["id"]
     stack.save()
     profiles = [p for p in DEFAULT_PROFILES if p in stack.state.get("bundle_profiles", [])]
     _expect(client.put(f"/api/v1/cvms/{created['id']}/profiles", json={"profiles": profiles}), 200)
     return str(created["id"])
+
+
+def _canonical(keys: list[str]) -> set[str]:
+    from umbra.attest.measurement import canonical_ssh_key
+
+    return {canonical_ssh_key(k) for k in keys}
+
+
+def _wait_settled(client: httpx.Client, cvm_id: str, transitional: str) -> None:
+    """The Console's provisioning job builds (or updates) the local Dev CVM in the background."""
+    info = _expect(client.get(f"/api/v1/cvms/{cvm_id}"), 200)
+    end = time.monotonic() + 120
+    while info.get("state") == transitional and time.monotonic() < end:
+        time.sleep(0.1)
+        info = _expect(client.get(f"/api/v1/cvms/{cvm_id}"), 200)
+    if info.get("state") != "running":
+        raise UpError(f"the Dev CVM did not start: {info.get('state_reason') or info}")
 
 
 def install_proxy_ca(stack: Stack, cvm_id: str) -> None:

@@ -339,6 +339,23 @@ def test_a_dropped_session_reattaches_the_same_process(up: Up) -> None:
     assert {"agent": "shell", "name": "t1"} in json.loads(listed.stdout)["sessions"]
 
 
+def test_the_next_up_binds_a_key_the_developer_made_since(up: Up) -> None:
+    ssh_dir = Path(up.env["HOME"]) / ".ssh"
+    ssh_dir.mkdir(mode=0o700)
+    subprocess.run(
+        ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(ssh_dir / "id_ed25519")],
+        check=True,
+    )
+    result = up.json("up")
+    assert result["ok"] and result["ssh_identity"] == str(ssh_dir / "id_ed25519"), result
+    plan = local_cvm.load_plan(up.state / "cvms", result["dev_cvm_id"])
+    assert plan is not None
+    public = (ssh_dir / "id_ed25519.pub").read_text().split()[:2]
+    assert (plan.launch_dir / "authorized_keys").read_text().split()[:2] == public
+    done = up.client("ssh", "--no-reuse", "--", "true")
+    assert done.returncode == 0, done.stderr
+
+
 def test_second_up_while_one_runs_is_refused(up: Up) -> None:
     with (up.state / "up.lock").open("a+") as held:
         fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
