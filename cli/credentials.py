@@ -205,3 +205,34 @@ def pin_host_key(cvm_id: str, key: str) -> None:
             lines = []
         kept = [line for line in lines if line.split(" ", 1)[0] != alias]
         write_private(path, "\n".join([*kept, f"{alias} {key}"]) + "\n")
+
+
+# -- `umbra up`'s local opt-ins ------------------------------------------------------------------
+class EmbeddedClient(BaseModel):
+    """What `umbra up` tells this client about the Console it started: its Dev CVMs run on a
+    simulated TEE (trust its root, never for production) and log in with this SSH key. Applies
+    only while the stored login is for exactly that Console; an environment variable wins."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    console_url: str
+    simulated_pki: str
+    ssh_identity: str
+
+
+def embedded_client_path() -> Path:
+    return config_dir() / "embedded.json"
+
+
+def save_embedded_client(settings: EmbeddedClient) -> None:
+    write_private(embedded_client_path(), settings.model_dump_json(indent=2))
+
+
+def embedded_client() -> EmbeddedClient | None:
+    """The `umbra up` opt-ins, if the current login is for the Console `umbra up` started."""
+    try:
+        settings = EmbeddedClient.model_validate_json(embedded_client_path().read_text())
+        url = json.loads(login_path().read_text()).get("url")
+    except (OSError, ValueError, ValidationError):
+        return None
+    return settings if url == settings.console_url else None

@@ -112,6 +112,11 @@ class CapturingVerifier(Verifier):
 def collateral_and_root(simulated: bool) -> tuple[CollateralSource, bytes | None]:
     """Trust roots are the client's own: never from the Console."""
     pki_dir = os.environ.get(SIMULATED_PKI_ENV)
+    if simulated and not pki_dir:
+        from umbra.cli.credentials import embedded_client
+
+        local = embedded_client()  # `umbra up`'s opt-in, for its own Console only
+        pki_dir = local.simulated_pki if local is not None else None
     if simulated:
         if not pki_dir:
             raise Refused(

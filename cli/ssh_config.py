@@ -11,7 +11,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from umbra.cli.credentials import host_alias, known_hosts_path
+from umbra.cli.credentials import embedded_client, host_alias, known_hosts_path
 from umbra.contracts.session import LOGIN_USER
 
 BEGIN = "# >>> umbra config-ssh: managed block, replaced by `umbra config-ssh` >>>"
@@ -58,6 +58,9 @@ def options(cvm_id: str, *, reuse: bool = True) -> list[tuple[str, str]]:
         ("ClearAllForwardings", "no"),
     ]
     identity = os.environ.get(IDENTITY_ENV)
+    if not identity:
+        local = embedded_client()  # the key `umbra up` gave its Dev CVM
+        identity = local.ssh_identity if local is not None else None
     if identity:
         opts += [("IdentityFile", identity), ("IdentitiesOnly", "yes")]
     if reuse:

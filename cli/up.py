@@ -117,12 +117,14 @@ def up(
         return
     cvm = summary["dev_cvm_id"]
     console.print(
-        f"\n[green]Umbra is up[/] in {summary['seconds']} s. Console: [bold]{stack.console_url}[/]"
+        f"\n[green]Umbra is up[/] in {summary['seconds']} s. Dashboard: "
+        f"[bold]{summary['dashboard_url']}[/]"
     )
     console.print(
         "Next:\n"
-        f"  umbra ssh {cvm}            # a shell in the Dev CVM (attested SSH ingress)\n"
-        f"  umbra claude {cvm}         # Claude Code in a dtach session\n"
+        "  umbra ssh                  # a shell in the Dev CVM (attested SSH ingress)\n"
+        "  umbra ssh -- CMD           # run one command there\n"
+        "  umbra claude               # Claude Code in a dtach session (reattaches after a drop)\n"
         f"  umbra logs --cvm {cvm}     # every request it made, allowed or denied\n"
         "  umbra status               # what runs, and whether it is healthy\n"
         "  umbra down                 # stop everything"
@@ -139,6 +141,9 @@ def _bring_up(stack: Any, policies: Path, step: Any, summary: dict[str, Any]) ->
     env = dict(os.environ)
     step(f"Logging in as {s.SUBJECT} (device flow against the development issuer)")
     s.login(stack, env)
+    identity, public_key = s.ssh_identity(stack)
+    s.save_client_opt_ins(stack, identity)
+    summary["ssh_identity"] = str(identity)
     with s.api(stack, s.token(env)) as client:
         step(f"Publishing the signed bundle built from {policies} (+ the demo profile)")
         summary["bundle_serial"] = s.publish_bundle(stack, client, policies)
@@ -152,20 +157,13 @@ def _bring_up(stack: Any, policies: Path, step: Any, summary: dict[str, Any]) ->
         s.start_origin(stack)
         step("Launching the Dev CVM through the Console (local provider: namespaces)")
         summary["dev_cvm_id"] = s.ensure_dev_cvm(
-            stack, client, summary["security_cvm_id"], _ssh_keys()
+            stack, client, summary["security_cvm_id"], [public_key]
         )
         step("Security CVM: egress proxy + aTLS tunnel endpoint on the simulated TEE")
         s.start_proxy(stack)
         s.install_proxy_ca(stack, summary["dev_cvm_id"])
     summary["console_url"] = stack.console_url
-
-
-def _ssh_keys() -> list[str]:
-    for name in ("id_ed25519.pub", "id_ecdsa.pub", "id_rsa.pub"):
-        path = Path.home() / ".ssh" / name
-        if path.exists():
-            return [path.read_text().strip()]
-    return []
+    summary["dashboard_url"] = stack.console_url + "/ui/"
 
 
 def _check(stack: Any, summary: dict[str, Any], internet: bool, step: Any, quiet: bool) -> None:
@@ -198,6 +196,10 @@ def _check(stack: Any, summary: dict[str, Any], internet: bool, step: Any, quiet
     if not quiet:
         step(f"The records in the Console (umbra logs --cvm {cvm}):")
         subprocess.run([s._umbra(), "logs", "--cvm", cvm, "--limit", "8"], check=False)
+    step(f"Attested SSH: umbra ssh {cvm} -- id -u (quote verified, then a command as the user)")
+    summary["check"]["ssh"] = c.run_ssh_check(cvm)
+    if not quiet:
+        console.print(f"   [green]✓[/] {summary['check']['ssh']['detail']}")
     if internet:
         step("--internet: pip download and git ls-remote against the real hosts")
         summary["internet"] = c.run_internet(stack, cvm)
@@ -254,7 +256,8 @@ def status(
             state = "[green]healthy[/]" if cvm["healthy"] else "[red]down[/]"
             table.add_row(
                 f"dev cvm {cvm['cvm_id']} (runtime: {cvm['runtime']})",
-                f"sandbox {cvm['sandbox_pid'] or '-'}, forwarder {cvm['forwarder_pid'] or '-'}",
+                f"sandbox {cvm['sandbox_pid'] or '-'}, forwarder {cvm['forwarder_pid'] or '-'}, "
+                f"ssh ingress {cvm['ingress_pid'] or '-'}",
                 state,
             )
         console.print(table)

@@ -10,17 +10,22 @@ Then the four records must show up in the Console's traffic log, attributed to t
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import os
+import signal
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import httpx
 
-from umbra.cli.up_stack import DEMO_HOSTS, TEAM, Stack, UpError
+from umbra.cli.up_stack import DEMO_HOSTS, TEAM, Stack, UpError, _umbra
 from umbra.sandbox import local_cvm
 
 # A fake AWS access key id: the shape the built-in scanner knows, valid for nothing.
@@ -159,3 +164,28 @@ def run_internet(stack: Stack, cvm_id: str) -> dict[str, int]:
         done = subprocess.run(local_cvm.exec_argv(plan, argv), capture_output=True, timeout=300)
         results[name] = done.returncode
     return results
+
+
+def run_ssh_check(cvm_id: str) -> dict[str, Any]:
+    """The fifth check: `umbra ssh CVM -- id -u` as a developer runs it (the Console's session
+    info, aTLS, the quote checked against the release, CVM id, keys and host key, then sshd),
+    answering the sandbox user's uid. The warm ssh agent it starts is stopped afterwards."""
+    with tempfile.TemporaryDirectory(prefix="umbra-up-ssh-") as tmp:
+        env = {**os.environ, "TMPDIR": tmp}
+        try:
+            done = subprocess.run(
+                [_umbra(), "ssh", "--no-reuse", cvm_id, "--", "id", "-u"],
+                capture_output=True, text=True, timeout=90, env=env, stdin=subprocess.DEVNULL,
+            )  # fmt: skip
+        finally:
+            for pid_file in Path(tmp).glob("umbra-ssh-*/agent-*.pid"):
+                with contextlib.suppress(OSError, ValueError):
+                    os.kill(int(pid_file.read_text().strip()), signal.SIGTERM)
+    uid = done.stdout.strip()
+    if done.returncode != 0 or uid != str(local_cvm.SANDBOX_USER_UID):
+        raise UpError(
+            f"`umbra ssh {cvm_id} -- id -u` failed (exit {done.returncode}): "
+            f"{(done.stderr.strip() or uid)[-400:]}",
+            "see `umbra status` and the CVM's ingress.log",
+        )
+    return {"ok": True, "detail": f"umbra ssh {cvm_id} -- id -u → {uid} (the sandbox user)"}

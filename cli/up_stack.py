@@ -53,7 +53,17 @@ INTERNET_HOSTS = ("pypi.org", "files.pythonhosted.org", "github.com")
 DEFAULT_PROFILES = ("demo", "github", "pypi")
 # Offsets from --port-base.
 PORTS = {"issuer": 0, "console": 1, "proxy": 2, "tunnel": 3, "origin": 4}
-REQUIRED_TOOLS = {"ip": "iproute2", "nft": "nftables", "nsenter": "util-linux", "curl": "curl"}
+REQUIRED_TOOLS = {
+    "ip": "iproute2",
+    "nft": "nftables",
+    "nsenter": "util-linux",
+    "curl": "curl",
+    # The attested SSH path: the gateway sshd, the client, host/login keys, agent sessions.
+    "sshd": "openssh-server",
+    "ssh": "openssh-client",
+    "ssh-keygen": "openssh-client",
+    "dtach": "dtach",
+}
 
 
 class UpError(Exception):
@@ -339,6 +349,7 @@ def prepare_material(stack: Stack) -> None:
     """Keys, the simulated TEE, golden values and config files; made once, reused after."""
     from umbra.attest.simpki import SimulatedPki
     from umbra.attest.simulator import SimulatedTdx
+    from umbra.contracts.session import CVM_ID_EVENT
     from umbra.proxy.policy.bundle import generate_key, write_key_pair
 
     keys = stack.p("keys")
@@ -362,6 +373,9 @@ def prepare_material(stack: Stack) -> None:
     if stack.state.get("internet"):
         resolver |= _resolve_now(INTERNET_HOSTS)
     stack.p("security-cvm", "resolver.json").write_text(json.dumps(resolver))
+    dev_release = SimulatedTdx(pki, image=local_cvm.DEV_CVM_IMAGE).release_manifest(
+        events=[{"name": CVM_ID_EVENT}]
+    )
     identities = stack.p("security-cvm", "identities.json")
     if not identities.exists():
         identities.write_text(json.dumps({"cvms": []}))
@@ -373,8 +387,44 @@ def prepare_material(stack: Stack) -> None:
         "collateral_file": str(stack.p("pki", "collateral.json")),
         "simulated_root": str(stack.p("pki", "root.der")),
         "identities_file": str(identities),
+        "simulated_pki": str(stack.p("pki")),
+        "dev_cvm_release": dev_release.model_dump(mode="json", exclude_none=True),
     }
     stack.p("local-cvms.json").write_text(json.dumps(local, indent=2))
+
+
+def ssh_identity(stack: Stack) -> tuple[Path, str]:
+    """The key the developer logs in with: their own (~/.ssh/id_*, only read), else a dedicated
+    one made under the state directory. Returns (private key path, public line)."""
+    for name in ("id_ed25519", "id_ecdsa", "id_rsa"):
+        private = Path.home() / ".ssh" / name
+        public = private.with_name(name + ".pub")
+        if private.exists() and public.exists():
+            return private, public.read_text().strip()
+    private = stack.p("keys", "ssh", "id_ed25519")
+    if not private.exists():
+        private.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        done = subprocess.run(
+            ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "umbra-up", "-f", str(private)],
+            capture_output=True, text=True, timeout=30,
+        )  # fmt: skip
+        if done.returncode != 0:
+            raise UpError(f"ssh-keygen failed: {done.stderr.strip()}", "install openssh-client")
+    return private, private.with_name("id_ed25519.pub").read_text().strip()
+
+
+def save_client_opt_ins(stack: Stack, identity: Path) -> None:
+    """This client trusts the simulated TEE of the Console `umbra up` started (that Console only)
+    and logs in to its Dev CVMs with `identity`; ~/.ssh is never touched."""
+    from umbra.cli.credentials import EmbeddedClient, save_embedded_client
+
+    save_embedded_client(
+        EmbeddedClient(
+            console_url=stack.console_url,
+            simulated_pki=str(stack.p("pki")),
+            ssh_identity=str(identity),
+        )
+    )
 
 
 def _resolve_now(hosts: tuple[str, ...]) -> dict[str, list[str]]:
@@ -631,9 +681,16 @@ def ensure_dev_cvm(stack: Stack, client: httpx.Client, scvm_id: str, ssh_keys: l
     if known:
         info = client.get(f"/api/v1/cvms/{known}")
         plan = local_cvm.load_plan(stack.p("cvms"), str(known))
-        if info.status_code == 200 and info.json().get("state") == "running" and plan:
+        # A CVM launched without the SSH ingress (an older state directory) is launched anew.
+        usable = plan is not None and plan.ingress_config.exists()
+        if info.status_code == 200 and info.json().get("state") == "running" and plan and usable:
             local_cvm.ensure_network(plan)
             local_cvm.ensure_running(plan)
+            if _canonical(info.json().get("ssh_keys", [])) != _canonical(ssh_keys):
+                # The developer's key changed (e.g. they made ~/.ssh/id_ed25519 since): bind
+                # the new one; the provider restarts the ingress with it.
+                patch = client.patch(f"/api/v1/cvms/{known}", json={"ssh_keys": ssh_keys})
+                _wait_settled(client, str(_expect(patch, 200)["id"]), "updating")
             return str(known)
         if info.status_code == 200 and info.json().get("state") != "destroyed":
             client.delete(f"/api/v1/cvms/{known}")
@@ -648,13 +705,29 @@ def ensure_dev_cvm(stack: Stack, client: httpx.Client, scvm_id: str, ssh_keys: l
         ),
         201,
     )
-    if created.get("state") != "running":
-        raise UpError(f"the Dev CVM did not start: {created.get('state_reason') or created}")
+    _wait_settled(client, str(created["id"]), "launching")
     stack.state["dev_cvm_id"] = created["id"]
     stack.save()
     profiles = [p for p in DEFAULT_PROFILES if p in stack.state.get("bundle_profiles", [])]
     _expect(client.put(f"/api/v1/cvms/{created['id']}/profiles", json={"profiles": profiles}), 200)
     return str(created["id"])
+
+
+def _canonical(keys: list[str]) -> set[str]:
+    from umbra.attest.measurement import canonical_ssh_key
+
+    return {canonical_ssh_key(k) for k in keys}
+
+
+def _wait_settled(client: httpx.Client, cvm_id: str, transitional: str) -> None:
+    """The Console's provisioning job builds (or updates) the local Dev CVM in the background."""
+    info = _expect(client.get(f"/api/v1/cvms/{cvm_id}"), 200)
+    end = time.monotonic() + 120
+    while info.get("state") == transitional and time.monotonic() < end:
+        time.sleep(0.1)
+        info = _expect(client.get(f"/api/v1/cvms/{cvm_id}"), 200)
+    if info.get("state") != "running":
+        raise UpError(f"the Dev CVM did not start: {info.get('state_reason') or info}")
 
 
 def install_proxy_ca(stack: Stack, cvm_id: str) -> None:
@@ -701,7 +774,11 @@ def status(stack: Stack) -> dict[str, Any]:
     out["dev_cvms"] = []
     for plan in local_cvm.all_plans(stack.p("cvms")):
         info = local_cvm.status(plan)
-        info["healthy"] = bool(info["sandbox_pid"] and info["forwarder_pid"])
+        info["healthy"] = bool(
+            info["sandbox_pid"]
+            and info["forwarder_pid"]
+            and (info["ssh_ingress"] is None or info["ingress_pid"])
+        )
         out["dev_cvms"].append(info)
     return out
 

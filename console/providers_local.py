@@ -9,6 +9,7 @@ it; the cloud path delivers identities after enrollment).
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import secrets
@@ -24,6 +25,7 @@ from umbra.console.providers import (
     ProviderEvent,
     Provisioned,
 )
+from umbra.console.session_info import INGRESS_KEY, RELEASE_KEY
 from umbra.proxy.identity import hash_credential
 from umbra.sandbox import local_cvm
 
@@ -38,6 +40,10 @@ class LocalCvmSettings(BaseModel):
     collateral_file: Path
     simulated_root: Path
     identities_file: Path
+    # The simulated TEE the Dev CVMs' SSH ingress runs on (a `SimulatedPki` directory) and the
+    # golden values the client checks its quotes against; without both, no SSH ingress.
+    simulated_pki: Path | None = None
+    dev_cvm_release: dict[str, Any] | None = None
 
 
 def load_settings(path: Path) -> LocalCvmSettings:
@@ -53,7 +59,9 @@ def load_settings(path: Path) -> LocalCvmSettings:
 
 class LocalCvmProvider:
     name = "local"
-    background = False
+    # Run by the Console's provisioning jobs (a launch takes a second or two: namespaces, sandbox,
+    # forwarder, SSH ingress), which also record `provider_state` (the SSH client's launch data).
+    background = True
 
     def __init__(self, settings: LocalCvmSettings) -> None:
         self.settings = settings
@@ -93,16 +101,40 @@ class LocalCvmProvider:
                 self._forwarder_config(),
                 credential,
                 list(spec.ssh_keys),
+                self._ingress_pki(spec),
             )
         except (local_cvm.LocalCvmError, OSError) as exc:
             raise ProviderError(f"local CVM {spec.id}: {exc}") from None
         self._register(spec, credential)
         on_event(ProviderEvent("launched", f"local sandbox {plan.sandbox_ns}"))
-        return Provisioned(f"local:{spec.id}", {"runtime": "namespaces", "proxy": _proxy(plan)})
+        return Provisioned(f"local:{spec.id}", self._state(plan))
+
+    def _ingress_pki(self, spec: CvmSpec) -> Path | None:
+        """The ingress needs the simulated TEE, a release to check it against and a login key."""
+        s = self.settings
+        if s.simulated_pki is None or s.dev_cvm_release is None or not spec.ssh_keys:
+            return None
+        return s.simulated_pki
+
+    def _state(self, plan: local_cvm.LocalCvmPlan) -> dict[str, Any]:
+        """`provider_state`: what `GET /cvms/{id}/session` serves the SSH client (checked by it
+        against the quote, never trusted on its own)."""
+        state: dict[str, Any] = {"runtime": "namespaces", "proxy": _proxy(plan)}
+        ingress = local_cvm.ssh_ingress(plan)
+        if ingress is not None and self.settings.dev_cvm_release is not None:
+            state[INGRESS_KEY] = ingress
+            state[RELEASE_KEY] = self.settings.dev_cvm_release
+        return state
 
     def _register(self, spec: CvmSpec, credential: str | None) -> None:
         """Add (or with None, remove) this Dev CVM in the Security CVM's identities file."""
         path = self.settings.identities_file
+        # Provisioning jobs run in parallel: one read-modify-write at a time.
+        with path.with_suffix(".lock").open("a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            self._register_locked(path, spec, credential)
+
+    def _register_locked(self, path: Path, spec: CvmSpec, credential: str | None) -> None:
         try:
             doc = json.loads(path.read_text())
         except (OSError, ValueError):
@@ -124,9 +156,21 @@ class LocalCvmProvider:
 
     def update(self, spec: CvmSpec, ref: str, on_event: OnProviderEvent) -> Provisioned:
         plan = self._plan(spec.id, ref)
-        if plan is not None:
+        if plan is None:
+            return Provisioned(ref)
+        try:
             local_cvm.write_launch_dir(plan, list(spec.ssh_keys))
-        return Provisioned(ref)
+            pki = self._ingress_pki(spec)
+            if pki is not None:
+                # A relaunch of the simulated TD: the new keys are bound into its quotes.
+                local_cvm.write_ingress_config(plan, pki)
+                local_cvm.restart_ingress(plan)
+            else:
+                local_cvm.stop(plan, "ingress")
+                plan.ingress_config.unlink(missing_ok=True)
+        except (local_cvm.LocalCvmError, OSError) as exc:
+            raise ProviderError(f"local CVM {spec.id}: {exc}") from None
+        return Provisioned(ref, self._state(plan))
 
     def _plan(self, cvm_id: str, ref: str) -> local_cvm.LocalCvmPlan | None:
         if ref.startswith("local:security/"):
@@ -146,7 +190,7 @@ class LocalCvmProvider:
             if running:
                 local_cvm.ensure_running(plan)
             else:
-                for role in ("forwarder", "sandbox"):
+                for role in ("ingress", "forwarder", "sandbox"):
                     local_cvm.stop(plan, role)
         except local_cvm.LocalCvmError as exc:
             raise ProviderError(str(exc)) from None

@@ -118,9 +118,11 @@ def enter_script(config: IngressConfig) -> str:
     )
     if entry.pid is not None or entry.pid_file is not None:
         target = str(entry.pid) if entry.pid is not None else f'"$(cat {entry.pid_file})"'
+        # --root: the sandbox process's root (a chrooted sandbox's tree, not the host's view of
+        # its mount namespace); --wdns: the home directory as seen from inside it.
         join = (
             f"/usr/bin/nsenter --target {target} --user --mount --pid --net --uts --ipc "
-            f"--setuid {entry.uid} --setgid {entry.gid} --wd={entry.home} --"
+            f"--root --setuid {entry.uid} --setgid {entry.gid} --wdns={entry.home} --"
         )
     else:
         join = (

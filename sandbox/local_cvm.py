@@ -21,6 +21,7 @@ the veths) and removes the directory.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import shutil
@@ -33,6 +34,14 @@ from pathlib import Path
 from typing import Any
 
 SANDBOX_PROXY_PORT = 3128
+# The attested SSH ingress listens on the host end of the CVM's uplink (a per-CVM address, so
+# every local CVM gets the same port without allocating one); the sandbox cannot reach it.
+INGRESS_PORT = 2222
+# The sandbox's login user (the ingress drops to it inside the sandbox's user namespace).
+SANDBOX_USER_UID = 1000
+SANDBOX_HOME = "/home/dev"
+SANDBOX_SESSIONS = "/run/umbra-sessions"
+DEV_CVM_IMAGE = "umbra-dev-cvm"
 # The local Security CVM's tunnel endpoint: a /32 on the host end of every CVM's uplink veth (the
 # kernel has no dummy interfaces in every container), so it is reachable from each forwarder
 # namespace over its own uplink and on no other host interface.
@@ -102,6 +111,10 @@ class LocalCvmPlan:
         """What the attested SSH ingress needs (`umbra sandbox ingress --config`)."""
         return self.dir / "launch"
 
+    @property
+    def ingress_config(self) -> Path:
+        return self.dir / "ingress.json"
+
 
 # ----------------------------------------------------------------------------- commands
 
@@ -138,6 +151,13 @@ def require_tools() -> None:
 def allocate(root: Path, cvm_id: str, prefix: str) -> LocalCvmPlan:
     """A plan with the lowest free subnet index among the CVMs under `root` (on disk)."""
     root.mkdir(parents=True, exist_ok=True)
+    # Launches may run in parallel (the Console's provisioning jobs): one allocation at a time.
+    with (root / ".allocate.lock").open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _allocate_locked(root, cvm_id, prefix)
+
+
+def _allocate_locked(root: Path, cvm_id: str, prefix: str) -> LocalCvmPlan:
     used = {plan.index for plan in all_plans(root)} | _host_indices_in_use()
     index = next((i for i in range(1, MAX_CVMS) if i not in used), None)
     if index is None:
@@ -316,12 +336,16 @@ def start_sandbox(plan: LocalCvmPlan) -> int:
     raise LocalCvmError(f"the sandbox of {plan.cvm_id} did not start: {log.strip()}")
 
 
-def wait_listening(ns: str, host: str, port: int, timeout: float = 60) -> None:
+def wait_listening(ns: str | None, host: str, port: int, timeout: float = 60) -> None:
+    """Poll the namespace's (None: our own) TCP table until `host:port` listens."""
     addr = "".join(f"{int(x):02X}" for x in reversed(host.split(".")))
     want = f"{addr}:{port:04X}"
     end = time.monotonic() + timeout
     while time.monotonic() < end:
-        table = _run("ip", "netns", "exec", ns, "cat", "/proc/net/tcp", check=False).stdout
+        if ns is None:
+            table = Path("/proc/net/tcp").read_text()
+        else:
+            table = _run("ip", "netns", "exec", ns, "cat", "/proc/net/tcp", check=False).stdout
         if any(
             len(cols := line.split()) > 3 and cols[1] == want and cols[3] == "0A"
             for line in table.splitlines()[1:]
@@ -336,7 +360,11 @@ def stop(plan: LocalCvmPlan, role: str) -> None:
     if pid is None:
         return
     with contextlib.suppress(ProcessLookupError):
-        os.killpg(pid, signal.SIGKILL) if role == "forwarder" else os.kill(pid, signal.SIGKILL)
+        # Groups: `ip netns exec` forks the forwarder; the ingress's sshd -i children go with it.
+        if role in ("forwarder", "ingress"):
+            os.killpg(pid, signal.SIGKILL)
+        else:
+            os.kill(pid, signal.SIGKILL)
     end = time.monotonic() + 5
     while time.monotonic() < end and Path(f"/proc/{pid}").exists():
         if Path(f"/proc/{pid}/stat").exists():
@@ -357,17 +385,72 @@ def write_launch_dir(plan: LocalCvmPlan, authorized_keys: list[str]) -> None:
     (launch / "cvm-id").write_text(plan.cvm_id + "\n")
     (launch / "authorized_keys").write_text("".join(k.strip() + "\n" for k in authorized_keys))
     (launch / "netns").write_text(plan.forwarder_ns + "\n")
-    sessions = plan.rootfs / "run" / "umbra-sessions"
+    sessions = plan.rootfs / SANDBOX_SESSIONS.lstrip("/")
     (launch / "sessions-dir").write_text(str(sessions) + "\n")
     pid = running_pid(plan, "sandbox")
     (launch / "sandbox-pid").write_text(f"{pid or ''}\n")
 
 
-def start_ingress(plan: LocalCvmPlan) -> None:
-    """THE place where a local CVM starts its attested SSH ingress (aTLS + gateway sshd).
+def write_ingress_config(plan: LocalCvmPlan, simulated_pki: Path) -> None:
+    """`umbra sandbox ingress`'s config for this CVM, from its launch directory.
 
-    Not wired yet: `umbra sandbox ingress --config FILE` is being built separately; it reads the
-    launch directory written by `write_launch_dir`."""
+    The simulated TD's PKI signs its quotes; the host key is generated at first start in
+    `gateway/` (root 0700, inside the CVM's directory, never visible to the sandbox) and bound
+    into RTMR3 with the CVM id and the authorized-keys digest, as the ingress does everywhere."""
+    config = {
+        "listen": {"host": plan.host_addr, "port": INGRESS_PORT},
+        "launch_dir": str(plan.launch_dir),
+        "state_dir": str(plan.dir / "gateway"),
+        "sandbox": {
+            # Read per session: a restarted sandbox is found again without restarting us.
+            "pid_file": str(_pid_file(plan, "sandbox")),
+            "uid": SANDBOX_USER_UID,
+            "gid": SANDBOX_USER_UID,
+            "home": SANDBOX_HOME,
+            "sessions_dir": SANDBOX_SESSIONS,
+        },
+        "quote_source": {
+            "kind": "simulated",
+            "simulated_pki": str(simulated_pki),
+            "simulated_image": DEV_CVM_IMAGE,
+        },
+    }
+    plan.ingress_config.write_text(json.dumps(config, indent=2))
+
+
+def ssh_ingress(plan: LocalCvmPlan) -> dict[str, Any] | None:
+    """Where the client reaches the ingress (`provider_state.ssh_ingress`), if it has one."""
+    if not plan.ingress_config.exists():
+        return None
+    return {"host": plan.host_addr, "port": INGRESS_PORT}
+
+
+def start_ingress(plan: LocalCvmPlan) -> int | None:
+    """THE place where a local CVM starts its attested SSH ingress (aTLS + gateway sshd), when
+    `write_ingress_config` gave it one. Returns its pid once it listens."""
+    if not plan.ingress_config.exists():
+        return None
+    pid = _spawn(
+        plan,
+        "ingress",
+        [umbra_executable(), "sandbox", "ingress", "--config", str(plan.ingress_config)],
+    )
+    end = time.monotonic() + 30
+    while running_pid(plan, "ingress") is not None and time.monotonic() < end:
+        try:
+            wait_listening(None, plan.host_addr, INGRESS_PORT, timeout=0.2)
+            return pid
+        except LocalCvmError:
+            continue
+    stop(plan, "ingress")
+    log = (plan.dir / "ingress.log").read_text(errors="replace")[-500:]
+    raise LocalCvmError(f"the SSH ingress of {plan.cvm_id} did not start: {log.strip()}")
+
+
+def restart_ingress(plan: LocalCvmPlan) -> None:
+    """After the launch keys changed: the ingress binds them into its quotes at start."""
+    stop(plan, "ingress")
+    start_ingress(plan)
 
 
 def ensure_running(plan: LocalCvmPlan) -> list[str]:
@@ -380,6 +463,9 @@ def ensure_running(plan: LocalCvmPlan) -> list[str]:
         start_forwarder(plan)
         wait_listening(plan.forwarder_ns, plan.forwarder_addr, SANDBOX_PROXY_PORT)
         restarted.append("forwarder")
+    if plan.ingress_config.exists() and running_pid(plan, "ingress") is None:
+        start_ingress(plan)
+        restarted.append("ingress")
     return restarted
 
 
@@ -387,7 +473,7 @@ def ensure_network(plan: LocalCvmPlan) -> bool:
     """Recreate the namespaces after `shut_down` (or a reboot); True when it had to."""
     if _netns_exists(plan.sandbox_ns) and _netns_exists(plan.forwarder_ns):
         return False
-    for role in ("forwarder", "sandbox"):
+    for role in ("ingress", "forwarder", "sandbox"):
         stop(plan, role)
     delete_network(plan)
     create_network(plan, [SANDBOX_PROXY_PORT])
@@ -396,7 +482,7 @@ def ensure_network(plan: LocalCvmPlan) -> bool:
 
 def shut_down(plan: LocalCvmPlan) -> None:
     """Stop the CVM's processes and remove its namespaces and veths; keep its files."""
-    for role in ("forwarder", "sandbox", "sandbox-launcher"):
+    for role in ("ingress", "forwarder", "sandbox", "sandbox-launcher"):
         stop(plan, role)
     delete_network(plan)
 
@@ -408,8 +494,10 @@ def create(
     forwarder_config: dict[str, Any],
     credential: str,
     authorized_keys: list[str],
+    simulated_pki: Path | None = None,
 ) -> LocalCvmPlan:
-    """Build and start a local Dev CVM; on any failure remove everything it had made."""
+    """Build and start a local Dev CVM; on any failure remove everything it had made. With
+    `simulated_pki`, its attested SSH ingress runs on that simulated TEE."""
     require_tools()
     plan = allocate(root, cvm_id, prefix)
     taken = [ns for ns in (plan.sandbox_ns, plan.forwarder_ns) if _netns_exists(ns)]
@@ -437,6 +525,8 @@ def create(
         create_network(plan, [SANDBOX_PROXY_PORT])
         ensure_running(plan)
         write_launch_dir(plan, authorized_keys)
+        if simulated_pki is not None:
+            write_ingress_config(plan, simulated_pki)
         start_ingress(plan)
     except BaseException:
         destroy(plan)
@@ -446,11 +536,16 @@ def create(
 
 def _make_rootfs(plan: LocalCvmPlan) -> None:
     root = plan.rootfs
-    for sub in (*HOST_DIRS, "proc", "dev", "tmp", "root", "home", "run/umbra-sessions", "umbra"):
+    for sub in (*HOST_DIRS, "proc", "dev", "tmp", "root", "home", "run", "umbra"):
         (root / sub).mkdir(parents=True, exist_ok=True)
-    for sub in ("tmp", "root", "home", "run", "run/umbra-sessions"):
+    for sub in ("tmp", "root", "home", "run"):
         os.chown(root / sub, plan.uid, plan.uid)
     (root / "tmp").chmod(0o1777)
+    # The login user's home and its dtach sockets (`umbra claude` runs `dtach -A` there).
+    user = plan.uid + SANDBOX_USER_UID
+    for sub in (SANDBOX_HOME, SANDBOX_SESSIONS):
+        (root / sub.lstrip("/")).mkdir(parents=True, exist_ok=True, mode=0o700)
+        os.chown(root / sub.lstrip("/"), user, user)
 
 
 def destroy(plan: LocalCvmPlan) -> None:
@@ -464,6 +559,8 @@ def status(plan: LocalCvmPlan) -> dict[str, Any]:
         "runtime": "namespaces",
         "sandbox_pid": running_pid(plan, "sandbox"),
         "forwarder_pid": running_pid(plan, "forwarder"),
+        "ingress_pid": running_pid(plan, "ingress"),
+        "ssh_ingress": ssh_ingress(plan),
         "sandbox_netns": plan.sandbox_ns if _netns_exists(plan.sandbox_ns) else None,
         "forwarder_netns": plan.forwarder_ns if _netns_exists(plan.forwarder_ns) else None,
         "proxy": f"http://{plan.forwarder_addr}:{SANDBOX_PROXY_PORT}",

@@ -10,9 +10,14 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import pty
+import re
+import secrets
+import select
 import shutil
 import signal
 import socket
+import sqlite3
 import subprocess
 import time
 from collections.abc import Iterator
@@ -22,6 +27,8 @@ from typing import Any
 
 import pytest
 
+from tests.session.harness import simulated_pki, stop_agents
+from umbra.attest.simulator import simulated_boot_values
 from umbra.cli import up_stack
 from umbra.sandbox import local_cvm
 
@@ -81,6 +88,14 @@ class Up:
         result: dict[str, Any] = json.loads(done.stdout)
         return result
 
+    def client(
+        self, *args: str, env: dict[str, str] | None = None
+    ) -> subprocess.CompletedProcess[str]:
+        """The developer's CLI (no --state-dir: it finds its Console through the login)."""
+        return subprocess.run(
+            [str(UMBRA), *args], capture_output=True, text=True, env=env or self.env, timeout=90
+        )
+
     def stack(self) -> up_stack.Stack:
         stack = up_stack.Stack(self.state, self.base)
         stack.load()
@@ -115,18 +130,24 @@ def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
     _require_root()
     tmp = tmp_path_factory.mktemp("up")
     prefix = f"uup{os.getpid() % 100000}"
+    (tmp / "home").mkdir()  # no ~/.ssh: `umbra up` makes a dedicated key under its state dir
+    (tmp / "t").mkdir()
     env = {
         **os.environ,
+        "HOME": str(tmp / "home"),
+        "TMPDIR": str(tmp / "t"),
         "XDG_CONFIG_HOME": str(tmp / "config"),
         "UMBRA_UP_NAME_PREFIX": prefix,
         "NO_COLOR": "1",
         "COLUMNS": "200",
     }
-    env.pop("UMBRA_STATE_DIR", None)
+    for opt_in in ("UMBRA_STATE_DIR", "UMBRA_SIMULATED_PKI", "UMBRA_SSH_IDENTITY"):
+        env.pop(opt_in, None)  # `umbra up` must set up the client's opt-ins itself
     handle = Up(tmp / "state", _free_base(), prefix, env)
     try:
         yield handle
     finally:
+        stop_agents(tmp / "t")
         handle.run("down")
         for plan in local_cvm.all_plans(handle.state / "cvms"):
             local_cvm.shut_down(plan)
@@ -145,6 +166,15 @@ def test_up_check_from_clean_state_shows_the_four_records(up: Up) -> None:
         ("POST", "api.demo.test", "deny"),
     }
     assert {r["cvm_id"] for r in records} == {cvm}
+    # The fifth check: `umbra ssh CVM -- id -u` answered the sandbox user's uid.
+    assert result["check"]["ssh"]["ok"], result["check"]
+    assert result["dashboard_url"] == f"http://127.0.0.1:{up.base + 1}/ui/"
+    assert result["ssh_identity"] == str(up.state / "keys" / "ssh" / "id_ed25519")
+    assert not (Path(up.env["HOME"]) / ".ssh").exists(), "umbra up touched ~/.ssh"
+    human = up.run("up")
+    assert human.returncode == 0, human.stdout + human.stderr
+    for step in ("umbra ssh", "umbra claude", "umbra logs", "umbra down", "/ui/"):
+        assert step in human.stdout, (step, human.stdout)
     assert {r["owner"] for r in records} == {up_stack.SUBJECT}
     reasons = {r["reason"] for r in records if r["method"] == "POST"}
     assert "secret_detected" in reasons
@@ -200,16 +230,130 @@ def test_sandbox_root_is_unprivileged_and_reaches_only_the_forwarder(up: Up) -> 
     targets = [
         f"http://{plan.uplink_addr}:{stack.port('tunnel')}/",  # the forwarder's uplink address
         f"http://{plan.host_addr}:{stack.port('tunnel')}/",  # the host end of the uplink
+        f"http://{plan.host_addr}:{local_cvm.INGRESS_PORT}/",  # the SSH ingress
         f"http://{local_cvm.SECURITY_CVM_ADDR}:{stack.port('tunnel')}/",  # the Security CVM
         f"http://{plan.forwarder_addr}:22/",  # another port on the forwarder
         f"http://127.0.0.1:{stack.port('console')}/healthz",  # the host's loopback
     ]
-    for url in targets:
-        done = _sandbox(up, "curl", "-sS", "--connect-timeout", "2", "--max-time", "4", url)
-        assert done.returncode in (7, 28), (url, done.returncode, done.stdout)
+    try:
+        for url in targets:
+            done = _sandbox(up, "curl", "-sS", "--connect-timeout", "2", "--max-time", "4", url)
+            assert done.returncode in (7, 28), (url, done.returncode, done.stdout)
+    finally:
+        # Later tests log in: with a route, a login shell's lookups would wait out timeouts.
+        subprocess.run(["ip", "-n", plan.sandbox_ns, "route", "del", "default"], check=True)
     dns = _sandbox(up, "sh", "-c", "getent hosts example.com || echo unresolved")
     assert "unresolved" in dns.stdout
     assert _sandbox(up, "ip", "-6", "addr").stdout.strip() == ""
+
+
+def test_umbra_ssh_runs_inside_the_sandbox_as_its_user(up: Up) -> None:
+    plan = local_cvm.load_plan(up.state / "cvms", up.stack().state["dev_cvm_id"])
+    assert plan is not None
+    token = secrets.token_hex(8)
+    (plan.rootfs / "tmp" / "uwi-marker").write_text(token)  # only the sandbox's tree has it
+    done = up.client("ssh", "--no-reuse", "--", "id -u; hostname; pwd; cat /tmp/uwi-marker")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == [str(local_cvm.SANDBOX_USER_UID), "umbra-dev", "/home/dev", token]
+    assert not Path("/tmp/uwi-marker").exists()
+    # Root in the sandbox has no way to the gateway's files (host key, login keys).
+    gateway = up.client("ssh", "--no-reuse", "--", f"ls {plan.dir / 'gateway'} 2>&1")
+    assert "ssh_host_ed25519_key" not in gateway.stdout
+
+
+def test_umbra_ssh_refuses_a_quote_that_is_not_the_recorded_release(up: Up) -> None:
+    stack = up.stack()
+    cvm = stack.state["dev_cvm_id"]
+    db = sqlite3.connect(up.state / "console.db", timeout=30)
+    try:
+        (raw,) = db.execute("SELECT provider_state FROM cvm WHERE id = ?", (cvm,)).fetchone()
+        state = json.loads(raw)
+        assert state["ssh_ingress"] == {"host": f"10.232.{_index(up)}.1", "port": 2222}
+        wrong = {**state["release_manifest"], **simulated_boot_values("another-image")}
+        with db:
+            db.execute(
+                "UPDATE cvm SET provider_state = ? WHERE id = ?",
+                (json.dumps({**state, "release_manifest": wrong}), cvm),
+            )
+        refused = up.client("ssh", "--no-reuse", "--", "echo", "reached")
+        assert refused.returncode == 255 and "reached" not in refused.stdout
+        assert f"refused {cvm}: release:" in refused.stderr, refused.stderr
+    finally:
+        with db:
+            db.execute("UPDATE cvm SET provider_state = ? WHERE id = ?", (raw, cvm))
+        db.close()
+    # A client trusting another simulated TEE root refuses this one's quotes too.
+    other = simulated_pki(up.state.parent / "other-pki")
+    env = {**up.env, "UMBRA_SIMULATED_PKI": str(other)}
+    refused = up.client("ssh", "--no-reuse", "--", "echo", "reached", env=env)
+    assert refused.returncode == 255 and "reached" not in refused.stdout, refused.stderr
+    assert f"refused {cvm}" in refused.stderr
+    assert up.client("ssh", "--no-reuse", "--", "true").returncode == 0
+
+
+def _index(up: Up) -> int:
+    plan = local_cvm.load_plan(up.state / "cvms", up.stack().state["dev_cvm_id"])
+    assert plan is not None
+    return plan.index
+
+
+def _read_until(fd: int, pattern: bytes, timeout: float = 30) -> re.Match[bytes]:
+    out = b""
+    deadline = time.monotonic() + timeout
+    while (found := re.search(pattern, out)) is None:
+        left = deadline - time.monotonic()
+        assert left > 0, f"timed out waiting for {pattern!r}; got {out[-400:]!r}"
+        if select.select([fd], [], [], left)[0]:
+            try:
+                chunk = os.read(fd, 4096)
+            except OSError:
+                chunk = b""
+            assert chunk, f"pty closed before {pattern!r}; got {out[-400:]!r}"
+            out += chunk
+    return found
+
+
+def _shell_pid(up: Up) -> int:
+    """Attach to the `t1` shell session, ask for its pid, then drop the connection (kill -9)."""
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(
+        [str(UMBRA), "shell", "--name", "t1", "--no-reuse"],
+        stdin=slave, stdout=slave, stderr=slave, env=up.env, start_new_session=True,
+    )  # fmt: skip
+    os.close(slave)
+    try:
+        time.sleep(0.5)
+        os.write(master, b"echo PID=$(( $$ + 0 ))=END\r")
+        return int(_read_until(master, rb"PID=(\d+)=END").group(1))
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # the laptop's connection dies
+        proc.wait(timeout=10)
+        os.close(master)
+
+
+def test_a_dropped_session_reattaches_the_same_process(up: Up) -> None:
+    first = _shell_pid(up)
+    assert _shell_pid(up) == first
+    listed = up.client("sessions", "--no-reuse", "--json")
+    assert listed.returncode == 0, listed.stderr
+    assert {"agent": "shell", "name": "t1"} in json.loads(listed.stdout)["sessions"]
+
+
+def test_the_next_up_binds_a_key_the_developer_made_since(up: Up) -> None:
+    ssh_dir = Path(up.env["HOME"]) / ".ssh"
+    ssh_dir.mkdir(mode=0o700)
+    subprocess.run(
+        ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(ssh_dir / "id_ed25519")],
+        check=True,
+    )
+    result = up.json("up")
+    assert result["ok"] and result["ssh_identity"] == str(ssh_dir / "id_ed25519"), result
+    plan = local_cvm.load_plan(up.state / "cvms", result["dev_cvm_id"])
+    assert plan is not None
+    public = (ssh_dir / "id_ed25519.pub").read_text().split()[:2]
+    assert (plan.launch_dir / "authorized_keys").read_text().split()[:2] == public
+    done = up.client("ssh", "--no-reuse", "--", "true")
+    assert done.returncode == 0, done.stderr
 
 
 def test_second_up_while_one_runs_is_refused(up: Up) -> None:
@@ -226,7 +370,11 @@ def test_kill_9_is_reported_restarted_and_no_record_is_lost(up: Up) -> None:
     plan = local_cvm.load_plan(up.state / "cvms", cvm)
     assert plan is not None
     console_pid, forwarder_pid = stack.pid("console"), local_cvm.running_pid(plan, "forwarder")
-    assert console_pid and forwarder_pid
+    ingress_pid = local_cvm.running_pid(plan, "ingress")
+    assert console_pid and forwarder_pid and ingress_pid
+    os.kill(ingress_pid, signal.SIGKILL)
+    refused = up.client("ssh", "--no-reuse", "--", "true")
+    assert refused.returncode == 255 and f"refused {cvm}: ingress:" in refused.stderr, refused
     os.kill(console_pid, signal.SIGKILL)
     # With the Console down, the proxy still decides (cached bundle) and spools the record.
     started = time.time()
@@ -248,11 +396,14 @@ def test_kill_9_is_reported_restarted_and_no_record_is_lost(up: Up) -> None:
     assert not report["components"]["console"]["running"]
     assert not report["components"]["proxy"]["running"]
     assert not report["dev_cvms"][0]["healthy"]
+    assert report["dev_cvms"][0]["ingress_pid"] is None
     assert up.run("status").returncode == 1
 
     result = up.json("up")
     assert result["ok"], result
     assert up.json("status")["healthy"]
+    assert local_cvm.running_pid(plan, "ingress") not in (None, ingress_pid)
+    assert up.client("ssh", "--no-reuse", "--", "true").returncode == 0
     stack = up.stack()
     with up_stack.api(stack, up_stack.token(up.env)) as client:
         end = time.monotonic() + 60
