@@ -117,9 +117,6 @@ def serve(
         Path | None,
         typer.Option(help="TEST ONLY: resolve names from this JSON map instead of DNS."),
     ] = None,
-    test_faults: Annotated[
-        bool, typer.Option(help="TEST ONLY: hooks raise for hosts named fault-<hook>.*")
-    ] = False,
 ) -> None:
     """Run the proxy until interrupted."""
     from umbra.proxy.runner import ProxyConfig, StartupError, UmbraProxy
@@ -158,7 +155,6 @@ def serve(
             max_body=max_body,
             test_allow_upstream=test_allow_upstream or [],
             test_resolver=test_resolver,
-            test_faults=test_faults,
             tunnel_listen_host=tunnel_host,
             tunnel_listen_port=tunnel_port,
             quote_source=quote_source,

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import ipaddress
 import logging
 import signal
@@ -72,7 +71,6 @@ class ProxyConfig(BaseModel):
     tunnel_header_timeout: float = Field(default=10.0, gt=0)
     test_allow_upstream: list[str] = Field(default_factory=list)
     test_resolver: Path | None = None
-    test_faults: bool = False
     poll_interval: float = Field(default=0.5, gt=0)
     ship_interval: float = Field(default=1.0, gt=0)
 
@@ -113,8 +111,27 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def _own_addresses(listen_host: str) -> set[IPAddress]:
+def _interface_addresses() -> set[IPAddress]:
+    """Every address of every local interface (Linux: from /proc), so none of them is dialled."""
     found: set[IPAddress] = set()
+    with contextlib.suppress(OSError):
+        # fib_trie lists each local IPv4 address as a `/32 host LOCAL` leaf.
+        previous = ""
+        for line in Path("/proc/net/fib_trie").read_text().splitlines():
+            if "/32 host LOCAL" in line and previous:
+                with contextlib.suppress(ValueError):
+                    found.add(ipaddress.ip_address(previous.split()[-1]))
+            previous = line
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/net/if_inet6").read_text().splitlines():
+            hexaddr = line.split()[0]
+            with contextlib.suppress(ValueError):
+                found.add(ipaddress.ip_address(int(hexaddr, 16)))
+    return found
+
+
+def _own_addresses(listen_host: str) -> set[IPAddress]:
+    found: set[IPAddress] = _interface_addresses()
     candidates = [listen_host, socket.gethostname()]
     for name in candidates:
         with contextlib.suppress(OSError, UnicodeError):
@@ -196,14 +213,13 @@ class UmbraProxy:
             else SystemResolver()
         )
         allow: list[IPNetwork] = [ipaddress.ip_network(cidr) for cidr in config.test_allow_upstream]
-        if allow or config.test_resolver or config.test_faults:
+        if allow or config.test_resolver:
             print(
                 "!" * 78
                 + "\nWARNING: TEST-ONLY OPTIONS ACTIVE: "
                 + ", ".join(
                     [f"--test-allow-upstream {net}" for net in allow]
                     + (["--test-resolver"] if config.test_resolver else [])
-                    + (["--test-faults"] if config.test_faults else [])
                 )
                 + "\nThis proxy may reach addresses a production proxy refuses. Never deploy this.\n"
                 + "!" * 78,
@@ -226,7 +242,7 @@ class UmbraProxy:
         from mitmproxy.master import Master
 
         from umbra.proxy import mitm_compat
-        from umbra.proxy.addon import AddonConfig, UmbraAddon
+        from umbra.proxy.addons import AddonConfig, Shared, build_addons
 
         mitm_compat.install()
         config = self.config
@@ -265,9 +281,8 @@ class UmbraProxy:
             addresses=addresses,
             spool=spool,
             max_body=config.max_body,
-            test_faults=config.test_faults,
         )
-        umbra = UmbraAddon(addon_config)
+        shared = Shared(addon_config)
         master.addons.add(
             core.Core(),
             disable_h2c.DisableH2C(),
@@ -275,7 +290,7 @@ class UmbraProxy:
             next_layer.NextLayer(),
             tlsconfig.TlsConfig(),
             check,
-            umbra,
+            *build_addons(shared),
         )
         updates: dict[str, object] = {
             "mode": ["regular"],
@@ -349,10 +364,7 @@ class UmbraProxy:
                             ipaddress.ip_address("::1"),
                         }
                     own_sockets = [(address, port) for address in listened]
-                    umbra.config = dataclasses.replace(
-                        addon_config,
-                        addresses=addresses.with_own(own, own_sockets),
-                    )
+                    shared.addresses = addresses.with_own(own, own_sockets)
                     if evidence is not None and config.tunnel_listen_host is not None:
                         try:
                             await self._start_tunnel(evidence, identities, spool, port)
