@@ -9,6 +9,9 @@
    `HttpStream.state_stream_response_body`: once a flow is marked `umbra.cut_stream`, the client
    stream is reset (a protocol error: HTTP/1 closes the connection, HTTP/2 resets the stream) and
    the server side is dropped, so a cut response never ends as if it were complete.
+3. WebSocket control frames (ping, pong, close) are relayed by mitmproxy without any hook, so their
+   payloads (up to 125 bytes each) would be an unscanned channel. `install()` wraps
+   `WebsocketConnection.send2` to empty ping/pong payloads and close reasons (the close code stays).
 """
 
 from __future__ import annotations
@@ -16,7 +19,9 @@ from __future__ import annotations
 from collections.abc import Generator
 from typing import Any
 
+import wsproto.events
 from mitmproxy.proxy.layers import http as http_layers
+from mitmproxy.proxy.layers import websocket as ws_layers
 from mitmproxy.version import VERSION
 
 STREAM_RESPONSE = "umbra.stream_response"
@@ -68,6 +73,21 @@ def install() -> None:
         if self.flow.metadata.get(CUT_STREAM):
             yield from cut(self)
 
+    ws_cls: Any = getattr(ws_layers, "WebsocketConnection", None)
+    original_send2 = getattr(ws_cls, "send2", None)
+    if original_send2 is None:
+        raise CompatError("mitmproxy's WebsocketConnection.send2 is missing; refusing to run")
+
+    def send2(self: Any, event: Any) -> Any:
+        if isinstance(event, wsproto.events.Ping):
+            event = wsproto.events.Ping(payload=b"")
+        elif isinstance(event, wsproto.events.Pong):
+            event = wsproto.events.Pong(payload=b"")
+        elif isinstance(event, wsproto.events.CloseConnection) and event.reason:
+            event = wsproto.events.CloseConnection(code=event.code, reason="")
+        return original_send2(self, event)
+
+    ws_cls.send2 = send2
     stream_cls.check_body_size = check_body_size
     stream_cls.state_stream_response_body = state_stream_response_body
     _installed = True

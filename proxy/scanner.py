@@ -74,7 +74,8 @@ class Scanner:
         for rule in rules:
             expressions.append(rule.regex.encode())
             labels.append(rule.id)
-            flags.append(regex_flags | hyperscan.HS_FLAG_UTF8)
+            # No HS_FLAG_UTF8: bodies may be binary (protobuf, msgpack), and must still match.
+            flags.append(regex_flags)
         for secret in secrets:
             if len(secret.value) < MIN_SECRET_LENGTH:
                 continue
@@ -129,8 +130,10 @@ class Scanner:
         body: bytes,
         content_type: str,
         limit: int,
+        joined: bytes = b"",
     ) -> ScanResult:
-        """Scan the request head (line, headers) and its already content-decoded body."""
+        """Scan the request head (line, headers) and its already content-decoded body; `joined`
+        (fields concatenated pairwise) is scanned for secrets only, not for placeholders."""
         budget = Budget(remaining=max(8 * (len(head) + len(body)), 1 << 20) + limit)
         buffers = [head]
         if body:
@@ -142,7 +145,10 @@ class Scanner:
                     raise ScanError("scan_limit", str(exc)) from None
                 except DecodeError as exc:
                     raise ScanError("undecodable_content", str(exc)) from None
-        return self.scan_buffers(buffers, budget)
+        result = self.scan_buffers(buffers, budget)
+        if joined:
+            result.rule_ids |= self.scan_buffers([joined], budget).rule_ids
+        return result
 
     def contains_any(self, data: bytes) -> set[str]:
         """Secret labels found verbatim (any encoding) in `data`, without layered decoding."""

@@ -4,6 +4,10 @@ messages from the client (403 `secret_detected`, 400 `undecodable_content`, 413 
 
 from __future__ import annotations
 
+import contextlib
+import json
+from urllib.parse import parse_qsl
+
 from mitmproxy import http
 
 from umbra.proxy.addons.base import Denied, UmbraAddon, deny, guard
@@ -11,6 +15,50 @@ from umbra.proxy.addons.reasons import Reason
 from umbra.proxy.addons.state import FlowState, Stage, flow_state
 from umbra.proxy.decode import DecodeError, DecodeLimit, content_decode
 from umbra.proxy.scanner import ScanError
+
+_MAX_PAIR_FIELDS = 24
+_MAX_PAIR_FIELD = 256
+
+
+def request_fields(request: http.Request, body: bytes, content_type: str) -> list[bytes]:
+    """The values a request carries in parts (query parameters, headers, cookies, form and JSON
+    fields), in order: a secret split across two of them is found in their concatenation."""
+    fields: list[bytes] = []
+    query = request.path.partition("?")[2]
+    fields += [value.encode("utf-8", "surrogateescape") for _, value in parse_qsl(query)]
+    fields += [value.encode("utf-8", "surrogateescape") for value in request.headers.values()]
+    for cookie in request.headers.get_all("cookie"):
+        for part in cookie.split(";"):
+            fields.append(part.partition("=")[2].strip().encode("utf-8", "surrogateescape"))
+    kind = content_type.lower()
+    if body and "x-www-form-urlencoded" in kind:
+        text = body.decode("latin-1")
+        fields += [value.encode("latin-1") for _, value in parse_qsl(text)]
+    elif body and "json" in kind:
+        with contextlib.suppress(ValueError, RecursionError):
+            _json_strings(json.loads(body), fields)
+    return fields
+
+
+def _json_strings(value: object, out: list[bytes]) -> None:
+    if isinstance(value, str):
+        out.append(value.encode("utf-8", "surrogatepass"))
+    elif isinstance(value, dict):
+        for item in value.values():
+            _json_strings(item, out)
+    elif isinstance(value, list):
+        for item in value:
+            _json_strings(item, out)
+
+
+def joined_fields(fields: list[bytes], body: bytes) -> bytes:
+    """Every ordered pair of short fields, concatenated (so a two-way split in any order is
+    matched), plus each field followed by the start of the body (header + body)."""
+    short = [field for field in fields if 0 < len(field) <= _MAX_PAIR_FIELD][:_MAX_PAIR_FIELDS]
+    pairs = [a + b for a in short for b in short if a is not b]
+    if body:
+        pairs += [field + body[:_MAX_PAIR_FIELD] for field in short]
+    return b"\n".join(pairs)
 
 
 class Scan(UmbraAddon):
@@ -54,8 +102,11 @@ class Scan(UmbraAddon):
                 for name, value in request.trailers.items(multi=True)
             )
         content_type = request.headers.get("content-type", "")
+        joined = joined_fields(request_fields(request, decoded, content_type), decoded)
         try:
-            result = fstate.effective.scanner.scan_request(head, decoded, content_type, max_body)
+            result = fstate.effective.scanner.scan_request(
+                head, decoded, content_type, max_body, joined
+            )
         except ScanError as exc:
             raise Denied(Reason(exc.reason), str(exc)) from None
         fstate.scan_rule_ids = sorted(result.rule_ids)

@@ -266,3 +266,48 @@ def test_websocket_reflection_is_checked_in_every_form(env: Env) -> None:
     run(env, "websocket_message", flow)
     assert flow.websocket.messages[-1].dropped
     assert env.records()[-1]["reason"] == Reason.CREDENTIAL_REFLECTED
+
+
+GHP = "ghp_" + "Zq9Xw8Vu7Ts6Rp5On4Ml3Kj2Ih1Gf0Ed9Cb8A"
+GCP = "AIza" + "SyA1b2C3d4E5f6G7h8I9j0K1l2M3n4O5p6-"  # ends in '-': no word boundary after it
+
+
+def _post(env: Env, body: bytes, content_type: str, path: str = "/up", **headers: str) -> Any:
+    flow = request_flow(path=path, method="POST", **headers)
+    flow.request.headers["content-type"] = content_type
+    flow.request.content = body
+    return send(env, flow)
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "content_type", "headers"),
+    [
+        # a secret split in two: query parameters, headers, form fields, JSON fields, cookies,
+        # header + body
+        (f"/q?a={GHP[:20]}&b={GHP[20:]}", b"", "text/plain", {}),
+        ("/h", b"", "text/plain", {"x_one": GHP[:20], "x_two": GHP[20:]}),
+        ("/f", f"a={GHP[:20]}&b={GHP[20:]}".encode(), "application/x-www-form-urlencoded", {}),
+        ("/j", json.dumps({"a": GHP[20:], "b": GHP[:20]}).encode(), "application/json", {}),
+        ("/c", b"", "text/plain", {"cookie": f"a={GHP[:20]}; b={GHP[20:]}"}),
+        ("/hb", GHP[20:].encode(), "text/plain", {"x_one": GHP[:20]}),
+        # encodings the scanner must decode at the token
+        ("/w", base64.encodebytes(b"z" * 90 + GHP.encode()), "text/plain", {}),
+        (f"/p/{base64.b64encode(b'xy' + GHP.encode()).decode()}", b"", "text/plain", {}),
+        ("/u", b"/p/" + base64.urlsafe_b64encode(b"\xfb\xff" + GHP.encode()), "text/plain", {}),
+        # binary bodies and tokens next to word characters
+        ("/b", b"\x0a\x28J" + GHP.encode() + b"\xff\xfe", "application/x-protobuf", {}),
+        ("/k", b"key=" + GCP.encode(), "text/plain", {}),
+    ],
+)
+def test_secrets_the_scanner_must_find(
+    env: Env, path: str, body: bytes, content_type: str, headers: dict[str, str]
+) -> None:
+    flow = _post(env, body, content_type, path=path, **headers)
+    assert flow.response is not None and flow.response.status_code == 403, path
+    assert env.records()[0]["reason"] == Reason.SECRET_DETECTED
+
+
+def test_clean_request_with_many_fields_passes(env: Env) -> None:
+    body = json.dumps({f"k{index}": f"value number {index}" for index in range(40)}).encode()
+    flow = _post(env, body, "application/json", path="/ok?a=1&b=2", x_one="abc")
+    assert flow.response is None
