@@ -21,7 +21,7 @@ from pydantic import ValidationError
 
 from umbra.attest.eventlog import Event, dump_dstack_event_log
 from umbra.attest.quote_source import QuoteSource
-from umbra.proxy.release_protocol import (
+from umbra.contracts.release import (
     SUITE,
     ReleaseDocument,
     expected_report_data,

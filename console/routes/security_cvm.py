@@ -35,7 +35,7 @@ from umbra.console.routes.common import (
 )
 from umbra.console.schemas import AttachmentsDoc, ReleaseChallenge, ReleaseResponse
 from umbra.console.state import Console
-from umbra.proxy.release_protocol import ReleaseDocument, ReleasedSecret
+from umbra.contracts.release import ReleaseDocument, ReleasedSecret
 
 router = APIRouter(prefix="/api/v1/security-cvms/{cvm_id}", tags=["security-cvm"])
 IfNoneMatch = Annotated[str | None, Header(alias="If-None-Match", max_length=1024)]
@@ -247,7 +247,7 @@ def _release(console: Console, caller: Cvm, evidence: ReleaseEvidence) -> Releas
             target=caller.id,
             details={"refs": sorted(f"{item['ref']}@{item['owner'] or ''}" for item in released)},
         )
-    # The proxy parses exactly this model (umbra.proxy.release_protocol), so build it from it too.
+    # The proxy parses exactly this model (umbra.contracts.release), so build it from it too.
     document = (
         ReleaseDocument(
             security_cvm_id=caller.id,
