@@ -104,6 +104,17 @@ class StartupError(Exception):
     pass
 
 
+def _log_to_stderr() -> None:
+    """Umbra's own errors (hook failures, refused bundles, failed releases) go to the proxy's
+    stderr; mitmproxy's handlers only cover its own loggers."""
+    umbra_logger = logging.getLogger("umbra")
+    if not umbra_logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("umbra %(levelname)s %(name)s: %(message)s"))
+        umbra_logger.addHandler(handler)
+        umbra_logger.setLevel(logging.INFO)
+
+
 def _is_loopback(host: str) -> bool:
     try:
         return ipaddress.ip_address(host).is_loopback
@@ -245,6 +256,7 @@ class UmbraProxy:
         from umbra.proxy.addons import AddonConfig, Shared, build_addons
 
         mitm_compat.install()
+        _log_to_stderr()
         config = self.config
         state, identities, resolver, addresses = self._load()
         evidence = self._evidence()
