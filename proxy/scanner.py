@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import json
 import re
+import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from urllib.parse import quote
@@ -64,7 +65,8 @@ def _literal(pattern: bytes) -> bytes:
 
 
 class Scanner:
-    """Compiled once per (policy, secret set); `scan` is safe to call from one thread at a time."""
+    """Compiled once per (policy, secret set); safe to use from several threads at once (each
+    thread gets its own Hyperscan scratch space)."""
 
     def __init__(self, rules: Sequence[CompiledScan], secrets: Iterable[SecretValue]) -> None:
         expressions: list[bytes] = []
@@ -95,7 +97,15 @@ class Scanner:
             )
         except hyperscan.error as exc:
             raise ValueError(f"scan rules do not compile for Hyperscan: {exc}") from None
-        self._scratch = hyperscan.Scratch(self._db)
+        self._prototype = hyperscan.Scratch(self._db)
+        self._local = threading.local()
+
+    @property
+    def _scratch(self) -> hyperscan.Scratch:
+        scratch = getattr(self._local, "scratch", None)
+        if scratch is None:
+            scratch = self._local.scratch = self._prototype.clone()
+        return scratch
 
     def scan_buffers(self, buffers: Iterable[bytes], budget: Budget) -> ScanResult:
         result = ScanResult()

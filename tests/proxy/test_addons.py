@@ -67,7 +67,14 @@ class BrokenState(PolicyState):
 
 
 class Env:
-    def __init__(self, tmp: Path, *, identities: Identities | None = None, broken: bool = False):
+    def __init__(
+        self,
+        tmp: Path,
+        *,
+        identities: Identities | None = None,
+        broken: bool = False,
+        max_body: int = 1 << 20,
+    ):
         (tmp / "pol").mkdir(exist_ok=True)
         (tmp / "pol" / "p.yaml").write_text(POLICY)
         secrets = SecretStore({"tok": TOKEN}, {})
@@ -85,7 +92,7 @@ class Env:
                 resolver=StaticResolver.from_file(resolver_file),
                 addresses=AddressPolicy(),
                 spool=self.spool,
-                max_body=1 << 20,
+                max_body=max_body,
             )
         )
         self.addons = build_addons(self.shared)
@@ -311,3 +318,29 @@ def test_clean_request_with_many_fields_passes(env: Env) -> None:
     body = json.dumps({f"k{index}": f"value number {index}" for index in range(40)}).encode()
     flow = _post(env, body, "application/json", path="/ok?a=1&b=2", x_one="abc")
     assert flow.response is None
+
+
+def test_a_large_scan_does_not_stop_the_event_loop(tmp_path: Path) -> None:
+    """While a 10 MiB body is decoded and scanned, the loop keeps running other work."""
+    with taddons.context():
+        env = Env(tmp_path, max_body=16 << 20)
+        body = (b"x=" + base64.b64encode(bytes(range(256)) * 2048) + b"&") * 10
+        flow = request_flow(method="POST")
+        flow.request.headers["content-type"] = "application/x-www-form-urlencoded"
+        flow.request.content = body[: 10 << 20]
+        run(env, "client_connected", flow.client_conn)
+        run(env, "requestheaders", flow)
+
+        async def scenario() -> tuple[int, bool]:
+            ticks = 0
+            scan = asyncio.ensure_future(_hook(env.addons, "request", flow))
+            while not scan.done():
+                ticks += 1
+                await asyncio.sleep(0.001)
+            await scan
+            return ticks, flow.response is None
+
+        ticks, forwarded = asyncio.run(scenario())
+        env.close()
+        assert forwarded
+        assert ticks >= 5, f"the loop ran only {ticks} times during the scan"
