@@ -12,10 +12,12 @@
 3. WebSocket control frames (ping, pong, close) are relayed by mitmproxy without any hook, so their
    payloads (up to 125 bytes each) would be an unscanned channel. `install()` wraps
    `WebsocketConnection.send2` to empty ping/pong payloads and close reasons (the close code stays).
+4. Worker processes (`--workers`): listeners bind with SO_REUSEPORT (`install(reuse_port=True)`).
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Generator
 from typing import Any
 
@@ -33,8 +35,10 @@ class CompatError(RuntimeError):
     pass
 
 
-def install() -> None:
+def install(*, reuse_port: bool = False) -> None:
     global _installed
+    if reuse_port:
+        _reuse_port()
     if _installed:
         return
     if not VERSION.startswith("12."):
@@ -91,3 +95,19 @@ def install() -> None:
     stream_cls.check_body_size = check_body_size
     stream_cls.state_stream_response_body = state_stream_response_body
     _installed = True
+
+
+def _reuse_port() -> None:
+    """Worker processes: mitmproxy's listeners (and the tunnel endpoint's) bind with SO_REUSEPORT,
+    so several processes of the same user share one port and the kernel spreads connections."""
+    original = asyncio.start_server
+    if getattr(original, "umbra_reuse_port", False):
+        return
+
+    async def start_server(*args: Any, **kwargs: Any) -> asyncio.Server:
+        kwargs.setdefault("reuse_port", True)
+        return await original(*args, **kwargs)
+
+    setattr(start_server, "umbra_reuse_port", True)  # noqa: B010
+    # mitmproxy's mode_servers calls `asyncio.start_server` through the module: one assignment.
+    asyncio.start_server = start_server

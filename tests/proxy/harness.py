@@ -496,6 +496,8 @@ def start_proxy(args: list[str], workdir: Path, port: int | None = None) -> Prox
             str(confdir),
             "--traffic-log",
             str(spool),
+            # One process unless a test asks for workers (each worker spools on its own).
+            *([] if "--workers" in args else ["--workers", "1"]),
             *args,
         ],
         stdout=handle,
