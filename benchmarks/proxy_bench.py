@@ -112,7 +112,9 @@ def measure(
     }
 
 
-def start_stock(workdir: Path, ca: Path) -> tuple[subprocess.Popen[bytes], int]:
+def start_stock(
+    workdir: Path, ca: Path, extra: tuple[str, ...] = ()
+) -> tuple[subprocess.Popen[bytes], int]:
     port = free_port()
     log = (workdir / "mitmdump.log").open("wb")
     process = subprocess.Popen(
@@ -129,6 +131,7 @@ def start_stock(workdir: Path, ca: Path) -> tuple[subprocess.Popen[bytes], int]:
             f"ssl_verify_upstream_trusted_ca={ca}",
             "--set",
             "connection_strategy=lazy",
+            *extra,
         ],
         stdout=log,
         stderr=subprocess.STDOUT,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
 from typing import Annotated
 
@@ -107,6 +108,12 @@ def serve(
         Path | None,
         typer.Option(help="Read this Security CVM's id from a (launch-bound) file."),
     ] = None,
+    workers: Annotated[
+        int,
+        typer.Option(
+            help="Proxy worker processes sharing the listen port (SO_REUSEPORT); default: cores."
+        ),
+    ] = 0,
     test_allow_upstream: Annotated[
         list[str] | None,
         typer.Option(
@@ -117,12 +124,9 @@ def serve(
         Path | None,
         typer.Option(help="TEST ONLY: resolve names from this JSON map instead of DNS."),
     ] = None,
-    test_faults: Annotated[
-        bool, typer.Option(help="TEST ONLY: hooks raise for hosts named fault-<hook>.*")
-    ] = False,
 ) -> None:
     """Run the proxy until interrupted."""
-    from umbra.proxy.runner import ProxyConfig, StartupError, UmbraProxy
+    from umbra.proxy.runner import ProxyConfig, StartupError, UmbraProxy, WorkerSupervisor
 
     host, port = _listen(listen)
     tunnel_host, tunnel_port = _listen(tunnel_listen) if tunnel_listen else (None, 8443)
@@ -158,7 +162,6 @@ def serve(
             max_body=max_body,
             test_allow_upstream=test_allow_upstream or [],
             test_resolver=test_resolver,
-            test_faults=test_faults,
             tunnel_listen_host=tunnel_host,
             tunnel_listen_port=tunnel_port,
             quote_source=quote_source,
@@ -166,11 +169,19 @@ def serve(
             simulated_pki=simulated_pki,
             simulated_image=simulated_image,
             tunnel_header_timeout=tunnel_header_timeout,
+            workers=workers or os.cpu_count() or 1,
         )
     except ValidationError as exc:
         first = exc.errors()[0]
         typer.echo(f"umbra proxy serve: {first['msg']}", err=True)
         raise typer.Exit(2) from None
+    if config.workers > 1:
+        try:
+            code = WorkerSupervisor(config).run()
+        except StartupError as exc:
+            typer.echo(f"umbra proxy serve: {exc}", err=True)
+            raise typer.Exit(1) from None
+        raise typer.Exit(code)
     proxy = UmbraProxy(config)
     try:
         asyncio.run(proxy.run())

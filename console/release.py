@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from umbra.attest.errors import AttestError
 from umbra.attest.eventlog import load_event_log
 from umbra.attest.verify import Verifier
-from umbra.proxy.release_protocol import SUITE, expected_report_data, hpke_info
+from umbra.contracts.release import SUITE, expected_report_data, hpke_info
 
 __all__ = ["SUITE", "expected_report_data", "hpke_info"]
 

@@ -158,7 +158,9 @@ def layers(data: bytes, budget: Budget, depth: int = 0) -> Iterator[bytes]:
 
 _B64_CHARS = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/_-"
 _HEX_CHARS = b"0123456789abcdefABCDEF"
-_B64_TABLE = bytes(0x41 if byte in _B64_CHARS else 0 for byte in range(256))
+# Line breaks continue a base64 run: MIME wraps base64 at 76 columns (what `base64` writes).
+_B64_TABLE = bytes(0x41 if byte in _B64_CHARS + b"\r\n" else 0 for byte in range(256))
+_B64_SEPARATORS = re.compile(rb"[/+]")
 _HEX_TABLE = bytes(0x48 if byte in _HEX_CHARS else 0 for byte in range(256))
 _PERCENT = re.compile(rb"%[0-9A-Fa-f]{2}")
 _MIN_RUN = 16
@@ -203,9 +205,7 @@ def _decodings(data: bytes, budget: Budget) -> Iterator[bytes]:
         for window in _windows(data, _JSON_ESCAPE):
             yield _JSON_ESCAPE.sub(_unescape, window)
     for start, end in _runs(data, _B64_TABLE, 0x41):
-        decoded_b64 = _b64(data[start:end])
-        if decoded_b64:
-            yield decoded_b64
+        yield from _b64_all(data[start:end])
     for start, end in _runs(data, _HEX_TABLE, 0x48):
         # Both alignments: the run may start with a hex-looking character that is not part of it.
         for shift in (0, 1):
@@ -224,6 +224,25 @@ def _unescape(match: re.Match[bytes]) -> bytes:
     if match.group(1) is not None:
         return chr(int(match.group(1), 16)).encode("utf-8", "surrogatepass")
     return _SIMPLE_ESCAPES[match.group(2)]
+
+
+def _b64_all(run: bytes) -> Iterator[bytes]:
+    """Every plausible decoding of a base64-alphabet run: a token may start misaligned (right after
+    other alphabet characters, e.g. `/p/<token>`), so each piece is decoded at all four offsets;
+    a run mixing both alphabets is also split at `/` and `+` (a base64url token inside a path)."""
+    run = run.translate(None, b"\r\n")
+    pieces = [run]
+    if (b"-" in run or b"_" in run) and (b"+" in run or b"/" in run):
+        pieces += [piece for piece in _B64_SEPARATORS.split(run) if len(piece) >= _MIN_RUN]
+    seen: set[bytes] = set()
+    for piece in pieces:
+        for shift in range(4):
+            if len(piece) - shift < _MIN_RUN:
+                break
+            decoded = _b64(piece[shift:])
+            if decoded and decoded not in seen:
+                seen.add(decoded)
+                yield decoded
 
 
 def _b64(run: bytes) -> bytes | None:

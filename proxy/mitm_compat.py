@@ -1,21 +1,33 @@
 """The one place Umbra reaches into mitmproxy internals, checked at start-up.
 
-mitmproxy applies `body_size_limit` to requests and responses alike, before any hook runs. Umbra
-needs the limit on requests (a body over it gets 413 and is never forwarded unscanned) but not on
-responses it does not need to inspect (downloads of any size). `install()` wraps
-`HttpStream.check_body_size` so that, for a response whose flow the addon marked
-`umbra.stream_response`, the limit is skipped; requests keep mitmproxy's own check unchanged.
+1. mitmproxy applies `body_size_limit` to requests and responses alike, before any hook runs. Umbra
+   needs the limit on requests (a body over it gets 413 and is never forwarded unscanned) but not
+   on responses, which are streamed through the reflection guard at any size. `install()` wraps
+   `HttpStream.check_body_size` so that, for a response whose flow the addons marked
+   `umbra.stream_response`, the limit is skipped; requests keep mitmproxy's own check unchanged.
+2. A streamed response cannot be cut from the `flow.response.stream` callable. `install()` wraps
+   `HttpStream.state_stream_response_body`: once a flow is marked `umbra.cut_stream`, the client
+   stream is reset (a protocol error: HTTP/1 closes the connection, HTTP/2 resets the stream) and
+   the server side is dropped, so a cut response never ends as if it were complete.
+3. WebSocket control frames (ping, pong, close) are relayed by mitmproxy without any hook, so their
+   payloads (up to 125 bytes each) would be an unscanned channel. `install()` wraps
+   `WebsocketConnection.send2` to empty ping/pong payloads and close reasons (the close code stays).
+4. Worker processes (`--workers`): listeners bind with SO_REUSEPORT (`install(reuse_port=True)`).
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Generator
 from typing import Any
 
+import wsproto.events
 from mitmproxy.proxy.layers import http as http_layers
+from mitmproxy.proxy.layers import websocket as ws_layers
 from mitmproxy.version import VERSION
 
 STREAM_RESPONSE = "umbra.stream_response"
+CUT_STREAM = "umbra.cut_stream"
 _installed = False
 
 
@@ -23,24 +35,79 @@ class CompatError(RuntimeError):
     pass
 
 
-def install() -> None:
+def install(*, reuse_port: bool = False) -> None:
     global _installed
+    if reuse_port:
+        _reuse_port()
     if _installed:
         return
     if not VERSION.startswith("12."):
         raise CompatError(f"Umbra's proxy is built for mitmproxy 12, found {VERSION}")
     stream_cls: Any = getattr(http_layers, "HttpStream", None)
     original = getattr(stream_cls, "check_body_size", None)
-    if original is None:
-        raise CompatError("mitmproxy's HttpStream.check_body_size is missing; refusing to run")
+    original_stream = getattr(stream_cls, "state_stream_response_body", None)
+    errors: Any = getattr(http_layers, "_events", None)
+    if original is None or original_stream is None or errors is None:
+        raise CompatError("mitmproxy's HttpStream internals are missing; refusing to run")
+    protocol_error = errors.ResponseProtocolError
+    request_error = errors.RequestProtocolError
+    kill_code = errors.ErrorCode.KILL
+    send = http_layers.SendHttp
 
     def check_body_size(self: Any, request: bool) -> Generator[Any, Any, bool]:
         if not request and self.flow.metadata.get(STREAM_RESPONSE):
-            if self.flow.response is not None:
+            if self.flow.response is not None and not self.flow.response.stream:
                 self.flow.response.stream = True
             return False
         result: bool = yield from original(self, request)
         return result
 
+    def cut(self: Any) -> Generator[Any, Any, None]:
+        yield send(protocol_error(self.stream_id, "response cut", kill_code), self.context.client)
+        yield send(request_error(self.stream_id, "response cut", kill_code), self.context.server)
+        self.client_state = self.state_errored
+        self.server_state = self.state_errored
+        self.flow.live = False
+
+    def state_stream_response_body(self: Any, event: Any) -> Generator[Any, Any, None]:
+        if self.flow.metadata.get(CUT_STREAM):
+            yield from cut(self)
+            return
+        yield from original_stream(self, event)
+        if self.flow.metadata.get(CUT_STREAM):
+            yield from cut(self)
+
+    ws_cls: Any = getattr(ws_layers, "WebsocketConnection", None)
+    original_send2 = getattr(ws_cls, "send2", None)
+    if original_send2 is None:
+        raise CompatError("mitmproxy's WebsocketConnection.send2 is missing; refusing to run")
+
+    def send2(self: Any, event: Any) -> Any:
+        if isinstance(event, wsproto.events.Ping):
+            event = wsproto.events.Ping(payload=b"")
+        elif isinstance(event, wsproto.events.Pong):
+            event = wsproto.events.Pong(payload=b"")
+        elif isinstance(event, wsproto.events.CloseConnection) and event.reason:
+            event = wsproto.events.CloseConnection(code=event.code, reason="")
+        return original_send2(self, event)
+
+    ws_cls.send2 = send2
     stream_cls.check_body_size = check_body_size
+    stream_cls.state_stream_response_body = state_stream_response_body
     _installed = True
+
+
+def _reuse_port() -> None:
+    """Worker processes: mitmproxy's listeners (and the tunnel endpoint's) bind with SO_REUSEPORT,
+    so several processes of the same user share one port and the kernel spreads connections."""
+    original = asyncio.start_server
+    if getattr(original, "umbra_reuse_port", False):
+        return
+
+    async def start_server(*args: Any, **kwargs: Any) -> asyncio.Server:
+        kwargs.setdefault("reuse_port", True)
+        return await original(*args, **kwargs)
+
+    setattr(start_server, "umbra_reuse_port", True)  # noqa: B010
+    # mitmproxy's mode_servers calls `asyncio.start_server` through the module: one assignment.
+    asyncio.start_server = start_server

@@ -8,6 +8,10 @@ bundle is cached on disk and re-verified at start-up.
 
 `GET {console}/api/v1/security-cvms/{id}/attachments` returns
 `{"cvms": {"<cvm_id>": {"owner": ..., "team": ..., "profiles": [...]}}}` with an ETag as well.
+
+Both are long polls (`?wait=`): the Console answers as soon as something changed, so a new bundle
+takes effect within about a second without polling every half second. A Console that answers at
+once anyway is polled no faster than `interval`.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
 import httpx
@@ -59,6 +63,7 @@ class PolicyPuller:
         cache_dir: Path | None,
         *,
         interval: float = 0.5,
+        long_poll: float = 25.0,
         client: httpx.AsyncClient | None = None,
     ) -> None:
         base = console_url.rstrip("/") + f"/api/v1/security-cvms/{security_cvm_id}"
@@ -70,6 +75,7 @@ class PolicyPuller:
         self.cache = cache_dir / "bundle.json" if cache_dir else None
         self.attachments_cache = cache_dir / "attachments.json" if cache_dir else None
         self.interval = interval
+        self.long_poll = long_poll
         self._client = client or httpx.AsyncClient(timeout=10)
         self._bundle_etag: str | None = None
         self._attachments_etag: str | None = None
@@ -112,10 +118,15 @@ class PolicyPuller:
     def _save_cache(self, raw: bytes) -> None:
         self._write_atomic(self.cache, raw)
 
-    async def poll_bundle(self) -> bool:
-        """One conditional GET of the bundle; True when a new bundle was installed."""
-        headers = {"If-None-Match": self._bundle_etag} if self._bundle_etag else {}
-        response = await self._client.get(self.bundle_url, headers=headers)
+    async def _get(self, url: str, etag: str | None, wait: float) -> httpx.Response:
+        headers = {"If-None-Match": etag} if etag else {}
+        params = {"wait": str(int(wait))} if wait > 0 else {}
+        return await self._client.get(url, headers=headers, params=params, timeout=wait + 10)
+
+    async def poll_bundle(self, wait: float = 0) -> bool:
+        """One conditional GET of the bundle (a long poll of up to `wait` s); True when a new
+        bundle was installed."""
+        response = await self._get(self.bundle_url, self._bundle_etag, wait)
         if response.status_code == 304:
             return False
         if response.status_code != 200:
@@ -139,11 +150,10 @@ class PolicyPuller:
         self.last_error = None
         return True
 
-    async def poll_attachments(self) -> bool:
+    async def poll_attachments(self, wait: float = 0) -> bool:
         if self.identities is None:
             return False
-        headers = {"If-None-Match": self._attachments_etag} if self._attachments_etag else {}
-        response = await self._client.get(self.attachments_url, headers=headers)
+        response = await self._get(self.attachments_url, self._attachments_etag, wait)
         if response.status_code == 304:
             return False
         if response.status_code != 200:
@@ -161,12 +171,19 @@ class PolicyPuller:
         return True
 
     async def run(self) -> None:
+        await asyncio.gather(self._loop(self.poll_bundle), self._loop(self.poll_attachments))
+
+    async def _loop(self, poll: Callable[[float], Awaitable[bool]]) -> None:
+        loop = asyncio.get_running_loop()
         while True:
-            for poll in (self.poll_bundle, self.poll_attachments):
-                try:
-                    await poll()
-                except httpx.HTTPError as exc:
-                    self.last_error = f"console unreachable ({type(exc).__name__})"
-                except Exception:
-                    logger.exception("policy puller failed; keeping the current policy")
-            await asyncio.sleep(self.interval)
+            started = loop.time()
+            try:
+                await poll(self.long_poll)
+            except httpx.HTTPError as exc:
+                self.last_error = f"console unreachable ({type(exc).__name__})"
+                logger.error("policy puller: %s; keeping the current policy", self.last_error)
+            except Exception:
+                logger.exception("policy puller failed; keeping the current policy")
+            elapsed = loop.time() - started
+            if elapsed < self.interval:
+                await asyncio.sleep(self.interval - elapsed)

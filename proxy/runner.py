@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import ipaddress
 import logging
 import signal
 import socket
+import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -72,9 +72,25 @@ class ProxyConfig(BaseModel):
     tunnel_header_timeout: float = Field(default=10.0, gt=0)
     test_allow_upstream: list[str] = Field(default_factory=list)
     test_resolver: Path | None = None
-    test_faults: bool = False
     poll_interval: float = Field(default=0.5, gt=0)
     ship_interval: float = Field(default=1.0, gt=0)
+    # Worker processes sharing the listen (and tunnel) port through SO_REUSEPORT.
+    workers: int = Field(default=1, ge=1, le=256)
+    # Set by the supervisor for each worker it starts; None in a single-process proxy.
+    worker_index: int | None = Field(default=None, ge=0)
+
+    @property
+    def spool_dir(self) -> Path:
+        """Each worker spools (and ships) on its own."""
+        if self.worker_index is None:
+            return self.traffic_log
+        return self.traffic_log / f"worker-{self.worker_index}"
+
+    @property
+    def worker_state_dir(self) -> Path | None:
+        if self.state_dir is None or self.worker_index is None:
+            return self.state_dir
+        return self.state_dir / f"worker-{self.worker_index}"
 
     @model_validator(mode="after")
     def _one_policy_source(self) -> Self:
@@ -97,6 +113,11 @@ class ProxyConfig(BaseModel):
             # The endpoint registers loopback sources; a proxy listener others can reach would
             # accept connections the endpoint never authenticated.
             raise ValueError("with --tunnel-listen, --listen must be a loopback address")
+        if self.workers > 1 and (
+            self.listen_port == 0
+            or (self.tunnel_listen_host is not None and self.tunnel_listen_port == 0)
+        ):
+            raise ValueError("--workers above 1 needs fixed --listen and --tunnel-listen ports")
         for cidr in self.test_allow_upstream:
             ipaddress.ip_network(cidr, strict=True)
         return self
@@ -106,6 +127,17 @@ class StartupError(Exception):
     pass
 
 
+def _log_to_stderr() -> None:
+    """Umbra's own errors (hook failures, refused bundles, failed releases) go to the proxy's
+    stderr; mitmproxy's handlers only cover its own loggers."""
+    umbra_logger = logging.getLogger("umbra")
+    if not umbra_logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("umbra %(levelname)s %(name)s: %(message)s"))
+        umbra_logger.addHandler(handler)
+        umbra_logger.setLevel(logging.INFO)
+
+
 def _is_loopback(host: str) -> bool:
     try:
         return ipaddress.ip_address(host).is_loopback
@@ -113,8 +145,27 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def _own_addresses(listen_host: str) -> set[IPAddress]:
+def _interface_addresses() -> set[IPAddress]:
+    """Every address of every local interface (Linux: from /proc), so none of them is dialled."""
     found: set[IPAddress] = set()
+    with contextlib.suppress(OSError):
+        # fib_trie lists each local IPv4 address as a `/32 host LOCAL` leaf.
+        previous = ""
+        for line in Path("/proc/net/fib_trie").read_text().splitlines():
+            if "/32 host LOCAL" in line and previous:
+                with contextlib.suppress(ValueError):
+                    found.add(ipaddress.ip_address(previous.split()[-1]))
+            previous = line
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/net/if_inet6").read_text().splitlines():
+            hexaddr = line.split()[0]
+            with contextlib.suppress(ValueError):
+                found.add(ipaddress.ip_address(int(hexaddr, 16)))
+    return found
+
+
+def _own_addresses(listen_host: str) -> set[IPAddress]:
+    found: set[IPAddress] = _interface_addresses()
     candidates = [listen_host, socket.gethostname()]
     for name in candidates:
         with contextlib.suppress(OSError, UnicodeError):
@@ -196,14 +247,13 @@ class UmbraProxy:
             else SystemResolver()
         )
         allow: list[IPNetwork] = [ipaddress.ip_network(cidr) for cidr in config.test_allow_upstream]
-        if allow or config.test_resolver or config.test_faults:
+        if allow or config.test_resolver:
             print(
                 "!" * 78
                 + "\nWARNING: TEST-ONLY OPTIONS ACTIVE: "
                 + ", ".join(
                     [f"--test-allow-upstream {net}" for net in allow]
                     + (["--test-resolver"] if config.test_resolver else [])
-                    + (["--test-faults"] if config.test_faults else [])
                 )
                 + "\nThis proxy may reach addresses a production proxy refuses. Never deploy this.\n"
                 + "!" * 78,
@@ -226,14 +276,15 @@ class UmbraProxy:
         from mitmproxy.master import Master
 
         from umbra.proxy import mitm_compat
-        from umbra.proxy.addon import AddonConfig, UmbraAddon
+        from umbra.proxy.addons import AddonConfig, Shared, build_addons
 
-        mitm_compat.install()
+        mitm_compat.install(reuse_port=self.config.worker_index is not None)
+        _log_to_stderr()
         config = self.config
         state, identities, resolver, addresses = self._load()
         evidence = self._evidence()
         self.state, self.identities = state, identities
-        spool = Spool(config.traffic_log)
+        spool = Spool(config.spool_dir)
         self.spool = spool
         puller = None
         console_client = self._console_client()
@@ -247,7 +298,7 @@ class UmbraProxy:
                 keys,
                 state,
                 identities,
-                config.state_dir,
+                config.worker_state_dir,
                 interval=config.poll_interval,
                 client=console_client,
             )
@@ -265,9 +316,8 @@ class UmbraProxy:
             addresses=addresses,
             spool=spool,
             max_body=config.max_body,
-            test_faults=config.test_faults,
         )
-        umbra = UmbraAddon(addon_config)
+        shared = Shared(addon_config)
         master.addons.add(
             core.Core(),
             disable_h2c.DisableH2C(),
@@ -275,7 +325,7 @@ class UmbraProxy:
             next_layer.NextLayer(),
             tlsconfig.TlsConfig(),
             check,
-            umbra,
+            *build_addons(shared),
         )
         updates: dict[str, object] = {
             "mode": ["regular"],
@@ -299,6 +349,12 @@ class UmbraProxy:
         }
         if config.upstream_ca is not None:
             updates["ssl_verify_upstream_trusted_ca"] = str(config.upstream_ca)
+        if config.worker_index is not None:
+            # The shared port (SO_REUSEPORT: the kernel spreads connections over the workers) and a
+            # private loopback port only this worker's tunnel endpoint uses, so a tunnel's
+            # registered identity and its proxied connection are always in the same process.
+            host = f"[{config.listen_host}]" if ":" in config.listen_host else config.listen_host
+            updates["mode"] = [f"regular@{host}:{config.listen_port}", "regular@127.0.0.1:0"]
         opts.update(**updates)
         if puller is not None:
             self._tasks.append(asyncio.create_task(puller.run()))
@@ -319,7 +375,7 @@ class UmbraProxy:
             self._tasks.append(asyncio.create_task(secret_puller.run()))
         if config.console_url is not None:
             shipper = Shipper(
-                config.traffic_log,
+                config.spool_dir,
                 config.console_url,
                 interval=config.ship_interval,
                 client=console_client,
@@ -337,8 +393,13 @@ class UmbraProxy:
                 if run_task.done():
                     break
                 addrs = ps.listen_addrs() if ps else []
-                if addrs:
-                    port = int(addrs[0][1])
+                wanted = 2 if config.worker_index is not None else 1
+                if len({int(a[1]) for a in addrs}) >= wanted:
+                    ports = {int(a[1]) for a in addrs}
+                    port = (
+                        config.listen_port if config.worker_index is not None else int(addrs[0][1])
+                    )
+                    private = min(ports - {port}) if len(ports) > 1 else port
                     self.listen_port = port
                     own = _own_addresses(config.listen_host)
                     listened = {ipaddress.ip_address(str(a[0]).split("%")[0]) for a in addrs}
@@ -348,20 +409,21 @@ class UmbraProxy:
                             ipaddress.ip_address("127.0.0.1"),
                             ipaddress.ip_address("::1"),
                         }
-                    own_sockets = [(address, port) for address in listened]
-                    umbra.config = dataclasses.replace(
-                        addon_config,
-                        addresses=addresses.with_own(own, own_sockets),
-                    )
+                    own_sockets = [(address, each) for address in listened for each in ports]
+                    shared.addresses = addresses.with_own(own, own_sockets)
                     if evidence is not None and config.tunnel_listen_host is not None:
                         try:
-                            await self._start_tunnel(evidence, identities, spool, port)
+                            await self._start_tunnel(evidence, identities, spool, private)
                         except StartupError:
                             master.shutdown()
                             with contextlib.suppress(Exception):
                                 await run_task
                             raise
-                    print(f"umbra proxy listening on {config.listen_host}:{port}", flush=True)
+                    # A worker's line differs: only the supervisor announces the whole proxy.
+                    who = (
+                        "proxy" if config.worker_index is None else f"worker {config.worker_index}"
+                    )
+                    print(f"umbra {who} listening on {config.listen_host}:{port}", flush=True)
                     self._ready.set()
                     break
                 await asyncio.sleep(0.05)
@@ -433,3 +495,90 @@ class ProxyThread:
     def stop(self) -> None:
         self.proxy.shutdown()
         self._thread.join(timeout=15)
+
+
+class WorkerSupervisor:
+    """`--workers N`: N proxy processes on one port (SO_REUSEPORT), each pulling policy and
+    secrets and spooling on its own. Fails closed: if any worker exits, all are stopped."""
+
+    def __init__(self, config: ProxyConfig) -> None:
+        self.config = config
+        self._workers: list[subprocess.Popen[bytes]] = []
+
+    def _start(self, index: int) -> subprocess.Popen[bytes]:
+        worker = self.config.model_copy(update={"worker_index": index})
+        process = subprocess.Popen(
+            [sys.executable, "-c", "from umbra.proxy.runner import worker_main; worker_main()"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+        )
+        assert process.stdin is not None
+        process.stdin.write(worker.model_dump_json().encode())
+        process.stdin.close()
+        return process
+
+    def run(self) -> int:
+        config = self.config
+        ready = threading.Semaphore(0)
+
+        def relay(process: subprocess.Popen[bytes]) -> None:
+            assert process.stdout is not None
+            for line in process.stdout:
+                sys.stdout.buffer.write(line)
+                sys.stdout.flush()
+                if line.startswith(b"umbra worker ") and b" listening on " in line:
+                    ready.release()
+
+        stopping = threading.Event()
+
+        def stop(_signum: int, _frame: object) -> None:
+            stopping.set()
+
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, stop)
+        # Create the interception CA once, before the workers race to create one each.
+        from mitmproxy.certs import CertStore
+
+        config.confdir.mkdir(parents=True, exist_ok=True)
+        CertStore.from_store(config.confdir, "mitmproxy", 2048)
+        try:
+            for index in range(config.workers):
+                process = self._start(index)
+                self._workers.append(process)
+                threading.Thread(target=relay, args=(process,), daemon=True).start()
+            for _ in range(config.workers):
+                while not ready.acquire(timeout=0.2):
+                    if stopping.is_set() or any(p.poll() is not None for p in self._workers):
+                        raise StartupError("a proxy worker did not start")
+            print(
+                f"umbra proxy listening on {config.listen_host}:{config.listen_port} "
+                f"({config.workers} workers)",
+                flush=True,
+            )
+            while not stopping.is_set():
+                if any(p.poll() is not None for p in self._workers):
+                    print("umbra proxy: a worker exited; stopping all", file=sys.stderr)
+                    return 1
+                stopping.wait(0.2)
+            return 0
+        finally:
+            for process in self._workers:
+                if process.poll() is None:
+                    process.terminate()
+            for process in self._workers:
+                try:
+                    process.wait(timeout=15)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+
+
+def worker_main() -> None:
+    """Entry point of one worker process: its configuration arrives on stdin."""
+    config = ProxyConfig.model_validate_json(sys.stdin.buffer.read())
+    try:
+        asyncio.run(UmbraProxy(config).run())
+    except StartupError as exc:
+        print(f"umbra proxy worker {config.worker_index}: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
+    except KeyboardInterrupt:
+        pass

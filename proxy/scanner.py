@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import json
 import re
+import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from urllib.parse import quote
@@ -64,7 +65,8 @@ def _literal(pattern: bytes) -> bytes:
 
 
 class Scanner:
-    """Compiled once per (policy, secret set); `scan` is safe to call from one thread at a time."""
+    """Compiled once per (policy, secret set); safe to use from several threads at once (each
+    thread gets its own Hyperscan scratch space)."""
 
     def __init__(self, rules: Sequence[CompiledScan], secrets: Iterable[SecretValue]) -> None:
         expressions: list[bytes] = []
@@ -74,7 +76,8 @@ class Scanner:
         for rule in rules:
             expressions.append(rule.regex.encode())
             labels.append(rule.id)
-            flags.append(regex_flags | hyperscan.HS_FLAG_UTF8)
+            # No HS_FLAG_UTF8: bodies may be binary (protobuf, msgpack), and must still match.
+            flags.append(regex_flags)
         for secret in secrets:
             if len(secret.value) < MIN_SECRET_LENGTH:
                 continue
@@ -94,7 +97,15 @@ class Scanner:
             )
         except hyperscan.error as exc:
             raise ValueError(f"scan rules do not compile for Hyperscan: {exc}") from None
-        self._scratch = hyperscan.Scratch(self._db)
+        self._prototype = hyperscan.Scratch(self._db)
+        self._local = threading.local()
+
+    @property
+    def _scratch(self) -> hyperscan.Scratch:
+        scratch = getattr(self._local, "scratch", None)
+        if scratch is None:
+            scratch = self._local.scratch = self._prototype.clone()
+        return scratch
 
     def scan_buffers(self, buffers: Iterable[bytes], budget: Budget) -> ScanResult:
         result = ScanResult()
@@ -129,8 +140,10 @@ class Scanner:
         body: bytes,
         content_type: str,
         limit: int,
+        joined: bytes = b"",
     ) -> ScanResult:
-        """Scan the request head (line, headers) and its already content-decoded body."""
+        """Scan the request head (line, headers) and its already content-decoded body; `joined`
+        (fields concatenated pairwise) is scanned for secrets only, not for placeholders."""
         budget = Budget(remaining=max(8 * (len(head) + len(body)), 1 << 20) + limit)
         buffers = [head]
         if body:
@@ -142,7 +155,10 @@ class Scanner:
                     raise ScanError("scan_limit", str(exc)) from None
                 except DecodeError as exc:
                     raise ScanError("undecodable_content", str(exc)) from None
-        return self.scan_buffers(buffers, budget)
+        result = self.scan_buffers(buffers, budget)
+        if joined:
+            result.rule_ids |= self.scan_buffers([joined], budget).rule_ids
+        return result
 
     def contains_any(self, data: bytes) -> set[str]:
         """Secret labels found verbatim (any encoding) in `data`, without layered decoding."""

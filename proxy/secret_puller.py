@@ -21,7 +21,7 @@ from pydantic import ValidationError
 
 from umbra.attest.eventlog import Event, dump_dstack_event_log
 from umbra.attest.quote_source import QuoteSource
-from umbra.proxy.release_protocol import (
+from umbra.contracts.release import (
     SUITE,
     ReleaseDocument,
     expected_report_data,
@@ -48,6 +48,7 @@ class SecretPuller:
         client: httpx.AsyncClient,
         *,
         interval: float = 300.0,
+        long_poll: float = 25.0,
     ) -> None:
         self.base = console_url.rstrip("/") + f"/api/v1/security-cvms/{security_cvm_id}"
         self.security_cvm_id = security_cvm_id
@@ -55,6 +56,7 @@ class SecretPuller:
         self.event_log = event_log
         self.state = state
         self.interval = interval
+        self.long_poll = long_poll
         self._client = client
         self.last_error: str | None = None
         self.releases = 0
@@ -122,10 +124,48 @@ class SecretPuller:
         logger.info("secrets released by the Console: %d value(s)", len(store.all_values()))
         return True
 
+    async def version(self, known: str | None, wait: float) -> str | None:
+        """Long-poll the version of what a release would carry; None when the Console cannot say
+        (then the release runs every `interval`)."""
+        headers = {"If-None-Match": known} if known else {}
+        try:
+            response = await self._client.get(
+                self.base + "/secrets/version",
+                headers=headers,
+                params={"wait": str(int(wait))},
+                timeout=wait + 10,
+            )
+        except httpx.HTTPError as exc:
+            logger.error("secrets version: Console unreachable (%s)", type(exc).__name__)
+            return None
+        if response.status_code in (200, 304) and response.headers.get("etag"):
+            return response.headers["etag"]
+        logger.error("secrets version: HTTP %d", response.status_code)
+        return None
+
     async def run(self) -> None:
+        """Release, then re-release whenever the Console's secrets version changes (rotation,
+        deletion, a host binding); a failed release is retried within 5 s."""
+        released: str | None = None
+        have_released = False
+        loop = asyncio.get_running_loop()
+        last_release = float("-inf")
         while True:
-            ok = await self.run_once()
-            await asyncio.sleep(self.interval if ok else min(self.interval, 5.0))
+            started = loop.time()
+            current = await self.version(released, self.long_poll if have_released else 0)
+            if current is None:
+                due = loop.time() - last_release >= self.interval
+            else:
+                due = current != released
+            if not have_released or due:
+                if not await self.run_once():
+                    await asyncio.sleep(min(self.interval, 5.0))
+                    continue
+                released, last_release, have_released = current, loop.time(), True
+            if current is None:
+                await asyncio.sleep(min(self.interval, 5.0))
+            elif loop.time() - started < 0.5:
+                await asyncio.sleep(0.5)  # a Console that answers at once: not a hot loop
 
 
 def _store(document: ReleaseDocument) -> SecretStore:

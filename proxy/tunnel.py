@@ -25,15 +25,15 @@ from umbra.attest.atls import ATLSConnection, serve_atls
 from umbra.attest.errors import ATLSError
 from umbra.attest.eventlog import Event
 from umbra.attest.quote_source import QuoteSource
-from umbra.proxy.identity import CvmIdentity, StaticIdentities
-from umbra.proxy.trafficlog import TrafficRecord
-from umbra.proxy.tunnel_identities import TunnelIdentities
-from umbra.sandbox.tunnel_header import (
+from umbra.contracts.tunnel_header import (
     HeaderError,
     TunnelHeader,
     decode_header_body,
     parse_length,
 )
+from umbra.proxy.identity import CvmIdentity, StaticIdentities
+from umbra.proxy.trafficlog import TrafficRecord
+from umbra.proxy.tunnel_identities import TunnelIdentities
 
 logger = logging.getLogger(__name__)
 

@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from umbra.attest.atls import ATLSConnection, client_handshake
 from umbra.attest.errors import ATLSError
 from umbra.attest.verify import Verifier
+from umbra.contracts.tunnel_header import TunnelHeader, encode_header
 from umbra.sandbox.forwarder_config import Ingress
 from umbra.sandbox.models import Endpoint, Tunnel
-from umbra.sandbox.tunnel_header import TunnelHeader, encode_header
 
 logger = logging.getLogger(__name__)
 

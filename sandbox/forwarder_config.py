@@ -12,7 +12,8 @@ from typing import Annotated, Literal
 from pydantic import Field, ValidationError, model_validator
 
 from umbra.attest.measurement import ReleaseManifest
-from umbra.sandbox.models import CVM_ID_PATTERN, Endpoint, Host, Port, Strict, Tunnel
+from umbra.contracts.names import CVM_ID_PATTERN
+from umbra.sandbox.models import Endpoint, Host, Port, Strict, Tunnel
 
 
 class ForwarderConfigError(Exception):

@@ -15,6 +15,7 @@ from typing import Annotated, Final
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from umbra.attest.measurement import ReleaseManifest
+from umbra.contracts.names import check_host
 
 # name[:tag]@sha256:<64 hex>. A tag is informative only: the digest is what gets pulled.
 _IMAGE_RE = re.compile(
@@ -22,10 +23,6 @@ _IMAGE_RE = re.compile(
     r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*"
     r"(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?@sha256:[0-9a-f]{64}$"
 )
-_HOST_RE = re.compile(
-    r"^(?=.{1,253}$)[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?(?:\.[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?)*$"
-)
-CVM_ID_PATTERN = r"^[A-Za-z0-9._-]{1,128}$"
 NAME_PATTERN = r"^[a-z][a-z0-9-]{0,30}$"
 
 
@@ -35,17 +32,6 @@ def check_image_ref(ref: str) -> str:
             f"image {ref!r} is not pinned by digest: want name[:tag]@sha256:<64 lowercase hex>"
         )
     return ref
-
-
-def check_host(host: str) -> str:
-    """A DNS name (lowercase, no trailing dot) or an IP literal; nothing that needs escaping."""
-    try:
-        return str(ipaddress.ip_address(host))
-    except ValueError:
-        pass
-    if not _HOST_RE.match(host):
-        raise ValueError(f"{host!r} is not a lowercase DNS name or an IP address")
-    return host
 
 
 ImageRef = Annotated[str, AfterValidator(check_image_ref)]

@@ -16,6 +16,7 @@ from typing import Any
 
 import jinja2
 
+from umbra.contracts.canonical import canonical_json as _canonical
 from umbra.sandbox.models import DevCvmInputs, SecurityCvmInputs
 from umbra.sandbox.validate import validate_dev_compose, validate_security_compose
 
@@ -39,7 +40,8 @@ class Rendered:
 
 
 def canonical_json(doc: Any) -> str:
-    return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    """The shared canonical JSON (`umbra.contracts.canonical`), ASCII-only, as text."""
+    return _canonical(doc, ascii_only=True).decode("ascii")
 
 
 def _yaml_string(value: str) -> str:

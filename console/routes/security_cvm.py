@@ -35,7 +35,7 @@ from umbra.console.routes.common import (
 )
 from umbra.console.schemas import AttachmentsDoc, ReleaseChallenge, ReleaseResponse
 from umbra.console.state import Console
-from umbra.proxy.release_protocol import ReleaseDocument, ReleasedSecret
+from umbra.contracts.release import ReleaseDocument, ReleasedSecret
 
 router = APIRouter(prefix="/api/v1/security-cvms/{cvm_id}", tags=["security-cvm"])
 IfNoneMatch = Annotated[str | None, Header(alias="If-None-Match", max_length=1024)]
@@ -137,6 +137,65 @@ async def get_attachments(
         return Response(status_code=status.HTTP_304_NOT_MODIFIED, headers={"ETag": quoted(etag)})
     response.headers["ETag"] = quoted(etag)
     return AttachmentsDoc.model_validate(document)
+
+
+def secrets_version(console: Console, caller: Cvm) -> str:
+    """A digest of everything a release to `caller` would carry, without any value: which secrets
+    (team, and personal of the owners it serves), their versions (bumped on rotation) and hosts."""
+    with console.session() as session:
+        owners = set(
+            session.execute(
+                select(col(Cvm.owner)).where(
+                    col(Cvm.security_cvm_id) == caller.id,
+                    col(Cvm.team) == caller.team,
+                    col(Cvm.state) != "destroyed",
+                )
+            ).scalars()
+        )
+        rows = session.execute(
+            select(
+                col(Secret.id),
+                col(Secret.scope),
+                col(Secret.owner),
+                col(Secret.name),
+                col(Secret.version),
+                col(Secret.hosts),
+            ).where(col(Secret.team) == caller.team)
+        ).all()
+    items = sorted(
+        [str(row_id), scope, owner or "", name, int(version), sorted(hosts or [])]
+        for row_id, scope, owner, name, version, hosts in rows
+        if scope != "personal" or owner in owners
+    )
+    return document_etag({"secrets": items})
+
+
+@router.get(
+    "/secrets/version",
+    summary="Version of the secrets a release would carry (ETag; long poll with ?wait=; no values).",
+    responses={304: {"description": "Unchanged"}},
+)
+async def get_secrets_version(
+    cvm_id: CvmIdPath,
+    caller: SecurityCvmDep,
+    console: ConsoleDep,
+    if_none_match: IfNoneMatch = None,
+    wait: Wait = 0,
+) -> Response:
+    require_same_cvm(caller, cvm_id)
+    known = parse_if_none_match(if_none_match)
+    version = await long_poll(
+        console,
+        lambda: secrets_version(console, caller),
+        lambda v: v in known,
+        _wait(console, wait),
+    )
+    headers = {"ETag": quoted(version)}
+    if version in known:
+        return Response(status_code=status.HTTP_304_NOT_MODIFIED, headers=headers)
+    return Response(
+        content=json.dumps({"version": version}), media_type="application/json", headers=headers
+    )
 
 
 @router.post(
@@ -264,7 +323,7 @@ def _release(console: Console, caller: Cvm, evidence: ReleaseEvidence) -> Releas
             target=caller.id,
             details={"refs": sorted(f"{item['ref']}@{item['owner'] or ''}" for item in released)},
         )
-    # The proxy parses exactly this model (umbra.proxy.release_protocol), so build it from it too.
+    # The proxy parses exactly this model (umbra.contracts.release), so build it from it too.
     document = (
         ReleaseDocument(
             security_cvm_id=caller.id,

@@ -22,7 +22,8 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from pydantic import Field, ValidationError, model_validator
 
-from umbra.proxy.policy.canonical import canonical_json
+from umbra.contracts.canonical import canonical_json
+from umbra.contracts.keys import key_id
 from umbra.proxy.policy.compiled import CompiledProfile
 from umbra.proxy.policy.compose import CompositionError, EffectivePolicy
 from umbra.proxy.policy.model import StrictModel
@@ -90,11 +91,6 @@ class VerifiedBundle:
             return EffectivePolicy([by_name[name] for name in wanted])
         except CompositionError as exc:
             raise BundleError(f"profiles {wanted} do not compose: {exc}") from None
-
-
-def key_id(public_key: Ed25519PublicKey) -> str:
-    raw = public_key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
-    return "ed25519:" + hashlib.sha256(raw).hexdigest()[:32]
 
 
 def payload_document(profiles: Sequence[CompiledProfile], serial: int, source: str | None) -> bytes:

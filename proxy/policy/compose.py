@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
+from umbra.contracts.canonical import content_hash
 from umbra.proxy.policy.builtin_scan import BUILTIN_SCAN_RULES
-from umbra.proxy.policy.canonical import content_hash
 from umbra.proxy.policy.compiled import CompiledInject, CompiledProfile, CompiledScan
 from umbra.proxy.policy.matcher import Decision, Matcher, Reason, Verdict
 from umbra.proxy.policy.model import API_VERSION

@@ -9,6 +9,7 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from tests.policy.helpers import profile
+from umbra.contracts.canonical import canonical_json
 from umbra.proxy.policy.bundle import (
     MAX_BUNDLE_BYTES,
     SIGNING_CONTEXT,
@@ -17,7 +18,6 @@ from umbra.proxy.policy.bundle import (
     sign_bundle,
     verify_bundle,
 )
-from umbra.proxy.policy.canonical import canonical_json
 
 PROFILES = [
     profile("web", [{"allow": {"hosts": ["example.com"], "methods": ["GET"]}}]),

@@ -148,7 +148,6 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
             "127.0.0.1/32",
             "--test-resolver",
             str(resolver),
-            "--test-faults",
             "--max-body",
             str(1 << 20),
         ],

@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import datetime
+import gzip
 import json
 import os
 import re
@@ -236,14 +237,54 @@ class OriginHandler(BaseHTTPRequestHandler):
         if self.command != "HEAD":
             self.wfile.write(body)
 
+    def chunked(
+        self, pieces: list[bytes], gap: float, headers: dict[str, str] | None = None
+    ) -> None:
+        """A chunked response, each piece flushed on its own, `gap` seconds apart."""
+        self.send_response(200)
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
+        self.send_header("transfer-encoding", "chunked")
+        self.end_headers()
+        self.wfile.flush()
+        try:
+            for index, piece in enumerate(pieces):
+                if index and gap:
+                    time.sleep(gap)
+                if piece:
+                    self.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+                    self.wfile.flush()
+            self.wfile.write(b"0\r\n\r\n")
+            self.wfile.flush()
+        except OSError:
+            self.close_connection = True
+
     def default(self, seen: Seen) -> None:
         path = seen.path
-        if path.startswith("/reflect"):
-            auth = " ".join(seen.header("authorization"))
-            self.send(200, f"you sent: {auth}".encode())
-        elif path.startswith("/reflect-b64"):
-            auth = " ".join(seen.header("authorization"))
+        auth = " ".join(seen.header("authorization"))
+        # Longer prefixes first: `/reflect` would also match `/reflect-b64`.
+        if path.startswith("/reflect-b64"):
             self.send(200, base64.b64encode(auth.encode()))
+        elif path.startswith("/reflect-header"):
+            self.send(200, b"nothing here", {"x-echo": auth})
+        elif path.startswith("/reflect-split"):
+            # The credential straddles two chunks sent 0.3 s apart.
+            middle = len(auth) // 2
+            self.chunked([f"data: you sent: {auth[:middle]}".encode(), auth[middle:].encode()], 0.3)
+        elif path.startswith("/reflect-gzip"):
+            packed = gzip.compress(b"padding " * 2000 + f"you sent: {auth}".encode())
+            pieces = [packed[i : i + 1000] for i in range(0, len(packed), 1000)]
+            self.chunked(pieces, 0.0, {"content-encoding": "gzip"})
+        elif path.startswith("/reflect"):
+            self.send(200, f"you sent: {auth}".encode())
+        elif path.startswith("/sse"):
+            count = int(path.split("n=", 1)[1].split("&")[0])
+            events = [f"data: event-{index}\n\n".encode() for index in range(count)]
+            self.chunked(events, 0.4, {"content-type": "text/event-stream"})
+        elif path.startswith("/stream-big"):
+            size = int(path.split("n=", 1)[1])
+            block = b"y" * 65536
+            self.chunked([block] * (size // len(block)) + [b"y" * (size % len(block))], 0.0)
         elif path.startswith("/redirect"):
             target = path.split("to=", 1)[1]
             self.send(302, b"", {"location": target})
@@ -455,6 +496,8 @@ def start_proxy(args: list[str], workdir: Path, port: int | None = None) -> Prox
             str(confdir),
             "--traffic-log",
             str(spool),
+            # One process unless a test asks for workers (each worker spools on its own).
+            *([] if "--workers" in args else ["--workers", "1"]),
             *args,
         ],
         stdout=handle,

@@ -164,6 +164,7 @@ def test_console_policy_reaches_the_proxy_and_its_decisions_reach_the_console(
 
 BOT_SECRET = "bot-secret-released-7c1d9e"
 MISBOUND_SECRET = "misbound-secret-4b8a2f"
+ROTATED_SECRET = "bot-secret-rotated-5d0e1a"
 
 
 def test_secrets_are_released_to_the_attested_proxy_and_injected_only_where_bound(
@@ -221,9 +222,32 @@ def test_secrets_are_released_to_the_attested_proxy_and_injected_only_where_boun
             # Bound at the Console to another host: the policy's inject rule alone is not enough.
             assert _status(env, proxy, cvm_id, "ai.test") == 403
             assert not env.recorder.contains(MISBOUND_SECRET.encode())
+
+            # Rotation and deletion converge through the long-polled secrets version, in seconds
+            # (the periodic release interval is 300 s).
+            put = team.admin.put(
+                f"/api/v1/teams/{team.name}/secrets/bot",
+                json={"value": ROTATED_SECRET, "hosts": ["api.test"]},
+            )
+            assert put.status_code == 200, put.text
+            _wait_for(
+                lambda: (
+                    _status(env, proxy, cvm_id, "api.test") == 200
+                    and env.recorder.host_saw("api.test", f"Bearer {ROTATED_SECRET}".encode())
+                ),
+                5,
+                "the rotated secret was not injected within 5 s",
+            )
+            deleted = team.admin.delete(f"/api/v1/teams/{team.name}/secrets/bot")
+            assert deleted.status_code in (200, 204), deleted.text
+            _wait_for(
+                lambda: _status(env, proxy, cvm_id, "api.test") == 403,
+                5,
+                "a deleted secret was still injected after 5 s",
+            )
         finally:
             output = proxy.stop()
-        for secret in (BOT_SECRET, MISBOUND_SECRET):
+        for secret in (BOT_SECRET, MISBOUND_SECRET, ROTATED_SECRET):
             assert secret not in output, "a released secret appeared in the proxy's output"
             spool = b"".join(p.read_bytes() for p in (workdir / "spool").glob("*.jsonl"))
             assert secret.encode() not in spool

@@ -90,12 +90,14 @@ class _ConsoleHandler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         if not self._authorized():
             return
+        # The stand-in answers long polls (`?wait=`) at once; the puller then paces itself.
+        path = self.path.split("?", 1)[0]
         if not self.server.up:
             self._send(503, b"down")
-        elif self.path == f"/api/v1/security-cvms/{SECURITY_CVM}/bundle":
+        elif path == f"/api/v1/security-cvms/{SECURITY_CVM}/bundle":
             self.server.bundle_requests.append(self.headers.get("if-none-match"))
             self._conditional(self.server.bundle)
-        elif self.path == f"/api/v1/security-cvms/{SECURITY_CVM}/attachments":
+        elif path == f"/api/v1/security-cvms/{SECURITY_CVM}/attachments":
             self._conditional(json.dumps(self.server.attachments).encode())
         else:
             self._send(404, b"")

@@ -32,12 +32,12 @@ from umbra.attest.quote_source import SimulatedSource
 from umbra.attest.simpki import SimulatedPki
 from umbra.attest.simulator import SimulatedTdx
 from umbra.attest.verify import Verifier
+from umbra.contracts.tunnel_header import TunnelHeader, read_header
 from umbra.images.measure import Measurement, instance_events, measure
 from umbra.sandbox.forwarder import Forwarder
 from umbra.sandbox.forwarder_config import Ingress
 from umbra.sandbox.models import Endpoint, Tunnel
 from umbra.sandbox.render import render_dev_cvm
-from umbra.sandbox.tunnel_header import TunnelHeader, read_header
 
 from .fixtures import dev_definition, security_definition
 from .netns import (

@@ -7,7 +7,7 @@ import struct
 
 import pytest
 
-from umbra.sandbox.tunnel_header import (
+from umbra.contracts.tunnel_header import (
     MAX_HEADER,
     HeaderError,
     TunnelHeader,

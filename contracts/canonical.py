@@ -1,7 +1,9 @@
 """Canonical JSON: one byte string per value, so hashes and signatures are reproducible.
 
-Keys sorted, no insignificant white space, UTF-8. Policy documents hold only strings, integers,
-booleans, null, lists and objects; floats are refused because their text form is not unique.
+Keys sorted, no insignificant white space, UTF-8. Documents hold only strings, integers, booleans,
+null, lists and objects; floats are refused because their text form is not unique. The one
+variant: `ascii_only=True` escapes every non-ASCII character (as a JSON escape), as rendered compose files
+and launch documents are hashed, so no byte depends on an encoding.
 """
 
 from __future__ import annotations
@@ -24,9 +26,10 @@ def _check(value: Any) -> None:
             _check(item)
 
 
-def canonical_json(value: Any) -> bytes:
+def canonical_json(value: Any, *, ascii_only: bool = False) -> bytes:
     _check(value)
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+    text = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=ascii_only)
+    return text.encode()
 
 
 def content_hash(value: Any) -> str:

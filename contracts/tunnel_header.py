@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from umbra.sandbox.models import CVM_ID_PATTERN, check_host
+from umbra.contracts.names import CVM_ID_PATTERN, check_host
 
 VERSION = 1
 MAX_HEADER = 4096

@@ -1,0 +1,219 @@
+"""Streaming through the reflection guard, and the scanner, each against a baseline in one run.
+
+Run: .venv/bin/python benchmarks/proxy_stream_bench.py [--download-mib 1024] [--sse-rounds 20]
+
+1. SSE time to first event: a loopback TLS origin answers a chunked `text/event-stream` at once;
+   direct vs through `umbra proxy serve` with an injected `Authorization` (so the response passes
+   the reflection guard), on a warm keep-alive connection. Target: within 5 ms of direct (p50).
+2. Authenticated download: N MiB chunked body through Umbra with injection (reflection guard on)
+   vs through stock mitmproxy (mitmdump, no addon, `stream_large_bodies=1`). Target >= 0.8x.
+3. Scanner: MB/s of `Scanner.scan_request` (layered decoding included) on 10 MiB bodies vs a raw
+   Hyperscan block scan of the same rules over the same bytes. Target >= 500 MB/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import ssl
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import hyperscan
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.proxy_bench import start_stock  # noqa: E402
+from tests.proxy.harness import (  # noqa: E402
+    OriginServer,
+    Recorder,
+    TestCA,
+    auth_header,
+    read_response,
+    start_proxy,
+    status_of,
+    write_identities,
+    write_secrets,
+)
+from umbra.proxy.policy import deny_all  # noqa: E402
+from umbra.proxy.scanner import Scanner  # noqa: E402
+from umbra.proxy.secrets import SecretValue  # noqa: E402
+
+
+def _connect(
+    proxy_port: int | None, origin_port: int, cafile: Path, connect_host: str = "bench.test"
+) -> ssl.SSLSocket:
+    host = "bench.test"
+    if proxy_port is None:
+        sock = socket.create_connection(("127.0.0.1", origin_port), timeout=60)
+    else:
+        sock = socket.create_connection(("127.0.0.1", proxy_port), timeout=60)
+        target = f"{connect_host}:{origin_port}"  # stock mitmproxy resolves for itself
+        sock.sendall(
+            f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n"
+            f"Proxy-Authorization: {auth_header()}\r\n\r\n".encode()
+        )
+        if status_of(read_response(sock)) != 200:
+            raise RuntimeError("CONNECT refused")
+    context = ssl.create_default_context(cafile=str(cafile))
+    context.check_hostname = False
+    return context.wrap_socket(sock, server_hostname=host)
+
+
+def first_event_ms(
+    proxy_port: int | None, origin_port: int, cafile: Path, connect_host: str = "bench.test"
+) -> float:
+    """Time to the first event of the second stream on a warm keep-alive connection (the first
+    one pays for the proxy's upstream connection)."""
+    sock = _connect(proxy_port, origin_port, cafile, connect_host)
+    request = f"GET /sse?n=2 HTTP/1.1\r\nHost: {connect_host}:{origin_port}\r\n\r\n".encode()
+    try:
+        sock.sendall(request)
+        _read_until(sock, b"0\r\n\r\n")
+        start = time.perf_counter()
+        sock.sendall(request)
+        _read_until(sock, b"event-0")
+        return (time.perf_counter() - start) * 1000
+    finally:
+        sock.close()
+
+
+def _read_until(sock: ssl.SSLSocket, marker: bytes) -> None:
+    data = b""
+    while marker not in data:
+        chunk = sock.recv(65536)
+        if not chunk:
+            raise RuntimeError(f"stream ended: {data[:200]!r}")
+        data += chunk
+
+
+def download_mbps(
+    proxy_port: int, origin_port: int, cafile: Path, size: int, connect_host: str
+) -> float:
+    sock = _connect(proxy_port, origin_port, cafile, connect_host)
+    try:
+        start = time.perf_counter()
+        sock.sendall(
+            f"GET /stream-big?n={size} HTTP/1.1\r\nHost: {connect_host}:{origin_port}\r\n"
+            "Connection: close\r\n\r\n".encode()
+        )
+        received = 0
+        while True:
+            chunk = sock.recv(1 << 20)
+            if not chunk:
+                break
+            received += len(chunk)
+        elapsed = time.perf_counter() - start
+        if received < size:
+            raise RuntimeError(f"download cut short: {received} of {size} bytes")
+        return size / elapsed / 1e6
+    finally:
+        sock.close()
+
+
+def scanner_vs_raw() -> list[tuple[str, float, float]]:
+    policy = deny_all()
+    scanner = Scanner(policy.scan_rules, [SecretValue("team/b", "BENCH-SECRET-VALUE-0123456789")])
+    raw = hyperscan.Database(mode=hyperscan.HS_MODE_BLOCK)
+    rules = list(policy.scan_rules)
+    raw.compile(
+        expressions=[rule.regex.encode() for rule in rules],
+        ids=list(range(len(rules))),
+        flags=[hyperscan.HS_FLAG_SINGLEMATCH | hyperscan.HS_FLAG_DOTALL] * len(rules),
+    )
+    scratch = hyperscan.Scratch(raw)
+    text = json.dumps(
+        [{"name": f"item{i}", "value": "some text here", "id": i} for i in range(200000)]
+    ).encode()
+    bodies = {"10 MiB random": os.urandom(10 << 20), "10 MiB JSON": (text * 2)[: 10 << 20]}
+    results = []
+    for name, body in bodies.items():
+        rounds = 3
+        start = time.perf_counter()
+        for _ in range(rounds):
+            scanner.scan_request(b"POST /x HTTP/1.1\r\nHost: bench\r\n", body, "", 1 << 26)
+        ours = len(body) * rounds / (time.perf_counter() - start) / 1e6
+        start = time.perf_counter()
+        for _ in range(rounds):
+            raw.scan(body, match_event_handler=lambda *a: None, scratch=scratch)
+        baseline = len(body) * rounds / (time.perf_counter() - start) / 1e6
+        results.append((name, ours, baseline))
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--download-mib", type=int, default=1024)
+    parser.add_argument("--sse-rounds", type=int, default=20)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="upx-bench-") as tmp:
+        workdir = Path(tmp)
+        ca = TestCA(workdir)
+        cert, key = ca.issue(["bench.test"])
+        tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        tls.load_cert_chain(cert, key)
+        origin = OriginServer(Recorder(), tls).start()
+        origin.recorder.add = lambda item: None  # type: ignore[method-assign]
+        policies = workdir / "policies"
+        policies.mkdir()
+        (policies / "bench.yaml").write_text(
+            "apiVersion: umbra/v1\nkind: Profile\nname: testing\negress:\n"
+            f"  - allow: {{hosts: [bench.test], ports: [{origin.port}]}}\n"
+            "inject:\n  - {id: bearer, header: Authorization, format: 'Bearer {secret}',"
+            " secret: team/github-bot, hosts: [bench.test]}\n"
+        )
+        resolver = workdir / "resolver.json"
+        resolver.write_text(json.dumps({"bench.test": ["127.0.0.1"]}))
+        identities = workdir / "identities.json"
+        write_identities(identities)
+        secrets = workdir / "secrets.json"
+        write_secrets(secrets)
+        umbra = start_proxy(
+            ["--policy-dir", str(policies), "--identities", str(identities),
+             "--secrets", str(secrets), "--upstream-ca", str(ca.cert_path),
+             "--test-allow-upstream", "127.0.0.1/32", "--test-resolver", str(resolver)],
+            workdir,
+        )  # fmt: skip
+        stock_dir = workdir / "stock"
+        stock_dir.mkdir()
+        stock, stock_port = start_stock(stock_dir, ca.cert_path, ("--set", "stream_large_bodies=1"))
+        try:
+            direct = [
+                first_event_ms(None, origin.port, ca.cert_path) for _ in range(args.sse_rounds)
+            ]
+            through = [
+                first_event_ms(umbra.port, origin.port, umbra.ca) for _ in range(args.sse_rounds)
+            ]
+            stock_ca = stock_dir / "mitm-ca" / "mitmproxy-ca-cert.pem"
+            stock_sse = [
+                first_event_ms(stock_port, origin.port, stock_ca, "127.0.0.1")
+                for _ in range(args.sse_rounds)
+            ]
+            size = args.download_mib << 20
+            stock_mbps = download_mbps(stock_port, origin.port, stock_ca, size, "127.0.0.1")
+            umbra_mbps = download_mbps(umbra.port, origin.port, umbra.ca, size, "bench.test")
+        finally:
+            stock.terminate()
+            umbra.stop()
+            origin.shutdown()
+    d50, u50 = statistics.median(direct), statistics.median(through)
+    print(
+        f"SSE first event, p50 ms: stock mitmproxy (no injection) {statistics.median(stock_sse):.2f}"
+    )
+    print(f"SSE first event, p50 ms: direct {d50:.2f}, umbra+injection {u50:.2f}, "
+          f"added {u50 - d50:.2f} (target <= 5)")  # fmt: skip
+    print(f"{args.download_mib} MiB download MB/s: stock mitmproxy {stock_mbps:.1f}, "
+          f"umbra+injection {umbra_mbps:.1f}, ratio {umbra_mbps / stock_mbps:.2f} (target >= 0.8)")  # fmt: skip
+    print(f"{'scanner body':<16}{'umbra MB/s':>12}{'raw hs MB/s':>13}")
+    for name, ours, baseline in scanner_vs_raw():
+        print(f"{name:<16}{ours:>12.1f}{baseline:>13.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,36 @@
+"""Umbra's mitmproxy addons: one concern each, added in the order of the checks.
+
+Order for an HTTP request (each failure answers and logs; nothing is forwarded): identity (407) ->
+request sanity and name agreement (400/405/413/421) -> policy decision (403) -> scan (403/400/413)
+-> injection (403) -> dial guard (502). Responses pass the response guard (reflection, 502/cut).
+The traffic log comes last: it logs what finished; every record is constructed there.
+"""
+
+from __future__ import annotations
+
+from umbra.proxy.addons.base import AddonConfig, Denied, Shared
+from umbra.proxy.addons.dial import DialGuard
+from umbra.proxy.addons.identity import Identity
+from umbra.proxy.addons.inject import Inject
+from umbra.proxy.addons.layers import Layers
+from umbra.proxy.addons.policy import PolicyDecision
+from umbra.proxy.addons.reasons import Reason
+from umbra.proxy.addons.response_guard import ResponseGuard
+from umbra.proxy.addons.sanity import RequestSanity
+from umbra.proxy.addons.scan import Scan
+
+__all__ = ["AddonConfig", "Denied", "Reason", "Shared", "build_addons"]
+
+
+def build_addons(shared: Shared) -> list[object]:
+    return [
+        Identity(shared),
+        Layers(shared),
+        RequestSanity(shared),
+        PolicyDecision(shared),
+        Scan(shared),
+        Inject(shared),
+        ResponseGuard(shared),
+        DialGuard(shared),
+        shared.traffic,
+    ]

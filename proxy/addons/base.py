@@ -1,0 +1,149 @@
+# mypy: disable-error-code="no-untyped-call"
+"""What every Umbra addon shares: its dependencies, the denial, and the fail-closed guard.
+
+mitmproxy logs and continues when an addon hook raises, so every hook runs inside `guard`, which
+turns any exception into a denial of that flow or a poisoned connection, and says so on the proxy's
+own log (the exception type only: a message could quote request bytes).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any
+
+from mitmproxy import connection, http, tcp, tls, udp
+from mitmproxy.proxy import layer, server_hooks
+
+from umbra.proxy.addons.reasons import Reason
+from umbra.proxy.addons.state import ConnTable, Stage, flow_state
+from umbra.proxy.addons.traffic import TrafficLog
+from umbra.proxy.identity import IdentitySource
+from umbra.proxy.netcheck import AddressPolicy
+from umbra.proxy.resolver import Resolver
+from umbra.proxy.spool import Spool
+from umbra.proxy.state import PolicyState
+
+logger = logging.getLogger("umbra.proxy")
+
+
+@dataclass(frozen=True)
+class AddonConfig:
+    state: PolicyState
+    identities: IdentitySource
+    resolver: Resolver
+    addresses: AddressPolicy
+    spool: Spool | None
+    max_body: int
+
+
+class Shared:
+    """One instance per proxy, handed to every addon."""
+
+    def __init__(self, config: AddonConfig) -> None:
+        self.state = config.state
+        self.identities = config.identities
+        self.resolver = config.resolver
+        # Replaced once the listener is up (own sockets become known then).
+        self.addresses = config.addresses
+        self.max_body = config.max_body
+        self.conns = ConnTable()
+        self.traffic = TrafficLog(config.state, self.conns, config.spool)
+
+
+class Denied(Exception):
+    def __init__(self, reason: Reason, detail: str = "", rule_id: str | None = None) -> None:
+        self.reason, self.detail, self.rule_id = reason, detail, rule_id
+        super().__init__(f"{reason}: {detail}")
+
+    @property
+    def status(self) -> int:
+        return self.reason.status or 403
+
+
+def deny(shared: Shared, flow: http.HTTPFlow, denial: Denied) -> None:
+    """Answer the flow with the denial and log it; later addons see the flow as denied."""
+    headers = {"content-type": "text/plain", "x-umbra-reason": str(denial.reason)}
+    if denial.status == 407:
+        headers["proxy-authenticate"] = 'Basic realm="umbra"'
+    flow.response = http.Response.make(
+        denial.status, f"umbra: denied ({denial.reason})\n".encode(), headers
+    )
+    flow_state(flow).stage = Stage.DENIED
+    shared.traffic.flow_record(
+        flow,
+        "deny",
+        denial.reason,
+        denial.detail,
+        status=denial.status,
+        **({"rule_id": denial.rule_id} if denial.rule_id else {}),
+    )
+
+
+class UmbraAddon:
+    """Base of every Umbra addon: holds the shared dependencies."""
+
+    def __init__(self, shared: Shared) -> None:
+        self.shared = shared
+
+
+def guard[F: Callable[..., Any]](method: F) -> F:
+    """Run a hook fail-closed: an exception denies the flow or poisons the connection."""
+
+    @functools.wraps(method)
+    async def run(self: UmbraAddon, target: Any) -> None:
+        try:
+            result = method(self, target)
+            if isinstance(result, Coroutine):
+                await result
+        except Exception as exc:
+            logger.error(
+                "hook %s.%s failed (%s); failing closed",
+                type(self).__name__,
+                method.__name__,
+                type(exc).__name__,
+            )
+            fail_closed(self.shared, target, method.__name__, exc)
+
+    return run  # type: ignore[return-value]
+
+
+def fail_closed(shared: Shared, target: Any, hook: str, exc: Exception) -> None:
+    detail = f"internal error in {hook} ({type(exc).__name__})"
+    try:
+        if isinstance(target, http.HTTPFlow):
+            fstate = flow_state(target)
+            if hook in ("responseheaders", "response", "websocket_message"):
+                target.response = http.Response.make(
+                    502, b"umbra: denied (internal error)\n", {"content-type": "text/plain"}
+                )
+                target.kill()
+                fstate.stage = Stage.DENIED
+                shared.traffic.flow_record(
+                    target, "deny", Reason.INTERNAL_ERROR, detail, status=502
+                )
+            else:
+                if not fstate.denied:
+                    deny(shared, target, Denied(Reason.INTERNAL_ERROR, detail))
+        elif isinstance(target, tcp.TCPFlow):
+            shared.conns.get(target.client_conn).poisoned = detail
+            target.kill()
+            # The TCP layer relays regardless of kill() inside tcp_start: close both ends.
+            target.client_conn.error = detail
+        elif isinstance(target, udp.UDPFlow):
+            target.kill()
+        elif isinstance(target, server_hooks.ServerConnectionHookData):
+            target.server.error = detail
+            shared.conns.get(target.client).poisoned = detail
+        elif isinstance(target, connection.Client):
+            target.error = detail
+            shared.conns.get(target).poisoned = detail
+        elif isinstance(target, (tls.ClientHelloData, layer.NextLayer)):
+            shared.conns.get(target.context.client).poisoned = detail
+    except Exception:
+        logger.error("fail-closed handler failed in %s; killing", hook)
+        kill = getattr(target, "kill", None)
+        if callable(kill):
+            kill()

@@ -1,0 +1,74 @@
+"""Every reason the proxy gives for a decision, each carrying the HTTP status it answers with.
+
+The strings are stable: they are what traffic-log records, the Console and tests see. Policy
+decisions keep the matcher's own reasons (`umbra.proxy.policy.Reason`), mirrored here so a record
+always carries a member of this one enum.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from umbra.proxy.policy import Reason as PolicyReason
+
+
+class Reason(StrEnum):
+    status: int | None
+
+    def __new__(cls, value: str, status: int | None = None) -> Reason:
+        member = str.__new__(cls, value)
+        member._value_ = value
+        member.status = status
+        return member
+
+    # identity (407) and connection state
+    UNKNOWN_IDENTITY = "unknown_identity", 407
+    IDENTITY_CONFLICT = "identity_conflict", 407
+    INTERNAL_ERROR = "internal_error", 500
+    POLICY_UNAVAILABLE = "policy_unavailable", 403
+    # request sanity (400/405/413) and name agreement (421)
+    NESTED_CONNECT = "nested_connect", 400
+    INVALID_HOST = "invalid_host", 400
+    METHOD_NOT_SUPPORTED = "method_not_supported", 405
+    METHOD_OVERRIDE = "method_override", 400
+    UPGRADE_REFUSED = "upgrade_refused", 400
+    SMUGGLING = "smuggling", 400
+    BODY_TOO_LARGE = "body_too_large", 413
+    DUPLICATE_HOST = "duplicate_host", 400
+    MISSING_HOST = "missing_host", 400
+    NAME_MISMATCH = "name_mismatch", 421
+    INVALID_PATH = "invalid_path", 400
+    TUNNEL_IS_RAW = "tunnel_is_raw", 400
+    # policy decision (403)
+    RULE_ALLOW = "rule_allow", 200
+    RULE_DENY = "rule_deny", 403
+    NO_MATCHING_RULE = "no_matching_rule", 403
+    NO_POLICY = "no_policy", 403
+    INVALID_METHOD = "invalid_method", 403
+    INVALID_SCHEME = "invalid_scheme", 403
+    INVALID_PORT = "invalid_port", 403
+    # scanning and injection
+    SECRET_DETECTED = "secret_detected", 403
+    PLACEHOLDER_UNBOUND = "placeholder_unbound", 403
+    UNDECODABLE_CONTENT = "undecodable_content", 400
+    SCAN_LIMIT = "scan_limit", 413
+    INJECTION_REQUIRES_TLS = "injection_requires_tls", 403
+    SECRET_UNAVAILABLE = "secret_unavailable", 403
+    # flow bookkeeping
+    DENIED = "denied", 403
+    NOT_DECIDED = "not_decided", 403
+    # responses
+    CREDENTIAL_REFLECTED = "credential_reflected", 502
+    # errors after forwarding
+    UPSTREAM_ERROR = "upstream_error", 502
+    UPSTREAM_REFUSED = "upstream_refused", 502
+    CLIENT_ERROR = "client_error", 400
+    INVALID_REQUEST = "invalid_request", 400
+    KILLED = "killed", None
+    # dialling (record kind `connection`)
+    UNAUTHORIZED_DIAL = "unauthorized_dial", 502
+    DNS_FAILURE = "dns_failure", 502
+
+    @classmethod
+    def of_policy(cls, reason: PolicyReason) -> Reason:
+        return cls(str(reason))

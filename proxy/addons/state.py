@@ -1,0 +1,93 @@
+"""Per-connection and per-flow state: one home each.
+
+Connection state lives in a table keyed by client id and is dropped in `client_disconnected` (the
+identity addon's). Flow state lives on the flow itself (`flow.metadata`), so it ends with the flow
+and nothing has to be popped by hand.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+
+from mitmproxy import connection, http, tcp
+
+from umbra.proxy.identity import CvmIdentity
+from umbra.proxy.policy import Decision
+from umbra.proxy.state import Effective
+
+_FLOW_KEY = "umbra.flow"
+
+
+@dataclass
+class ConnState:
+    """What the proxy knows about one client connection (one sandbox TCP connection)."""
+
+    identity: CvmIdentity | None = None
+    connect_host: str | None = None
+    connect_port: int | None = None
+    connect_raw: str | None = None
+    tunnel_rule: str | None = None
+    poisoned: str | None = None
+    authorized: set[tuple[str, int]] = field(default_factory=set)
+    pinned: dict[tuple[str, int], str] = field(default_factory=dict)
+    pinned_names: dict[tuple[str, int], str] = field(default_factory=dict)
+
+
+class Stage(Enum):
+    """How far a flow got; each stage is set by the addon that owns it."""
+
+    NEW = "new"
+    GATED = "gated"  # identity, sanity, names and policy passed (requestheaders)
+    ALLOWED = "allowed"  # scanned and injected: forwarded (request)
+    DENIED = "denied"
+
+
+@dataclass
+class FlowState:
+    stage: Stage = Stage.NEW
+    logged: bool = False
+    effective: Effective | None = None
+    decision: Decision | None = None
+    started: float = field(default_factory=time.monotonic)
+    scan_rule_ids: list[str] = field(default_factory=list)
+    # Every secret-looking match the scanner found in this flow: redacted from its record.
+    detected: list[bytes] = field(default_factory=list)
+    placeholders: set[str] = field(default_factory=set)
+    injected_headers: list[str] = field(default_factory=list)
+    injected_values: list[str] = field(default_factory=list)
+    query_keys: list[str] = field(default_factory=list)
+    stream_response: bool = False
+    response_bytes: int = 0
+
+    @property
+    def denied(self) -> bool:
+        return self.stage is Stage.DENIED
+
+
+def flow_state(flow: http.HTTPFlow | tcp.TCPFlow) -> FlowState:
+    state = flow.metadata.get(_FLOW_KEY)
+    if not isinstance(state, FlowState):
+        state = flow.metadata[_FLOW_KEY] = FlowState()
+    return state
+
+
+class ConnTable:
+    def __init__(self) -> None:
+        self._conns: dict[str, ConnState] = {}
+
+    def get(self, client: connection.Client) -> ConnState:
+        state = self._conns.get(client.id)
+        if state is None:
+            state = self._conns[client.id] = ConnState()
+        return state
+
+    def peek(self, client: connection.Client) -> ConnState | None:
+        return self._conns.get(client.id)
+
+    def drop(self, client: connection.Client) -> None:
+        self._conns.pop(client.id, None)
+
+    def __len__(self) -> int:
+        return len(self._conns)

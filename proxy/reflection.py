@@ -1,0 +1,229 @@
+"""Reflection guard: is an injected credential coming back in a response, checked while streaming.
+
+For each injected value the guard matches every encoded form the scanner knows
+(`scanner.secret_encodings`: raw, hex, URL, JSON, base64/base64url at every alignment) with one
+Hyperscan *stream-mode* database, so a form split across chunks still matches. Content-Encoding
+(gzip, deflate, br, zstd, stacked) is undone on the fly; only decoded bytes are matched.
+
+Nothing is held back longer than the matcher needs: after each chunk, the guard keeps back only the
+longest tail of the (decoded) data that is a proper prefix of some form, so a credential's first
+half never reaches the client before its second half is seen. For a compressed body, a chunk is held
+whole while its decoded tail is such a prefix. A hit raises `Reflected`: the caller cuts the stream.
+"""
+
+from __future__ import annotations
+
+import threading
+import zlib
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import brotli  # type: ignore[import-untyped]
+import hyperscan
+import zstandard
+
+from umbra.proxy.scanner import secret_encodings
+
+# A decoded response may be this many times its encoded size (plus slack) before it is called a bomb.
+_MAX_RATIO = 1024
+_SLACK = 1 << 20
+
+
+class Reflected(Exception):
+    """The response carries an injected credential (in some form)."""
+
+
+class UnsupportedEncoding(Exception):
+    pass
+
+
+class _Decoder(Protocol):
+    def feed(self, data: bytes) -> bytes: ...
+
+
+class _Zlib:
+    def __init__(self, wbits: int) -> None:
+        self._obj = zlib.decompressobj(wbits)
+
+    def feed(self, data: bytes) -> bytes:
+        try:
+            return self._obj.decompress(data)
+        except zlib.error as exc:
+            raise Reflected(f"undecodable response ({exc})") from None
+
+
+class _Brotli:
+    def __init__(self) -> None:
+        self._obj = brotli.Decompressor()
+
+    def feed(self, data: bytes) -> bytes:
+        try:
+            return bytes(self._obj.process(data))
+        except brotli.error as exc:
+            raise Reflected(f"undecodable response ({exc})") from None
+
+
+class _Zstd:
+    def __init__(self) -> None:
+        self._obj = zstandard.ZstdDecompressor().decompressobj()
+
+    def feed(self, data: bytes) -> bytes:
+        try:
+            return self._obj.decompress(data)
+        except zstandard.ZstdError as exc:
+            raise Reflected(f"undecodable response ({exc})") from None
+
+
+_DECODERS: dict[str, Callable[[], _Decoder]] = {
+    "gzip": lambda: _Zlib(16 + zlib.MAX_WBITS),
+    "x-gzip": lambda: _Zlib(16 + zlib.MAX_WBITS),
+    "deflate": lambda: _Zlib(zlib.MAX_WBITS),
+    "br": _Brotli,
+    "zstd": _Zstd,
+}
+
+
+def decoders_for(content_encoding: str) -> list[_Decoder]:
+    """Decoders in the order to apply them (the header lists them in the order applied)."""
+    names = [part.strip().lower() for part in content_encoding.split(",") if part.strip()]
+    chain: list[_Decoder] = []
+    for name in reversed(names):
+        if name == "identity":
+            continue
+        factory = _DECODERS.get(name)
+        if factory is None or len(chain) >= 4:
+            raise UnsupportedEncoding(f"Content-Encoding {name[:32]!r} cannot be checked")
+        chain.append(factory())
+    return chain
+
+
+class _Forms:
+    """The compiled forms of one set of injected values (shared by every flow that injects it)."""
+
+    def __init__(self, values: Sequence[str]) -> None:
+        forms = sorted({form for value in values for form in secret_encodings(value.encode())})
+        if not forms:
+            raise ValueError("no form to match")
+        self.forms = forms
+        self.longest = max(len(form) for form in forms)
+        self.prefixes = {form[:k] for form in forms for k in range(1, len(form))}
+        self.db = hyperscan.Database(mode=hyperscan.HS_MODE_STREAM)
+        self.db.compile(
+            expressions=[b"".join(b"\\x%02x" % byte for byte in form) for form in forms],
+            ids=list(range(len(forms))),
+            flags=[hyperscan.HS_FLAG_SINGLEMATCH] * len(forms),
+        )
+        self._local = threading.local()
+
+    def scratch(self) -> hyperscan.Scratch:
+        # Scratch space is per thread (scans may run off the event loop).
+        scratch = getattr(self._local, "scratch", None)
+        if scratch is None:
+            scratch = self._local.scratch = hyperscan.Scratch(self.db)
+        return scratch
+
+    def partial_tail(self, data: bytes) -> int:
+        """Length of the longest tail of `data` that is a proper prefix of some form."""
+        for size in range(min(self.longest - 1, len(data)), 0, -1):
+            if data[-size:] in self.prefixes:
+                return size
+        return 0
+
+
+_cache: dict[tuple[str, ...], _Forms] = {}
+_cache_lock = threading.Lock()
+
+
+def _forms(values: Sequence[str]) -> _Forms:
+    key = tuple(sorted(set(values)))
+    with _cache_lock:
+        found = _cache.get(key)
+        if found is None:
+            if len(_cache) > 256:
+                _cache.clear()
+            found = _cache[key] = _Forms(key)
+        return found
+
+
+class ReflectionGuard:
+    def __init__(self, values: Sequence[str]) -> None:
+        self._forms = _forms(values)
+
+    def in_headers(self, head: bytes) -> bool:
+        return any(form in head for form in self._forms.forms)
+
+    def stream(self, content_encoding: str) -> BodyStream:
+        return BodyStream(self._forms, decoders_for(content_encoding))
+
+
+class BodyStream:
+    """One response body: `feed` each chunk, then `finish`; both return bytes safe to pass on."""
+
+    def __init__(self, forms: _Forms, decoders: list[_Decoder]) -> None:
+        self._forms = forms
+        self._decoders = decoders
+        self._hit = False
+        self._closed = False
+        self._held = b""  # encoded bytes not yet passed on
+        self._tail = b""  # the last decoded bytes (for the partial-prefix check)
+        self._encoded = 0
+        self._decoded = 0
+
+        # Keep the Stream object itself referenced (python-hyperscan frees the native stream with
+        # it) and pass scratch and handler on every scan: the defaults crash on a second stream.
+        self._owner = forms.db.stream(match_event_handler=self._on_match)
+        self._stream = self._owner.__enter__()
+
+    def _on_match(self, _id: int, _start: int, _end: int, _flags: int, _ctx: object) -> None:
+        self._hit = True
+
+    def _decode(self, chunk: bytes) -> bytes:
+        data = chunk
+        for decoder in self._decoders:
+            data = decoder.feed(data)
+        return data
+
+    def feed(self, chunk: bytes) -> bytes:
+        if self._closed:
+            raise Reflected("stream already cut")
+        try:
+            self._encoded += len(chunk)
+            decoded = self._decode(chunk)
+            self._decoded += len(decoded)
+            if self._decoded > _MAX_RATIO * self._encoded + _SLACK:
+                raise Reflected("response decodes beyond its bound")
+            if decoded:
+                self._stream.scan(
+                    decoded, scratch=self._forms.scratch(), match_event_handler=self._on_match
+                )
+            if self._hit:
+                raise Reflected("response reflects an injected credential")
+        except Reflected:
+            self._close()
+            raise
+        if decoded:
+            self._tail = (self._tail + decoded)[-self._forms.longest :]
+        pending = self._held + chunk
+        hold = self._forms.partial_tail(self._tail)
+        if not hold:
+            self._held = b""
+            return pending
+        if self._decoders:
+            self._held = pending  # cannot split encoded bytes at a decoded offset: hold it all
+            return b""
+        self._held = pending[-hold:]
+        return pending[:-hold]
+
+    def finish(self) -> bytes:
+        """End of body: a held prefix that never completed is passed on."""
+        self._close()
+        if self._hit:
+            raise Reflected("response reflects an injected credential")
+        held, self._held = self._held, b""
+        return held
+
+    def _close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._held = b""
+            self._owner.__exit__(None, None, None)

@@ -1,0 +1,55 @@
+"""Responses stream through the proxy, also for requests that carried an injected credential: the
+reflection guard checks them chunk by chunk (real origin, real `umbra proxy serve`)."""
+
+from __future__ import annotations
+
+import time
+
+from tests.proxy.conftest import Env
+from tests.proxy.harness import TEAM_SECRET, connect_tunnel, curl, curl_status
+
+
+def test_sse_with_injection_arrives_event_by_event(env: Env) -> None:
+    """Three events 0.4 s apart: each must arrive before the next is sent (no buffering)."""
+    host = f"api.test:{env.origin.port}"
+    sock, _ = connect_tunnel(env.proxy, host, sni="api.test")
+    sock.sendall(f"GET /sse?n=3 HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+    sock.settimeout(10)
+    seen: dict[int, float] = {}
+    data = b""
+    started = time.monotonic()
+    while len(seen) < 3:
+        chunk = sock.recv(65536)
+        assert chunk, f"stream ended early: {data!r}"
+        data += chunk
+        for index in range(3):
+            if index not in seen and f"event-{index}".encode() in data:
+                seen[index] = time.monotonic() - started
+    sock.close()
+    assert seen[1] - seen[0] > 0.2 and seen[2] - seen[1] > 0.2, seen
+    assert env.recorder.host_saw("api.test", f"Bearer {TEAM_SECRET}".encode())
+
+
+def test_authenticated_download_larger_than_max_body_succeeds(env: Env) -> None:
+    size = 3 << 20  # the test proxy's --max-body is 1 MiB
+    result = curl(env.proxy, f"https://api.test:{env.origin.port}/stream-big?n={size}")
+    assert curl_status(result) == 200
+    assert len(result.stdout) == size + len("\n200")
+
+
+def test_reflection_across_a_chunk_boundary_is_cut_before_either_half(env: Env) -> None:
+    mark = env.proxy.log.mark()
+    result = curl(env.proxy, f"https://api.test:{env.origin.port}/reflect-split")
+    assert result.returncode != 0
+    half = len(f"Bearer {TEAM_SECRET}") // 2
+    assert "you sent" in result.stdout  # what came before the credential was not held back
+    assert f"Bearer {TEAM_SECRET}"[:half] not in result.stdout
+    env.proxy.log.wait_for(mark, lambda r: r["reason"] == "credential_reflected")
+
+
+def test_reflection_in_a_gzip_body_is_cut(env: Env) -> None:
+    mark = env.proxy.log.mark()
+    result = curl(env.proxy, f"https://api.test:{env.origin.port}/reflect-gzip", "--compressed")
+    assert result.returncode != 0
+    assert TEAM_SECRET not in result.stdout
+    env.proxy.log.wait_for(mark, lambda r: r["reason"] == "credential_reflected")
