@@ -556,6 +556,8 @@ def start_proxy(stack: Stack) -> bool:
         "proxy",
         [
             _umbra(), "proxy", "serve",
+            # One worker: the embedded stack serves one developer, and one process starts fastest.
+            "--workers", "1",
             "--listen", f"127.0.0.1:{stack.port('proxy')}",
             # Reached from each local Dev CVM's forwarder namespace over its uplink veth only.
             "--tunnel-listen", f"{local_cvm.SECURITY_CVM_ADDR}:{stack.port('tunnel')}",

@@ -39,7 +39,7 @@ from umbra.console import audit
 from umbra.console.deps import CREDENTIAL_PREFIX, credential_hash
 from umbra.console.models import Cvm, utcnow
 from umbra.console.release import AttestedReleaseVerifier, seal_release
-from umbra.proxy.release_protocol import SUITE
+from umbra.contracts.release import SUITE
 
 TOKEN_PREFIX = "enr_"  # noqa: S105 -- a prefix, not a token
 TOKEN_TTL = timedelta(hours=1)

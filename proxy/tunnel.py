@@ -1,6 +1,6 @@
 """The tunnel endpoint: where Dev CVM forwarders' aTLS sessions enter the Security CVM.
 
-Per session: aTLS (we are the attested side), then the identity header (`sandbox.tunnel_header`),
+Per session: aTLS (we are the attested side), then the identity header (`contracts.tunnel_header`),
 then the CVM is checked (known, attached, credential matches). Only then the endpoint opens its
 own loopback connection to the proxy, from a source (address, port) it registered for that CVM in
 `TunnelIdentities` before connecting; the addon attributes the connection by that source alone.

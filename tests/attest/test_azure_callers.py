@@ -16,7 +16,7 @@ from umbra.attest.simazure import SimulatedAzureCvm
 from umbra.attest.simpki import SimulatedPki
 from umbra.attest.verify import Verifier
 from umbra.console.release import AttestedReleaseVerifier, ReleaseEvidence, ReleaseRefused
-from umbra.proxy.release_protocol import expected_report_data
+from umbra.contracts.release import expected_report_data
 
 
 def test_console_release_accepts_azure_evidence(

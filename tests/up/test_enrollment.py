@@ -26,8 +26,8 @@ from umbra.attest.simulator import SimulatedTdx
 from umbra.attest.verify import Verifier
 from umbra.console.enrollment import hpke_info, report_data
 from umbra.console.release import AttestedReleaseVerifier
+from umbra.contracts.release import SUITE
 from umbra.proxy.policy.bundle import generate_key
-from umbra.proxy.release_protocol import SUITE
 
 
 @pytest.fixture(scope="module")
