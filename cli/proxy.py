@@ -76,7 +76,9 @@ def serve(
     ] = None,
     quote_source: Annotated[
         str,
-        typer.Option(help="Tunnel endpoint quotes: configfs (the TD's configfs-tsm) or simulated."),
+        typer.Option(
+            help="Tunnel endpoint quotes: configfs (the TD's configfs-tsm), azure (vTPM + IMDS under the paravisor) or simulated."
+        ),
     ] = "configfs",
     event_log: Annotated[
         Path | None,
@@ -130,8 +132,10 @@ def serve(
 
     host, port = _listen(listen)
     tunnel_host, tunnel_port = _listen(tunnel_listen) if tunnel_listen else (None, 8443)
-    if quote_source not in ("configfs", "simulated"):
-        typer.echo("umbra proxy serve: --quote-source must be configfs or simulated", err=True)
+    if quote_source not in ("configfs", "azure", "simulated"):
+        typer.echo(
+            "umbra proxy serve: --quote-source must be configfs, azure or simulated", err=True
+        )
         raise typer.Exit(2)
     if security_cvm_id_file is not None:
         if security_cvm_id is not None:

@@ -65,7 +65,7 @@ class ProxyConfig(BaseModel):
     max_body: int = Field(default=DEFAULT_MAX_BODY, ge=1024)
     tunnel_listen_host: str | None = None
     tunnel_listen_port: int = Field(default=8443, ge=0, le=65535)
-    quote_source: Literal["configfs", "simulated"] = "configfs"
+    quote_source: Literal["configfs", "azure", "simulated"] = "configfs"
     event_log: Path | None = None
     simulated_pki: Path | None = None
     simulated_image: str = "umbra-security-cvm"

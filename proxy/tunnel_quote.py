@@ -2,6 +2,9 @@
 
 `configfs`: the TD's configfs-tsm quotes (production); the event log file, if given, is served as
 is: forwarders replay it against the quote's RTMRs, so it needs no trust of its own.
+`azure`: an Azure TDX CVM under its paravisor: the vTPM's HCL report and the IMDS TD quote, sent
+as one Azure evidence envelope (`umbra.attest.azure`); the binding lives in the vTPM, so there is no
+RTMR3 event log to serve.
 `simulated`: a simulated TD signed by the PKI in `pki_dir` whose RTMR3 is extended with the
 runtime events of the event log file (embedded default and tests only; verifiers accept it only
 when told to).
@@ -13,13 +16,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Literal
 
+from umbra.attest.azure_source import AzureVtpmSource
 from umbra.attest.errors import AttestError
 from umbra.attest.eventlog import Event, load_event_log
 from umbra.attest.quote_source import ConfigfsTsmSource, QuoteSource, SimulatedSource
 from umbra.attest.simpki import SimulatedPki
 from umbra.attest.simulator import SimulatedTdx
 
-QuoteSourceKind = Literal["configfs", "simulated"]
+QuoteSourceKind = Literal["configfs", "azure", "simulated"]
 Evidence = tuple[QuoteSource, Callable[[], Sequence[Event]] | None]
 
 
@@ -47,6 +51,13 @@ def build_evidence(
             raise EvidenceError("--simulated-pki needs --quote-source simulated")
         fixed = events
         return ConfigfsTsmSource(), (lambda: fixed) if fixed is not None else None
+    if kind == "azure":
+        if simulated_pki is not None or events is not None:
+            # Under the paravisor the guest cannot extend RTMRs: a served log would never replay.
+            raise EvidenceError(
+                "--quote-source azure takes neither --simulated-pki nor an event log"
+            )
+        return AzureVtpmSource(), None
     if simulated_pki is None:
         raise EvidenceError("--quote-source simulated needs --simulated-pki DIR")
     try:
