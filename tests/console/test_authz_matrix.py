@@ -275,6 +275,10 @@ MACHINE_MATRIX: dict[tuple[str, str], tuple[Case, dict[str, int]]] = {
         lambda w, p: w.call(p, "GET", f"/api/v1/security-cvms/{w.scvm_a}/attachments"),
         expect(200, 403, 401, 401, principals=MACHINES),
     ),
+    ("GET", S + "/secrets/version"): (
+        lambda w, p: w.call(p, "GET", f"/api/v1/security-cvms/{w.scvm_a}/secrets/version"),
+        expect(200, 403, 401, 401, principals=MACHINES),
+    ),
     ("POST", S + "/release-challenge"): (
         lambda w, p: w.call(p, "POST", f"/api/v1/security-cvms/{w.scvm_a}/release-challenge"),
         expect(200, 403, 401, 401, principals=MACHINES),
