@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import contextlib
 import hashlib
 import json
 import os
@@ -267,3 +268,52 @@ async def serve_atls(
             await conn.close()
 
     return await asyncio.start_server(accept, host, port)
+
+
+RELAY_CHUNK = 64 * 1024
+
+
+async def relay(
+    conn: ATLSConnection,
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    *,
+    stream_eof_grace: float = 0.0,
+    peer_eof_grace: float | None = 0.0,
+) -> None:
+    """Relay bytes between an attested session and a local stream pair until one side ends.
+
+    TLS carries no half-close, so the side that ends first ends the relay, after a grace for the
+    other direction to finish: `stream_eof_grace` seconds after the local stream's EOF (a reply
+    still on its way from the peer), `peer_eof_grace` after the peer's (the stream is given EOF;
+    None waits until the stream ends). Transport errors end the relay; the caller closes both ends.
+    """
+
+    async def to_peer() -> None:
+        while data := await reader.read(RELAY_CHUNK):
+            await conn.send(data)
+
+    async def to_stream() -> None:
+        while data := await conn.recv(RELAY_CHUNK):
+            writer.write(data)
+            await writer.drain()
+        if peer_eof_grace != 0 and writer.can_write_eof():
+            writer.write_eof()
+
+    up = asyncio.ensure_future(to_peer())
+    down = asyncio.ensure_future(to_stream())
+    try:
+        done, _ = await asyncio.wait({up, down}, return_when=asyncio.FIRST_COMPLETED)
+        first = up if up in done else down
+        if len(done) == 1 and first.exception() is None:
+            other, grace = (down, stream_eof_grace) if first is up else (up, peer_eof_grace)
+            if grace is None or grace > 0:
+                await asyncio.wait({other}, timeout=grace)
+    except (ConnectionError, OSError, ATLSError):
+        pass
+    finally:
+        for task in (up, down):
+            task.cancel()
+        for task in (up, down):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task

@@ -23,7 +23,6 @@ from umbra.cli.ssh_attest import Refused
 from umbra.cli.ssh_proxy import attest
 
 IDLE_EXIT = 900.0
-CHUNK = 64 * 1024
 
 
 class Agent:
@@ -73,23 +72,11 @@ class Agent:
             writer.close()
         r, w = await asyncio.open_connection(sock=ours)
 
-        async def up() -> None:
-            while data := await r.read(CHUNK):
-                await session.conn.send(data)
+        from umbra.attest.atls import relay
 
-        async def down() -> None:
-            while data := await session.conn.recv(CHUNK):
-                w.write(data)
-                await w.drain()
-
-        tasks = {asyncio.ensure_future(up()), asyncio.ensure_future(down())}
         try:
-            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            await relay(session.conn, r, w)
         finally:
-            for task in tasks:
-                task.cancel()
-                with contextlib.suppress(BaseException):
-                    await task
             await session.conn.close()
             w.close()
 

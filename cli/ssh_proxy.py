@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import http.client
 import ssl
 import sys
@@ -25,7 +24,6 @@ from umbra.contracts.session import SESSION_API, SessionInfo
 
 EXIT_REFUSED = 1
 CONSOLE_TIMEOUT = 10.0
-CHUNK = 64 * 1024
 MAX_BODY = 1 << 20
 
 
@@ -77,7 +75,7 @@ def fetch_session(cvm_id: str, timeout: float = CONSOLE_TIMEOUT) -> SessionInfo:
 
 
 async def _relay(conn: object) -> None:
-    from umbra.attest.atls import ATLSConnection
+    from umbra.attest.atls import ATLSConnection, relay
 
     assert isinstance(conn, ATLSConnection)
     loop = asyncio.get_running_loop()
@@ -88,23 +86,9 @@ async def _relay(conn: object) -> None:
     )
     stdout = asyncio.StreamWriter(transport, protocol, None, loop)
 
-    async def up() -> None:
-        while data := await stdin.read(CHUNK):
-            await conn.send(data)
-
-    async def down() -> None:
-        while data := await conn.recv(CHUNK):
-            stdout.write(data)
-            await stdout.drain()
-
-    tasks = {asyncio.ensure_future(up()), asyncio.ensure_future(down())}
     try:
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        await relay(conn, stdin, stdout)
     finally:
-        for task in tasks:
-            task.cancel()
-            with contextlib.suppress(BaseException):
-                await task
         await conn.close()
         stdout.close()
 

@@ -21,7 +21,7 @@ import socket
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from umbra.attest.atls import ATLSConnection, serve_atls
+from umbra.attest.atls import ATLSConnection, relay, serve_atls
 from umbra.attest.errors import ATLSError
 from umbra.attest.eventlog import Event
 from umbra.attest.quote_source import QuoteSource
@@ -37,7 +37,6 @@ from umbra.proxy.tunnel_identities import TunnelIdentities
 
 logger = logging.getLogger(__name__)
 
-CHUNK = 64 * 1024
 MAX_CONNECT_RESPONSE = 8192
 
 
@@ -155,7 +154,7 @@ class TunnelEndpoint:
             self.stats.accepted += 1
             if rest:
                 writer.write(rest)
-            await _pipe(conn, reader, writer)
+            await relay(conn, reader, writer)
         finally:
             if writer is not None:
                 writer.close()
@@ -205,27 +204,3 @@ async def _connect(
         return False
     status_line = head.split(b"\r\n", 1)[0].split()
     return len(status_line) >= 2 and status_line[1] == b"200"
-
-
-async def _pipe(
-    conn: ATLSConnection, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-) -> None:
-    async def up() -> None:
-        while data := await conn.recv(CHUNK):
-            writer.write(data)
-            await writer.drain()
-
-    async def down() -> None:
-        while data := await reader.read(CHUNK):
-            await conn.send(data)
-
-    tasks = {asyncio.create_task(up()), asyncio.create_task(down())}
-    try:
-        # TLS gives no half-close to pass on: when either side ends, the session ends.
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task

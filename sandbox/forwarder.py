@@ -19,7 +19,7 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
-from umbra.attest.atls import ATLSConnection, client_handshake
+from umbra.attest.atls import ATLSConnection, client_handshake, relay
 from umbra.attest.errors import ATLSError
 from umbra.attest.verify import Verifier
 from umbra.contracts.tunnel_header import TunnelHeader, encode_header
@@ -137,7 +137,7 @@ class Forwarder:
         try:
             await conn.send(frame)
             self.stats.relayed += 1
-            await _relay_atls(reader, writer, conn)
+            await relay(conn, reader, writer, stream_eof_grace=HALF_CLOSE_GRACE)
         except (ATLSError, ConnectionError, OSError) as exc:
             logger.info("tunnel ended: %s", exc)
         finally:
@@ -197,30 +197,6 @@ class Forwarder:
 async def _pump(reader: asyncio.StreamReader, send: Callable[[bytes], Awaitable[None]]) -> None:
     while data := await reader.read(CHUNK):
         await send(data)
-
-
-async def _relay_atls(
-    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, conn: ATLSConnection
-) -> None:
-    async def to_client() -> None:
-        while data := await conn.recv(CHUNK):
-            writer.write(data)
-            await writer.drain()
-
-    up = asyncio.create_task(_pump(reader, conn.send))
-    down = asyncio.create_task(to_client())
-    try:
-        await asyncio.wait({up, down}, return_when=asyncio.FIRST_COMPLETED)
-        if up.done() and not down.done() and up.exception() is None:
-            # The sandbox half-closed: its reply may still come, but TLS gives us no half-close
-            # to pass on, so wait a bounded time for the Security CVM to finish.
-            await asyncio.wait({down}, timeout=HALF_CLOSE_GRACE)
-    finally:
-        for task in (up, down):
-            task.cancel()
-        for task in (up, down):
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
 
 
 async def _relay_tcp(

@@ -15,7 +15,7 @@ import socket
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from umbra.attest.atls import ATLSConnection, serve_atls
+from umbra.attest.atls import ATLSConnection, relay, serve_atls
 from umbra.attest.errors import ATLSError, AttestError
 from umbra.attest.eventlog import RUNTIME_EVENT_TYPE, Event, load_event_log
 from umbra.attest.measurement import SSH_KEYS_EVENT, ssh_keys_digest
@@ -27,7 +27,6 @@ from umbra.sandbox import gateway_sshd
 from umbra.sandbox.ingress_config import IngressConfig, IngressConfigError
 
 log = logging.getLogger("umbra.sandbox.ingress")
-RELAY_CHUNK = 64 * 1024
 SSHD_EXIT_GRACE = 5.0
 
 
@@ -151,7 +150,8 @@ class Ingress:
         theirs.close()
         reader, writer = await asyncio.open_connection(sock=ours)
         try:
-            await _relay(conn, reader, writer)
+            # sshd ending the session ends the relay; the client's EOF only half-closes toward sshd.
+            await relay(conn, reader, writer, peer_eof_grace=None)
         finally:
             writer.close()
             with contextlib.suppress(ConnectionError, OSError):
@@ -161,33 +161,3 @@ class Ingress:
             except TimeoutError:
                 proc.kill()
                 await proc.wait()
-
-
-async def _relay(
-    conn: ATLSConnection, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-) -> None:
-    async def client_to_sshd() -> None:
-        while data := await conn.recv(RELAY_CHUNK):
-            writer.write(data)
-            await writer.drain()
-        if writer.can_write_eof():
-            writer.write_eof()
-
-    async def sshd_to_client() -> None:
-        while data := await reader.read(RELAY_CHUNK):
-            await conn.send(data)
-
-    up = asyncio.ensure_future(client_to_sshd())
-    down = asyncio.ensure_future(sshd_to_client())
-    try:
-        # sshd ending the session ends the relay; the client's EOF only half-closes toward sshd.
-        done, _ = await asyncio.wait({up, down}, return_when=asyncio.FIRST_COMPLETED)
-        if up in done and up.exception() is None:
-            await down
-    except (ConnectionError, OSError, ATLSError):
-        pass
-    finally:
-        for task in (up, down):
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, ConnectionError, OSError, ATLSError):
-                await task
