@@ -14,6 +14,13 @@ The quote's report_data must equal SHA-512(DOMAIN_TAG ‖ nonce ‖ exporter), w
 the session's RFC 8446 exporter secret. A quote replayed from another session (other nonce,
 other exporter) or relayed by a man in the middle (who holds two sessions, with two exporters)
 cannot match. Frames are `u32 big-endian length ‖ u8 type ‖ payload`, length capped.
+
+Optional **binding**: a server may commit, per connection, to a short public statement about
+what it is about to serve (the SSH ingress binds the host public key it hands sshd). EVIDENCE
+then carries `"binding": b64` and report_data = SHA-512(DOMAIN_TAG ‖ nonce ‖ exporter ‖
+SHA-256(BINDING_TAG ‖ binding)); without one, the formula above is unchanged, so peers that do
+not use bindings (forwarder, tunnel endpoint) see no difference. A client that needs one checks
+it with `accept`, before it sends its VERDICT, so a refused binding starts nothing on the server.
 """
 
 from __future__ import annotations
@@ -35,9 +42,11 @@ from umbra.attest.errors import ATLSError, AttestError, EventLogError
 from umbra.attest.eventlog import Event, dump_dstack_event_log, parse_dstack_event_log
 from umbra.attest.quote_source import QuoteSource
 from umbra.attest.tlsstream import TlsStream, client_context, server_context
-from umbra.attest.verify import Verdict, Verifier
+from umbra.attest.verify import Step, Verdict, Verifier
 
 DOMAIN_TAG = b"umbra-atls-v1\0"
+BINDING_TAG = b"umbra-atls-binding-v1\0"
+MAX_BINDING = 4096
 EXPORTER_LABEL = b"EXPORTER-umbra-atls-v1"
 EXPORTER_LEN = 64
 NONCE_LEN = 32
@@ -50,8 +59,14 @@ FRAME_VERDICT = 3
 _FRAME_NAMES = {FRAME_NONCE: "NONCE", FRAME_EVIDENCE: "EVIDENCE", FRAME_VERDICT: "VERDICT"}
 
 
-def report_data_for(nonce: bytes, exporter: bytes) -> bytes:
-    return hashlib.sha512(DOMAIN_TAG + nonce + exporter).digest()
+def report_data_for(nonce: bytes, exporter: bytes, binding: bytes | None = None) -> bytes:
+    # nonce and exporter have fixed lengths, so the optional 32-byte suffix is unambiguous
+    bound = b"" if binding is None else hashlib.sha256(BINDING_TAG + binding).digest()
+    return hashlib.sha512(DOMAIN_TAG + nonce + exporter + bound).digest()
+
+
+# What a client checks about a verified peer beyond the quote: reasons to refuse, or [].
+Accept = Callable[[Verdict, bytes | None], list[str]]
 
 
 async def write_frame(tls: TlsStream, kind: int, payload: bytes) -> None:
@@ -98,6 +113,7 @@ class ATLSConnection:
     tls: TlsStream
     verdict: Verdict | None  # client side: the peer's verdict; server side: None
     _pending: bytes = b""
+    binding: bytes | None = None  # what the server bound into this session's report_data
 
     async def send(self, data: bytes) -> None:
         await self.tls.send(data)
@@ -112,19 +128,30 @@ class ATLSConnection:
         await self.tls.close()
 
 
-def _decode_evidence(payload: bytes) -> tuple[bytes, list[Event] | None]:
+@dataclass(frozen=True)
+class _Evidence:
+    quote: bytes
+    log: list[Event] | None
+    binding: bytes | None
+
+
+def _decode_evidence(payload: bytes) -> _Evidence:
     try:
         doc = json.loads(payload)
         quote = base64.b64decode(doc["quote"], validate=True)
         log_text = doc.get("event_log")
+        raw_binding = doc.get("binding")
+        binding = None if raw_binding is None else base64.b64decode(raw_binding, validate=True)
     except (ValueError, KeyError, TypeError, binascii.Error, RecursionError):
         raise ATLSError("EVIDENCE frame is malformed") from None
+    if binding is not None and len(binding) > MAX_BINDING:
+        raise ATLSError(f"EVIDENCE binding exceeds {MAX_BINDING} bytes")
     if log_text is None:
-        return quote, None
+        return _Evidence(quote, None, binding)
     if not isinstance(log_text, str):
         raise ATLSError("EVIDENCE event_log must be a string")
     try:
-        return quote, parse_dstack_event_log(log_text)
+        return _Evidence(quote, parse_dstack_event_log(log_text), binding)
     except EventLogError as exc:
         raise ATLSError(f"EVIDENCE event log is invalid: {exc}") from None
 
@@ -136,19 +163,31 @@ async def client_handshake(
     *,
     max_frame: int = MAX_FRAME,
     now: int | None = None,
+    accept: Accept | None = None,
 ) -> ATLSConnection:
-    """Run TLS 1.3 and the attestation exchange as the client; raise ATLSError if refused."""
+    """Run TLS 1.3 and the attestation exchange as the client; raise ATLSError if refused.
+
+    `accept` runs on a verified quote, before the VERDICT: its reasons refuse the session."""
     tls = TlsStream(client_context(), reader, writer, server=False)
     try:
         await tls.handshake()
         nonce = os.urandom(NONCE_LEN)
         await write_frame(tls, FRAME_NONCE, nonce)
         frames = FrameReader(tls, max_frame)
-        quote, log = _decode_evidence(await frames.read(FRAME_EVIDENCE))
-        expected = report_data_for(nonce, tls.export_keying_material(EXPORTER_LABEL, EXPORTER_LEN))
-        verdict = await asyncio.to_thread(
-            verifier.verify, quote, event_log=log, expected_report_data=expected, now=now
+        evidence = _decode_evidence(await frames.read(FRAME_EVIDENCE))
+        expected = report_data_for(
+            nonce, tls.export_keying_material(EXPORTER_LABEL, EXPORTER_LEN), evidence.binding
         )
+        verdict = await asyncio.to_thread(
+            verifier.verify,
+            evidence.quote,
+            event_log=evidence.log,
+            expected_report_data=expected,
+            now=now,
+        )
+        if verdict.ok and accept is not None:
+            for reason in accept(verdict, evidence.binding):
+                verdict = verdict.with_failure(Step.BINDING, reason)
         await write_frame(
             tls,
             FRAME_VERDICT,
@@ -162,7 +201,7 @@ async def client_handshake(
         )
         if not verdict.ok:
             raise ATLSError("peer attestation refused: " + "; ".join(verdict.reasons))
-        return ATLSConnection(tls, verdict, frames.leftover())
+        return ATLSConnection(tls, verdict, frames.leftover(), evidence.binding)
     except BaseException:
         await tls.close()
         raise
@@ -176,8 +215,11 @@ async def server_handshake(
     event_log: Callable[[], Sequence[Event]] | None = None,
     ctx: Any = None,
     max_frame: int = MAX_FRAME,
+    bind: Callable[[], bytes] | None = None,
 ) -> ATLSConnection:
-    """Run TLS 1.3 and the attestation exchange as the attested server."""
+    """Run TLS 1.3 and the attestation exchange as the attested server.
+
+    `bind`, called once per connection, returns what this session's quote commits to."""
     tls = TlsStream(ctx or server_context(), reader, writer, server=True)
     try:
         await tls.handshake()
@@ -185,16 +227,26 @@ async def server_handshake(
         nonce = await frames.read(FRAME_NONCE)
         if len(nonce) != NONCE_LEN:
             raise ATLSError(f"client nonce is {len(nonce)} bytes, expected {NONCE_LEN}")
-        rd = report_data_for(nonce, tls.export_keying_material(EXPORTER_LABEL, EXPORTER_LEN))
+        try:
+            binding = await asyncio.to_thread(bind) if bind is not None else None
+        except (OSError, ValueError) as exc:
+            raise ATLSError(f"cannot produce the session binding: {exc}") from None
+        if binding is not None and len(binding) > MAX_BINDING:
+            raise ATLSError(f"the session binding exceeds {MAX_BINDING} bytes")
+        rd = report_data_for(
+            nonce, tls.export_keying_material(EXPORTER_LABEL, EXPORTER_LEN), binding
+        )
         try:
             quote = await asyncio.to_thread(quote_source.get_quote, rd)
         except AttestError as exc:
             raise ATLSError(f"cannot produce a quote: {exc}") from None
-        evidence = {
+        evidence: dict[str, Any] = {
             "quote": base64.b64encode(quote).decode(),
             "event_log": dump_dstack_event_log(event_log()) if event_log else None,
             "format": "azure-tdx" if is_azure_envelope(quote) else "tdx-quote",
         }
+        if binding is not None:
+            evidence["binding"] = base64.b64encode(binding).decode()
         await write_frame(tls, FRAME_EVIDENCE, json.dumps(evidence).encode())
         try:
             result = json.loads(await frames.read(FRAME_VERDICT))
@@ -206,7 +258,7 @@ async def server_handshake(
                 "client refused our attestation: "
                 + "; ".join(str(r) for r in result.get("reasons", []))
             )
-        return ATLSConnection(tls, None, frames.leftover())
+        return ATLSConnection(tls, None, frames.leftover(), binding)
     except BaseException:
         await tls.close()
         raise
@@ -220,6 +272,7 @@ async def atls_connect(
     handshake_timeout: float = HANDSHAKE_TIMEOUT,
     max_frame: int = MAX_FRAME,
     now: int | None = None,
+    accept: Accept | None = None,
 ) -> ATLSConnection:
     try:
         reader, writer = await asyncio.wait_for(
@@ -229,7 +282,7 @@ async def atls_connect(
         raise ATLSError(f"cannot connect to {host}:{port}: {exc}") from None
     try:
         return await asyncio.wait_for(
-            client_handshake(reader, writer, verifier, max_frame=max_frame, now=now),
+            client_handshake(reader, writer, verifier, max_frame=max_frame, now=now, accept=accept),
             handshake_timeout,
         )
     except TimeoutError:
@@ -248,6 +301,7 @@ async def serve_atls(
     event_log: Callable[[], Sequence[Event]] | None = None,
     handshake_timeout: float = HANDSHAKE_TIMEOUT,
     on_error: Callable[[ATLSError], None] | None = None,
+    bind: Callable[[], bytes] | None = None,
 ) -> asyncio.Server:
     """Start an attested server; `handler` runs only for clients that accepted our quote."""
     ctx = server_context()
@@ -255,7 +309,9 @@ async def serve_atls(
     async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             conn = await asyncio.wait_for(
-                server_handshake(reader, writer, quote_source, event_log=event_log, ctx=ctx),
+                server_handshake(
+                    reader, writer, quote_source, event_log=event_log, ctx=ctx, bind=bind
+                ),
                 handshake_timeout,
             )
         except (ATLSError, TimeoutError, OSError) as exc:

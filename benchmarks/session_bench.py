@@ -92,10 +92,12 @@ def main() -> None:
                 attested = ssh_argv(cvm_id, reuse=False)
                 alias = attested[-1]
                 # plain: same options, but ssh talks straight to the gateway's sshd -i
-                from umbra.sandbox.gateway_sshd import sshd_argv
+                from umbra.sandbox.gateway_sshd import HOST_KEY, sshd_argv
                 from umbra.sandbox.ingress_config import load_ingress_config
 
-                direct = shlex.join(sshd_argv(load_ingress_config(ing.config)))
+                direct = shlex.join(
+                    sshd_argv(load_ingress_config(ing.config), ing.state_dir / HOST_KEY)
+                )
 
                 def swap(argv: list[str], command: str) -> list[str]:
                     out = [

@@ -9,6 +9,7 @@ import json
 import os
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -195,16 +196,54 @@ def _locked(path: Path) -> Iterator[None]:
         yield
 
 
-def pin_host_key(cvm_id: str, key: str) -> None:
-    """Make `key` the only host key known for this CVM (it was read from a verified quote)."""
+BOOT_COMMENT = "umbra-boot="
+
+
+@dataclass(frozen=True)
+class HostKeyPin:
+    key: str  # `type base64`
+    boot_id: str | None  # the attested boot the key was pinned for (None: an older pin)
+
+
+class PinConflict(Exception):
+    """The attested key differs from the pin for the same CVM and boot."""
+
+
+def _pin_in(lines: list[str], alias: str) -> HostKeyPin | None:
+    for line in lines:
+        fields = line.split()
+        if len(fields) >= 3 and fields[0] == alias:
+            boots = [f[len(BOOT_COMMENT) :] for f in fields[3:] if f.startswith(BOOT_COMMENT)]
+            return HostKeyPin(f"{fields[1]} {fields[2]}", boots[0] if boots else None)
+    return None
+
+
+def pinned_host_key(cvm_id: str) -> HostKeyPin | None:
+    try:
+        lines = known_hosts_path().read_text().splitlines()
+    except (FileNotFoundError, UnicodeDecodeError):
+        return None
+    return _pin_in(lines, host_alias(cvm_id))
+
+
+def pin_host_key(cvm_id: str, key: str, boot_id: str) -> bool:
+    """Make `key` the only host key known for this CVM (read from a verified quote), recorded
+    with the attested boot id as a known_hosts comment (ssh ignores it). Within one boot the key
+    cannot change: raises PinConflict. Returns True when the pin changed (a new boot's key)."""
     path, alias = known_hosts_path(), host_alias(cvm_id)
     with _locked(path):
         try:
             lines = path.read_text().splitlines()
         except FileNotFoundError:
             lines = []
+        old = _pin_in(lines, alias)
+        if old is not None and old.boot_id == boot_id:
+            if old.key != key:
+                raise PinConflict(f"boot {boot_id[:8]} of {cvm_id} was pinned with another key")
+            return False
         kept = [line for line in lines if line.split(" ", 1)[0] != alias]
-        write_private(path, "\n".join([*kept, f"{alias} {key}"]) + "\n")
+        write_private(path, "\n".join([*kept, f"{alias} {key} {BOOT_COMMENT}{boot_id}"]) + "\n")
+        return old is not None and old.key != key
 
 
 # -- `umbra up`'s local opt-ins ------------------------------------------------------------------

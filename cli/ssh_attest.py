@@ -5,7 +5,10 @@ fast. Order of checks: docs/specs/session.md.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import enum
+import hashlib
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,7 +26,13 @@ from umbra.attest.measurement import (
     canonical_ssh_key,
 )
 from umbra.attest.verify import Verdict, Verifier
-from umbra.contracts.session import CVM_ID_EVENT, SSH_HOST_KEY_EVENT, SessionInfo, SessionState
+from umbra.contracts.session import (
+    BOOT_ID_EVENT,
+    CVM_ID_EVENT,
+    SSH_HOST_KEY_EVENT,
+    SessionInfo,
+    SessionState,
+)
 
 SIMULATED_PKI_ENV = "UMBRA_SIMULATED_PKI"  # opt in to simulated TEEs (the embedded default)
 PCCS_ENV = "UMBRA_PCCS_URL"
@@ -43,6 +52,8 @@ class Check(enum.StrEnum):
     cvm_id = "cvm-id"
     authorized_keys = "authorized-keys"
     host_key = "host-key"
+    host_key_binding = "host-key-binding"
+    host_key_pin = "host-key-pin"
     freshness = "freshness"
     simulated = "simulated"
 
@@ -73,8 +84,9 @@ def session_policy(info: SessionInfo) -> MeasurementPolicy:
         release_events.append(pinned_id if event.name == CVM_ID_EVENT else event)
     if CVM_ID_EVENT not in names:
         binding_events.append(pinned_id)
-    if SSH_HOST_KEY_EVENT not in names:
-        binding_events.append(ExpectedEvent(name=SSH_HOST_KEY_EVENT))
+    for name in (BOOT_ID_EVENT, SSH_HOST_KEY_EVENT):
+        if name not in names:
+            binding_events.append(ExpectedEvent(name=name))
     release = info.release.model_copy(update={"events": release_events})
     binding = InstanceBinding(
         apiVersion="umbra/v1",
@@ -152,22 +164,74 @@ def classify(reasons: Sequence[str]) -> Check:
     return Check.measurement
 
 
-def attested_host_key(log: Sequence[Event] | None) -> str:
-    hits = [
-        e for e in log or () if e.event_type == RUNTIME_EVENT_TYPE and e.name == SSH_HOST_KEY_EVENT
-    ]
+def _one(log: Sequence[Event] | None, name: str) -> bytes:
+    hits = [e for e in log or () if e.event_type == RUNTIME_EVENT_TYPE and e.name == name]
     if len(hits) != 1:
-        raise Refused(Check.host_key, f"the quote binds {len(hits)} host keys, not one")
+        raise Refused(Check.host_key, f"the quote binds {len(hits)} {name} events, not one")
+    return hits[0].payload
+
+
+def attested_host_key(log: Sequence[Event] | None) -> str:
     try:
-        return canonical_ssh_key(hits[0].payload.decode())
+        return canonical_ssh_key(_one(log, SSH_HOST_KEY_EVENT).decode())
     except (UnicodeDecodeError, ValueError) as exc:
         raise Refused(Check.host_key, f"the bound host key is not an SSH key: {exc}") from None
+
+
+def attested_boot_id(log: Sequence[Event] | None) -> str:
+    boot = _one(log, BOOT_ID_EVENT).decode(errors="replace")
+    if not (len(boot) == 32 and all(c in "0123456789abcdef" for c in boot)):
+        raise Refused(Check.host_key, f"the bound {BOOT_ID_EVENT} is not 16 bytes of hex")
+    return boot
+
+
+def fingerprint(key_line: str) -> str:
+    """OpenSSH's SHA256 fingerprint of a `type base64` key line (for messages)."""
+    try:
+        blob = base64.b64decode(key_line.split()[1], validate=True)
+    except (IndexError, binascii.Error):
+        return "(not a key)"
+    return "SHA256:" + base64.b64encode(hashlib.sha256(blob).digest()).decode().rstrip("=")
+
+
+def check_host_key(
+    cvm_id: str, log: Sequence[Event] | None, binding: bytes | None
+) -> tuple[str, str]:
+    """The attested host key and boot id, once the three views agree: the RTMR3 event, the key
+    the ingress bound into this session's report_data (the one it hands sshd), and our pin for
+    this CVM and boot. Raises Refused naming the view that differs."""
+    from umbra.cli.credentials import pinned_host_key
+
+    key, boot = attested_host_key(log), attested_boot_id(log)
+    if binding is None:
+        raise Refused(
+            Check.host_key_binding, "the ingress bound no host key into this session's quote"
+        )
+    try:
+        bound = canonical_ssh_key(binding.decode())
+    except (UnicodeDecodeError, ValueError):
+        raise Refused(Check.host_key_binding, "the session's binding is not an SSH key") from None
+    if bound != key:
+        raise Refused(
+            Check.host_key_binding,
+            f"the ingress would hand sshd host key {fingerprint(bound)}, but this boot attested "
+            f"{fingerprint(key)} (the key file changed after boot)",
+        )
+    pin = pinned_host_key(cvm_id)
+    if pin is not None and pin.boot_id == boot and pin.key != key:
+        raise Refused(
+            Check.host_key_pin,
+            f"boot {boot[:8]} of {cvm_id} was pinned with host key {fingerprint(pin.key)}, "
+            f"now attests {fingerprint(key)}",
+        )
+    return key, boot
 
 
 @dataclass
 class AttestedSession:
     conn: ATLSConnection
     host_key: str
+    boot_id: str
     verdict: Verdict
 
 
@@ -179,20 +243,34 @@ async def connect_attested(info: SessionInfo, handshake_timeout: float = 20.0) -
     verifier = CapturingVerifier(
         policy, collateral, allow_simulated=root is not None, simulated_root_der=root
     )
+    refused: list[Refused] = []
+    identity: list[tuple[str, str]] = []
+
+    def accept(_verdict: Verdict, binding: bytes | None) -> list[str]:
+        # runs before our VERDICT: a refusal here means the ingress never starts sshd
+        try:
+            identity.append(check_host_key(info.cvm_id, verifier.log, binding))
+        except Refused as exc:
+            refused.append(exc)
+            return [f"{exc.check}: {exc.reason}"]
+        return []
+
     try:
         conn = await atls_connect(
-            info.ingress.host, info.ingress.port, verifier, handshake_timeout=handshake_timeout
+            info.ingress.host,
+            info.ingress.port,
+            verifier,
+            handshake_timeout=handshake_timeout,
+            accept=accept,
         )
     except ATLSError as exc:
+        if refused:
+            raise refused[0] from None
         verdict = verifier.verdict
         if verdict is not None and not verdict.ok:
             raise Refused(classify(verdict.reasons), "; ".join(verdict.reasons)) from None
         check = Check.ingress if "cannot connect" in str(exc) else Check.atls
         raise Refused(check, str(exc)) from None
-    assert verifier.verdict is not None
-    try:
-        host_key = attested_host_key(verifier.log)
-    except Refused:
-        await conn.close()
-        raise
-    return AttestedSession(conn, host_key, verifier.verdict)
+    assert verifier.verdict is not None and identity
+    host_key, boot_id = identity[0]
+    return AttestedSession(conn, host_key, boot_id, verifier.verdict)

@@ -17,8 +17,8 @@ from urllib.parse import urlsplit
 
 from pydantic import ValidationError
 
-from umbra.cli.credentials import LoginMissing, fresh_login, pin_host_key
-from umbra.cli.ssh_attest import AttestedSession, Check, Refused, connect_attested
+from umbra.cli.credentials import LoginMissing, PinConflict, fresh_login, pin_host_key
+from umbra.cli.ssh_attest import AttestedSession, Check, Refused, connect_attested, fingerprint
 from umbra.contracts.console_url import ConsoleUrlError, check_console_url
 from umbra.contracts.session import SESSION_API, SessionInfo
 
@@ -99,7 +99,17 @@ async def attest(cvm_id: str) -> AttestedSession:
     if info.cvm_id != cvm_id:
         raise Refused(Check.console, f"the Console answered for {info.cvm_id}, not {cvm_id}")
     session = await connect_attested(info)
-    pin_host_key(cvm_id, session.host_key)
+    try:
+        changed = pin_host_key(cvm_id, session.host_key, session.boot_id)
+    except PinConflict as exc:  # another connection pinned this boot meanwhile
+        await session.conn.close()
+        raise Refused(Check.host_key_pin, str(exc)) from None
+    if changed:  # a legitimate relaunch: a new attested boot with its own key
+        print(
+            f"umbra ssh-proxy: {cvm_id} restarted (boot {session.boot_id[:8]}): pinned its "
+            f"attested host key {fingerprint(session.host_key)}",
+            file=sys.stderr,
+        )
     return session
 
 

@@ -17,6 +17,9 @@ from umbra.attest.measurement import ReleaseManifest, canonical_ssh_key
 SESSION_API = "/api/v1/cvms/{cvm_id}/session"
 CVM_ID_EVENT = "umbra.cvm-id"
 SSH_HOST_KEY_EVENT = "umbra.ssh-host-key"
+# 16 random bytes (hex) chosen at each boot by whoever binds the host key: a client refuses a
+# host key that differs from its pin for the same CVM id and boot (docs/specs/session.md).
+BOOT_ID_EVENT = "umbra.boot-id"
 # The gateway sshd's login name; its ForceCommand drops to the sandbox user inside the sandbox.
 LOGIN_USER = "root"
 _HOST = r"^[A-Za-z0-9]([A-Za-z0-9.:-]{0,251}[A-Za-z0-9])?$"

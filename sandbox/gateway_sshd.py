@@ -10,12 +10,15 @@ can change who logs in: keys are read from the state directory, never from a hom
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import stat
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
+
+from cryptography.exceptions import UnsupportedAlgorithm
 
 from umbra.attest.measurement import canonical_ssh_key
 from umbra.contracts.session import LOGIN_USER
@@ -82,6 +85,37 @@ def ensure_host_key(state_dir: Path) -> str:
         raise IngressConfigError(f"{key}.pub: {exc}") from None
 
 
+BOUND_KEYS = "bound-host-keys"
+
+
+def bound_key_path(state_dir: Path, public_line: str) -> Path:
+    """Where the ingress keeps the exact private key it bound for `public_line`."""
+    digest = hashlib.sha256(public_line.encode()).hexdigest()
+    return state_dir / BOUND_KEYS / digest
+
+
+def snapshot_host_key(state_dir: Path) -> str:
+    """Read the host key file once, keep those bytes where only we write (content-addressed by
+    the public key), and return the public line: what this connection's quote binds and the
+    exact key its sshd gets (`-h`), so a swapped file cannot slip in between."""
+    from cryptography.hazmat.primitives import serialization
+
+    data = (state_dir / HOST_KEY).read_bytes()
+    try:
+        private = serialization.load_ssh_private_key(data, password=None)
+    except (ValueError, TypeError, UnsupportedAlgorithm) as exc:
+        raise ValueError(f"{state_dir / HOST_KEY} is not an OpenSSH private key: {exc}") from None
+    public = private.public_key().public_bytes(
+        serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH
+    )
+    line = canonical_ssh_key(public.decode())
+    path = bound_key_path(state_dir, line)
+    if not path.exists():
+        path.parent.mkdir(mode=0o700, exist_ok=True)
+        _write(path, data.decode(), 0o600)
+    return line
+
+
 def _write(path: Path, text: str, mode: int) -> None:
     temp = path.with_name(path.name + ".tmp")
     temp.unlink(missing_ok=True)
@@ -142,8 +176,8 @@ exec /usr/bin/env -i {env} TERM="${{TERM:-dumb}}" SSH_CONNECTION="${{SSH_CONNECT
 
 def sshd_config(config: IngressConfig) -> str:
     state = config.state_dir
-    return f"""# Written by `umbra sandbox ingress`; regenerated at every start.
-HostKey {state / HOST_KEY}
+    return f"""# Written by `umbra sandbox ingress`; regenerated at every start. No HostKey: each sshd
+# gets, with -h, the exact key its connection's quote bound.
 AuthorizedKeysFile {state / "authorized_keys"}
 AuthorizedKeysCommand none
 AuthorizedPrincipalsFile none
@@ -185,7 +219,14 @@ def prepare(config: IngressConfig, launch: LaunchData) -> str:
     _write(config.state_dir / "sshd_config", sshd_config(config), 0o600)
     PRIVSEP_DIR.mkdir(mode=0o755, exist_ok=True)
     done = subprocess.run(
-        [str(config.sshd), "-t", "-f", str(config.state_dir / "sshd_config")],
+        [
+            str(config.sshd),
+            "-t",
+            "-f",
+            str(config.state_dir / "sshd_config"),
+            "-h",
+            str(config.state_dir / HOST_KEY),
+        ],
         capture_output=True,
         text=True,
     )
@@ -194,8 +235,9 @@ def prepare(config: IngressConfig, launch: LaunchData) -> str:
     return host_key
 
 
-def sshd_argv(config: IngressConfig) -> list[str]:
-    """One inetd-mode sshd in the sandbox's network namespace (still host root, host mounts)."""
+def sshd_argv(config: IngressConfig, host_key_file: Path) -> list[str]:
+    """One inetd-mode sshd in the sandbox's network namespace (still host root, host mounts),
+    serving exactly `host_key_file` (the key its connection's quote bound)."""
     return [
         "/usr/bin/nsenter",
         f"--net={netns_path(config)}",
@@ -205,4 +247,6 @@ def sshd_argv(config: IngressConfig) -> list[str]:
         "-e",
         "-f",
         str(config.state_dir / "sshd_config"),
+        "-h",
+        str(host_key_file),
     ]

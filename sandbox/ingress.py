@@ -1,9 +1,11 @@
 """The Dev CVM's attested SSH ingress: one port, aTLS, then a gateway `sshd -i` per connection.
 
 The client (`umbra ssh-proxy`) verifies a fresh quote bound to the TLS session before it sends a
-single SSH byte; the quote's RTMR3 carries the CVM id, the launch-bound authorized-keys digest and
-this CVM's SSH host key (`umbra.ssh-host-key`), so the client learns the host key from the quote.
-See docs/specs/session.md.
+single SSH byte; the quote's RTMR3 carries the CVM id, the launch-bound authorized-keys digest,
+this boot's id and this CVM's SSH host key (`umbra.ssh-host-key`), so the client learns the host
+key from the quote. Each connection's report_data also binds the host key this ingress is about
+to hand that connection's sshd (aTLS `bind`): a key file swapped after boot is refused by the
+client before sshd even starts. See docs/specs/session.md.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import socket
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -22,7 +25,7 @@ from umbra.attest.measurement import SSH_KEYS_EVENT, ssh_keys_digest
 from umbra.attest.quote_source import ConfigfsTsmSource, QuoteSource, SimulatedSource
 from umbra.attest.simpki import SimulatedPki
 from umbra.attest.simulator import SimulatedTdx
-from umbra.contracts.session import CVM_ID_EVENT, SSH_HOST_KEY_EVENT
+from umbra.contracts.session import BOOT_ID_EVENT, CVM_ID_EVENT, SSH_HOST_KEY_EVENT
 from umbra.sandbox import gateway_sshd
 from umbra.sandbox.ingress_config import IngressConfig, IngressConfigError
 
@@ -51,21 +54,28 @@ def _load_events(config: IngressConfig) -> list[Event] | None:
 def build_evidence(
     config: IngressConfig, launch: gateway_sshd.LaunchData, host_key: str
 ) -> Evidence:
-    """Quotes whose RTMR3 binds the CVM id, the login keys and this host key."""
+    """Quotes whose RTMR3 binds the CVM id, the login keys, this boot and this host key."""
     qs = config.quote_source
     events = _load_events(config)
     payload = host_key.encode()
+
+    def named(name: str) -> list[Event]:
+        return [e for e in events or () if e.event_type == RUNTIME_EVENT_TYPE and e.name == name]
+
     if qs.kind == "configfs":
-        # The launch agent generated the key, extended the event and wrote the log before us.
+        # The launch agent generated the key, extended the events and wrote the log before us.
         if events is None:
             raise IngressConfigError("quote_source.event_log is required with kind configfs")
-        hits = [
-            e for e in events if e.event_type == RUNTIME_EVENT_TYPE and e.name == SSH_HOST_KEY_EVENT
-        ]
+        hits = named(SSH_HOST_KEY_EVENT)
         if len(hits) != 1 or hits[0].payload != payload:
             raise IngressConfigError(
                 f"{qs.event_log}: the launch agent has not bound this host key "
                 f"({SSH_HOST_KEY_EVENT} must appear once with {host_key[:40]}…)"
+            )
+        if len(named(BOOT_ID_EVENT)) != 1:
+            raise IngressConfigError(
+                f"{qs.event_log}: the launch agent has not bound a boot id "
+                f"({BOOT_ID_EVENT} must appear once)"
             )
         fixed = list(events)
         return Evidence(ConfigfsTsmSource(), lambda: fixed)
@@ -83,6 +93,8 @@ def build_evidence(
     else:  # the embedded default: the ingress is the launch agent of its simulated TD
         tdx.extend_runtime_event(CVM_ID_EVENT, launch.cvm_id.encode())
         tdx.extend_runtime_event(SSH_KEYS_EVENT, ssh_keys_digest(list(launch.authorized_keys)))
+    if not named(BOOT_ID_EVENT):  # this start of the ingress is this simulated TD's boot
+        tdx.extend_runtime_event(BOOT_ID_EVENT, os.urandom(16).hex().encode())
     tdx.extend_runtime_event(SSH_HOST_KEY_EVENT, payload)
     return Evidence(SimulatedSource(tdx), tdx.event_log)
 
@@ -115,6 +127,7 @@ class Ingress:
             event_log=self.evidence.event_log,
             handshake_timeout=self.config.handshake_timeout,
             on_error=self._on_error,
+            bind=self._bind,
         )
         return self.server
 
@@ -122,6 +135,13 @@ class Ingress:
         server = await self.start()
         async with server:
             await server.serve_forever()
+
+    def _bind(self) -> bytes:
+        """Per connection: the host key its sshd will get, read now (a swap shows here)."""
+        line = gateway_sshd.snapshot_host_key(self.config.state_dir)
+        if line != self.host_key:
+            log.warning("the host key file changed since boot: binding %s…", line[:40])
+        return line.encode()
 
     def _on_error(self, exc: ATLSError) -> None:
         self.stats.refuse("atls")
@@ -136,9 +156,12 @@ class Ingress:
             await self._run_sshd(conn)
 
     async def _run_sshd(self, conn: ATLSConnection) -> None:
+        if conn.binding is None:  # serve_atls always binds here; never start sshd unbound
+            return
+        key_file = gateway_sshd.bound_key_path(self.config.state_dir, conn.binding.decode())
         ours, theirs = socket.socketpair()
         try:
-            argv = gateway_sshd.sshd_argv(self.config)
+            argv = gateway_sshd.sshd_argv(self.config, key_file)
             proc = await asyncio.create_subprocess_exec(
                 *argv, stdin=theirs.fileno(), stdout=theirs.fileno(), close_fds=True
             )

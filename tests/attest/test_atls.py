@@ -297,3 +297,76 @@ async def test_azure_evidence_over_atls(pki: SimulatedPki, sim_collateral: Colla
     async with rogue_server(replay) as port:
         with pytest.raises(ATLSError, match="user-data does not match"):
             await atls_connect("127.0.0.1", port, verifier, now=T_SIM)
+
+
+async def test_a_binding_is_committed_to_and_checked_before_the_verdict(
+    attested: SimulatedTdx, verifier: Verifier
+) -> None:
+    """The server binds a statement per connection; the client sees it and may refuse it before
+    its VERDICT, so the server's handler never runs."""
+    ran: list[bytes | None] = []
+    errors: list[ATLSError] = []
+
+    async def handler(conn: ATLSConnection) -> None:
+        ran.append(conn.binding)
+
+    server = await serve_atls(
+        "127.0.0.1",
+        0,
+        handler,
+        SimulatedSource(attested),
+        event_log=attested.event_log,
+        on_error=errors.append,
+        bind=lambda: b"ssh-ed25519 AAAA-key-1",
+    )
+    port = server.sockets[0].getsockname()[1]
+    try:
+        conn = await atls_connect("127.0.0.1", port, verifier, now=T_SIM)
+        assert conn.binding == b"ssh-ed25519 AAAA-key-1"
+        await conn.close()
+        for _ in range(100):
+            if ran:
+                break
+            await asyncio.sleep(0.01)
+        assert ran == [b"ssh-ed25519 AAAA-key-1"]
+        with pytest.raises(ATLSError, match="binding: not the key we expect"):
+            await atls_connect(
+                "127.0.0.1", port, verifier, now=T_SIM,
+                accept=lambda _v, binding: ["binding: not the key we expect"],
+            )  # fmt: skip
+        for _ in range(100):
+            if errors:
+                break
+            await asyncio.sleep(0.01)
+        assert "not the key we expect" in str(errors[0])
+        assert len(ran) == 1  # the refused session never reached the handler
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+async def test_a_binding_swapped_in_transit_breaks_the_report_data(
+    attested: SimulatedTdx, verifier: Verifier
+) -> None:
+    """A quote bound to binding A cannot be presented with binding B (nor with none)."""
+
+    def rogue(sent: bytes | None) -> Behaviour:
+        async def behaviour(tls: TlsStream, frames: FrameReader) -> None:
+            nonce = await frames.read(FRAME_NONCE)
+            exporter = tls.export_keying_material(EXPORTER_LABEL, EXPORTER_LEN)
+            quote = attested.quote(report_data_for(nonce, exporter, b"key-A"))
+            doc = json.loads(_evidence(quote, attested))
+            if sent is not None:
+                doc["binding"] = base64.b64encode(sent).decode()
+            await write_frame(tls, FRAME_EVIDENCE, json.dumps(doc).encode())
+            await tls.recv()
+
+        return behaviour
+
+    for sent in (b"key-B", None):
+        async with rogue_server(rogue(sent)) as port:
+            with pytest.raises(ATLSError, match="report_data does not match"):
+                await atls_connect("127.0.0.1", port, verifier, now=T_SIM)
+    # and without a binding the formula is the one every other aTLS user keeps
+    assert report_data_for(b"n" * 32, b"e" * 64) == report_data_for(b"n" * 32, b"e" * 64, None)
+    assert report_data_for(b"n" * 32, b"e" * 64) != report_data_for(b"n" * 32, b"e" * 64, b"")

@@ -170,7 +170,13 @@ class IngressProc:
 
 
 def write_ingress_config(
-    box: Sandbox, work: Path, cvm_id: str, keys: list[str], pki_dir: Path, port: int
+    box: Sandbox,
+    work: Path,
+    cvm_id: str,
+    keys: list[str],
+    pki_dir: Path,
+    port: int,
+    **extra: Any,
 ) -> Path:
     launch = work / "launch"
     launch.mkdir(mode=0o755, exist_ok=True)
@@ -195,6 +201,7 @@ def write_ingress_config(
             "simulated_pki": str(pki_dir),
             "simulated_image": IMAGE,
         },
+        **extra,
     }
     path = work / "ingress.json"
     path.write_text(json.dumps(config))
@@ -203,10 +210,10 @@ def write_ingress_config(
 
 @contextmanager
 def ingress(
-    box: Sandbox, work: Path, cvm_id: str, keys: list[str], pki_dir: Path
+    box: Sandbox, work: Path, cvm_id: str, keys: list[str], pki_dir: Path, **extra: Any
 ) -> Iterator[IngressProc]:
     port = free_port()
-    config = write_ingress_config(box, work, cvm_id, keys, pki_dir, port)
+    config = write_ingress_config(box, work, cvm_id, keys, pki_dir, port, **extra)
     proc = subprocess.Popen(
         [str(Path(sys.executable).parent / "umbra"), "sandbox", "ingress", "--config", str(config)],
         stdout=subprocess.DEVNULL,
@@ -226,6 +233,24 @@ def ingress(
         yield running
     finally:
         running.stop()
+
+
+def counting_sshd(directory: Path) -> tuple[Path, Path]:
+    """An sshd that appends a line to a counter file each time it starts, then is the real one:
+    tests read the counter to prove the gateway never started sshd for a refused session."""
+    counter, wrapper = directory / "sshd-starts", directory / "sshd"
+    real = shutil.which("sshd") or "/usr/sbin/sshd"
+    wrapper.write_text(f'#!/bin/sh\necho "$*" >> {counter}\nexec {real} "$@"\n')
+    wrapper.chmod(0o755)
+    return wrapper, counter
+
+
+def sshd_starts(counter: Path) -> int:
+    """How many sshd ran for sessions (`-i`), not `sshd -t` checks."""
+    try:
+        return sum(" -i " in f" {line} " for line in counter.read_text().splitlines())
+    except FileNotFoundError:
+        return 0
 
 
 def simulated_pki(directory: Path) -> Path:

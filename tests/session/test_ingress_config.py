@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from umbra.attest.eventlog import dump_dstack_event_log, make_runtime_event
-from umbra.contracts.session import SSH_HOST_KEY_EVENT
+from umbra.contracts.session import BOOT_ID_EVENT, SSH_HOST_KEY_EVENT
 from umbra.sandbox.ingress import Ingress
 from umbra.sandbox.ingress_config import IngressConfig, IngressConfigError, load_ingress_config
 
@@ -79,8 +79,13 @@ def test_configfs_refuses_to_start_unless_the_launch_agent_bound_this_host_key(
         Ingress(config)
     bound = f"{host[0]} {host[1]}".encode()
     log.write_text(dump_dstack_event_log([make_runtime_event(3, SSH_HOST_KEY_EVENT, bound)]))
+    with pytest.raises(IngressConfigError, match="has not bound a boot id"):
+        Ingress(config)
+    boot = make_runtime_event(3, BOOT_ID_EVENT, os.urandom(16).hex().encode())
+    log.write_text(dump_dstack_event_log([boot, make_runtime_event(3, SSH_HOST_KEY_EVENT, bound)]))
     ingress = Ingress(config)
     assert ingress.host_key == bound.decode()
     state = tmp_path / "state"
     assert oct(state.stat().st_mode & 0o777) == "0o700"
     assert "AllowAgentForwarding no" in (state / "sshd_config").read_text()
+    assert "\nHostKey " not in (state / "sshd_config").read_text()  # each sshd: its bound key

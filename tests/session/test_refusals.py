@@ -22,7 +22,7 @@ from umbra.attest.measurement import SSH_KEYS_EVENT, ssh_keys_digest
 from umbra.attest.simpki import SimulatedPki
 from umbra.attest.simulator import SimulatedTdx
 from umbra.cli.ssh_config import ssh_argv
-from umbra.contracts.session import CVM_ID_EVENT, SSH_HOST_KEY_EVENT
+from umbra.contracts.session import BOOT_ID_EVENT, CVM_ID_EVENT, SSH_HOST_KEY_EVENT
 
 BANNER = b"SSH-2.0-OpenSSH_9.2p1\r\n"
 
@@ -182,7 +182,9 @@ def test_replayed_quote(developer: Developer, a: str, pki_dir: Path) -> None:
     tdx = SimulatedTdx(SimulatedPki.load(pki_dir), image=harness.IMAGE)
     tdx.extend_runtime_event(CVM_ID_EVENT, a.encode())
     tdx.extend_runtime_event(SSH_KEYS_EVENT, ssh_keys_digest([developer.pub]))
-    tdx.extend_runtime_event(SSH_HOST_KEY_EVENT, developer.pub.rsplit(" ", 1)[0].encode())
+    host_key = developer.pub.rsplit(" ", 1)[0].encode()  # any key: sshd is never reached
+    tdx.extend_runtime_event(BOOT_ID_EVENT, os.urandom(16).hex().encode())
+    tdx.extend_runtime_event(SSH_HOST_KEY_EVENT, host_key)
     received: list[bytes] = []
 
     async def handler(conn: ATLSConnection) -> None:
@@ -194,7 +196,15 @@ def test_replayed_quote(developer: Developer, a: str, pki_dir: Path) -> None:
     thread.start()
     port = harness.free_port()
     server = asyncio.run_coroutine_threadsafe(
-        serve_atls("127.0.0.1", port, handler, _Replaying(tdx), event_log=tdx.event_log), loop
+        serve_atls(
+            "127.0.0.1",
+            port,
+            handler,
+            _Replaying(tdx),
+            event_log=tdx.event_log,
+            bind=lambda: host_key,
+        ),
+        loop,
     ).result()
     try:
         developer.record(a, port=port, release=harness.release_manifest())
@@ -210,17 +220,32 @@ def test_replayed_quote(developer: Developer, a: str, pki_dir: Path) -> None:
         thread.join(timeout=10)
 
 
-def test_a_host_key_other_than_the_attested_one_is_refused_by_ssh(
+def _known_hosts(developer: Developer) -> Path:
+    return Path(developer.env["XDG_CONFIG_HOME"]) / "umbra" / "ssh" / "known_hosts"
+
+
+def test_a_host_key_swapped_after_boot_is_refused_before_sshd_starts(
     developer: Developer, box: harness.Sandbox, pki_dir: Path, tmp_path: Path
 ) -> None:
     cvm_id = developer.create_cvm(harness.unique_name())
-    with harness.ingress(box, tmp_path, cvm_id, [developer.pub], pki_dir) as ing:
+    sshd, starts = harness.counting_sshd(tmp_path)
+    with harness.ingress(box, tmp_path, cvm_id, [developer.pub], pki_dir, sshd=str(sshd)) as ing:
         developer.record(cvm_id, port=ing.port, release=harness.release_manifest())
-        # after boot bound key K1, the gateway's key file is swapped for K2
+        assert proxy(developer, cvm_id).returncode == 0  # boot key K1: pinned with this boot
+        assert harness.sshd_starts(starts) == 1
+        pin = next(
+            line.split()
+            for line in _known_hosts(developer).read_text().splitlines()
+            if line.startswith(f"umbra-{cvm_id} ")
+        )
+        assert pin[3].startswith("umbra-boot=")
+        # after boot, the gateway's key file is swapped for K2
         key = ing.state_dir / "ssh_host_ed25519_key"
         key.unlink()
         key.with_suffix(".pub").unlink()
         subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)], check=True)
+        line = assert_refused(proxy(developer, cvm_id), cvm_id, "host-key-binding")
+        assert "changed after boot" in line
         os.environ.update(
             {k: v for k, v in developer.env.items() if k.startswith(("UMBRA_", "XDG_"))}
         )
@@ -228,9 +253,35 @@ def test_a_host_key_other_than_the_attested_one_is_refused_by_ssh(
             [*ssh_argv(cvm_id, reuse=False), "echo should-not-run"],
             capture_output=True, text=True, env=developer.env, timeout=60,
         )  # fmt: skip
-        assert done.returncode == 255
-        assert "should-not-run" not in done.stdout
-        assert "Host key verification failed" in done.stderr
+        assert done.returncode == 255 and "should-not-run" not in done.stdout
+        assert f"umbra ssh-proxy: refused {cvm_id}: host-key-binding: " in done.stderr
+        assert "Host key verification failed" not in done.stderr  # refused before SSH began
+        # the gateway never started sshd: not one SSH byte (not even its banner) was exchanged
+        assert harness.sshd_starts(starts) == 1
+        assert pin == next(
+            line.split()
+            for line in _known_hosts(developer).read_text().splitlines()
+            if line.startswith(f"umbra-{cvm_id} ")
+        )
+    # a legitimate relaunch: a new boot binds the key it finds (K2) and gets a new boot id
+    with harness.ingress(box, tmp_path, cvm_id, [developer.pub], pki_dir, sshd=str(sshd)) as ing:
+        developer.record(cvm_id, port=ing.port, release=harness.release_manifest())
+        done_ok = proxy(developer, cvm_id)
+        notice = done_ok.stderr.decode()
+        assert done_ok.returncode == 0, notice
+        assert "restarted" in notice and "pinned its attested host key" in notice
+        new_pin = next(
+            line.split()
+            for line in _known_hosts(developer).read_text().splitlines()
+            if line.startswith(f"umbra-{cvm_id} ")
+        )
+        assert new_pin[1:3] != pin[1:3] and new_pin[3] != pin[3]
+        assert harness.sshd_starts(starts) == 2
+        # the same boot attesting another key than its pin (a cloned or forged boot) is refused
+        forged = harness.keypair(tmp_path, "forged")[1].split()
+        _known_hosts(developer).write_text(f"umbra-{cvm_id} {forged[0]} {forged[1]} {new_pin[3]}\n")
+        assert_refused(proxy(developer, cvm_id), cvm_id, "host-key-pin")
+        assert harness.sshd_starts(starts) == 2
 
 
 def test_no_default_cvm_among_several(developer: Developer, ingresses: dict[str, Any]) -> None:

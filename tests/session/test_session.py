@@ -62,7 +62,7 @@ def test_umbra_ssh_runs_a_command_in_the_sandbox(
     assert default.stdout.strip() == "default-cvm", default.stderr
     known = (developer.home / ".config/umbra/ssh/known_hosts").read_text()
     host_pub = (ing.state_dir / "ssh_host_ed25519_key.pub").read_text().split()[:2]
-    assert known == f"umbra-{cvm_id} {' '.join(host_pub)}\n"
+    assert known.startswith(f"umbra-{cvm_id} {' '.join(host_pub)} umbra-boot=")  # one pin
 
 
 def test_connection_reuse_skips_the_handshake(
