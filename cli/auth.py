@@ -205,7 +205,7 @@ def login(
         api_failure(exc, as_json)
     expires_in = grant.get("expires_in") if grant else None
     refresh = grant.get("refresh_token") if grant else None
-    path = save_login(
+    stored = save_login(
         Login(
             url=url.rstrip("/"),
             token=token,
@@ -218,11 +218,20 @@ def login(
     )
     if as_json:
         print_json(
-            {"ok": True, "url": url, "subject": me.subject, "roles": me.roles, "saved": str(path)}
+            {
+                "ok": True,
+                "url": url,
+                "subject": me.subject,
+                "roles": me.roles,
+                "saved": str(stored.path),
+                "keyring": stored.keyring,
+                "storage": stored.describe(),
+            }
         )
         return
     roles = ", ".join(f"{t}:{r}" for t, r in sorted(me.roles.items())) or "no roles"
-    console.print(f"Logged in to {url} as [bold]{me.subject}[/] ({roles}); saved to {path}")
+    console.print(f"Logged in to {url} as [bold]{me.subject}[/] ({roles})")
+    console.print(stored.describe(), markup=False, highlight=False, soft_wrap=True)
 
 
 @app.command()
@@ -244,6 +253,8 @@ def status(as_json: JsonFlag = False) -> None:
 
 @app.command()
 def logout() -> None:
-    """Forget the stored token."""
-    forget_login()
-    console.print("Logged out.")
+    """Forget the stored token (and its OS keyring entry)."""
+    path = forget_login()
+    console.print(
+        f"Logged out: removed {path} and its keyring entry, if any.", markup=False, soft_wrap=True
+    )

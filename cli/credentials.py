@@ -30,6 +30,7 @@ class Login(BaseModel):
     token_endpoint: str | None = None
     client_id: str | None = None
     keyring: bool = False
+    keyring_backend: str | None = None  # e.g. keyring.backends.SecretService.Keyring
 
     def __repr__(self) -> str:  # never show the token in tracebacks
         return f"Login(url={self.url!r}, team={self.team!r})"
@@ -67,38 +68,95 @@ def write_private(path: Path, text: str) -> None:
 
 KEYRING_SERVICE = "umbra-console"
 REFRESH_MARGIN = 60
+NO_KEYRING_ENV = "UMBRA_NO_KEYRING"
+_BACKENDS = "keyring.backends."
 
 
-def _keyring() -> Any | None:
-    """The OS keyring (python `keyring`, when installed and backed by a real store), else None."""
-    if os.environ.get("UMBRA_NO_KEYRING"):
-        return None
+@dataclass(frozen=True)
+class Stored:
+    """Where `save_login` put the tokens: `keyring` names the backend, else the file holds them
+    and `reason` says why no keyring was used."""
+
+    path: Path
+    keyring: str | None
+    reason: str | None = None
+
+    def describe(self) -> str:
+        if self.keyring is not None:
+            return f"tokens stored in the OS keyring ({self.keyring}); settings in {self.path}"
+        return f"no usable OS keyring ({self.reason}): tokens stored in {self.path} (mode 0600)"
+
+
+def _backend_name(backend: Any) -> str:
+    return f"{type(backend).__module__}.{type(backend).__qualname__}"
+
+
+def _keyring(recorded: str | None = None) -> tuple[Any | None, str]:
+    """The OS keyring (python `keyring` with a real backend) and a name, or (None, why not).
+
+    Imported only here and only when needed: a login stored in a keyring records its backend,
+    and reading it loads that backend class directly (skipping keyring's entry-point scan)."""
+    if os.environ.get(NO_KEYRING_ENV):
+        return None, f"{NO_KEYRING_ENV} is set"
     try:
-        import keyring  # type: ignore[import-not-found,unused-ignore]
-        from keyring.backends import fail  # type: ignore[import-not-found,unused-ignore]
-    except ImportError:
+        if recorded is not None and recorded.startswith(_BACKENDS):
+            import importlib
+
+            module, _, cls = recorded.rpartition(".")
+            backend = getattr(importlib.import_module(module), cls)()
+        else:
+            import keyring  # type: ignore[import-not-found,unused-ignore]
+            from keyring.backends import fail  # type: ignore[import-not-found,unused-ignore]
+
+            backend = keyring.get_keyring()
+            if isinstance(backend, fail.Keyring):
+                return None, "no keyring backend is available"
+    except Exception as exc:  # a broken keyring means: no keyring
+        return None, f"the keyring cannot be opened: {type(exc).__name__}"
+    return backend, _backend_name(backend)
+
+
+FREEDESKTOP_BACKEND = "keyring.backends.SecretService.Keyring"
+
+
+def _secret_service_get(service: str, username: str) -> str | None:
+    """keyring's SecretService lookup (same collection, same attributes), read with
+    `secretstorage` alone: `import keyring` costs ~0.2-0.3 s, and every ProxyCommand reads the
+    token; writes, refreshes and deletes still go through `keyring`."""
+    if os.environ.get(NO_KEYRING_ENV):
         return None
+    import secretstorage
+
+    conn = secretstorage.dbus_init()
     try:
-        if isinstance(keyring.get_keyring(), fail.Keyring):
-            return None
-    except Exception:  # a broken keyring backend means: no keyring
+        collection = secretstorage.get_default_collection(conn)
+        for item in collection.search_items({"username": username, "service": service}):
+            if item.is_locked():
+                item.unlock()
+            return item.get_secret().decode()
         return None
-    return keyring
+    finally:
+        conn.close()
 
 
-def save_login(login: Login) -> Path:
+def save_login(login: Login) -> Stored:
+    """Tokens to the OS keyring when one works, else into the 0600 file; never partial."""
     path = login_path()
-    ring = _keyring()
-    stored = login
+    ring, name = _keyring(login.keyring_backend if login.keyring else None)
     if ring is not None:
         secret = json.dumps({"token": login.token, "refresh_token": login.refresh_token})
         try:
             ring.set_password(KEYRING_SERVICE, login.url, secret)
-            stored = login.model_copy(update={"token": "", "refresh_token": None, "keyring": True})
-        except Exception:  # keyring refused: the 0600 file it is
-            stored = login.model_copy(update={"keyring": False})
-    write_private(path, stored.model_dump_json())
-    return path
+        except Exception as exc:  # locked, dismissed, no collection: the 0600 file it is
+            ring, name = None, f"the keyring refused to store: {type(exc).__name__}"
+    if ring is not None:
+        stored = login.model_copy(
+            update={"token": "", "refresh_token": None, "keyring": True, "keyring_backend": name}
+        )
+        write_private(path, stored.model_dump_json())
+        return Stored(path, name)
+    write_private(path, login.model_copy(update={"keyring": False}).model_dump_json())
+    return Stored(path, None, name)
 
 
 def read_login() -> Login:
@@ -110,11 +168,20 @@ def read_login() -> Login:
     except (OSError, ValidationError):
         raise LoginMissing(f"{path} is unreadable: run `umbra auth login URL` again") from None
     if login.keyring:
-        ring = _keyring()
-        raw = ring.get_password(KEYRING_SERVICE, login.url) if ring is not None else None
-        if not raw:
-            raise LoginMissing("the keyring holds no token: run `umbra auth login URL`")
-        secret = json.loads(raw)
+        why = "it holds no token"
+        try:
+            if login.keyring_backend == FREEDESKTOP_BACKEND:
+                raw = _secret_service_get(KEYRING_SERVICE, login.url)
+            else:
+                ring, why = _keyring(login.keyring_backend)
+                raw = ring.get_password(KEYRING_SERVICE, login.url) if ring is not None else None
+            secret = json.loads(raw) if raw else {}
+        except Exception:  # a locked or vanished keyring: say so, never a traceback
+            raise LoginMissing(
+                "the OS keyring cannot be read: unlock it or run `umbra auth login URL`"
+            ) from None
+        if not isinstance(secret, dict) or not secret.get("token"):
+            raise LoginMissing(f"the OS keyring: {why}: run `umbra auth login URL`")
         login = login.model_copy(
             update={"token": secret.get("token", ""), "refresh_token": secret.get("refresh_token")}
         )
@@ -123,17 +190,19 @@ def read_login() -> Login:
     return login
 
 
-def forget_login() -> None:
+def forget_login() -> Path:
     path = login_path()
     try:
         login = Login.model_validate_json(path.read_text())
     except (OSError, ValidationError):
         login = None
-    ring = _keyring()
-    if login is not None and login.keyring and ring is not None:
-        with contextlib.suppress(Exception):
-            ring.delete_password(KEYRING_SERVICE, login.url)
+    if login is not None and login.keyring:
+        ring, _ = _keyring(login.keyring_backend)
+        if ring is not None:
+            with contextlib.suppress(Exception):
+                ring.delete_password(KEYRING_SERVICE, login.url)
     path.unlink(missing_ok=True)
+    return path
 
 
 def fresh_login(now: float | None = None) -> Login:
