@@ -8,12 +8,12 @@ from typing import Annotated, Any
 
 import typer
 import yaml
-from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from rich.table import Table
 
 from umbra.attest.measurement import canonical_ssh_key
 from umbra.cli.output import EXIT_USAGE, console, fail, print_json
+from umbra.contracts.keys import KeyFileError, write_key_pair
 from umbra.images.definition import DefinitionError, load_definition
 from umbra.images.manifest import build_manifest
 from umbra.images.measure import expected_rtmr3, instance_events, measure
@@ -205,20 +205,11 @@ def keygen_cmd(
     out: Annotated[Path, typer.Argument(help="Private key path; the public key goes to OUT.pub.")],
 ) -> None:
     """Create an Ed25519 release signing key (private key mode 0600)."""
-    if out.exists():
-        fail(f"{out} exists; refusing to overwrite a key", EXIT_USAGE)
-    key = Ed25519PrivateKey.generate()
-    pem = key.private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-    )
-    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(pem)
-    pub = key.public_key().public_bytes(
-        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
-    )
-    Path(f"{out}.pub").write_bytes(pub)
-    console.print(f"wrote {out} and {out}.pub")
+    try:
+        public = write_key_pair(Ed25519PrivateKey.generate(), out)
+    except (KeyFileError, OSError) as exc:
+        fail(str(exc), EXIT_USAGE)
+    console.print(f"wrote {out} and {public}")
 
 
 def _git_commit() -> str:

@@ -9,17 +9,17 @@ from __future__ import annotations
 
 import base64
 import binascii
-import hashlib
 import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from pydantic import ValidationError
 
+from umbra.contracts import keys
+from umbra.contracts.keys import key_fingerprint
 from umbra.images.manifest import MeasurementManifest
 from umbra.sandbox.render import canonical_json
 
@@ -31,8 +31,8 @@ class SignatureError(Exception):
 
 
 def key_id(public: Ed25519PublicKey) -> str:
-    raw = public.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
-    return hashlib.sha256(raw).hexdigest()
+    """Manifests name their signing key by `contracts.keys.key_fingerprint`."""
+    return key_fingerprint(public)
 
 
 def sign_manifest(manifest: MeasurementManifest, key: Ed25519PrivateKey) -> str:
@@ -76,19 +76,13 @@ def verify_signed_manifest(
 
 def load_private_key(path: Path) -> Ed25519PrivateKey:
     try:
-        key = serialization.load_pem_private_key(path.read_bytes(), password=None)
-    except (OSError, ValueError, TypeError) as exc:
-        raise SignatureError(f"{path}: cannot load private key: {exc}") from None
-    if not isinstance(key, Ed25519PrivateKey):
-        raise SignatureError(f"{path}: not an Ed25519 private key")
-    return key
+        return keys.load_private_key(path)
+    except keys.KeyFileError as exc:
+        raise SignatureError(str(exc)) from None
 
 
 def load_public_key(path: Path) -> Ed25519PublicKey:
     try:
-        key = serialization.load_pem_public_key(path.read_bytes())
-    except (OSError, ValueError) as exc:
-        raise SignatureError(f"{path}: cannot load public key: {exc}") from None
-    if not isinstance(key, Ed25519PublicKey):
-        raise SignatureError(f"{path}: not an Ed25519 public key")
-    return key
+        return keys.load_public_key(path)
+    except keys.KeyFileError as exc:
+        raise SignatureError(str(exc)) from None
