@@ -15,6 +15,7 @@ import os
 import re
 import stat
 import subprocess
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -110,9 +111,13 @@ def snapshot_host_key(state_dir: Path) -> str:
     )
     line = canonical_ssh_key(public.decode())
     path = bound_key_path(state_dir, line)
-    if not path.exists():
+    if not path.exists():  # concurrent first connections: unique temp names, atomic rename
         path.parent.mkdir(mode=0o700, exist_ok=True)
-        _write(path, data.decode(), 0o600)
+        temp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+        os.replace(temp, path)
     return line
 
 
