@@ -179,3 +179,25 @@ def test_without_a_usable_keyring_the_file_holds_the_tokens_and_says_so(
         assert str(doc["refresh_token"]) not in done.stdout + done.stderr
         status = umbra(env, "auth", "status")
         assert status.returncode == 0, status.stderr
+
+
+def test_a_keyring_that_went_away_says_so_in_one_line(
+    console: Server, issuer: LocalIssuer, base_env: dict[str, str], tmp_path: Path
+) -> None:
+    secret_service.require()
+    with secret_service.secret_service(tmp_path) as extra:
+        env = {**base_env, **extra}
+        assert device_login(env, console, issuer).returncode == 0
+    # the session bus and the keyring daemon are gone (logged out of the desktop, say)
+    status = umbra(env, "auth", "status")
+    assert status.returncode == 2
+    assert "the OS keyring cannot be read: unlock it or run `umbra auth login URL`" in (
+        status.stderr
+    )
+    assert "Traceback" not in status.stderr + status.stdout
+    proxy = subprocess.run(
+        [sys.executable, "-m", "umbra.cli.ssh_proxy", "cvm_x"],
+        capture_output=True, text=True, env=env, timeout=60,
+    )  # fmt: skip
+    assert proxy.returncode == 1 and proxy.stdout == ""
+    assert proxy.stderr.startswith("umbra ssh-proxy: refused cvm_x: console: the OS keyring")
