@@ -34,7 +34,11 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     ),
     "logs": ("umbra.cli.logs", "app", "Query the traffic log."),
     "policy": ("umbra.cli.policy", "app", "Lint, test, diff, build and verify egress policy."),
-    "profile": ("umbra.cli.profile", "app", "Attach policy profiles to Dev CVMs (admins)."),
+    "profile": (
+        "umbra.cli.profile",
+        "app",
+        "Attach policy profiles to Dev CVMs and set team defaults (admins).",
+    ),
     "proxy": ("umbra.cli.proxy", "app", "The Security CVM's policy-enforcing egress proxy."),
     "sandbox": ("umbra.cli.sandbox", "app", "Dev CVM sandbox: compose files and agent sessions."),
     "secret": (

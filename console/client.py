@@ -25,6 +25,7 @@ from umbra.console.schemas import (
     ReleaseChallenge,
     ReleaseResponse,
     SecretInfo,
+    TeamDefaultProfiles,
     TrafficPage,
 )
 from umbra.contracts.console_url import ConsoleUrlError, check_console_url
@@ -123,6 +124,21 @@ class ConsoleClient(_Base):
             CvmInfo,
             "PUT",
             f"/api/v1/cvms/{cvm_id}/profiles",
+            json={"profiles": profiles},
+            headers=headers,
+        )
+
+    def default_profiles(self, team: str) -> TeamDefaultProfiles:
+        return self._model(TeamDefaultProfiles, "GET", f"/api/v1/teams/{team}/default-profiles")
+
+    def set_default_profiles(
+        self, team: str, profiles: list[str], *, if_match: str | None = None
+    ) -> TeamDefaultProfiles:
+        headers = {"If-Match": f'"{if_match}"'} if if_match else {}
+        return self._model(
+            TeamDefaultProfiles,
+            "PUT",
+            f"/api/v1/teams/{team}/default-profiles",
             json={"profiles": profiles},
             headers=headers,
         )

@@ -1,6 +1,7 @@
 """Cloud provider runs outside the request's transaction.
 
-A route records the transitional state (`launching`, `updating`, `destroying`) and its audit
+A route records the transitional state (`launching`, `updating` (also for a stop or start),
+`destroying`) and its audit
 entry in one transaction, commits, and hands the run to `Console.jobs` (a thread pool). The run
 reports progress events (each a short transaction keeping the last `MAX_EVENTS` on the row), and
 its outcome is recorded in one more transaction: `running`/`destroyed` with the provider's facts,
@@ -34,8 +35,22 @@ from umbra.console.state import Console, lock_key
 log = logging.getLogger("umbra.console.provisioning")
 MAX_EVENTS = 50
 ACTOR = "umbra-console"
-Operation = Literal["launch", "update", "destroy"]
-TRANSITIONAL = {"launch": "launching", "update": "updating", "destroy": "destroying"}
+Operation = Literal["launch", "update", "destroy", "start", "stop"]
+# A cloud stop/start shows as `updating` (the provider is changing the machine) until it settles.
+TRANSITIONAL: dict[Operation, str] = {
+    "launch": "launching",
+    "update": "updating",
+    "destroy": "destroying",
+    "start": "updating",
+    "stop": "updating",
+}
+SETTLED: dict[Operation, str] = {
+    "launch": "running",
+    "update": "running",
+    "destroy": "destroyed",
+    "start": "running",
+    "stop": "stopped",
+}
 BUSY_STATES = frozenset(TRANSITIONAL.values())
 
 
@@ -154,6 +169,8 @@ def run(
         "launch": lambda emit: provider.launch(spec, emit),
         "update": lambda emit: provider.update(spec, ref or "", emit),
         "destroy": lambda emit: provider.destroy(spec, ref, emit),
+        "start": lambda _emit: provider.set_running(ref or "", True),
+        "stop": lambda _emit: provider.set_running(ref or "", False),
     }
     result: Provisioned | None = None
     reason: str | None = None
@@ -167,8 +184,7 @@ def run(
             "provider %s %s of %s raised %s", provider.name, operation, spec.id, type(exc).__name__
         )
         reason = f"{operation}: the provider failed unexpectedly ({type(exc).__name__})"
-    done = "destroyed" if operation == "destroy" else "running"
-    state = "failed" if reason is not None else done
+    state = "failed" if reason is not None else SETTLED[operation]
     finish(console, spec, operation, state, reason, result)
 
 

@@ -16,6 +16,7 @@ from umbra.console.deps import User
 from umbra.console.models import Cvm, PolicyBundle
 from umbra.console.schemas import CVM_ID_PATTERN, NAME_PATTERN, CvmInfo
 from umbra.console.state import Console
+from umbra.proxy.policy.bundle import BundleError
 
 TeamPath = Annotated[str, Path(pattern=NAME_PATTERN, description="Team name.")]
 CvmIdPath = Annotated[str, Path(pattern=CVM_ID_PATTERN, description="CVM id.")]
@@ -60,6 +61,22 @@ def current_bundle(session: Session, team: str) -> PolicyBundle | None:
         .order_by(col(PolicyBundle.serial).desc())
         .limit(1)
     ).scalar_one_or_none()
+
+
+def check_profiles_compose(
+    console: Console, session: Session, team: str, profiles: list[str]
+) -> None:
+    """Profiles to attach (to a CVM, or as team defaults) must compose in the team's current
+    bundle; call it holding `policy_lock(team)` so the bundle cannot change before commit."""
+    if not profiles:
+        return
+    bundle_row = current_bundle(session, team)
+    if bundle_row is None:
+        raise HTTPException(status.HTTP_409_CONFLICT, f"team {team!r} has no policy bundle yet")
+    try:
+        console.verified(bundle_row.hash, bundle_row.raw).compose(profiles)
+    except BundleError as exc:
+        raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, f"profiles: {exc}") from None
 
 
 def parse_if_none_match(header: str | None) -> set[str]:
