@@ -1,16 +1,13 @@
-"""Helpers shared by route modules: team path parameter, CVM visibility, ETags and long polls."""
+"""Helpers shared by route modules: team path parameter, CVM visibility, locks, bundles."""
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Callable
 from typing import Annotated
 
 from fastapi import HTTPException, Path, status
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 from sqlmodel import col
-from starlette.concurrency import run_in_threadpool
 
 from umbra.console.deps import User
 from umbra.console.models import Cvm, PolicyBundle
@@ -77,42 +74,3 @@ def check_profiles_compose(
         console.verified(bundle_row.hash, bundle_row.raw).compose(profiles)
     except BundleError as exc:
         raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, f"profiles: {exc}") from None
-
-
-def parse_if_none_match(header: str | None) -> set[str]:
-    if not header:
-        return set()
-    tags = set()
-    for part in header.split(","):
-        tag = part.strip().removeprefix("W/").strip('"')
-        if tag:
-            tags.add(tag)
-    return tags
-
-
-def quoted(tag: str) -> str:
-    return f'"{tag}"'
-
-
-async def long_poll[T](
-    console: Console,
-    load: Callable[[], T],
-    unchanged: Callable[[T], bool],
-    wait: float,
-) -> T:
-    """Load now; while the result is `unchanged` and time remains, wait for a local change signal
-    or the database recheck interval, then load again. Returns the last result."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + wait
-    console.metrics.long_polls.inc()
-    try:
-        while True:
-            current = await run_in_threadpool(load)
-            remaining = deadline - loop.time()
-            if not unchanged(current) or remaining <= 0:
-                return current
-            await console.notifier.wait(
-                min(remaining, console.settings.long_poll_db_interval_seconds)
-            )
-    finally:
-        console.metrics.long_polls.dec()
