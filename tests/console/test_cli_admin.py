@@ -168,7 +168,7 @@ def test_help_lists_commands_without_importing_them() -> None:
         "from umbra.cli.app import main\n"
         "try:\n    main()\nexcept SystemExit:\n    pass\n"
         "heavy = [m for m in sys.modules if m.startswith(('umbra.cli.', 'umbra.console', "
-        "'umbra.proxy', 'fastapi', 'mitmproxy', 'pulumi', 'sqlalchemy'))]\n"
+        "'umbra.proxy', 'fastapi', 'mitmproxy', 'pulumi', 'sqlalchemy', 'rich'))]\n"
         "print('IMPORTED', sorted(set(heavy) - {'umbra.cli.app'}))\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
