@@ -2,7 +2,9 @@
 
 Sub-commands load on first use, so `umbra policy check` does not import mitmproxy, FastAPI or the
 Pulumi SDKs, and `umbra --help` imports none of them: it lists the commands from the static table
-below (a test keeps each line equal to its module's own help).
+below (a test keeps each line equal to its module's own help). The top level renders its help with
+click's plain formatter, not rich: typer's rich help imports rich's markdown, traceback and pretty
+modules (~0.13 s of the 0.2 s budget; benchmarks/cli_help_bench.py). Sub-command help stays rich.
 """
 
 from __future__ import annotations
@@ -34,7 +36,11 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     ),
     "logs": ("umbra.cli.logs", "app", "Query the traffic log."),
     "policy": ("umbra.cli.policy", "app", "Lint, test, diff, build and verify egress policy."),
-    "profile": ("umbra.cli.profile", "app", "Attach policy profiles to Dev CVMs (admins)."),
+    "profile": (
+        "umbra.cli.profile",
+        "app",
+        "Attach policy profiles to Dev CVMs and set team defaults (admins).",
+    ),
     "proxy": ("umbra.cli.proxy", "app", "The Security CVM's policy-enforcing egress proxy."),
     "sandbox": ("umbra.cli.sandbox", "app", "Dev CVM sandbox: compose files and agent sessions."),
     "secret": (
@@ -137,6 +143,7 @@ app = typer.Typer(
     help="Attested confidential sandboxes for AI coding agents.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # plain top-level help: see the module docstring
 )
 
 

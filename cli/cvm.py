@@ -79,6 +79,14 @@ def _show(cvm: CvmInfo, as_json: bool, credential: str | None = None) -> None:
             f" private IP {where}",
             highlight=False,
         )
+        if cvm.kind == "dev":
+            # What governs its egress: the Security CVM and the profiles attached (at launch,
+            # the team's defaults).
+            console.print(
+                f"  egress via Security CVM {cvm.security_cvm_id or '(none: all refused)'};"
+                f" profiles: {', '.join(cvm.profiles) or 'none'}",
+                highlight=False,
+            )
         if cvm.state_reason:
             console.print(f"  reason: {cvm.state_reason}", highlight=False)
         if credential is not None:

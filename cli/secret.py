@@ -143,16 +143,34 @@ def rotate_secret(
             team_name = resolve_team(client, login, team, as_json)
             existing = {row.name: row for row in client.list_secrets(team_name, personal=personal)}
             if name not in existing:
-                fail(f"no {'personal' if personal else 'team'} secret {name!r} to rotate")
+                fail(
+                    f"no {'personal' if personal else 'team'} secret {name!r} to rotate",
+                    as_json=as_json,
+                )
             value = _read_value()
             if not value:
                 fail("the secret value is empty", EXIT_USAGE, as_json=as_json)
-            hosts = existing[name].hosts
+            # Conditional on the version read: a concurrent rotation (or a host change) is
+            # never overwritten silently; the Console answers 412 and nothing is stored.
+            read = existing[name]
             if personal:
-                info = client.set_personal_secret(team_name, name, value, hosts)
+                info = client.set_personal_secret(
+                    team_name, name, value, read.hosts, if_version=read.version
+                )
             else:
-                info = client.set_team_secret(team_name, name, value, hosts)
-    except (ConsoleApiError, httpx.HTTPError) as exc:
+                info = client.set_team_secret(
+                    team_name, name, value, read.hosts, if_version=read.version
+                )
+    except ConsoleApiError as exc:
+        if exc.status == 412:
+            fail(
+                f"{read.ref} changed since it was read (version {read.version}): someone else "
+                "rotated, re-set or deleted it meanwhile; your value was NOT stored. Check "
+                "`umbra secret list` and rotate again if it is still needed.",
+                as_json=as_json,
+            )
+        api_failure(exc, as_json)
+    except httpx.HTTPError as exc:
         api_failure(exc, as_json)
     if as_json:
         print_json(info.model_dump(mode="json"))

@@ -696,6 +696,9 @@ def ensure_dev_cvm(stack: Stack, client: httpx.Client, scvm_id: str, ssh_keys: l
             return str(known)
         if info.status_code == 200 and info.json().get("state") != "destroyed":
             client.delete(f"/api/v1/cvms/{known}")
+    # The team's defaults: the Console attaches them to the Dev CVM at launch (any provider).
+    profiles = [p for p in DEFAULT_PROFILES if p in stack.state.get("bundle_profiles", [])]
+    _expect(client.put(f"/api/v1/teams/{TEAM}/default-profiles", json={"profiles": profiles}), 200)
     created = _expect(
         client.post(
             f"/api/v1/teams/{TEAM}/cvms",
@@ -710,8 +713,6 @@ def ensure_dev_cvm(stack: Stack, client: httpx.Client, scvm_id: str, ssh_keys: l
     _wait_settled(client, str(created["id"]), "launching")
     stack.state["dev_cvm_id"] = created["id"]
     stack.save()
-    profiles = [p for p in DEFAULT_PROFILES if p in stack.state.get("bundle_profiles", [])]
-    _expect(client.put(f"/api/v1/cvms/{created['id']}/profiles", json={"profiles": profiles}), 200)
     return str(created["id"])
 
 

@@ -39,6 +39,7 @@ from umbra.console.routes import (
     secrets,
     security_cvm,
     session,
+    team_settings,
     traffic,
 )
 from umbra.console.state import Console
@@ -155,6 +156,7 @@ def create_app(
         cvms,
         session,
         secrets,
+        team_settings,
         security_cvm,
         traffic,
         audit,

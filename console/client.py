@@ -25,6 +25,7 @@ from umbra.console.schemas import (
     ReleaseChallenge,
     ReleaseResponse,
     SecretInfo,
+    TeamDefaultProfiles,
     TrafficPage,
 )
 from umbra.contracts.console_url import ConsoleUrlError, check_console_url
@@ -48,6 +49,10 @@ def _detail(response: httpx.Response) -> object:
     except ValueError:
         return response.text[:500]
     return body.get("detail", body) if isinstance(body, dict) else body
+
+
+def _if_version(version: int | None) -> dict[str, str]:
+    return {} if version is None else {"If-Match": f'"{version}"'}
 
 
 class _Base:
@@ -123,6 +128,21 @@ class ConsoleClient(_Base):
             headers=headers,
         )
 
+    def default_profiles(self, team: str) -> TeamDefaultProfiles:
+        return self._model(TeamDefaultProfiles, "GET", f"/api/v1/teams/{team}/default-profiles")
+
+    def set_default_profiles(
+        self, team: str, profiles: list[str], *, if_match: str | None = None
+    ) -> TeamDefaultProfiles:
+        headers = {"If-Match": f'"{if_match}"'} if if_match else {}
+        return self._model(
+            TeamDefaultProfiles,
+            "PUT",
+            f"/api/v1/teams/{team}/default-profiles",
+            json={"profiles": profiles},
+            headers=headers,
+        )
+
     # CVMs
     def create_cvm(
         self,
@@ -178,15 +198,34 @@ class ConsoleClient(_Base):
 
     # secrets (write-only)
     def set_team_secret(
-        self, team: str, name: str, value: str, hosts: list[str] | None = None
+        self,
+        team: str,
+        name: str,
+        value: str,
+        hosts: list[str] | None = None,
+        *,
+        if_version: int | None = None,
     ) -> SecretInfo:
+        """`if_version`: store only if the secret is still at that version (else 412)."""
         body = {"value": value, "hosts": hosts or []}
-        return self._model(SecretInfo, "PUT", f"/api/v1/teams/{team}/secrets/{name}", json=body)
+        return self._model(
+            SecretInfo,
+            "PUT",
+            f"/api/v1/teams/{team}/secrets/{name}",
+            json=body,
+            headers=_if_version(if_version),
+        )
 
-    def set_personal_secret(self, team: str, name: str, value: str, hosts: list[str]) -> SecretInfo:
+    def set_personal_secret(
+        self, team: str, name: str, value: str, hosts: list[str], *, if_version: int | None = None
+    ) -> SecretInfo:
         body = {"value": value, "hosts": hosts}
         return self._model(
-            SecretInfo, "PUT", f"/api/v1/teams/{team}/personal-secrets/{name}", json=body
+            SecretInfo,
+            "PUT",
+            f"/api/v1/teams/{team}/personal-secrets/{name}",
+            json=body,
+            headers=_if_version(if_version),
         )
 
     def list_secrets(self, team: str, *, personal: bool = False) -> list[SecretInfo]:

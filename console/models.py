@@ -44,6 +44,21 @@ class PolicyBundle(SQLModel, table=True):
     created_at: datetime = _ts()
 
 
+class TeamSettings(SQLModel, table=True):
+    """Per-team settings an admin changes (revision 0006). No row means the defaults: no default
+    profiles."""
+
+    __tablename__ = "team_settings"
+
+    team: str = Field(primary_key=True, max_length=64)
+    # Attached by the Console to every Dev CVM it launches for the team, whatever the provider.
+    default_profiles: list[str] = Field(
+        default_factory=list, sa_column=Column(JSON, nullable=False)
+    )
+    updated_by: str = Field(max_length=255)
+    updated_at: datetime = _ts()
+
+
 class Cvm(SQLModel, table=True):
     """A confidential VM: a Dev CVM (runs sandboxes) or a Security CVM (runs the egress proxy)."""
 

@@ -69,6 +69,9 @@ class Provisioned:
 class CvmProvider(Protocol):
     name: str
     background: bool
+    # Every operation may simply be run again after an interruption (Pulumi converges a stack):
+    # `provisioning.reconcile` then resumes an interrupted run instead of failing it.
+    resumable: bool
 
     def check(self, spec: CvmSpec) -> None:
         """Refuse (ProviderError) a spec this provider cannot launch, before anything is stored."""
@@ -93,6 +96,7 @@ class LocalProvider:
 
     name = "local"
     background = False
+    resumable = False
 
     def check(self, spec: CvmSpec) -> None:
         return None

@@ -62,6 +62,7 @@ class LocalCvmProvider:
     # Run by the Console's provisioning jobs (a launch takes a second or two: namespaces, sandbox,
     # forwarder, SSH ingress), which also record `provider_state` (the SSH client's launch data).
     background = True
+    resumable = False  # an interrupted local build is failed at restart, not re-run
 
     def __init__(self, settings: LocalCvmSettings) -> None:
         self.settings = settings

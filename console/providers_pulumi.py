@@ -50,6 +50,7 @@ def developer_slug(owner: str) -> str:
 
 class PulumiCvmProvider:
     background = True
+    resumable = True  # up/destroy on the CVM's own stack converge when run again
 
     def __init__(
         self,

@@ -1,11 +1,13 @@
 """Cloud provider runs outside the request's transaction.
 
-A route records the transitional state (`launching`, `updating`, `destroying`) and its audit
+A route records the transitional state (`launching`, `updating` (also for a stop or start),
+`destroying`) and its audit
 entry in one transaction, commits, and hands the run to `Console.jobs` (a thread pool). The run
 reports progress events (each a short transaction keeping the last `MAX_EVENTS` on the row), and
 its outcome is recorded in one more transaction: `running`/`destroyed` with the provider's facts,
 or `failed` with a one-line reason and nothing of the half-finished run. The outcome is written
-only if the row is still in the state the run started from (compare-and-set).
+only if the row is still in the state the run started from (compare-and-set). At startup
+`reconcile` resumes interrupted runs of resumable providers and fails the others.
 """
 
 from __future__ import annotations
@@ -15,11 +17,12 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Literal
 
-from sqlalchemy import select, text
+from sqlalchemy import Connection, select, text
+from sqlalchemy.orm import Session
 from sqlmodel import col
 
 from umbra.console import audit
-from umbra.console.models import Cvm, utcnow
+from umbra.console.models import AuditEntry, Cvm, utcnow
 from umbra.console.providers import (
     CvmProvider,
     CvmSpec,
@@ -34,8 +37,22 @@ from umbra.console.state import Console, lock_key
 log = logging.getLogger("umbra.console.provisioning")
 MAX_EVENTS = 50
 ACTOR = "umbra-console"
-Operation = Literal["launch", "update", "destroy"]
-TRANSITIONAL = {"launch": "launching", "update": "updating", "destroy": "destroying"}
+Operation = Literal["launch", "update", "destroy", "start", "stop"]
+# A cloud stop/start shows as `updating` (the provider is changing the machine) until it settles.
+TRANSITIONAL: dict[Operation, str] = {
+    "launch": "launching",
+    "update": "updating",
+    "destroy": "destroying",
+    "start": "updating",
+    "stop": "updating",
+}
+SETTLED: dict[Operation, str] = {
+    "launch": "running",
+    "update": "running",
+    "destroy": "destroyed",
+    "start": "running",
+    "stop": "stopped",
+}
 BUSY_STATES = frozenset(TRANSITIONAL.values())
 
 
@@ -72,69 +89,142 @@ def _job_key(cvm_id: str) -> int:
 
 
 @contextmanager
-def job_guard(console: Console, cvm_id: str) -> Iterator[None]:
+def job_guard(console: Console, cvm_id: str, held: Connection | None = None) -> Iterator[None]:
     """Held while a provider run for the CVM is alive in this process: on PostgreSQL a
     session-level advisory lock on its own connection, which the server releases when the process
-    dies, so `reconcile` in any worker can tell a live run from an orphaned one."""
+    dies, so `reconcile` in any worker can tell a live run from an orphaned one. `held`: a
+    connection that already holds the lock (a run `reconcile` resumes), released at the end."""
     if console.settings.is_sqlite:
         yield  # one process: everything transitional at startup is orphaned
         return
-    with console.engine.connect() as connection:
-        connection.execute(text("SELECT pg_advisory_lock(:key)"), {"key": _job_key(cvm_id)})
-        connection.commit()
+    connection = held if held is not None else console.engine.connect()
+    try:
+        if held is None:
+            connection.execute(text("SELECT pg_advisory_lock(:key)"), {"key": _job_key(cvm_id)})
+            connection.commit()
+        yield
+    finally:
         try:
-            yield
-        finally:
             connection.execute(text("SELECT pg_advisory_unlock(:key)"), {"key": _job_key(cvm_id)})
             connection.commit()
+        finally:
+            connection.close()
+
+
+def _claim(console: Console, cvm_id: str) -> Connection | Literal[False] | None:
+    """Take the CVM's job lock for `reconcile` without waiting: its connection (PostgreSQL),
+    None (SQLite: one process, nothing to take), or False when another worker's run holds it."""
+    if console.settings.is_sqlite:
+        return None
+    connection = console.engine.connect()
+    taken = connection.execute(
+        text("SELECT pg_try_advisory_lock(:key)"), {"key": _job_key(cvm_id)}
+    ).scalar_one()
+    connection.commit()
+    if not taken:
+        connection.close()
+        return False
+    return connection
+
+
+def _release(console: Console, cvm_id: str, held: Connection | None) -> None:
+    if held is not None:
+        with job_guard(console, cvm_id, held):
+            pass
+
+
+def interrupted_operation(session: Session, cvm: Cvm) -> Operation:
+    """What the interrupted run was doing. `updating` covers an update and a stop/start: the
+    `cvm.update` audit entry that put the row there (same transaction) says which."""
+    if cvm.state != "updating":
+        return "launch" if cvm.state == "launching" else "destroy"
+    details = session.execute(
+        select(col(AuditEntry.details))
+        .where(col(AuditEntry.target) == cvm.id, col(AuditEntry.action) == "cvm.update")
+        .order_by(col(AuditEntry.seq).desc())
+        .limit(1)
+    ).scalar_one_or_none()
+    asked = (details or {}).get("state")
+    return "start" if asked == "running" else "stop" if asked == "stopped" else "update"
 
 
 def reconcile(console: Console) -> list[str]:
     """At startup: every CVM left transitional by a crash, restart or kill whose run is not alive
-    in any Console process is marked `failed` with a reason saying what was interrupted (the
-    owner or an admin then updates or destroys it; a destroy is idempotent). Returns their ids."""
+    in any Console process is resumed when its provider is `resumable` (the run is submitted again
+    for the same operation: Pulumi converges the stack), else marked `failed` with a reason saying
+    what was interrupted (the owner or an admin then updates or destroys it; a destroy is
+    idempotent). Returns the ids handled."""
     with console.session() as session:
         busy = list(
             session.execute(select(col(Cvm.id)).where(col(Cvm.state).in_(BUSY_STATES))).scalars()
         )
-    failed = []
+    handled, resumed = [], 0
     for cvm_id in busy:
-        with console.write(f"cvm:{cvm_id}") as session:
-            if not console.settings.is_sqlite:
-                free = session.execute(
-                    text("SELECT pg_try_advisory_xact_lock(:key)"), {"key": _job_key(cvm_id)}
-                ).scalar_one()
-                if not free:
-                    continue  # another worker's run is alive
-            cvm = session.get(Cvm, cvm_id)
-            if cvm is None or cvm.state not in BUSY_STATES:
-                continue
-            operation = next(op for op, state in TRANSITIONAL.items() if state == cvm.state)
-            reason = (
-                f"{operation}: interrupted by a Console restart; update or destroy the CVM "
-                "(the provider may have left resources behind)"
-            )
-            cvm.state, cvm.state_reason, cvm.updated_at = "failed", reason, utcnow()
-            session.add(cvm)
-            audit.append(
-                session,
-                actor=ACTOR,
-                team=cvm.team,
-                action="cvm.provisioned",
-                target=cvm.id,
-                details={"operation": operation, "state": "failed", "reason": reason},
-            )
-            failed.append(cvm_id)
-    if failed:
-        log.warning("reconciled %d interrupted provider runs as failed", len(failed))
-    return failed
+        # The job lock stays held from here into the resumed run: no other worker's reconcile can
+        # resume (or fail) the same CVM in between.
+        held = _claim(console, cvm_id)
+        if held is False:
+            continue  # another worker's run is alive
+        resume: tuple[CvmProvider, Operation, Cvm] | None = None
+        try:
+            with console.write(f"cvm:{cvm_id}") as session:
+                cvm = session.get(Cvm, cvm_id)
+                if cvm is None or cvm.state not in BUSY_STATES:
+                    continue
+                operation = interrupted_operation(session, cvm)
+                provider = console.providers.get(cvm.provider)
+                if provider is not None and provider.background and provider.resumable:
+                    entry = {
+                        "time": utcnow().isoformat(),
+                        "kind": "resumed",
+                        "message": f"{operation}: resumed after a Console restart",
+                    }
+                    cvm.events = [*cvm.events, entry][-MAX_EVENTS:]
+                    details: dict[str, object] = {"operation": operation, "state": cvm.state}
+                    action = "cvm.resumed"
+                    resume = (provider, operation, cvm)
+                else:
+                    reason = (
+                        f"{operation}: interrupted by a Console restart; update or destroy the "
+                        "CVM (the provider may have left resources behind)"
+                    )
+                    cvm.state, cvm.state_reason = "failed", reason
+                    details = {"operation": operation, "state": "failed", "reason": reason}
+                    action = "cvm.provisioned"
+                cvm.updated_at = utcnow()
+                session.add(cvm)
+                audit.append(
+                    session, actor=ACTOR, team=cvm.team, action=action, target=cvm.id,
+                    details=details,
+                )  # fmt: skip
+                handled.append(cvm_id)
+        finally:
+            if resume is None:
+                _release(console, cvm_id, held)
+        if resume is not None:
+            resumed += 1
+            submit(console, resume[0], resume[1], resume[2], held=held)
+    if handled:
+        log.warning(
+            "reconciled %d interrupted provider runs: %d resumed, %d failed",
+            len(handled), resumed, len(handled) - resumed,
+        )  # fmt: skip
+    return handled
 
 
-def submit(console: Console, provider: CvmProvider, operation: Operation, cvm: Cvm) -> None:
+def submit(
+    console: Console,
+    provider: CvmProvider,
+    operation: Operation,
+    cvm: Cvm,
+    *,
+    held: Connection | None = None,
+) -> None:
     spec, ref = spec_of(cvm), cvm.provider_ref
     try:
-        console.jobs.submit(run, console, provider, operation, spec, ref)
+        console.jobs.submit(run, console, provider, operation, spec, ref, held)
     except RuntimeError:  # the pool is shutting down: do not leave the row transitional
+        _release(console, spec.id, held)
         finish(
             console, spec, operation, "failed", f"{operation}: the Console is shutting down", None
         )
@@ -146,6 +236,7 @@ def run(
     operation: Operation,
     spec: CvmSpec,
     ref: str | None,
+    held: Connection | None = None,
 ) -> None:
     def on_event(event: ProviderEvent) -> None:
         record_event(console, spec.id, event)
@@ -154,22 +245,32 @@ def run(
         "launch": lambda emit: provider.launch(spec, emit),
         "update": lambda emit: provider.update(spec, ref or "", emit),
         "destroy": lambda emit: provider.destroy(spec, ref, emit),
+        "start": lambda _emit: provider.set_running(ref or "", True),
+        "stop": lambda _emit: provider.set_running(ref or "", False),
     }
-    result: Provisioned | None = None
-    reason: str | None = None
+
+    def attempt() -> tuple[str | None, Provisioned | None]:
+        try:
+            return None, calls[operation](on_event)
+        except ProviderError as exc:
+            return one_line(f"{operation}: {exc}", 512), None
+        except Exception as exc:
+            log.error(
+                "provider %s %s of %s raised %s",
+                provider.name, operation, spec.id, type(exc).__name__,
+            )  # fmt: skip
+            return f"{operation}: the provider failed unexpectedly ({type(exc).__name__})", None
+
     try:
-        with job_guard(console, spec.id):
-            result = calls[operation](on_event)
-    except ProviderError as exc:
-        reason = one_line(f"{operation}: {exc}", 512)
-    except Exception as exc:
-        log.error(
-            "provider %s %s of %s raised %s", provider.name, operation, spec.id, type(exc).__name__
-        )
-        reason = f"{operation}: the provider failed unexpectedly ({type(exc).__name__})"
-    done = "destroyed" if operation == "destroy" else "running"
-    state = "failed" if reason is not None else done
-    finish(console, spec, operation, state, reason, result)
+        with job_guard(console, spec.id, held):
+            reason, result = attempt()
+            # Recorded while the job lock is still held: a `reconcile` starting in another
+            # worker meanwhile sees a live run, never a finished run still marked transitional.
+            state = "failed" if reason is not None else SETTLED[operation]
+            finish(console, spec, operation, state, reason, result)
+    except Exception as exc:  # the job lock itself failed (database unreachable)
+        reason = f"{operation}: could not take the job lock ({type(exc).__name__})"
+        finish(console, spec, operation, "failed", reason, None)
 
 
 def finish(

@@ -188,6 +188,16 @@ def profiles_etag(profiles: list[str]) -> str:
     return hashlib.sha256("\n".join(sorted(set(profiles))).encode()).hexdigest()[:32]
 
 
+class TeamDefaultProfiles(Strict):
+    """Profiles the Console attaches to every Dev CVM it launches for the team (any provider)."""
+
+    team: str
+    profiles: list[str]
+    etag: str = Field(description="Send back as If-Match to change them without a lost update.")
+    updated_by: str | None = None
+    updated_at: datetime | None = None
+
+
 # -- secrets --------------------------------------------------------------------------------
 class TeamSecretSet(Strict):
     value: str = Field(min_length=1, max_length=MAX_SECRET_BYTES)

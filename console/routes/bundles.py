@@ -8,7 +8,7 @@ from sqlalchemy.orm import Session
 from sqlmodel import col
 from starlette.concurrency import run_in_threadpool
 
-from umbra.console import audit
+from umbra.console import audit, team_defaults
 from umbra.console.deps import ConsoleDep, User, UserDep, require_role
 from umbra.console.models import Cvm, PolicyBundle
 from umbra.console.routes.common import TeamPath, current_bundle, policy_lock
@@ -114,6 +114,16 @@ def _check_attachments_still_compose(session: Session, team: str, bundle: Verifi
             + ", ".join(sorted(broken))
             + "; change their attachments first",
         )
+    defaults = team_defaults.default_profiles(session, team)
+    if defaults:
+        try:
+            bundle.compose(defaults)
+        except BundleError:
+            raise HTTPException(
+                status.HTTP_409_CONFLICT,
+                "the new bundle does not provide the team's default profiles "
+                f"({', '.join(defaults)}); change them first (umbra profile detach --team-default)",
+            ) from None
 
 
 @router.get("", summary="List the team's bundles, newest first (admin, developer).")

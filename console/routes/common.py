@@ -1,21 +1,19 @@
-"""Helpers shared by route modules: team path parameter, CVM visibility, ETags and long polls."""
+"""Helpers shared by route modules: team path parameter, CVM visibility, locks, bundles."""
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Callable
 from typing import Annotated
 
 from fastapi import HTTPException, Path, status
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 from sqlmodel import col
-from starlette.concurrency import run_in_threadpool
 
 from umbra.console.deps import User
 from umbra.console.models import Cvm, PolicyBundle
 from umbra.console.schemas import CVM_ID_PATTERN, NAME_PATTERN, CvmInfo
 from umbra.console.state import Console
+from umbra.proxy.policy.bundle import BundleError
 
 TeamPath = Annotated[str, Path(pattern=NAME_PATTERN, description="Team name.")]
 CvmIdPath = Annotated[str, Path(pattern=CVM_ID_PATTERN, description="CVM id.")]
@@ -62,40 +60,17 @@ def current_bundle(session: Session, team: str) -> PolicyBundle | None:
     ).scalar_one_or_none()
 
 
-def parse_if_none_match(header: str | None) -> set[str]:
-    if not header:
-        return set()
-    tags = set()
-    for part in header.split(","):
-        tag = part.strip().removeprefix("W/").strip('"')
-        if tag:
-            tags.add(tag)
-    return tags
-
-
-def quoted(tag: str) -> str:
-    return f'"{tag}"'
-
-
-async def long_poll[T](
-    console: Console,
-    load: Callable[[], T],
-    unchanged: Callable[[T], bool],
-    wait: float,
-) -> T:
-    """Load now; while the result is `unchanged` and time remains, wait for a local change signal
-    or the database recheck interval, then load again. Returns the last result."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + wait
-    console.metrics.long_polls.inc()
+def check_profiles_compose(
+    console: Console, session: Session, team: str, profiles: list[str]
+) -> None:
+    """Profiles to attach (to a CVM, or as team defaults) must compose in the team's current
+    bundle; call it holding `policy_lock(team)` so the bundle cannot change before commit."""
+    if not profiles:
+        return
+    bundle_row = current_bundle(session, team)
+    if bundle_row is None:
+        raise HTTPException(status.HTTP_409_CONFLICT, f"team {team!r} has no policy bundle yet")
     try:
-        while True:
-            current = await run_in_threadpool(load)
-            remaining = deadline - loop.time()
-            if not unchanged(current) or remaining <= 0:
-                return current
-            await console.notifier.wait(
-                min(remaining, console.settings.long_poll_db_interval_seconds)
-            )
-    finally:
-        console.metrics.long_polls.dec()
+        console.verified(bundle_row.hash, bundle_row.raw).compose(profiles)
+    except BundleError as exc:
+        raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, f"profiles: {exc}") from None

@@ -12,7 +12,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 from sqlmodel import col
 
-from umbra.console import audit, provisioning
+from umbra.console import audit, provisioning, team_defaults
 from umbra.console.deps import (
     CREDENTIAL_PREFIX,
     ConsoleDep,
@@ -32,7 +32,7 @@ from umbra.console.provisioning_defaults import default_security_cvm
 from umbra.console.routes.common import (
     CvmIdPath,
     TeamPath,
-    current_bundle,
+    check_profiles_compose,
     cvm_info,
     cvm_lock,
     not_found,
@@ -47,7 +47,6 @@ from umbra.console.schemas import (
     ProfilesUpdate,
     profiles_etag,
 )
-from umbra.proxy.policy.bundle import BundleError
 
 router = APIRouter(prefix="/api/v1", tags=["cvms"])
 UNPROCESSABLE = status.HTTP_422_UNPROCESSABLE_CONTENT
@@ -102,6 +101,8 @@ def create_cvm(team: TeamPath, body: CvmCreate, console: ConsoleDep, user: UserD
         raise HTTPException(UNPROCESSABLE, f"provider: {exc}") from None
     credential = None
     locks = [f"cvm-name:{team}:{owner}:{body.name}"]
+    if body.kind == "dev":
+        locks.append(policy_lock(team))  # gets exactly the defaults committed before it
     if body.security_cvm_id is not None:
         locks.append(cvm_lock(body.security_cvm_id))  # not destroyed while we route through it
     with console.write(*locks) as session:
@@ -119,6 +120,7 @@ def create_cvm(team: TeamPath, body: CvmCreate, console: ConsoleDep, user: UserD
             raise HTTPException(
                 status.HTTP_409_CONFLICT, f"name: {owner!r} already has a CVM {body.name!r}"
             )
+        profiles = team_defaults.default_profiles(session, team) if body.kind == "dev" else []
         ref: str | None = None
         if not provider.background:
             ref = _call(lambda: provider.launch(spec, _ignore)).ref
@@ -132,7 +134,7 @@ def create_cvm(team: TeamPath, body: CvmCreate, console: ConsoleDep, user: UserD
             provider_ref=ref,
             state="launching" if provider.background else "running",
             security_cvm_id=security_cvm_id,
-            profiles=[],
+            profiles=profiles,
             ssh_keys=list(body.ssh_keys),
             size=body.size,
             created_by=user.subject,
@@ -161,6 +163,9 @@ def create_cvm(team: TeamPath, body: CvmCreate, console: ConsoleDep, user: UserD
                 "owner": owner,
                 "provider": body.provider,
             },
+        )
+        team_defaults.audit_attached(
+            session, actor=user.subject, team=team, cvm_id=cvm_id, profiles=profiles
         )
         session.flush()
         info = cvm_info(cvm)
@@ -223,7 +228,7 @@ def _may_manage(cvm: Cvm, role: str | None) -> None:
 
 @router.patch("/cvms/{cvm_id}", summary="Start/stop, re-route, or change SSH keys/size.")
 def update_cvm(cvm_id: CvmIdPath, body: CvmUpdate, console: ConsoleDep, user: UserDep) -> CvmInfo:
-    background: tuple[CvmProvider, Cvm] | None = None
+    background: tuple[CvmProvider, Cvm, provisioning.Operation] | None = None
     locks = [cvm_lock(cvm_id)]
     if body.security_cvm_id is not None:
         locks.append(cvm_lock(body.security_cvm_id))
@@ -264,7 +269,7 @@ def update_cvm(cvm_id: CvmIdPath, body: CvmUpdate, console: ConsoleDep, user: Us
             changes["launch_inputs"] = {"ssh_keys": len(cvm.ssh_keys), "size": cvm.size}
             if provider.background:
                 cvm.state, cvm.state_reason = "updating", None
-                background = (provider, cvm)
+                background = (provider, cvm, "update")
             else:
                 _call(lambda: provider.update(spec, cvm.provider_ref or "", _ignore))
         if body.state is not None and body.state != cvm.state:
@@ -274,8 +279,20 @@ def update_cvm(cvm_id: CvmIdPath, body: CvmUpdate, console: ConsoleDep, user: Us
                     status.HTTP_409_CONFLICT, f"CVM {cvm_id} failed; update or destroy it"
                 )
             running = body.state == "running"
-            _call(lambda: provider.set_running(cvm.provider_ref or "", running))
-            cvm.state = body.state
+            if provider.background:
+                # A cloud stop/start takes minutes: the provisioning worker runs it and records
+                # `running`/`stopped` (or `failed` with the reason), never this request.
+                if not cvm.provider_ref:
+                    raise HTTPException(
+                        status.HTTP_409_CONFLICT,
+                        f"CVM {cvm_id} has no provider resource to "
+                        "stop or start; update or destroy it",
+                    )
+                cvm.state, cvm.state_reason = "updating", None
+                background = (provider, cvm, "start" if running else "stop")
+            else:
+                _call(lambda: provider.set_running(cvm.provider_ref or "", running))
+                cvm.state = body.state
             changes["state"] = body.state
         if changes:
             cvm.updated_at = utcnow()
@@ -291,7 +308,7 @@ def update_cvm(cvm_id: CvmIdPath, body: CvmUpdate, console: ConsoleDep, user: Us
         session.flush()
         info = cvm_info(cvm)
     if background is not None:
-        provisioning.submit(console, background[0], "update", background[1])
+        provisioning.submit(console, background[0], background[2], background[1])
     console.notifier.notify()
     return info
 
@@ -363,16 +380,7 @@ def attach_profiles(
                 status.HTTP_412_PRECONDITION_FAILED,
                 f"CVM {cvm_id}'s attachments changed since you read them; read and retry",
             )
-        if profiles:
-            bundle_row = current_bundle(session, cvm.team)
-            if bundle_row is None:
-                raise HTTPException(
-                    status.HTTP_409_CONFLICT, f"team {cvm.team!r} has no policy bundle yet"
-                )
-            try:
-                console.verified(bundle_row.hash, bundle_row.raw).compose(profiles)
-            except BundleError as exc:
-                raise HTTPException(UNPROCESSABLE, f"profiles: {exc}") from None
+        check_profiles_compose(console, session, cvm.team, profiles)
         cvm.profiles = profiles
         cvm.updated_at = utcnow()
         session.add(cvm)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from fastapi import APIRouter, HTTPException, Path, Response, status
+from fastapi import APIRouter, Header, HTTPException, Path, Response, status
 from sqlalchemy import select
 from sqlmodel import col
 
@@ -24,6 +24,27 @@ from umbra.console.state import Console
 router = APIRouter(prefix="/api/v1/teams/{team}", tags=["secrets"])
 SecretName = Annotated[str, Path(pattern=SECRET_NAME_PATTERN, description="Secret name.")]
 Scope = Literal["team", "personal"]
+IfMatch = Annotated[
+    str | None,
+    Header(
+        alias="If-Match",
+        max_length=32,
+        description='Set only if the secret exists at this version, e.g. "3" (else 412): a '
+        "rotation that does not overwrite a concurrent one.",
+    ),
+]
+
+
+def expected_version(if_match: str | None) -> int | None:
+    if if_match is None:
+        return None
+    tag = if_match.strip().removeprefix("W/").strip('"')
+    if not tag.isascii() or not tag.isdigit() or len(tag) > 18:
+        raise HTTPException(
+            status.HTTP_422_UNPROCESSABLE_CONTENT,
+            'If-Match: expected a secret version such as "3"',
+        )
+    return int(tag)
 
 
 def secret_lock(team: str, scope: str, owner: str, name: str) -> str:
@@ -56,6 +77,7 @@ def _set(
     name: str,
     value: str,
     hosts: list[str],
+    expected: int | None = None,
 ) -> SecretInfo:
     if console.keyring is None:
         raise HTTPException(
@@ -71,6 +93,14 @@ def _set(
                 col(Secret.name) == name,
             )
         ).scalar_one_or_none()
+        if expected is not None and (row is None or row.version != expected):
+            # Read under the secret's lock: of concurrent rotations from one version, exactly one
+            # commits and the rest get 412.
+            now = "does not exist" if row is None else f"is at version {row.version}"
+            raise HTTPException(
+                status.HTTP_412_PRECONDITION_FAILED,
+                f"secret {scope}/{name} {now}, not version {expected}; nothing was changed",
+            )
         version = 1 if row is None else row.version + 1
         sealed = seal(
             console.keyring, value.encode(), secret_aad(team, scope, owner, name, version)
@@ -105,6 +135,7 @@ def _set(
         session.flush()
         info = secret_info(row)
     console.metrics.audit_entries.inc()
+    console.notifier.notify()  # Security CVMs long-polling the secrets version wake now
     return info
 
 
@@ -138,14 +169,21 @@ def _delete(console: Console, user: User, team: str, scope: Scope, owner: str, n
             target=f"{scope}/{name}",
             details={"owner": owner or None},
         )
+    console.notifier.notify()
 
 
 @router.put("/secrets/{name}", summary="Set a team secret (admin). The value is never returned.")
 def set_team_secret(
-    team: TeamPath, name: SecretName, body: TeamSecretSet, console: ConsoleDep, user: UserDep
+    team: TeamPath,
+    name: SecretName,
+    body: TeamSecretSet,
+    console: ConsoleDep,
+    user: UserDep,
+    if_match: IfMatch = None,
 ) -> SecretInfo:
     require_role(user, team, "admin")
-    return _set(console, user, team, "team", "", name, body.value, body.hosts)
+    expected = expected_version(if_match)
+    return _set(console, user, team, "team", "", name, body.value, body.hosts, expected)
 
 
 @router.get("/secrets", summary="List team secrets, metadata only (admin, developer).")
@@ -172,10 +210,18 @@ def delete_team_secret(
     summary="Set your personal secret, bound to hosts. The value is never returned.",
 )
 def set_personal_secret(
-    team: TeamPath, name: SecretName, body: PersonalSecretSet, console: ConsoleDep, user: UserDep
+    team: TeamPath,
+    name: SecretName,
+    body: PersonalSecretSet,
+    console: ConsoleDep,
+    user: UserDep,
+    if_match: IfMatch = None,
 ) -> SecretInfo:
     require_role(user, team, "admin", "developer")
-    return _set(console, user, team, "personal", user.subject, name, body.value, body.hosts)
+    expected = expected_version(if_match)
+    return _set(
+        console, user, team, "personal", user.subject, name, body.value, body.hosts, expected
+    )
 
 
 @router.get("/personal-secrets", summary="List your personal secrets, metadata only.")

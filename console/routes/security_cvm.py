@@ -18,6 +18,7 @@ from starlette.concurrency import run_in_threadpool
 from umbra.console import audit
 from umbra.console.deps import ConsoleDep, SecurityCvmDep, require_same_cvm
 from umbra.console.envelope import EnvelopeError, Sealed, open_sealed, secret_aad
+from umbra.console.longpoll import watch
 from umbra.console.models import Cvm, ReleaseNonce, Secret, utcnow
 from umbra.console.release import (
     ReleaseEvidence,
@@ -26,13 +27,7 @@ from umbra.console.release import (
     hpke_info,
     seal_release,
 )
-from umbra.console.routes.common import (
-    CvmIdPath,
-    current_bundle,
-    long_poll,
-    parse_if_none_match,
-    quoted,
-)
+from umbra.console.routes.common import CvmIdPath, current_bundle
 from umbra.console.schemas import AttachmentsDoc, ReleaseChallenge, ReleaseResponse
 from umbra.console.state import Console
 from umbra.contracts.release import ReleaseDocument, ReleasedSecret
@@ -42,10 +37,6 @@ IfNoneMatch = Annotated[str | None, Header(alias="If-None-Match", max_length=102
 Wait = Annotated[
     int, Query(ge=0, le=600, description="Long poll: seconds to wait for a change (capped).")
 ]
-
-
-def _wait(console: Console, wait: int) -> float:
-    return float(min(wait, console.settings.long_poll_max_seconds))
 
 
 @router.get(
@@ -65,22 +56,19 @@ async def get_bundle(
     wait: Wait = 0,
 ) -> Response:
     require_same_cvm(caller, cvm_id)
-    known = parse_if_none_match(if_none_match)
 
     def load() -> tuple[str, int, bytes] | None:
         with console.session() as session:
             row = current_bundle(session, caller.team)
             return None if row is None else (row.hash, row.serial, row.raw)
 
-    def unchanged(current: tuple[str, int, bytes] | None) -> bool:
-        return current is None or current[0] in known
-
-    current = await long_poll(console, load, unchanged, _wait(console, wait))
-    if current is None:
+    # No bundle yet keeps the poll waiting: the first upload answers it.
+    watched = await watch(console, load, lambda bundle: bundle[0], if_none_match, wait)
+    if watched.value is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"team {caller.team!r} has no policy bundle")
-    bundle_hash, serial, raw = current
-    headers = {"ETag": quoted(bundle_hash), "X-Umbra-Bundle-Serial": str(serial)}
-    if bundle_hash in known:
+    _hash, serial, raw = watched.value
+    headers = watched.etag_header | {"X-Umbra-Bundle-Serial": str(serial)}
+    if watched.unchanged:
         return Response(status_code=status.HTTP_304_NOT_MODIFIED, headers=headers)
     return Response(content=raw, media_type="application/json", headers=headers)
 
@@ -125,18 +113,13 @@ async def get_attachments(
     wait: Wait = 0,
 ) -> Any:
     require_same_cvm(caller, cvm_id)
-    known = parse_if_none_match(if_none_match)
-    document = await long_poll(
-        console,
-        lambda: attachments_document(console, caller),
-        lambda doc: document_etag(doc) in known,
-        _wait(console, wait),
+    watched = await watch(
+        console, lambda: attachments_document(console, caller), document_etag, if_none_match, wait
     )
-    etag = document_etag(document)
-    if etag in known:
-        return Response(status_code=status.HTTP_304_NOT_MODIFIED, headers={"ETag": quoted(etag)})
-    response.headers["ETag"] = quoted(etag)
-    return AttachmentsDoc.model_validate(document)
+    if watched.unchanged:
+        return Response(status_code=status.HTTP_304_NOT_MODIFIED, headers=watched.etag_header)
+    response.headers.update(watched.etag_header)
+    return AttachmentsDoc.model_validate(watched.value)
 
 
 def secrets_version(console: Console, caller: Cvm) -> str:
@@ -183,18 +166,15 @@ async def get_secrets_version(
     wait: Wait = 0,
 ) -> Response:
     require_same_cvm(caller, cvm_id)
-    known = parse_if_none_match(if_none_match)
-    version = await long_poll(
-        console,
-        lambda: secrets_version(console, caller),
-        lambda v: v in known,
-        _wait(console, wait),
+    watched = await watch(
+        console, lambda: secrets_version(console, caller), lambda v: v, if_none_match, wait
     )
-    headers = {"ETag": quoted(version)}
-    if version in known:
-        return Response(status_code=status.HTTP_304_NOT_MODIFIED, headers=headers)
+    if watched.unchanged:
+        return Response(status_code=status.HTTP_304_NOT_MODIFIED, headers=watched.etag_header)
     return Response(
-        content=json.dumps({"version": version}), media_type="application/json", headers=headers
+        content=json.dumps({"version": watched.value}),
+        media_type="application/json",
+        headers=watched.etag_header,
     )
 
 

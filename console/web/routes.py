@@ -15,7 +15,7 @@ from fastapi.routing import APIRoute
 from starlette.concurrency import run_in_threadpool
 
 from umbra.console.deps import User
-from umbra.console.routes.common import long_poll
+from umbra.console.longpoll import long_poll
 from umbra.console.schemas import NAME_PATTERN
 from umbra.console.state import Console
 from umbra.console.web import actions, login, queries

@@ -210,6 +210,16 @@ USER_MATRIX: dict[tuple[str, str], tuple[Case, dict[str, int]]] = {
         ),
         expect(200, 403, 404, 404, 404, 401),
     ),
+    ("GET", T + "/default-profiles"): (
+        lambda w, p: w.call(p, "GET", f"/api/v1/teams/{w.team_a}/default-profiles"),
+        expect(200, 403, 403, 403, 403, 401),
+    ),
+    ("PUT", T + "/default-profiles"): (
+        lambda w, p: w.call(
+            p, "PUT", f"/api/v1/teams/{w.team_a}/default-profiles", json={"profiles": []}
+        ),
+        expect(200, 403, 403, 403, 403, 401),
+    ),
     ("POST", "/api/v1/cvms/{cvm_id}/credential"): (
         lambda w, p: w.call(p, "POST", f"/api/v1/cvms/{w.scvm_a2}/credential"),
         expect(200, 404, 404, 404, 404, 401),

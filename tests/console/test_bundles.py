@@ -95,6 +95,21 @@ def test_bundle_long_poll_returns_within_a_second_of_upload(team: Team) -> None:
     assert result["at"] - uploaded_at < 1.0
 
 
+def test_bundle_long_poll_waits_for_the_first_upload(team: Team) -> None:
+    """No bundle yet is not an answer: the poll waits, and the first upload answers it."""
+    url = f"/api/v1/security-cvms/{team.scvm_id}/bundle"
+    assert team.scvm.get(url).status_code == 404
+    with httpx.Client(base_url=team.server.url, headers=team.scvm.headers, timeout=30) as poller:
+        thread, result = _in_thread(lambda: poller.get(url, params={"wait": 20}))
+        time.sleep(0.5)
+        uploaded_at = time.monotonic()
+        assert team.upload(1).status_code == 201
+        thread.join(timeout=25)
+    assert result["response"].status_code == 200
+    assert result["response"].headers["x-umbra-bundle-serial"] == "1"
+    assert result["at"] - uploaded_at < 1.0
+
+
 def test_long_poll_times_out_with_304(team: Team) -> None:
     team.upload(1)
     url = f"/api/v1/security-cvms/{team.scvm_id}/bundle"

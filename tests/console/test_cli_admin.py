@@ -124,13 +124,51 @@ def test_admin_commands(
     assert SECRET not in everything and ROTATED not in everything and token not in everything
 
 
+def test_team_default_profiles_and_conditional_rotation(
+    server: Server, team: Team, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    admin = Cli(tmp_path / "admin")
+    token = str(team.admin.headers["Authorization"]).removeprefix("Bearer ")
+    admin("auth", "login", server.url, "--token-file", "-", "--team", team.name, input=token)
+    assert team.upload(1).status_code == 201
+
+    # Team defaults: the same verbs with --team-default; new Dev CVMs get them at launch.
+    assert admin.json("profile", "list", "--team-default")["profiles"] == []
+    added = admin.json("profile", "attach", "--team-default", "github", "web")
+    assert added == {"team": team.name, "team_default": True, "profiles": ["github", "web"]}
+    assert admin.json("profile", "detach", "--team-default", "web")["profiles"] == ["github"]
+    assert "422" in admin("profile", "attach", "--team-default", "nope", code=1).output
+    cvm = team.dev_cvm()
+    assert admin.json("profile", "list")["cvms"][cvm] == ["github"]
+    assert "github" in admin("profile", "list", "--team-default").output
+    assert "CVM id" in admin("profile", "attach", "github", code=2).output
+
+    # A rotation racing another: the Console answers 412 and the CLI says nothing was stored.
+    admin("secret", "set", "bot", "--host", "api.example.com", input=SECRET)
+    from umbra.console.client import ConsoleClient
+
+    read = ConsoleClient.list_secrets
+
+    def read_then_someone_rotates(self: ConsoleClient, *args: Any, **kwargs: Any) -> Any:
+        rows = read(self, *args, **kwargs)
+        team.admin.put(f"/api/v1/teams/{team.name}/secrets/bot", json={"value": "other-admin"})
+        return rows
+
+    monkeypatch.setattr(ConsoleClient, "list_secrets", read_then_someone_rotates)
+    lost = admin.json("secret", "rotate", "bot", input=ROTATED, code=1)
+    assert "was NOT stored" in lost["error"] and "version 1" in lost["error"]
+    monkeypatch.undo()
+    assert admin.json("secret", "rotate", "bot", input=ROTATED)["version"] == 3
+    assert ROTATED not in "\n".join(admin.outputs)
+
+
 def test_help_lists_commands_without_importing_them() -> None:
     code = (
         "import sys; sys.argv = ['umbra', '--help']\n"
         "from umbra.cli.app import main\n"
         "try:\n    main()\nexcept SystemExit:\n    pass\n"
         "heavy = [m for m in sys.modules if m.startswith(('umbra.cli.', 'umbra.console', "
-        "'umbra.proxy', 'fastapi', 'mitmproxy', 'pulumi', 'sqlalchemy'))]\n"
+        "'umbra.proxy', 'fastapi', 'mitmproxy', 'pulumi', 'sqlalchemy', 'rich'))]\n"
         "print('IMPORTED', sorted(set(heavy) - {'umbra.cli.app'}))\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

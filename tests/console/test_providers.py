@@ -217,10 +217,47 @@ def test_provider_refusals_are_precise_4xx(cloud: Cloud) -> None:
     # Nothing was stored for the refusals.
     names = [c["name"] for c in team.admin.get(f"/api/v1/teams/{team.name}/cvms").json()]
     assert "a-name-far-too-long-for-a-stack" not in names and "sec2" not in names
-    running = settle(team, launch(team, "gcp").json()["id"])
-    stop = team.dev.patch(f"/api/v1/cvms/{running['id']}", json={"state": "stopped"})
+
+
+def test_provider_stop_start_run_in_the_worker_with_team_defaults(cloud: Cloud) -> None:
+    """Cloud stop/start run in the provisioning worker, not the request; a cloud launch gets the
+    team's default profiles like a local one."""
+    team, name = cloud.gcp, "stp"
+    serials = [b["serial"] for b in team.admin.get(f"/api/v1/teams/{team.name}/bundles").json()]
+    assert team.upload(max(serials, default=0) + 1).status_code == 201
+    defaults = f"/api/v1/teams/{team.name}/default-profiles"
+    assert team.admin.put(defaults, json={"profiles": ["github"]}).status_code == 200
+    launched = launch(team, "gcp", name).json()
+    assert (launched["state"], launched["profiles"]) == ("launching", ["github"])
+    running = settle(team, launched["id"])
+    assert running["profiles"] == ["github"]
+    stack = running["provider_ref"]
+
+    gate = cloud.clouds.gates[f"-{name}"] = threading.Event()
+    try:
+        started = time.monotonic()
+        stop = team.dev.patch(f"/api/v1/cvms/{running['id']}", json={"state": "stopped"})
+        # Answered while the provider run is held: the run is not inside the request.
+        assert stop.status_code == 200 and stop.json()["state"] == "updating", stop.text
+        assert time.monotonic() - started < 5
+        busy = team.dev.patch(f"/api/v1/cvms/{running['id']}", json={"state": "running"})
+        assert busy.status_code == 409
+    finally:
+        gate.set()
+        del cloud.clouds.gates[f"-{name}"]
+    stopped = settle(team, running["id"])
+    assert (stopped["state"], stopped["state_reason"]) == ("stopped", None)
     # Cloud CVMs stop and start through the provisioner (docs/specs/infra.md, stop/start).
-    assert stop.status_code == 200 and stop.json()["state"] == "stopped", stop.text
+    assert cloud.clouds.stacks[stack].config["umbra:running"] == "false"
+    start = team.dev.patch(f"/api/v1/cvms/{running['id']}", json={"state": "running"})
+    assert start.status_code == 200 and start.json()["state"] == "updating"
+    assert settle(team, running["id"])["state"] == "running"
+    assert cloud.clouds.stacks[stack].config["umbra:running"] == "true"
+    operations = [
+        d.get("operation") for a, d in audit_actions(team, running["id"]) if a == "cvm.provisioned"
+    ]
+    assert operations == ["launch", "stop", "start"]
+    assert team.admin.put(defaults, json={"profiles": []}).status_code == 200
 
 
 def test_provider_update_and_destroy(cloud: Cloud) -> None:

@@ -172,3 +172,83 @@ def test_database_outage_is_503_with_retry_after(
 
 def test_standard_bundle_still_uploads(team: Team) -> None:
     assert team.upload(1, standard_bundle(team.server.bundle_key, 1)).status_code == 201
+
+
+def test_parallel_conditional_rotations_one_winner_per_version(team: Team) -> None:
+    """Rotations carry the version they read (If-Match): of those racing from one version exactly
+    one wins and the others get 412; retried from a fresh read, none is ever lost."""
+    url = f"/api/v1/teams/{team.name}/secrets/{unique('s')}"
+    body = {"value": "v0", "hosts": ["api.example.com"]}
+    assert team.admin.put(url, json=body).json()["version"] == 1
+    pool = clients(team.server, token_of(team.admin), PARALLEL)
+    responses = race(
+        [
+            lambda c=c, i=i: c.put(url, json=body | {"value": f"v{i}"}, headers={"If-Match": '"1"'})
+            for i, c in enumerate(pool)
+        ]  # type: ignore[misc]
+    )
+    assert sorted(r.status_code for r in responses) == [200] + [412] * (PARALLEL - 1)
+    assert [r.json()["version"] for r in responses if r.status_code == 200] == [2]
+
+    # Four admins each rotate five times, re-reading the version after every 412.
+    rounds, workers = 5, clients(team.server, token_of(team.admin), 4)
+    list_url = f"/api/v1/teams/{team.name}/secrets"
+    name = url.rsplit("/", 1)[1]
+
+    def rotate_loop(client: httpx.Client) -> list[int]:
+        won: list[int] = []
+        while len(won) < rounds:
+            seen = next(s for s in client.get(list_url).json() if s["name"] == name)["version"]
+            answer = client.put(url, json=body, headers={"If-Match": f'"{seen}"'})
+            assert answer.status_code in (200, 412), answer.text
+            if answer.status_code == 200:
+                assert answer.json()["version"] == seen + 1
+                won.append(seen + 1)
+        return won
+
+    barrier = threading.Barrier(len(workers))
+
+    def go(client: httpx.Client) -> list[int]:
+        barrier.wait()
+        return rotate_loop(client)
+
+    with ThreadPoolExecutor(len(workers)) as executor:
+        results = list(executor.map(go, workers))
+    versions = sorted(v for won in results for v in won)
+    assert versions == list(range(3, 3 + rounds * len(workers)))  # no version won twice
+    final = next(s for s in team.admin.get(list_url).json() if s["name"] == name)
+    assert final["version"] == 2 + rounds * len(workers)
+
+
+def test_default_profiles_racing_launches(team: Team) -> None:
+    """A launch gets exactly the defaults committed before it (in audit order), never a mix."""
+    team.upload(1)
+    defaults = f"/api/v1/teams/{team.name}/default-profiles"
+    assert team.admin.put(defaults, json={"profiles": ["github"]}).status_code == 200
+    admin = team.server.client(token_of(team.admin))
+    devs = clients(team.server, token_of(team.dev), 6)
+    url = f"/api/v1/teams/{team.name}/cvms"
+    calls: list[Callable[[], httpx.Response]] = [
+        lambda: admin.put(defaults, json={"profiles": ["web"]})
+    ]
+    calls += [
+        lambda c=c: c.post(url, json={"name": unique("r"), "security_cvm_id": team.scvm_id})  # type: ignore[misc]
+        for c in devs
+    ]
+    responses = race(calls)
+    assert [r.status_code for r in responses] == [200] + [201] * len(devs)
+    launched = {r.json()["id"]: r.json()["profiles"] for r in responses[1:]}
+    entries = team.admin.get(f"/api/v1/teams/{team.name}/audit?limit=1000").json()["entries"]
+    set_at = next(
+        e["seq"]
+        for e in entries
+        if e["action"] == "profiles.defaults" and e["details"]["profiles"] == ["web"]
+    )
+    for entry in entries:
+        if entry["action"] == "cvm.launch" and entry["target"] in launched:
+            expected = ["github"] if entry["seq"] < set_at else ["web"]
+            assert launched[entry["target"]] == expected, (entry, set_at)
+            stored = team.admin.get(f"/api/v1/cvms/{entry['target']}").json()["profiles"]
+            assert stored == expected
+    document = team.scvm.get(f"/api/v1/security-cvms/{team.scvm_id}/attachments").json()
+    assert {cvm_id: document["cvms"][cvm_id]["profiles"] for cvm_id in launched} == launched

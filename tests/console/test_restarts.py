@@ -4,6 +4,7 @@ same CVMs from either worker (no state lives only in one process's memory)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -12,6 +13,7 @@ import textwrap
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import psycopg
@@ -29,17 +31,18 @@ from umbra.proxy.policy.bundle import generate_key
 UMBRA = str(Path(sys.executable).parent / "umbra")
 
 
-def _cvm(state: str) -> Cvm:
-    return Cvm(
-        id="cvm_" + os.urandom(8).hex(),
-        team="t",
-        name=unique("n"),
-        kind="dev",
-        owner="alice",
-        provider="gcp",
-        state=state,
-        created_by="alice",
-    )
+def _cvm(state: str, **fields: Any) -> Cvm:
+    values: dict[str, Any] = {
+        "id": "cvm_" + os.urandom(8).hex(),
+        "team": "t",
+        "name": unique("n"),
+        "kind": "dev",
+        "owner": "alice",
+        "provider": "gcp",
+        "state": state,
+        "created_by": "alice",
+    }
+    return Cvm(**(values | fields))
 
 
 def test_interrupted_runs_are_reconciled_at_start(
@@ -72,6 +75,71 @@ def test_interrupted_runs_are_reconciled_at_start(
     finally:
         server.stop()
         holder.close()
+        engine.dispose()
+
+
+def test_interrupted_cloud_runs_are_resumed_at_start(
+    postgres: PostgresServer, issuer: LocalIssuer, tmp_path: Path
+) -> None:
+    """A resumable provider's interrupted runs are submitted again at start (same operation, read
+    back from the row and its audit), and end as a finished run would."""
+    from sqlalchemy.orm import Session
+
+    from tests.console.fake_pulumi import FakeClouds
+    from tests.console.test_providers import APP_COMPOSE, KEY, gcp_settings
+    from umbra.console import audit
+    from umbra.console.config import GcpProvider
+
+    url = postgres.create_database("r_" + os.urandom(6).hex())
+    db.upgrade(url)
+    team = "g" + os.urandom(4).hex()
+    compose = tmp_path / "app-compose.json"
+    compose.write_text(json.dumps(APP_COMPOSE))
+    clouds = FakeClouds()
+    stack = f"acme-org/umbra-dev-cvm/{team}-alice-stp"
+    clouds.factory(stack, None, True)  # the stack the interrupted stop was changing
+    launching = _cvm("launching", team=team, name="lnch", ssh_keys=[KEY])
+    stopping = _cvm("updating", team=team, name="stp", ssh_keys=[KEY], provider_ref=stack)
+    engine = db.make_engine(url)
+    with Session(engine, expire_on_commit=False) as session, session.begin():
+        session.add_all([launching, stopping])
+        audit.append(session, actor="alice", team=team, action="cvm.update", target=stopping.id,
+                     details={"state": "stopped"})  # fmt: skip
+    server = start_server(
+        "postgresql", url, None, issuer.url, generate_key(), tmp_path,
+        stack_factory=clouds.factory, providers=["local", "gcp"],
+        gcp=GcpProvider.model_validate(gcp_settings(compose, team)),
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            with engine.connect() as connection:
+                rows = {
+                    r[0]: (r[1], r[2])
+                    for r in connection.execute(text("SELECT id, state, provider_ref FROM cvm"))
+                }
+            if all(state not in ("launching", "updating") for state, _ in rows.values()):
+                break
+            assert time.monotonic() < deadline, rows
+            time.sleep(0.05)
+        assert rows[launching.id] == ("running", f"acme-org/umbra-dev-cvm/{team}-alice-lnch")
+        assert rows[stopping.id] == ("stopped", stack)
+        assert clouds.stacks[stack].config["umbra:running"] == "false"
+        with engine.connect() as connection:
+            trail = [
+                (r[0], r[1], json.loads(r[2]) if isinstance(r[2], str) else r[2])
+                for r in connection.execute(
+                    text("SELECT target, action, details FROM audit_entry ORDER BY seq")
+                )
+            ]
+        assert [(a, d) for t, a, d in trail if t == stopping.id] == [
+            ("cvm.update", {"state": "stopped"}),
+            ("cvm.resumed", {"operation": "stop", "state": "updating"}),
+            ("cvm.provisioned", {"operation": "stop", "state": "stopped"}),
+        ]
+        assert [a for t, a, _ in trail if t == launching.id] == ["cvm.resumed", "cvm.provisioned"]
+    finally:
+        server.stop()
         engine.dispose()
 
 
