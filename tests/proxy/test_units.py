@@ -10,12 +10,12 @@ from pathlib import Path
 import httpx
 import pytest
 
+from umbra.contracts.traffic import TrafficRecord
 from umbra.proxy.identity import CvmEntry, StaticIdentities, hash_credential, proxy_auth_header
 from umbra.proxy.netcheck import AddressPolicy, AddressVerdict, classify
 from umbra.proxy.resolver import StaticResolver
 from umbra.proxy.secrets import SecretsError, SecretStore
 from umbra.proxy.spool import Shipper, Spool, read_records
-from umbra.proxy.trafficlog import TrafficRecord
 
 
 @pytest.mark.parametrize(
@@ -112,14 +112,14 @@ def test_secrets_bound_at_the_console_resolve_only_for_their_hosts() -> None:
 def test_spool_survives_a_torn_line_and_ships_in_order(tmp_path: Path) -> None:
     spool = Spool(tmp_path)
     for index in range(5):
-        spool.append(TrafficRecord(reason=f"r{index}"))
+        spool.append(TrafficRecord.build(decision="deny", reason=f"r{index}"))
     spool.flush()
     spool.close()
     segment = sorted(tmp_path.glob("segment-*.jsonl"))[-1]
     with segment.open("ab") as handle:
         handle.write(b'{"id": "torn')  # a crash mid-write
     restarted = Spool(tmp_path)  # appends go to a fresh segment
-    restarted.append(TrafficRecord(reason="after"))
+    restarted.append(TrafficRecord.build(decision="deny", reason="after"))
     restarted.flush()
     restarted.close()
     reasons = [r["reason"] for r in read_records(tmp_path)]
