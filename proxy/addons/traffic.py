@@ -244,7 +244,11 @@ def _sub_all(patterns: list[re.Pattern[str]], value: str) -> str:
 
 
 def error_reason(message: str, flow: http.HTTPFlow) -> Reason:
-    """Classify mitmproxy's flow error: which side broke the exchange."""
+    """Classify mitmproxy's flow error: which side broke the exchange.
+
+    mitmproxy's error hook does not say which side failed, only the message; the side is read from
+    the flow instead: a request the client never finished is the client's doing, whatever the
+    message says (a bad chunk, a body cut short, a reset stream)."""
     lowered = message.lower()
     if "body_size_limit" in message:
         return Reason.BODY_TOO_LARGE
@@ -252,13 +256,19 @@ def error_reason(message: str, flow: http.HTTPFlow) -> Reason:
         return Reason.UPSTREAM_REFUSED  # server_connect refused the dial (logged with why)
     if "killed" in lowered:
         return Reason.KILLED
-    if "client" in lowered or (
-        "received" in lowered
-        and flow.response is None
-        and (flow.server_conn.timestamp_start is None)
-    ):
-        # The sandbox's own framing (bad chunking, disconnects mid-request) is not the upstream's.
-        return Reason.CLIENT_ERROR if "client" in lowered else Reason.INVALID_REQUEST
     if "smuggling" in lowered:
         return Reason.INVALID_REQUEST
+    if flow.response is None and flow.request.timestamp_end is None:
+        if _HEAD_REJECTED.search(message) and not message.startswith("HTTP/1 protocol error"):
+            # mitmproxy's own validation refused the request head (framing headers).
+            return Reason.INVALID_REQUEST
+        return Reason.CLIENT_ERROR
+    if "client" in lowered:
+        return Reason.CLIENT_ERROR  # e.g. the client went away while the response was coming
     return Reason.UPSTREAM_ERROR
+
+
+# The messages of mitmproxy's request-head validation (`http1.expected_http_body_size`).
+_HEAD_REJECTED = re.compile(
+    r"(?i)transfer-encoding|content-length|invalid (?:request|http|header)|unsupported"
+)
