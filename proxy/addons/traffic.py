@@ -19,6 +19,7 @@ from mitmproxy import connection, http
 from umbra.contracts.traffic import Decision, Kind, TrafficRecord
 from umbra.proxy.addons.reasons import Reason
 from umbra.proxy.addons.state import ConnTable, FlowState, Stage, flow_state
+from umbra.proxy.mitm_compat import WS_CONTROL
 from umbra.proxy.secrets import SecretStore
 from umbra.proxy.spool import Spool
 from umbra.proxy.state import PolicyState
@@ -222,6 +223,35 @@ class TrafficLog:
             Reason.RULE_ALLOW,
             status=flow.response.status_code,
             bytes_received=size,
+        )
+
+    def websocket_start(self, flow: http.HTTPFlow) -> None:
+        # mitmproxy relays control frames without a hook; mitm_compat empties their payloads and
+        # reports each one here, so the channel is visible in the log, not only closed.
+        def control(kind: str, from_client: bool, size: int) -> None:
+            self._control_record(flow, kind, from_client, size)
+
+        flow.metadata[WS_CONTROL] = control
+
+    def websocket_end(self, flow: http.HTTPFlow) -> None:
+        reason = flow.websocket.close_reason if flow.websocket is not None else None
+        if reason and flow.websocket is not None:
+            size = len(reason.encode())
+            code = flow.websocket.close_code
+            self._control_record(
+                flow, f"close (code {code})", flow.websocket.closed_by_client is True, size
+            )
+
+    def _control_record(self, flow: http.HTTPFlow, kind: str, from_client: bool, size: int) -> None:
+        side = "client" if from_client else "server"
+        what = "reason" if kind.startswith("close") else "payload"
+        self.websocket_record(
+            flow,
+            Reason.WS_CONTROL_EMPTIED,
+            [],
+            f"{kind} from {side}: {size}-byte {what} emptied",
+            bytes_sent=size if from_client else 0,
+            bytes_received=0 if from_client else size,
         )
 
     def error(self, flow: http.HTTPFlow) -> None:
