@@ -16,6 +16,13 @@
    pong payload is reported to the callable an addon put in `flow.metadata[WS_CONTROL]` (close
    reasons stay readable on `flow.websocket.close_reason` for the `websocket_end` hook).
 4. Worker processes (`--workers`): listeners bind with SO_REUSEPORT (`install(reuse_port=True)`).
+5. The dial guard dials the checked IP literal, so the upstream connection's address is no longer
+   the name the next request on the client connection asks for, and mitmproxy would dial (and
+   leave open) a new upstream connection for every request. `install()` wraps
+   `GetHttpConnection.connection_spec_matches` so that a connection the dial guard marked as dialled
+   for a name (`DIALLED_FOR`) is reused for that name (same TLS, via and transport), as stock
+   mitmproxy reuses a connection it resolved itself. Connections are per client connection, so
+   reuse never crosses CVMs.
 """
 
 from __future__ import annotations
@@ -35,6 +42,8 @@ CUT_STREAM = "umbra.cut_stream"
 # flow.metadata key: called as (kind, from_client, payload size) for each emptied ping/pong payload.
 WS_CONTROL = "umbra.ws_control"
 ControlReport = Callable[[str, bool, int], None]
+# Attribute of a mitmproxy Server: the (name, port) the dial guard dialled its IP literal for.
+DIALLED_FOR = "umbra_dialled_for"
 _installed = False
 logger = logging.getLogger(__name__)
 
@@ -112,6 +121,22 @@ def install(*, reuse_port: bool = False) -> None:
         self.server_ws.umbra_flow, self.server_ws.umbra_from_client = self.flow, True
         self.client_ws.umbra_flow, self.client_ws.umbra_from_client = self.flow, False
 
+    get_connection: Any = getattr(http_layers, "GetHttpConnection", None)
+    original_matches = getattr(get_connection, "connection_spec_matches", None)
+    if original_matches is None:
+        raise CompatError("mitmproxy's GetHttpConnection internals are missing; refusing to run")
+
+    def connection_spec_matches(self: Any, connection: Any) -> bool:
+        if original_matches(self, connection):
+            return True
+        return bool(
+            getattr(connection, DIALLED_FOR, None) == tuple(self.address)
+            and self.tls == connection.tls
+            and self.via == connection.via
+            and self.transport_protocol == connection.transport_protocol
+        )
+
+    get_connection.connection_spec_matches = connection_spec_matches
     ws_cls.send2 = send2
     # `_handle_event` is bound to `start` when the class is defined: replace both.
     layer_cls.start = start

@@ -307,12 +307,14 @@ class OriginServer(ThreadingHTTPServer):
         super().__init__(("127.0.0.1", 0), OriginHandler)
         self.recorder = recorder
         self.routes: dict[str, Route] = {}
+        self.connections = 0  # accepted TCP connections
         if tls is not None:
             self.socket = tls.wrap_socket(
                 self.socket, server_side=True, do_handshake_on_connect=False
             )
 
     def finish_request(self, request: Any, client_address: Any) -> None:
+        self.connections += 1
         if isinstance(request, ssl.SSLSocket):
             try:
                 request.settimeout(10)
