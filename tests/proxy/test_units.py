@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import itertools
 import json
 from pathlib import Path
 
@@ -146,3 +147,41 @@ def test_spool_survives_a_torn_line_and_ships_in_order(tmp_path: Path) -> None:
     asyncio.run(drain())
     assert received == ["r0", "r1", "r2", "r3", "r4", "after"]
     assert Shipper(tmp_path, "http://console.invalid", client=client)._next_batch()[0] == []
+
+
+def test_secret_puller_follows_a_changed_version_at_once_and_paces_unchanged_ones() -> None:
+    """A Console that answers the version long poll at once: a changed version is released and
+    followed by the next poll at once (back-to-back rotations converge); an unchanged one is paced
+    at 0.5 s (no hot loop). The Console is replaced by an injected version source."""
+    from umbra.proxy.secret_puller import SecretPuller
+    from umbra.proxy.state import PolicyState
+
+    versions = iter(["v1", "v2", "v3"])
+    polls: list[float] = []
+    releases: list[float] = []
+
+    class Scripted(SecretPuller):
+        async def version(self, known: str | None, wait: float) -> str | None:
+            polls.append(asyncio.get_running_loop().time())
+            return next(versions, known)  # three changes, then unchanged forever
+
+        async def run_once(self) -> bool:
+            releases.append(asyncio.get_running_loop().time())
+            return True
+
+    async def run() -> None:
+        async with httpx.AsyncClient() as client:
+            puller = Scripted(
+                "http://127.0.0.1:9", "sec-1", None, None,  # type: ignore[arg-type]
+                PolicyState(SecretStore.empty()), client,
+            )  # fmt: skip
+            task = asyncio.create_task(puller.run())
+            await asyncio.sleep(1.3)
+            task.cancel()
+
+    asyncio.run(run())
+    assert len(releases) == 3
+    assert releases[-1] - releases[0] < 0.2, "a changed version was paced"
+    unchanged = polls[3:]
+    assert 2 <= len(unchanged) <= 3, polls
+    assert all(b - a >= 0.45 for a, b in itertools.pairwise(unchanged)), polls
