@@ -1,14 +1,21 @@
-"""`umbra proxy`: run the Security CVM's egress proxy."""
+"""`umbra proxy`: run the Security CVM's egress proxy.
+
+The options of `serve` are not declared here: they are built from `ProxyConfig`'s field
+declarations (`umbra.proxy.config`), the one place an option's flag, type, default and help live.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import os
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from pydantic import ValidationError
+
+from umbra.proxy.config import Option, ProxyConfig, options
 
 app = typer.Typer(help="The Security CVM's policy-enforcing egress proxy.", no_args_is_help=True)
 
@@ -20,177 +27,90 @@ def _listen(value: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-@app.command()
-def serve(
-    listen: Annotated[
-        str, typer.Option(help="HOST:PORT to accept tunnel connections on.")
-    ] = "127.0.0.1:8080",
-    identities: Annotated[
-        Path,
-        typer.Option(
-            help="Identities file: CVM ids, owners, teams, profiles, tunnel credentials/source ranges."
-        ),
-    ] = Path("identities.yaml"),
-    traffic_log: Annotated[
-        Path, typer.Option(help="Traffic-log spool directory (append-only JSON lines).")
-    ] = Path("traffic-spool"),
-    confdir: Annotated[
-        Path, typer.Option(help="Directory of the proxy's interception CA (created if missing).")
-    ] = Path("mitm-ca"),
-    policy_dir: Annotated[
-        Path | None, typer.Option(help="Local mode: enforce this policy directory (unsigned).")
-    ] = None,
-    bundle: Annotated[Path | None, typer.Option(help="Enforce this signed bundle file.")] = None,
-    bundle_key: Annotated[
-        list[Path] | None,
-        typer.Option(help="Pinned Ed25519 public key (PEM) bundles must be signed by; repeatable."),
-    ] = None,
-    console: Annotated[
-        str | None,
-        typer.Option(help="Console base URL: pull bundle and attachments, ship the traffic log."),
-    ] = None,
-    security_cvm_id: Annotated[
-        str | None, typer.Option(help="This Security CVM's id at the Console.")
-    ] = None,
-    state_dir: Annotated[
-        Path | None, typer.Option(help="Where the last good bundle is cached.")
-    ] = None,
-    secrets: Annotated[
-        Path | None, typer.Option(help="Local mode secrets file (YAML/JSON, mode 0600).")
-    ] = None,
-    upstream_ca: Annotated[
-        Path | None,
-        typer.Option(
-            help="Trust this CA (PEM) for upstream TLS instead of the system store (tests)."
-        ),
-    ] = None,
-    max_body: Annotated[
-        int,
-        typer.Option(help="Largest request body scanned and forwarded, in bytes; larger gets 413."),
-    ] = 32 << 20,
-    tunnel_listen: Annotated[
-        str | None,
-        typer.Option(
-            help="HOST:PORT of the aTLS tunnel endpoint for Dev CVM forwarders (same process)."
-        ),
-    ] = None,
-    quote_source: Annotated[
-        str,
-        typer.Option(
-            help="Tunnel endpoint quotes: configfs (the TD's configfs-tsm), azure (vTPM + IMDS under the paravisor) or simulated."
-        ),
-    ] = "configfs",
-    event_log: Annotated[
-        Path | None,
-        typer.Option(help="Event log (dstack JSON or CCEL) served with the endpoint's quotes."),
-    ] = None,
-    simulated_pki: Annotated[
-        Path | None,
-        typer.Option(help="SIMULATED TEE only: the simulated PKI directory that signs quotes."),
-    ] = None,
-    simulated_image: Annotated[
-        str, typer.Option(help="SIMULATED TEE only: the simulated image name.")
-    ] = "umbra-security-cvm",
-    tunnel_header_timeout: Annotated[
-        float, typer.Option(help="Seconds a tunnel may take to send its identity header.")
-    ] = 10.0,
-    console_credential_file: Annotated[
-        Path | None,
-        typer.Option(
-            help="File holding the bearer credential the Console issued this Security CVM."
-        ),
-    ] = None,
-    secrets_from_console: Annotated[
-        bool,
-        typer.Option(
-            help="Take injection secrets from the Console's attested release (needs --console)."
-        ),
-    ] = False,
-    security_cvm_id_file: Annotated[
-        Path | None,
-        typer.Option(help="Read this Security CVM's id from a (launch-bound) file."),
-    ] = None,
-    workers: Annotated[
-        int,
-        typer.Option(
-            help="Proxy worker processes sharing the listen port (SO_REUSEPORT); default: cores."
-        ),
-    ] = 0,
-    test_allow_upstream: Annotated[
-        list[str] | None,
-        typer.Option(
-            help="TEST ONLY: allow dialling this CIDR (e.g. 127.0.0.1/32). Never in production."
-        ),
-    ] = None,
-    test_resolver: Annotated[
-        Path | None,
-        typer.Option(help="TEST ONLY: resolve names from this JSON map instead of DNS."),
-    ] = None,
-) -> None:
-    """Run the proxy until interrupted."""
-    from umbra.proxy.runner import ProxyConfig, StartupError, UmbraProxy, WorkerSupervisor
+def _fail(message: str, code: int) -> typer.Exit:
+    typer.echo(f"umbra proxy serve: {message}", err=True)
+    return typer.Exit(code)
 
-    host, port = _listen(listen)
-    tunnel_host, tunnel_port = _listen(tunnel_listen) if tunnel_listen else (None, 8443)
-    if quote_source not in ("configfs", "azure", "simulated"):
-        typer.echo(
-            "umbra proxy serve: --quote-source must be configfs, azure or simulated", err=True
-        )
-        raise typer.Exit(2)
-    if security_cvm_id_file is not None:
-        if security_cvm_id is not None:
-            typer.echo("umbra proxy serve: give --security-cvm-id or its file, not both", err=True)
-            raise typer.Exit(2)
+
+def _cli_type(option: Option) -> Any:
+    """The command-line type of an option: HOST:PORT and choices are text, checked here."""
+    if option.flag.port_field or option.choices:
+        return str if option.default is not None else str | None
+    annotation = option.annotation
+    if getattr(annotation, "__origin__", None) is list:
+        return annotation | None  # a repeatable option given no times is None
+    return annotation
+
+
+def _config_values(params: dict[str, Any]) -> dict[str, Any]:
+    """The keyword arguments of `ProxyConfig` from the command's parameters."""
+    values: dict[str, Any] = {}
+    for option in options():
+        value = params[option.param]
+        if option.field in ("security_cvm_id_file", "workers"):
+            continue  # resolved by `serve` itself
+        if option.flag.port_field:
+            if value is not None:
+                values[option.field], values[option.flag.port_field] = _listen(value)
+        elif option.choices and value not in option.choices:
+            *first, last = option.choices
+            raise _fail(f"{option.name} must be {', '.join(first)} or {last}", 2)
+        elif value is None and getattr(option.annotation, "__origin__", None) is list:
+            values[option.field] = []
+        else:
+            values[option.field] = value
+    return values
+
+
+def serve(**params: Any) -> None:
+    """Run the proxy until interrupted."""
+    from umbra.proxy.runner import StartupError, UmbraProxy, WorkerSupervisor
+
+    values = _config_values(params)
+    id_file: Path | None = params["security_cvm_id_file"]
+    if id_file is not None:
+        if values.get("security_cvm_id") is not None:
+            raise _fail("give --security-cvm-id or its file, not both", 2)
         try:
-            security_cvm_id = security_cvm_id_file.read_text().strip()
+            values["security_cvm_id"] = id_file.read_text().strip()
         except OSError as exc:
-            typer.echo(f"umbra proxy serve: {security_cvm_id_file}: {exc.strerror}", err=True)
-            raise typer.Exit(1) from None
+            raise _fail(f"{id_file}: {exc.strerror}", 1) from None
+    values["workers"] = params["workers"] or os.cpu_count() or 1
     try:
-        config = ProxyConfig(
-            listen_host=host,
-            listen_port=port,
-            identities=identities,
-            traffic_log=traffic_log,
-            confdir=confdir,
-            policy_dir=policy_dir,
-            bundle=bundle,
-            bundle_keys=bundle_key or [],
-            console_url=console,
-            security_cvm_id=security_cvm_id,
-            console_credential_file=console_credential_file,
-            secrets_from_console=secrets_from_console,
-            state_dir=state_dir,
-            secrets=secrets,
-            upstream_ca=upstream_ca,
-            max_body=max_body,
-            test_allow_upstream=test_allow_upstream or [],
-            test_resolver=test_resolver,
-            tunnel_listen_host=tunnel_host,
-            tunnel_listen_port=tunnel_port,
-            quote_source=quote_source,
-            event_log=event_log,
-            simulated_pki=simulated_pki,
-            simulated_image=simulated_image,
-            tunnel_header_timeout=tunnel_header_timeout,
-            workers=workers or os.cpu_count() or 1,
-        )
+        config = ProxyConfig(**values)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        typer.echo(f"umbra proxy serve: {first['msg']}", err=True)
-        raise typer.Exit(2) from None
+        raise _fail(exc.errors()[0]["msg"], 2) from None
     if config.workers > 1:
         try:
             code = WorkerSupervisor(config).run()
         except StartupError as exc:
-            typer.echo(f"umbra proxy serve: {exc}", err=True)
-            raise typer.Exit(1) from None
+            raise _fail(str(exc), 1) from None
         raise typer.Exit(code)
     proxy = UmbraProxy(config)
     try:
         asyncio.run(proxy.run())
     except StartupError as exc:
-        typer.echo(f"umbra proxy serve: {exc}", err=True)
-        raise typer.Exit(1) from None
+        raise _fail(str(exc), 1) from None
     except KeyboardInterrupt:
         pass
+
+
+def _typer_option(option: Option) -> Any:
+    # A flag named after its parameter is left to typer, which then also makes `--no-X` of a bool.
+    if option.name == "--" + option.param.replace("_", "-"):
+        return typer.Option(help=option.flag.help)
+    return typer.Option(option.name, help=option.flag.help)
+
+
+serve.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+    [
+        inspect.Parameter(
+            option.param,
+            inspect.Parameter.KEYWORD_ONLY,
+            default=option.default,
+            annotation=Annotated[_cli_type(option), _typer_option(option)],
+        )
+        for option in options()
+    ]
+)
+app.command()(serve)

@@ -11,14 +11,25 @@
    the server side is dropped, so a cut response never ends as if it were complete.
 3. WebSocket control frames (ping, pong, close) are relayed by mitmproxy without any hook, so their
    payloads (up to 125 bytes each) would be an unscanned channel. `install()` wraps
-   `WebsocketConnection.send2` to empty ping/pong payloads and close reasons (the close code stays).
+   `WebsocketConnection.send2` to empty ping/pong payloads and close reasons (the close code stays),
+   and `WebsocketLayer.start` to tell each side's connection its flow, so that every emptied ping or
+   pong payload is reported to the callable an addon put in `flow.metadata[WS_CONTROL]` (close
+   reasons stay readable on `flow.websocket.close_reason` for the `websocket_end` hook).
 4. Worker processes (`--workers`): listeners bind with SO_REUSEPORT (`install(reuse_port=True)`).
+5. The dial guard dials the checked IP literal, so the upstream connection's address is no longer
+   the name the next request on the client connection asks for, and mitmproxy would dial (and
+   leave open) a new upstream connection for every request. `install()` wraps
+   `GetHttpConnection.connection_spec_matches` so that a connection the dial guard marked as dialled
+   for a name (`DIALLED_FOR`) is reused for that name (same TLS, via and transport), as stock
+   mitmproxy reuses a connection it resolved itself. Connections are per client connection, so
+   reuse never crosses CVMs.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Generator
+import logging
+from collections.abc import Callable, Generator
 from typing import Any
 
 import wsproto.events
@@ -28,7 +39,13 @@ from mitmproxy.version import VERSION
 
 STREAM_RESPONSE = "umbra.stream_response"
 CUT_STREAM = "umbra.cut_stream"
+# flow.metadata key: called as (kind, from_client, payload size) for each emptied ping/pong payload.
+WS_CONTROL = "umbra.ws_control"
+ControlReport = Callable[[str, bool, int], None]
+# Attribute of a mitmproxy Server: the (name, port) the dial guard dialled its IP literal for.
+DIALLED_FOR = "umbra_dialled_for"
 _installed = False
+logger = logging.getLogger(__name__)
 
 
 class CompatError(RuntimeError):
@@ -79,22 +96,67 @@ def install(*, reuse_port: bool = False) -> None:
 
     ws_cls: Any = getattr(ws_layers, "WebsocketConnection", None)
     original_send2 = getattr(ws_cls, "send2", None)
-    if original_send2 is None:
-        raise CompatError("mitmproxy's WebsocketConnection.send2 is missing; refusing to run")
+    layer_cls: Any = getattr(ws_layers, "WebsocketLayer", None)
+    original_start = getattr(layer_cls, "start", None)
+    if original_send2 is None or original_start is None:
+        raise CompatError("mitmproxy's WebSocket layer internals are missing; refusing to run")
 
     def send2(self: Any, event: Any) -> Any:
+        emptied: tuple[str, int] | None = None
         if isinstance(event, wsproto.events.Ping):
+            emptied = ("ping", len(event.payload))
             event = wsproto.events.Ping(payload=b"")
         elif isinstance(event, wsproto.events.Pong):
+            emptied = ("pong", len(event.payload))
             event = wsproto.events.Pong(payload=b"")
         elif isinstance(event, wsproto.events.CloseConnection) and event.reason:
             event = wsproto.events.CloseConnection(code=event.code, reason="")
+        if emptied is not None and emptied[1]:
+            _report_control(self, *emptied)
         return original_send2(self, event)
 
+    def start(self: Any, event: Any) -> Generator[Any, Any, None]:
+        yield from original_start(self, event)
+        # A frame sent to the server came from the client, and the other way round.
+        self.server_ws.umbra_flow, self.server_ws.umbra_from_client = self.flow, True
+        self.client_ws.umbra_flow, self.client_ws.umbra_from_client = self.flow, False
+
+    get_connection: Any = getattr(http_layers, "GetHttpConnection", None)
+    original_matches = getattr(get_connection, "connection_spec_matches", None)
+    if original_matches is None:
+        raise CompatError("mitmproxy's GetHttpConnection internals are missing; refusing to run")
+
+    def connection_spec_matches(self: Any, connection: Any) -> bool:
+        if original_matches(self, connection):
+            return True
+        return bool(
+            getattr(connection, DIALLED_FOR, None) == tuple(self.address)
+            and self.tls == connection.tls
+            and self.via == connection.via
+            and self.transport_protocol == connection.transport_protocol
+        )
+
+    get_connection.connection_spec_matches = connection_spec_matches
     ws_cls.send2 = send2
+    # `_handle_event` is bound to `start` when the class is defined: replace both.
+    layer_cls.start = start
+    layer_cls._handle_event = start
     stream_cls.check_body_size = check_body_size
     stream_cls.state_stream_response_body = state_stream_response_body
     _installed = True
+
+
+def _report_control(ws: Any, kind: str, size: int) -> None:
+    """Tell the flow's addon that a control frame's payload was emptied (never the payload)."""
+    flow = getattr(ws, "umbra_flow", None)
+    report: ControlReport | None = flow.metadata.get(WS_CONTROL) if flow is not None else None
+    if report is None:
+        return
+    try:
+        report(kind, bool(getattr(ws, "umbra_from_client", False)), size)
+    except Exception as exc:
+        # The payload is emptied whatever happens here; only the record is lost, and said so.
+        logger.error("reporting an emptied WebSocket %s failed (%s)", kind, type(exc).__name__)
 
 
 def _reuse_port() -> None:

@@ -11,7 +11,8 @@ bundle is cached on disk and re-verified at start-up.
 
 Both are long polls (`?wait=`): the Console answers as soon as something changed, so a new bundle
 takes effect within about a second without polling every half second. A Console that answers at
-once anyway is polled no faster than `interval`.
+once without a change is polled no faster than `interval`; an answer that carried a change is
+followed by the next long poll at once.
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ class PolicyPuller:
         self.cache = cache_dir / "bundle.json" if cache_dir else None
         self.attachments_cache = cache_dir / "attachments.json" if cache_dir else None
         self.interval = interval
+        self._attachments_raw: bytes | None = None
         self.long_poll = long_poll
         self._client = client or httpx.AsyncClient(timeout=10)
         self._bundle_etag: str | None = None
@@ -166,9 +168,12 @@ class PolicyPuller:
             logger.error("refusing attachments document from console (invalid)")
             return False
         self._attachments_etag = response.headers.get("etag")
+        # The same document again (a Console ignoring If-None-Match) is no change: it is paced.
+        changed = response.content != self._attachments_raw
+        self._attachments_raw = response.content
         self._write_atomic(self.attachments_cache, response.content)
         self.identities.set_attachments(document.cvms)
-        return True
+        return changed
 
     async def run(self) -> None:
         await asyncio.gather(self._loop(self.poll_bundle), self._loop(self.poll_attachments))
@@ -177,13 +182,16 @@ class PolicyPuller:
         loop = asyncio.get_running_loop()
         while True:
             started = loop.time()
+            changed = False
             try:
-                await poll(self.long_poll)
+                changed = await poll(self.long_poll)
             except httpx.HTTPError as exc:
                 self.last_error = f"console unreachable ({type(exc).__name__})"
                 logger.error("policy puller: %s; keeping the current policy", self.last_error)
             except Exception:
                 logger.exception("policy puller failed; keeping the current policy")
             elapsed = loop.time() - started
-            if elapsed < self.interval:
+            # Only an answer without a change is paced (a Console that does not long-poll); one
+            # that carried a change is followed at once, so back-to-back publishes converge too.
+            if not changed and elapsed < self.interval:
                 await asyncio.sleep(self.interval - elapsed)

@@ -18,11 +18,10 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
-from typing import Literal, Self
 
 import httpx
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from umbra.proxy.config import ProxyConfig
 from umbra.proxy.identity import StaticIdentities
 from umbra.proxy.netcheck import AddressPolicy, IPAddress, IPNetwork
 from umbra.proxy.policy import BundleError, PolicyError
@@ -38,89 +37,7 @@ from umbra.proxy.tunnel_quote import Evidence, EvidenceError, build_evidence
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_BODY = 32 << 20
-
-
-class ProxyConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    listen_host: str = "127.0.0.1"
-    listen_port: int = Field(default=8080, ge=0, le=65535)
-    policy_dir: Path | None = None
-    bundle: Path | None = None
-    bundle_keys: list[Path] = Field(default_factory=list)
-    console_url: str | None = None
-    security_cvm_id: str | None = None
-    # The bearer credential the Console issued this Security CVM at registration (launch-bound).
-    console_credential_file: Path | None = None
-    # Take injection secrets from the Console's attested release instead of a local file.
-    secrets_from_console: bool = False
-    secrets_interval: float = Field(default=300.0, gt=0)
-    identities: Path
-    secrets: Path | None = None
-    traffic_log: Path
-    confdir: Path
-    state_dir: Path | None = None
-    upstream_ca: Path | None = None
-    max_body: int = Field(default=DEFAULT_MAX_BODY, ge=1024)
-    tunnel_listen_host: str | None = None
-    tunnel_listen_port: int = Field(default=8443, ge=0, le=65535)
-    quote_source: Literal["configfs", "azure", "simulated"] = "configfs"
-    event_log: Path | None = None
-    simulated_pki: Path | None = None
-    simulated_image: str = "umbra-security-cvm"
-    tunnel_header_timeout: float = Field(default=10.0, gt=0)
-    test_allow_upstream: list[str] = Field(default_factory=list)
-    test_resolver: Path | None = None
-    poll_interval: float = Field(default=0.5, gt=0)
-    ship_interval: float = Field(default=1.0, gt=0)
-    # Worker processes sharing the listen (and tunnel) port through SO_REUSEPORT.
-    workers: int = Field(default=1, ge=1, le=256)
-    # Set by the supervisor for each worker it starts; None in a single-process proxy.
-    worker_index: int | None = Field(default=None, ge=0)
-
-    @property
-    def spool_dir(self) -> Path:
-        """Each worker spools (and ships) on its own."""
-        if self.worker_index is None:
-            return self.traffic_log
-        return self.traffic_log / f"worker-{self.worker_index}"
-
-    @property
-    def worker_state_dir(self) -> Path | None:
-        if self.state_dir is None or self.worker_index is None:
-            return self.state_dir
-        return self.state_dir / f"worker-{self.worker_index}"
-
-    @model_validator(mode="after")
-    def _one_policy_source(self) -> Self:
-        sources = [
-            self.policy_dir is not None,
-            self.bundle is not None,
-            self.console_url is not None,
-        ]
-        if sum(sources) != 1:
-            raise ValueError("give exactly one of --policy-dir, --bundle or --console")
-        if (self.bundle or self.console_url) and not self.bundle_keys:
-            raise ValueError("--bundle and --console need at least one pinned --bundle-key")
-        if self.console_url and not self.security_cvm_id:
-            raise ValueError("--console needs --security-cvm-id")
-        if self.console_url and self.console_credential_file is None:
-            raise ValueError("--console needs --console-credential-file")
-        if self.secrets_from_console and (self.console_url is None or self.secrets is not None):
-            raise ValueError("--secrets-from-console needs --console and no --secrets file")
-        if self.tunnel_listen_host is not None and not _is_loopback(self.listen_host):
-            # The endpoint registers loopback sources; a proxy listener others can reach would
-            # accept connections the endpoint never authenticated.
-            raise ValueError("with --tunnel-listen, --listen must be a loopback address")
-        if self.workers > 1 and (
-            self.listen_port == 0
-            or (self.tunnel_listen_host is not None and self.tunnel_listen_port == 0)
-        ):
-            raise ValueError("--workers above 1 needs fixed --listen and --tunnel-listen ports")
-        for cidr in self.test_allow_upstream:
-            ipaddress.ip_network(cidr, strict=True)
-        return self
+__all__ = ["ProxyConfig", "ProxyThread", "StartupError", "UmbraProxy", "WorkerSupervisor"]
 
 
 class StartupError(Exception):
@@ -136,13 +53,6 @@ def _log_to_stderr() -> None:
         handler.setFormatter(logging.Formatter("umbra %(levelname)s %(name)s: %(message)s"))
         umbra_logger.addHandler(handler)
         umbra_logger.setLevel(logging.INFO)
-
-
-def _is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _interface_addresses() -> set[IPAddress]:

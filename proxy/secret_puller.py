@@ -164,8 +164,10 @@ class SecretPuller:
                 released, last_release, have_released = current, loop.time(), True
             if current is None:
                 await asyncio.sleep(min(self.interval, 5.0))
-            elif loop.time() - started < 0.5:
-                await asyncio.sleep(0.5)  # a Console that answers at once: not a hot loop
+            elif not due and loop.time() - started < 0.5:
+                # A Console that answers at once without a change: not a hot loop. An answer that
+                # carried a change is followed at once, so back-to-back changes converge too.
+                await asyncio.sleep(0.5)
 
 
 def _store(document: ReleaseDocument) -> SecretStore:

@@ -20,7 +20,6 @@ import threading
 from pathlib import Path
 
 import httpx
-from pydantic import BaseModel, ValidationError
 
 from umbra.contracts.traffic import TrafficBatch, TrafficRecord
 
@@ -64,12 +63,8 @@ class Spool:
             os.close(dir_fd)
         return fd
 
-    def append(self, record: TrafficRecord | BaseModel) -> None:
-        """Queue a record for disk. Anything but a contract record (the proxy's older record
-        type) is converted with `TrafficRecord.build`, which fits sandbox-controlled text to the
-        contract's limits instead of failing."""
-        if not isinstance(record, TrafficRecord):
-            record = TrafficRecord.build(**record.model_dump())
+    def append(self, record: TrafficRecord) -> None:
+        """Queue a record (built with `TrafficRecord.build`) for disk."""
         with self._written:
             self._pending += 1
         self._queue.put(record)
@@ -125,15 +120,6 @@ def read_records(directory: Path) -> list[dict[str, object]]:
                 except ValueError:
                     continue
     return out
-
-
-def _contract(line: dict[str, object]) -> object:
-    """A spooled line in the contract's form; a line from an older spool that no longer fits is
-    sent as it is, and the Console quarantines it rather than refusing the batch."""
-    try:
-        return TrafficRecord.build(**line).wire()
-    except (ValidationError, TypeError, ValueError):
-        return line
 
 
 class Shipper:
@@ -215,7 +201,9 @@ class Shipper:
                 self._save_cursor(segment, offset)
             return 0
         try:
-            body = TrafficBatch(records=[_contract(record) for record in records])
+            # Spooled lines are contract records already; one an older spool wrote that no longer
+            # fits is sent as it is, and the Console quarantines it rather than refusing the batch.
+            body = TrafficBatch(records=records)
             response = await self._client.post(self.url, json=body.model_dump(mode="json"))
         except httpx.HTTPError as exc:
             logger.info(

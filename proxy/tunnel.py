@@ -25,6 +25,7 @@ from umbra.attest.atls import ATLSConnection, relay, serve_atls
 from umbra.attest.errors import ATLSError
 from umbra.attest.eventlog import Event
 from umbra.attest.quote_source import QuoteSource
+from umbra.contracts.traffic import Decision, Kind, TrafficRecord
 from umbra.contracts.tunnel_header import (
     HeaderError,
     TunnelHeader,
@@ -32,7 +33,6 @@ from umbra.contracts.tunnel_header import (
     parse_length,
 )
 from umbra.proxy.identity import CvmIdentity, StaticIdentities
-from umbra.proxy.trafficlog import TrafficRecord
 from umbra.proxy.tunnel_identities import TunnelIdentities
 
 logger = logging.getLogger(__name__)
@@ -86,12 +86,12 @@ class TunnelEndpoint:
         self.stats.refused[reason] = self.stats.refused.get(reason, 0) + 1
         logger.warning("tunnel refused: %s", reason)
         self.emit(
-            TrafficRecord(
-                kind="connection",
+            TrafficRecord.build(
+                kind=Kind.CONNECTION,
                 cvm_id=identity.cvm_id if identity else None,
                 owner=identity.owner if identity else None,
                 team=identity.team if identity else None,
-                decision="deny",
+                decision=Decision.DENY,
                 reason=reason,
                 detail=detail[:300],
             )

@@ -8,6 +8,7 @@ from mitmproxy.proxy import server_hooks
 
 from umbra.proxy.addons.base import UmbraAddon, guard
 from umbra.proxy.addons.reasons import Reason
+from umbra.proxy.mitm_compat import DIALLED_FOR
 from umbra.proxy.netcheck import AddressVerdict, IPAddress, parse_ip
 from umbra.proxy.policy import normalize_host
 from umbra.proxy.resolver import ResolutionError
@@ -63,5 +64,7 @@ class DialGuard(UmbraAddon):
         if literal is None:
             state.pinned_names[(str(pinned), port)] = host
             data.server.sni = host
-        # Dial exactly the address that was checked (mitmproxy would otherwise resolve again).
+        # Dial exactly the address that was checked (mitmproxy would otherwise resolve again), and
+        # let later requests for the same name on this client connection reuse it (mitm_compat).
+        setattr(data.server, DIALLED_FOR, (raw_host, port))
         data.server.address = (str(pinned), port)

@@ -57,6 +57,8 @@ class Reason(StrEnum):
     # flow bookkeeping
     DENIED = "denied", 403
     NOT_DECIDED = "not_decided", 403
+    # WebSocket control frames: a ping/pong payload or close reason was emptied (relayed without it)
+    WS_CONTROL_EMPTIED = "ws_control_emptied", None
     # responses
     CREDENTIAL_REFLECTED = "credential_reflected", 502
     # errors after forwarding

@@ -16,16 +16,19 @@ from typing import Any
 
 from mitmproxy import connection, http
 
+from umbra.contracts.traffic import Decision, Kind, TrafficRecord
 from umbra.proxy.addons.reasons import Reason
 from umbra.proxy.addons.state import ConnTable, FlowState, Stage, flow_state
+from umbra.proxy.mitm_compat import WS_CONTROL
 from umbra.proxy.secrets import SecretStore
 from umbra.proxy.spool import Spool
 from umbra.proxy.state import PolicyState
-from umbra.proxy.trafficlog import Redactor, TrafficRecord
+from umbra.proxy.trafficlog import REDACTED, Redactor
 
 logger = logging.getLogger(__name__)
 
-REDACTED = "[redacted]"
+# Fields that are the proxy's own words, never sandbox text: not worth a pattern pass.
+_OWN_FIELDS = frozenset({"id", "time", "decision", "reason", "kind", "status", "policy_hash"})
 
 
 class TrafficLog:
@@ -65,59 +68,60 @@ class TrafficLog:
             self._patterns[policy.hash] = patterns
         return patterns
 
-    def _redact(self, record: TrafficRecord, fstate: FlowState | None) -> TrafficRecord:
+    def _redact(self, fields: dict[str, Any], fstate: FlowState | None) -> None:
+        """Redact the observed fields in place, before the record is built from them (so a cut
+        to the schema's limits can never leave part of a secret behind)."""
         if fstate is not None and (fstate.scan_rule_ids or fstate.detected):
             # The scanner saw a secret somewhere in this request, perhaps encoded: names that came
             # from the request are not worth the risk.
-            record.path = REDACTED if record.path else record.path
-            record.query_keys = [REDACTED] if record.query_keys else []
-        patterns = self._rule_patterns(fstate) if record.decision != "allow" else []
-        if patterns:
-            data = record.model_dump()
-            for key, value in data.items():
-                if isinstance(value, str) and key not in ("id", "decision", "reason", "kind"):
-                    for pattern in patterns:
-                        value = pattern.sub(REDACTED, value)
-                    data[key] = value
-                elif isinstance(value, list):
-                    cleaned = []
-                    for item in value:
-                        if isinstance(item, str):
-                            for pattern in patterns:
-                                item = pattern.sub(REDACTED, item)
-                        cleaned.append(item)
-                    data[key] = cleaned
-            record = TrafficRecord.model_validate(data)
-        return self._current_redactor().redact(record)
+            if fields.get("path"):
+                fields["path"] = REDACTED
+            if fields.get("query_keys"):
+                fields["query_keys"] = [REDACTED]
+        patterns = self._rule_patterns(fstate) if fields["decision"] != Decision.ALLOW else []
+        redactor = self._current_redactor()
+        for key, value in fields.items():
+            if key in _OWN_FIELDS:
+                continue
+            if isinstance(value, str):
+                fields[key] = redactor.clean(_sub_all(patterns, value))
+            elif isinstance(value, list):
+                fields[key] = [
+                    redactor.clean(_sub_all(patterns, item)) if isinstance(item, str) else item
+                    for item in value
+                ]
 
-    def emit(self, record: TrafficRecord, fstate: FlowState | None = None) -> None:
+    def emit(self, fields: dict[str, Any], fstate: FlowState | None = None) -> None:
+        """Redact, then build the contract record once (`TrafficRecord.build` never fails for
+        sandbox-controlled text) and spool it."""
         self.records += 1
-        if record.decision != "allow" and record.reason in (
+        if fields["decision"] != Decision.ALLOW and fields.get("reason") in (
             Reason.INTERNAL_ERROR,
             Reason.POLICY_UNAVAILABLE,
         ):
-            logger.error("denied (%s): %s", record.reason, record.detail[:200])
+            logger.error("denied (%s): %s", fields["reason"], str(fields.get("detail"))[:200])
         if self._spool is not None:
-            self._spool.append(self._redact(record, fstate))
+            self._redact(fields, fstate)
+            self._spool.append(TrafficRecord.build(**fields))
 
     # ---------------------------------------------------------------- construction
 
-    def base(self, client: connection.Client) -> TrafficRecord:
+    def base(self, client: connection.Client) -> dict[str, Any]:
         state = self._conns.get(client)
         identity = state.identity
-        return TrafficRecord(
-            cvm_id=identity.cvm_id if identity else None,
-            owner=identity.owner if identity else None,
-            team=identity.team if identity else None,
-            connect_host=state.connect_raw,
-            sni=client.sni,
-            port=state.connect_port,
-        )
+        return {
+            "cvm_id": identity.cvm_id if identity else None,
+            "owner": identity.owner if identity else None,
+            "team": identity.team if identity else None,
+            "connect_host": state.connect_raw,
+            "sni": client.sni,
+            "port": state.connect_port,
+        }
 
     def flow_record(
         self,
         flow: http.HTTPFlow,
-        decision: str,
+        decision: Decision | str,
         reason: Reason,
         detail: str = "",
         **extra: Any,
@@ -126,31 +130,33 @@ class TrafficLog:
         if fstate.logged:
             return
         fstate.logged = True
-        record = self.base(flow.client_conn)
+        fields = self.base(flow.client_conn)
         conn = self._conns.get(flow.client_conn)
-        record.method = flow.request.method[:16]
-        record.host_header = (flow.request.host_header or "")[:260] or None
+        fields.update(
+            kind=Kind.HTTP,
+            method=flow.request.method,
+            host=flow.request.host_header,
+            policy_hash=fstate.effective.policy.hash if fstate.effective else None,
+            query_keys=fstate.query_keys,
+            decision=Decision(decision),
+            reason=str(reason),
+            detail=detail[:300],
+            status=reason.status,
+            scan_rule_ids=sorted(fstate.scan_rule_ids),
+            injected_headers=fstate.injected_headers,
+            bytes_sent=len(flow.request.raw_content or b""),
+            duration_ms=round((time.monotonic() - fstate.started) * 1000, 3),
+        )
         if conn.connect_raw is None:
-            record.connect_host = flow.request.host[:260]
-            record.port = flow.request.port
-        record.policy_hash = fstate.effective.policy.hash if fstate.effective else None
+            fields["connect_host"] = flow.request.host
+            fields["port"] = flow.request.port
         if fstate.decision is not None:
-            record.path = fstate.decision.path
-            record.rule_id = fstate.decision.rule_id
-        record.query_keys = fstate.query_keys
-        record.decision = decision
-        record.reason = str(reason)
-        record.detail = detail[:300]
-        record.status = reason.status
-        record.scan_rule_ids = sorted(fstate.scan_rule_ids)
-        record.injected_headers = fstate.injected_headers
-        record.request_bytes = len(flow.request.raw_content or b"")
-        record.duration_ms = round((time.monotonic() - fstate.started) * 1000, 3)
+            fields["path"] = fstate.decision.path
+            fields["rule_id"] = fstate.decision.rule_id
         if flow.server_conn.peername:
-            record.pinned_ip = str(flow.server_conn.peername[0])
-        for key, value in extra.items():
-            setattr(record, key, value)
-        self.emit(record, fstate)
+            fields["pinned_ip"] = str(flow.server_conn.peername[0])
+        fields.update(extra)
+        self.emit(fields, fstate)
 
     def connection_record(
         self,
@@ -161,30 +167,46 @@ class TrafficLog:
         detail: str,
         pinned: str | None = None,
     ) -> None:
-        record = self.base(client)
-        record.kind = "connection"
-        record.connect_host = record.connect_host or host
-        record.port = port
-        record.reason = reason
-        record.detail = detail[:300]
-        record.status = 502
-        record.pinned_ip = pinned
-        self.emit(record)
+        fields = self.base(client)
+        fields.update(
+            kind=Kind.CONNECTION,
+            connect_host=fields["connect_host"] or host,
+            port=port,
+            decision=Decision.DENY,
+            reason=reason,
+            detail=detail[:300],
+            status=502,
+            pinned_ip=pinned,
+        )
+        self.emit(fields)
 
     def websocket_record(
-        self, flow: http.HTTPFlow, reason: Reason, rule_ids: list[str], detail: str = ""
+        self,
+        flow: http.HTTPFlow,
+        reason: Reason | str,
+        rule_ids: list[str],
+        detail: str = "",
+        *,
+        decision: Decision = Decision.DENY,
+        **extra: Any,
     ) -> None:
         fstate = flow_state(flow)
-        record = self.base(flow.client_conn)
-        record.kind = "websocket"
-        record.method = "WS"
-        record.decision = "deny"
-        record.reason = str(reason)
-        record.detail = detail[:300]
-        record.scan_rule_ids = rule_ids
-        record.policy_hash = fstate.effective.policy.hash if fstate.effective else None
-        record.host_header = flow.request.host_header
-        self.emit(record, fstate)
+        fields = self.base(flow.client_conn)
+        fields.update(
+            kind=Kind.WEBSOCKET,
+            method="WS",
+            decision=decision,
+            reason=str(reason),
+            detail=detail[:300],
+            scan_rule_ids=rule_ids,
+            policy_hash=fstate.effective.policy.hash if fstate.effective else None,
+            host=flow.request.host_header,
+        )
+        if fstate.decision is not None:
+            fields["path"] = fstate.decision.path
+            fields["rule_id"] = fstate.decision.rule_id
+        fields.update(extra)
+        self.emit(fields, fstate)
 
     # ---------------------------------------------------------------- hooks
 
@@ -197,10 +219,39 @@ class TrafficLog:
         size = fstate.response_bytes or len(flow.response.raw_content or b"")
         self.flow_record(
             flow,
-            "allow",
+            Decision.ALLOW,
             Reason.RULE_ALLOW,
             status=flow.response.status_code,
-            response_bytes=size,
+            bytes_received=size,
+        )
+
+    def websocket_start(self, flow: http.HTTPFlow) -> None:
+        # mitmproxy relays control frames without a hook; mitm_compat empties their payloads and
+        # reports each one here, so the channel is visible in the log, not only closed.
+        def control(kind: str, from_client: bool, size: int) -> None:
+            self._control_record(flow, kind, from_client, size)
+
+        flow.metadata[WS_CONTROL] = control
+
+    def websocket_end(self, flow: http.HTTPFlow) -> None:
+        reason = flow.websocket.close_reason if flow.websocket is not None else None
+        if reason and flow.websocket is not None:
+            size = len(reason.encode())
+            code = flow.websocket.close_code
+            self._control_record(
+                flow, f"close (code {code})", flow.websocket.closed_by_client is True, size
+            )
+
+    def _control_record(self, flow: http.HTTPFlow, kind: str, from_client: bool, size: int) -> None:
+        side = "client" if from_client else "server"
+        what = "reason" if kind.startswith("close") else "payload"
+        self.websocket_record(
+            flow,
+            Reason.WS_CONTROL_EMPTIED,
+            [],
+            f"{kind} from {side}: {size}-byte {what} emptied",
+            bytes_sent=size if from_client else 0,
+            bytes_received=0 if from_client else size,
         )
 
     def error(self, flow: http.HTTPFlow) -> None:
@@ -209,12 +260,25 @@ class TrafficLog:
             return
         message = flow.error.msg if flow.error else "error"
         reason = error_reason(message, flow)
+        # The decision stays what policy decided (an allowed exchange that broke is `allow` with
+        # the error as its reason); the schema knows no third decision.
         allowed = fstate.stage is Stage.ALLOWED and reason is not Reason.UPSTREAM_REFUSED
-        self.flow_record(flow, "error" if allowed else "deny", reason, message[:200])
+        decision = Decision.ALLOW if allowed else Decision.DENY
+        self.flow_record(flow, decision, reason, message[:200])
+
+
+def _sub_all(patterns: list[re.Pattern[str]], value: str) -> str:
+    for pattern in patterns:
+        value = pattern.sub(REDACTED, value)
+    return value
 
 
 def error_reason(message: str, flow: http.HTTPFlow) -> Reason:
-    """Classify mitmproxy's flow error: which side broke the exchange."""
+    """Classify mitmproxy's flow error: which side broke the exchange.
+
+    mitmproxy's error hook does not say which side failed, only the message; the side is read from
+    the flow instead: a request the client never finished is the client's doing, whatever the
+    message says (a bad chunk, a body cut short, a reset stream)."""
     lowered = message.lower()
     if "body_size_limit" in message:
         return Reason.BODY_TOO_LARGE
@@ -222,13 +286,19 @@ def error_reason(message: str, flow: http.HTTPFlow) -> Reason:
         return Reason.UPSTREAM_REFUSED  # server_connect refused the dial (logged with why)
     if "killed" in lowered:
         return Reason.KILLED
-    if "client" in lowered or (
-        "received" in lowered
-        and flow.response is None
-        and (flow.server_conn.timestamp_start is None)
-    ):
-        # The sandbox's own framing (bad chunking, disconnects mid-request) is not the upstream's.
-        return Reason.CLIENT_ERROR if "client" in lowered else Reason.INVALID_REQUEST
     if "smuggling" in lowered:
         return Reason.INVALID_REQUEST
+    if flow.response is None and flow.request.timestamp_end is None:
+        if _HEAD_REJECTED.search(message) and not message.startswith("HTTP/1 protocol error"):
+            # mitmproxy's own validation refused the request head (framing headers).
+            return Reason.INVALID_REQUEST
+        return Reason.CLIENT_ERROR
+    if "client" in lowered:
+        return Reason.CLIENT_ERROR  # e.g. the client went away while the response was coming
     return Reason.UPSTREAM_ERROR
+
+
+# The messages of mitmproxy's request-head validation (`http1.expected_http_body_size`).
+_HEAD_REJECTED = re.compile(
+    r"(?i)transfer-encoding|content-length|invalid (?:request|http|header)|unsupported"
+)

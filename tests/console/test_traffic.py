@@ -164,11 +164,11 @@ def test_query_filters_and_pagination(team: Team) -> None:
 
 
 def test_records_as_the_proxy_writes_them(team: Team) -> None:
-    """Contract test with `umbra.proxy.trafficlog.TrafficRecord` (its spool/shipper format)."""
-    from umbra.proxy.trafficlog import TrafficRecord
+    """Contract test: records as the proxy builds them (`TrafficRecord.build`) and spools them."""
+    from umbra.contracts.traffic import TrafficRecord
 
     cvm = team.dev_cvm()
-    record = TrafficRecord(
+    record = TrafficRecord.build(
         cvm_id=cvm,
         owner=team.dev_subject,
         team=team.name,
@@ -190,8 +190,8 @@ def test_records_as_the_proxy_writes_them(team: Team) -> None:
         injected_headers=["Authorization"],
         detail="ok",
     )
-    teamless = TrafficRecord(kind="connect", decision="deny", reason="")
-    documents = [record.model_dump(mode="json"), teamless.model_dump(mode="json")]
+    teamless = TrafficRecord.build(kind="connect", decision="deny", reason="")
+    documents = [record.wire(), teamless.wire()]
     assert _ingest(team, documents) == {
         "received": 2,
         "inserted": 2,
@@ -204,5 +204,5 @@ def test_records_as_the_proxy_writes_them(team: Team) -> None:
     assert stored["http"]["host"] == "api.github.com"
     assert (stored["http"]["bytes_sent"], stored["http"]["bytes_received"]) == (10, 20)
     assert stored["http"]["detail"] == "ok"
-    assert stored["http"]["id"] == str(uuid.UUID(record.id))
+    assert stored["http"]["id"] == str(record.id)
     assert stored["connect"]["team"] == team.name

@@ -13,17 +13,19 @@ from pathlib import Path
 import httpx
 
 from tests.console.helpers import Team
+from umbra.contracts.traffic import TrafficRecord
 from umbra.proxy.spool import Shipper, Spool
-from umbra.proxy.trafficlog import TrafficRecord as ProxyRecord
 
 
 def test_poison_records_never_block_the_log(team: Team, tmp_path: Path) -> None:
     cvm = team.dev_cvm()
     spool = Spool(tmp_path / "spool")
     try:
-        before = ProxyRecord(team=team.name, cvm_id=cvm, decision="allow", reason="rule_allow")
+        before = TrafficRecord.build(
+            team=team.name, cvm_id=cvm, decision="allow", reason="rule_allow"
+        )
         # Everything the sandbox controls, at the proxy's limits and beyond.
-        huge = ProxyRecord(
+        huge = TrafficRecord.build(
             team=team.name,
             cvm_id=cvm,
             method="X" * 40,
@@ -41,7 +43,7 @@ def test_poison_records_never_block_the_log(team: Team, tmp_path: Path) -> None:
     finally:
         spool.close()
     # A line an older proxy wrote that the Console cannot accept, a torn line, then a good record.
-    after = ProxyRecord(team=team.name, decision="allow", reason="rule_allow")
+    after = TrafficRecord.build(team=team.name, decision="allow", reason="rule_allow")
     segment = tmp_path / "spool" / "segment-00000099.jsonl"
     segment.write_text(
         json.dumps({"id": "old", "decision": "maybe", "kind": "gopher"})
@@ -62,9 +64,9 @@ def test_poison_records_never_block_the_log(team: Team, tmp_path: Path) -> None:
 
     assert asyncio.run(ship()) == 4
     stored = team.admin.get(f"/api/v1/teams/{team.name}/traffic").json()["records"]
-    by_id = {item["id"].replace("-", ""): item for item in stored}
-    assert set(by_id) == {before.id, huge.id, after.id}
-    cut = by_id[huge.id]
+    by_id = {item["id"]: item for item in stored}
+    assert set(by_id) == {str(before.id), str(huge.id), str(after.id)}
+    cut = by_id[str(huge.id)]
     assert cut["truncated"] == ["host", "method", "path", "query_keys"]
     assert len(cut["host"]) == 260 and len(cut["path"]) == 8192 and len(cut["method"]) == 32
     quarantined = team.admin.get(f"/api/v1/teams/{team.name}/traffic/quarantine").json()

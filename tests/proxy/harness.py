@@ -307,12 +307,14 @@ class OriginServer(ThreadingHTTPServer):
         super().__init__(("127.0.0.1", 0), OriginHandler)
         self.recorder = recorder
         self.routes: dict[str, Route] = {}
+        self.connections = 0  # accepted TCP connections
         if tls is not None:
             self.socket = tls.wrap_socket(
                 self.socket, server_side=True, do_handshake_on_connect=False
             )
 
     def finish_request(self, request: Any, client_address: Any) -> None:
+        self.connections += 1
         if isinstance(request, ssl.SSLSocket):
             try:
                 request.settimeout(10)
@@ -377,6 +379,8 @@ class WsOrigin:
         self.sock.listen(16)
         self.port = int(self.sock.getsockname()[1])
         self.messages: list[bytes | str] = []
+        # (frame kind, payload or close reason) of every control frame received.
+        self.control: list[tuple[str, bytes]] = []
         threading.Thread(target=self._serve, daemon=True).start()
 
     def _serve(self) -> None:
@@ -409,7 +413,14 @@ class WsOrigin:
                         if event.message_finished:
                             self.messages.append(event.data)
                         conn.sendall(ws.send(wsproto.events.TextMessage(data="echo")))
+                    elif isinstance(event, wsproto.events.Ping):
+                        self.control.append(("ping", bytes(event.payload)))
+                        # Answer, and try to carry data back in the pong.
+                        conn.sendall(ws.send(wsproto.events.Pong(payload=b"origin-pong-data")))
+                    elif isinstance(event, wsproto.events.Pong):
+                        self.control.append(("pong", bytes(event.payload)))
                     elif isinstance(event, wsproto.events.CloseConnection):
+                        self.control.append(("close", (event.reason or "").encode()))
                         conn.sendall(ws.send(event.response()))
                         return
         except (OSError, wsproto.utilities.LocalProtocolError):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import json
 import time
 
 import wsproto
@@ -85,6 +86,50 @@ def test_secret_base64_in_binary_websocket_frame(env: Env) -> None:
     _recv_until_closed(sock, ws)
     assert not any(payload in m for m in env.ws.messages if isinstance(m, bytes))
     env.proxy.log.wait_for(mark, lambda r: r["kind"] == "websocket")
+
+
+def test_websocket_control_frames_are_emptied_and_logged(env: Env) -> None:
+    """Ping, pong and close reason carry a secret both ways: the payloads are emptied, the frames
+    still pass (the connection keeps working), and each emptied frame is a traffic-log record that
+    names its kind, side and size, never its bytes."""
+    mark = env.proxy.log.mark()
+    sock, ws = _ws_open(env)
+    secret = TEAM_SECRET.encode()
+    unsolicited = b"unsolicited-" + secret
+    sock.sendall(ws.send(wsproto.events.Ping(payload=secret)))  # type: ignore[attr-defined]
+    sock.sendall(ws.send(wsproto.events.Pong(payload=unsolicited)))  # type: ignore[attr-defined]
+    pongs: list[bytes] = []
+    sock.settimeout(5)  # type: ignore[attr-defined]
+    deadline = time.monotonic() + 5
+    while not pongs and time.monotonic() < deadline:
+        ws.receive_data(sock.recv(65536))  # type: ignore[attr-defined]
+        pongs += [bytes(e.payload) for e in ws.events() if isinstance(e, wsproto.events.Pong)]
+    assert pongs == [b""], "the origin's pong arrives, without its payload"
+    sock.sendall(ws.send(wsproto.events.CloseConnection(code=1000, reason=TEAM_SECRET)))  # type: ignore[attr-defined]
+    _recv_until_closed(sock, ws)
+    deadline = time.monotonic() + 5
+    while len(env.ws.control) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    seen = {kind: payload for kind, payload in env.ws.control[-3:]}
+    assert seen == {"ping": b"", "pong": b"", "close": b""}, env.ws.control
+
+    def control(detail: str) -> dict[str, object]:
+        return env.proxy.log.wait_for(
+            mark,
+            lambda r: r["reason"] == "ws_control_emptied" and str(r["detail"]).startswith(detail),
+        )
+
+    size = len(secret)
+    ping = control(f"ping from client: {size}-byte payload emptied")
+    assert ping["kind"] == "websocket" and ping["decision"] == "deny"
+    assert ping["cvm_id"] == "cvm-alice" and ping["bytes_sent"] == size
+    assert ping["path"] == "/chat" and ping["rule_id"] == "testing:ws"
+    assert control(f"pong from client: {len(unsolicited)}-byte")["bytes_sent"] == len(unsolicited)
+    assert control("pong from server: 16-byte")["bytes_received"] == 16
+    close = control(f"close (code 1000) from client: {size}-byte reason emptied")
+    assert close["bytes_sent"] == size
+    for record in env.proxy.log.records()[mark:]:
+        assert TEAM_SECRET not in json.dumps(record)
 
 
 def test_explicit_tunnel_carries_raw_tcp(env: Env) -> None:

@@ -6,6 +6,8 @@ credential. (test_console_link.py covers rollback, outages and restarts against 
 from __future__ import annotations
 
 import json
+import socket
+import ssl
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,7 +18,15 @@ import pytest
 from tests.console.helpers import Server, Team, new_team, start_server
 from tests.console.oidc_issuer import LocalIssuer
 from tests.proxy.conftest import Env
-from tests.proxy.harness import auth_header, connect_tunnel, read_response, start_proxy, status_of
+from tests.proxy.harness import (
+    TrafficLog,
+    auth_header,
+    connect_tunnel,
+    free_port,
+    read_response,
+    start_proxy,
+    status_of,
+)
 from umbra.attest.collateral import StaticCollateral
 from umbra.attest.measurement import MeasurementPolicy
 from umbra.attest.simpki import SimulatedPki
@@ -254,3 +264,134 @@ def test_secrets_are_released_to_the_attested_proxy_and_injected_only_where_boun
     finally:
         server.console.release_verifier = previous
         team.close()
+
+
+def test_two_workers_behind_the_atls_tunnel_attribute_spool_and_ship_on_their_own(
+    env: Env, console: tuple[Server, LocalIssuer], tmp_path: Path
+) -> None:
+    """`--workers 2` with SO_REUSEPORT behind the aTLS tunnel endpoint, end to end: a real
+    Forwarder (simulated TEE) connects to the shared tunnel port, the kernel spreads its sessions
+    over both workers, every request is attributed to the tunnel's CVM (owner from the Console),
+    and each worker spools and ships its own records to the real Console."""
+    from tests.proxy.test_tunnel_endpoint import COMPOSE_EVENT, Loop
+    from umbra.attest.eventlog import dump_dstack_event_log
+    from umbra.sandbox.forwarder import Forwarder
+    from umbra.sandbox.models import Endpoint
+
+    server, issuer = console
+    team: Team = new_team(server, issuer)
+    pki = SimulatedPki.generate()
+    pki.save(tmp_path / "pki")
+    tdx = SimulatedTdx(pki, image="umbra-security-cvm")
+    tdx.extend_runtime_event(*COMPOSE_EVENT)
+    (tmp_path / "event_log.json").write_text(dump_dstack_event_log(tdx.event_log()))
+    release = tdx.release_manifest(
+        events=[{"name": COMPOSE_EVENT[0], "payloads": [COMPOSE_EVENT[1].hex()]}]
+    )
+    verifier = Verifier(
+        MeasurementPolicy(release=release),
+        StaticCollateral(pki.collateral(int(time.time()) - 60)),
+        allow_simulated=True,
+        simulated_root_der=pki.root_der,
+    )
+    loop = Loop()
+    forwarders: list[Forwarder] = []
+    try:
+        assert team.upload(1, _bundle(server, env, tmp_path)).status_code == 201
+        cvm_id = team.dev_cvm()
+        attached = team.admin.put(f"/api/v1/cvms/{cvm_id}/profiles", json={"profiles": ["base"]})
+        assert attached.status_code == 200, attached.text
+        workdir = tmp_path / "proxy"
+        workdir.mkdir()
+        tunnel_port = free_port()
+        proxy = start_proxy(
+            [*_console_args(server, team, cvm_id, tmp_path, workdir, env),
+             "--workers", "2", "--tunnel-listen", f"127.0.0.1:{tunnel_port}",
+             "--quote-source", "simulated", "--simulated-pki", str(tmp_path / "pki"),
+             "--event-log", str(tmp_path / "event_log.json")],
+            workdir,
+        )  # fmt: skip
+        try:
+            output = proxy.output.read_text()
+            assert "(2 workers)" in output
+            assert output.count("umbra tunnel endpoint listening") == 2
+            fwd = Forwarder(
+                cvm_id=cvm_id,
+                security_cvm=Endpoint(host="127.0.0.1", port=tunnel_port),
+                verifier=verifier,
+                listen_host="127.0.0.1",
+                proxy_port=0,
+                tunnels=[],
+                credential=CVM_TOKEN,
+                connect_timeout=5,
+                handshake_timeout=20,
+            )
+            loop.run(fwd.start())
+            forwarders.append(fwd)
+            port = fwd.ports()[0]
+            # Each worker pulls the bundle and attachments on its own: wait until both enforce
+            # (a request denied by one worker is retried; the spread is per connection).
+            paths = [f"/w-atls-{index}" for index in range(20)]
+            for path in paths:
+                _wait_for(
+                    lambda path=path: status_of(_https_via(env, port, proxy.ca, path)) == 200,
+                    15,
+                    f"{path} was not served through the tunnel",
+                )
+            spools = [workdir / "spool" / f"worker-{index}" for index in range(2)]
+
+            def spooled(spool: Path) -> set[str]:
+                return {
+                    str(r.get("path"))
+                    for r in TrafficLog(spool).records()
+                    if r.get("path") in paths and r["decision"] == "allow"
+                }
+
+            _wait_for(
+                lambda: set().union(*map(spooled, spools)) == set(paths), 10, "records missing"
+            )
+            # The kernel spread the tunnel sessions: both workers served some (20 sessions: a
+            # one-sided split has probability 2**-19).
+            assert all(spooled(spool) for spool in spools)
+            for spool in spools:
+                for record in TrafficLog(spool).records():
+                    if record.get("path") in paths:
+                        assert record["cvm_id"] == cvm_id
+                        assert record["owner"] == team.dev_subject
+
+            def shipped() -> set[str]:
+                page = team.admin.get(
+                    f"/api/v1/teams/{team.name}/traffic", params={"cvm_id": cvm_id, "limit": 500}
+                ).json()
+                return {
+                    str(r["path"])
+                    for r in page["records"]
+                    if r.get("path") in paths and r["decision"] == "allow"
+                }
+
+            _wait_for(lambda: shipped() == set(paths), 20, "records never reached the Console")
+            # Each worker shipped its own spool: each has its own cursor past its records.
+            for spool in spools:
+                assert json.loads((spool / "cursor.json").read_text())["offset"] > 0
+        finally:
+            output = proxy.stop()
+        assert "a worker exited" not in output
+        assert CVM_TOKEN not in output
+    finally:
+        loop.stop(forwarders)
+        team.close()
+
+
+def _https_via(env: Env, port: int, ca: Path, path: str) -> bytes:
+    """CONNECT through a forwarder as the sandbox would (no proxy credentials), then GET."""
+    target = f"other.test:{env.origin.port}"
+    sock = socket.create_connection(("127.0.0.1", port), timeout=20)
+    sock.sendall(f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n\r\n".encode())
+    response = read_response(sock, timeout=20)
+    if status_of(response) != 200:
+        sock.close()
+        return response
+    context = ssl.create_default_context(cafile=str(ca))
+    with context.wrap_socket(sock, server_hostname="other.test") as tls:
+        tls.sendall(f"GET {path} HTTP/1.1\r\nHost: {target}\r\nConnection: close\r\n\r\n".encode())
+        return read_response(tls, timeout=20)

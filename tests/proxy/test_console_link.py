@@ -5,6 +5,7 @@ restarts. The Console side is a small stand-in serving the documented endpoints.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import subprocess
 import threading
@@ -46,6 +47,7 @@ class ConsoleStandIn(ThreadingHTTPServer):
         self.batches: list[list[dict[str, Any]]] = []
         self.up = True
         self.bundle_requests: list[str | None] = []
+        self.bundle_times: list[float] = []
         self.unauthorized = 0
         threading.Thread(target=self.serve_forever, daemon=True).start()
 
@@ -96,6 +98,7 @@ class _ConsoleHandler(BaseHTTPRequestHandler):
             self._send(503, b"down")
         elif path == f"/api/v1/security-cvms/{SECURITY_CVM}/bundle":
             self.server.bundle_requests.append(self.headers.get("if-none-match"))
+            self.server.bundle_times.append(time.monotonic())
             self._conditional(self.server.bundle)
         elif path == f"/api/v1/security-cvms/{SECURITY_CVM}/attachments":
             self._conditional(json.dumps(self.server.attachments).encode())
@@ -276,3 +279,54 @@ def test_console_mode_refuses_to_start_without_a_credential(tmp_path: Path) -> N
     )  # fmt: skip
     assert result.returncode == 2
     assert "--console needs --console-credential-file" in result.stderr
+
+
+def test_unchanged_answers_are_paced_and_a_change_is_followed_at_once(
+    env: Env, console: ConsoleStandIn, tmp_path: Path
+) -> None:
+    """The stand-in answers every long poll at once. Answers without a change are paced (0.5 s),
+    so such a Console is not polled in a hot loop; an answer that installed a new bundle is
+    followed by the next poll at once, so back-to-back publishes converge without waiting."""
+    import asyncio
+
+    import httpx
+
+    from umbra.proxy.identity import StaticIdentities
+    from umbra.proxy.puller import PolicyPuller
+    from umbra.proxy.secrets import SecretStore
+    from umbra.proxy.state import PolicyState
+
+    key = generate_key()
+    console.bundle = _bundle(env, tmp_path, key, serial=5, allow_ro=False)
+    state = PolicyState(SecretStore.empty())
+
+    async def run() -> tuple[float, int]:
+        async with httpx.AsyncClient(
+            headers={"Authorization": f"Bearer {CONSOLE_CREDENTIAL}"}
+        ) as client:
+            puller = PolicyPuller(
+                console.url, SECURITY_CVM, [key.public_key()], state,
+                StaticIdentities.from_file(env.identities), tmp_path / "state", client=client,
+            )  # fmt: skip
+            task = asyncio.create_task(puller.run())
+            try:
+                await asyncio.sleep(1.6)
+                settled = len(console.bundle_times)
+                console.bundle = _bundle(env, tmp_path, key, serial=6, allow_ro=True)
+                installed_at = len(console.bundle_times)
+                for _ in range(100):  # bounded: 5 s
+                    if len(console.bundle_times) >= installed_at + 3:
+                        break
+                    await asyncio.sleep(0.05)
+                times = console.bundle_times[installed_at:]
+                return times[1] - times[0], settled
+            finally:
+                task.cancel()
+
+    follow_up, settled = asyncio.run(run())
+    assert state.source.bundle is not None and state.source.bundle.serial == 6
+    # 1.6 s of unchanged answers: about four polls, not a hot loop.
+    assert 2 <= settled <= 6, console.bundle_times
+    gaps = [b - a for a, b in itertools.pairwise(console.bundle_times[1:settled])]
+    assert all(gap >= 0.4 for gap in gaps), gaps
+    assert follow_up < 0.3, "the poll after an installed bundle was paced"

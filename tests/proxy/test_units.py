@@ -4,18 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import itertools
 import json
 from pathlib import Path
 
 import httpx
 import pytest
 
+from umbra.contracts.traffic import TrafficRecord
 from umbra.proxy.identity import CvmEntry, StaticIdentities, hash_credential, proxy_auth_header
 from umbra.proxy.netcheck import AddressPolicy, AddressVerdict, classify
 from umbra.proxy.resolver import StaticResolver
 from umbra.proxy.secrets import SecretsError, SecretStore
 from umbra.proxy.spool import Shipper, Spool, read_records
-from umbra.proxy.trafficlog import TrafficRecord
 
 
 @pytest.mark.parametrize(
@@ -112,14 +113,14 @@ def test_secrets_bound_at_the_console_resolve_only_for_their_hosts() -> None:
 def test_spool_survives_a_torn_line_and_ships_in_order(tmp_path: Path) -> None:
     spool = Spool(tmp_path)
     for index in range(5):
-        spool.append(TrafficRecord(reason=f"r{index}"))
+        spool.append(TrafficRecord.build(decision="deny", reason=f"r{index}"))
     spool.flush()
     spool.close()
     segment = sorted(tmp_path.glob("segment-*.jsonl"))[-1]
     with segment.open("ab") as handle:
         handle.write(b'{"id": "torn')  # a crash mid-write
     restarted = Spool(tmp_path)  # appends go to a fresh segment
-    restarted.append(TrafficRecord(reason="after"))
+    restarted.append(TrafficRecord.build(decision="deny", reason="after"))
     restarted.flush()
     restarted.close()
     reasons = [r["reason"] for r in read_records(tmp_path)]
@@ -146,3 +147,41 @@ def test_spool_survives_a_torn_line_and_ships_in_order(tmp_path: Path) -> None:
     asyncio.run(drain())
     assert received == ["r0", "r1", "r2", "r3", "r4", "after"]
     assert Shipper(tmp_path, "http://console.invalid", client=client)._next_batch()[0] == []
+
+
+def test_secret_puller_follows_a_changed_version_at_once_and_paces_unchanged_ones() -> None:
+    """A Console that answers the version long poll at once: a changed version is released and
+    followed by the next poll at once (back-to-back rotations converge); an unchanged one is paced
+    at 0.5 s (no hot loop). The Console is replaced by an injected version source."""
+    from umbra.proxy.secret_puller import SecretPuller
+    from umbra.proxy.state import PolicyState
+
+    versions = iter(["v1", "v2", "v3"])
+    polls: list[float] = []
+    releases: list[float] = []
+
+    class Scripted(SecretPuller):
+        async def version(self, known: str | None, wait: float) -> str | None:
+            polls.append(asyncio.get_running_loop().time())
+            return next(versions, known)  # three changes, then unchanged forever
+
+        async def run_once(self) -> bool:
+            releases.append(asyncio.get_running_loop().time())
+            return True
+
+    async def run() -> None:
+        async with httpx.AsyncClient() as client:
+            puller = Scripted(
+                "http://127.0.0.1:9", "sec-1", None, None,  # type: ignore[arg-type]
+                PolicyState(SecretStore.empty()), client,
+            )  # fmt: skip
+            task = asyncio.create_task(puller.run())
+            await asyncio.sleep(1.3)
+            task.cancel()
+
+    asyncio.run(run())
+    assert len(releases) == 3
+    assert releases[-1] - releases[0] < 0.2, "a changed version was paced"
+    unchanged = polls[3:]
+    assert 2 <= len(unchanged) <= 3, polls
+    assert all(b - a >= 0.45 for a, b in itertools.pairwise(unchanged)), polls
