@@ -17,7 +17,7 @@ from rich.table import Table
 from umbra.cli.auth import api_failure, open_client, resolve_team
 from umbra.cli.output import EXIT_FINDINGS, EXIT_USAGE, console, fail, print_json, stderr
 from umbra.console.client import ConsoleApiError, ConsoleClient
-from umbra.console.schemas import CvmCreated, CvmInfo
+from umbra.console.schemas import CvmInfo
 
 app = typer.Typer(help="Launch, list, update and destroy CVMs.", no_args_is_help=True)
 
@@ -109,7 +109,7 @@ def launch(
     try:
         with client:
             team_name = resolve_team(client, login, team, as_json)
-            created: CvmCreated = client.create_cvm(
+            created: CvmInfo = client.create_cvm(
                 team_name,
                 name,
                 kind=kind,
@@ -122,7 +122,7 @@ def launch(
             cvm: CvmInfo = _wait(client, created) if wait else created
     except (ConsoleApiError, httpx.HTTPError) as exc:
         api_failure(exc, as_json)
-    _show(cvm, as_json, created.credential)
+    _show(cvm, as_json)
 
 
 @app.command("list")

@@ -135,13 +135,13 @@ class ConsoleClient(_Base):
         owner: str | None = None,
         ssh_keys: list[str] | None = None,
         size: str | None = None,
-    ) -> CvmCreated:
+    ) -> CvmInfo:
         body: dict[str, Any] = {"name": name, "kind": kind, "provider": provider}
         optional = {"security_cvm_id": security_cvm_id, "owner": owner, "ssh_keys": ssh_keys}
         body |= {key: value for key, value in optional.items() if value is not None}
         if size is not None:
             body["size"] = size
-        return self._model(CvmCreated, "POST", f"/api/v1/teams/{team}/cvms", ok=(201,), json=body)
+        return self._model(CvmInfo, "POST", f"/api/v1/teams/{team}/cvms", ok=(201,), json=body)
 
     def list_cvms(self, team: str, *, include_destroyed: bool = False) -> list[CvmInfo]:
         response = self._request(

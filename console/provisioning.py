@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Literal
 
 from sqlalchemy import select, text
@@ -130,8 +131,15 @@ def reconcile(console: Console) -> list[str]:
     return failed
 
 
-def submit(console: Console, provider: CvmProvider, operation: Operation, cvm: Cvm) -> None:
-    spec, ref = spec_of(cvm), cvm.provider_ref
+def submit(
+    console: Console,
+    provider: CvmProvider,
+    operation: Operation,
+    cvm: Cvm,
+    *,
+    enrollment_token: str | None = None,
+) -> None:
+    spec, ref = replace(spec_of(cvm), enrollment_token=enrollment_token), cvm.provider_ref
     try:
         console.jobs.submit(run, console, provider, operation, spec, ref)
     except RuntimeError:  # the pool is shutting down: do not leave the row transitional

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Annotated
 
 from fastapi import APIRouter, Header, HTTPException, Query, status
@@ -12,7 +13,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 from sqlmodel import col
 
-from umbra.console import audit, provisioning
+from umbra.console import audit, enrollment, provisioning
 from umbra.console.deps import (
     CREDENTIAL_PREFIX,
     ConsoleDep,
@@ -72,7 +73,7 @@ def _security_cvm_in_team(session: Session, team: str, cvm_id: str) -> Cvm:
     status_code=status.HTTP_201_CREATED,
     summary="Launch a CVM (admin: any; developer: own Dev CVMs).",
 )
-def create_cvm(team: TeamPath, body: CvmCreate, console: ConsoleDep, user: UserDep) -> CvmCreated:
+def create_cvm(team: TeamPath, body: CvmCreate, console: ConsoleDep, user: UserDep) -> CvmInfo:
     role = require_role(user, team, "admin", "developer")
     if body.kind == "security" and role != "admin":
         raise HTTPException(status.HTTP_403_FORBIDDEN, "only admins launch Security CVMs")
@@ -100,7 +101,6 @@ def create_cvm(team: TeamPath, body: CvmCreate, console: ConsoleDep, user: UserD
         provider.check(spec)
     except ProviderError as exc:
         raise HTTPException(UNPROCESSABLE, f"provider: {exc}") from None
-    credential = None
     locks = [f"cvm-name:{team}:{owner}:{body.name}"]
     if body.security_cvm_id is not None:
         locks.append(cvm_lock(body.security_cvm_id))  # not destroyed while we route through it
@@ -119,9 +119,6 @@ def create_cvm(team: TeamPath, body: CvmCreate, console: ConsoleDep, user: UserD
             raise HTTPException(
                 status.HTTP_409_CONFLICT, f"name: {owner!r} already has a CVM {body.name!r}"
             )
-        ref: str | None = None
-        if not provider.background:
-            ref = _call(lambda: provider.launch(spec, _ignore)).ref
         cvm = Cvm(
             id=cvm_id,
             team=team,
@@ -129,7 +126,6 @@ def create_cvm(team: TeamPath, body: CvmCreate, console: ConsoleDep, user: UserD
             kind=body.kind,
             owner=owner,
             provider=body.provider,
-            provider_ref=ref,
             state="launching" if provider.background else "running",
             security_cvm_id=security_cvm_id,
             profiles=[],
@@ -137,9 +133,6 @@ def create_cvm(team: TeamPath, body: CvmCreate, console: ConsoleDep, user: UserD
             size=body.size,
             created_by=user.subject,
         )
-        if body.kind == "security":
-            credential = CREDENTIAL_PREFIX + secrets.token_urlsafe(32)
-            cvm.credential_hash = credential_hash(credential)
         session.add(cvm)
         try:
             # Flushed here, not by autoflush inside the audit append, so a unique violation
@@ -163,12 +156,25 @@ def create_cvm(team: TeamPath, body: CvmCreate, console: ConsoleDep, user: UserD
             },
         )
         session.flush()
+        # Credentials only after attestation: launch data carries this one-time token, the
+        # booted CVM enrolls with it (routes/enroll.py). A Security CVM is booted by its team
+        # stack or `umbra up`, which mint its token themselves (POST .../enrollment-token).
+        token = None
+        if body.kind == "dev":
+            token, _expires = enrollment.issue_token(session, cvm, user.subject)
+        launch_spec = replace(spec, enrollment_token=token)
+        if not provider.background:
+            launched = _call(lambda: provider.launch(launch_spec, _ignore))
+            # A synchronous provider's facts are kept like a background run's (provisioning).
+            cvm.provider_ref, cvm.provider_state = launched.ref, launched.state
+            session.add(cvm)
+            session.flush()
         info = cvm_info(cvm)
     # Committed: a cloud launch now runs outside the transaction and records its own outcome.
     if provider.background:
-        provisioning.submit(console, provider, "launch", cvm)
+        provisioning.submit(console, provider, "launch", cvm, enrollment_token=token)
     console.notifier.notify()
-    return CvmCreated(**info.model_dump(), credential=credential)
+    return info
 
 
 def _ignore(_event: ProviderEvent) -> None:
@@ -266,7 +272,8 @@ def update_cvm(cvm_id: CvmIdPath, body: CvmUpdate, console: ConsoleDep, user: Us
                 cvm.state, cvm.state_reason = "updating", None
                 background = (provider, cvm)
             else:
-                _call(lambda: provider.update(spec, cvm.provider_ref or "", _ignore))
+                updated = _call(lambda: provider.update(spec, cvm.provider_ref or "", _ignore))
+                cvm.provider_ref, cvm.provider_state = updated.ref, updated.state
         if body.state is not None and body.state != cvm.state:
             assert provider is not None
             if cvm.state == "failed":

@@ -16,7 +16,6 @@ from pydantic import BaseModel, ConfigDict, Field
 from umbra.console import audit, enrollment
 from umbra.console.deps import ConsoleDep, UserDep, require_role
 from umbra.console.enrollment import EnrollEvidence, EnrollmentRefused
-from umbra.console.release import AttestedReleaseVerifier
 from umbra.console.routes.common import CvmIdPath, visible_cvm
 from umbra.console.state import Console
 
@@ -73,6 +72,14 @@ def _refused(console: Console, token: str, exc: EnrollmentRefused) -> HTTPExcept
             session, actor=f"cvm:{target}", team=team, action="cvm.enroll_refused",
             target=target, details={"reason": exc.reason.value},
         )  # fmt: skip
+        if enrollment.mark_unprovisionable(session, token, exc.reason):
+            audit.append(
+                session, actor="umbra-console", team=team, action="cvm.provisioned",
+                target=target, details={"operation": "enroll", "state": "failed",
+                                        "reason": enrollment.FAILED_PREFIX + exc.reason.value},
+            )  # fmt: skip
+    if exc.reason.value in enrollment.PROVISIONING_FAILURES:
+        console.notifier.notify()
     return HTTPException(status.HTTP_403_FORBIDDEN, f"enrollment refused: {exc.reason.value}")
 
 
@@ -100,11 +107,9 @@ async def enroll(body: EnrollEvidence, console: ConsoleDep) -> Enrolled:
 
 
 def _enroll(console: Console, body: EnrollEvidence) -> Enrolled:
-    verifier = console.release_verifier
-    attested = verifier if isinstance(verifier, AttestedReleaseVerifier) else None
     try:
         with console.write() as session:
-            cvm_id, sealed = enrollment.enroll(session, attested, body)
+            cvm_id, sealed = enrollment.enroll(session, console.enrollment_verifiers, body)
     except EnrollmentRefused as exc:
         raise _refused(console, body.token, exc) from None
     return Enrolled(cvm_id=cvm_id, sealed_credential=base64.b64encode(sealed).decode())

@@ -99,7 +99,14 @@ def attachments_document(console: Console, caller: Cvm) -> dict[str, Any]:
         ).scalars()
         return {
             "cvms": {
-                row.id: {"owner": row.owner, "team": row.team, "profiles": sorted(row.profiles)}
+                row.id: {
+                    "owner": row.owner,
+                    "team": row.team,
+                    "profiles": sorted(row.profiles),
+                    # The tunnel credential's hash once the Dev CVM has enrolled (only then does
+                    # the tunnel endpoint let it in); never the credential itself.
+                    "credential_sha256": row.credential_hash,
+                }
                 for row in rows
             }
         }
