@@ -100,6 +100,13 @@ def serve(
             help="File holding the bearer credential the Console issued this Security CVM."
         ),
     ] = None,
+    enroll_token_file: Annotated[
+        Path | None,
+        typer.Option(
+            help="The one-time enrollment token from launch data: with no credential in "
+            "--console-credential-file yet, enroll (attested) and store the credential there."
+        ),
+    ] = None,
     secrets_from_console: Annotated[
         bool,
         typer.Option(
@@ -128,6 +135,7 @@ def serve(
     ] = None,
 ) -> None:
     """Run the proxy until interrupted."""
+    from umbra.proxy.enroll import ensure_console_credential
     from umbra.proxy.runner import ProxyConfig, StartupError, UmbraProxy, WorkerSupervisor
 
     host, port = _listen(listen)
@@ -159,6 +167,7 @@ def serve(
             console_url=console,
             security_cvm_id=security_cvm_id,
             console_credential_file=console_credential_file,
+            enroll_token_file=enroll_token_file,
             secrets_from_console=secrets_from_console,
             state_dir=state_dir,
             secrets=secrets,
@@ -179,6 +188,14 @@ def serve(
         first = exc.errors()[0]
         typer.echo(f"umbra proxy serve: {first['msg']}", err=True)
         raise typer.Exit(2) from None
+    try:
+        if ensure_console_credential(config):
+            typer.echo(
+                f"umbra proxy serve: enrolled; credential in {config.console_credential_file}"
+            )
+    except StartupError as exc:
+        typer.echo(f"umbra proxy serve: {exc}", err=True)
+        raise typer.Exit(1) from None
     if config.workers > 1:
         try:
             code = WorkerSupervisor(config).run()

@@ -376,8 +376,12 @@ def prepare_material(stack: Stack) -> None:
     dev_release = SimulatedTdx(pki, image=local_cvm.DEV_CVM_IMAGE).release_manifest(
         events=[{"name": CVM_ID_EVENT}]
     )
+    dev_release_doc = dev_release.model_dump(mode="json", exclude_none=True)
+    # The Console verifies each Dev CVM's enrollment quote against this release (its own).
+    stack.p("dev-cvm-release.json").write_text(json.dumps(dev_release_doc, indent=2))
     identities = stack.p("security-cvm", "identities.json")
     if not identities.exists():
+        # Empty: Dev CVMs are known from the Console's attachments once they enrolled.
         identities.write_text(json.dumps({"cvms": []}))
     local = {
         "runtime_dir": str(stack.state_dir),
@@ -386,9 +390,9 @@ def prepare_material(stack: Stack) -> None:
         "security_cvm_release": release_doc,
         "collateral_file": str(stack.p("pki", "collateral.json")),
         "simulated_root": str(stack.p("pki", "root.der")),
-        "identities_file": str(identities),
+        "console_url": stack.console_url,
         "simulated_pki": str(stack.p("pki")),
-        "dev_cvm_release": dev_release.model_dump(mode="json", exclude_none=True),
+        "dev_cvm_release": dev_release_doc,
     }
     stack.p("local-cvms.json").write_text(json.dumps(local, indent=2))
 
@@ -477,6 +481,7 @@ def console_env(stack: Stack) -> dict[str, str]:
         "UMBRA_CONSOLE_KEK_CURRENT": "k1",
         "UMBRA_CONSOLE_LOCAL_CVM_CONFIG": str(p("local-cvms.json")),
         "UMBRA_CONSOLE_RELEASE_POLICY": str(p("security-cvm", "release.json")),
+        "UMBRA_CONSOLE_DEV_CVM_RELEASE_POLICY": str(p("dev-cvm-release.json")),
         "UMBRA_CONSOLE_RELEASE_COLLATERAL": str(p("pki", "collateral.json")),
         "UMBRA_CONSOLE_RELEASE_ALLOW_SIMULATED": "true",
         "UMBRA_CONSOLE_RELEASE_SIMULATED_ROOT": str(p("pki", "root.der")),
@@ -567,6 +572,9 @@ def start_proxy(stack: Stack) -> bool:
             "--console", stack.console_url,
             "--security-cvm-id", stack.state["security_cvm_id"],
             "--console-credential-file", str(s / "console-credential"),
+            # Credentials only after attestation: at its first start the proxy enrolls with
+            # this one-time token and keeps the sealed credential (root-only) from then on.
+            "--enroll-token-file", str(s / "enrollment-token"),
             "--bundle-key", str(stack.p("keys", "dev-release.pem.pub")),
             "--state-dir", str(s / "state"),
             "--secrets-from-console",
@@ -647,11 +655,19 @@ def publish_bundle(stack: Stack, client: httpx.Client, policies: Path) -> int:
 
 
 def ensure_security_cvm(stack: Stack, client: httpx.Client) -> str:
+    """Register the Security CVM and hand its process a one-time enrollment token (never a
+    credential: the proxy enrolls at start, proxy/enroll.py)."""
+    from umbra.contracts.enroll_client import spent_marker
+
     known = stack.state.get("security_cvm_id")
     credential = stack.p("security-cvm", "console-credential")
-    if known and credential.exists():
+    token_file = stack.p("security-cvm", "enrollment-token")
+    if known:
         info = client.get(f"/api/v1/cvms/{known}")
-        if info.status_code == 200 and info.json().get("state") != "destroyed":
+        if info.status_code == 200 and info.json().get("state") not in ("destroyed", "failed"):
+            if credential.exists() or token_file.exists():
+                return str(known)  # enrolled, or about to enroll with its unspent token
+            _mint_token(client, str(known), token_file)  # the credential was lost
             return str(known)
     created = _expect(
         client.post(
@@ -660,10 +676,18 @@ def ensure_security_cvm(stack: Stack, client: httpx.Client) -> str:
         ),
         201,
     )
-    _write_secret(credential, created["credential"].encode())
+    stack.stop("proxy")  # it serves the old Security CVM's identity
+    for stale in (credential, spent_marker(credential)):
+        stale.unlink(missing_ok=True)
+    _mint_token(client, str(created["id"]), token_file)
     stack.state["security_cvm_id"] = created["id"]
     stack.save()
     return str(created["id"])
+
+
+def _mint_token(client: httpx.Client, cvm_id: str, token_file: Path) -> None:
+    minted = _expect(client.post(f"/api/v1/cvms/{cvm_id}/enrollment-token"), 201)
+    _write_secret(token_file, str(minted["token"]).encode())
 
 
 def ensure_demo_secret(client: httpx.Client, value: str) -> None:

@@ -51,8 +51,10 @@ class ProxyConfig(BaseModel):
     bundle_keys: list[Path] = Field(default_factory=list)
     console_url: str | None = None
     security_cvm_id: str | None = None
-    # The bearer credential the Console issued this Security CVM at registration (launch-bound).
+    # The bearer credential the Console issued this Security CVM when it enrolled (proxy/enroll.py);
+    # with enroll_token_file, written by the enrollment at start when it does not exist yet.
     console_credential_file: Path | None = None
+    enroll_token_file: Path | None = None
     # Take injection secrets from the Console's attested release instead of a local file.
     secrets_from_console: bool = False
     secrets_interval: float = Field(default=300.0, gt=0)
@@ -107,6 +109,8 @@ class ProxyConfig(BaseModel):
             raise ValueError("--console needs --security-cvm-id")
         if self.console_url and self.console_credential_file is None:
             raise ValueError("--console needs --console-credential-file")
+        if self.enroll_token_file is not None and self.console_url is None:
+            raise ValueError("--enroll-token-file needs --console")
         if self.secrets_from_console and (self.console_url is None or self.secrets is not None):
             raise ValueError("--secrets-from-console needs --console and no --secrets file")
         if self.tunnel_listen_host is not None and not _is_loopback(self.listen_host):

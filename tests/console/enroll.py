@@ -35,9 +35,11 @@ def pki() -> SimulatedPki:
         return _pki[0]
 
 
-def verifier(image: str, root: SimulatedPki | None = None) -> AttestedReleaseVerifier:
+def verifier(
+    image: str, root: SimulatedPki | None = None, **release_extra: object
+) -> AttestedReleaseVerifier:
     root = root or pki()
-    release = SimulatedTdx(root, image=image).release_manifest()
+    release = SimulatedTdx(root, image=image).release_manifest(**release_extra)
     return AttestedReleaseVerifier(
         Verifier(
             MeasurementPolicy(release=release),

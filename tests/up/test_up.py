@@ -189,6 +189,30 @@ def test_up_check_from_clean_state_shows_the_four_records(up: Up) -> None:
             assert token not in path.read_bytes(), path
 
 
+def test_every_credential_came_from_an_attested_enrollment(up: Up) -> None:
+    """`up` wrote no credential: each CVM's launch data held a one-time token, spent by its
+    (simulated) TD's enrollment and gone; the credentials it received are root-only."""
+    stack = up.stack()
+    scvm, dev = stack.state["security_cvm_id"], stack.state["dev_cvm_id"]
+    security = up.state / "security-cvm"
+    plan = local_cvm.load_plan(up.state / "cvms", dev)
+    assert plan is not None
+    for credential in (security / "console-credential", plan.dir / "credential"):
+        assert credential.stat().st_mode & 0o777 == 0o600, credential
+    assert not (security / "enrollment-token").exists(), "the Security CVM's token not spent"
+    assert not (plan.launch_dir / "enrollment-token").exists(), "the Dev CVM's token not spent"
+    assert "credential" not in json.loads((up.state / "local-cvms.json").read_text())
+    identities = json.loads((security / "identities.json").read_text())
+    assert identities == {"cvms": []}, "the tunnel credential came from the Console, not a file"
+    with up_stack.api(stack, up_stack.token(up.env)) as client:
+        page = client.get(f"/api/v1/teams/{up_stack.TEAM}/audit", params={"limit": 500}).json()
+    entries = page["entries"] if isinstance(page, dict) else page
+    enrolled = {
+        (e["target"], e["details"].get("kind")) for e in entries if e["action"] == "cvm.enroll"
+    }
+    assert {(scvm, "security"), (dev, "dev")} <= enrolled
+
+
 def test_status_reports_every_component_and_the_runtime(up: Up) -> None:
     report = up.json("status")
     assert report["healthy"], report
