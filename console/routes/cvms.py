@@ -230,6 +230,7 @@ def _may_manage(cvm: Cvm, role: str | None) -> None:
 @router.patch("/cvms/{cvm_id}", summary="Start/stop, re-route, or change SSH keys/size.")
 def update_cvm(cvm_id: CvmIdPath, body: CvmUpdate, console: ConsoleDep, user: UserDep) -> CvmInfo:
     background: tuple[CvmProvider, Cvm] | None = None
+    update_token: str | None = None
     locks = [cvm_lock(cvm_id)]
     if body.security_cvm_id is not None:
         locks.append(cvm_lock(body.security_cvm_id))
@@ -271,6 +272,10 @@ def update_cvm(cvm_id: CvmIdPath, body: CvmUpdate, console: ConsoleDep, user: Us
             if provider.background:
                 cvm.state, cvm.state_reason = "updating", None
                 background = (provider, cvm)
+                if cvm.kind == "dev":
+                    # New launch data may replace the VM (Azure custom data): it gets a fresh
+                    # one-time token; a VM kept in place holds its credential and ignores it.
+                    update_token, _expires = enrollment.issue_token(session, cvm, user.subject)
             else:
                 updated = _call(lambda: provider.update(spec, cvm.provider_ref or "", _ignore))
                 cvm.provider_ref, cvm.provider_state = updated.ref, updated.state
@@ -298,7 +303,9 @@ def update_cvm(cvm_id: CvmIdPath, body: CvmUpdate, console: ConsoleDep, user: Us
         session.flush()
         info = cvm_info(cvm)
     if background is not None:
-        provisioning.submit(console, background[0], "update", background[1])
+        provisioning.submit(
+            console, background[0], "update", background[1], enrollment_token=update_token
+        )
     console.notifier.notify()
     return info
 
