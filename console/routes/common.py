@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Annotated
 
 from fastapi import HTTPException, Path, status
@@ -82,9 +82,12 @@ async def long_poll[T](
     load: Callable[[], T],
     unchanged: Callable[[T], bool],
     wait: float,
+    gone: Callable[[], Awaitable[bool]] | None = None,
 ) -> T:
     """Load now; while the result is `unchanged` and time remains, wait for a local change signal
-    or the database recheck interval, then load again. Returns the last result."""
+    or the database recheck interval, then load again. Returns the last result. `gone` (the
+    request's `is_disconnected`) ends the wait early when the caller has left, so a poll of a
+    stopped Security CVM does not hold the Console's graceful shutdown for its whole wait."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + wait
     console.metrics.long_polls.inc()
@@ -92,7 +95,7 @@ async def long_poll[T](
         while True:
             current = await run_in_threadpool(load)
             remaining = deadline - loop.time()
-            if not unchanged(current) or remaining <= 0:
+            if not unchanged(current) or remaining <= 0 or (gone is not None and await gone()):
                 return current
             await console.notifier.wait(
                 min(remaining, console.settings.long_poll_db_interval_seconds)

@@ -10,7 +10,7 @@ import secrets
 from datetime import timedelta
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Header, HTTPException, Query, Response, status
+from fastapi import APIRouter, Header, HTTPException, Query, Request, Response, status
 from sqlalchemy import delete, func, select, update
 from sqlmodel import col
 from starlette.concurrency import run_in_threadpool
@@ -58,6 +58,7 @@ def _wait(console: Console, wait: int) -> float:
     },
 )
 async def get_bundle(
+    request: Request,
     cvm_id: CvmIdPath,
     caller: SecurityCvmDep,
     console: ConsoleDep,
@@ -75,7 +76,9 @@ async def get_bundle(
     def unchanged(current: tuple[str, int, bytes] | None) -> bool:
         return current is None or current[0] in known
 
-    current = await long_poll(console, load, unchanged, _wait(console, wait))
+    current = await long_poll(
+        console, load, unchanged, _wait(console, wait), request.is_disconnected
+    )
     if current is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"team {caller.team!r} has no policy bundle")
     bundle_hash, serial, raw = current
@@ -124,6 +127,7 @@ def document_etag(document: dict[str, Any]) -> str:
     responses={304: {"description": "Unchanged"}},
 )
 async def get_attachments(
+    request: Request,
     cvm_id: CvmIdPath,
     caller: SecurityCvmDep,
     console: ConsoleDep,
@@ -138,6 +142,7 @@ async def get_attachments(
         lambda: attachments_document(console, caller),
         lambda doc: document_etag(doc) in known,
         _wait(console, wait),
+        request.is_disconnected,
     )
     etag = document_etag(document)
     if etag in known:
@@ -183,6 +188,7 @@ def secrets_version(console: Console, caller: Cvm) -> str:
     responses={304: {"description": "Unchanged"}},
 )
 async def get_secrets_version(
+    request: Request,
     cvm_id: CvmIdPath,
     caller: SecurityCvmDep,
     console: ConsoleDep,
@@ -196,6 +202,7 @@ async def get_secrets_version(
         lambda: secrets_version(console, caller),
         lambda v: v in known,
         _wait(console, wait),
+        request.is_disconnected,
     )
     headers = {"ETag": quoted(version)}
     if version in known:
