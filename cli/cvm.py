@@ -194,6 +194,30 @@ def update(
     _show(cvm, as_json)
 
 
+@app.command("enrollment-token")
+def enrollment_token(
+    cvm_id: Annotated[str, typer.Argument(help="CVM id (cvm_...).")],
+    as_json: JsonFlag = False,
+) -> None:
+    """Mint a one-time enrollment token for a CVM's launch data (admins; valid 1 h).
+
+    The CVM trades it, with a quote of its release, for its credential (credentials only after
+    attestation). Put it where the launch data's `umbra-enrollment-token` goes, nowhere else."""
+    client, _login = open_client(as_json)
+    try:
+        with client:
+            minted = client.enrollment_token(cvm_id)
+    except (ConsoleApiError, httpx.HTTPError) as exc:
+        api_failure(exc, as_json)
+    if as_json:
+        print_json(minted.model_dump(mode="json"))
+        return
+    console.print(
+        f"One-time enrollment token for {cvm_id} (expires {minted.expires_at:%H:%M} UTC):"
+    )
+    console.print(minted.token, highlight=False, soft_wrap=True)
+
+
 @app.command()
 def destroy(
     cvm_id: Annotated[str, typer.Argument(help="CVM id (cvm_...).")],

@@ -19,6 +19,7 @@ from umbra.console.schemas import (
     BundleInfo,
     CvmCreated,
     CvmInfo,
+    EnrollmentToken,
     IngestResult,
     Me,
     QuarantinePage,
@@ -172,6 +173,12 @@ class ConsoleClient(_Base):
 
     def destroy_cvm(self, cvm_id: str) -> CvmInfo:
         return self._model(CvmInfo, "DELETE", f"/api/v1/cvms/{cvm_id}")
+
+    def enrollment_token(self, cvm_id: str) -> EnrollmentToken:
+        """A one-time token for the CVM's launch data (admins): it enrolls with it."""
+        return self._model(
+            EnrollmentToken, "POST", f"/api/v1/cvms/{cvm_id}/enrollment-token", ok=(201,)
+        )
 
     def rotate_credential(self, cvm_id: str) -> CvmCreated:
         return self._model(CvmCreated, "POST", f"/api/v1/cvms/{cvm_id}/credential")

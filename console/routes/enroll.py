@@ -7,7 +7,6 @@ attempt's transaction is rolled back) and answered 403 with its reason.
 from __future__ import annotations
 
 import base64
-from datetime import datetime
 
 from fastapi import APIRouter, HTTPException, status
 from fastapi.concurrency import run_in_threadpool
@@ -17,6 +16,7 @@ from umbra.console import audit, enrollment
 from umbra.console.deps import ConsoleDep, UserDep, require_role
 from umbra.console.enrollment import EnrollEvidence, EnrollmentRefused
 from umbra.console.routes.common import CvmIdPath, visible_cvm
+from umbra.console.schemas import EnrollmentToken
 from umbra.console.state import Console
 
 router = APIRouter(prefix="/api/v1", tags=["enrollment"])
@@ -24,12 +24,6 @@ router = APIRouter(prefix="/api/v1", tags=["enrollment"])
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
-
-
-class EnrollmentToken(_Strict):
-    cvm_id: str
-    token: str = Field(description="One-time; goes into the CVM's launch data, nothing more.")
-    expires_at: datetime
 
 
 class ChallengeRequest(_Strict):
