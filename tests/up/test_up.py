@@ -244,18 +244,27 @@ def test_internet_flag_runs_both_tools_through_the_security_cvm_and_reports_fail
     assert "403" in checks["git ls-remote"]["detail"], checks["git ls-remote"]
     # Both went through the sandbox's only exit: the Security CVM recorded them for this CVM.
     stack = up.stack()
+    want_pip = _sandbox(up, "python3", "-m", "pip", "--version").returncode == 0
+
+    def arrived(seen: set[tuple[str, str, str]]) -> bool:
+        git = any(h == up_stack.DEMO_HOSTS[1] and "/git/git" in p for h, _d, p in seen)
+        pip = any(h == up_stack.DEMO_HOSTS[0] and p.startswith("/simple") for h, _d, p in seen)
+        return git and (pip or not want_pip)
+
+    seen: set[tuple[str, str, str]] = set()
+    deadline = time.monotonic() + 20  # the proxy ships its records about once a second
     with up_stack.api(stack, up_stack.token(up.env)) as client:
-        page = client.get(
-            f"/api/v1/teams/{up_stack.TEAM}/traffic",
-            params={"cvm_id": result["dev_cvm_id"], "limit": 200},
-        ).json()
-    records = page["records"] if isinstance(page, dict) else page
-    seen = {(r["connect_host"], r["decision"], r.get("path") or "") for r in records}
-    assert any(h == up_stack.DEMO_HOSTS[1] and "/git/git" in p for h, _d, p in seen), seen
-    if _sandbox(up, "python3", "-m", "pip", "--version").returncode == 0:
-        assert any(h == up_stack.DEMO_HOSTS[0] and p.startswith("/simple") for h, _d, p in seen), (
-            seen
-        )
+        while time.monotonic() < deadline:
+            page = client.get(
+                f"/api/v1/teams/{up_stack.TEAM}/traffic",
+                params={"cvm_id": result["dev_cvm_id"], "limit": 200},
+            ).json()
+            records = page["records"] if isinstance(page, dict) else page
+            seen = {(r["connect_host"], r["decision"], r.get("path") or "") for r in records}
+            if arrived(seen):
+                break
+            time.sleep(0.25)
+    assert arrived(seen), seen
 
 
 def test_status_reports_every_component_and_the_runtime(up: Up) -> None:
