@@ -113,7 +113,7 @@ class EnrollEvidence(BaseModel):
     public_key: str = PydanticField(max_length=64, description="Base64 raw X25519 key.")
 
 
-def _hash(token: str) -> str:
+def token_digest(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
@@ -126,7 +126,7 @@ def issue_token(session: Session, cvm: Cvm, actor: str) -> tuple[str, datetime]:
     token = TOKEN_PREFIX + secrets.token_urlsafe(32)
     now = utcnow()
     row = CvmEnrollment(
-        token_sha256=_hash(token), cvm_id=cvm.id, created_at=now, expires_at=now + TOKEN_TTL
+        token_sha256=token_digest(token), cvm_id=cvm.id, created_at=now, expires_at=now + TOKEN_TTL
     )
     session.add(row)
     audit.append(
@@ -137,7 +137,7 @@ def issue_token(session: Session, cvm: Cvm, actor: str) -> tuple[str, datetime]:
 
 
 def _live(session: Session, token: str) -> tuple[CvmEnrollment, Cvm]:
-    row = session.get(CvmEnrollment, _hash(token))
+    row = session.get(CvmEnrollment, token_digest(token))
     if row is None:
         raise EnrollmentRefused(RefusalReason.unknown_token)
     if row.used_at is not None:
@@ -163,7 +163,7 @@ def mark_unprovisionable(session: Session, token: str, reason: RefusalReason) ->
     with the reason, never `running`. Returns whether it was marked."""
     if reason.value not in PROVISIONING_FAILURES:
         return False
-    row = session.get(CvmEnrollment, _hash(token))
+    row = session.get(CvmEnrollment, token_digest(token))
     cvm = session.get(Cvm, row.cvm_id) if row is not None else None
     if cvm is None or cvm.credential_hash is not None or cvm.state != "running":
         return False
@@ -175,7 +175,7 @@ def mark_unprovisionable(session: Session, token: str, reason: RefusalReason) ->
 
 def refusal_target(session: Session, token: str) -> tuple[str, str]:
     """(team, cvm id) to audit a refusal under; unknown tokens are audited without a team."""
-    row = session.get(CvmEnrollment, _hash(token))
+    row = session.get(CvmEnrollment, token_digest(token))
     cvm = session.get(Cvm, row.cvm_id) if row is not None else None
     return (cvm.team, cvm.id) if cvm is not None else ("-", "-")
 

@@ -55,10 +55,16 @@ def create_token(cvm_id: CvmIdPath, console: ConsoleDep, user: UserDep) -> Enrol
     return EnrollmentToken(cvm_id=cvm_id, token=token, expires_at=expires)
 
 
+def _token_lock(token: str) -> str:
+    """Challenges and enrollments of one token are serialized: of parallel attempts with the
+    same evidence exactly one issues a credential, the others see the token used."""
+    return f"enroll:{enrollment.token_digest(token)}"
+
+
 def _refused(console: Console, token: str, exc: EnrollmentRefused) -> HTTPException:
-    with console.write() as session:
+    with console.write(_token_lock(token)) as session:
         team, target = enrollment.refusal_target(session, token)
-        row = session.get(enrollment.CvmEnrollment, enrollment._hash(token))
+        row = session.get(enrollment.CvmEnrollment, enrollment.token_digest(token))
         if row is not None:  # a nonce is good for one attempt, successful or not
             row.nonce = None
             session.add(row)
@@ -80,7 +86,7 @@ def _refused(console: Console, token: str, exc: EnrollmentRefused) -> HTTPExcept
 @router.post("/enroll/challenge", summary="A single-use nonce for one enrollment attempt.")
 def enroll_challenge(body: ChallengeRequest, console: ConsoleDep) -> EnrollChallenge:
     try:
-        with console.write() as session:
+        with console.write(_token_lock(body.token)) as session:
             nonce = enrollment.challenge(session, body.token)
     except EnrollmentRefused as exc:
         raise _refused(console, body.token, exc) from None
@@ -102,7 +108,7 @@ async def enroll(body: EnrollEvidence, console: ConsoleDep) -> Enrolled:
 
 def _enroll(console: Console, body: EnrollEvidence) -> Enrolled:
     try:
-        with console.write() as session:
+        with console.write(_token_lock(body.token)) as session:
             cvm_id, sealed = enrollment.enroll(session, console.enrollment_verifiers, body)
     except EnrollmentRefused as exc:
         raise _refused(console, body.token, exc) from None
