@@ -17,7 +17,7 @@ from rich.table import Table
 from umbra.cli.auth import api_failure, open_client, resolve_team
 from umbra.cli.output import EXIT_FINDINGS, EXIT_USAGE, console, fail, print_json, stderr
 from umbra.console.client import ConsoleApiError, ConsoleClient
-from umbra.console.schemas import CvmCreated, CvmInfo
+from umbra.console.schemas import CvmInfo
 
 app = typer.Typer(help="Launch, list, update and destroy CVMs.", no_args_is_help=True)
 
@@ -117,7 +117,7 @@ def launch(
     try:
         with client:
             team_name = resolve_team(client, login, team, as_json)
-            created: CvmCreated = client.create_cvm(
+            created: CvmInfo = client.create_cvm(
                 team_name,
                 name,
                 kind=kind,
@@ -130,7 +130,7 @@ def launch(
             cvm: CvmInfo = _wait(client, created) if wait else created
     except (ConsoleApiError, httpx.HTTPError) as exc:
         api_failure(exc, as_json)
-    _show(cvm, as_json, created.credential)
+    _show(cvm, as_json)
 
 
 @app.command("list")
@@ -200,6 +200,30 @@ def update(
     except (ConsoleApiError, httpx.HTTPError) as exc:
         api_failure(exc, as_json)
     _show(cvm, as_json)
+
+
+@app.command("enrollment-token")
+def enrollment_token(
+    cvm_id: Annotated[str, typer.Argument(help="CVM id (cvm_...).")],
+    as_json: JsonFlag = False,
+) -> None:
+    """Mint a one-time enrollment token for a CVM's launch data (admins; valid 1 h).
+
+    The CVM trades it, with a quote of its release, for its credential (credentials only after
+    attestation). Put it where the launch data's `umbra-enrollment-token` goes, nowhere else."""
+    client, _login = open_client(as_json)
+    try:
+        with client:
+            minted = client.enrollment_token(cvm_id)
+    except (ConsoleApiError, httpx.HTTPError) as exc:
+        api_failure(exc, as_json)
+    if as_json:
+        print_json(minted.model_dump(mode="json"))
+        return
+    console.print(
+        f"One-time enrollment token for {cvm_id} (expires {minted.expires_at:%H:%M} UTC):"
+    )
+    console.print(minted.token, highlight=False, soft_wrap=True)
 
 
 @app.command()

@@ -64,6 +64,7 @@ def _config_values(params: dict[str, Any]) -> dict[str, Any]:
 
 def serve(**params: Any) -> None:
     """Run the proxy until interrupted."""
+    from umbra.proxy.enroll import ensure_console_credential
     from umbra.proxy.runner import StartupError, UmbraProxy, WorkerSupervisor
 
     values = _config_values(params)
@@ -80,6 +81,13 @@ def serve(**params: Any) -> None:
         config = ProxyConfig(**values)
     except ValidationError as exc:
         raise _fail(exc.errors()[0]["msg"], 2) from None
+    try:
+        if ensure_console_credential(config):
+            typer.echo(
+                f"umbra proxy serve: enrolled; credential in {config.console_credential_file}"
+            )
+    except StartupError as exc:
+        raise _fail(str(exc), 1) from None
     if config.workers > 1:
         try:
             code = WorkerSupervisor(config).run()

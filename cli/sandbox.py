@@ -13,6 +13,7 @@ import typer
 from umbra.cli.output import EXIT_USAGE, console, fail
 from umbra.images.definition import DefinitionError, DevCvmDefinition, load_definition
 from umbra.sandbox.forwarder_config import ForwarderConfigError, load_forwarder_config
+from umbra.sandbox.forwarder_enroll import ensure_tunnel_credential
 from umbra.sandbox.forwarder_setup import build_forwarder
 from umbra.sandbox.render import render_dev_cvm, render_security_cvm
 from umbra.sandbox.sessions import (
@@ -102,13 +103,27 @@ def serve(
     """Relay sandbox TCP to the attested Security CVM; refuse everything else."""
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING)
     try:
-        forwarder = build_forwarder(load_forwarder_config(config))
+        cfg = load_forwarder_config(config)
+        ensure_tunnel_credential(cfg)  # enrolls at first start when the config says how
+        forwarder = build_forwarder(cfg)
     except ForwarderConfigError as exc:
         fail(str(exc), EXIT_USAGE)
     try:
         asyncio.run(forwarder.serve_forever())
     except OSError as exc:
         fail(f"cannot listen: {exc}", EXIT_USAGE)
+
+
+@forwarder_app.command()
+def enroll(
+    config: Annotated[Path, typer.Option("--config", "-c", help="forwarder.json")],
+) -> None:
+    """Trade the launch data's one-time token for the tunnel credential (attested), once."""
+    try:
+        enrolled = ensure_tunnel_credential(load_forwarder_config(config))
+    except ForwarderConfigError as exc:
+        fail(str(exc))
+    typer.echo("enrolled" if enrolled else "already enrolled")
 
 
 @app.command()

@@ -112,8 +112,12 @@ def up(
     except (s.UpError, LocalCvmError, OSError) as exc:
         _fail(exc, as_json)
     summary["seconds"] = round(time.monotonic() - started, 1)
+    # The stack is up either way; a failed --internet check is this command's failure.
+    failed = summary.get("internet_ok") is False
     if as_json:
-        print_json({"ok": True, **summary})
+        print_json({"ok": not failed, **summary})
+        if failed:
+            raise typer.Exit(EXIT_FINDINGS)
         return
     cvm = summary["dev_cvm_id"]
     console.print(
@@ -129,6 +133,9 @@ def up(
         "  umbra status               # what runs, and whether it is healthy\n"
         "  umbra down                 # stop everything"
     )
+    if failed:
+        console.print("[red]--internet: a check failed (above); the stack itself is up.[/]")
+        raise typer.Exit(EXIT_FINDINGS)
 
 
 def _bring_up(stack: Any, policies: Path, step: Any, summary: dict[str, Any]) -> None:
@@ -202,7 +209,18 @@ def _check(stack: Any, summary: dict[str, Any], internet: bool, step: Any, quiet
         console.print(f"   [green]✓[/] {summary['check']['ssh']['detail']}")
     if internet:
         step("--internet: pip download and git ls-remote against the real hosts")
-        summary["internet"] = c.run_internet(stack, cvm)
+
+        def shown(result: Any) -> None:
+            if not quiet:
+                mark = "[green]✓[/]" if result.ok else "[red]✗[/]"
+                console.print(
+                    f"   {mark} {result.name} ({result.host}, {result.seconds} s): {result.detail}",
+                    highlight=False,
+                )
+
+        results = c.run_internet(stack, cvm, report=shown)
+        summary["internet"] = {r.name: r.as_json() for r in results}
+        summary["internet_ok"] = all(r.ok for r in results)
 
 
 @down_app.callback(invoke_without_command=True)

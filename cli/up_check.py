@@ -143,26 +143,87 @@ def wait_records(client: httpx.Client, cvm_id: str, since: float) -> list[dict[s
     )
 
 
-def run_internet(stack: Stack, cvm_id: str) -> dict[str, int]:
-    """Real tools against real hosts through the Security CVM (needs internet and profiles that
-    allow pypi.org and github.com; not run in CI)."""
+@dataclass(frozen=True)
+class InternetResult:
+    name: str
+    host: str
+    ok: bool
+    exit_code: int | None  # None: killed at the deadline
+    seconds: float
+    detail: str
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "ok": self.ok, "host": self.host, "exit_code": self.exit_code,
+            "seconds": self.seconds, "detail": self.detail,
+        }  # fmt: skip
+
+
+def internet_commands(proxy: str, targets: dict[str, str]) -> dict[str, tuple[str, list[str]]]:
+    """name -> (host, argv run in the sandbox). Isolated from the host's tool configuration (the
+    sandbox binds the host's /etc): only the proxy, its CA and the target are used, and each tool
+    gives up on its own before the deadline."""
+    ca = "/umbra/proxy-ca.pem"
+    # A clean environment: nothing of the caller's (its CA bundles, proxies, tokens) leaks in.
+    clean = ["env", "-i", "PATH=/usr/local/bin:/usr/bin:/bin", "HOME=/root", "LANG=C.UTF-8"]
+    pip = [
+        *clean, "python3", "-m", "pip", "download", "--isolated", "--no-deps", "--no-cache-dir",
+        "--disable-pip-version-check", "--proxy", proxy, "--cert", ca,
+        "--index-url", targets["pypi_index"], "--timeout", "20", "--retries", "0",
+        "-d", "/root/umbra-internet-check", targets["package"],
+    ]  # fmt: skip
+    git = [
+        *clean, "GIT_CONFIG_GLOBAL=/dev/null", "GIT_CONFIG_NOSYSTEM=1", "GIT_TERMINAL_PROMPT=0",
+        f"GIT_SSL_CAINFO={ca}", f"HTTPS_PROXY={proxy}",
+        "git", "-c", f"http.proxy={proxy}",
+        "-c", "http.lowSpeedLimit=1", "-c", "http.lowSpeedTime=20",
+        "ls-remote", targets["git_url"], "HEAD",
+    ]  # fmt: skip
+    return {
+        "pip download": (str(httpx.URL(targets["pypi_index"]).host), pip),
+        "git ls-remote": (str(httpx.URL(targets["git_url"]).host), git),
+    }
+
+
+def run_internet(
+    stack: Stack,
+    cvm_id: str,
+    targets: dict[str, str] | None = None,
+    deadline: float = 90,
+    report: Any = None,
+) -> list[InternetResult]:
+    """Real tools against real hosts through the Security CVM, inside the sandbox. Each check
+    passes or fails on its own with a reason (a host that did not resolve on this machine is
+    named as unreachable); none runs past `deadline` seconds."""
+    from umbra.cli.up_stack import internet_targets
+
     plan = local_cvm.load_plan(stack.p("cvms"), cvm_id)
     if plan is None:
         raise UpError(f"no local Dev CVM {cvm_id} on disk", "run `umbra up` first")
     proxy = f"http://{plan.forwarder_addr}:{local_cvm.SANDBOX_PROXY_PORT}"
-    env = [
-        "env", f"HTTPS_PROXY={proxy}", "PIP_CERT=/umbra/proxy-ca.pem",
-        "GIT_SSL_CAINFO=/umbra/proxy-ca.pem",
-    ]  # fmt: skip
-    commands = {
-        "pip download": [*env, "python3", "-m", "pip", "download", "--no-deps", "-d", "/root/dl",
-                         "requests"],
-        "git ls-remote": [*env, "git", "ls-remote", "https://github.com/git/git", "HEAD"],
-    }  # fmt: skip
-    results = {}
-    for name, argv in commands.items():
-        done = subprocess.run(local_cvm.exec_argv(plan, argv), capture_output=True, timeout=300)
-        results[name] = done.returncode
+    unresolved = set(stack.state.get("internet_unresolved", []))
+    results = []
+    for name, (host, argv) in internet_commands(proxy, targets or internet_targets()).items():
+        started = time.monotonic()
+        try:
+            done = subprocess.run(
+                local_cvm.exec_argv(plan, argv), capture_output=True, text=True, timeout=deadline
+            )
+            code: int | None = done.returncode
+            output = " ".join((done.stderr.strip() or done.stdout.strip()).split())
+        except subprocess.TimeoutExpired:
+            code, output = None, f"no answer within {deadline:.0f} s (killed)"
+        seconds = round(time.monotonic() - started, 1)
+        if code == 0:
+            detail = f"{name} via the Security CVM: ok"
+        elif host in unresolved:
+            detail = f"unreachable: {host} does not resolve on this machine; " + output[-200:]
+        else:
+            detail = f"failed (exit {code}): " + output[-300:]
+        result = InternetResult(name, host, code == 0, code, seconds, detail)
+        if report is not None:
+            report(result)
+        results.append(result)
     return results
 
 

@@ -48,7 +48,15 @@ DEMO_SECRET_NAME = "demo-token"  # noqa: S105 -- a secret's name, not its value
 DEMO_HOSTS = ("api.demo.test", "evil.demo.test")
 SIMULATED_IMAGE = "umbra-security-cvm"
 COMPONENTS = ("issuer", "console", "origin", "proxy")
-INTERNET_HOSTS = ("pypi.org", "files.pythonhosted.org", "github.com")
+# `--internet`: what `pip download` and `git ls-remote` use. UMBRA_UP_INTERNET_TARGETS (JSON,
+# the same keys) points them elsewhere: a mirror, or the stand-in origin in the wiring test.
+INTERNET_TARGETS = {
+    "pypi_index": "https://pypi.org/simple",
+    "pypi_files": "https://files.pythonhosted.org",
+    "package": "requests",
+    "git_url": "https://github.com/git/git",
+}
+SYSTEM_CA_BUNDLES = ("/etc/ssl/certs/ca-certificates.crt", "/etc/pki/tls/certs/ca-bundle.crt")
 # Attached to the Dev CVM when the bundle has them (--internet uses github and pypi).
 DEFAULT_PROFILES = ("demo", "github", "pypi")
 # Offsets from --port-base.
@@ -370,14 +378,22 @@ def prepare_material(stack: Stack) -> None:
     stack.p("security-cvm", "release.json").write_text(json.dumps(release_doc, indent=2))
     _demo_ca(stack.p("demo-origin"))
     resolver: dict[str, list[str]] = {host: ["127.0.0.1"] for host in DEMO_HOSTS}
+    stack.state["internet_unresolved"] = []
     if stack.state.get("internet"):
-        resolver |= _resolve_now(INTERNET_HOSTS)
+        hosts = [h for h in internet_hosts() if h not in resolver]
+        found, stack.state["internet_unresolved"] = _resolve_now(hosts)
+        resolver |= found
     stack.p("security-cvm", "resolver.json").write_text(json.dumps(resolver))
+    _upstream_trust(stack)
     dev_release = SimulatedTdx(pki, image=local_cvm.DEV_CVM_IMAGE).release_manifest(
         events=[{"name": CVM_ID_EVENT}]
     )
+    dev_release_doc = dev_release.model_dump(mode="json", exclude_none=True)
+    # The Console verifies each Dev CVM's enrollment quote against this release (its own).
+    stack.p("dev-cvm-release.json").write_text(json.dumps(dev_release_doc, indent=2))
     identities = stack.p("security-cvm", "identities.json")
     if not identities.exists():
+        # Empty: Dev CVMs are known from the Console's attachments once they enrolled.
         identities.write_text(json.dumps({"cvms": []}))
     local = {
         "runtime_dir": str(stack.state_dir),
@@ -386,9 +402,9 @@ def prepare_material(stack: Stack) -> None:
         "security_cvm_release": release_doc,
         "collateral_file": str(stack.p("pki", "collateral.json")),
         "simulated_root": str(stack.p("pki", "root.der")),
-        "identities_file": str(identities),
+        "console_url": stack.console_url,
         "simulated_pki": str(stack.p("pki")),
-        "dev_cvm_release": dev_release.model_dump(mode="json", exclude_none=True),
+        "dev_cvm_release": dev_release_doc,
     }
     stack.p("local-cvms.json").write_text(json.dumps(local, indent=2))
 
@@ -427,17 +443,68 @@ def save_client_opt_ins(stack: Stack, identity: Path) -> None:
     )
 
 
-def _resolve_now(hosts: tuple[str, ...]) -> dict[str, list[str]]:
+def internet_targets() -> dict[str, str]:
+    raw = os.environ.get("UMBRA_UP_INTERNET_TARGETS")
+    if not raw:
+        return dict(INTERNET_TARGETS)
+    try:
+        doc = json.loads(raw)
+    except ValueError:
+        raise UpError("UMBRA_UP_INTERNET_TARGETS is not JSON", "unset it or fix it") from None
+    unknown = set(doc) - set(INTERNET_TARGETS) if isinstance(doc, dict) else {"(not an object)"}
+    if unknown:
+        raise UpError(f"UMBRA_UP_INTERNET_TARGETS: unknown keys {sorted(unknown)}")
+    return INTERNET_TARGETS | {k: str(v) for k, v in doc.items()}
+
+
+def internet_hosts() -> list[str]:
+    targets = internet_targets()
+    urls = (targets["pypi_index"], targets["pypi_files"], targets["git_url"])
+    return sorted({str(httpx.URL(url).host) for url in urls})
+
+
+def _resolve_now(hosts: list[str]) -> tuple[dict[str, list[str]], list[str]]:
     """The proxy runs with a static resolver map (for the stand-in origin): with --internet the
-    real hosts the walkthrough uses are resolved once, here, and added to it."""
-    answers = {}
+    real hosts the walkthrough uses are resolved once, here, and added to it. A host that does
+    not resolve is left out (the proxy then cannot reach it) and its check says so."""
+    answers, unresolved = {}, []
     for host in hosts:
         try:
             infos = socket.getaddrinfo(host, 443, type=socket.SOCK_STREAM)
-        except OSError as exc:
-            raise UpError(f"--internet: cannot resolve {host} ({exc})", "check DNS") from None
+        except OSError:
+            unresolved.append(host)
+            continue
         answers[host] = sorted({str(info[4][0]) for info in infos})
-    return answers
+    return answers, unresolved
+
+
+def _upstream_trust(stack: Stack) -> None:
+    """The CAs the proxy trusts upstream: the stand-in origin's, and with --internet also the
+    system's (the real hosts)."""
+    pem = stack.p("demo-origin", "ca.pem").read_bytes()
+    if stack.state.get("internet"):
+        for bundle in SYSTEM_CA_BUNDLES:
+            if Path(bundle).is_file():
+                pem += b"\n" + Path(bundle).read_bytes()
+                break
+    stack.p("security-cvm", "upstream-ca.pem").write_bytes(pem)
+
+
+def _allowed_upstreams(stack: Stack) -> list[str]:
+    """Loopback for the stand-in origin; with --internet, the addresses the real hosts resolved
+    to when they are not public (a network's own mirror): the proxy refuses non-global addresses
+    unless told, and here it is told only for this embedded stack (printed as a warning)."""
+    allowed = ["127.0.0.1/32"]
+    resolver = json.loads(stack.p("security-cvm", "resolver.json").read_text())
+    for host, addresses in sorted(resolver.items()):
+        if host in DEMO_HOSTS:
+            continue
+        for address in addresses:
+            ip = ipaddress.ip_address(address)
+            if not ip.is_global:
+                stack.progress(f"--internet: {host} resolves to {ip}, not a public address")
+                allowed.append(f"{ip}/{ip.max_prefixlen}")
+    return sorted(set(allowed))
 
 
 def demo_profile(port: int) -> str:
@@ -477,6 +544,7 @@ def console_env(stack: Stack) -> dict[str, str]:
         "UMBRA_CONSOLE_KEK_CURRENT": "k1",
         "UMBRA_CONSOLE_LOCAL_CVM_CONFIG": str(p("local-cvms.json")),
         "UMBRA_CONSOLE_RELEASE_POLICY": str(p("security-cvm", "release.json")),
+        "UMBRA_CONSOLE_DEV_CVM_RELEASE_POLICY": str(p("dev-cvm-release.json")),
         "UMBRA_CONSOLE_RELEASE_COLLATERAL": str(p("pki", "collateral.json")),
         "UMBRA_CONSOLE_RELEASE_ALLOW_SIMULATED": "true",
         "UMBRA_CONSOLE_RELEASE_SIMULATED_ROOT": str(p("pki", "root.der")),
@@ -537,48 +605,58 @@ def wait_tunnel(stack: Stack, timeout: float) -> None:
     raise UpError(f"the tunnel endpoint did not listen within {timeout:.0f}s")
 
 
-def _identities_hash(stack: Stack) -> str:
-    """What the proxy loads only at start: the Dev CVMs it knows and the resolver map."""
+def _identities_hash(stack: Stack, argv: list[str]) -> str:
+    """What the proxy loads only at start: the Dev CVMs it knows, the resolver map, the upstream
+    CAs and its command line."""
     s = stack.p("security-cvm")
-    raw = (s / "identities.json").read_bytes() + b"\0" + (s / "resolver.json").read_bytes()
+    raw = b"\0".join(
+        [
+            (s / name).read_bytes()
+            for name in ("identities.json", "resolver.json", "upstream-ca.pem")
+        ]
+        + [json.dumps(argv).encode()]
+    )
     return hashlib.sha256(raw).hexdigest()
 
 
 def start_proxy(stack: Stack) -> bool:
-    """The Security CVM; restarted when the Dev CVMs it must know changed (identities file)."""
-    current = _identities_hash(stack)
+    """The Security CVM; restarted when what it loads only at start changed."""
+    s = stack.p("security-cvm")
+    allow = [arg for cidr in _allowed_upstreams(stack) for arg in ("--test-allow-upstream", cidr)]
+    argv = [
+        _umbra(), "proxy", "serve",
+        # One worker: the embedded stack serves one developer, and one process starts fastest.
+        "--workers", "1",
+        "--listen", f"127.0.0.1:{stack.port('proxy')}",
+        # Reached from each local Dev CVM's forwarder namespace over its uplink veth only.
+        "--tunnel-listen", f"{local_cvm.SECURITY_CVM_ADDR}:{stack.port('tunnel')}",
+        "--identities", str(s / "identities.json"),
+        "--traffic-log", str(s / "spool"),
+        "--confdir", str(s / "mitm-ca"),
+        "--console", stack.console_url,
+        "--security-cvm-id", stack.state["security_cvm_id"],
+        "--console-credential-file", str(s / "console-credential"),
+        # Credentials only after attestation: at its first start the proxy enrolls with
+        # this one-time token and keeps the sealed credential (root-only) from then on.
+        "--enroll-token-file", str(s / "enrollment-token"),
+        "--bundle-key", str(stack.p("keys", "dev-release.pem.pub")),
+        "--state-dir", str(s / "state"),
+        "--secrets-from-console",
+        "--quote-source", "simulated",
+        "--simulated-pki", str(stack.p("pki")),
+        "--simulated-image", SIMULATED_IMAGE,
+        # The stand-in origin lives on loopback with its own CA (embedded mode only); with
+        # --internet the system's CAs too.
+        "--upstream-ca", str(s / "upstream-ca.pem"),
+        *allow,
+        "--test-resolver", str(s / "resolver.json"),
+    ]  # fmt: skip
+    current = _identities_hash(stack, argv)
     if stack.pid("proxy") is not None:
         if stack.state.get("proxy_identities") == current:
             return False
         stack.stop("proxy")
-    s = stack.p("security-cvm")
-    stack.spawn(
-        "proxy",
-        [
-            _umbra(), "proxy", "serve",
-            # One worker: the embedded stack serves one developer, and one process starts fastest.
-            "--workers", "1",
-            "--listen", f"127.0.0.1:{stack.port('proxy')}",
-            # Reached from each local Dev CVM's forwarder namespace over its uplink veth only.
-            "--tunnel-listen", f"{local_cvm.SECURITY_CVM_ADDR}:{stack.port('tunnel')}",
-            "--identities", str(s / "identities.json"),
-            "--traffic-log", str(s / "spool"),
-            "--confdir", str(s / "mitm-ca"),
-            "--console", stack.console_url,
-            "--security-cvm-id", stack.state["security_cvm_id"],
-            "--console-credential-file", str(s / "console-credential"),
-            "--bundle-key", str(stack.p("keys", "dev-release.pem.pub")),
-            "--state-dir", str(s / "state"),
-            "--secrets-from-console",
-            "--quote-source", "simulated",
-            "--simulated-pki", str(stack.p("pki")),
-            "--simulated-image", SIMULATED_IMAGE,
-            # The stand-in origin lives on loopback with its own CA (embedded mode only).
-            "--upstream-ca", str(stack.p("demo-origin", "ca.pem")),
-            "--test-allow-upstream", "127.0.0.1/32",
-            "--test-resolver", str(s / "resolver.json"),
-        ],
-    )  # fmt: skip
+    stack.spawn("proxy", argv)
     wait_tunnel(stack, 120)
     stack.state["proxy_identities"] = current
     stack.save()
@@ -647,11 +725,19 @@ def publish_bundle(stack: Stack, client: httpx.Client, policies: Path) -> int:
 
 
 def ensure_security_cvm(stack: Stack, client: httpx.Client) -> str:
+    """Register the Security CVM and hand its process a one-time enrollment token (never a
+    credential: the proxy enrolls at start, proxy/enroll.py)."""
+    from umbra.contracts.enroll_client import spent_marker
+
     known = stack.state.get("security_cvm_id")
     credential = stack.p("security-cvm", "console-credential")
-    if known and credential.exists():
+    token_file = stack.p("security-cvm", "enrollment-token")
+    if known:
         info = client.get(f"/api/v1/cvms/{known}")
-        if info.status_code == 200 and info.json().get("state") != "destroyed":
+        if info.status_code == 200 and info.json().get("state") not in ("destroyed", "failed"):
+            if credential.exists() or token_file.exists():
+                return str(known)  # enrolled, or about to enroll with its unspent token
+            _mint_token(client, str(known), token_file)  # the credential was lost
             return str(known)
     created = _expect(
         client.post(
@@ -660,10 +746,18 @@ def ensure_security_cvm(stack: Stack, client: httpx.Client) -> str:
         ),
         201,
     )
-    _write_secret(credential, created["credential"].encode())
+    stack.stop("proxy")  # it serves the old Security CVM's identity
+    for stale in (credential, spent_marker(credential)):
+        stale.unlink(missing_ok=True)
+    _mint_token(client, str(created["id"]), token_file)
     stack.state["security_cvm_id"] = created["id"]
     stack.save()
     return str(created["id"])
+
+
+def _mint_token(client: httpx.Client, cvm_id: str, token_file: Path) -> None:
+    minted = _expect(client.post(f"/api/v1/cvms/{cvm_id}/enrollment-token"), 201)
+    _write_secret(token_file, str(minted["token"]).encode())
 
 
 def ensure_demo_secret(client: httpx.Client, value: str) -> None:

@@ -78,6 +78,8 @@ class DevCvmSpec:
     disk_gb: int = 50
     cvm_id: str | None = None
     data_disk_gb: int = 100
+    # The Console's one-time enrollment token for the launch data (kept as a Pulumi secret).
+    enrollment_token: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         # From JSON (the stack's own config) the keys arrive as a list.
@@ -353,7 +355,9 @@ class PulumiDevCvmProvisioner:
                 json.dumps(
                     {"target": _target_doc(self.target), "spec": dataclasses.asdict(spec)},
                     sort_keys=True,
-                )
+                ),
+                # With a token in it, encrypted in the stack's config like any Pulumi secret.
+                secret=spec.enrollment_token is not None,
             ),
             RUNNING_KEY: auto.ConfigValue("true" if running else "false"),
         }
@@ -509,6 +513,7 @@ def build_dev_cvm(target: TeamTarget, spec: DevCvmSpec, *, running: bool = True)
             security_cvm_ips=team.require_output("security_cvm_ip").apply(lambda ip: [ip]),
             data_disk_gb=spec.data_disk_gb,
             running=running,
+            enrollment_token=spec.enrollment_token,
         ),
     )
     pulumi.export("instance_id", cvm.instance_id)

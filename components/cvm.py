@@ -54,6 +54,8 @@ class CvmArgs:
     data_disk_gb: int = 0
     # False stops the VM (GCP: TERMINATED; Azure: the VM is removed, its disk and NIC stay).
     running: bool = True
+    # The Console's one-time enrollment token for this CVM's launch data (a Pulumi secret).
+    enrollment_token: str | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True)
@@ -122,7 +124,11 @@ def _launch_data(
     console: tuple[pulumi.Input[str] | None, pulumi.Input[str] | None] = (None, None),
 ) -> pulumi.Output[LaunchData]:
     manifest = args.measurement_manifest
-    return pulumi.Output.all(args.app_compose, manifest, security_ips, *console).apply(
+    inputs: list[pulumi.Input[Any]] = [args.app_compose, manifest, security_ips, *console]
+    if args.enrollment_token:
+        # Secret: the token is encrypted in the stack's state, and so is the metadata it joins.
+        inputs.append(pulumi.Output.secret(args.enrollment_token))
+    return pulumi.Output.all(*inputs).apply(
         lambda v: LaunchData(
             role=role,
             team=args.team,
@@ -135,6 +141,7 @@ def _launch_data(
             lb_ip=lb_ip or None,
             console_url=v[3] or None,
             console_ca=v[4] or None,
+            enrollment_token=v[5] if len(v) > 5 else None,
         )
     )
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from umbra.attest.measurement import COMPOSE_HASH_EVENT, SSH_KEYS_EVENT, ssh_keys_digest
 from umbra.components.host_firewall import HostFirewall, render_host_ruleset
+from umbra.contracts.enrollment import META_ENROLLMENT_TOKEN as _ENROLLMENT_KEY
 from umbra.sandbox.render import canonical_json
 
 # GCP metadata and Azure custom-data keys the image's launch agent reads.
@@ -40,6 +41,10 @@ META_CONSOLE_CA = "umbra-console-ca"
 META_DATABASE_CA = "umbra-database-ca"
 # Security CVM replicas: the internal load balancer's address, added as a local route.
 META_LB_IP = "umbra-security-lb-ip"
+# The one-time enrollment token (contracts/enrollment.py): the only credential launch data
+# carries; the launch agent writes it to /run/umbra/launch/enrollment-token for the enrolling
+# process. Not measured (it is spent at first boot and differs per launch).
+META_ENROLLMENT_TOKEN = _ENROLLMENT_KEY
 # Same name as umbra.images.measure.CVM_ID_EVENT (a test keeps them equal).
 CVM_ID_EVENT = "umbra.cvm-id"
 
@@ -89,6 +94,7 @@ class LaunchData:
     console_url: str | None = None
     console_ca: str | None = None
     database_ca: str | None = None
+    enrollment_token: str | None = field(default=None, repr=False)
 
     @property
     def host_firewall(self) -> str | None:
@@ -151,6 +157,7 @@ class LaunchData:
             (META_CONSOLE_URL, self.console_url),
             (META_CONSOLE_CA, self.console_ca),
             (META_DATABASE_CA, self.database_ca),
+            (META_ENROLLMENT_TOKEN, self.enrollment_token),
         ):
             if value:
                 meta[key] = value

@@ -27,8 +27,8 @@ from umbra.console.envelope import EnvelopeError, LocalKeyring
 from umbra.console.limits import BodyLimitMiddleware, limit_for
 from umbra.console.oidc import OidcValidator
 from umbra.console.providers import ProviderError, build_providers
-from umbra.console.release import SecretReleaseVerifier
-from umbra.console.release_config import verifier_from_settings
+from umbra.console.release import AttestedReleaseVerifier, SecretReleaseVerifier
+from umbra.console.release_config import enrollment_verifiers, verifier_from_settings
 from umbra.console.routes import (
     audit,
     bundles,
@@ -89,6 +89,8 @@ def build_console(
         raise ConfigError(str(exc)) from None
     if release_verifier is None:
         release_verifier = verifier_from_settings(settings)
+    security = release_verifier if isinstance(release_verifier, AttestedReleaseVerifier) else None
+    verifiers = enrollment_verifiers(settings, security)
     return Console(
         settings=settings,
         engine=db.make_engine(
@@ -99,6 +101,7 @@ def build_console(
         keyring=keyring,
         providers=providers,
         release_verifier=release_verifier,
+        enrollment_verifiers=verifiers,
     )
 
 

@@ -19,6 +19,7 @@ from umbra.console.schemas import (
     BundleInfo,
     CvmCreated,
     CvmInfo,
+    EnrollmentToken,
     IngestResult,
     Me,
     QuarantinePage,
@@ -155,13 +156,13 @@ class ConsoleClient(_Base):
         owner: str | None = None,
         ssh_keys: list[str] | None = None,
         size: str | None = None,
-    ) -> CvmCreated:
+    ) -> CvmInfo:
         body: dict[str, Any] = {"name": name, "kind": kind, "provider": provider}
         optional = {"security_cvm_id": security_cvm_id, "owner": owner, "ssh_keys": ssh_keys}
         body |= {key: value for key, value in optional.items() if value is not None}
         if size is not None:
             body["size"] = size
-        return self._model(CvmCreated, "POST", f"/api/v1/teams/{team}/cvms", ok=(201,), json=body)
+        return self._model(CvmInfo, "POST", f"/api/v1/teams/{team}/cvms", ok=(201,), json=body)
 
     def list_cvms(self, team: str, *, include_destroyed: bool = False) -> list[CvmInfo]:
         response = self._request(
@@ -192,6 +193,12 @@ class ConsoleClient(_Base):
 
     def destroy_cvm(self, cvm_id: str) -> CvmInfo:
         return self._model(CvmInfo, "DELETE", f"/api/v1/cvms/{cvm_id}")
+
+    def enrollment_token(self, cvm_id: str) -> EnrollmentToken:
+        """A one-time token for the CVM's launch data (admins): it enrolls with it."""
+        return self._model(
+            EnrollmentToken, "POST", f"/api/v1/cvms/{cvm_id}/enrollment-token", ok=(201,)
+        )
 
     def rotate_credential(self, cvm_id: str) -> CvmCreated:
         return self._model(CvmCreated, "POST", f"/api/v1/cvms/{cvm_id}/credential")

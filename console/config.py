@@ -162,6 +162,11 @@ class Settings(BaseModel):
         "attested secret release.",
     )
     release_binding: Path | None = Field(default=None, description="Optional instance binding.")
+    dev_cvm_release_policy: Path | None = Field(
+        default=None,
+        description="Release manifest of the Dev CVM image: Dev CVMs enroll (get their tunnel "
+        "credential) only with a quote of this release. Same collateral and root as release_*.",
+    )
     release_collateral: Path | None = Field(default=None, description="Static collateral file.")
     release_pccs: list[str] = Field(default_factory=list, description="PCCS endpoints, in order.")
     release_collateral_cache: Path | None = None

@@ -12,9 +12,14 @@ Refusals (unknown/expired/reused token, no nonce, a quote that does not verify o
 else) are audited with their reason and never issue anything. A reused token also revokes nothing
 already issued: the first enrollment stands, the second is refused and audited.
 
-Today the Console holds one release policy (the Security CVM image's, `release_policy`), so only
-Security CVMs enroll; Dev CVM enrollment needs a per-release policy and is refused as
-`no_release_policy` until then.
+Each CVM kind is verified against its own release (`Console.enrollment_verifiers`: the Security
+CVM image's `release_policy`, the Dev CVM image's `dev_cvm_release_policy`); a kind without one is
+refused as `no_release_policy`. A Security CVM receives its Console bearer credential, a Dev CVM
+its tunnel credential (whose hash its Security CVM learns from the attachments document).
+
+A CVM that never enrolled and whose valid token met a quote that does not verify is marked
+`failed` with the reason (it cannot be provisioned); a later successful enrollment with a new
+token brings it back to `running`. Refusals of bad tokens never touch the CVM.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import binascii
 import enum
 import hashlib
 import secrets
+from collections.abc import Mapping
 from datetime import datetime, timedelta
 
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PublicKey
@@ -36,16 +42,30 @@ from sqlmodel import Field, SQLModel
 from umbra.attest.errors import AttestError
 from umbra.attest.eventlog import load_event_log
 from umbra.console import audit
-from umbra.console.deps import CREDENTIAL_PREFIX, credential_hash
+from umbra.console.deps import credential_hash
 from umbra.console.models import Cvm, utcnow
 from umbra.console.release import AttestedReleaseVerifier, seal_release
+from umbra.contracts.enrollment import (
+    SECURITY_CVM_CREDENTIAL_PREFIX,
+    TOKEN_PREFIX,
+    TUNNEL_CREDENTIAL_PREFIX,
+    hpke_info,
+    report_data,
+)
 from umbra.contracts.release import SUITE
 
-TOKEN_PREFIX = "enr_"  # noqa: S105 -- a prefix, not a token
+# Re-exported for the Console's tests and callers.
+__all__ = ["TOKEN_PREFIX", "hpke_info", "report_data"]
+CREDENTIAL_PREFIXES = {
+    "security": SECURITY_CVM_CREDENTIAL_PREFIX,
+    "dev": TUNNEL_CREDENTIAL_PREFIX,
+}
+# Refusals that mean "this CVM, holding its valid token, is not what its release says".
+PROVISIONING_FAILURES = frozenset({"no_release_policy", "bad_evidence", "attestation_failed"})
+
 TOKEN_TTL = timedelta(hours=1)
 NONCE_TTL = timedelta(minutes=2)
-REPORT_DATA_CONTEXT = b"umbra-enroll-v1\x00"
-HPKE_INFO_CONTEXT = b"umbra-enroll-credential-v1"
+FAILED_PREFIX = "enrollment refused: "
 _ = SUITE  # the suite the seal uses (release_protocol); named here for readers
 
 
@@ -93,17 +113,7 @@ class EnrollEvidence(BaseModel):
     public_key: str = PydanticField(max_length=64, description="Base64 raw X25519 key.")
 
 
-def report_data(nonce: str, cvm_id: str, public_key: bytes) -> bytes:
-    return hashlib.sha512(
-        REPORT_DATA_CONTEXT + nonce.encode() + b"\x00" + cvm_id.encode() + b"\x00" + public_key
-    ).digest()
-
-
-def hpke_info(cvm_id: str, nonce: str) -> bytes:
-    return HPKE_INFO_CONTEXT + b"\x00" + cvm_id.encode() + b"\x00" + nonce.encode()
-
-
-def _hash(token: str) -> str:
+def token_digest(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
@@ -116,7 +126,7 @@ def issue_token(session: Session, cvm: Cvm, actor: str) -> tuple[str, datetime]:
     token = TOKEN_PREFIX + secrets.token_urlsafe(32)
     now = utcnow()
     row = CvmEnrollment(
-        token_sha256=_hash(token), cvm_id=cvm.id, created_at=now, expires_at=now + TOKEN_TTL
+        token_sha256=token_digest(token), cvm_id=cvm.id, created_at=now, expires_at=now + TOKEN_TTL
     )
     session.add(row)
     audit.append(
@@ -127,7 +137,7 @@ def issue_token(session: Session, cvm: Cvm, actor: str) -> tuple[str, datetime]:
 
 
 def _live(session: Session, token: str) -> tuple[CvmEnrollment, Cvm]:
-    row = session.get(CvmEnrollment, _hash(token))
+    row = session.get(CvmEnrollment, token_digest(token))
     if row is None:
         raise EnrollmentRefused(RefusalReason.unknown_token)
     if row.used_at is not None:
@@ -148,15 +158,30 @@ def challenge(session: Session, token: str) -> str:
     return row.nonce
 
 
+def mark_unprovisionable(session: Session, token: str, reason: RefusalReason) -> bool:
+    """A never-enrolled CVM whose valid token met evidence that does not verify is `failed`
+    with the reason, never `running`. Returns whether it was marked."""
+    if reason.value not in PROVISIONING_FAILURES:
+        return False
+    row = session.get(CvmEnrollment, token_digest(token))
+    cvm = session.get(Cvm, row.cvm_id) if row is not None else None
+    if cvm is None or cvm.credential_hash is not None or cvm.state != "running":
+        return False
+    cvm.state, cvm.state_reason = "failed", FAILED_PREFIX + reason.value
+    cvm.updated_at = utcnow()
+    session.add(cvm)
+    return True
+
+
 def refusal_target(session: Session, token: str) -> tuple[str, str]:
     """(team, cvm id) to audit a refusal under; unknown tokens are audited without a team."""
-    row = session.get(CvmEnrollment, _hash(token))
+    row = session.get(CvmEnrollment, token_digest(token))
     cvm = session.get(Cvm, row.cvm_id) if row is not None else None
     return (cvm.team, cvm.id) if cvm is not None else ("-", "-")
 
 
 def enroll(
-    session: Session, verifier: AttestedReleaseVerifier | None, evidence: EnrollEvidence
+    session: Session, verifiers: Mapping[str, AttestedReleaseVerifier], evidence: EnrollEvidence
 ) -> tuple[str, bytes]:
     """Verify and issue: returns (cvm id, HPKE-sealed credential). Raises EnrollmentRefused."""
     row, cvm = _live(session, evidence.token)
@@ -166,7 +191,8 @@ def enroll(
         _aware(row.nonce_expires_at) < utcnow()
     ):
         raise EnrollmentRefused(RefusalReason.wrong_nonce)
-    if verifier is None or cvm.kind != "security":
+    verifier = verifiers.get(cvm.kind)
+    if verifier is None:
         raise EnrollmentRefused(
             RefusalReason.no_release_policy, f"no release policy for {cvm.kind} CVMs"
         )
@@ -187,8 +213,10 @@ def enroll(
     )
     if not verdict.ok:
         raise EnrollmentRefused(RefusalReason.attestation_failed, "; ".join(verdict.reasons)[:300])
-    credential = CREDENTIAL_PREFIX + secrets.token_urlsafe(32)
+    credential = CREDENTIAL_PREFIXES[cvm.kind] + secrets.token_urlsafe(32)
     cvm.credential_hash = credential_hash(credential)
+    if cvm.state == "failed" and (cvm.state_reason or "").startswith(FAILED_PREFIX):
+        cvm.state, cvm.state_reason = "running", None  # it failed only for want of enrollment
     cvm.updated_at = utcnow()
     row.used_at = utcnow()
     row.nonce = None

@@ -10,7 +10,7 @@ there is nothing to serve yet) wait and load again.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from starlette.concurrency import run_in_threadpool
@@ -38,9 +38,12 @@ async def long_poll[T](
     load: Callable[[], T],
     unchanged: Callable[[T], bool],
     wait: float,
+    gone: Callable[[], Awaitable[bool]] | None = None,
 ) -> T:
     """Load now; while the result is `unchanged` and time remains, wait for a local change signal
-    or the database recheck interval, then load again. Returns the last result."""
+    or the database recheck interval, then load again. Returns the last result. `gone` (the
+    request's `is_disconnected`) ends the wait early when the caller has left, so a poll of a
+    stopped Security CVM does not hold the Console's graceful shutdown for its whole wait."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + wait
     console.metrics.long_polls.inc()
@@ -48,7 +51,7 @@ async def long_poll[T](
         while True:
             current = await run_in_threadpool(load)
             remaining = deadline - loop.time()
-            if not unchanged(current) or remaining <= 0:
+            if not unchanged(current) or remaining <= 0 or (gone is not None and await gone()):
                 return current
             await console.notifier.wait(
                 min(remaining, console.settings.long_poll_db_interval_seconds)
@@ -76,6 +79,7 @@ async def watch[T](
     etag_of: Callable[[T], str],
     if_none_match: str | None,
     wait: int,
+    gone: Callable[[], Awaitable[bool]] | None = None,
 ) -> Watched[T]:
     """Long poll one versioned document for up to `wait` seconds (capped by the settings). A load
     of None (nothing yet, e.g. no bundle uploaded) keeps waiting like an unchanged one."""
@@ -85,7 +89,7 @@ async def watch[T](
         return current is None or etag_of(current) in known
 
     seconds = float(min(wait, console.settings.long_poll_max_seconds))
-    current = await long_poll(console, load, unchanged, seconds)
+    current = await long_poll(console, load, unchanged, seconds, gone)
     if current is None:
         return Watched(None, None, False)
     etag = etag_of(current)

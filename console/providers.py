@@ -49,6 +49,10 @@ class CvmSpec:
     owner: str
     ssh_keys: tuple[str, ...] = ()
     size: str | None = None
+    # Launch only: the one-time enrollment token the provider puts in the CVM's launch data
+    # (`umbra-enrollment-token`), the only credential launch data ever carries. Held in memory
+    # for the launch run (the database keeps its hash), never shown (repr).
+    enrollment_token: str | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True)

@@ -2,17 +2,14 @@
 machine (`sandbox/local_cvm.py`), the Security CVM is the local proxy that `umbra up` supervises.
 
 Nothing is kept in memory: every CVM's plan, pids and files live under `runtime_dir`, so a Console
-restart finds them again. Registering a Dev CVM with the Security CVM means writing its tunnel
-credential's hash into the Security CVM's identities file (`umbra up` restarts the proxy to load
-it; the cloud path delivers identities after enrollment).
+restart finds them again. A Dev CVM's launch data is its one-time enrollment token; its simulated
+TD enrolls before its forwarder starts (`local_cvm.enroll`), and a refusal fails the launch with
+the Console's reason. Its Security CVM learns the enrolled credential's hash from the Console's
+attachments document, as in the cloud: no identities file is written, no proxy restarted.
 """
 
 from __future__ import annotations
 
-import fcntl
-import json
-import os
-import secrets
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +23,6 @@ from umbra.console.providers import (
     Provisioned,
 )
 from umbra.console.session_info import INGRESS_KEY, RELEASE_KEY
-from umbra.proxy.identity import hash_credential
 from umbra.sandbox import local_cvm
 
 
@@ -39,7 +35,8 @@ class LocalCvmSettings(BaseModel):
     security_cvm_release: dict[str, Any]
     collateral_file: Path
     simulated_root: Path
-    identities_file: Path
+    # Where the CVMs' simulated TDs enroll (the Console itself, on loopback).
+    console_url: str = Field(pattern=r"^http://127\.0\.0\.1:[0-9]{1,5}$")
     # The simulated TEE the Dev CVMs' SSH ingress runs on (a `SimulatedPki` directory) and the
     # golden values the client checks its quotes against; without both, no SSH ingress.
     simulated_pki: Path | None = None
@@ -87,26 +84,35 @@ class LocalCvmProvider:
             "simulated_root": str(s.simulated_root),
             "connect_timeout": 5,
             "handshake_timeout": 20,
+            "enrollment": {
+                "console_url": s.console_url,
+                "quote_source": "simulated",
+                "simulated_pki": str(s.simulated_pki),
+                "simulated_image": local_cvm.DEV_CVM_IMAGE,
+            },
         }
 
     def launch(self, spec: CvmSpec, on_event: OnProviderEvent) -> Provisioned:
         if spec.kind == "security":
             # The local Security CVM is the proxy `umbra up` runs; nothing to create here.
             return Provisioned(f"local:security/{spec.id}", {"runtime": "process"})
-        credential = "tun_" + secrets.token_urlsafe(32)
+        if spec.enrollment_token is None or self.settings.simulated_pki is None:
+            raise ProviderError(
+                f"local CVM {spec.id}: it cannot enroll (needs an enrollment token in its "
+                "launch data and simulated_pki for its simulated TD)"
+            )
         try:
             plan = local_cvm.create(
                 self.cvms,
                 spec.id,
                 self.settings.name_prefix,
                 self._forwarder_config(),
-                credential,
+                spec.enrollment_token,
                 list(spec.ssh_keys),
                 self._ingress_pki(spec),
             )
         except (local_cvm.LocalCvmError, OSError) as exc:
             raise ProviderError(f"local CVM {spec.id}: {exc}") from None
-        self._register(spec, credential)
         on_event(ProviderEvent("launched", f"local sandbox {plan.sandbox_ns}"))
         return Provisioned(f"local:{spec.id}", self._state(plan))
 
@@ -126,34 +132,6 @@ class LocalCvmProvider:
             state[INGRESS_KEY] = ingress
             state[RELEASE_KEY] = self.settings.dev_cvm_release
         return state
-
-    def _register(self, spec: CvmSpec, credential: str | None) -> None:
-        """Add (or with None, remove) this Dev CVM in the Security CVM's identities file."""
-        path = self.settings.identities_file
-        # Provisioning jobs run in parallel: one read-modify-write at a time.
-        with path.with_suffix(".lock").open("a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            self._register_locked(path, spec, credential)
-
-    def _register_locked(self, path: Path, spec: CvmSpec, credential: str | None) -> None:
-        try:
-            doc = json.loads(path.read_text())
-        except (OSError, ValueError):
-            doc = {"cvms": []}
-        entries = [e for e in doc.get("cvms", []) if e.get("cvm_id") != spec.id]
-        if credential is not None:
-            entries.append(
-                {
-                    "cvm_id": spec.id,
-                    "owner": spec.owner,
-                    "team": spec.team,
-                    "profiles": [],
-                    "credential_sha256": hash_credential(credential),
-                }
-            )
-        temp = path.with_suffix(".tmp")
-        temp.write_text(json.dumps({"cvms": entries}, indent=2))
-        os.replace(temp, path)
 
     def update(self, spec: CvmSpec, ref: str, on_event: OnProviderEvent) -> Provisioned:
         plan = self._plan(spec.id, ref)
@@ -202,7 +180,6 @@ class LocalCvmProvider:
         plan = local_cvm.load_plan(self.cvms, spec.id)
         if plan is not None:
             local_cvm.destroy(plan)
-        self._register(spec, None)
 
 
 def _proxy(plan: local_cvm.LocalCvmPlan) -> str:

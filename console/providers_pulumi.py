@@ -117,6 +117,7 @@ class PulumiCvmProvider:
                 measurement_manifest=self.config.measurement_manifest,
                 disk_gb=self.config.disk_gb,
                 cvm_id=spec.id,
+                enrollment_token=spec.enrollment_token,
             )
         except ProvisionerError as exc:
             raise ProviderUnsupported(one_line(str(exc), REASON_LIMIT)) from None

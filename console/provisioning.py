@@ -15,13 +15,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Literal
 
 from sqlalchemy import Connection, select, text
 from sqlalchemy.orm import Session
 from sqlmodel import col
 
-from umbra.console import audit
+from umbra.console import audit, enrollment
 from umbra.console.models import AuditEntry, Cvm, utcnow
 from umbra.console.providers import (
     CvmProvider,
@@ -166,6 +167,7 @@ def reconcile(console: Console) -> list[str]:
         if held is False:
             continue  # another worker's run is alive
         resume: tuple[CvmProvider, Operation, Cvm] | None = None
+        token: str | None = None
         try:
             with console.write(f"cvm:{cvm_id}") as session:
                 cvm = session.get(Cvm, cvm_id)
@@ -183,6 +185,10 @@ def reconcile(console: Console) -> list[str]:
                     details: dict[str, object] = {"operation": operation, "state": cvm.state}
                     action = "cvm.resumed"
                     resume = (provider, operation, cvm)
+                    if cvm.kind == "dev" and operation in ("launch", "update"):
+                        # The resumed run renders launch data again: a fresh one-time token,
+                        # as a launch or update gets (the interrupted run's may be spent).
+                        token, _expires = enrollment.issue_token(session, cvm, ACTOR)
                 else:
                     reason = (
                         f"{operation}: interrupted by a Console restart; update or destroy the "
@@ -203,7 +209,7 @@ def reconcile(console: Console) -> list[str]:
                 _release(console, cvm_id, held)
         if resume is not None:
             resumed += 1
-            submit(console, resume[0], resume[1], resume[2], held=held)
+            submit(console, resume[0], resume[1], resume[2], held=held, enrollment_token=token)
     if handled:
         log.warning(
             "reconciled %d interrupted provider runs: %d resumed, %d failed",
@@ -219,8 +225,9 @@ def submit(
     cvm: Cvm,
     *,
     held: Connection | None = None,
+    enrollment_token: str | None = None,
 ) -> None:
-    spec, ref = spec_of(cvm), cvm.provider_ref
+    spec, ref = replace(spec_of(cvm), enrollment_token=enrollment_token), cvm.provider_ref
     try:
         console.jobs.submit(run, console, provider, operation, spec, ref, held)
     except RuntimeError:  # the pool is shutting down: do not leave the row transitional

@@ -3,6 +3,8 @@ problem with the policy, collateral or root is a configuration error, not a weak
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from cryptography import x509
 from cryptography.hazmat.primitives.serialization import Encoding
 
@@ -21,10 +23,28 @@ from umbra.console.release import AttestedReleaseVerifier
 
 
 def verifier_from_settings(settings: Settings) -> AttestedReleaseVerifier | None:
+    """The Security CVM image's release: secret release and Security CVM enrollment."""
     if settings.release_policy is None:
         return None
+    return _verifier(settings, settings.release_policy, settings.release_binding)
+
+
+def enrollment_verifiers(
+    settings: Settings, security: AttestedReleaseVerifier | None
+) -> dict[str, AttestedReleaseVerifier]:
+    """One verifier per CVM kind, each against that kind's own release: a Dev CVM's quote is
+    never checked against the Security CVM image's golden values, nor the other way round."""
+    verifiers: dict[str, AttestedReleaseVerifier] = {}
+    if security is not None:
+        verifiers["security"] = security
+    if settings.dev_cvm_release_policy is not None:
+        verifiers["dev"] = _verifier(settings, settings.dev_cvm_release_policy, None)
+    return verifiers
+
+
+def _verifier(settings: Settings, release: Path, binding: Path | None) -> AttestedReleaseVerifier:
     try:
-        policy = load_measurement_policy(settings.release_policy, settings.release_binding)
+        policy = load_measurement_policy(release, binding)
         source = _collateral(settings)
         root = None
         if settings.release_simulated_root is not None:

@@ -171,6 +171,12 @@ class CvmInfo(Strict):
     updated_at: datetime
 
 
+class EnrollmentToken(Strict):
+    cvm_id: str
+    token: str = Field(description="One-time; goes into the CVM's launch data, nothing more.")
+    expires_at: datetime
+
+
 class CvmCreated(CvmInfo):
     credential: str | None = Field(
         default=None, description="Security CVMs only: shown once, stored hashed."

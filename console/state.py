@@ -21,7 +21,7 @@ from umbra.console.metrics import Metrics
 from umbra.console.notify import ChangeNotifier
 from umbra.console.oidc import OidcValidator
 from umbra.console.providers import CvmProvider
-from umbra.console.release import SecretReleaseVerifier
+from umbra.console.release import AttestedReleaseVerifier, SecretReleaseVerifier
 from umbra.proxy.policy.bundle import VerifiedBundle, verify_bundle
 
 
@@ -39,6 +39,8 @@ class Console:
     keyring: KeyEncryptionKeys | None
     providers: dict[str, CvmProvider]
     release_verifier: SecretReleaseVerifier | None
+    # Enrollment, per CVM kind: each kind's quotes are verified against its own release.
+    enrollment_verifiers: dict[str, AttestedReleaseVerifier] = field(default_factory=dict)
     metrics: Metrics = field(default_factory=Metrics)
     notifier: ChangeNotifier = field(default_factory=ChangeNotifier)
     _verified: OrderedDict[str, VerifiedBundle] = field(default_factory=OrderedDict)

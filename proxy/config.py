@@ -178,14 +178,28 @@ class ProxyConfig(BaseModel):
         ),
     ] = None
     security_cvm_id: Annotated[str | None, Flag("This Security CVM's id at the Console.")] = None
-    # The bearer credential the Console issued this Security CVM at registration (launch-bound).
+    # The bearer credential the Console issued this Security CVM when it enrolled (proxy/enroll.py).
     console_credential_file: Annotated[
         Path | None,
         Flag(
             "File holding the bearer credential the Console issued this Security CVM.",
             "every Console call carries `Authorization: Bearer <credential>` (issued to this "
-            "Security CVM at registration, launch-bound); the proxy refuses to start in Console "
+            "Security CVM when it enrolled, or by an admin); the proxy refuses to start in Console "
             "mode without it",
+        ),
+    ] = None
+    enroll_token_file: Annotated[
+        Path | None,
+        Flag(
+            "The one-time enrollment token from launch data: with no credential in "
+            "--console-credential-file yet, enroll (attested) and store the credential there.",
+            "the one-time enrollment token from launch data (`/run/umbra/launch/enrollment-token`"
+            "): with no credential in `--console-credential-file` yet, the proxy enrolls once at "
+            "start, before any worker (`proxy/enroll.py`: a key generated here, a quote from "
+            "`--quote-source` binding it, the credential HPKE-sealed to it) and stores the "
+            "credential there 0600; a stored credential is used as is; a lost credential with "
+            "the same, spent token is refused locally (mint a new token). See embedded.md",
+            metavar="FILE",
         ),
     ] = None
     state_dir: Annotated[
@@ -313,6 +327,8 @@ class ProxyConfig(BaseModel):
             raise ValueError("--console needs --security-cvm-id")
         if self.console_url and self.console_credential_file is None:
             raise ValueError("--console needs --console-credential-file")
+        if self.enroll_token_file is not None and self.console_url is None:
+            raise ValueError("--enroll-token-file needs --console")
         if self.secrets_from_console and (self.console_url is None or self.secrets is not None):
             raise ValueError("--secrets-from-console needs --console and no --secrets file")
         if self.tunnel_listen_host is not None and not is_loopback(self.listen_host):

@@ -94,6 +94,8 @@ class Attachment(_Strict):
     owner: str = Field(min_length=1, max_length=128)
     team: str = Field(min_length=1, max_length=128)
     profiles: list[str]
+    # Set once the Dev CVM enrolled: its tunnel credential's SHA-256 (the Console's record).
+    credential_sha256: Sha256Hex | None = None
 
 
 class AttachmentsDocument(_Strict):
@@ -161,16 +163,27 @@ class StaticIdentities:
 
     def _identity(self, cvm_id: str) -> CvmIdentity | None:
         entry = self._entries.get(cvm_id)
-        if entry is None:
-            return None
         with self._lock:
             attachments = self._attachments
         if attachments is not None:
             attached = attachments.get(cvm_id)
-            if attached is None:
+            # Known by the file, or enrolled at the Console (it then needs no file entry).
+            if attached is None or (entry is None and attached.credential_sha256 is None):
                 return None
             return CvmIdentity(cvm_id, attached.owner, attached.team, tuple(attached.profiles))
+        if entry is None:
+            return None
         return CvmIdentity(cvm_id, entry.owner, entry.team, tuple(entry.profiles))
+
+    def _credential_sha256(self, cvm_id: str) -> str | None:
+        """The Console's (enrollment) hash when it has one, else the identities file's."""
+        with self._lock:
+            attachments = self._attachments
+        attached = attachments.get(cvm_id) if attachments is not None else None
+        if attached is not None and attached.credential_sha256 is not None:
+            return attached.credential_sha256
+        entry = self._entries.get(cvm_id)
+        return entry.credential_sha256 if entry is not None else None
 
     def lookup(self, cvm_id: str) -> CvmIdentity | None:
         """The CVM's identity if it is known (in the file and, with a Console, attached)."""
@@ -178,10 +191,10 @@ class StaticIdentities:
 
     def credential_matches(self, cvm_id: str, credential: str) -> bool:
         """Constant-time check of a tunnel credential; False when the CVM has none configured."""
-        entry = self._entries.get(cvm_id)
-        if entry is None or entry.credential_sha256 is None:
+        expected = self._credential_sha256(cvm_id)
+        if expected is None or self._identity(cvm_id) is None:
             return False
-        return hmac.compare_digest(hash_credential(credential), entry.credential_sha256)
+        return hmac.compare_digest(hash_credential(credential), expected)
 
     def by_source(self, host: str, port: int) -> CvmIdentity | None:
         try:
@@ -202,9 +215,6 @@ class StaticIdentities:
         except (binascii.Error, UnicodeDecodeError):
             return None
         cvm_id, sep, credential = decoded.partition(":")
-        entry = self._entries.get(cvm_id)
-        if not sep or entry is None or entry.credential_sha256 is None:
-            return None
-        if not hmac.compare_digest(hash_credential(credential), entry.credential_sha256):
+        if not sep or not self.credential_matches(cvm_id, credential):
             return None
         return self._identity(cvm_id)

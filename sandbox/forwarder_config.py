@@ -55,6 +55,27 @@ class Collateral(Strict):
         return self
 
 
+class Enrollment(Strict):
+    """How this Dev CVM gets its tunnel credential (sandbox/forwarder_enroll.py): the one-time
+    token from launch data, traded at the Console for the credential after attestation.
+    `simulated`: a simulated TD of `simulated_image` signed by `simulated_pki` (embedded mode);
+    `configfs`: this TD's quotes, with the launch agent's RTMR3 event log."""
+
+    console_url: Annotated[str, Field(pattern=r"^https?://[^\s/?#]+(/[^\s?#]*)?$")]
+    token_file: Path
+    quote_source: Literal["configfs", "simulated"]
+    event_log: Path | None = None
+    simulated_pki: Path | None = None
+    simulated_image: str = "umbra-dev-cvm"
+    console_ca: Path | None = None
+
+    @model_validator(mode="after")
+    def _source(self) -> Enrollment:
+        if (self.quote_source == "simulated") != (self.simulated_pki is not None):
+            raise ValueError("simulated_pki is required with quote_source simulated, and only then")
+        return self
+
+
 class ForwarderConfig(Strict):
     apiVersion: Literal["umbra/v1"]
     kind: Literal["ForwarderConfig"]
@@ -67,6 +88,7 @@ class ForwarderConfig(Strict):
     simulated_root: Path | None = None
     cvm_id_file: Path
     credential_file: Path | None = None
+    enrollment: Enrollment | None = None
     connect_timeout: Annotated[float, Field(gt=0, le=120)] = 10.0
     handshake_timeout: Annotated[float, Field(gt=0, le=120)] = 30.0
     max_connections: Annotated[int, Field(ge=1, le=65536)] = 256
@@ -77,6 +99,8 @@ class ForwarderConfig(Strict):
             raise ValueError("allow_simulated and simulated_root go together")
         if self.allow_simulated and self.security_cvm_release.tee != "simulated":
             raise ValueError("allow_simulated needs a security_cvm_release with tee: simulated")
+        if self.enrollment is not None and self.credential_file is None:
+            raise ValueError("enrollment needs credential_file (where the credential is kept)")
         return self
 
 

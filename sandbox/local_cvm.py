@@ -492,12 +492,17 @@ def create(
     cvm_id: str,
     prefix: str,
     forwarder_config: dict[str, Any],
-    credential: str,
+    enrollment_token: str,
     authorized_keys: list[str],
     simulated_pki: Path | None = None,
 ) -> LocalCvmPlan:
     """Build and start a local Dev CVM; on any failure remove everything it had made. With
-    `simulated_pki`, its attested SSH ingress runs on that simulated TEE."""
+    `simulated_pki`, its attested SSH ingress runs on that simulated TEE.
+
+    Its launch data carries only the one-time enrollment token (`launch/enrollment-token`, as the
+    image's launch agent writes `/run/umbra/launch/enrollment-token`); its tunnel credential comes
+    from enrolling (`forwarder_config["enrollment"]` says where the Console is), and a refused
+    enrollment is this launch's failure, with the Console's reason."""
     require_tools()
     plan = allocate(root, cvm_id, prefix)
     taken = [ns for ns in (plan.sandbox_ns, plan.forwarder_ns) if _netns_exists(ns)]
@@ -507,10 +512,11 @@ def create(
         raise LocalCvmError(f"network namespace {taken[0]} already exists; remove it or rename")
     try:
         (plan.dir / "cvm-id").write_text(cvm_id + "\n")
-        credential_path = plan.dir / "credential"
-        fd = os.open(credential_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        plan.launch_dir.mkdir(mode=0o700, exist_ok=True)
+        token_path = plan.launch_dir / "enrollment-token"
+        fd = os.open(token_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as handle:
-            handle.write(credential + "\n")
+            handle.write(enrollment_token + "\n")
         config = dict(forwarder_config)
         config["listen"] = {
             "host": plan.forwarder_addr,
@@ -519,8 +525,10 @@ def create(
         }
         config["security_cvm"] = {**config["security_cvm"], "host": SECURITY_CVM_ADDR}
         config["cvm_id_file"] = str(plan.dir / "cvm-id")
-        config["credential_file"] = str(credential_path)
+        config["credential_file"] = str(plan.dir / "credential")
+        config["enrollment"] = {**config["enrollment"], "token_file": str(token_path)}
         (plan.dir / "forwarder.json").write_text(json.dumps(config, indent=2))
+        enroll(plan)
         _make_rootfs(plan)
         create_network(plan, [SANDBOX_PROXY_PORT])
         ensure_running(plan)
@@ -532,6 +540,23 @@ def create(
         destroy(plan)
         raise
     return plan
+
+
+def enroll(plan: LocalCvmPlan) -> None:
+    """`umbra forwarder enroll`, on the host side: the Console listens on loopback, which the
+    forwarder's namespace cannot reach. The process is this CVM's simulated TD: it generates the
+    key, quotes it with the CVM id and keeps the sealed credential (0600)."""
+    argv = [umbra_executable(), "forwarder", "enroll", "-c", str(plan.dir / "forwarder.json")]
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8", "NO_COLOR": "1"}
+    try:
+        done = subprocess.run(
+            argv, capture_output=True, text=True, timeout=90, env=env, stdin=subprocess.DEVNULL
+        )
+    except subprocess.TimeoutExpired:
+        raise LocalCvmError(f"enrollment of {plan.cvm_id} did not finish within 90 s") from None
+    if done.returncode != 0:
+        reason = " ".join((done.stderr or done.stdout).split()).removeprefix("error ")
+        raise LocalCvmError(f"enrollment failed: {reason[-400:]}")
 
 
 def _make_rootfs(plan: LocalCvmPlan) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Annotated
 
 from fastapi import APIRouter, Header, HTTPException, Query, status
@@ -12,7 +13,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 from sqlmodel import col
 
-from umbra.console import audit, provisioning, team_defaults
+from umbra.console import audit, enrollment, provisioning, team_defaults
 from umbra.console.deps import (
     CREDENTIAL_PREFIX,
     ConsoleDep,
@@ -71,7 +72,7 @@ def _security_cvm_in_team(session: Session, team: str, cvm_id: str) -> Cvm:
     status_code=status.HTTP_201_CREATED,
     summary="Launch a CVM (admin: any; developer: own Dev CVMs).",
 )
-def create_cvm(team: TeamPath, body: CvmCreate, console: ConsoleDep, user: UserDep) -> CvmCreated:
+def create_cvm(team: TeamPath, body: CvmCreate, console: ConsoleDep, user: UserDep) -> CvmInfo:
     role = require_role(user, team, "admin", "developer")
     if body.kind == "security" and role != "admin":
         raise HTTPException(status.HTTP_403_FORBIDDEN, "only admins launch Security CVMs")
@@ -99,7 +100,6 @@ def create_cvm(team: TeamPath, body: CvmCreate, console: ConsoleDep, user: UserD
         provider.check(spec)
     except ProviderError as exc:
         raise HTTPException(UNPROCESSABLE, f"provider: {exc}") from None
-    credential = None
     locks = [f"cvm-name:{team}:{owner}:{body.name}"]
     if body.kind == "dev":
         locks.append(policy_lock(team))  # gets exactly the defaults committed before it
@@ -121,9 +121,6 @@ def create_cvm(team: TeamPath, body: CvmCreate, console: ConsoleDep, user: UserD
                 status.HTTP_409_CONFLICT, f"name: {owner!r} already has a CVM {body.name!r}"
             )
         profiles = team_defaults.default_profiles(session, team) if body.kind == "dev" else []
-        ref: str | None = None
-        if not provider.background:
-            ref = _call(lambda: provider.launch(spec, _ignore)).ref
         cvm = Cvm(
             id=cvm_id,
             team=team,
@@ -131,7 +128,6 @@ def create_cvm(team: TeamPath, body: CvmCreate, console: ConsoleDep, user: UserD
             kind=body.kind,
             owner=owner,
             provider=body.provider,
-            provider_ref=ref,
             state="launching" if provider.background else "running",
             security_cvm_id=security_cvm_id,
             profiles=profiles,
@@ -139,9 +135,6 @@ def create_cvm(team: TeamPath, body: CvmCreate, console: ConsoleDep, user: UserD
             size=body.size,
             created_by=user.subject,
         )
-        if body.kind == "security":
-            credential = CREDENTIAL_PREFIX + secrets.token_urlsafe(32)
-            cvm.credential_hash = credential_hash(credential)
         session.add(cvm)
         try:
             # Flushed here, not by autoflush inside the audit append, so a unique violation
@@ -168,12 +161,25 @@ def create_cvm(team: TeamPath, body: CvmCreate, console: ConsoleDep, user: UserD
             session, actor=user.subject, team=team, cvm_id=cvm_id, profiles=profiles
         )
         session.flush()
+        # Credentials only after attestation: launch data carries this one-time token, the
+        # booted CVM enrolls with it (routes/enroll.py). A Security CVM is booted by its team
+        # stack or `umbra up`, which mint its token themselves (POST .../enrollment-token).
+        token = None
+        if body.kind == "dev":
+            token, _expires = enrollment.issue_token(session, cvm, user.subject)
+        launch_spec = replace(spec, enrollment_token=token)
+        if not provider.background:
+            launched = _call(lambda: provider.launch(launch_spec, _ignore))
+            # A synchronous provider's facts are kept like a background run's (provisioning).
+            cvm.provider_ref, cvm.provider_state = launched.ref, launched.state
+            session.add(cvm)
+            session.flush()
         info = cvm_info(cvm)
     # Committed: a cloud launch now runs outside the transaction and records its own outcome.
     if provider.background:
-        provisioning.submit(console, provider, "launch", cvm)
+        provisioning.submit(console, provider, "launch", cvm, enrollment_token=token)
     console.notifier.notify()
-    return CvmCreated(**info.model_dump(), credential=credential)
+    return info
 
 
 def _ignore(_event: ProviderEvent) -> None:
@@ -229,6 +235,7 @@ def _may_manage(cvm: Cvm, role: str | None) -> None:
 @router.patch("/cvms/{cvm_id}", summary="Start/stop, re-route, or change SSH keys/size.")
 def update_cvm(cvm_id: CvmIdPath, body: CvmUpdate, console: ConsoleDep, user: UserDep) -> CvmInfo:
     background: tuple[CvmProvider, Cvm, provisioning.Operation] | None = None
+    update_token: str | None = None
     locks = [cvm_lock(cvm_id)]
     if body.security_cvm_id is not None:
         locks.append(cvm_lock(body.security_cvm_id))
@@ -270,8 +277,13 @@ def update_cvm(cvm_id: CvmIdPath, body: CvmUpdate, console: ConsoleDep, user: Us
             if provider.background:
                 cvm.state, cvm.state_reason = "updating", None
                 background = (provider, cvm, "update")
+                if cvm.kind == "dev":
+                    # New launch data may replace the VM (Azure custom data): it gets a fresh
+                    # one-time token; a VM kept in place holds its credential and ignores it.
+                    update_token, _expires = enrollment.issue_token(session, cvm, user.subject)
             else:
-                _call(lambda: provider.update(spec, cvm.provider_ref or "", _ignore))
+                updated = _call(lambda: provider.update(spec, cvm.provider_ref or "", _ignore))
+                cvm.provider_ref, cvm.provider_state = updated.ref, updated.state
         if body.state is not None and body.state != cvm.state:
             assert provider is not None
             if cvm.state == "failed":
@@ -308,7 +320,9 @@ def update_cvm(cvm_id: CvmIdPath, body: CvmUpdate, console: ConsoleDep, user: Us
         session.flush()
         info = cvm_info(cvm)
     if background is not None:
-        provisioning.submit(console, background[0], background[2], background[1])
+        provisioning.submit(
+            console, background[0], background[2], background[1], enrollment_token=update_token
+        )
     console.notifier.notify()
     return info
 

@@ -7,7 +7,6 @@ attempt's transaction is rolled back) and answered 403 with its reason.
 from __future__ import annotations
 
 import base64
-from datetime import datetime
 
 from fastapi import APIRouter, HTTPException, status
 from fastapi.concurrency import run_in_threadpool
@@ -16,8 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from umbra.console import audit, enrollment
 from umbra.console.deps import ConsoleDep, UserDep, require_role
 from umbra.console.enrollment import EnrollEvidence, EnrollmentRefused
-from umbra.console.release import AttestedReleaseVerifier
 from umbra.console.routes.common import CvmIdPath, visible_cvm
+from umbra.console.schemas import EnrollmentToken
 from umbra.console.state import Console
 
 router = APIRouter(prefix="/api/v1", tags=["enrollment"])
@@ -25,12 +24,6 @@ router = APIRouter(prefix="/api/v1", tags=["enrollment"])
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
-
-
-class EnrollmentToken(_Strict):
-    cvm_id: str
-    token: str = Field(description="One-time; goes into the CVM's launch data, nothing more.")
-    expires_at: datetime
 
 
 class ChallengeRequest(_Strict):
@@ -62,10 +55,16 @@ def create_token(cvm_id: CvmIdPath, console: ConsoleDep, user: UserDep) -> Enrol
     return EnrollmentToken(cvm_id=cvm_id, token=token, expires_at=expires)
 
 
+def _token_lock(token: str) -> str:
+    """Challenges and enrollments of one token are serialized: of parallel attempts with the
+    same evidence exactly one issues a credential, the others see the token used."""
+    return f"enroll:{enrollment.token_digest(token)}"
+
+
 def _refused(console: Console, token: str, exc: EnrollmentRefused) -> HTTPException:
-    with console.write() as session:
+    with console.write(_token_lock(token)) as session:
         team, target = enrollment.refusal_target(session, token)
-        row = session.get(enrollment.CvmEnrollment, enrollment._hash(token))
+        row = session.get(enrollment.CvmEnrollment, enrollment.token_digest(token))
         if row is not None:  # a nonce is good for one attempt, successful or not
             row.nonce = None
             session.add(row)
@@ -73,13 +72,21 @@ def _refused(console: Console, token: str, exc: EnrollmentRefused) -> HTTPExcept
             session, actor=f"cvm:{target}", team=team, action="cvm.enroll_refused",
             target=target, details={"reason": exc.reason.value},
         )  # fmt: skip
+        if enrollment.mark_unprovisionable(session, token, exc.reason):
+            audit.append(
+                session, actor="umbra-console", team=team, action="cvm.provisioned",
+                target=target, details={"operation": "enroll", "state": "failed",
+                                        "reason": enrollment.FAILED_PREFIX + exc.reason.value},
+            )  # fmt: skip
+    if exc.reason.value in enrollment.PROVISIONING_FAILURES:
+        console.notifier.notify()
     return HTTPException(status.HTTP_403_FORBIDDEN, f"enrollment refused: {exc.reason.value}")
 
 
 @router.post("/enroll/challenge", summary="A single-use nonce for one enrollment attempt.")
 def enroll_challenge(body: ChallengeRequest, console: ConsoleDep) -> EnrollChallenge:
     try:
-        with console.write() as session:
+        with console.write(_token_lock(body.token)) as session:
             nonce = enrollment.challenge(session, body.token)
     except EnrollmentRefused as exc:
         raise _refused(console, body.token, exc) from None
@@ -100,11 +107,9 @@ async def enroll(body: EnrollEvidence, console: ConsoleDep) -> Enrolled:
 
 
 def _enroll(console: Console, body: EnrollEvidence) -> Enrolled:
-    verifier = console.release_verifier
-    attested = verifier if isinstance(verifier, AttestedReleaseVerifier) else None
     try:
-        with console.write() as session:
-            cvm_id, sealed = enrollment.enroll(session, attested, body)
+        with console.write(_token_lock(body.token)) as session:
+            cvm_id, sealed = enrollment.enroll(session, console.enrollment_verifiers, body)
     except EnrollmentRefused as exc:
         raise _refused(console, body.token, exc) from None
     return Enrolled(cvm_id=cvm_id, sealed_credential=base64.b64encode(sealed).decode())

@@ -10,7 +10,7 @@ import secrets
 from datetime import timedelta
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Header, HTTPException, Query, Response, status
+from fastapi import APIRouter, Header, HTTPException, Query, Request, Response, status
 from sqlalchemy import delete, func, select, update
 from sqlmodel import col
 from starlette.concurrency import run_in_threadpool
@@ -49,6 +49,7 @@ Wait = Annotated[
     },
 )
 async def get_bundle(
+    request: Request,
     cvm_id: CvmIdPath,
     caller: SecurityCvmDep,
     console: ConsoleDep,
@@ -63,7 +64,9 @@ async def get_bundle(
             return None if row is None else (row.hash, row.serial, row.raw)
 
     # No bundle yet keeps the poll waiting: the first upload answers it.
-    watched = await watch(console, load, lambda bundle: bundle[0], if_none_match, wait)
+    watched = await watch(
+        console, load, lambda bundle: bundle[0], if_none_match, wait, request.is_disconnected
+    )
     if watched.value is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"team {caller.team!r} has no policy bundle")
     _hash, serial, raw = watched.value
@@ -87,7 +90,14 @@ def attachments_document(console: Console, caller: Cvm) -> dict[str, Any]:
         ).scalars()
         return {
             "cvms": {
-                row.id: {"owner": row.owner, "team": row.team, "profiles": sorted(row.profiles)}
+                row.id: {
+                    "owner": row.owner,
+                    "team": row.team,
+                    "profiles": sorted(row.profiles),
+                    # The tunnel credential's hash once the Dev CVM has enrolled (only then does
+                    # the tunnel endpoint let it in); never the credential itself.
+                    "credential_sha256": row.credential_hash,
+                }
                 for row in rows
             }
         }
@@ -105,6 +115,7 @@ def document_etag(document: dict[str, Any]) -> str:
     responses={304: {"description": "Unchanged"}},
 )
 async def get_attachments(
+    request: Request,
     cvm_id: CvmIdPath,
     caller: SecurityCvmDep,
     console: ConsoleDep,
@@ -114,7 +125,12 @@ async def get_attachments(
 ) -> Any:
     require_same_cvm(caller, cvm_id)
     watched = await watch(
-        console, lambda: attachments_document(console, caller), document_etag, if_none_match, wait
+        console,
+        lambda: attachments_document(console, caller),
+        document_etag,
+        if_none_match,
+        wait,
+        request.is_disconnected,
     )
     if watched.unchanged:
         return Response(status_code=status.HTTP_304_NOT_MODIFIED, headers=watched.etag_header)
@@ -159,6 +175,7 @@ def secrets_version(console: Console, caller: Cvm) -> str:
     responses={304: {"description": "Unchanged"}},
 )
 async def get_secrets_version(
+    request: Request,
     cvm_id: CvmIdPath,
     caller: SecurityCvmDep,
     console: ConsoleDep,
@@ -167,7 +184,12 @@ async def get_secrets_version(
 ) -> Response:
     require_same_cvm(caller, cvm_id)
     watched = await watch(
-        console, lambda: secrets_version(console, caller), lambda v: v, if_none_match, wait
+        console,
+        lambda: secrets_version(console, caller),
+        lambda v: v,
+        if_none_match,
+        wait,
+        request.is_disconnected,
     )
     if watched.unchanged:
         return Response(status_code=status.HTTP_304_NOT_MODIFIED, headers=watched.etag_header)

@@ -55,10 +55,12 @@ class FakeStack:
     def __init__(self, clouds: FakeClouds, name: str) -> None:
         self.clouds, self.name = clouds, name
         self.config: dict[str, str] = {}
+        self.secret_keys: set[str] = set()
         self.ups = 0
 
     def set_all_config(self, config: MutableMapping[str, auto.ConfigValue]) -> None:
         self.config = {key: value.value for key, value in config.items()}
+        self.secret_keys = {key for key, value in config.items() if value.secret}
 
     def up(self, *, on_event: Callable[[auto.EngineEvent], None]) -> Any:
         on_event(_event(1, resource_pre_event=auto.ResourcePreEvent(_step(auto.OpType.CREATE))))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import logging
 import os
+import tempfile
 import threading
 import time
 import uuid
@@ -19,6 +20,7 @@ import uvicorn
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from fastapi import FastAPI
 
+from tests.console import enroll
 from umbra.console.app import create_app
 from umbra.console.config import Settings
 from umbra.console.serve import listening_socket
@@ -157,6 +159,7 @@ def start_server(
         **overrides,
     )
     app = create_app(settings, stack_factory=stack_factory)
+    enroll.install(app.state.console)
     sock = listening_socket("127.0.0.1", 0)
     port = sock.getsockname()[1]
     config = uvicorn.Config(app, log_config=None, access_log=True, lifespan="on")
@@ -242,5 +245,8 @@ def new_team(server: Server, issuer: Any, name: str | None = None) -> Team:
     dev = server.client(issuer.token(dev_subject, [f"{name}:developer"]))
     response = admin.post(f"/api/v1/teams/{name}/cvms", json={"name": "sec", "kind": "security"})
     assert response.status_code == 201, response.text
-    scvm = server.client(response.json()["credential"])
+    assert "credential" not in response.json()  # only ever issued after attestation
+    with tempfile.TemporaryDirectory(prefix="u11-enroll-") as tmp:
+        credential = enroll.security_credential(server.url, admin, response.json()["id"], Path(tmp))
+    scvm = server.client(credential)
     return Team(server, name, admin, dev, admin_subject, dev_subject, response.json()["id"], scvm)

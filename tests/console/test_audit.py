@@ -26,15 +26,18 @@ def test_admin_actions_are_audited_in_order(team: Team) -> None:
     actions = [(entry["action"], entry["target"]) for entry in page["entries"]]
     assert actions == [
         ("cvm.launch", team.scvm_id),
+        ("cvm.enrollment_token", team.scvm_id),  # the team's Security CVM enrolled
+        ("cvm.enroll", team.scvm_id),
         ("policy.upload", info["hash"]),
         ("cvm.launch", cvm),
+        ("cvm.enrollment_token", cvm),  # its launch data's one-time token
         ("profiles.attach", cvm),
         ("secret.set", "team/bot"),
         ("secret.set", "personal/gh"),
         ("cvm.destroy", cvm),
     ]
     actors = [entry["actor"] for entry in page["entries"]]
-    assert actors[2] == team.dev_subject and actors[5] == team.dev_subject
+    assert actors[4] == team.dev_subject and actors[8] == team.dev_subject
     assert all("audit-secret-value" not in str(entry) for entry in page["entries"])
     seqs = [entry["seq"] for entry in page["entries"]]
     assert seqs == sorted(seqs)

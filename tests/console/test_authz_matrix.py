@@ -4,14 +4,17 @@ Console per database backend. A route missing from the table fails the test."""
 from __future__ import annotations
 
 import itertools
+import tempfile
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
+from tests.console import enroll
 from tests.console.helpers import Server, standard_bundle, traffic_record, unique
 from tests.console.oidc_issuer import LocalIssuer
 from umbra.console.release import ReleaseEvidence, ReleaseRefused
@@ -88,8 +91,16 @@ def world(server: Server, issuer: LocalIssuer) -> World:
         scvm_b = admin.post(
             f"/api/v1/teams/{team_b}/cvms", json={"name": "sec", "kind": "security"}
         ).json()
-    tokens["scvm_a"] = scvm_a["credential"]
-    tokens["scvm_b"] = scvm_b["credential"]
+    assert "credential" not in scvm_a  # credentials only after attestation
+    with tempfile.TemporaryDirectory(prefix="u11-authz-") as tmp:
+        with server.client(tokens["admin_a"]) as admin:
+            tokens["scvm_a"] = enroll.security_credential(
+                server.url, admin, scvm_a["id"], Path(tmp)
+            )
+        with server.client(tokens["admin_b"]) as admin:
+            tokens["scvm_b"] = enroll.security_credential(
+                server.url, admin, scvm_b["id"], Path(tmp)
+            )
     tokens["user_token"] = tokens["admin_a"]
     return World(
         server,

@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 import httpx
+import pytest
 
 from tests.console.helpers import Team, make_bundle, profile, standard_bundle
 from umbra.proxy.policy.bundle import generate_key
@@ -127,7 +128,14 @@ def test_attachments_document_etag_and_long_poll(team: Team) -> None:
     first = team.scvm.get(url)
     assert first.status_code == 200
     assert first.json() == {
-        "cvms": {cvm: {"owner": team.dev_subject, "team": team.name, "profiles": []}}
+        "cvms": {
+            cvm: {
+                "owner": team.dev_subject,
+                "team": team.name,
+                "profiles": [],
+                "credential_sha256": None,  # not enrolled yet: the tunnel refuses it
+            }
+        }
     }
     etag = first.headers["etag"]
     assert team.scvm.get(url, headers={"If-None-Match": etag}).status_code == 304
@@ -176,3 +184,22 @@ def test_new_bundle_must_keep_attachments_composable(team: Team) -> None:
     refused = team.upload(2, without_github)
     assert refused.status_code == 409
     assert cvm in refused.json()["detail"]
+
+
+def test_a_long_poll_ends_when_its_caller_leaves(team: Team) -> None:
+    """A stopped Security CVM's poll must not hold the Console (its graceful shutdown waits for
+    in-flight requests): the wait ends once the client has disconnected."""
+    url = f"/api/v1/security-cvms/{team.scvm_id}/attachments"
+    etag = team.scvm.get(url).headers["ETag"]
+    gauge = team.server.console.metrics.long_polls
+    before = gauge._value.get()
+    token = team.scvm.headers["Authorization"]
+    with (
+        httpx.Client(base_url=team.server.url, headers={"Authorization": token}) as leaving,
+        pytest.raises(httpx.ReadTimeout),
+    ):
+        leaving.get(url, params={"wait": 30}, headers={"If-None-Match": etag}, timeout=1.0)
+    deadline = time.monotonic() + 5
+    while gauge._value.get() > before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert gauge._value.get() == before, "the poll kept waiting after its caller left"

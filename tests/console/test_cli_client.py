@@ -84,7 +84,11 @@ def test_cli_client_commands(server: Server, team: Team, tmp_path: Path) -> None
     taken = dev("cvm", "launch", "box", code=1)
     assert "409" in taken.output
     security = admin.json("cvm", "launch", "sec2", "--kind", "security")
-    assert security["credential"].startswith("umbra_scvm_")
+    assert "credential" not in security  # only enrollment issues it, after attestation
+    minted = admin.json("cvm", "enrollment-token", security["id"])
+    assert minted["cvm_id"] == security["id"] and minted["token"].startswith("enr_")
+    assert minted["token"] not in str(admin.json("cvm", "list"))
+    dev("cvm", "enrollment-token", security["id"], code=1)  # admins only (404 to others)
 
     # Traffic log queries.
     records = [

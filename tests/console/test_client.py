@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import tempfile
 import uuid
+from pathlib import Path
 
 import pytest
 
+from tests.console import enroll
 from tests.console.helpers import Server, Team, standard_bundle, traffic_record
 from tests.console.oidc_issuer import LocalIssuer
 from umbra.console.client import ConsoleApiError, ConsoleClient, SecurityCvmClient
@@ -18,7 +21,9 @@ def test_console_and_security_cvm_clients(server: Server, issuer: LocalIssuer, t
         info = client.upload_bundle(team.name, standard_bundle(server.bundle_key, 1))
         assert client.list_bundles(team.name)[0].hash == info.hash
         security = client.create_cvm(team.name, "sec2", kind="security")
-        assert security.credential is not None
+        assert "credential" not in security.model_dump()  # only enrollment issues it
+        with tempfile.TemporaryDirectory(prefix="u11-client-") as tmp:
+            credential = enroll.security_credential(server.url, team.admin, security.id, Path(tmp))
         dev = client.create_cvm(team.name, "dev", security_cvm_id=security.id)
         assert client.attach_profiles(dev.id, ["github"]).profiles == ["github"]
         assert client.update_cvm(dev.id, state="stopped").state == "stopped"
@@ -28,7 +33,7 @@ def test_console_and_security_cvm_clients(server: Server, issuer: LocalIssuer, t
         with pytest.raises(ConsoleApiError) as error:
             client.create_cvm(team.name, "dev")
         assert error.value.status == 409
-        with SecurityCvmClient(server.url, security.credential, security.id) as proxy:
+        with SecurityCvmClient(server.url, credential, security.id) as proxy:
             bundle = proxy.bundle()
             assert bundle.changed and bundle.etag == info.hash
             assert not proxy.bundle(bundle.etag).changed

@@ -152,9 +152,14 @@ def test_provider_launch_runs_outside_the_transaction(cloud: Cloud) -> None:
     assert kinds[0] == "started" and kinds[-1] == "finished" and "diagnostic" in kinds
     config = cloud.clouds.stacks[stack].config
     assert config["gcp:project"] == "acme-umbra" and config["umbra:cvm"] == name
+    # Launch data: a one-time enrollment token, kept as a Pulumi secret, never a credential.
+    key = "umbra:devCvm"
+    token = json.loads(config[key])["spec"]["enrollment_token"]
+    assert token.startswith("enr_") and key in cloud.clouds.stacks[stack].secret_keys
+    assert token not in response.text and token not in str(done)
     actions = audit_actions(team, cvm["id"])
-    assert [a for a, _ in actions] == ["cvm.launch", "cvm.provisioned"]
-    assert actions[1][1] == {"operation": "launch", "state": "running"}
+    assert [a for a, _ in actions] == ["cvm.launch", "cvm.enrollment_token", "cvm.provisioned"]
+    assert actions[2][1] == {"operation": "launch", "state": "running"}
 
 
 def test_provider_failure_leaves_no_half_state(cloud: Cloud) -> None:

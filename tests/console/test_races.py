@@ -252,3 +252,36 @@ def test_default_profiles_racing_launches(team: Team) -> None:
             assert stored == expected
     document = team.scvm.get(f"/api/v1/security-cvms/{team.scvm_id}/attachments").json()
     assert {cvm_id: document["cvms"][cvm_id]["profiles"] for cvm_id in launched} == launched
+
+
+def test_parallel_enrollments_with_one_token_issue_one_credential(team: Team) -> None:
+    """The same token, nonce and quote sent by several clients at once (a copied launch data
+    racing the genuine CVM): exactly one credential is issued, the others are refused."""
+    import base64
+
+    from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+    from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+
+    from tests.console import enroll
+    from umbra.attest.simulator import SimulatedTdx
+    from umbra.contracts.enrollment import report_data
+
+    cvm_id = team.dev_cvm()
+    token = team.admin.post(f"/api/v1/cvms/{cvm_id}/enrollment-token").json()["token"]
+    nonce = team.dev.post("/api/v1/enroll/challenge", json={"token": token}).json()["nonce"]
+    public = X25519PrivateKey.generate().public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
+    quote = SimulatedTdx(enroll.pki(), image=enroll.DEV_IMAGE).quote(
+        report_data(nonce, cvm_id, public)
+    )
+    body = {
+        "token": token,
+        "nonce": nonce,
+        "quote": base64.b64encode(quote).decode(),
+        "public_key": base64.b64encode(public).decode(),
+    }
+    pool = [team.server.client() for _ in range(PARALLEL)]
+    responses = race([lambda c=c: c.post("/api/v1/enroll", json=body) for c in pool])  # type: ignore[misc]
+    codes = sorted(r.status_code for r in responses)
+    assert codes == [200] + [403] * (PARALLEL - 1), [r.text for r in responses]
+    for client in pool:
+        client.close()

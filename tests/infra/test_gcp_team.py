@@ -200,3 +200,19 @@ def test_the_security_cvm_name_resolves_privately_to_its_fixed_address(
 def test_the_example_dev_image_dials_the_name_the_network_publishes() -> None:
     definition = yaml.safe_load((ROOT / "images/definitions/dev-cvm.example.yaml").read_text())
     assert definition["compose"]["security_cvm"]["host"] == SECURITY_CVM_HOST
+
+
+def test_launch_data_carries_the_enrollment_token_and_never_shows_it() -> None:
+    from umbra.contracts.enrollment import META_ENROLLMENT_TOKEN
+
+    token = "enr_" + "t" * 43
+    data = LaunchData(
+        role="dev-cvm", team="t", cvm_id="cvm-1", app_compose="{}", enrollment_token=token
+    )
+    assert META_ENROLLMENT_TOKEN == "umbra-enrollment-token"
+    assert data.as_metadata()[META_ENROLLMENT_TOKEN] == token
+    assert token not in repr(data)
+    # Not measured: it is spent at first boot and differs per launch.
+    assert token.encode().hex() not in str(data.expected_events())
+    without = LaunchData(role="dev-cvm", team="t", cvm_id="cvm-1", app_compose="{}")
+    assert META_ENROLLMENT_TOKEN not in without.as_metadata()

@@ -185,3 +185,26 @@ def test_secret_puller_follows_a_changed_version_at_once_and_paces_unchanged_one
     unchanged = polls[3:]
     assert 2 <= len(unchanged) <= 3, polls
     assert all(b - a >= 0.45 for a, b in itertools.pairwise(unchanged)), polls
+
+
+def test_an_enrolled_dev_cvm_is_known_from_the_consoles_attachments_alone() -> None:
+    """The Console serves an enrolled Dev CVM's credential hash; no identities-file entry needed.
+    Not enrolled (no hash), unattached, or the wrong credential: unknown and refused."""
+    from umbra.proxy.identity import Attachment
+
+    credential = "umbra_tun_" + "k" * 43
+    identities = StaticIdentities([])
+    enrolled = Attachment(
+        owner="dev@x", team="t", profiles=["pypi"], credential_sha256=hash_credential(credential)
+    )
+    pending = Attachment(owner="dev@x", team="t", profiles=[])
+    assert not identities.credential_matches("cvm_a", credential)  # no attachments yet
+    identities.set_attachments({"cvm_a": enrolled, "cvm_b": pending})
+    assert identities.credential_matches("cvm_a", credential)
+    assert not identities.credential_matches("cvm_a", credential + "x")
+    identity = identities.lookup("cvm_a")
+    assert identity is not None and identity.profiles == ("pypi",)
+    assert identities.lookup("cvm_b") is None and not identities.credential_matches("cvm_b", "")
+    assert identities.by_proxy_auth(proxy_auth_header("cvm_a", credential)) == identity
+    identities.set_attachments({"cvm_b": pending})  # detached: refused at once
+    assert not identities.credential_matches("cvm_a", credential)

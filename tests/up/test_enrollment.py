@@ -1,14 +1,15 @@
 """Credentials only after attestation, against the real Console (SQLite) and simulated TDs.
 
-A Security CVM enrolls with its one-time token and a quote binding a key it generated: the
-credential arrives sealed to that key and works. A reused token, a quote of another release, or a
-quote binding another key are refused and audited, and issue nothing.
+Each CVM kind enrolls against its own release (tests/console/enroll.py gives the Console one
+verifier per kind): a Security CVM gets its Console credential, a Dev CVM its tunnel credential,
+each HPKE-sealed to a key its TD generated. A reused token, a quote of another release (including
+the other kind's), or a quote binding another key are refused and audited and issue nothing; a
+never-enrolled CVM whose enrollment is refused fails with the reason instead of reporting running.
 """
 
 from __future__ import annotations
 
 import base64
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,41 +18,24 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
+from tests.console import enroll
 from tests.console.helpers import Server, new_team, start_server
 from tests.console.oidc_issuer import LocalIssuer
-from umbra.attest.collateral import StaticCollateral
-from umbra.attest.measurement import MeasurementPolicy
 from umbra.attest.simpki import SimulatedPki
 from umbra.attest.simulator import SimulatedTdx
-from umbra.attest.verify import Verifier
 from umbra.console.enrollment import hpke_info, report_data
-from umbra.console.release import AttestedReleaseVerifier
+from umbra.contracts.enroll_client import EnrollError, ensure_credential
 from umbra.contracts.release import SUITE
+from umbra.proxy.identity import hash_credential
 from umbra.proxy.policy.bundle import generate_key
 
 
 @pytest.fixture(scope="module")
-def pki() -> SimulatedPki:
-    return SimulatedPki.generate()
-
-
-@pytest.fixture(scope="module")
-def console(
-    tmp_path_factory: pytest.TempPathFactory, pki: SimulatedPki
-) -> Iterator[tuple[Server, LocalIssuer]]:
+def console(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, LocalIssuer]]:
     issuer = LocalIssuer()
     tmp = tmp_path_factory.mktemp("enroll")
     db = tmp / "console.db"
     server = start_server("sqlite", f"sqlite:///{db}", db, issuer.url, generate_key(), tmp)
-    release = SimulatedTdx(pki, image="umbra-security-cvm").release_manifest()
-    server.console.release_verifier = AttestedReleaseVerifier(
-        Verifier(
-            MeasurementPolicy(release=release),
-            StaticCollateral(pki.collateral(int(time.time()) - 3600)),
-            allow_simulated=True,
-            simulated_root_der=pki.root_der,
-        )
-    )
     yield server, issuer
     server.stop()
     issuer.close()
@@ -76,22 +60,26 @@ def _evidence(
     }, key
 
 
-def _audit_actions(server: Server, team: Any) -> list[tuple[str, dict[str, Any]]]:
-    page = team.admin.get(f"/api/v1/teams/{team.name}/audit", params={"limit": 100}).json()
+def _audit_actions(team: Any) -> list[tuple[str, dict[str, Any]]]:
+    page = team.admin.get(f"/api/v1/teams/{team.name}/audit", params={"limit": 200}).json()
     entries = page["entries"] if isinstance(page, dict) else page
     return [(e["action"], e.get("details", {})) for e in entries]
 
 
+def _token(team: Any, cvm_id: str) -> str:
+    minted = team.admin.post(f"/api/v1/cvms/{cvm_id}/enrollment-token")
+    assert minted.status_code == 201, minted.text
+    return str(minted.json()["token"])
+
+
 def test_credential_only_after_attestation_and_tokens_are_single_use(
-    console: tuple[Server, LocalIssuer], pki: SimulatedPki, tmp_path: Path
+    console: tuple[Server, LocalIssuer],
 ) -> None:
     server, issuer = console
     team = new_team(server, issuer)
     try:
-        minted = team.admin.post(f"/api/v1/cvms/{team.scvm_id}/enrollment-token")
-        assert minted.status_code == 201, minted.text
-        token = minted.json()["token"]
-        td = SimulatedTdx(pki, image="umbra-security-cvm")
+        token = _token(team, team.scvm_id)
+        td = SimulatedTdx(enroll.pki(), image=enroll.SECURITY_IMAGE)
 
         body, key = _evidence(server, token, team.scvm_id, td)
         with server.client() as anonymous:
@@ -108,22 +96,57 @@ def test_credential_only_after_attestation_and_tokens_are_single_use(
         with server.client() as anonymous:
             again = anonymous.post("/api/v1/enroll/challenge", json={"token": token})
         assert again.status_code == 403 and "reused_token" in again.text
-        actions = _audit_actions(server, team)
+        actions = _audit_actions(team)
         assert ("cvm.enroll", {"kind": "security"}) in actions
         assert ("cvm.enroll_refused", {"reason": "reused_token"}) in actions
     finally:
         team.close()
 
 
-@pytest.mark.parametrize("attack", ["other_release", "other_key"])
-def test_a_quote_of_another_release_or_key_is_refused_and_audited(
-    console: tuple[Server, LocalIssuer], pki: SimulatedPki, attack: str
+def test_a_dev_cvm_enrolls_against_its_own_release_and_its_security_cvm_learns_the_hash(
+    console: tuple[Server, LocalIssuer], tmp_path: Path
 ) -> None:
     server, issuer = console
     team = new_team(server, issuer)
     try:
-        token = team.admin.post(f"/api/v1/cvms/{team.scvm_id}/enrollment-token").json()["token"]
-        image = "umbra-something-else" if attack == "other_release" else "umbra-security-cvm"
+        dev_cvm = team.dev_cvm()
+        shown = team.dev.get(f"/api/v1/cvms/{dev_cvm}").json()
+        assert "credential" not in shown and "token" not in str(shown)
+        # Not yet enrolled: the Security CVM sees the attachment without a credential hash.
+        before = team.scvm.get(f"/api/v1/security-cvms/{team.scvm_id}/attachments").json()
+        assert before["cvms"][dev_cvm]["credential_sha256"] is None
+
+        # A Dev CVM's quote checked against the Security CVM image's release: refused.
+        wrong = SimulatedTdx(enroll.pki(), image=enroll.SECURITY_IMAGE)
+        body, _key = _evidence(server, _token(team, dev_cvm), dev_cvm, wrong)
+        with server.client() as anonymous:
+            refused = anonymous.post("/api/v1/enroll", json=body)
+        assert refused.status_code == 403 and "attestation_failed" in refused.text
+
+        credential = enroll.enroll(server.url, team.admin, dev_cvm, enroll.DEV_IMAGE, tmp_path)
+        assert credential.startswith("umbra_tun_")
+        after = team.scvm.get(f"/api/v1/security-cvms/{team.scvm_id}/attachments").json()
+        assert after["cvms"][dev_cvm]["credential_sha256"] == hash_credential(credential)
+        assert credential not in str(after)
+        # A tunnel credential is not a Console credential.
+        with server.client(credential) as as_bearer:
+            denied = as_bearer.get(f"/api/v1/security-cvms/{team.scvm_id}/attachments")
+        assert denied.status_code == 401
+        assert ("cvm.enroll", {"kind": "dev"}) in _audit_actions(team)
+    finally:
+        team.close()
+
+
+@pytest.mark.parametrize("attack", ["other_release", "other_key", "other_root"])
+def test_a_quote_of_another_release_or_key_is_refused_and_audited(
+    console: tuple[Server, LocalIssuer], attack: str
+) -> None:
+    server, issuer = console
+    team = new_team(server, issuer)
+    try:
+        token = _token(team, team.scvm_id)
+        image = "umbra-something-else" if attack == "other_release" else enroll.SECURITY_IMAGE
+        pki = SimulatedPki.generate() if attack == "other_root" else enroll.pki()
         td = SimulatedTdx(pki, image=image)
         body, _key = _evidence(
             server, token, team.scvm_id, td, bind_other_key=attack == "other_key"
@@ -132,13 +155,79 @@ def test_a_quote_of_another_release_or_key_is_refused_and_audited(
             refused = anonymous.post("/api/v1/enroll", json=body)
         assert refused.status_code == 403 and "attestation_failed" in refused.text
         assert "credential" not in refused.json()
-        assert ("cvm.enroll_refused", {"reason": "attestation_failed"}) in _audit_actions(
-            server, team
-        )
+        assert ("cvm.enroll_refused", {"reason": "attestation_failed"}) in _audit_actions(team)
         # The nonce was spent by the failed attempt: replaying the evidence is refused too.
         with server.client() as anonymous:
             replay = anonymous.post("/api/v1/enroll", json=body)
         assert replay.status_code == 403 and "no_challenge" in replay.text
+    finally:
+        team.close()
+
+
+def test_a_cvm_whose_enrollment_is_refused_fails_with_the_reason(
+    console: tuple[Server, LocalIssuer], tmp_path: Path
+) -> None:
+    """Provisioning ends at enrollment: a CVM whose TD is not its release never reports running;
+    a reused token (someone else's replay) does not disturb an enrolled one."""
+    server, issuer = console
+    team = new_team(server, issuer)
+    try:
+        dev_cvm = team.dev_cvm()
+        assert team.dev.get(f"/api/v1/cvms/{dev_cvm}").json()["state"] == "running"
+        impostor = SimulatedTdx(enroll.pki(), image="umbra-something-else")
+        body, _key = _evidence(server, _token(team, dev_cvm), dev_cvm, impostor)
+        with server.client() as anonymous:
+            assert anonymous.post("/api/v1/enroll", json=body).status_code == 403
+        failed = team.dev.get(f"/api/v1/cvms/{dev_cvm}").json()
+        assert failed["state"] == "failed"
+        assert failed["state_reason"] == "enrollment refused: attestation_failed"
+
+        # The genuine TD, with a new token: enrolled, running again.
+        token = _token(team, dev_cvm)
+        enroll.enroll(server.url, team.admin, dev_cvm, enroll.DEV_IMAGE, tmp_path, token=token)
+        assert team.dev.get(f"/api/v1/cvms/{dev_cvm}").json()["state"] == "running"
+        # Replaying the spent token is refused and leaves the CVM running.
+        with server.client() as anonymous:
+            replay = anonymous.post("/api/v1/enroll/challenge", json={"token": token})
+        assert replay.status_code == 403 and "reused_token" in replay.text
+        assert team.dev.get(f"/api/v1/cvms/{dev_cvm}").json()["state"] == "running"
+    finally:
+        team.close()
+
+
+def test_the_client_persists_root_only_and_never_reenrolls_with_a_spent_token(
+    console: tuple[Server, LocalIssuer], tmp_path: Path
+) -> None:
+    server, issuer = console
+    team = new_team(server, issuer)
+    try:
+        token = _token(team, team.scvm_id)
+        token_file, credential_file = tmp_path / "token", tmp_path / "state" / "credential"
+        token_file.write_text(token)
+        td = SimulatedTdx(enroll.pki(), image=enroll.SECURITY_IMAGE)
+
+        def quoter(rd: bytes) -> tuple[bytes, None]:
+            return td.quote(rd), None
+
+        args: dict[str, Any] = {
+            "console_url": server.url,
+            "cvm_id": team.scvm_id,
+            "credential_file": credential_file,
+            "quoter": quoter,
+        }
+        credential, enrolled = ensure_credential(token_file=token_file, **args)
+        assert enrolled and credential_file.stat().st_mode & 0o777 == 0o600
+        assert not token_file.exists()  # spent: removed from the launch directory
+        # Restarted: the stored credential, no Console call (no token needed).
+        assert ensure_credential(token_file=None, **args) == (credential, False)
+        # The credential lost, the spent token back: refused locally, the Console not asked.
+        credential_file.unlink()
+        token_file.write_text(token)
+        audited = len(_audit_actions(team))
+        with pytest.raises(EnrollError, match="already spent"):
+            ensure_credential(token_file=token_file, **args)
+        assert len(_audit_actions(team)) == audited
+        assert token not in str(list(tmp_path.rglob("*")))
     finally:
         team.close()
 
@@ -151,6 +240,7 @@ def test_a_dev_cvm_is_routed_to_its_teams_security_cvm_by_default(
     try:
         created = team.dev.post(f"/api/v1/teams/{team.name}/cvms", json={"name": "routed"})
         assert created.status_code == 201, created.text
+        assert "credential" not in created.json()
         shown = team.dev.get(f"/api/v1/cvms/{created.json()['id']}").json()
         assert shown["security_cvm_id"] == team.scvm_id  # the developer sees where it routes
     finally:

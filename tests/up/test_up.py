@@ -189,6 +189,84 @@ def test_up_check_from_clean_state_shows_the_four_records(up: Up) -> None:
             assert token not in path.read_bytes(), path
 
 
+def test_every_credential_came_from_an_attested_enrollment(up: Up) -> None:
+    """`up` wrote no credential: each CVM's launch data held a one-time token, spent by its
+    (simulated) TD's enrollment and gone; the credentials it received are root-only."""
+    stack = up.stack()
+    scvm, dev = stack.state["security_cvm_id"], stack.state["dev_cvm_id"]
+    security = up.state / "security-cvm"
+    plan = local_cvm.load_plan(up.state / "cvms", dev)
+    assert plan is not None
+    for credential in (security / "console-credential", plan.dir / "credential"):
+        assert credential.stat().st_mode & 0o777 == 0o600, credential
+    assert not (security / "enrollment-token").exists(), "the Security CVM's token not spent"
+    assert not (plan.launch_dir / "enrollment-token").exists(), "the Dev CVM's token not spent"
+    assert "credential" not in json.loads((up.state / "local-cvms.json").read_text())
+    identities = json.loads((security / "identities.json").read_text())
+    assert identities == {"cvms": []}, "the tunnel credential came from the Console, not a file"
+    with up_stack.api(stack, up_stack.token(up.env)) as client:
+        page = client.get(f"/api/v1/teams/{up_stack.TEAM}/audit", params={"limit": 500}).json()
+    entries = page["entries"] if isinstance(page, dict) else page
+    enrolled = {
+        (e["target"], e["details"].get("kind")) for e in entries if e["action"] == "cvm.enroll"
+    }
+    assert {(scvm, "security"), (dev, "dev")} <= enrolled
+
+
+def test_internet_flag_runs_both_tools_through_the_security_cvm_and_reports_failures(
+    up: Up,
+) -> None:
+    """`--internet`'s wiring, pointed at the stand-in origin (tests contact no real host): pip
+    and git run inside the sandbox through the forwarder and the Security CVM; a check that
+    fails (the origin is no package index; the git host is denied) is reported as failed with
+    its reason, within its deadline, and the command exits 1 with the stack still up."""
+    origin = f"{up_stack.DEMO_HOSTS[0]}:{up.base + 4}"
+    targets = {
+        "pypi_index": f"https://{origin}/simple",
+        "pypi_files": f"https://{origin}",
+        "git_url": f"https://{up_stack.DEMO_HOSTS[1]}:{up.base + 4}/git/git",
+    }
+    env = {**up.env, "UMBRA_UP_INTERNET_TARGETS": json.dumps(targets)}
+    done = subprocess.run(
+        [str(UMBRA), "up", "--check", "--internet", "--json", "--state-dir", str(up.state),
+         "--port-base", str(up.base)],
+        capture_output=True, text=True, env=env, cwd=ROOT, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stdout + done.stderr
+    result = json.loads(done.stdout)
+    assert result["ok"] is False and result["internet_ok"] is False
+    assert len(result["check"]["records"]) >= 4, "the walkthrough itself still passed"
+    checks = result["internet"]
+    assert set(checks) == {"pip download", "git ls-remote"}
+    for name, check in checks.items():
+        assert check["ok"] is False and check["detail"].startswith("failed"), (name, check)
+        assert check["seconds"] < 90 and check["exit_code"] is not None, (name, check)
+    assert "403" in checks["git ls-remote"]["detail"], checks["git ls-remote"]
+    # Both went through the sandbox's only exit: the Security CVM recorded them for this CVM.
+    stack = up.stack()
+    want_pip = _sandbox(up, "python3", "-m", "pip", "--version").returncode == 0
+
+    def arrived(seen: set[tuple[str, str, str]]) -> bool:
+        git = any(h == up_stack.DEMO_HOSTS[1] and "/git/git" in p for h, _d, p in seen)
+        pip = any(h == up_stack.DEMO_HOSTS[0] and p.startswith("/simple") for h, _d, p in seen)
+        return git and (pip or not want_pip)
+
+    seen: set[tuple[str, str, str]] = set()
+    deadline = time.monotonic() + 20  # the proxy ships its records about once a second
+    with up_stack.api(stack, up_stack.token(up.env)) as client:
+        while time.monotonic() < deadline:
+            page = client.get(
+                f"/api/v1/teams/{up_stack.TEAM}/traffic",
+                params={"cvm_id": result["dev_cvm_id"], "limit": 200},
+            ).json()
+            records = page["records"] if isinstance(page, dict) else page
+            seen = {(r["connect_host"], r["decision"], r.get("path") or "") for r in records}
+            if arrived(seen):
+                break
+            time.sleep(0.25)
+    assert arrived(seen), seen
+
+
 def test_status_reports_every_component_and_the_runtime(up: Up) -> None:
     report = up.json("status")
     assert report["healthy"], report

@@ -1,0 +1,149 @@
+"""The enrolling side: a booted CVM turns its one-time token into its long-lived credential.
+
+Used by the Security CVM's proxy (`umbra proxy serve --enroll-token-file`) and the Dev CVM's
+forwarder (`umbra forwarder enroll`). The X25519 key is generated in this process, inside the
+(simulated) TEE, and never leaves it; the Console seals the credential to it after verifying the
+quote that binds it. The credential is persisted root-only (0600, written via a temporary file and
+renamed); the token's SHA-256 is recorded beside it, so a lost credential is never re-enrolled
+with the spent token (the Console would refuse it and audit a reuse): a new token is needed.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import contextlib
+import hashlib
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import httpx
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+
+from umbra.attest.eventlog import Event, dump_dstack_event_log
+from umbra.contracts.enrollment import hpke_info, report_data
+from umbra.contracts.release import SUITE
+
+# report_data -> (quote, event log to send or None)
+Quoter = Callable[[bytes], tuple[bytes, Sequence[Event] | None]]
+
+
+class EnrollError(Exception):
+    """Enrollment failed; the message says why (the Console's refusal reason when refused)."""
+
+
+def spent_marker(credential_file: Path) -> Path:
+    return credential_file.with_name(credential_file.name + ".token-sha256")
+
+
+def _read_token(path: Path) -> str:
+    try:
+        token = path.read_text().strip()
+    except OSError as exc:
+        raise EnrollError(f"{path}: cannot read the enrollment token ({exc.strerror})") from None
+    if not 8 <= len(token) <= 128 or not token.isascii() or not token.isprintable():
+        raise EnrollError(f"{path}: not an enrollment token (8-128 printable ASCII)")
+    return token
+
+
+def read_credential(path: Path) -> str | None:
+    try:
+        value = path.read_text().strip()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise EnrollError(f"{path}: cannot read the credential ({exc.strerror})") from None
+    if not value or not value.isascii() or not value.isprintable() or " " in value:
+        raise EnrollError(f"{path}: the stored credential is not one printable token")
+    return value
+
+
+def _write_root_only(path: Path, data: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    temp.unlink(missing_ok=True)
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(data + "\n")
+    os.replace(temp, path)
+
+
+def ensure_credential(
+    *,
+    console_url: str,
+    cvm_id: str,
+    token_file: Path | None,
+    credential_file: Path,
+    quoter: Quoter,
+    verify: str | bool = True,
+    timeout: float = 30.0,
+) -> tuple[str, bool]:
+    """The persisted credential, enrolling first when there is none. Returns (credential,
+    enrolled now). Raises EnrollError, never with the token or the credential in its text."""
+    stored = read_credential(credential_file)
+    if stored is not None:
+        return stored, False
+    if token_file is None:
+        raise EnrollError(f"{credential_file}: no credential yet and no enrollment token given")
+    token = _read_token(token_file)
+    token_sha = hashlib.sha256(token.encode()).hexdigest()
+    with contextlib.suppress(OSError):
+        if spent_marker(credential_file).read_text().strip() == token_sha:
+            raise EnrollError(
+                f"{credential_file} is missing and the enrollment token in {token_file} was "
+                "already spent on it; mint a new token (POST /api/v1/cvms/{id}/enrollment-token)"
+            )
+    key = X25519PrivateKey.generate()
+    public = key.public_key().public_bytes(
+        serialization.Encoding.Raw, serialization.PublicFormat.Raw
+    )
+    base = console_url.rstrip("/") + "/api/v1"
+    with httpx.Client(timeout=timeout, verify=verify) as client:
+        nonce = str(_post(client, f"{base}/enroll/challenge", {"token": token}).get("nonce", ""))
+        if not nonce:
+            raise EnrollError("the Console's challenge has no nonce")
+        try:
+            quote, events = quoter(report_data(nonce, cvm_id, public))
+        except Exception as exc:  # the TEE's own failure, named
+            raise EnrollError(f"cannot quote: {type(exc).__name__}: {exc}") from None
+        evidence = {
+            "token": token,
+            "nonce": nonce,
+            "quote": base64.b64encode(quote).decode(),
+            "public_key": base64.b64encode(public).decode(),
+            "event_log": base64.b64encode(dump_dstack_event_log(events).encode()).decode()
+            if events
+            else None,
+        }
+        answer = _post(client, f"{base}/enroll", evidence)
+    if answer.get("cvm_id") != cvm_id:
+        raise EnrollError("the Console enrolled another CVM than this one")
+    try:
+        sealed = base64.b64decode(str(answer.get("sealed_credential", "")), validate=True)
+        credential = SUITE.decrypt(sealed, key, info=hpke_info(cvm_id, nonce)).decode("ascii")
+    except (binascii.Error, ValueError, UnicodeDecodeError):
+        raise EnrollError("the sealed credential does not open") from None
+    _write_root_only(credential_file, credential)
+    _write_root_only(spent_marker(credential_file), token_sha)
+    with contextlib.suppress(OSError):
+        token_file.unlink()  # spent: nothing left in the launch directory worth stealing
+    return credential, True
+
+
+def _post(client: httpx.Client, url: str, body: object) -> dict[str, object]:
+    try:
+        response = client.post(url, json=body)
+    except httpx.HTTPError as exc:
+        raise EnrollError(f"Console unreachable at {url} ({type(exc).__name__})") from None
+    if response.status_code != 200:
+        try:
+            detail = str(response.json().get("detail", ""))[:300]
+        except ValueError:
+            detail = response.text[:300]
+        raise EnrollError(f"enrollment refused by the Console ({response.status_code}): {detail}")
+    doc = response.json()
+    if not isinstance(doc, dict):
+        raise EnrollError("the Console answered something other than a JSON object")
+    return doc

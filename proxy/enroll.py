@@ -1,0 +1,47 @@
+"""The Security CVM's Console credential, only after attestation: at start, with
+`--enroll-token-file`, the proxy enrolls (a key generated here, a quote from this TD's quote
+source binding it) and persists the sealed credential it receives to `--console-credential-file`
+(0600). Later starts use the stored credential and never spend the token again
+(contracts/enroll_client.py). Runs once, before any worker starts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from umbra.attest.eventlog import Event
+from umbra.contracts.enroll_client import EnrollError, ensure_credential
+from umbra.proxy.runner import ProxyConfig, StartupError
+from umbra.proxy.tunnel_quote import EvidenceError, build_evidence
+
+
+def ensure_console_credential(config: ProxyConfig) -> bool:
+    """Enroll when there is a token and no credential yet. Returns whether it enrolled now."""
+    if config.enroll_token_file is None:
+        return False
+    assert config.console_url is not None and config.security_cvm_id is not None
+    assert config.console_credential_file is not None  # ProxyConfig requires them together
+    try:
+        source, events = build_evidence(
+            config.quote_source,
+            event_log=config.event_log,
+            simulated_pki=config.simulated_pki,
+            simulated_image=config.simulated_image,
+        )
+    except EvidenceError as exc:
+        raise StartupError(f"enrollment evidence: {exc}") from None
+
+    def quoter(report_data: bytes) -> tuple[bytes, Sequence[Event] | None]:
+        return source.get_quote(report_data), events() if events is not None else None
+
+    try:
+        _credential, enrolled = ensure_credential(
+            console_url=config.console_url,
+            cvm_id=config.security_cvm_id,
+            token_file=config.enroll_token_file,
+            credential_file=config.console_credential_file,
+            quoter=quoter,
+        )
+    except EnrollError as exc:
+        raise StartupError(f"enrollment: {exc}") from None
+    return enrolled

@@ -1,0 +1,72 @@
+"""The Dev CVM's tunnel credential, only after attestation (contracts/enroll_client.py).
+
+The forwarder (or, on one machine, the local provider before it starts the forwarder: the
+Console listens on loopback, which the forwarder's namespace cannot reach) trades the one-time
+token from launch data for the tunnel credential. The key is generated here and bound into this
+TD's quote with the CVM id; the Console checks the quote against the Dev CVM image's release and
+seals the credential to the key. The credential is kept in `credential_file` (0600); a restart
+uses it and never spends the token again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from umbra.attest.errors import AttestError
+from umbra.attest.eventlog import Event, load_event_log
+from umbra.attest.quote_source import ConfigfsTsmSource, QuoteSource, SimulatedSource
+from umbra.attest.simpki import SimulatedPki
+from umbra.attest.simulator import SimulatedTdx
+from umbra.contracts.enroll_client import EnrollError, ensure_credential
+from umbra.contracts.session import CVM_ID_EVENT
+from umbra.sandbox.forwarder_config import (
+    Enrollment,
+    ForwarderConfig,
+    ForwarderConfigError,
+    read_cvm_id,
+)
+
+
+def _quoter(enrollment: Enrollment, cvm_id: str) -> tuple[QuoteSource, Sequence[Event] | None]:
+    if enrollment.quote_source == "simulated":
+        assert enrollment.simulated_pki is not None  # the config requires it
+        try:
+            tdx = SimulatedTdx(
+                SimulatedPki.load(enrollment.simulated_pki), image=enrollment.simulated_image
+            )
+        except (OSError, AttestError, ValueError) as exc:
+            raise ForwarderConfigError(f"{enrollment.simulated_pki}: {exc}") from None
+        # What the launch agent measures before anything starts: the CVM id.
+        tdx.extend_runtime_event(CVM_ID_EVENT, cvm_id.encode())
+        return SimulatedSource(tdx), tdx.event_log()
+    events = None
+    if enrollment.event_log is not None:
+        try:
+            events = load_event_log(enrollment.event_log.read_bytes())
+        except (OSError, AttestError) as exc:
+            raise ForwarderConfigError(f"{enrollment.event_log}: {exc}") from None
+    return ConfigfsTsmSource(), events
+
+
+def ensure_tunnel_credential(cfg: ForwarderConfig) -> bool:
+    """Enroll when configured and no credential is stored yet; returns whether it enrolled now.
+    Raises ForwarderConfigError (the message names the cause, never the token)."""
+    if cfg.enrollment is None:
+        return False
+    assert cfg.credential_file is not None  # the config requires it with enrollment
+    enrollment, cvm_id = cfg.enrollment, read_cvm_id(cfg.cvm_id_file)
+    if cfg.credential_file.exists():
+        return False  # enrolled before: no quote, no Console call
+    source, events = _quoter(enrollment, cvm_id)
+    try:
+        _credential, enrolled = ensure_credential(
+            console_url=enrollment.console_url,
+            cvm_id=cvm_id,
+            token_file=enrollment.token_file,
+            credential_file=cfg.credential_file,
+            quoter=lambda report_data: (source.get_quote(report_data), events),
+            verify=str(enrollment.console_ca) if enrollment.console_ca else True,
+        )
+    except EnrollError as exc:
+        raise ForwarderConfigError(f"enrollment: {exc}") from None
+    return enrolled
