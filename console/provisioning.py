@@ -185,10 +185,6 @@ def reconcile(console: Console) -> list[str]:
                     details: dict[str, object] = {"operation": operation, "state": cvm.state}
                     action = "cvm.resumed"
                     resume = (provider, operation, cvm)
-                    if cvm.kind == "dev" and operation in ("launch", "update"):
-                        # The resumed run renders launch data again: a fresh one-time token,
-                        # as a launch or update gets (the interrupted run's may be spent).
-                        token, _expires = enrollment.issue_token(session, cvm, ACTOR)
                 else:
                     reason = (
                         f"{operation}: interrupted by a Console restart; update or destroy the "
@@ -203,6 +199,10 @@ def reconcile(console: Console) -> list[str]:
                     session, actor=ACTOR, team=cvm.team, action=action, target=cvm.id,
                     details=details,
                 )  # fmt: skip
+                if resume is not None and cvm.kind == "dev" and operation in ("launch", "update"):
+                    # The resumed run renders launch data again: a fresh one-time token, as a
+                    # launch or update gets (the interrupted run's may be lost or spent).
+                    token, _expires = enrollment.issue_token(session, cvm, ACTOR)
                 handled.append(cvm_id)
         finally:
             if resume is None:

@@ -137,7 +137,13 @@ def test_interrupted_cloud_runs_are_resumed_at_start(
             ("cvm.resumed", {"operation": "stop", "state": "updating"}),
             ("cvm.provisioned", {"operation": "stop", "state": "stopped"}),
         ]
-        assert [a for t, a, _ in trail if t == launching.id] == ["cvm.resumed", "cvm.provisioned"]
+        assert [a for t, a, _ in trail if t == launching.id] == [
+            "cvm.resumed",
+            "cvm.enrollment_token",  # the resumed launch's launch data gets a fresh token
+            "cvm.provisioned",
+        ]
+        config = clouds.stacks[rows[launching.id][1]].config
+        assert json.loads(config["umbra:devCvm"])["spec"]["enrollment_token"].startswith("enr_")
     finally:
         server.stop()
         engine.dispose()
