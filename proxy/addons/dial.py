@@ -1,4 +1,10 @@
-"""Dial guard: resolve, check every address, and dial exactly the checked one (502)."""
+"""Dial guard: resolve, check every address, and dial exactly the checked one (502).
+
+mitmproxy dials `server.address`, so the guard sets it to the checked address for the dial and puts
+the name back once connected: mitmproxy reuses an upstream connection only for a request whose
+(host, port) equals the connection's address, so leaving the address there would open a new TCP +
+TLS connection upstream for every request on a keep-alive client connection (that handshake was
+most of the added time to first byte). A re-dial of the same server goes through the full check."""
 
 from __future__ import annotations
 
@@ -6,7 +12,7 @@ import ipaddress
 
 from mitmproxy.proxy import server_hooks
 
-from umbra.proxy.addons.base import UmbraAddon, guard
+from umbra.proxy.addons.base import Shared, UmbraAddon, guard
 from umbra.proxy.addons.reasons import Reason
 from umbra.proxy.netcheck import AddressVerdict, IPAddress, parse_ip
 from umbra.proxy.policy import normalize_host
@@ -14,6 +20,11 @@ from umbra.proxy.resolver import ResolutionError
 
 
 class DialGuard(UmbraAddon):
+    def __init__(self, shared: Shared) -> None:
+        super().__init__(shared)
+        # server connection id -> the (name, port) it was asked for, while it is being dialled
+        self._dialling: dict[str, tuple[str, int]] = {}
+
     @guard
     async def server_connect(self, data: server_hooks.ServerConnectionHookData) -> None:
         shared = self.shared
@@ -64,4 +75,21 @@ class DialGuard(UmbraAddon):
             state.pinned_names[(str(pinned), port)] = host
             data.server.sni = host
         # Dial exactly the address that was checked (mitmproxy would otherwise resolve again).
+        if literal is None:
+            self._dialling[data.server.id] = (raw_host, port)
         data.server.address = (str(pinned), port)
+
+    @guard
+    def server_connected(self, data: server_hooks.ServerConnectionHookData) -> None:
+        name = self._dialling.pop(data.server.id, None)
+        if name is not None:
+            # mitmproxy refuses `address` changes on an open connection (they would not move the
+            # socket, which stays on the checked address): this one only relabels it, so set it
+            # past that check. The reuse test (`GetHttpConnection.connection_spec_matches`) reads it.
+            vars(data.server)["address"] = name
+
+    def server_connect_error(self, data: server_hooks.ServerConnectionHookData) -> None:
+        self._dialling.pop(data.server.id, None)
+
+    def server_disconnected(self, data: server_hooks.ServerConnectionHookData) -> None:
+        self._dialling.pop(data.server.id, None)
