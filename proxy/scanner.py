@@ -3,7 +3,8 @@
 The database holds the policy's scan rules (built-in and profile), every encoding of every secret
 value the proxy holds, and the sandbox-side placeholder pattern. A request is scanned as two
 buffers, the request line plus headers and the body (with its Content-Encoding undone and its
-multipart parts split out), each expanded by `decode.layers`.
+multipart parts split out), each expanded level by level (`decode.decode_level`), one Hyperscan
+pass per level.
 """
 
 from __future__ import annotations
@@ -255,9 +256,3 @@ class Scanner:
         if joined:
             result.rule_ids |= self.scan_buffers([joined], budget).rule_ids
         return result
-
-    def contains_any(self, data: bytes) -> set[str]:
-        """Secret labels found verbatim (any encoding) in `data`, without layered decoding."""
-        matched: set[int] = set()
-        self._level(data, matched, ScanResult())
-        return {self._labels[index] for index in matched}
