@@ -433,7 +433,8 @@ def _json_unescape(data: bytes) -> bytes:
         return _JSON_ESCAPE.sub(_unescape, data)  # adversarial: every sentinel present
     data = data.replace(b"\\\\", sentinel)
     for escape, value in _SIMPLE_PAIRS:
-        data = data.replace(escape, value)
+        if escape in data:  # a search is cheaper than a copy
+            data = data.replace(escape, value)
     if b"\\u" in data:
         # split, so that a \u escape decoding to the sentinel's bytes cannot turn into a backslash
         parts = data.split(sentinel)
