@@ -14,54 +14,33 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import ssl
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.proxy.harness import (  # noqa: E402
-    OriginServer,
-    Recorder,
-    TestCA,
-    auth_header,
-    free_port,
+from benchmarks._proxy_setup import (
+    connect,
     read_response,
-    start_proxy,
+    start_origin,
+    start_stock,
+    start_umbra,
     status_of,
-    write_identities,
-    write_secrets,
+    stock_ca,
 )
-from umbra.proxy.policy import deny_all  # noqa: E402
-from umbra.proxy.scanner import Scanner  # noqa: E402
-from umbra.proxy.secrets import SecretValue  # noqa: E402
+from umbra.proxy.policy import deny_all
+from umbra.proxy.scanner import Scanner
+from umbra.proxy.secrets import SecretValue
 
 
 def _open(mode: str, proxy_port: int | None, origin_port: int, ca: Path) -> ssl.SSLSocket:
-    context = ssl.create_default_context(cafile=str(ca))
-    context.check_hostname = False
-    if mode == "direct":
-        sock = socket.create_connection(("127.0.0.1", origin_port), timeout=10)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return context.wrap_socket(sock)
-    assert proxy_port is not None
-    sock = socket.create_connection(("127.0.0.1", proxy_port), timeout=10)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    target = f"127.0.0.1:{origin_port}"
-    sock.sendall(
-        f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\nProxy-Authorization: {auth_header()}\r\n\r\n".encode()
-    )
-    response = read_response(sock)
-    if status_of(response) != 200:
-        raise RuntimeError(f"CONNECT failed: {response[:200]!r}")
-    return context.wrap_socket(sock)
+    return connect(None if mode == "direct" else proxy_port, origin_port, ca,
+                   connect_host="127.0.0.1", timeout=10)  # fmt: skip
 
 
 def _request(sock: ssl.SSLSocket, origin_port: int) -> None:
@@ -112,41 +91,6 @@ def measure(
     }
 
 
-def start_stock(
-    workdir: Path, ca: Path, extra: tuple[str, ...] = ()
-) -> tuple[subprocess.Popen[bytes], int]:
-    port = free_port()
-    log = (workdir / "mitmdump.log").open("wb")
-    process = subprocess.Popen(
-        [
-            str(ROOT / ".venv" / "bin" / "mitmdump"),
-            "-q",
-            "--listen-host",
-            "127.0.0.1",
-            "--listen-port",
-            str(port),
-            "--set",
-            f"confdir={workdir / 'mitm-ca'}",
-            "--set",
-            f"ssl_verify_upstream_trusted_ca={ca}",
-            "--set",
-            "connection_strategy=lazy",
-            *extra,
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return process, port
-        except OSError:
-            time.sleep(0.1)
-    process.kill()
-    raise RuntimeError("stock mitmdump did not start")
-
-
 def scanner_throughput() -> list[tuple[str, float]]:
     policy = deny_all()
     scanner = Scanner(
@@ -177,59 +121,28 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--connections", type=int, default=4)
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory(prefix="u-proxy-bench-") as tmp:
         workdir = Path(tmp)
-        ca = TestCA(workdir)
-        cert, key = ca.issue(["bench.test"])
-        tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        tls.load_cert_chain(cert, key)
-        origin = OriginServer(Recorder(), tls).start()
-        origin.recorder.add = lambda item: None  # type: ignore[method-assign]
-        policies = workdir / "policies"
-        policies.mkdir()
-        (policies / "bench.yaml").write_text(
-            "apiVersion: umbra/v1\nkind: Profile\nname: testing\negress:\n"
-            f'  - allow: {{hosts: ["127.0.0.1"], ports: [{origin.port}]}}\n'
-        )
-        identities = workdir / "identities.json"
-        write_identities(identities)
-        secrets = workdir / "secrets.json"
-        write_secrets(secrets)
-        umbra = start_proxy(
-            [
-                "--policy-dir",
-                str(policies),
-                "--identities",
-                str(identities),
-                "--secrets",
-                str(secrets),
-                "--upstream-ca",
-                str(ca.cert_path),
-                "--test-allow-upstream",
-                "127.0.0.1/32",
-            ],
-            workdir,
-        )
-        stock, stock_port = start_stock(workdir, ca.cert_path)
+        origin = start_origin(workdir)
+        umbra = start_umbra(workdir, origin)
+        stock_dir = workdir / "stock"
+        stock_dir.mkdir()
+        stock, stock_port = start_stock(stock_dir, origin.ca)
         try:
             direct = measure(
-                "direct", None, origin.port, ca.cert_path, args.requests, args.connections
+                "direct", None, origin.port, origin.ca, args.requests, args.connections
             )
             mitm = measure(
-                "stock",
-                stock_port,
-                origin.port,
-                workdir / "mitm-ca" / "mitmproxy-ca-cert.pem",
-                args.requests,
+                "stock", stock_port, origin.port, stock_ca(stock_dir), args.requests,
                 args.connections,
-            )
+            )  # fmt: skip
             ours = measure(
                 "umbra", umbra.port, origin.port, umbra.ca, args.requests, args.connections
             )
         finally:
             stock.terminate()
             umbra.stop()
-            origin.shutdown()
+            origin.stop()
         print(f"{'path':<22}{'req/s':>10}{'p50 ms':>10}{'p99 ms':>10}{'added p50 ms':>14}")
         for name, result in (("direct", direct), ("stock mitmproxy", mitm), ("umbra", ours)):
             added = result["p50_ms"] - direct["p50_ms"]

@@ -1,9 +1,10 @@
 """Bounded decoding of request content into every form a secret could hide in.
 
 `content_decode` undoes Content-Encoding chains (gzip, deflate, br, zstd) with a hard output
-limit; `layers` yields a buffer and then, recursively up to a fixed depth and byte budget, its
-URL-decoded, JSON-unescaped, base64-decoded, hex-decoded and decompressed forms, plus the parts of
-a multipart body. Anything that cannot be decoded within the bounds raises `DecodeLimit` or
+limit; `decode_level` turns one buffer into the next level of decodings (URL-decoded,
+JSON-unescaped, base64-decoded at every alignment, hex-decoded, decompressed), from the trigger
+offsets the scanner's Hyperscan pass found in it, within a byte budget; the scanner repeats that up
+to `MAX_DEPTH` levels. `multipart_parts` splits a multipart body. Anything that cannot be decoded within the bounds raises `DecodeLimit` or
 `DecodeError`, and the caller denies: content the proxy cannot read is content it does not forward.
 """
 
@@ -14,14 +15,12 @@ import binascii
 import contextlib
 import re
 import zlib
-from collections.abc import Iterator
 from dataclasses import dataclass, field
-from urllib.parse import unquote_to_bytes
+from enum import IntEnum
 
 import brotli  # type: ignore[import-untyped]
 import zstandard
 
-MAX_DEPTH = 3
 _CHUNK = 64 * 1024
 
 _JSON_ESCAPE = re.compile(rb"\\(?:u([0-9a-fA-F]{4})|([\"\\/bfnrt]))")
@@ -80,6 +79,12 @@ def decompress(data: bytes | memoryview, name: str, limit: int) -> bytes:
 
 
 def _zlib(data: bytes | memoryview, wbits: int, limit: int) -> bytes:
+    return _zlib_span(data, wbits, limit)[0]
+
+
+def _zlib_span(data: bytes | memoryview, wbits: int, limit: int) -> tuple[bytes, int]:
+    """The decompressed content and how many input bytes it took (concatenated gzip members are
+    one content)."""
     out = bytearray()
     decompressor = zlib.decompressobj(wbits)
     pending = data
@@ -89,10 +94,12 @@ def _zlib(data: bytes | memoryview, wbits: int, limit: int) -> bytes:
             raise DecodeLimit(f"decompressed content exceeds {limit} bytes")
         pending = decompressor.unconsumed_tail
         if decompressor.eof:
-            if decompressor.unused_data.startswith(_GZIP_MAGIC):
+            rest = decompressor.unused_data
+            if rest.startswith(_GZIP_MAGIC):
                 # concatenated gzip members
-                return bytes(out) + _zlib(decompressor.unused_data, wbits, limit - len(out))
-            return bytes(out)
+                more, used = _zlib_span(rest, wbits, limit - len(out))
+                return bytes(out) + more, len(data) - len(rest) + used
+            return bytes(out), len(data) - len(rest)
         if not pending:
             out += decompressor.flush()
             if len(out) > limit:
@@ -100,7 +107,19 @@ def _zlib(data: bytes | memoryview, wbits: int, limit: int) -> bytes:
             finished: bool = getattr(decompressor, "eof")  # noqa: B009 (re-read after flush)
             if not finished:
                 raise DecodeError("compressed content is truncated")
-            return bytes(out)
+            return bytes(out), len(data)
+
+
+def _decompress_at(data: bytes, start: int, name: str, limit: int) -> tuple[bytes, int]:
+    """Decompress the stream starting at `start` (a magic number): its content and input length
+    (for zstd, which reads across frames to the end, the rest of `data`)."""
+    view = memoryview(data)[start:]
+    if name == "zstd":
+        return decompress(view, name, limit), len(view)
+    try:
+        return _zlib_span(view, zlib.MAX_WBITS | 32, limit)
+    except zlib.error as exc:
+        raise DecodeError(f"{name} content does not decode ({type(exc).__name__})") from None
 
 
 def _brotli(data: bytes | memoryview, limit: int) -> bytes:
@@ -145,119 +164,292 @@ class Budget:
         return True
 
 
-def layers(data: bytes, budget: Budget, depth: int = 0) -> Iterator[bytes]:
-    """`data` and, recursively, every decoding of it worth scanning."""
-    yield data
-    if depth >= MAX_DEPTH or not data:
-        return
-    for decoded in _decodings(data, budget):
-        if not budget.take(len(decoded)):
-            raise DecodeLimit("decoded content exceeds the scan budget")
-        yield from layers(decoded, budget, depth + 1)
+MAX_DEPTH = 3
 
-
-_B64_CHARS = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/_-"
+# What a layer can be decoded from, located by Hyperscan rather than by Python passes over the
+# bytes. The trigger expressions are compiled into the scanner's database next to the rules, so
+# they cost no extra pass; each reports the end offset of its match.
+_B64_ALPHABET = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/_-"
 _HEX_CHARS = b"0123456789abcdefABCDEF"
-# Line breaks continue a base64 run: MIME wraps base64 at 76 columns (what `base64` writes).
-_B64_TABLE = bytes(0x41 if byte in _B64_CHARS + b"\r\n" else 0 for byte in range(256))
-_B64_SEPARATORS = re.compile(rb"[/+]")
-_HEX_TABLE = bytes(0x48 if byte in _HEX_CHARS else 0 for byte in range(256))
-_PERCENT = re.compile(rb"%[0-9A-Fa-f]{2}")
 _MIN_RUN = 16
 _WINDOW = 768
-_DENSE = 4096
+DENSE = 4096
+_MAX_MAGIC_TRIES = 32
 
 
-def _runs(data: bytes, table: bytes, mark: int) -> Iterator[tuple[int, int]]:
-    """(start, end) of every run of at least _MIN_RUN characters of one class, at C speed."""
-    classes = data.translate(table)
-    needle = bytes([mark]) * _MIN_RUN
-    position = classes.find(needle)
-    while position >= 0:
-        end = classes.find(b"\0", position + _MIN_RUN)
+class Trigger(IntEnum):
+    PERCENT = 0
+    ESCAPE = 1
+    GZIP = 2
+    ZSTD = 3
+
+
+TRIGGERS: dict[Trigger, bytes] = {
+    Trigger.PERCENT: rb"%[0-9A-Fa-f]{2}",
+    Trigger.ESCAPE: rb"\\(?:u[0-9a-fA-F]{4}|[\"\\/bfnrt])",
+    Trigger.GZIP: rb"\x1f\x8b\x08",
+    Trigger.ZSTD: rb"\x28\xb5\x2f\xfd",
+}
+# Percent and JSON escapes can be dense (a form post, an LLM prompt full of `\n`): past DENSE of
+# one kind the scanner stops collecting offsets and the whole buffer is decoded for both kinds.
+WINDOWED = (Trigger.PERCENT, Trigger.ESCAPE)
+# A run of base64 characters (line breaks continue a run: MIME wraps base64 at 76 columns, as
+# `base64` writes). Hex runs lie inside these (hex digits are base64 characters). The scanner runs
+# this alone and stops at its first match, finds the run's end, and resumes after it: one report
+# per run instead of one per byte (a "run starts here" expression would make Hyperscan ~50x slower).
+RUN_EXPRESSION = rb"[A-Za-z0-9+/_\-\r\n]{16}"
+RUN_LENGTH = _MIN_RUN
+
+
+@dataclass
+class Found:
+    """What one buffer holds to decode: trigger offsets (match ends, increasing) and base64 runs
+    (start, end); `dense` when a windowed kind was too frequent to window (its offsets are then
+    incomplete and unused)."""
+
+    offsets: list[list[int]] = field(default_factory=lambda: [[] for _ in Trigger])
+    runs: list[tuple[int, int]] = field(default_factory=list)
+    present: set[Trigger] = field(default_factory=set)
+    dense: bool = False
+
+
+def _class_table(chars: bytes) -> bytes:
+    """A `bytes.translate` table: the class's bytes become 0x41, every other byte NUL."""
+    return bytes(0x41 if byte in chars else 0 for byte in range(256))
+
+
+_RUN_TABLE = _class_table(_B64_ALPHABET + b"\r\n")
+_RUN_NEEDLE = b"\x41" * _MIN_RUN
+
+
+def run_end(data: bytes, position: int) -> int:
+    """Where the base64 run covering `position` ends (C-speed translates of growing slices)."""
+    step = 256
+    size = len(data)
+    while position < size:
+        segment = data[position : position + step]
+        stop = segment.translate(_RUN_TABLE).find(0)
+        if stop >= 0:
+            return position + stop
+        position += len(segment)
+        step = min(step * 8, 1 << 20)
+    return size
+
+
+def dense_runs(data: bytes, position: int) -> list[tuple[int, int]]:
+    """Every base64 run from `position` on, by one translate of the rest and a `find` per run:
+    cheaper per run than restarting a Hyperscan scan when runs are many (source code, base64)."""
+    classes = data[position:].translate(_RUN_TABLE)
+    runs: list[tuple[int, int]] = []
+    start = classes.find(_RUN_NEEDLE)
+    while start >= 0:
+        end = classes.find(0, start + _MIN_RUN)
         if end < 0:
-            end = len(data)
-        yield position, end
-        position = classes.find(needle, end)
+            end = len(classes)
+        runs.append((position + start, position + end))
+        start = classes.find(_RUN_NEEDLE, end)
+    return runs
 
 
-def _windows(data: bytes, pattern: re.Pattern[bytes]) -> Iterator[bytes]:
-    """Regions around each match of `pattern`; the whole buffer when matches are dense."""
-    spans: list[list[int]] = []
-    for count, match in enumerate(pattern.finditer(data)):
-        if count >= _DENSE:
-            yield data
+def decode_level(data: bytes, found: Found, budget: Budget) -> bytes:
+    """Every decoding of `data` worth scanning, as one buffer: decoded pieces joined by NUL bytes
+    (which no rule's token contains), so the next level is again one Hyperscan pass."""
+    pieces: list[bytes] = []
+
+    def add(piece: bytes) -> None:
+        if not piece:
             return
-        start, end = max(0, match.start() - _WINDOW), match.end() + _WINDOW
-        if spans and start <= spans[-1][1]:
-            spans[-1][1] = end
-        else:
-            spans.append([start, end])
-    for start, end in spans:
-        yield data[start:end]
+        if not budget.take(len(piece) + 1):
+            raise DecodeLimit("decoded content exceeds the scan budget")
+        pieces.append(piece)
 
-
-def _decodings(data: bytes, budget: Budget) -> Iterator[bytes]:
-    if b"%" in data:
-        for window in _windows(data, _PERCENT):
-            yield unquote_to_bytes(window.replace(b"+", b" "))
-    if b"\\" in data:
-        for window in _windows(data, _JSON_ESCAPE):
-            yield _JSON_ESCAPE.sub(_unescape, window)
-    for start, end in _runs(data, _B64_TABLE, 0x41):
-        yield from _b64_all(data[start:end])
-    for start, end in _runs(data, _HEX_TABLE, 0x48):
-        # Both alignments: the run may start with a hex-looking character that is not part of it.
-        for shift in (0, 1):
-            length = (end - start - shift) // 2 * 2
-            if length >= _MIN_RUN:
-                yield binascii.unhexlify(data[start + shift : start + shift + length])
-    for magic, name in ((_GZIP_MAGIC, "gzip"), (_ZSTD_MAGIC, "zstd")):
-        start = data.find(magic)
-        if start >= 0:
+    offsets = found.offsets
+    if found.dense:
+        if Trigger.PERCENT in found.present:
+            add(_unquote(data))
+        if Trigger.ESCAPE in found.present:
+            add(_json_unescape(data))
+    else:
+        if offsets[Trigger.PERCENT]:
+            windows = _windows(data, offsets[Trigger.PERCENT], 3)
+            add(_unquote(windows))
+        if offsets[Trigger.ESCAPE]:
+            add(_json_unescape(_windows(data, offsets[Trigger.ESCAPE], 6)))
+    if found.runs:
+        add(_b64_runs(data, found.runs))
+        add(_hex_runs(data, found.runs))
+    for kind, name in ((Trigger.GZIP, "gzip"), (Trigger.ZSTD, "zstd")):
+        consumed = -1
+        for end in offsets[kind][:_MAX_MAGIC_TRIES]:
+            start = end - (3 if kind is Trigger.GZIP else 4)
+            if start < consumed:
+                continue  # inside a stream already decoded (concatenated members)
             # A stray magic number inside other data is not an error.
             with contextlib.suppress(DecodeError):
-                yield decompress(memoryview(data)[start:], name, budget.remaining)
+                out, used = _decompress_at(data, start, name, budget.remaining)
+                consumed = start + used
+                add(out)
+    return b"\0".join(pieces)
+
+
+# Bytes an encoded (percent, JSON-escaped) token and its neighbours can consist of: printable ASCII,
+# whitespace and UTF-8. A window around an escape stops at any other byte (in binary data the
+# windows stay a few bytes wide instead of 1.5 KiB each).
+_TEXT_TABLE = _class_table(bytes([9, 10, 13, *range(0x20, 0x7F), *range(0x80, 0x100)]))
+
+
+def _windows(data: bytes, ends: list[int], width: int) -> bytes:
+    """The text around each match (ending at `ends`, at most _WINDOW bytes either side), merged,
+    joined by NUL bytes."""
+    spans: list[list[int]] = []
+    size = len(data)
+    for end in ends:
+        start = end - width
+        if spans and start - _WINDOW <= spans[-1][1]:
+            left = spans[-1][1]  # near the previous window: merged with it
+        else:
+            left = _text_start(data, start)
+        stop = _text_end(data, end)
+        if spans and left <= spans[-1][1]:
+            spans[-1][1] = max(spans[-1][1], stop)
+        else:
+            spans.append([left, stop])
+    if len(spans) == 1 and spans[0][0] == 0 and spans[0][1] >= size:
+        return data
+    view = memoryview(data)
+    return b"\0".join([view[start:stop] for start, stop in spans])
+
+
+_PROBE = 32
+
+
+def _text_start(data: bytes, start: int) -> int:
+    # A short probe first: in binary data a non-text byte is a few bytes away.
+    for reach in (_PROBE, _WINDOW):
+        low = start - reach if start > reach else 0
+        found = data[low:start].translate(_TEXT_TABLE).rfind(0)
+        if found >= 0:
+            return low + found + 1
+        if low == 0:
+            return 0
+    return start - _WINDOW
+
+
+def _text_end(data: bytes, end: int) -> int:
+    for reach in (_PROBE, _WINDOW):
+        found = data[end : end + reach].translate(_TEXT_TABLE).find(0)
+        if found >= 0:
+            return end + found
+    return min(end + _WINDOW, len(data))
+
+
+_PERCENT = re.compile(rb"%([0-9A-Fa-f]{2})")
+_HEX_BYTE = {
+    f"{high}{low}".encode(): bytes([int(f"{high}{low}", 16)])
+    for high in "0123456789abcdefABCDEF"
+    for low in "0123456789abcdefABCDEF"
+}
+
+
+def _unquote(data: bytes) -> bytes:
+    """URL-decode (`+` is a space), with Python work per escape only, not per `%`."""
+    return _PERCENT.sub(lambda match: _HEX_BYTE[match[1]], data.replace(b"+", b" "))
+
+
+_B64_RUN_CHARS = _B64_ALPHABET + b"\r\n"
+_URL_TO_STD = bytes.maketrans(b"-_", b"+/")
+_B64_SEPARATORS = re.compile(rb"[/+]")
+_B64_VALUE = {char: index for index, char in enumerate(_B64_ALPHABET[:64])}
+# Two characters completing a 2-character tail: its decoded byte is followed by a byte that is not
+# a word character (chosen from the tail's last value) and a NUL, so no token grows past the run.
+_PAD2 = {
+    char: (b"oA" if value & 15 == 3 else b"sA" if value & 15 in (5, 7) else b"AA")
+    for char, value in _B64_VALUE.items()
+}
+_B64_GAP = b"AAAA"  # decodes to three NUL bytes between runs
+
+
+def _b64_runs(data: bytes, runs: list[tuple[int, int]]) -> bytes:
+    """Every plausible decoding of each base64 run, in one C call: a token may start misaligned
+    (right after other alphabet characters, e.g. `/p/<token>`), so each run is decoded at all four
+    offsets; a run mixing both alphabets is split at `/` and `+` (a base64url token in a path)."""
+    encoded: list[bytes] = []
+    for start, end in runs:
+        run = data[start:end].translate(None, b"\r\n")
+        if (b"-" in run or b"_" in run) and (b"+" in run or b"/" in run):
+            pieces = [piece for piece in _B64_SEPARATORS.split(run) if len(piece) >= _MIN_RUN]
+        else:
+            pieces = [run]
+        for piece in pieces:
+            piece = piece.translate(_URL_TO_STD)
+            for shift in range(4):
+                size = len(piece) - shift
+                if size < _MIN_RUN:
+                    break
+                tail = size % 4
+                if tail == 0:
+                    encoded.append(piece[shift:])
+                elif tail == 1:
+                    encoded.append(piece[shift:-1])
+                elif tail == 2:
+                    encoded.append(piece[shift:] + _PAD2[piece[-1]])
+                else:
+                    encoded.append(piece[shift:] + b"A")
+    return binascii.a2b_base64(_B64_GAP.join(encoded)) if encoded else b""
+
+
+_HEX_TABLE = _class_table(_HEX_CHARS)
+
+
+def _hex_runs(data: bytes, runs: list[tuple[int, int]]) -> bytes:
+    """Each hex run (inside a base64 run) decoded at both alignments (it may start with a
+    hex-looking character that is not part of it), in one C call."""
+    encoded: list[bytes] = []
+    for start, end in runs:
+        classes = data[start:end].translate(_HEX_TABLE)
+        head = classes.find(_RUN_NEEDLE)
+        while head >= 0:
+            stop = classes.find(0, head + _MIN_RUN)
+            if stop < 0:
+                stop = len(classes)
+            for shift in (0, 1):
+                length = (stop - head - shift) // 2 * 2
+                if length >= _MIN_RUN:
+                    encoded.append(data[start + head + shift : start + head + shift + length])
+            head = classes.find(_RUN_NEEDLE, stop)
+    return binascii.unhexlify(b"00".join(encoded)) if encoded else b""
+
+
+_UNICODE_ESCAPE = re.compile(rb"\\u([0-9a-fA-F]{4})")
+_SIMPLE_PAIRS = [(b"\\" + key, value) for key, value in _SIMPLE_ESCAPES.items() if key != b"\\"]
+_SENTINELS = (b"\x00\x7f\x01\xfe", b"\xff\x01\x7f\x00", b"\x01\xfe\x00\x7f")
+
+
+def _json_unescape(data: bytes) -> bytes:
+    """JSON string escapes undone with C-speed replaces (an LLM prompt holds one every few
+    bytes): escaped backslashes are set aside first, so `\\\\n` stays a backslash and an `n`."""
+    sentinel = next((item for item in _SENTINELS if item not in data), None)
+    if sentinel is None:
+        return _JSON_ESCAPE.sub(_unescape, data)  # adversarial: every sentinel present
+    data = data.replace(b"\\\\", sentinel)
+    for escape, value in _SIMPLE_PAIRS:
+        if escape in data:  # a search is cheaper than a copy
+            data = data.replace(escape, value)
+    if b"\\u" in data:
+        # split, so that a \u escape decoding to the sentinel's bytes cannot turn into a backslash
+        parts = data.split(sentinel)
+        return b"\\".join([_UNICODE_ESCAPE.sub(_unescape_unicode, part) for part in parts])
+    return data.replace(sentinel, b"\\")
+
+
+def _unescape_unicode(match: re.Match[bytes]) -> bytes:
+    return chr(int(match.group(1), 16)).encode("utf-8", "surrogatepass")
 
 
 def _unescape(match: re.Match[bytes]) -> bytes:
     if match.group(1) is not None:
         return chr(int(match.group(1), 16)).encode("utf-8", "surrogatepass")
     return _SIMPLE_ESCAPES[match.group(2)]
-
-
-def _b64_all(run: bytes) -> Iterator[bytes]:
-    """Every plausible decoding of a base64-alphabet run: a token may start misaligned (right after
-    other alphabet characters, e.g. `/p/<token>`), so each piece is decoded at all four offsets;
-    a run mixing both alphabets is also split at `/` and `+` (a base64url token inside a path)."""
-    run = run.translate(None, b"\r\n")
-    pieces = [run]
-    if (b"-" in run or b"_" in run) and (b"+" in run or b"/" in run):
-        pieces += [piece for piece in _B64_SEPARATORS.split(run) if len(piece) >= _MIN_RUN]
-    seen: set[bytes] = set()
-    for piece in pieces:
-        for shift in range(4):
-            if len(piece) - shift < _MIN_RUN:
-                break
-            decoded = _b64(piece[shift:])
-            if decoded and decoded not in seen:
-                seen.add(decoded)
-                yield decoded
-
-
-def _b64(run: bytes) -> bytes | None:
-    body = run.rstrip(b"=")
-    alphabet_urlsafe = b"-" in body or b"_" in body
-    if alphabet_urlsafe and (b"+" in body or b"/" in body):
-        return None
-    body = body[: len(body) - len(body) % 4] if len(body) % 4 == 1 else body
-    padded = body + b"=" * (-len(body) % 4)
-    try:
-        if alphabet_urlsafe:
-            return base64.urlsafe_b64decode(padded)
-        return base64.b64decode(padded, validate=True)
-    except (binascii.Error, ValueError):
-        return None
 
 
 def multipart_parts(body: bytes, content_type: str, limit: int) -> list[bytes]:

@@ -3,12 +3,14 @@
 The database holds the policy's scan rules (built-in and profile), every encoding of every secret
 value the proxy holds, and the sandbox-side placeholder pattern. A request is scanned as two
 buffers, the request line plus headers and the body (with its Content-Encoding undone and its
-multipart parts split out), each expanded by `decode.layers`.
+multipart parts split out), each expanded level by level (`decode.decode_level`), one Hyperscan
+pass per level.
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import re
 import threading
@@ -18,11 +20,29 @@ from urllib.parse import quote
 
 import hyperscan
 
-from umbra.proxy.decode import Budget, DecodeError, DecodeLimit, layers, multipart_parts
+from umbra.proxy.decode import (
+    DENSE,
+    MAX_DEPTH,
+    RUN_EXPRESSION,
+    RUN_LENGTH,
+    TRIGGERS,
+    WINDOWED,
+    Budget,
+    DecodeError,
+    DecodeLimit,
+    Found,
+    Trigger,
+    decode_level,
+    dense_runs,
+    multipart_parts,
+    run_end,
+)
 from umbra.proxy.policy import CompiledScan
 from umbra.proxy.secrets import PLACEHOLDER_PATTERN, SecretValue
 
 MIN_SECRET_LENGTH = 8
+# Past this many base64 runs in a buffer, the rest is searched by translate + find instead.
+_SPARSE_RUNS = 64
 _PLACEHOLDER_RE = re.compile(PLACEHOLDER_PATTERN.encode(), re.IGNORECASE)
 
 
@@ -64,9 +84,20 @@ def _literal(pattern: bytes) -> bytes:
     return b"".join(b"\\x%02x" % byte for byte in pattern)
 
 
+def _compile(expressions: list[bytes], ids: list[int], flags: list[int]) -> hyperscan.Database:
+    database = hyperscan.Database(mode=hyperscan.HS_MODE_BLOCK)
+    database.compile(expressions=expressions, ids=ids, flags=flags)
+    return database
+
+
 class Scanner:
     """Compiled once per (policy, secret set); safe to use from several threads at once (each
-    thread gets its own Hyperscan scratch space)."""
+    thread gets its own Hyperscan scratch space).
+
+    One database holds the rules, the secrets' forms, the placeholder pattern and the decoding
+    triggers (`decode.TRIGGERS`), so each level of a buffer costs one Hyperscan pass: detections
+    and the offsets to decode from come out of the same scan, and each level of decodings is one
+    buffer again. A twin database reports the windowed triggers only once (for dense buffers)."""
 
     def __init__(self, rules: Sequence[CompiledScan], secrets: Iterable[SecretValue]) -> None:
         expressions: list[bytes] = []
@@ -90,43 +121,109 @@ class Scanner:
         labels.append("placeholder")
         flags.append(regex_flags | hyperscan.HS_FLAG_CASELESS)
         self._labels = labels
-        self._db = hyperscan.Database(mode=hyperscan.HS_MODE_BLOCK)
+        self._trigger_base = len(expressions)
+        ids = list(range(len(expressions) + len(TRIGGERS)))
+        triggers = [TRIGGERS[kind] for kind in Trigger]
+        every = [0] * len(TRIGGERS)
+        once = [hyperscan.HS_FLAG_SINGLEMATCH if kind in WINDOWED else 0 for kind in Trigger]
         try:
-            self._db.compile(
-                expressions=expressions, ids=list(range(len(expressions))), flags=flags
-            )
+            self._db = _compile(expressions + triggers, ids, flags + every)
+            self._dense_db = _compile(expressions + triggers, ids, flags + once)
         except hyperscan.error as exc:
             raise ValueError(f"scan rules do not compile for Hyperscan: {exc}") from None
-        self._prototype = hyperscan.Scratch(self._db)
+        self._run_db = _compile([RUN_EXPRESSION], [0], [0])
+        self._prototypes = (
+            hyperscan.Scratch(self._db),
+            hyperscan.Scratch(self._dense_db),
+            hyperscan.Scratch(self._run_db),
+        )
         self._local = threading.local()
 
-    @property
-    def _scratch(self) -> hyperscan.Scratch:
-        scratch = getattr(self._local, "scratch", None)
-        if scratch is None:
-            scratch = self._local.scratch = self._prototype.clone()
-        return scratch
+    def _scratches(self) -> list[hyperscan.Scratch]:
+        scratches: list[hyperscan.Scratch] | None = getattr(self._local, "scratches", None)
+        if scratches is None:
+            scratches = [prototype.clone() for prototype in self._prototypes]
+            self._local.scratches = scratches
+        return scratches
+
+    def _runs(self, data: bytes, scratch: hyperscan.Scratch) -> list[tuple[int, int]]:
+        """(start, end) of each base64 run: stop at a run, find its end, resume after it."""
+        runs: list[tuple[int, int]] = []
+        view = memoryview(data)
+        position = 0
+        hit = [-1]
+
+        def on_run(_id: int, _start: int, end: int, _flags: int, _ctx: object) -> bool:
+            hit[0] = end
+            return True
+
+        while position < len(data):
+            if len(runs) >= _SPARSE_RUNS:
+                return runs + dense_runs(data, position)
+            hit[0] = -1
+            with contextlib.suppress(hyperscan.ScanTerminated):
+                self._run_db.scan(
+                    view[position:],  # type: ignore[type-var]  # any buffer; no copy
+                    match_event_handler=on_run,
+                    scratch=scratch,
+                )
+            if hit[0] < 0:
+                break
+            start = position + hit[0] - RUN_LENGTH
+            position = run_end(data, position + hit[0])
+            runs.append((start, position))
+        return runs
+
+    def _level(self, data: bytes, matched: set[int], result: ScanResult) -> Found:
+        """One Hyperscan pass: detections into `matched`, decoding triggers into the result."""
+        found = Found()
+        offsets = found.offsets
+        base = self._trigger_base
+        windowed_last = base + max(WINDOWED)
+        dense = DENSE
+        hits: set[int] = set()
+
+        def on_match(pattern_id: int, _start: int, end: int, _flags: int, _ctx: object) -> bool:
+            if pattern_id < base:
+                hits.add(pattern_id)
+                return False
+            kind = offsets[pattern_id - base]
+            kind.append(end)
+            # Too many windows of one kind: stop, and rescan reporting that kind only once.
+            return pattern_id <= windowed_last and len(kind) > dense
+
+        scratch, dense_scratch, run_scratch = self._scratches()
+        try:
+            self._db.scan(data, match_event_handler=on_match, scratch=scratch)
+        except hyperscan.ScanTerminated:
+            found = Found(dense=True)
+            offsets = found.offsets
+            hits.clear()
+            dense = 1 << 62
+            self._dense_db.scan(data, match_event_handler=on_match, scratch=dense_scratch)
+        found.present = {kind for kind in Trigger if offsets[kind]}
+        found.runs = self._runs(data, run_scratch)
+        if self._placeholder_id in hits:
+            hits.discard(self._placeholder_id)
+            result.placeholders.update(
+                match.group(1).decode("ascii").lower() for match in _PLACEHOLDER_RE.finditer(data)
+            )
+        matched |= hits
+        return found
 
     def scan_buffers(self, buffers: Iterable[bytes], budget: Budget) -> ScanResult:
         result = ScanResult()
         matched: set[int] = set()
-
-        def on_match(pattern_id: int, _start: int, _end: int, _flags: int, _ctx: object) -> None:
-            matched.add(pattern_id)
-
         try:
             for buffer in buffers:
-                for view in layers(buffer, budget):
-                    before = self._placeholder_id in matched
-                    self._db.scan(view, match_event_handler=on_match, scratch=self._scratch)
-                    if self._placeholder_id in matched and not before:
-                        result.placeholders.update(
-                            match.group(1).decode("ascii").lower()
-                            for match in _PLACEHOLDER_RE.finditer(view)
-                        )
-                        matched.discard(self._placeholder_id)
-                    elif self._placeholder_id in matched:
-                        matched.discard(self._placeholder_id)
+                level = buffer
+                for depth in range(MAX_DEPTH + 1):
+                    found = self._level(level, matched, result)
+                    if depth == MAX_DEPTH or not (found.present or found.runs):
+                        break
+                    level = decode_level(level, found, budget)
+                    if not level:
+                        break
         except DecodeLimit as exc:
             raise ScanError("scan_limit", str(exc)) from None
         except DecodeError as exc:
@@ -159,13 +256,3 @@ class Scanner:
         if joined:
             result.rule_ids |= self.scan_buffers([joined], budget).rule_ids
         return result
-
-    def contains_any(self, data: bytes) -> set[str]:
-        """Secret labels found verbatim (any encoding) in `data`, without layered decoding."""
-        matched: set[int] = set()
-
-        def on_match(pattern_id: int, _start: int, _end: int, _flags: int, _ctx: object) -> None:
-            matched.add(pattern_id)
-
-        self._db.scan(data, match_event_handler=on_match, scratch=self._scratch)
-        return {self._labels[index] for index in matched if index != self._placeholder_id}

@@ -6,7 +6,16 @@ from __future__ import annotations
 import time
 
 from tests.proxy.conftest import Env
-from tests.proxy.harness import TEAM_SECRET, connect_tunnel, curl, curl_status
+from tests.proxy.harness import (
+    TEAM_SECRET,
+    OriginHandler,
+    Seen,
+    connect_tunnel,
+    curl,
+    curl_status,
+    read_response,
+    status_of,
+)
 
 
 def test_sse_with_injection_arrives_event_by_event(env: Env) -> None:
@@ -53,3 +62,31 @@ def test_reflection_in_a_gzip_body_is_cut(env: Env) -> None:
     assert result.returncode != 0
     assert TEAM_SECRET not in result.stdout
     env.proxy.log.wait_for(mark, lambda r: r["reason"] == "credential_reflected")
+
+
+def test_keep_alive_requests_reuse_one_checked_upstream_connection(env: Env) -> None:
+    """Requests on one client connection share one upstream connection (a new TCP + TLS handshake
+    upstream per request was most of the time to first byte), still dialled to the checked address
+    and still with the credential injected into each request."""
+    host = f"api.test:{env.origin.port}"
+
+    injected: list[bool] = []
+
+    def peer_port(handler: OriginHandler, seen: Seen) -> None:
+        injected.append(f"Bearer {TEAM_SECRET}" in seen.header("authorization"))
+        handler.send(200, b"%d" % handler.client_address[1])
+
+    env.origin.routes["api.test"] = peer_port
+    try:
+        sock, _ = connect_tunnel(env.proxy, host, sni="api.test")
+        bodies = []
+        for _ in range(3):
+            sock.sendall(f"GET /peer HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+            response = read_response(sock)
+            assert status_of(response) == 200, response
+            bodies.append(response.partition(b"\r\n\r\n")[2])
+        sock.close()
+    finally:
+        del env.origin.routes["api.test"]
+    assert len(set(bodies)) == 1, bodies  # same upstream source port every time
+    assert injected == [True, True, True]
