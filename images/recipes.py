@@ -93,8 +93,10 @@ def _service(cmd: list[str], user: str = "65534:65534") -> ImageConfig:
     return ImageConfig(Entrypoint=["/usr/bin/tini", "--"], Cmd=cmd, User=user, Env=_ENV)
 
 
+# No entrypoint: the compose's command names the init with its arguments (an entrypoint would
+# receive the command's first word as an argument).
 _SANDBOX_IMAGE = ImageConfig(
-    Entrypoint=["/usr/local/bin/umbra-sandbox-init"],
+    Cmd=["umbra-sandbox-init"],
     Env=_ENV + _CA_ENV,
     WorkingDir="/home/dev",
 )

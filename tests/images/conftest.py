@@ -7,12 +7,15 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
 from umbra.cli.app import app
+from umbra.images.build import BuildResult, build_rootfs
+from umbra.images.recipes import Rootfs
 
 ROOT = Path(__file__).resolve().parents[2]
 EPOCH = "1700000000"
@@ -67,3 +70,19 @@ def docker_up() -> None:
     done = subprocess.run([str(ROOT / "scripts/docker-up")], capture_output=True, text=True)
     if done.returncode != 0:
         pytest.fail(f"scripts/docker-up could not start a Docker engine:\n{done.stderr}")
+
+
+@pytest.fixture(scope="session")
+def sandbox_ci_build(
+    build_inputs: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
+) -> BuildResult:
+    """`sandbox-ci` built once per session; the image and compose tests share it."""
+    wheel, req = build_inputs
+    return build_rootfs(
+        Rootfs.SANDBOX_CI,
+        tmp_path_factory.mktemp("uim-sbx"),
+        wheel=wheel,
+        requirements=req,
+        host_python_prefix=Path(sys.base_prefix),
+        epoch=int(EPOCH),
+    )
