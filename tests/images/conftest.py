@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 
 from umbra.cli.app import app
 from umbra.images.build import BuildResult, build_rootfs
+from umbra.images.os_image import OS_DIR, OsImage, build_os_image, load_os_definition
 from umbra.images.recipes import Rootfs
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -85,4 +86,23 @@ def sandbox_ci_build(
         requirements=req,
         host_python_prefix=Path(sys.base_prefix),
         epoch=int(EPOCH),
+    )
+
+
+@pytest.fixture(scope="session")
+def qemu_os_image(
+    build_inputs: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
+) -> OsImage:
+    """The `qemu` OS image, built once: the boot test boots it, the disk-format test packs it."""
+    from .test_qemu_boot import STUB
+
+    wheel, req = build_inputs
+    return build_os_image(
+        load_os_definition(OS_DIR / "qemu.yaml"),
+        tmp_path_factory.mktemp("uim-os"),
+        wheel=wheel,
+        requirements=req,
+        host_python_prefix=Path(sys.base_prefix),
+        epoch=int(EPOCH),
+        extra_files={"/usr/local/bin/umbra-compose-stub": STUB},
     )

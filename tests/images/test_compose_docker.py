@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 import subprocess
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -132,10 +133,13 @@ def test_rendered_dev_cvm_compose_runs_isolated_under_docker_compose(
         ps = _docker("ps", "--filter", "label=com.docker.compose.project=umbra-dev",
                      "--format", "{{.Names}} {{.Image}} {{.Status}}").stdout  # fmt: skip
         print(ps)
-        names = {line.split()[0]: line.split()[1] for line in ps.splitlines()}
-        assert names["umbra-dev_sandbox_1"] == sandbox.config_digest
+        assert {line.split()[0] for line in ps.splitlines()} == {
+            "umbra-dev_sandbox_1", "umbra-dev_forwarder_1", "umbra-dev_sshd_1"}  # fmt: skip
         inspect = json.loads(_docker("inspect", "umbra-dev_sandbox_1").stdout)[0]
+        # The pinned manifest digest resolved to exactly the built image (its config digest).
+        assert inspect["Image"] == sandbox.config_digest
         assert inspect["HostConfig"]["Runtime"] == "runc"
+        _wait_running("umbra-dev_sandbox_1")
         assert inspect["Config"]["Env"].count(f"HTTPS_PROXY=http://10.232.{octet}.2:3128") == 1
         probe = _exec(PROBE, gw, str(tcp), str(udp))
         print("from the sandbox:", probe)
@@ -154,6 +158,20 @@ def test_rendered_dev_cvm_compose_runs_isolated_under_docker_compose(
             host_firewall.remove()
             for ref in (sandbox.config_digest, images["forwarder"]["config_digest"]):
                 _docker("rmi", "-f", ref, check=False)
+
+
+def _wait_running(name: str) -> None:
+    """The sandbox's init must stay up (restart: unless-stopped would hide a crash loop)."""
+    for _ in range(30):
+        state = json.loads(_docker("inspect", name).stdout)[0]["State"]
+        if state["Running"] and not state["Restarting"] and state["RestartCount"] == 0:
+            time.sleep(2)
+            again = json.loads(_docker("inspect", name).stdout)[0]["State"]
+            if again["Running"] and again["RestartCount"] == 0:
+                return
+        time.sleep(1)
+    logs = _docker("logs", "--tail", "20", name, check=False)
+    raise AssertionError(f"{name} does not stay up: {state}\n{logs.stdout}{logs.stderr}")
 
 
 def _exec(script: str, *args: str) -> dict[str, Any]:
