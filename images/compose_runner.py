@@ -151,6 +151,8 @@ class ComposeRunner:
 
     def down(self, project: str) -> None:
         _, out = self.files(project)
+        if not out.exists():
+            return  # never brought up here
         self._run(project, out, "down", "--volumes", "--remove-orphans", "--timeout", "5")
 
     def _run(self, project: str, file: Path, *args: str) -> None:

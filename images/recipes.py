@@ -105,7 +105,8 @@ RECIPES: dict[Rootfs, Recipe] = {
     Rootfs.RUNTIME: Recipe(
         Rootfs.RUNTIME,
         variant="essential",
-        packages=(*PY_LIBS, "tini", "openssh-server"),
+        # libstdc++6: the proxy's hyperscan extension links it (found by running the image).
+        packages=(*PY_LIBS, "tini", "openssh-server", "libstdc++6"),
         images={
             "forwarder": _service(["umbra", "forwarder", "serve"]),
             "proxy": _service(["umbra", "proxy", "serve"]),

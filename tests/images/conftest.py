@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 
 from umbra.cli.app import app
 from umbra.images.build import BuildResult, build_rootfs
+from umbra.images.oci import BuiltImage
 from umbra.images.os_image import OS_DIR, OsImage, build_os_image, load_os_definition
 from umbra.images.recipes import Rootfs
 
@@ -45,12 +46,28 @@ def build_inputs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return next(d.glob("umbra-*.whl")), d / "requirements.txt"
 
 
+# Local iteration only (CI never sets it): reuse images `umbra image build` wrote into this
+# directory instead of building them. The reproducibility test then compares a build with itself.
+PREBUILT = os.environ.get("UMBRA_TEST_PREBUILT")
+
+
+def _prebuilt(rootfs: str) -> tuple[Path, dict[str, dict[str, str]]] | None:
+    if not PREBUILT:
+        return None
+    d = Path(PREBUILT)
+    images: dict[str, dict[str, str]] = json.loads((d / f"images.{rootfs}.json").read_text())
+    return d, images
+
+
 @pytest.fixture(scope="session")
 def runtime_builds(
     build_inputs: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
 ) -> tuple[Path, dict[str, dict[str, str]], dict[str, dict[str, str]]]:
     """The `runtime` images built twice from the same inputs (the first build's dir, both
     builds' image tables)."""
+    pre = _prebuilt("runtime")
+    if pre is not None:
+        return pre[0], pre[1], pre[1]
     first, second = tmp_path_factory.mktemp("uim-b1"), tmp_path_factory.mktemp("uim-b2")
     return first, build_runtime(first, *build_inputs), build_runtime(second, *build_inputs)
 
@@ -78,6 +95,14 @@ def sandbox_ci_build(
     build_inputs: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
 ) -> BuildResult:
     """`sandbox-ci` built once per session; the image and compose tests share it."""
+    pre = _prebuilt("sandbox-ci")
+    if pre is not None:
+        d, images = pre
+        built = [
+            BuiltImage(n, i["config_digest"], i["manifest_digest"], "", d / i["archive"])
+            for n, i in images.items()
+        ]
+        return BuildResult(Rootfs.SANDBOX_CI, int(EPOCH), built)
     wheel, req = build_inputs
     return build_rootfs(
         Rootfs.SANDBOX_CI,
