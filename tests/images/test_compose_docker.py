@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from umbra.attest.eventlog import load_event_log, replay
 from umbra.attest.simpccs import SimulatedPccs
@@ -34,7 +35,7 @@ from umbra.attest.simulator import SimulatedTdx
 from umbra.components.launch_data import LaunchData
 from umbra.images import host_firewall, image_store
 from umbra.images.build import BuildResult
-from umbra.images.compose_runner import ComposeRunner
+from umbra.images.compose_runner import ComposeRunError, ComposeRunner, lower
 from umbra.images.launch_agent import Agent, ComposeRunnerStart, LogOnly, SimulatedRtmr
 from umbra.images.measure import expected_rtmr3, instance_events, measure
 from umbra.proxy.identity import hash_credential
@@ -408,3 +409,39 @@ def _origin(www: Path, paths: list[str]) -> ThreadingHTTPServer:
             self.wfile.write(body)
 
     return ThreadingHTTPServer(("0.0.0.0", 0), Handler)  # noqa: S104 -- shown unreachable
+
+
+@pytest.mark.parametrize("role", ["dev", "security"])
+def test_both_rendered_files_lower_to_what_docker_compose_1_29_accepts(
+    role: str, tmp_path: Path
+) -> None:
+    if shutil.which("docker-compose") is None:
+        pytest.skip("needs docker-compose (scripts/system-deps installs Debian's 1.29.2)")
+    d = dev_definition() if role == "dev" else security_definition()
+    text = measure(d).compose.text
+    pins = {ref.rpartition("@")[2] for ref in d.compose.images.model_dump().values()}
+    images = {pin: "sha256:" + hashlib.sha256(pin.encode()).hexdigest() for pin in pins}
+    low = lower(text, config_dir=tmp_path / "configs", images=images, runtimes={"runc"},
+                allow_runc=True)  # fmt: skip
+    (tmp_path / "lowered.yaml").write_text(low.text)
+    done = subprocess.run(
+        ["docker-compose", "-p", low.project, "-f", str(tmp_path / "lowered.yaml"), "config"],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    doc = yaml.safe_load(done.stdout)
+    for svc in doc["services"].values():
+        assert svc["image"] in images.values()  # every pin resolved to a local image id
+    if role == "dev":
+        assert low.project == "umbra-dev" and set(low.configs) == {"forwarder", "sshd_config"}
+        fwd = doc["services"]["forwarder"]["volumes"]
+        assert any(str(v).endswith(":/etc/umbra/forwarder.json:ro") for v in fwd), fwd
+        assert doc["services"]["sandbox"]["runtime"] == "runc"
+        assert low.notes == ("services.sandbox: runtime runc, because sysbox-runc is absent "
+                             "on this engine",)  # fmt: skip
+        # Without the development opt-in a missing sysbox is refused, not silently replaced.
+        with pytest.raises(ComposeRunError, match="sysbox-runc is not installed"):
+            lower(text, config_dir=tmp_path, images=images, runtimes={"runc"})
+    # A pin no loaded archive has is refused: nothing is pulled.
+    with pytest.raises(ComposeRunError, match="is not loaded here"):
+        lower(text, config_dir=tmp_path, images={}, runtimes={"runc", "sysbox-runc"})
