@@ -155,10 +155,10 @@ def test_rendered_dev_cvm_compose_runs_isolated_under_docker_compose(
             assert probe["gateway_udp"].startswith("error:") and got == []
             assert probe["internet_tcp"].startswith("error:")
             assert probe["dns"].startswith("error:")
-            host_direct = _sh(
-                f"curl -sS -m 5 http://{host_ip}:{sec.origin_port}/allowed", check=False
-            )
-            assert host_direct.returncode != 0  # the host's own address: unreachable too
+            # The host's own address, directly: unreachable. Through the proxy: denied by policy.
+            url = f"http://{host_ip}:{sec.origin_port}/allowed"
+            assert _sh(f"curl -sS -m 5 --noproxy '*' {url}", check=False).returncode != 0
+            assert _sh(f"curl -sS -m 30 {url}").stdout.startswith("umbra: denied")
             # HTTP only through forwarder -> (attested) Security CVM proxy -> origin.
             allowed = _sh(f"curl -sS -m 30 http://origin.test:{sec.origin_port}/allowed")
             assert allowed.stdout == "u12-origin-ok"
@@ -245,12 +245,14 @@ def _sh(cmd: str, check: bool = True) -> subprocess.CompletedProcess[str]:
 
 def _wait_running(name: str) -> None:
     """The sandbox's init must stay up (restart: unless-stopped would hide a crash loop)."""
+    state: dict[str, Any] = {}
     for _ in range(30):
-        state = json.loads(_docker("inspect", name).stdout)[0]["State"]
+        doc = json.loads(_docker("inspect", name).stdout)[0]
+        state = doc["State"] | {"RestartCount": doc["RestartCount"]}
         if state["Running"] and not state["Restarting"] and state["RestartCount"] == 0:
             time.sleep(2)
-            again = json.loads(_docker("inspect", name).stdout)[0]["State"]
-            if again["Running"] and again["RestartCount"] == 0:
+            again = json.loads(_docker("inspect", name).stdout)[0]
+            if again["State"]["Running"] and again["RestartCount"] == 0:
                 return
         time.sleep(1)
     logs = _docker("logs", "--tail", "20", name, check=False)
