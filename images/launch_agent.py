@@ -254,6 +254,12 @@ def parse_launch_data(meta: dict[str, str]) -> LaunchData:
     resolvers = meta.get(META_DNS_RESOLVERS)
     if resolvers is not None and role != "security-cvm":
         raise LaunchError(Refusal.INVALID, f"{META_DNS_RESOLVERS}: only a Security CVM takes them")
+    if resolvers is not None and any(
+        ipaddress.IPv4Address(ip).is_loopback for ip in _ipv4_list(META_DNS_RESOLVERS, resolvers)
+    ):
+        # A loopback upstream is what makes Docker < 26 forward internal networks' DNS from the
+        # host's namespace (CVE-2024-29018): never configure one.
+        raise LaunchError(Refusal.INVALID, f"{META_DNS_RESOLVERS}: loopback resolvers refused")
     lb_ip = meta.get(META_LB_IP)
     data = LaunchData(
         role=role,

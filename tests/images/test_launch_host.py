@@ -209,6 +209,11 @@ def _mutations() -> list[tuple[str, Refusal, dict[str, str]]]:
         ("token-shape", Refusal.INVALID, meta | {launch_data.META_ENROLLMENT_TOKEN: "short"}),
         ("tunnel-credential", Refusal.UNKNOWN, meta | {"umbra-tunnel-credential": TOKEN}),
         ("resolvers-on-dev", Refusal.INVALID, meta | {launch_data.META_DNS_RESOLVERS: "8.8.8.8"}),
+        (
+            "resolver-loopback",
+            Refusal.INVALID,
+            sec | {launch_data.META_DNS_RESOLVERS: "127.0.0.53"},
+        ),
     ]
 
 
