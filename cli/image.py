@@ -459,3 +459,34 @@ def host_firewall_cmd(
     except host_firewall.FirewallError as exc:
         fail(str(exc))
     console.print(("removed" if remove else "applied") + " the sandbox bridge rules")
+
+
+@app.command("disks")
+def disks_cmd(
+    rootfs: Annotated[Path, typer.Argument(help="The OS image's rootfs.ext4.")],
+    out: Annotated[Path, typer.Option("--out", help="Directory for the disks.")],
+    source_date_epoch: Annotated[
+        int, typer.Option("--source-date-epoch", help="mtime in the GCP tarball.")
+    ] = 0,
+    as_json: JsonFlag = False,
+) -> None:
+    """Pack the OS image as cloud disks: GCP disk.raw in a .tar.gz, Azure fixed VHD."""
+    from umbra.images.disk_formats import DiskFormatError, build_cloud_disks
+
+    try:
+        disks = build_cloud_disks(rootfs, out, source_date_epoch)
+    except DiskFormatError as exc:
+        fail(str(exc), EXIT_USAGE, as_json=as_json)
+    except OSError as exc:
+        fail(f"{exc.filename}: {exc.strerror}", EXIT_USAGE, as_json=as_json)
+    result = {
+        "raw": str(disks.raw),
+        "raw_sha256": disks.raw_sha256,
+        "gcp": str(disks.gcp_tar_gz),
+        "azure": str(disks.azure_vhd),
+    }
+    if as_json:
+        print_json(result)
+        return
+    for k, v in result.items():
+        console.print(f"{k}: {v}")

@@ -5,12 +5,15 @@ the same on every pack of the same root file system."""
 from __future__ import annotations
 
 import gzip
+import json
 import struct
 import tarfile
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
 
+from umbra.cli.app import app
 from umbra.images.disk_formats import GIB, MIB, DiskFormatError, build_cloud_disks, raw_disk
 from umbra.images.os_image import OsImage
 
@@ -23,12 +26,19 @@ def test_gcp_and_azure_formats_from_the_os_image(qemu_os_image: OsImage, tmp_pat
     need_root_and("qemu-img")
     need_root_and("sfdisk")
     first = build_cloud_disks(qemu_os_image.rootfs, tmp_path / "a", int(EPOCH))
-    second = build_cloud_disks(qemu_os_image.rootfs, tmp_path / "b", int(EPOCH))
+    # The second pack through the CLI the release workflow calls.
+    done = CliRunner().invoke(
+        app,
+        ["image", "disks", str(qemu_os_image.rootfs), "--out", str(tmp_path / "b"),
+         "--source-date-epoch", EPOCH, "--json"],
+    )  # fmt: skip
+    assert done.exit_code == 0, done.output
+    second = json.loads(done.stdout)
     size = first.raw.stat().st_size
     print(f"disk.raw {size >> 20} MiB, sha256 {first.raw_sha256}")
     # Reproducible: the same root file system packs to the same raw bytes and tarball.
-    assert first.raw_sha256 == second.raw_sha256
-    assert first.gcp_tar_gz.read_bytes() == second.gcp_tar_gz.read_bytes()
+    assert first.raw_sha256 == second["raw_sha256"]
+    assert first.gcp_tar_gz.read_bytes() == Path(second["gcp"]).read_bytes()
     assert size % GIB == 0
     # GCP: one member, disk.raw, GNU oldgnu headers ("ustar  \0"), stored sparse.
     with gzip.open(first.gcp_tar_gz) as f:
