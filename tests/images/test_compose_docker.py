@@ -229,8 +229,8 @@ def _check_the_running_dev_cvm(
     assert inspect["Image"] == sandbox.config_digest
     assert inspect["HostConfig"]["Runtime"] == "runc"
     assert f"HTTPS_PROXY=http://10.232.{octet}.2:3128" in inspect["Config"]["Env"]
-    _wait_running("umbra-dev_sandbox_1")
-    _wait_running("umbra-dev_forwarder_1")
+    for service in ("sandbox", "forwarder", "sshd"):
+        _wait_running(f"umbra-dev_{service}_1")
 
 
 def _sh(cmd: str, check: bool = True) -> subprocess.CompletedProcess[str]:
