@@ -202,6 +202,7 @@ def test_rendered_dev_cvm_compose_runs_isolated_under_docker_compose(
             for ref in (
                 sandbox.config_digest,
                 images["forwarder"]["config_digest"],
+                images["sshd"]["config_digest"],
                 images["proxy"]["config_digest"],
             ):
                 _docker("rmi", "-f", ref, check=False)
