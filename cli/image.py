@@ -77,6 +77,10 @@ def measure_cmd(
         list[Path] | None,
         typer.Option("--provenance", help="DSSE provenance of the images (named in the manifest)."),
     ] = None,
+    host_firewall: Annotated[
+        Path | None,
+        typer.Option("--host-firewall", help="The instance's umbra-host-firewall ruleset (Dev)."),
+    ] = None,
     as_json: JsonFlag = False,
 ) -> None:
     """Render the release's compose file and print its golden values."""
@@ -86,6 +90,7 @@ def measure_cmd(
     try:
         m = measure(load_definition(definition))
         index = provenance_index([p.read_bytes() for p in provenance]) if provenance else None
+        ruleset = host_firewall.read_text() if host_firewall is not None else None
     except (DefinitionError, ComposeError, ProvenanceError) as exc:
         fail(str(exc), EXIT_USAGE, as_json=as_json)
     except OSError as exc:
@@ -104,16 +109,16 @@ def measure_cmd(
         "rtmr3_events": [e.model_dump(exclude_none=True) for e in manifest.rtmr3_events],
     }
     binding = None
-    if cvm_id is not None or keys:
+    if cvm_id is not None or keys or ruleset is not None:
         if cvm_id is None:
             fail(
-                "--ssh-key needs --cvm-id (the instance it is bound to)",
+                "--ssh-key/--host-firewall need --cvm-id (the instance they are bound to)",
                 EXIT_USAGE,
                 as_json=as_json,
             )
         try:
-            launch = instance_events(m.role, cvm_id, keys)
-            binding = m.binding(cvm_id, keys)
+            launch = instance_events(m.role, cvm_id, keys, ruleset)
+            binding = m.binding(cvm_id, keys, ruleset)
         except ValueError as exc:
             fail(str(exc), EXIT_USAGE, as_json=as_json)
         result["instance"] = {
@@ -358,13 +363,38 @@ def launch_agent_cmd(
         "/dev/ttyS0"
     ),
     compose: Annotated[
-        str, typer.Option("--compose", help="The compose command (space-separated).")
-    ] = "docker compose",
+        str | None,
+        typer.Option(
+            "--compose",
+            help="Another compose command (space-separated, tests); default: the image's "
+            "docker-compose runner.",
+        ),
+    ] = None,
+    images_dir: Annotated[
+        Path, typer.Option("--images-dir", help="The image archives shipped in the OS image.")
+    ] = Path("/usr/lib/umbra/images"),
+    state_dir: Annotated[
+        Path, typer.Option("--state-dir", help="Where lowered compose files and configs go.")
+    ] = Path("/run/umbra/compose"),
+    allow_runc: Annotated[
+        bool,
+        typer.Option(
+            "--allow-runc", help="Development only: run the sandbox under runc if sysbox is absent."
+        ),
+    ] = False,
     report_ready: Annotated[bool, typer.Option("--report-ready/--no-report-ready")] = True,
+    data_disk: Annotated[
+        str | None,
+        typer.Option(
+            "--data-disk",
+            help="Dev CVMs: the persistent disk (default: the cloud's name for it), or 'none'.",
+        ),
+    ] = None,
 ) -> None:
     """Boot-time: read launch data, measure it into RTMR3, write /run/umbra/launch, start the
     compose, report ready. Refuses (exit 1, reason on the serial console) on bad launch data."""
     from umbra.images import launch_agent as la
+    from umbra.images.launch_host import Ext4DataDisk
 
     source: la.MetadataSource
     reporter: la.Reporter | None
@@ -383,13 +413,24 @@ def launch_agent_cmd(
         extender = la.LogOnly()  # the simulated quote source replays the written event log
     else:
         fail(f"--tee must be tdx or simulated, got {tee!r}", EXIT_USAGE)
+    say = la.serial_console(serial)
+    disk: Ext4DataDisk | None = None
+    if data_disk != "none":
+        device = Path(data_disk) if data_disk else la.DATA_DISKS[cloud]
+        disk = Ext4DataDisk(device, la.DATA_MOUNT)
+    starter: la.Starter = (
+        la.DockerCompose(tuple(compose.split()))
+        if compose
+        else la.ComposeRunnerStart(images_dir, state_dir, allow_runc, say)
+    )
     agent = la.Agent(
         source=source,
         extender=extender,
-        starter=la.DockerCompose(tuple(compose.split())),
+        starter=starter,
         reporter=reporter if report_ready else None,
         launch_dir=launch_dir,
-        say=la.serial_console(serial),
+        say=say,
+        data_disk=disk,
     )
     try:
         agent.run()
@@ -409,3 +450,34 @@ def host_firewall_cmd(
     except host_firewall.FirewallError as exc:
         fail(str(exc))
     console.print(("removed" if remove else "applied") + " the sandbox bridge rules")
+
+
+@app.command("disks")
+def disks_cmd(
+    rootfs: Annotated[Path, typer.Argument(help="The OS image's rootfs.ext4.")],
+    out: Annotated[Path, typer.Option("--out", help="Directory for the disks.")],
+    source_date_epoch: Annotated[
+        int, typer.Option("--source-date-epoch", help="mtime in the GCP tarball.")
+    ] = 0,
+    as_json: JsonFlag = False,
+) -> None:
+    """Pack the OS image as cloud disks: GCP disk.raw in a .tar.gz, Azure fixed VHD."""
+    from umbra.images.disk_formats import DiskFormatError, build_cloud_disks
+
+    try:
+        disks = build_cloud_disks(rootfs, out, source_date_epoch)
+    except DiskFormatError as exc:
+        fail(str(exc), EXIT_USAGE, as_json=as_json)
+    except OSError as exc:
+        fail(f"{exc.filename}: {exc.strerror}", EXIT_USAGE, as_json=as_json)
+    result = {
+        "raw": str(disks.raw),
+        "raw_sha256": disks.raw_sha256,
+        "gcp": str(disks.gcp_tar_gz),
+        "azure": str(disks.azure_vhd),
+    }
+    if as_json:
+        print_json(result)
+        return
+    for k, v in result.items():
+        console.print(f"{k}: {v}")

@@ -42,11 +42,12 @@ META_DATABASE_CA = "umbra-database-ca"
 # Security CVM replicas: the internal load balancer's address, added as a local route.
 META_LB_IP = "umbra-security-lb-ip"
 # The one-time enrollment token (contracts/enrollment.py): the only credential launch data
-# carries; the launch agent writes it to /run/umbra/launch/enrollment-token for the enrolling
-# process. Not measured (it is spent at first boot and differs per launch).
+# carries; the launch agent writes it to a 0600 /run/umbra/launch/enrollment-token for the
+# enrolling process. Not measured (it is spent at first boot and differs per launch).
 META_ENROLLMENT_TOKEN = _ENROLLMENT_KEY
-# Same name as umbra.images.measure.CVM_ID_EVENT (a test keeps them equal).
+# Same names as in umbra.images.measure (a test keeps them equal).
 CVM_ID_EVENT = "umbra.cvm-id"
+HOST_FIREWALL_EVENT = "umbra.host-firewall"
 
 # Azure limits custom data to 64 KiB after base64.
 AZURE_CUSTOM_DATA_MAX = 65536
@@ -123,13 +124,17 @@ class LaunchData:
 
     def expected_events(self) -> dict[str, str]:
         """RTMR3 runtime events, name -> payload hex, in the order the launch agent extends
-        them: the release-bound compose hash, then the launch-bound CVM id and SSH keys."""
+        them: the release-bound compose hash, then the launch-bound CVM id, SSH keys and the
+        host firewall ruleset (SHA-256 of its bytes)."""
         events = {
             COMPOSE_HASH_EVENT: self.compose_sha256,
             CVM_ID_EVENT: self.cvm_id.encode().hex(),
         }
         if self.ssh_keys_sha256 is not None:
             events[SSH_KEYS_EVENT] = self.ssh_keys_sha256
+        ruleset = self.host_firewall
+        if ruleset is not None:
+            events[HOST_FIREWALL_EVENT] = hashlib.sha256(ruleset.encode()).hexdigest()
         return events
 
     def as_metadata(self) -> dict[str, str]:

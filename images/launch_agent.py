@@ -20,13 +20,14 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
+import ipaddress
 import json
 import os
 import re
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 from typing import Protocol
@@ -41,14 +42,30 @@ from umbra.attest.simulator import SimulatedTdx
 from umbra.components.launch_data import (
     META_APP_COMPOSE,
     META_COMPOSE_HASH,
+    META_CONSOLE_CA,
+    META_CONSOLE_URL,
     META_CVM_ID,
+    META_DATABASE_CA,
+    META_DNS_RESOLVERS,
+    META_ENROLLMENT_TOKEN,
     META_EVENTS,
+    META_HOST_FIREWALL,
+    META_LB_IP,
     META_MANIFEST,
     META_ROLE,
+    META_SECURITY_CVM_IPS,
     META_SSH_KEYS,
     META_TEAM,
     PLACEHOLDER_MARK,
     LaunchData,
+)
+from umbra.images.launch_host import (
+    DataDisk,
+    Firewall,
+    HostSetupError,
+    Nft,
+    write_hosts,
+    write_resolv_conf,
 )
 from umbra.images.measure import instance_events as launch_events
 from umbra.images.measure import release_events
@@ -69,13 +86,29 @@ _ID = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 _KNOWN = {
     META_APP_COMPOSE,
     META_COMPOSE_HASH,
+    META_CONSOLE_CA,
+    META_CONSOLE_URL,
     META_CVM_ID,
+    META_DATABASE_CA,
+    META_DNS_RESOLVERS,
+    META_ENROLLMENT_TOKEN,
     META_EVENTS,
+    META_HOST_FIREWALL,
+    META_LB_IP,
     META_MANIFEST,
     META_ROLE,
+    META_SECURITY_CVM_IPS,
     META_SSH_KEYS,
     META_TEAM,
 }
+# Opaque, short-lived, single use (the Console's enrollment endpoint checks it).
+_TOKEN = re.compile(r"^[A-Za-z0-9._~+/=-]{16,1024}$")
+# GCP names the data disk by its device name; Azure by LUN (the udev rule Azure documents).
+DATA_DISKS = {
+    "gcp": Path("/dev/disk/by-id/google-umbra-data"),
+    "azure": Path("/dev/disk/azure/scsi1/lun0"),
+}
+DATA_MOUNT = Path("/var/lib/umbra/data")
 _REQUIRED = {META_ROLE, META_TEAM, META_CVM_ID, META_APP_COMPOSE, META_COMPOSE_HASH}
 
 
@@ -86,6 +119,7 @@ class Refusal(StrEnum):
     INVALID = "invalid_field"
     MISMATCH = "copy_mismatch"
     EXTEND_FAILED = "extend_failed"
+    HOST_SETUP_FAILED = "host_setup_failed"
     START_FAILED = "start_failed"
 
 
@@ -164,6 +198,26 @@ class AzureCustomData:
 # ---- validation -------------------------------------------------------------------------------
 
 
+def _ipv4_list(key: str, value: str) -> tuple[str, ...]:
+    ips = tuple(value.split())
+    if not ips:
+        raise LaunchError(Refusal.INVALID, f"{key}: empty")
+    for ip in ips:
+        try:
+            ipaddress.IPv4Address(ip)
+        except ValueError:
+            raise LaunchError(Refusal.INVALID, f"{key}: {ip!r} is not an IPv4 address") from None
+    return ips
+
+
+def enrollment_token(meta: dict[str, str]) -> str | None:
+    """The launch data's enrollment token, checked for shape only (never echoed)."""
+    token = meta.get(META_ENROLLMENT_TOKEN)
+    if token is not None and not _TOKEN.match(token):
+        raise LaunchError(Refusal.INVALID, f"{META_ENROLLMENT_TOKEN}: not a token (shape)")
+    return token
+
+
 def parse_launch_data(meta: dict[str, str]) -> LaunchData:
     unknown = sorted(set(meta) - _KNOWN)
     if unknown:
@@ -189,6 +243,24 @@ def parse_launch_data(meta: dict[str, str]) -> LaunchData:
         raise LaunchError(Refusal.MISSING, "a Dev CVM needs at least one SSH authorized key")
     if role == "security-cvm" and keys:
         raise LaunchError(Refusal.INVALID, "a Security CVM takes no SSH authorized keys")
+    enrollment_token(meta)
+    sec_ips = meta.get(META_SECURITY_CVM_IPS)
+    if (sec_ips is None) != (META_HOST_FIREWALL not in meta):
+        raise LaunchError(
+            Refusal.MISSING, f"{META_HOST_FIREWALL} and {META_SECURITY_CVM_IPS} come together"
+        )
+    if sec_ips is not None and role != "dev-cvm":
+        raise LaunchError(Refusal.INVALID, f"{META_HOST_FIREWALL}: only a Dev CVM takes one")
+    resolvers = meta.get(META_DNS_RESOLVERS)
+    if resolvers is not None and role != "security-cvm":
+        raise LaunchError(Refusal.INVALID, f"{META_DNS_RESOLVERS}: only a Security CVM takes them")
+    if resolvers is not None and any(
+        ipaddress.IPv4Address(ip).is_loopback for ip in _ipv4_list(META_DNS_RESOLVERS, resolvers)
+    ):
+        # A loopback upstream is what makes Docker < 26 forward internal networks' DNS from the
+        # host's namespace (CVE-2024-29018): never configure one.
+        raise LaunchError(Refusal.INVALID, f"{META_DNS_RESOLVERS}: loopback resolvers refused")
+    lb_ip = meta.get(META_LB_IP)
     data = LaunchData(
         role=role,
         team=team,
@@ -196,7 +268,19 @@ def parse_launch_data(meta: dict[str, str]) -> LaunchData:
         app_compose=app,
         measurement_manifest=meta.get(META_MANIFEST),
         ssh_authorized_keys=tuple(keys),
+        security_cvm_ips=_ipv4_list(META_SECURITY_CVM_IPS, sec_ips) if sec_ips else (),
+        dns_resolvers=_ipv4_list(META_DNS_RESOLVERS, resolvers) if resolvers else (),
+        lb_ip=_ipv4_list(META_LB_IP, lb_ip)[0] if lb_ip else None,
+        console_url=meta.get(META_CONSOLE_URL),
+        console_ca=meta.get(META_CONSOLE_CA),
+        database_ca=meta.get(META_DATABASE_CA),
     )
+    # The ruleset is a copy of what the addresses render to (components.host_firewall): the host
+    # cannot slip other rules in, and what is loaded is measured (umbra.host-firewall).
+    if sec_ips is not None and meta[META_HOST_FIREWALL] != data.host_firewall:
+        raise LaunchError(
+            Refusal.MISMATCH, f"{META_HOST_FIREWALL} is not the ruleset for {META_SECURITY_CVM_IPS}"
+        )
     if meta[META_COMPOSE_HASH] != data.compose_sha256:
         raise LaunchError(Refusal.MISMATCH, f"{META_COMPOSE_HASH} is not the app-compose's SHA-256")
     if META_EVENTS in meta:
@@ -244,7 +328,7 @@ def launch_event_list(data: LaunchData) -> list[Event]:
     """The RTMR3 events, in extend order, from the one definition verifiers replay."""
     compose_hash = hashlib.sha256(data.app_compose.encode()).digest()
     return release_events(compose_hash) + launch_events(
-        data.role, data.cvm_id, list(data.ssh_authorized_keys)
+        data.role, data.cvm_id, list(data.ssh_authorized_keys), data.host_firewall
     )
 
 
@@ -301,9 +385,14 @@ def _write(path: Path, data: str | bytes, mode: int = 0o644) -> None:
     tmp.replace(path)
 
 
-def write_launch_dir(root: Path, data: LaunchData, events: Sequence[Event]) -> Path:
+def write_launch_dir(
+    root: Path, data: LaunchData, events: Sequence[Event], token: str | None = None
+) -> Path:
     """Everything the compose mounts from /run/umbra/launch; returns the compose file path."""
     doc = json.loads(data.app_compose)
+    if token is not None:
+        # Short-lived, exchanged once at the Console; root-only, never measured or logged.
+        _write(root / "enrollment-token", token + "\n", 0o600)
     _write(root / "app-compose.json", data.app_compose)
     compose = root / "docker-compose.yaml"
     _write(compose, doc["docker_compose_file"])
@@ -350,6 +439,29 @@ class DockerCompose:
         if done.returncode != 0:
             tail = (done.stderr or done.stdout).strip().splitlines()[-5:]
             raise LaunchError(Refusal.START_FAILED, " / ".join(tail) or "compose up failed")
+
+
+@dataclass(frozen=True)
+class ComposeRunnerStart:
+    """The CVM's own path: load the image archives shipped in the OS image (checked against the
+    compose's digest pins), then run the measured compose with Debian's docker-compose
+    (umbra.images.compose_runner)."""
+
+    images_dir: Path
+    state_dir: Path
+    allow_runc: bool = False
+    say: Callable[[str], None] = lambda line: print(line, file=sys.stderr)
+
+    def start(self, compose: Path) -> None:
+        from umbra.images import image_store
+        from umbra.images.compose_runner import ComposeRunError, ComposeRunner
+
+        try:
+            images = image_store.load(sorted(self.images_dir.glob("*.docker.tar")))
+            runner = ComposeRunner(self.state_dir, images, self.allow_runc, say=self.say)
+            runner.up(compose.read_text())
+        except (image_store.ImageStoreError, ComposeRunError, OSError) as exc:
+            raise LaunchError(Refusal.START_FAILED, str(exc)) from None
 
 
 class Reporter(Protocol):
@@ -416,18 +528,24 @@ class Agent:
     reporter: Reporter | None
     launch_dir: Path = LAUNCH_DIR
     say: Callable[[str], None] = lambda line: print(line, file=sys.stderr)
+    firewall: Firewall = field(default_factory=Nft)
+    etc_dir: Path = Path("/etc")
+    data_disk: DataDisk | None = None  # Dev CVMs: the persistent workspace disk
 
     def run(self) -> LaunchData:
         """Raises LaunchError (after saying why) when it refuses; starts nothing then."""
         try:
-            data = parse_launch_data(self.source.fetch())
+            meta = self.source.fetch()
+            data = parse_launch_data(meta)
+            token = enrollment_token(meta)
             events = launch_event_list(data)
             if data.is_placeholder:
                 self.say("umbra-launch: PLACEHOLDER compose: no verifier will accept this CVM")
             # Measure first: whatever runs afterwards is already bound into RTMR3.
             for event in events:
                 self.extender.extend(event)
-            compose = write_launch_dir(self.launch_dir, data, events)
+            compose = write_launch_dir(self.launch_dir, data, events, token)
+            self._host(data)
             self.starter.start(compose)
         except LaunchError as exc:
             self.say(f"umbra-launch: REFUSED, nothing started: {exc}")
@@ -441,6 +559,24 @@ class Agent:
             except (httpx.HTTPError, LaunchError) as exc:
                 self.say(f"umbra-launch: could not report ready: {exc}")
         return data
+
+    def _host(self, data: LaunchData) -> None:
+        """Host configuration, before any container: firewall, names, the data disk."""
+        try:
+            ruleset = data.host_firewall
+            if ruleset is not None:
+                self.firewall.load(ruleset)
+                self.say("umbra-launch: host firewall loaded (measured: umbra.host-firewall)")
+            elif data.role == "dev-cvm":
+                self.say("umbra-launch: WARNING no umbra-host-firewall in the launch data")
+            if data.security_cvm_ips:
+                write_hosts(self.etc_dir, data.security_cvm_ips)
+            if data.dns_resolvers:
+                write_resolv_conf(self.etc_dir, data.dns_resolvers)
+            if self.data_disk is not None and data.role == "dev-cvm":
+                self.say(f"umbra-launch: {self.data_disk.mount()}")
+        except (HostSetupError, OSError) as exc:
+            raise LaunchError(Refusal.HOST_SETUP_FAILED, str(exc)) from None
 
 
 def serial_console(path: Path) -> Callable[[str], None]:

@@ -3,7 +3,8 @@
 app-compose.json is canonical JSON {docker_compose_file, manifest_version, name, runner}; its
 SHA-256 is the compose hash, extended into RTMR3 as the `compose-hash` runtime event. Then come
 the launch-bound events, in this order: `umbra.cvm-id` (payload: the id, UTF-8) and, on a Dev
-CVM, `umbra.ssh-authorized-keys` (payload: attest's ssh_keys_digest). Event digests are
+CVM, `umbra.ssh-authorized-keys` (payload: attest's ssh_keys_digest) and, when launch data
+carries one, `umbra.host-firewall` (payload: SHA-256 of the nftables ruleset). Event digests are
 attest's `runtime_event_digest`: this module never hashes an event itself.
 """
 
@@ -17,6 +18,7 @@ from umbra.attest.eventlog import Event, make_runtime_event, replay
 from umbra.attest.measurement import (
     COMPOSE_HASH_EVENT,
     SSH_KEYS_EVENT,
+    ExpectedEvent,
     InstanceBinding,
     ReleaseManifest,
     ssh_keys_digest,
@@ -26,6 +28,8 @@ from umbra.images.definition import BaseMeasurements, DevCvmDefinition, ImageDef
 from umbra.sandbox.render import Rendered, canonical_json, render_dev_cvm, render_security_cvm
 
 CVM_ID_EVENT = "umbra.cvm-id"
+# Payload: SHA-256 of the nftables ruleset (`umbra-host-firewall`) the launch agent loads.
+HOST_FIREWALL_EVENT = "umbra.host-firewall"
 RTMR3 = 3
 
 
@@ -44,7 +48,9 @@ def release_events(compose_hash: bytes) -> list[Event]:
     return [make_runtime_event(RTMR3, COMPOSE_HASH_EVENT, compose_hash)]
 
 
-def instance_events(role: str, cvm_id: str, ssh_keys: Sequence[str] = ()) -> list[Event]:
+def instance_events(
+    role: str, cvm_id: str, ssh_keys: Sequence[str] = (), host_firewall: str | None = None
+) -> list[Event]:
     """The launch-bound events, in the order the launch agent extends them."""
     events = [make_runtime_event(RTMR3, CVM_ID_EVENT, cvm_id.encode())]
     if role == "dev-cvm":
@@ -53,7 +59,17 @@ def instance_events(role: str, cvm_id: str, ssh_keys: Sequence[str] = ()) -> lis
         events.append(make_runtime_event(RTMR3, SSH_KEYS_EVENT, ssh_keys_digest(list(ssh_keys))))
     elif ssh_keys:
         raise ValueError("only a Dev CVM takes SSH authorized keys")
+    if host_firewall is not None:
+        if role != "dev-cvm":
+            raise ValueError("only a Dev CVM takes a host firewall ruleset")
+        events.append(
+            make_runtime_event(RTMR3, HOST_FIREWALL_EVENT, firewall_digest(host_firewall))
+        )
     return events
+
+
+def firewall_digest(ruleset: str) -> bytes:
+    return hashlib.sha256(ruleset.encode()).digest()
 
 
 def expected_rtmr3(events: Sequence[Event]) -> bytes:
@@ -89,15 +105,23 @@ class Measurement:
     def events(self) -> list[Event]:
         return release_events(self.compose_hash)
 
-    def binding(self, cvm_id: str, ssh_keys: Sequence[str] = ()) -> InstanceBinding:
-        """What the launcher hands the verifier for one instance; SSH keys become the event."""
-        instance_events(self.role, cvm_id, ssh_keys)  # same checks as the launch
+    def binding(
+        self, cvm_id: str, ssh_keys: Sequence[str] = (), host_firewall: str | None = None
+    ) -> InstanceBinding:
+        """What the launcher hands the verifier for one instance; SSH keys become the event,
+        the host firewall ruleset an event pinned to its digest."""
+        instance_events(self.role, cvm_id, ssh_keys, host_firewall)  # same checks as the launch
+        events = []
+        if host_firewall is not None:
+            digest = firewall_digest(host_firewall).hex()
+            events.append(ExpectedEvent(name=HOST_FIREWALL_EVENT, imr=RTMR3, payloads=[digest]))
         return InstanceBinding(
             apiVersion="umbra/v1",
             kind="InstanceBinding",
             release=self.release.name,
             instance_id=cvm_id,
             ssh_authorized_keys=list(ssh_keys),
+            events=events,
         )
 
 

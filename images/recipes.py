@@ -93,8 +93,10 @@ def _service(cmd: list[str], user: str = "65534:65534") -> ImageConfig:
     return ImageConfig(Entrypoint=["/usr/bin/tini", "--"], Cmd=cmd, User=user, Env=_ENV)
 
 
+# No entrypoint: the compose's command names the init with its arguments (an entrypoint would
+# receive the command's first word as an argument).
 _SANDBOX_IMAGE = ImageConfig(
-    Entrypoint=["/usr/local/bin/umbra-sandbox-init"],
+    Cmd=["umbra-sandbox-init"],
     Env=_ENV + _CA_ENV,
     WorkingDir="/home/dev",
 )
@@ -103,7 +105,8 @@ RECIPES: dict[Rootfs, Recipe] = {
     Rootfs.RUNTIME: Recipe(
         Rootfs.RUNTIME,
         variant="essential",
-        packages=(*PY_LIBS, "tini", "openssh-server"),
+        # libstdc++6: the proxy's hyperscan extension links it (found by running the image).
+        packages=(*PY_LIBS, "tini", "openssh-server", "libstdc++6"),
         images={
             "forwarder": _service(["umbra", "forwarder", "serve"]),
             "proxy": _service(["umbra", "proxy", "serve"]),

@@ -7,12 +7,17 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
 from umbra.cli.app import app
+from umbra.images.build import BuildResult, build_rootfs
+from umbra.images.oci import BuiltImage
+from umbra.images.os_image import OS_DIR, OsImage, build_os_image, load_os_definition
+from umbra.images.recipes import Rootfs
 
 ROOT = Path(__file__).resolve().parents[2]
 EPOCH = "1700000000"
@@ -41,12 +46,28 @@ def build_inputs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return next(d.glob("umbra-*.whl")), d / "requirements.txt"
 
 
+# Local iteration only (CI never sets it): reuse images `umbra image build` wrote into this
+# directory instead of building them. The reproducibility test then compares a build with itself.
+PREBUILT = os.environ.get("UMBRA_TEST_PREBUILT")
+
+
+def _prebuilt(rootfs: str) -> tuple[Path, dict[str, dict[str, str]]] | None:
+    if not PREBUILT:
+        return None
+    d = Path(PREBUILT)
+    images: dict[str, dict[str, str]] = json.loads((d / f"images.{rootfs}.json").read_text())
+    return d, images
+
+
 @pytest.fixture(scope="session")
 def runtime_builds(
     build_inputs: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
 ) -> tuple[Path, dict[str, dict[str, str]], dict[str, dict[str, str]]]:
     """The `runtime` images built twice from the same inputs (the first build's dir, both
     builds' image tables)."""
+    pre = _prebuilt("runtime")
+    if pre is not None:
+        return pre[0], pre[1], pre[1]
     first, second = tmp_path_factory.mktemp("uim-b1"), tmp_path_factory.mktemp("uim-b2")
     return first, build_runtime(first, *build_inputs), build_runtime(second, *build_inputs)
 
@@ -67,3 +88,46 @@ def docker_up() -> None:
     done = subprocess.run([str(ROOT / "scripts/docker-up")], capture_output=True, text=True)
     if done.returncode != 0:
         pytest.fail(f"scripts/docker-up could not start a Docker engine:\n{done.stderr}")
+
+
+@pytest.fixture(scope="session")
+def sandbox_ci_build(
+    build_inputs: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
+) -> BuildResult:
+    """`sandbox-ci` built once per session; the image and compose tests share it."""
+    pre = _prebuilt("sandbox-ci")
+    if pre is not None:
+        d, images = pre
+        built = [
+            BuiltImage(n, i["config_digest"], i["manifest_digest"], "", d / i["archive"])
+            for n, i in images.items()
+        ]
+        return BuildResult(Rootfs.SANDBOX_CI, int(EPOCH), built)
+    wheel, req = build_inputs
+    return build_rootfs(
+        Rootfs.SANDBOX_CI,
+        tmp_path_factory.mktemp("uim-sbx"),
+        wheel=wheel,
+        requirements=req,
+        host_python_prefix=Path(sys.base_prefix),
+        epoch=int(EPOCH),
+    )
+
+
+@pytest.fixture(scope="session")
+def qemu_os_image(
+    build_inputs: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
+) -> OsImage:
+    """The `qemu` OS image, built once: the boot test boots it, the disk-format test packs it."""
+    from .test_qemu_boot import STUB
+
+    wheel, req = build_inputs
+    return build_os_image(
+        load_os_definition(OS_DIR / "qemu.yaml"),
+        tmp_path_factory.mktemp("uim-os"),
+        wheel=wheel,
+        requirements=req,
+        host_python_prefix=Path(sys.base_prefix),
+        epoch=int(EPOCH),
+        extra_files={"/usr/local/bin/umbra-compose-stub": STUB},
+    )

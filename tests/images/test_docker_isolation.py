@@ -21,7 +21,11 @@ from typing import Any
 import pytest
 
 from umbra.images import host_firewall
+from umbra.images.measure import measure
+from umbra.images.os_image import OS_DIR, load_os_definition
+from umbra.sandbox.validate import ComposeError, validate_dev_compose
 
+from ..sandbox.fixtures import dev_definition
 from .conftest import docker_up
 
 pytestmark = pytest.mark.timeout(1500)
@@ -153,3 +157,23 @@ def test_sandbox_bridge_reaches_nothing_with_the_host_firewall(
         host_firewall.remove([bridge])
         _docker("network", "rm", net, check=False)
         _docker("rmi", "-f", tag, check=False)
+
+
+def test_cve_2024_29018_path_stays_closed_by_configuration() -> None:
+    """Docker < 26 (CI's Debian docker.io is 20.10) may forward DNS for containers on internal
+    networks from the host's namespace when the upstream resolver is on loopback
+    (CVE-2024-29018). The CVM never has such an upstream: compose `dns` is refused by the
+    validator, the OS images carry no local resolver, the launch agent refuses loopback
+    resolvers (tests/images/test_launch_host.py). The running sandbox's DNS is shown dead in
+    tests/images/test_compose_docker.py."""
+    with pytest.raises(ComposeError, match="custom DNS servers are not allowed"):
+        validate_dev_compose(_with_dns(measure(dev_definition()).compose.text))
+    for name in ("gcp.yaml", "azure.yaml", "qemu.yaml"):
+        packages = set(load_os_definition(OS_DIR / name).packages)
+        assert not packages & {"systemd-resolved", "dnsmasq", "unbound", "bind9"}, name
+
+
+def _with_dns(compose: str) -> str:
+    return compose.replace(
+        "    hostname: sandbox\n", "    hostname: sandbox\n    dns: [127.0.0.1]\n"
+    )

@@ -288,7 +288,7 @@ def test_cli_agent_runs_the_compose_command_or_refuses_on_the_console(
     script.chmod(0o755)
     base = ["image", "launch-agent", "--cloud", "gcp", "--tee", "simulated",
             "--metadata-url", standin.url, "--launch-dir", str(tmp_path / "launch"),
-            "--console", str(serial), "--compose", str(script)]  # fmt: skip
+            "--data-disk", "none", "--console", str(serial), "--compose", str(script)]  # fmt: skip
     done = runner.invoke(app, base)
     assert done.exit_code == 0, done.output
     compose = tmp_path / "launch/docker-compose.yaml"
@@ -297,7 +297,7 @@ def test_cli_agent_runs_the_compose_command_or_refuses_on_the_console(
     assert "started" in serial.read_text()
     standin.attributes = data.gcp_metadata() | {"umbra-compose-hash": "f" * 64}
     marker.unlink()
-    refused = runner.invoke(app, [*base[:-6], "--launch-dir", str(tmp_path / "l2"),
+    refused = runner.invoke(app, [*base[:-8], "--launch-dir", str(tmp_path / "l2"),
                                   "--console", str(serial), "--compose", str(script)])  # fmt: skip
     assert refused.exit_code == 1
     assert "REFUSED, nothing started: copy_mismatch" in serial.read_text()

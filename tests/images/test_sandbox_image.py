@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-from umbra.images.build import build_rootfs
-from umbra.images.recipes import CA_BUNDLE, NPM_AGENTS, Rootfs
+from umbra.images.build import BuildResult
+from umbra.images.recipes import CA_BUNDLE, NPM_AGENTS
 
 from .conftest import docker_up
 
@@ -25,17 +23,9 @@ CHECK = (
 
 
 def test_sandbox_ci_image_has_the_tools_and_the_agents_start(
-    build_inputs: tuple[Path, Path], tmp_path: Path
+    sandbox_ci_build: BuildResult,
 ) -> None:
-    wheel, req = build_inputs
-    result = build_rootfs(
-        Rootfs.SANDBOX_CI,
-        tmp_path,
-        wheel=wheel,
-        requirements=req,
-        host_python_prefix=Path(sys.base_prefix),
-        epoch=1700000000,
-    )
+    result = sandbox_ci_build
     (image,) = result.images
     npm = {i.uri for i in result.inputs if i.uri.startswith("pkg:npm/")}
     assert npm == {f"pkg:npm/{spec}" for spec in NPM_AGENTS}

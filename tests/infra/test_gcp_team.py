@@ -14,7 +14,7 @@ import yaml
 from tests.infra.harness import ROOT, Recorder, example_raw, gcp_allows, run_program
 from umbra.attest.measurement import COMPOSE_HASH_EVENT, SSH_KEYS_EVENT, ssh_keys_digest
 from umbra.components.config import ConfigError, CvmConfig, TeamStack, parse_stack_config
-from umbra.components.launch_data import CVM_ID_EVENT, LaunchData
+from umbra.components.launch_data import CVM_ID_EVENT, HOST_FIREWALL_EVENT, LaunchData
 from umbra.components.naming import Owner, dev_cvm_name
 from umbra.components.ports import PRIVATE_ZONE, SECURITY_CVM_HOST
 from umbra.components.program import build_team, read_launch_files
@@ -87,7 +87,10 @@ def test_launch_data_carries_the_measured_inputs(acme: tuple[Recorder, TeamStack
     alice = next(d for d in cfg.developers if d.name == "alice")
     meta: dict[str, Any] = mocks.one(INSTANCE, "acme-alice-main").inputs["metadata"]
     events = json.loads(meta["umbra-rtmr3-events"])
-    assert list(events) == [COMPOSE_HASH_EVENT, CVM_ID_EVENT, SSH_KEYS_EVENT]
+    assert list(events) == [COMPOSE_HASH_EVENT, CVM_ID_EVENT, SSH_KEYS_EVENT, HOST_FIREWALL_EVENT]
+    # The host ruleset is measured too (the launch agent extends its digest before loading it).
+    ruleset = meta["umbra-host-firewall"].encode()
+    assert events[HOST_FIREWALL_EVENT] == hashlib.sha256(ruleset).hexdigest()
     assert events[SSH_KEYS_EVENT] == ssh_keys_digest(list(alice.ssh_keys)).hex()
     name = dev_cvm_name("acme", "alice", "main", Owner.TEAM_STACK)
     assert events[CVM_ID_EVENT] == name.encode().hex()

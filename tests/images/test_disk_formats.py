@@ -1,0 +1,73 @@
+"""The cloud disk formats, packed from the OS image the QEMU boot test builds: GCP's `disk.raw`
+in an oldgnu, sparse `.tar.gz`, Azure's fixed VHD (1 MiB aligned), and a raw disk whose bytes are
+the same on every pack of the same root file system."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import struct
+import tarfile
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from umbra.cli.app import app
+from umbra.images.disk_formats import GIB, MIB, DiskFormatError, build_cloud_disks, raw_disk
+from umbra.images.os_image import OsImage
+
+from .conftest import EPOCH, need_root_and
+
+pytestmark = pytest.mark.timeout(1500)
+
+
+def test_gcp_and_azure_formats_from_the_os_image(qemu_os_image: OsImage, tmp_path: Path) -> None:
+    need_root_and("qemu-img")
+    need_root_and("sfdisk")
+    first = build_cloud_disks(qemu_os_image.rootfs, tmp_path / "a", int(EPOCH))
+    # The second pack through the CLI the release workflow calls.
+    done = CliRunner().invoke(
+        app,
+        ["image", "disks", str(qemu_os_image.rootfs), "--out", str(tmp_path / "b"),
+         "--source-date-epoch", EPOCH, "--json"],
+    )  # fmt: skip
+    assert done.exit_code == 0, done.output
+    second = json.loads(done.stdout)
+    size = first.raw.stat().st_size
+    print(f"disk.raw {size >> 20} MiB, sha256 {first.raw_sha256}")
+    # Reproducible: the same root file system packs to the same raw bytes and tarball.
+    assert first.raw_sha256 == second["raw_sha256"]
+    assert first.gcp_tar_gz.read_bytes() == Path(second["gcp"]).read_bytes()
+    assert size % GIB == 0
+    # GCP: one member, disk.raw, GNU oldgnu headers ("ustar  \0"), stored sparse.
+    with gzip.open(first.gcp_tar_gz) as f:
+        header = f.read(512)
+    assert header[:8] == b"disk.raw" and header[257:265] == b"ustar  \x00"
+    with tarfile.open(first.gcp_tar_gz) as tar:
+        (member,) = tar.getmembers()
+        assert member.name == "disk.raw" and member.size == size and member.issparse()
+        assert member.mtime == int(EPOCH) and member.uid == member.gid == 0
+    # Azure: a fixed VHD is the raw bytes plus a 512-byte "conectix" footer.
+    vhd = first.azure_vhd
+    assert vhd.stat().st_size == size + 512
+    with vhd.open("rb") as f:
+        f.seek(size)
+        footer = f.read(512)
+        f.seek(0)
+        head = f.read(MIB)
+    cookie, _feat, _ver, data_offset = struct.unpack(">8sIIQ", footer[:24])
+    original, current = struct.unpack(">QQ", footer[40:56])
+    (disk_type,) = struct.unpack(">I", footer[60:64])
+    assert cookie == b"conectix" and data_offset == 0xFFFFFFFFFFFFFFFF
+    assert disk_type == 2  # fixed
+    assert original == current == size and current % MIB == 0
+    with first.raw.open("rb") as f:
+        assert head == f.read(MIB)  # the protective MBR and GPT, unchanged
+
+
+def test_a_rootfs_not_in_whole_mib_is_refused(tmp_path: Path) -> None:
+    odd = tmp_path / "rootfs.ext4"
+    odd.write_bytes(b"x" * 1000)
+    with pytest.raises(DiskFormatError, match="not a whole number of MiB"):
+        raw_disk(odd, tmp_path / "disk.raw")
