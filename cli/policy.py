@@ -11,6 +11,7 @@ from pydantic import BaseModel
 from rich.table import Table
 
 from umbra.cli.output import EXIT_FINDINGS, EXIT_USAGE, console, fail, print_issues, print_json
+from umbra.contracts.keys import KeyFileError, write_key_pair
 from umbra.proxy.policy.bundle import (
     BundleError,
     BundlePayload,
@@ -21,7 +22,6 @@ from umbra.proxy.policy.bundle import (
     payload_document,
     sign_bundle,
     verify_bundle,
-    write_key_pair,
 )
 from umbra.proxy.policy.diff import PolicyDiff, diff_policy_sets, load_at_revision
 from umbra.proxy.policy.errors import PolicyError
@@ -365,8 +365,8 @@ def keygen(
     """Create an Ed25519 release key pair for signing bundles."""
     try:
         public = write_key_pair(generate_key(), path)
-    except FileExistsError:
-        fail(f"{path} exists; refusing to overwrite a key", EXIT_USAGE)
+    except KeyFileError as exc:
+        fail(str(exc), EXIT_USAGE)
     console.print(f"[green]created[/] {path} (keep it secret) and {public} (pin this one)")
 
 

@@ -357,8 +357,9 @@ def prepare_material(stack: Stack) -> None:
     """Keys, the simulated TEE, golden values and config files; made once, reused after."""
     from umbra.attest.simpki import SimulatedPki
     from umbra.attest.simulator import SimulatedTdx
+    from umbra.contracts.keys import write_key_pair
     from umbra.contracts.session import CVM_ID_EVENT
-    from umbra.proxy.policy.bundle import generate_key, write_key_pair
+    from umbra.proxy.policy.bundle import generate_key
 
     keys = stack.p("keys")
     keys.mkdir(exist_ok=True, mode=0o700)

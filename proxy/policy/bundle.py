@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import Literal, Self
 
 from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from pydantic import Field, ValidationError, model_validator
 
+from umbra.contracts import keys
 from umbra.contracts.canonical import canonical_json
 from umbra.contracts.keys import key_id
 from umbra.proxy.policy.compiled import CompiledProfile
@@ -184,38 +184,15 @@ def generate_key() -> Ed25519PrivateKey:
     return Ed25519PrivateKey.generate()
 
 
-def write_key_pair(key: Ed25519PrivateKey, private_path: Path) -> Path:
-    """Write PKCS#8 PEM (mode 0600) and its public key beside it as `<name>.pub`; return the latter."""
-    pem = key.private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-    )
-    private_path.parent.mkdir(parents=True, exist_ok=True)
-    private_path.touch(mode=0o600, exist_ok=False)
-    private_path.write_bytes(pem)
-    public_path = private_path.with_name(private_path.name + ".pub")
-    public_path.write_bytes(
-        key.public_key().public_bytes(
-            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
-        )
-    )
-    return public_path
-
-
 def load_private_key(path: Path) -> Ed25519PrivateKey:
     try:
-        key = serialization.load_pem_private_key(path.read_bytes(), password=None)
-    except (OSError, ValueError, TypeError) as exc:
-        raise BundleError(f"{path}: cannot load signing key ({type(exc).__name__})") from None
-    if not isinstance(key, Ed25519PrivateKey):
-        raise BundleError(f"{path}: signing key is not an Ed25519 key")
-    return key
+        return keys.load_private_key(path)
+    except keys.KeyFileError as exc:
+        raise BundleError(f"signing key: {exc}") from None
 
 
 def load_public_key(path: Path) -> Ed25519PublicKey:
     try:
-        key = serialization.load_pem_public_key(path.read_bytes())
-    except (OSError, ValueError) as exc:
-        raise BundleError(f"{path}: cannot load public key ({type(exc).__name__})") from None
-    if not isinstance(key, Ed25519PublicKey):
-        raise BundleError(f"{path}: public key is not an Ed25519 key")
-    return key
+        return keys.load_public_key(path)
+    except keys.KeyFileError as exc:
+        raise BundleError(f"public key: {exc}") from None
