@@ -11,8 +11,7 @@ from collections.abc import Sequence
 
 from umbra.attest.eventlog import Event
 from umbra.contracts.enroll_client import EnrollError, ensure_credential
-from umbra.proxy.runner import ProxyConfig, StartupError
-from umbra.proxy.tunnel_quote import EvidenceError, build_evidence
+from umbra.proxy.runner import ProxyConfig, StartupError, config_evidence
 
 
 def ensure_console_credential(config: ProxyConfig) -> bool:
@@ -21,15 +20,7 @@ def ensure_console_credential(config: ProxyConfig) -> bool:
         return False
     assert config.console_url is not None and config.security_cvm_id is not None
     assert config.console_credential_file is not None  # ProxyConfig requires them together
-    try:
-        source, events = build_evidence(
-            config.quote_source,
-            event_log=config.event_log,
-            simulated_pki=config.simulated_pki,
-            simulated_image=config.simulated_image,
-        )
-    except EvidenceError as exc:
-        raise StartupError(f"enrollment evidence: {exc}") from None
+    source, events = config_evidence(config, "enrollment evidence")
 
     def quoter(report_data: bytes) -> tuple[bytes, Sequence[Event] | None]:
         return source.get_quote(report_data), events() if events is not None else None

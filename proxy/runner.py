@@ -85,6 +85,19 @@ def _own_addresses(listen_host: str) -> set[IPAddress]:
     return {address for address in found if not address.is_unspecified}
 
 
+def config_evidence(config: ProxyConfig, purpose: str) -> Evidence:
+    """This TD's quote source (and event log) as the options name them; StartupError if not."""
+    try:
+        return build_evidence(
+            config.quote_source,
+            event_log=config.event_log,
+            simulated_pki=config.simulated_pki,
+            simulated_image=config.simulated_image,
+        )
+    except EvidenceError as exc:
+        raise StartupError(f"{purpose}: {exc}") from None
+
+
 class UmbraProxy:
     """Everything the proxy runs: mitmproxy master, spool, shipper and policy puller."""
 
@@ -107,15 +120,7 @@ class UmbraProxy:
         config = self.config
         if config.tunnel_listen_host is None and not config.secrets_from_console:
             return None
-        try:
-            return build_evidence(
-                config.quote_source,
-                event_log=config.event_log,
-                simulated_pki=config.simulated_pki,
-                simulated_image=config.simulated_image,
-            )
-        except EvidenceError as exc:
-            raise StartupError(f"attestation evidence: {exc}") from None
+        return config_evidence(config, "attestation evidence")
 
     def _console_client(self) -> httpx.AsyncClient | None:
         """One HTTP client for the Console, carrying this Security CVM's credential."""
