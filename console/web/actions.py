@@ -68,12 +68,15 @@ def destroy(console: Console, user: User, team: str, cvm_id: str) -> str:
 def rotate_secret(console: Console, user: User, team: str, name: str, value: str) -> str:
     """A new value for an existing team secret; its hosts stay as they are."""
     queries.team_role(user, team, "admin")
-    hosts = queries.team_secret_hosts(console, team, name)
-    if hosts is None:
+    state = queries.team_secret_state(console, team, name)
+    if state is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"team secret {name!r} not found")
+    hosts, version = state
     try:
         body = TeamSecretSet(value=value, hosts=hosts)
     except ValidationError as exc:
         raise _invalid(exc) from None
-    info = secret_routes.set_team_secret(team, name, body, console, user)
+    # Conditional on the version whose hosts were read: a concurrent change gets 412, never a
+    # silent overwrite of hosts someone else just set (as `umbra secret rotate` does).
+    info = secret_routes.set_team_secret(team, name, body, console, user, f'"{version}"')
     return f"team/{info.name} is now version {info.version}"

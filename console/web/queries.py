@@ -299,14 +299,15 @@ def secret_list(console: Console, user: User, team: str) -> SecretsView:
         return SecretsView([secret_info(r) for r in team_rows], [secret_info(r) for r in mine])
 
 
-def team_secret_hosts(console: Console, team: str, name: str) -> list[str] | None:
+def team_secret_state(console: Console, team: str, name: str) -> tuple[list[str], int] | None:
+    """A team secret's hosts and version (metadata only), or None."""
     with console.session() as session:
         row = session.execute(
             select(Secret).where(
                 col(Secret.team) == team, col(Secret.scope) == "team", col(Secret.name) == name
             )
         ).scalar_one_or_none()
-    return list(row.hosts) if row is not None else None
+    return (list(row.hosts), row.version) if row is not None else None
 
 
 @dataclass(frozen=True)

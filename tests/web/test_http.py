@@ -242,6 +242,29 @@ def test_secret_rotation_is_write_only_and_audited(seeded: Seed, issuer: LocalIs
         assert refused.status_code == 403
 
 
+def test_web_rotation_is_conditional_on_the_version_it_read(
+    seeded: Seed, issuer: LocalIssuer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The form rotates with the version whose hosts it read: a change in between (here the read
+    is made stale) gets 412 and stores nothing, never a silent overwrite of newer hosts."""
+    team = seeded.team.name
+    fresh = queries.team_secret_state(seeded.server.console, team, "bot")
+    assert fresh is not None
+    hosts, version = fresh
+    monkeypatch.setattr(queries, "team_secret_state", lambda *_: (hosts, version - 1))
+    with closing(admin(seeded, issuer)) as client:
+        page = client.get(f"/ui/teams/{team}/secrets").text
+        token = re.search(r'name="csrf" value="([^"]+)"', page)
+        assert token is not None
+        stale = client.post(
+            f"/ui/teams/{team}/secrets/rotate",
+            data={"csrf": token.group(1), "name": "bot", "value": SECRET_VALUE},
+        )
+        assert stale.status_code == 412 and SECRET_VALUE not in stale.text
+    monkeypatch.undo()
+    assert queries.team_secret_state(seeded.server.console, team, "bot") == (hosts, version)
+
+
 def test_session_and_login_tampering(seeded: Seed, issuer: LocalIssuer) -> None:
     server = seeded.server
     with httpx.Client(base_url=server.url, timeout=30) as client:
