@@ -166,7 +166,7 @@ def create_app(
         enroll,
     ):
         app.include_router(module.router)
-    mount_web(app)
+    mount_web(app, console.settings.web_session_key)
     _install_error_handlers(app)
     _register_extra_schemas(app, [TrafficBatch])
     app.add_middleware(

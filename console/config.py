@@ -128,6 +128,11 @@ class Settings(BaseModel):
         default_factory=dict, description="Key encryption keys: key id -> base64 of 32 bytes."
     )
     kek_current: str | None = Field(default=None, description="Key id that wraps new data keys.")
+    web_session_key: str | None = Field(
+        default=None,
+        description="Base64 of 32 bytes keying the web view's cookies, the same for every worker "
+        "and replica (unset: a random key per process, so only one worker may serve).",
+    )
     providers: list[str] = Field(default_factory=lambda: ["local"])
     gcp: GcpProvider | None = Field(
         default=None, description="Settings of the `gcp` provider (JSON in UMBRA_CONSOLE_GCP)."
@@ -206,6 +211,18 @@ class Settings(BaseModel):
                 raise ValueError(f"key {key_id!r} is not valid base64") from None
             if len(raw) != 32:
                 raise ValueError(f"key {key_id!r} must be 32 bytes (AES-256)")
+        return value
+
+    @field_validator("web_session_key")
+    @classmethod
+    def _check_web_session_key(cls, value: str | None) -> str | None:
+        if value is not None:
+            try:
+                raw = base64.b64decode(value, validate=True)
+            except binascii.Error:
+                raise ValueError("not valid base64") from None
+            if len(raw) != 32:
+                raise ValueError("must be 32 bytes")
         return value
 
     @model_validator(mode="after")
@@ -288,7 +305,8 @@ def _parse_keks(text: str, setting: str) -> dict[str, str]:
 
 def settings_summary(settings: Settings) -> dict[str, Any]:
     """Settings without key material, for logs."""
-    summary: dict[str, Any] = settings.model_dump(mode="json", exclude={"kek"})
+    summary: dict[str, Any] = settings.model_dump(mode="json", exclude={"kek", "web_session_key"})
+    summary["web_session_key"] = "set" if settings.web_session_key else None
     summary["kek_ids"] = sorted(settings.kek)
     summary["database_url"] = _redact_url(settings.database_url)
     return summary

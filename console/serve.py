@@ -97,6 +97,12 @@ def serve(
         raise ConfigError("workers: must be at least 1")
     if workers > 1 and settings.is_sqlite:
         raise ConfigError("workers: SQLite (the embedded default) is served by one worker")
+    if workers > 1 and settings.web_session_key is None:
+        # Each worker would key web cookies at random: a login on one is refused by the others.
+        raise ConfigError(
+            "workers: set UMBRA_CONSOLE_WEB_SESSION_KEY (base64 of 32 bytes) so every worker "
+            "accepts the same web sessions"
+        )
     if (tls_cert is None) != (tls_key is None):
         raise ConfigError("tls: give both --tls-cert and --tls-key, or neither")
     for path in (tls_cert, tls_key):

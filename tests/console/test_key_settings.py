@@ -38,3 +38,32 @@ def test_bundle_keys_as_pem_text_or_path(tmp_path: Path) -> None:
     )
     with pytest.raises(ConfigError, match="bundle_public_keys: PEM text"):
         build_console(broken)
+
+
+def test_web_session_key_is_shared_by_workers_and_never_summarised() -> None:
+    """Workers (and replicas) key web cookies from one setting, so a login on one is accepted by
+    all; several workers without it are refused at start; the key never reaches the summary."""
+    import base64
+    import os
+    import time
+
+    from umbra.console.config import settings_summary
+    from umbra.console.serve import serve
+    from umbra.console.web.session import WebKeys, WebSession
+
+    raw = os.urandom(32)
+    encoded = base64.b64encode(raw).decode()
+    session = WebSession("alice", {"t": "admin"}, "csrf", int(time.time()) + 60)
+    cookie = WebKeys(raw).seal_session(session)
+    assert WebKeys(raw).open_session(cookie) == session  # another worker, same setting
+    assert WebKeys().open_session(cookie) is None  # a per-process random key: refused
+    url = "postgresql://u:p@127.0.0.1:1/db"
+    base = {"UMBRA_CONSOLE_DATABASE_URL": url, "UMBRA_CONSOLE_OIDC_ISSUER": "https://idp.test"}
+    settings = settings_from_env(base | {"UMBRA_CONSOLE_WEB_SESSION_KEY": encoded})
+    assert settings.web_session_key == encoded
+    assert encoded not in str(settings_summary(settings))
+    with pytest.raises(ConfigError, match="UMBRA_CONSOLE_WEB_SESSION_KEY"):
+        serve(settings_from_env(base), "127.0.0.1", 0, workers=2)
+    for bad in ("not base64!", base64.b64encode(b"short").decode()):
+        with pytest.raises(ConfigError, match="UMBRA_CONSOLE_WEB_SESSION_KEY: .*(base64|32 bytes)"):
+            settings_from_env(base | {"UMBRA_CONSOLE_WEB_SESSION_KEY": bad})

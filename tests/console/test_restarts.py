@@ -4,6 +4,7 @@ same CVMs from either worker (no state lives only in one process's memory)."""
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import signal
@@ -173,6 +174,7 @@ def two_workers(
         "UMBRA_CONSOLE_DATABASE_URL": url,
         "UMBRA_CONSOLE_OIDC_ISSUER": issuer.url,
         "UMBRA_CONSOLE_OIDC_ALLOW_INSECURE_HTTP": "true",
+        "UMBRA_CONSOLE_WEB_SESSION_KEY": base64.b64encode(os.urandom(32)).decode(),
     }
     process = subprocess.Popen(
         [UMBRA, "console", "serve", "--port", str(port), "--workers", "2", "--migrate"],
