@@ -511,6 +511,11 @@ def build_dev_cvm(target: TeamTarget, spec: DevCvmSpec, *, running: bool = True)
             developer=spec.developer,
             ssh_authorized_keys=spec.ssh_authorized_keys,
             security_cvm_ips=team.require_output("security_cvm_ip").apply(lambda ip: [ip]),
+            # The forwarder enrolls there once (the token below); a team stack from before
+            # these outputs gives none, and the CVM's enrollment then fails with the reason.
+            console_url=team.get_output("console_url").apply(lambda url: str(url or "")),
+            console_ca=team.get_output("console_ca_pem").apply(lambda pem: str(pem or "")),
+            console_ips=team.get_output("console_ips").apply(lambda ips: list(ips or [])),
             data_disk_gb=spec.data_disk_gb,
             running=running,
             enrollment_token=spec.enrollment_token,

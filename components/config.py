@@ -196,6 +196,9 @@ class TeamStack(_Strict):
     console_stack: (
         Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+){0,2}$")] | None
     ) = None
+    # The Console's address(es) a Dev CVM's forwarder dials to enroll (it has no DNS); its host
+    # firewall admits exactly these on 443 from the forwarder. Empty: Dev CVMs cannot enroll.
+    console_ips: list[ipaddress.IPv4Address] = Field(default_factory=list, max_length=4)
     network: NetworkConfig
     security_cvm: SecurityCvmConfig
     dev_cvm: CvmConfig

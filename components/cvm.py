@@ -82,6 +82,12 @@ class DevCvmArgs(CvmArgs):
     # The team's Security CVM address(es): the host firewall and /etc/hosts name them, so the
     # Dev CVM needs no DNS at all.
     security_cvm_ips: pulumi.Input[Sequence[str]] = ()
+    # The Console the forwarder enrolls at (once, at first start, with the launch data's one-time
+    # token), its TLS CA and its address(es): the Dev CVM has no DNS, and its host firewall
+    # admits exactly these addresses on 443 from the forwarder's uplink.
+    console_url: pulumi.Input[str] | None = None
+    console_ca: pulumi.Input[str] | None = None
+    console_ips: pulumi.Input[Sequence[str]] = ()
     data_disk_gb: int = 100
 
     def __post_init__(self) -> None:
@@ -122,9 +128,16 @@ def _launch_data(
     dns_resolvers: Sequence[str] = (),
     lb_ip: str = "",
     console: tuple[pulumi.Input[str] | None, pulumi.Input[str] | None] = (None, None),
+    console_ips: pulumi.Input[Sequence[str]] = (),
 ) -> pulumi.Output[LaunchData]:
     manifest = args.measurement_manifest
-    inputs: list[pulumi.Input[Any]] = [args.app_compose, manifest, security_ips, *console]
+    inputs: list[pulumi.Input[Any]] = [
+        args.app_compose,
+        manifest,
+        security_ips,
+        *console,
+        console_ips,
+    ]
     if args.enrollment_token:
         # Secret: the token is encrypted in the stack's state, and so is the metadata it joins.
         inputs.append(pulumi.Output.secret(args.enrollment_token))
@@ -141,7 +154,8 @@ def _launch_data(
             lb_ip=lb_ip or None,
             console_url=v[3] or None,
             console_ca=v[4] or None,
-            enrollment_token=v[5] if len(v) > 5 else None,
+            console_ips=tuple(v[5] or ()),
+            enrollment_token=v[6] if len(v) > 6 else None,
         )
     )
 
@@ -223,7 +237,14 @@ class DevCvm(_Cvm):
         spec = VmSpec(
             role=ROLE_DEV,
             args=args,
-            launch=_launch_data(ROLE_DEV, args, keys, args.security_cvm_ips),
+            launch=_launch_data(
+                ROLE_DEV,
+                args,
+                keys,
+                args.security_cvm_ips,
+                console=(args.console_url, args.console_ca),
+                console_ips=args.console_ips,
+            ),
             private_ip=None,
             public_ip=False,
             ssh_keys=keys,

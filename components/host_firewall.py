@@ -5,7 +5,8 @@ resolver, so a name lookup is a channel out unless the guest drops it itself.
 
 The ruleset (one `inet` table, replaced atomically with `nft -f`):
 - forward: only the forwarder's uplink network may open connections, only to the Security CVM's
-  tunnel port; the attested SSH ingress may reach the forwarder; the compose's internal networks
+  tunnel port and (for its one enrollment at first start) the Console's HTTPS port; the attested
+  SSH ingress may reach the forwarder; the compose's internal networks
   talk among themselves; replies of allowed flows pass; everything else, DNS first, is dropped.
 - output (the host's own processes): loopback, replies, DHCP, and optionally NTP and an IMDS
   HTTP allowance for named uids (Azure's TD quote comes from IMDS); never DNS, never anything else.
@@ -22,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from umbra.components.ports import (
+    CONSOLE_PORT,
     DEV_ATTESTED_SSH_PORT,
     DEV_FORWARDER_INGRESS_PORT,
     DEV_INTERNAL_CIDRS,
@@ -37,6 +39,10 @@ TABLE = "umbra_host"
 class HostFirewall:
     security_cvm_ips: Sequence[str]
     tunnel_port: int = SECURITY_TUNNEL_PORT
+    # The Console's address(es): the forwarder enrolls there (one-time token -> tunnel
+    # credential, docs/specs/embedded.md "Enrollment"). Empty: no Console path at all.
+    console_ips: Sequence[str] = ()
+    console_port: int = CONSOLE_PORT
     uplink_cidr: str = DEV_UPLINK_CIDR
     internal_cidrs: Sequence[str] = DEV_INTERNAL_CIDRS
     ssh_port: int = DEV_ATTESTED_SSH_PORT
@@ -50,7 +56,12 @@ class HostFirewall:
     def __post_init__(self) -> None:
         if not self.security_cvm_ips:
             raise ValueError("HostFirewall: no Security CVM address")
-        for ip in [*self.security_cvm_ips, *self.metadata_addresses, *self.ntp_servers]:
+        for ip in [
+            *self.security_cvm_ips,
+            *self.console_ips,
+            *self.metadata_addresses,
+            *self.ntp_servers,
+        ]:
             try:
                 ipaddress.IPv4Address(ip)
             except ValueError:
@@ -58,7 +69,12 @@ class HostFirewall:
                 raise ValueError(f"HostFirewall: {ip!r} is not an IPv4 address") from None
         for cidr in [self.uplink_cidr, *self.internal_cidrs]:
             ipaddress.IPv4Network(cidr)
-        for port in (self.tunnel_port, self.ssh_port, self.forwarder_ingress_port):
+        for port in (
+            self.tunnel_port,
+            self.console_port,
+            self.ssh_port,
+            self.forwarder_ingress_port,
+        ):
             if not 0 < port < 65536:
                 raise ValueError(f"HostFirewall: port {port} out of range")
         for uid in self.imds_http_uids:
@@ -100,6 +116,14 @@ def render_host_ruleset(fw: HostFirewall) -> str:
         f"    ip saddr {internal} ip daddr {internal} accept",
         f"    ip saddr {fw.uplink_cidr} ip daddr {sec} tcp dport {fw.tunnel_port} ct state new accept",
         f"    ip daddr {fw.uplink_cidr} tcp dport {fw.forwarder_ingress_port} ct state new accept",
+    ]
+    if fw.console_ips:
+        # The forwarder's enrollment; the sandbox's networks never match the uplink source.
+        lines.append(
+            f"    ip saddr {fw.uplink_cidr} ip daddr {_set(fw.console_ips)} "
+            f"tcp dport {fw.console_port} ct state new accept"
+        )
+    lines += [
         "    counter drop",
         "  }",
         "  chain output {",

@@ -34,9 +34,13 @@ META_EVENTS = "umbra-rtmr3-events"
 META_HOST_FIREWALL = "umbra-host-firewall"
 META_SECURITY_CVM_IPS = "umbra-security-cvm-ips"
 META_DNS_RESOLVERS = "umbra-dns-resolvers"
-# Security CVM: where the Console is and the CA its TLS chains to (PEM; absent: public CA).
+# Both roles: where the Console is and the CA its TLS chains to (PEM; absent: public CA). A Dev
+# CVM's forwarder enrolls there once; it has no DNS, so its launch data also names the Console's
+# address(es) (space-separated IPv4), which its host firewall admits from the uplink on 443 only
+# and the launch agent writes to forwarder/console-ips for the forwarder to dial.
 META_CONSOLE_URL = "umbra-console-url"
 META_CONSOLE_CA = "umbra-console-ca"
+META_CONSOLE_IPS = "umbra-console-ips"
 # Console: the CA its database's TLS certificate chains to (verify-full against exactly this).
 META_DATABASE_CA = "umbra-database-ca"
 # Security CVM replicas: the internal load balancer's address, added as a local route.
@@ -94,6 +98,7 @@ class LaunchData:
     lb_ip: str | None = None
     console_url: str | None = None
     console_ca: str | None = None
+    console_ips: Sequence[str] = field(default_factory=tuple)
     database_ca: str | None = None
     enrollment_token: str | None = field(default=None, repr=False)
 
@@ -101,7 +106,11 @@ class LaunchData:
     def host_firewall(self) -> str | None:
         if not self.security_cvm_ips:
             return None
-        return render_host_ruleset(HostFirewall(security_cvm_ips=tuple(self.security_cvm_ips)))
+        return render_host_ruleset(
+            HostFirewall(
+                security_cvm_ips=tuple(self.security_cvm_ips), console_ips=tuple(self.console_ips)
+            )
+        )
 
     @property
     def compose_sha256(self) -> str:
@@ -154,6 +163,8 @@ class LaunchData:
         if ruleset is not None:
             meta[META_HOST_FIREWALL] = ruleset
             meta[META_SECURITY_CVM_IPS] = " ".join(self.security_cvm_ips)
+        if self.console_ips:
+            meta[META_CONSOLE_IPS] = " ".join(self.console_ips)
         if self.dns_resolvers:
             meta[META_DNS_RESOLVERS] = " ".join(self.dns_resolvers)
         if self.lb_ip:

@@ -8,6 +8,8 @@ from umbra.sandbox.models import ATTESTED_SSH_PORT
 SECURITY_TUNNEL_PORT: Final = 8443
 # The Dev CVM's SSH ingress, as its compose file publishes it. Port 22 is never opened.
 DEV_ATTESTED_SSH_PORT: Final = ATTESTED_SSH_PORT
+# The Console's HTTPS port: a Dev CVM's forwarder enrolls there once (components.host_firewall).
+CONSOLE_PORT: Final = 443
 # What the Security CVM's proxy may dial on the internet.
 SECURITY_EGRESS_PORTS: Final = (80, 443)
 

@@ -87,6 +87,7 @@ class Team:
     security: SecurityCvm
     security_replicas: list[SecurityCvm] = field(default_factory=list)
     console_url: pulumi.Input[str] = ""
+    console_ca: pulumi.Input[str] | None = None
     dev_cvms: dict[str, dict[str, DevCvm]] = field(default_factory=dict)
 
 
@@ -204,8 +205,13 @@ def build_team(cfg: TeamStack, root: Path) -> Team:
             opts=pulumi.ResourceOptions(),
         )
     team = Team(
-        network=network, security=security, security_replicas=securities, console_url=console_url
+        network=network,
+        security=security,
+        security_replicas=securities,
+        console_url=console_url,
+        console_ca=console_ca,
     )
+    console_ips = [str(ip) for ip in cfg.console_ips]
     dev_files = read_launch_files(root, cfg.dev_cvm, ROLE_DEV, "dev_cvm")
     for dev in cfg.developers:
         for cvm in dev.cvms:
@@ -225,6 +231,9 @@ def build_team(cfg: TeamStack, root: Path) -> Team:
                     developer=dev.name,
                     ssh_authorized_keys=dev.ssh_keys,
                     security_cvm_ips=network.security_cvm_ip.apply(lambda ip: [ip]),
+                    console_url=console_url,
+                    console_ca=console_ca,
+                    console_ips=console_ips,
                     labels=labels,
                     data_disk_gb=cfg.dev_cvm.data_disk_gb or DEFAULT_DEV_DATA_DISK_GB,
                 ),
@@ -244,6 +253,9 @@ def export_team(cfg: TeamStack, team: Team) -> None:
     pulumi.export("team", cfg.team)
     pulumi.export("cloud", cfg.cloud)
     pulumi.export("console_url", team.console_url)
+    # What a Console-launched Dev CVM's forwarder needs to enroll (automation.build_dev_cvm).
+    pulumi.export("console_ca_pem", team.console_ca or "")
+    pulumi.export("console_ips", [str(ip) for ip in cfg.console_ips])
     placement = cfg.gcp.model_dump() if cfg.gcp else cfg.azure.model_dump() if cfg.azure else {}
     pulumi.export("placement", placement)
     pulumi.export("network_id", net.network_id)

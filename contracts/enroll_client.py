@@ -14,8 +14,10 @@ import base64
 import binascii
 import contextlib
 import hashlib
+import ipaddress
 import os
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -79,9 +81,13 @@ def ensure_credential(
     quoter: Quoter,
     verify: str | bool = True,
     timeout: float = 30.0,
+    connect_address: str | None = None,
 ) -> tuple[str, bool]:
     """The persisted credential, enrolling first when there is none. Returns (credential,
-    enrolled now). Raises EnrollError, never with the token or the credential in its text."""
+    enrolled now). Raises EnrollError, never with the token or the credential in its text.
+
+    `connect_address`: dial this IP instead of resolving the URL's host (a cloud Dev CVM has no
+    DNS); TLS still verifies the certificate for the URL's host name (SNI and Host too)."""
     stored = read_credential(credential_file)
     if stored is not None:
         return stored, False
@@ -99,9 +105,10 @@ def ensure_credential(
     public = key.public_key().public_bytes(
         serialization.Encoding.Raw, serialization.PublicFormat.Raw
     )
-    base = console_url.rstrip("/") + "/api/v1"
+    base, route = _route(console_url, connect_address)
     with httpx.Client(timeout=timeout, verify=verify) as client:
-        nonce = str(_post(client, f"{base}/enroll/challenge", {"token": token}).get("nonce", ""))
+        challenge = _post(client, f"{base}/enroll/challenge", {"token": token}, route)
+        nonce = str(challenge.get("nonce", ""))
         if not nonce:
             raise EnrollError("the Console's challenge has no nonce")
         try:
@@ -117,7 +124,7 @@ def ensure_credential(
             if events
             else None,
         }
-        answer = _post(client, f"{base}/enroll", evidence)
+        answer = _post(client, f"{base}/enroll", evidence, route)
     if answer.get("cvm_id") != cvm_id:
         raise EnrollError("the Console enrolled another CVM than this one")
     try:
@@ -132,9 +139,31 @@ def ensure_credential(
     return credential, True
 
 
-def _post(client: httpx.Client, url: str, body: object) -> dict[str, object]:
+@dataclass(frozen=True)
+class _Route:
+    host_header: str | None = None
+    sni_hostname: str | None = None
+
+
+def _route(console_url: str, connect_address: str | None) -> tuple[str, _Route]:
+    """The API base URL to dial, and what keeps TLS bound to the Console's name."""
+    url = httpx.URL(console_url.rstrip("/") + "/api/v1")
+    if connect_address is None:
+        return str(url), _Route()
     try:
-        response = client.post(url, json=body)
+        ip = ipaddress.IPv4Address(connect_address)
+    except ValueError:
+        raise EnrollError(f"Console address {connect_address!r} is not an IPv4 address") from None
+    host = url.host
+    netloc = host if url.port is None else f"{host}:{url.port}"
+    return str(url.copy_with(host=str(ip))), _Route(host_header=netloc, sni_hostname=host)
+
+
+def _post(client: httpx.Client, url: str, body: object, route: _Route) -> dict[str, object]:
+    headers = {"Host": route.host_header} if route.host_header else None
+    extensions = {"sni_hostname": route.sni_hostname} if route.sni_hostname else None
+    try:
+        response = client.post(url, json=body, headers=headers, extensions=extensions)
     except httpx.HTTPError as exc:
         raise EnrollError(f"Console unreachable at {url} ({type(exc).__name__})") from None
     if response.status_code != 200:

@@ -12,7 +12,10 @@ and without adding anything, into a file 1.29 runs:
 - each `image: name@sha256:M` becomes the local image id whose archive's OCI manifest hashes to
   M (`umbra.images.image_store`); an unknown M is refused, nothing is pulled;
 - `runtime: sysbox-runc` stays, unless the engine lacks sysbox and the caller allowed `runc`
-  (development and CI only): then it becomes `runc` and the runner says so plainly.
+  (development and CI only): then it becomes `runc` and the runner says so plainly;
+- a bind of the TDX quote interface (`/sys/kernel/config/tsm/report`) on a machine without it is
+  refused, unless `runc` was allowed (development and CI): then it is dropped and said so (the
+  service cannot quote, so it cannot enroll; a test hands over its credential instead).
 
 Anything else in the file is passed through untouched, so the validator's guarantees
 (`umbra.sandbox.validate`) carry over. The lowered file is written next to the configs for audit.
@@ -28,7 +31,7 @@ from pathlib import Path
 
 import yaml
 
-from umbra.sandbox.validate import ComposeError, load_compose
+from umbra.sandbox.validate import TSM_REPORT, ComposeError, load_compose
 
 COMPOSE = ("docker-compose",)
 SYSBOX = "sysbox-runc"
@@ -53,6 +56,7 @@ def lower(
     images: Mapping[str, str],
     runtimes: set[str],
     allow_runc: bool = False,
+    tsm_present: bool = True,
 ) -> Lowered:
     try:
         doc = load_compose(compose)
@@ -81,6 +85,16 @@ def lower(
                 notes.append(f"{where}: runtime runc, because {SYSBOX} is absent on this engine")
             else:
                 raise ComposeRunError(f"{where}.runtime: {runtime} is not installed in the engine")
+        if not tsm_present:
+            kept = [v for v in svc.get("volumes") or [] if not str(v).startswith(TSM_REPORT)]
+            if len(kept) != len(svc.get("volumes") or []):
+                if not allow_runc:
+                    raise ComposeRunError(
+                        f"{where}.volumes: {TSM_REPORT} is absent: this machine is not a TDX "
+                        "guest with configfs-tsm, so the service could not quote"
+                    )
+                svc["volumes"] = kept
+                notes.append(f"{where}: no {TSM_REPORT} here, the mount is dropped (no quotes)")
         mounts = list(svc.pop("configs", None) or [])
         if mounts:
             volumes = list(svc.get("volumes") or [])
@@ -131,6 +145,7 @@ class ComposeRunner:
             images=self.images,
             runtimes=engine_runtimes(),
             allow_runc=self.allow_runc,
+            tsm_present=Path(TSM_REPORT).is_dir(),
         )
 
     def up(self, compose: str) -> Lowered:

@@ -68,6 +68,10 @@ class Enrollment(Strict):
     simulated_pki: Path | None = None
     simulated_image: str = "umbra-dev-cvm"
     console_ca: Path | None = None
+    # A cloud Dev CVM has no DNS: the launch agent writes the Console's address(es) from launch
+    # data (`umbra-console-ips`) here, and the forwarder dials the first one, verifying TLS for
+    # the URL's host name. Absent: the URL's host is resolved (embedded mode).
+    console_ips_file: Path | None = None
 
     @model_validator(mode="after")
     def _source(self) -> Enrollment:

@@ -10,7 +10,9 @@ uses it and never spends the token again.
 
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import Sequence
+from pathlib import Path
 
 from umbra.attest.errors import AttestError
 from umbra.attest.eventlog import Event, load_event_log
@@ -48,6 +50,20 @@ def _quoter(enrollment: Enrollment, cvm_id: str) -> tuple[QuoteSource, Sequence[
     return ConfigfsTsmSource(), events
 
 
+def read_console_address(path: Path) -> str:
+    """The first IPv4 address of the launch agent's console-ips file (space/line separated)."""
+    try:
+        words = path.read_text().split()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ForwarderConfigError(f"{path}: cannot read the Console address: {exc}") from None
+    if not words:
+        raise ForwarderConfigError(f"{path}: no Console address")
+    try:
+        return str(ipaddress.IPv4Address(words[0]))
+    except ValueError:
+        raise ForwarderConfigError(f"{path}: {words[0][:40]!r} is not an IPv4 address") from None
+
+
 def ensure_tunnel_credential(cfg: ForwarderConfig) -> bool:
     """Enroll when configured and no credential is stored yet; returns whether it enrolled now.
     Raises ForwarderConfigError (the message names the cause, never the token)."""
@@ -57,6 +73,9 @@ def ensure_tunnel_credential(cfg: ForwarderConfig) -> bool:
     enrollment, cvm_id = cfg.enrollment, read_cvm_id(cfg.cvm_id_file)
     if cfg.credential_file.exists():
         return False  # enrolled before: no quote, no Console call
+    address = (
+        read_console_address(enrollment.console_ips_file) if enrollment.console_ips_file else None
+    )
     source, events = _quoter(enrollment, cvm_id)
     try:
         _credential, enrolled = ensure_credential(
@@ -66,6 +85,7 @@ def ensure_tunnel_credential(cfg: ForwarderConfig) -> bool:
             credential_file=cfg.credential_file,
             quoter=lambda report_data: (source.get_quote(report_data), events),
             verify=str(enrollment.console_ca) if enrollment.console_ca else True,
+            connect_address=address,
         )
     except EnrollError as exc:
         raise ForwarderConfigError(f"enrollment: {exc}") from None

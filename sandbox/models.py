@@ -94,6 +94,15 @@ class DevCvmInputs(Strict):
     sessions_subnet: ipaddress.IPv4Network = ipaddress.IPv4Network("172.30.1.0/24")
     sandbox_user: Annotated[str, Field(pattern=r"^[a-z_][a-z0-9_-]{0,31}$")] = "dev"
     allow_simulated: bool = False
+    # The Console the forwarder enrolls at, once, at first start: the launch data's one-time
+    # token and this TD's quote for its tunnel credential (credentials only after attestation).
+    # Measured, like the Security CVM's. `console_ca`: the launch data carries the CA the
+    # Console's TLS chains to (`umbra-console-ca`); False: a public CA.
+    console_url: Annotated[str, Field(pattern=r"^https://[A-Za-z0-9.:\[\]/_-]+$")]
+    console_ca: bool = False
+    # The forwarder's own network (it alone sits on it); must equal
+    # umbra.components.ports.DEV_UPLINK_CIDR, the source the host firewall admits.
+    uplink_subnet: ipaddress.IPv4Network = ipaddress.IPv4Network("172.30.2.0/29")
 
     @model_validator(mode="after")
     def _consistent(self) -> DevCvmInputs:
@@ -103,8 +112,9 @@ class DevCvmInputs(Strict):
         names = [t.name for t in self.tunnels]
         if len(set(names)) != len(names):
             raise ValueError("tunnel names must be distinct")
-        if self.sandbox_subnet.overlaps(self.sessions_subnet):
-            raise ValueError("sandbox_subnet and sessions_subnet overlap")
+        nets = [self.sandbox_subnet, self.sessions_subnet, self.uplink_subnet]
+        if any(a.overlaps(b) for i, a in enumerate(nets) for b in nets[i + 1 :]):
+            raise ValueError("sandbox_subnet, sessions_subnet and uplink_subnet overlap")
         for net in (self.sandbox_subnet, self.sessions_subnet):
             if net.num_addresses < 8:
                 raise ValueError(f"subnet {net} is too small")

@@ -23,6 +23,9 @@ from umbra.sandbox.validate import validate_dev_compose, validate_security_compo
 FORWARDER_CONFIG_PATH = "/etc/umbra/forwarder.json"
 INGRESS_PORT = 2222  # inside the forwarder container: it runs unprivileged
 LAUNCH_DIR = "/run/umbra/launch"
+# The forwarder's state volume: the tunnel credential and the spent token's hash live here, so a
+# restart or a reboot (the launch agent writes the same token again) never re-enrolls.
+FORWARDER_STATE_DIR = "/var/lib/umbra/forwarder"
 
 
 @dataclass(frozen=True)
@@ -101,8 +104,18 @@ def forwarder_config(inputs: DevCvmInputs) -> dict[str, Any]:
         ),
         "collateral": {"pccs_urls": list(inputs.pccs_urls)},
         "cvm_id_file": f"{LAUNCH_DIR}/cvm-id",
-        "credential_file": f"{LAUNCH_DIR}/tunnel-credential",
+        "credential_file": f"{FORWARDER_STATE_DIR}/tunnel-credential",
+        # Launch-bound files the launch agent writes into the forwarder's launch directory.
+        "enrollment": {
+            "console_url": inputs.console_url,
+            "token_file": f"{LAUNCH_DIR}/enrollment-token",
+            "quote_source": "configfs",
+            "event_log": f"{LAUNCH_DIR}/event-log.json",
+            "console_ips_file": f"{LAUNCH_DIR}/console-ips",
+        },
     }
+    if inputs.console_ca:
+        doc["enrollment"]["console_ca"] = f"{LAUNCH_DIR}/console-ca.pem"
     if inputs.allow_simulated:
         doc["allow_simulated"] = True
         doc["simulated_root"] = f"{LAUNCH_DIR}/simulated-root.der"
@@ -122,6 +135,8 @@ def render_dev_cvm(inputs: DevCvmInputs) -> Rendered:
         ingress_port=INGRESS_PORT,
         sandbox_subnet=str(inputs.sandbox_subnet),
         sessions_subnet=str(inputs.sessions_subnet),
+        uplink_subnet=str(inputs.uplink_subnet),
+        forwarder_state_dir=FORWARDER_STATE_DIR,
         forwarder_config=canonical_json(forwarder_config(inputs)),
         sshd_config=sshd,
     )

@@ -204,7 +204,7 @@ DEV_CAPS = {"sshd": {"CHOWN", "SETGID", "SETUID", "SYS_CHROOT", "AUDIT_WRITE"}}
 
 
 def _dev(doc: dict[str, Any], out: list[str]) -> None:
-    _common(doc, DEV_CAPS, out)
+    _common(doc, DEV_CAPS, out, frozenset({TSM_REPORT}))
     services = _mapping(doc.get("services"))
     networks = _mapping(doc.get("networks"))
     _exact("services", services, {"sandbox", "forwarder", "sshd"}, out)
@@ -233,6 +233,16 @@ def _dev(doc: dict[str, Any], out: list[str]) -> None:
         if name != "forwarder" and _mapping(svc).get("ports"):
             out.append(f"service {name}: only the forwarder publishes ports")
     _exact("sshd networks", service_networks(_mapping(services.get("sshd"))), {"sessions"}, out)
+    for name, svc in services.items():
+        # Quoting is enrolling: a service that can quote this TD could bind its own key.
+        if name != "forwarder" and any(
+            str(v).startswith(TSM_REPORT) for v in _mapping(svc).get("volumes", []) or []
+        ):
+            out.append(f"service {name}: only the forwarder may mount {TSM_REPORT}")
+    # The host firewall admits the uplink by its fixed subnet (components.ports.DEV_UPLINK_CIDR).
+    uplink_ipam = _mapping(_mapping(networks.get("uplink")).get("ipam"))
+    if not uplink_ipam.get("config"):
+        out.append("network uplink: ipam.config must pin its subnet (the host firewall names it)")
     _check_forwarder_config(doc, out)
 
 
@@ -245,6 +255,13 @@ def _check_forwarder_config(doc: dict[str, Any], out: list[str]) -> None:
     except (ValueError, ValidationError) as exc:
         out.append(f"config forwarder: not a valid forwarder config: {exc}")
         return
+    if cfg.enrollment is None or cfg.credential_file is None:
+        out.append(
+            "config forwarder: needs `enrollment` (the tunnel credential comes only from an "
+            "attested enrollment, never from launch data)"
+        )
+    elif str(cfg.credential_file).startswith(LAUNCH_PREFIX):
+        out.append("config forwarder: credential_file must be in a state volume, not launch data")
     services = _mapping(doc.get("services"))
     fwd_nets = service_networks(_mapping(services.get("forwarder")))
     if cfg.listen.host != fwd_nets.get("sandbox", {}).get("ipv4_address"):

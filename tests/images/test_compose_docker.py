@@ -120,6 +120,7 @@ def test_rendered_dev_cvm_compose_runs_isolated_under_docker_compose(
                 tunnels=[],
                 sandbox_subnet=f"10.232.{octet}.0/24",
                 sessions_subnet=f"10.233.{octet}.0/24",
+                uplink_subnet=f"10.234.{octet}.0/29",
                 ssh_port=18000 + os.getpid() % 1000,
             )
             m = measure(definition)
@@ -130,11 +131,13 @@ def test_rendered_dev_cvm_compose_runs_isolated_under_docker_compose(
                 app_compose=m.app_compose.decode(),
                 ssh_authorized_keys=(ALICE,),
             )
-            # Not launch data (no long-lived credential there): the enrolment that issues the
-            # tunnel credential is another part's; here the test hands it over, as that would.
+            # Not launch data (no long-lived credential there): the forwarder enrolls at first
+            # start and keeps the credential in its state volume (tests/up/test_enrollment.py
+            # runs that enrollment against the real Console). This engine has no configfs-tsm to
+            # quote with, so the test puts the credential where the enrollment would.
+            _seed_forwarder_state(TUNNEL_TOKEN)
             fwd_dir = launch_dir / "forwarder"
             fwd_dir.mkdir(parents=True)
-            (fwd_dir / "tunnel-credential").write_text(TUNNEL_TOKEN + "\n")
             (fwd_dir / "simulated-root.der").write_bytes(pki.root_der)
             for f in fwd_dir.iterdir():
                 os.chown(f, 65534, 65534)
@@ -196,6 +199,7 @@ def test_rendered_dev_cvm_compose_runs_isolated_under_docker_compose(
     finally:
         try:
             runner.down("umbra-dev")
+            _docker("volume", "rm", "-f", "umbra-dev_forwarder-state", check=False)
         finally:
             sec.stop()
             host_firewall.remove()
@@ -206,6 +210,20 @@ def test_rendered_dev_cvm_compose_runs_isolated_under_docker_compose(
                 images["proxy"]["config_digest"],
             ):
                 _docker("rmi", "-f", ref, check=False)
+
+
+def _seed_forwarder_state(credential: str) -> None:
+    """The `forwarder-state` volume as docker-compose 1.29 names and labels it, holding the tunnel
+    credential (0600, the forwarder's uid) as a completed enrollment leaves it."""
+    volume = "umbra-dev_forwarder-state"
+    _docker("volume", "rm", "-f", volume, check=False)
+    _docker("volume", "create", "--label", "com.docker.compose.project=umbra-dev",
+            "--label", "com.docker.compose.volume=forwarder-state", volume)  # fmt: skip
+    data = Path(_docker("volume", "inspect", "-f", "{{.Mountpoint}}", volume).stdout.strip())
+    target = data / "tunnel-credential"
+    target.write_text(credential + "\n")
+    os.chmod(target, 0o600)
+    os.chown(target, 65534, 65534)
 
 
 def _check_the_running_dev_cvm(
@@ -445,6 +463,18 @@ def test_both_rendered_files_lower_to_what_docker_compose_1_29_accepts(
         # Without the development opt-in a missing sysbox is refused, not silently replaced.
         with pytest.raises(ComposeRunError, match="sysbox-runc is not installed"):
             lower(text, config_dir=tmp_path, images=images, runtimes={"runc"})
+        # The forwarder quotes (its enrollment) through configfs-tsm: kept on a TDX guest,
+        # dropped and said so on a development engine, refused elsewhere.
+        tsm = "/sys/kernel/config/tsm/report:/sys/kernel/config/tsm/report"
+        assert f"{tsm}:rw" in fwd and "forwarder-state" in doc["volumes"]
+        dev_low = lower(text, config_dir=tmp_path, images=images, runtimes={"runc"},
+                        allow_runc=True, tsm_present=False)  # fmt: skip
+        assert tsm not in yaml.safe_load(dev_low.text)["services"]["forwarder"]["volumes"]
+        assert dev_low.notes[-1] == ("services.forwarder: no /sys/kernel/config/tsm/report here, "
+                                     "the mount is dropped (no quotes)")  # fmt: skip
+        with pytest.raises(ComposeRunError, match="not a TDX guest"):
+            lower(text, config_dir=tmp_path, images=images, runtimes={"runc", "sysbox-runc"},
+                  tsm_present=False)  # fmt: skip
     # A pin no loaded archive has is refused: nothing is pulled.
     with pytest.raises(ComposeRunError, match="is not loaded here"):
         lower(text, config_dir=tmp_path, images={}, runtimes={"runc", "sysbox-runc"})

@@ -104,6 +104,9 @@ def test_inline_program_builds_a_tdx_dev_cvm_on_the_team_network() -> None:
         "dev_subnet_id": "projects/acme-umbra/regions/us-central1/subnetworks/umbra-acme-dev",
         "dev_identity": "umbra-acme-dev@acme-umbra.iam.gserviceaccount.com",
         "security_cvm_ip": "10.20.1.10",
+        "console_url": "https://console.acme.example",
+        "console_ca_pem": "",
+        "console_ips": ["198.51.100.7"],
     }
     program = PulumiDevCvmProvisioner(GCP).program(spec())
     mocks, _ = run_program(program, stack_outputs=team_outputs)
@@ -115,6 +118,11 @@ def test_inline_program_builds_a_tdx_dev_cvm_on_the_team_network() -> None:
     assert p["confidentialInstanceConfig"]["confidentialInstanceType"] == "TDX"
     assert p["networkInterfaces"] == [{"subnetwork": team_outputs["dev_subnet_id"]}]
     assert "10.20.1.10" in p["metadata"]["umbra-host-firewall"]
+    # What the forwarder's enrollment needs: the Console by URL and address, admitted on 443.
+    assert p["metadata"]["umbra-console-url"] == "https://console.acme.example"
+    assert p["metadata"]["umbra-console-ips"] == "198.51.100.7"
+    assert "umbra-console-ca" not in p["metadata"]
+    assert "ip daddr { 198.51.100.7 } tcp dport 443" in p["metadata"]["umbra-host-firewall"]
     assert p["serviceAccount"]["email"] == team_outputs["dev_identity"]
     assert p["metadata"]["umbra-measurement-manifest"] == "sha256:" + "ab" * 32
     assert p["metadata"]["umbra-app-compose"] == APP_COMPOSE
@@ -127,6 +135,7 @@ def test_inline_program_on_azure_uses_the_team_resource_group() -> None:
         "dev_subnet_id": "/subscriptions/s/.../subnets/dev",
         "resource_group_name": "umbra-globex",
         "security_cvm_ip": "10.30.1.10",
+        "console_url": "https://console.globex.example",
     }
     program = PulumiDevCvmProvisioner(AZURE).program(
         spec(size="Standard_DC4es_v5", image="Canonical:ubuntu-24_04-lts:cvm:latest")

@@ -98,6 +98,10 @@ def test_launch_data_carries_the_measured_inputs(acme: tuple[Recorder, TeamStack
         events[COMPOSE_HASH_EVENT] == hashlib.sha256(meta["umbra-app-compose"].encode()).hexdigest()
     )
     assert meta["umbra-ssh-authorized-keys"].splitlines() == list(alice.ssh_keys)
+    # What the forwarder's enrollment needs (measured through the ruleset that names it).
+    assert meta["umbra-console-url"] == cfg.console_url
+    assert meta["umbra-console-ips"] == "198.51.100.7"
+    assert "ip daddr { 198.51.100.7 } tcp dport 443 ct state new accept" in ruleset.decode()
     # No release exists: the placeholder is deployed and says so where a person looks.
     inner = json.loads(meta["umbra-app-compose"])["docker_compose_file"]
     assert inner.startswith("# UMBRA PLACEHOLDER COMPOSE")

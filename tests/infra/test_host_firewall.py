@@ -1,7 +1,8 @@
 """The Dev CVM host ruleset, loaded with real nft into a network namespace that stands in for the
 VM, with namespaces for the forwarder container, the sandbox container and the cloud network
-(Security CVM, another host, the internet, the metadata server's DNS). Only the forwarder reaches
-the Security CVM's tunnel port; DNS to the metadata server is dropped from everywhere."""
+(Security CVM, the Console, another host, the internet, the metadata server's DNS). Only the
+forwarder reaches the Security CVM's tunnel port and the Console's 443 (its one enrollment); DNS to
+the metadata server is dropped from everywhere."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import pytest
 from umbra.components.host_firewall import TABLE, HostFirewall, render_host_ruleset
 
 SEC, OTHER, WEB, META = "10.20.1.10", "10.20.1.11", "203.0.113.5", "169.254.169.254"
+CON = "10.20.1.20"
 VM_IP, FWD_IP, SBX_IP = "10.20.0.5", "172.30.2.2", "172.30.0.3"
 
 pytestmark = pytest.mark.skipif(
@@ -106,7 +108,7 @@ class Lab:
         self.link("v", "n", f"{VM_IP}/24", "10.20.0.1/24")
         self.link("v", "f", "172.30.2.1/29", f"{FWD_IP}/29")
         self.link("v", "s", "172.30.0.1/24", f"{SBX_IP}/24")
-        for addr in (SEC, OTHER, WEB, META):
+        for addr in (SEC, OTHER, WEB, META, CON):
             self.ex("n", "ip", "addr", "add", f"{addr}/32", "dev", "lo")
         self.ex("n", "ip", "route", "add", "172.30.0.0/16", "via", VM_IP)
         self.ex("v", "ip", "route", "add", "default", "via", "10.20.0.1")
@@ -130,6 +132,8 @@ class Lab:
             f"tcp:{META}:53",
             f"udp:{SEC}:53",
             f"tcp:{META}:80",
+            f"tcp:{CON}:443",
+            f"tcp:{CON}:8443",
         )
         self.serve("f", f"tcp:{FWD_IP}:2222")
 
@@ -158,7 +162,7 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
     lab = Lab(f"uin{os.getpid() % 100000}")
     try:
         lab.up()
-        ruleset = render_host_ruleset(HostFirewall(security_cvm_ips=[SEC]))
+        ruleset = render_host_ruleset(HostFirewall(security_cvm_ips=[SEC], console_ips=[CON]))
         path = Path(tmp_path_factory.mktemp("uin")) / "host.nft"
         path.write_text(ruleset)
         lab.ex("v", "nft", "-f", str(path))
@@ -185,6 +189,28 @@ def test_only_the_forwarder_reaches_the_security_cvm_tunnel(lab: Lab) -> None:
             f"tcp:{WEB}:443": False,
             f"tcp:{META}:80": False,
         }
+
+
+def test_only_the_forwarder_reaches_the_console_and_only_its_https_port(lab: Lab) -> None:
+    # The forwarder's enrollment at first start: Console:443, nothing else there.
+    assert lab.probe("f", f"tcp:{CON}:443", f"tcp:{CON}:8443", f"tcp:{OTHER}:443") == {
+        f"tcp:{CON}:443": True,
+        f"tcp:{CON}:8443": False,
+        f"tcp:{OTHER}:443": False,
+    }
+    # The sandbox's forward path and the VM's own processes stay closed.
+    for ns in ("s", "v"):
+        assert lab.probe(ns, f"tcp:{CON}:443", f"tcp:{CON}:8443") == {
+            f"tcp:{CON}:443": False,
+            f"tcp:{CON}:8443": False,
+        }
+
+
+def test_without_console_addresses_there_is_no_console_path() -> None:
+    ruleset = render_host_ruleset(HostFirewall(security_cvm_ips=[SEC]))
+    assert "dport 443" not in ruleset
+    with_console = render_host_ruleset(HostFirewall(security_cvm_ips=[SEC], console_ips=[CON]))
+    assert f"ip saddr 172.30.2.0/29 ip daddr {{ {CON} }} tcp dport 443" in with_console
 
 
 def test_dns_to_the_metadata_server_is_dropped_from_everywhere(lab: Lab) -> None:
@@ -226,3 +252,5 @@ def test_bad_inputs_are_refused() -> None:
         HostFirewall(security_cvm_ips=[])
     with pytest.raises(ValueError, match="IPv4"):
         HostFirewall(security_cvm_ips=["security-cvm.umbra.internal"])
+    with pytest.raises(ValueError, match="IPv4"):
+        HostFirewall(security_cvm_ips=[SEC], console_ips=["console.example"])

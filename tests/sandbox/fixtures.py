@@ -66,6 +66,7 @@ def dev_definition_doc(**compose: Any) -> dict[str, Any]:
             "security_cvm": {"host": "security.example", "port": 8443},
             "security_cvm_release": sec.release.model_dump(mode="json", exclude_none=True),
             "pccs_urls": ["https://pccs.example/sgx/certification/v4"],
+            "console_url": "https://console.example",
             "tunnels": [
                 {"name": "github-ssh", "listen_port": 2201, "host": "github.com", "port": 22}
             ],

@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
+from umbra.components.ports import DEV_UPLINK_CIDR
 from umbra.sandbox.forwarder_config import ForwarderConfig
 from umbra.sandbox.models import DevCvmInputs, check_image_ref
 from umbra.sandbox.render import render_dev_cvm, render_security_cvm
@@ -117,6 +118,15 @@ def _set(path: list[str], value: Any) -> Any:
     return go
 
 
+def _forwarder_doc(change: Any) -> Any:
+    def go(doc: Any) -> None:
+        cfg = json.loads(doc["configs"]["forwarder"]["content"])
+        change(cfg)
+        doc["configs"]["forwarder"]["content"] = json.dumps(cfg)
+
+    return go
+
+
 @pytest.mark.parametrize(
     ("change", "expected"),
     [
@@ -169,6 +179,19 @@ def _set(path: list[str], value: Any) -> Any:
             ),
             "not a wildcard",
         ),
+        # Enrollment: the tunnel credential only from an attested enrollment, kept in a volume.
+        (_forwarder_doc(lambda c: c.pop("enrollment")), "needs `enrollment`"),
+        (
+            _forwarder_doc(lambda c: c.update(credential_file="/run/umbra/launch/tunnel-cred")),
+            "credential_file must be in a state volume",
+        ),
+        (
+            lambda d: d["services"]["sandbox"]["volumes"].append(
+                "/sys/kernel/config/tsm/report:/sys/kernel/config/tsm/report"
+            ),
+            "only the forwarder may mount /sys/kernel/config/tsm/report",
+        ),
+        (lambda d: d["networks"]["uplink"].pop("ipam"), "network uplink: ipam.config must pin"),
     ],
 )
 def test_validator_refuses_each_break(change: Any, expected: str | None) -> None:
@@ -179,6 +202,34 @@ def test_validator_refuses_each_break(change: Any, expected: str | None) -> None
     with pytest.raises(ComposeError) as info:
         validate_dev_compose(text)
     assert any(expected in p for p in info.value.problems), info.value.problems
+
+
+def test_the_forwarder_enrolls_at_first_start_and_keeps_its_credential_in_a_volume() -> None:
+    doc = yaml.safe_load(_dev_text())
+    cfg = ForwarderConfig.model_validate(json.loads(doc["configs"]["forwarder"]["content"]))
+    assert cfg.enrollment is not None and cfg.credential_file is not None
+    assert cfg.enrollment.console_url == "https://console.example"
+    assert cfg.enrollment.quote_source == "configfs"
+    assert str(cfg.enrollment.token_file) == "/run/umbra/launch/enrollment-token"
+    assert str(cfg.enrollment.event_log) == "/run/umbra/launch/event-log.json"
+    assert str(cfg.enrollment.console_ips_file) == "/run/umbra/launch/console-ips"
+    assert cfg.enrollment.console_ca is None
+    # The state volume (spent-token hash beside it): a restart or reboot never re-enrolls.
+    assert str(cfg.credential_file) == "/var/lib/umbra/forwarder/tunnel-credential"
+    volumes = doc["services"]["forwarder"]["volumes"]
+    assert "forwarder-state:/var/lib/umbra/forwarder" in volumes
+    assert "/sys/kernel/config/tsm/report:/sys/kernel/config/tsm/report" in volumes
+    assert "forwarder-state" in doc["volumes"]
+    for name in ("sandbox", "sshd"):
+        assert not any("tsm" in v for v in doc["services"][name]["volumes"])
+    # The uplink's subnet is the one the host firewall admits.
+    assert doc["networks"]["uplink"]["ipam"]["config"] == [{"subnet": DEV_UPLINK_CIDR}]
+    with_ca = render_dev_cvm(dev_definition(console_ca=True).compose).text
+    cfg = ForwarderConfig.model_validate(
+        json.loads(yaml.safe_load(with_ca)["configs"]["forwarder"]["content"])
+    )
+    assert cfg.enrollment is not None
+    assert str(cfg.enrollment.console_ca) == "/run/umbra/launch/console-ca.pem"
 
 
 def test_duplicate_keys_are_refused() -> None:
@@ -225,6 +276,8 @@ def test_security_validator_confines_the_tsm_mount() -> None:
         ("tunnels", [{"name": "x", "listen_port": 3128, "host": "github.com", "port": 22}], "distinct"),
         ("security_cvm", {"host": "evil\nhost: x", "port": 1}, "not a lowercase DNS name"),
         ("sessions_subnet", "172.30.0.0/25", "overlap"),
+        ("uplink_subnet", "172.30.0.0/29", "overlap"),
+        ("console_url", "http://console.example", "String should match pattern"),
     ],
 )  # fmt: skip
 def test_inputs_are_typed_and_strict(field: str, value: Any, expected: str) -> None:

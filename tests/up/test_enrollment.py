@@ -10,24 +10,31 @@ never-enrolled CVM whose enrollment is refused fails with the reason instead of 
 from __future__ import annotations
 
 import base64
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from tests.console import enroll
 from tests.console.helpers import Server, new_team, start_server
 from tests.console.oidc_issuer import LocalIssuer
+from tests.sandbox.fixtures import dev_definition
 from umbra.attest.simpki import SimulatedPki
 from umbra.attest.simulator import SimulatedTdx
 from umbra.console.enrollment import hpke_info, report_data
 from umbra.contracts.enroll_client import EnrollError, ensure_credential
 from umbra.contracts.release import SUITE
+from umbra.contracts.session import CVM_ID_EVENT
 from umbra.proxy.identity import hash_credential
 from umbra.proxy.policy.bundle import generate_key
+from umbra.sandbox.forwarder_config import ForwarderConfig, ForwarderConfigError
+from umbra.sandbox.forwarder_enroll import ensure_tunnel_credential
+from umbra.sandbox.render import render_dev_cvm
 
 
 @pytest.fixture(scope="module")
@@ -244,4 +251,66 @@ def test_a_dev_cvm_is_routed_to_its_teams_security_cvm_by_default(
         shown = team.dev.get(f"/api/v1/cvms/{created.json()['id']}").json()
         assert shown["security_cvm_id"] == team.scvm_id  # the developer sees where it routes
     finally:
+        team.close()
+
+
+def test_the_rendered_dev_cvm_forwarder_enrolls_by_address_once_and_keeps_its_credential(
+    console: tuple[Server, LocalIssuer], tmp_path: Path
+) -> None:
+    """The cloud Dev CVM compose's forwarder config, as rendered, with only what the launch agent
+    and the TD provide swapped for this machine's: files under tmp and a simulated TD instead of
+    configfs. The Console's URL names a host no resolver knows: the forwarder dials the address
+    from its launch directory's console-ips (the Dev CVM has no DNS)."""
+    server, issuer = console
+    team = new_team(server, issuer)
+    # The Dev CVM release as shipped: its launch agent measures the CVM id (RTMR3) first.
+    verifiers = server.console.enrollment_verifiers
+    plain = verifiers["dev"]
+    verifiers["dev"] = enroll.verifier(enroll.DEV_IMAGE, events=[{"name": CVM_ID_EVENT}])
+    try:
+        dev_cvm = team.dev_cvm()
+        port = server.url.rsplit(":", 1)[1].split("/")[0]
+        text = render_dev_cvm(dev_definition(console_url=f"https://console.test:{port}").compose)
+        doc = json.loads(yaml.safe_load(text.text)["configs"]["forwarder"]["content"])
+        launch, state = tmp_path / "launch", tmp_path / "state"
+        launch.mkdir()
+        (launch / "cvm-id").write_text(dev_cvm + "\n")
+        token = _token(team, dev_cvm)
+        (launch / "enrollment-token").write_text(token + "\n")
+        (launch / "console-ips").write_text("127.0.0.1\n")
+        pki_dir = tmp_path / "pki"
+        enroll.pki().save(pki_dir)
+        assert doc["enrollment"]["console_ips_file"] == "/run/umbra/launch/console-ips"
+        doc["cvm_id_file"] = str(launch / "cvm-id")
+        doc["credential_file"] = str(state / "tunnel-credential")
+        doc["enrollment"] |= {
+            # This Console serves plain HTTP on loopback; the cloud one is https (tested below).
+            "console_url": f"http://console.test:{port}",
+            "token_file": str(launch / "enrollment-token"),
+            "console_ips_file": str(launch / "console-ips"),
+            "quote_source": "simulated",
+            "simulated_pki": str(pki_dir),
+            "simulated_image": enroll.DEV_IMAGE,
+            "event_log": None,
+        }
+        cfg = ForwarderConfig.model_validate(doc)
+
+        assert ensure_tunnel_credential(cfg) is True
+        credential = (state / "tunnel-credential").read_text().strip()
+        assert credential.startswith("umbra_tun_")
+        assert (state / "tunnel-credential").stat().st_mode & 0o777 == 0o600
+        after = team.scvm.get(f"/api/v1/security-cvms/{team.scvm_id}/attachments").json()
+        assert after["cvms"][dev_cvm]["credential_sha256"] == hash_credential(credential)
+        # Restart (and a reboot, where the launch agent writes the same token again): the stored
+        # credential, no Console call, the token never spent twice.
+        (launch / "enrollment-token").write_text(token + "\n")
+        audited = len(_audit_actions(team))
+        assert ensure_tunnel_credential(cfg) is False
+        (state / "tunnel-credential").unlink()
+        with pytest.raises(ForwarderConfigError, match="already spent"):
+            ensure_tunnel_credential(cfg)
+        assert len(_audit_actions(team)) == audited
+        assert not any(token in p.read_text() for p in state.iterdir())
+    finally:
+        verifiers["dev"] = plain
         team.close()
