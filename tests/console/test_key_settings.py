@@ -65,5 +65,7 @@ def test_web_session_key_is_shared_by_workers_and_never_summarised() -> None:
     with pytest.raises(ConfigError, match="UMBRA_CONSOLE_WEB_SESSION_KEY"):
         serve(settings_from_env(base), "127.0.0.1", 0, workers=2)
     for bad in ("not base64!", base64.b64encode(b"short").decode()):
-        with pytest.raises(ConfigError, match="UMBRA_CONSOLE_WEB_SESSION_KEY: .*(base64|32 bytes)"):
+        with pytest.raises(
+            ConfigError, match=r"UMBRA_CONSOLE_WEB_SESSION_KEY: .*(base64|32 bytes)"
+        ):
             settings_from_env(base | {"UMBRA_CONSOLE_WEB_SESSION_KEY": bad})
