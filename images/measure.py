@@ -29,12 +29,12 @@ from umbra.attest.measurement import (
 )
 from umbra.attest.simulator import simulated_boot_values
 from umbra.contracts.session import BOOT_ID_EVENT, SSH_HOST_KEY_EVENT
+from umbra.contracts.session import HOST_FIREWALL_EVENT as HOST_FIREWALL_EVENT
 from umbra.images.definition import BaseMeasurements, DevCvmDefinition, ImageDefinition
 from umbra.sandbox.render import Rendered, canonical_json, render_dev_cvm, render_security_cvm
 
 CVM_ID_EVENT = "umbra.cvm-id"
-# Payload: SHA-256 of the nftables ruleset (`umbra-host-firewall`) the launch agent loads.
-HOST_FIREWALL_EVENT = "umbra.host-firewall"
+# HOST_FIREWALL_EVENT's payload: SHA-256 of the nftables ruleset the launch agent loads.
 RTMR3 = 3
 
 
