@@ -240,6 +240,11 @@ def _check_the_running_dev_cvm(
     assert f"HTTPS_PROXY=http://10.232.{octet}.2:3128" in inspect["Config"]["Env"]
     for service in ("sandbox", "forwarder", "sshd"):
         _wait_running(f"umbra-dev_{service}_1")
+    # sshd serves the key the agent generated in the TD and measured, and has its login user.
+    served = _docker("exec", "umbra-dev_sshd_1", "ssh-keygen", "-y", "-f",
+                     "/etc/umbra/ssh/ssh_host_ed25519_key").stdout.split()  # fmt: skip
+    assert " ".join(served[:2]) == boot[1]
+    assert _docker("exec", "umbra-dev_sshd_1", "id", "-u", "dev").stdout.strip() == "1000"
 
 
 def _sh(cmd: str, check: bool = True) -> subprocess.CompletedProcess[str]:
