@@ -15,6 +15,7 @@ from umbra.attest.measurement import canonical_ssh_key
 from umbra.cli.output import EXIT_USAGE, console, fail, print_json
 from umbra.contracts.keys import KeyFileError, write_key_pair
 from umbra.images.definition import DefinitionError, load_definition
+from umbra.images.image_store import IMAGES_DIR
 from umbra.images.manifest import build_manifest
 from umbra.images.measure import (
     BOOT_EVENTS,
@@ -403,7 +404,7 @@ def launch_agent_cmd(
     ] = None,
     images_dir: Annotated[
         Path, typer.Option("--images-dir", help="The image archives shipped in the OS image.")
-    ] = Path("/usr/lib/umbra/images"),
+    ] = IMAGES_DIR,
     state_dir: Annotated[
         Path, typer.Option("--state-dir", help="Where lowered compose files and configs go.")
     ] = Path("/run/umbra/compose"),

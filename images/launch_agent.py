@@ -485,7 +485,9 @@ class ComposeRunnerStart:
         from umbra.images.compose_runner import ComposeRunError, ComposeRunner
 
         try:
-            images = image_store.load(sorted(self.images_dir.glob("*.docker.tar")))
+            images = image_store.load(
+                sorted(self.images_dir.glob(f"*{image_store.ARCHIVE_SUFFIX}"))
+            )
             runner = ComposeRunner(self.state_dir, images, self.allow_runc, say=self.say)
             runner.up(compose.read_text())
         except (image_store.ImageStoreError, ComposeRunError, OSError) as exc:
