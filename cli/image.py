@@ -15,8 +15,15 @@ from umbra.attest.measurement import canonical_ssh_key
 from umbra.cli.output import EXIT_USAGE, console, fail, print_json
 from umbra.contracts.keys import KeyFileError, write_key_pair
 from umbra.images.definition import DefinitionError, load_definition
+from umbra.images.image_store import IMAGES_DIR
 from umbra.images.manifest import build_manifest
-from umbra.images.measure import expected_rtmr3, instance_events, measure
+from umbra.images.measure import (
+    BOOT_EVENTS,
+    boot_events,
+    expected_rtmr3,
+    instance_events,
+    measure,
+)
 from umbra.images.signing import (
     SignatureError,
     load_private_key,
@@ -81,6 +88,14 @@ def measure_cmd(
         Path | None,
         typer.Option("--host-firewall", help="The instance's umbra-host-firewall ruleset (Dev)."),
     ] = None,
+    boot_id: Annotated[
+        str | None,
+        typer.Option("--boot-id", help="Dev: the boot's umbra.boot-id (hex), read from its log."),
+    ] = None,
+    ssh_host_key: Annotated[
+        str | None,
+        typer.Option("--ssh-host-key", help="Dev: the boot's umbra.ssh-host-key, from its log."),
+    ] = None,
     as_json: JsonFlag = False,
 ) -> None:
     """Render the release's compose file and print its golden values."""
@@ -109,25 +124,38 @@ def measure_cmd(
         "rtmr3_events": [e.model_dump(exclude_none=True) for e in manifest.rtmr3_events],
     }
     binding = None
-    if cvm_id is not None or keys or ruleset is not None:
+    instance_args = (keys, ruleset, boot_id, ssh_host_key)
+    if cvm_id is not None or any(a is not None and a != [] for a in instance_args):
         if cvm_id is None:
             fail(
-                "--ssh-key/--host-firewall need --cvm-id (the instance they are bound to)",
+                "--ssh-key/--host-firewall/--boot-id/--ssh-host-key need --cvm-id (the instance "
+                "they are bound to)",
                 EXIT_USAGE,
                 as_json=as_json,
             )
+        per_boot = m.role == "dev-cvm" and (boot_id is None or ssh_host_key is None)
         try:
             launch = instance_events(m.role, cvm_id, keys, ruleset)
             binding = m.binding(cvm_id, keys, ruleset)
+            if boot_id is not None or ssh_host_key is not None:
+                if boot_id is None or ssh_host_key is None:
+                    raise ValueError("--boot-id and --ssh-host-key come together")
+                launch += boot_events(m.role, boot_id, ssh_host_key)
         except ValueError as exc:
             fail(str(exc), EXIT_USAGE, as_json=as_json)
+        rtmr3 = expected_rtmr3(m.events() + launch).hex()
         result["instance"] = {
             "cvm_id": cvm_id,
             "events": [
                 {"name": e.name, "payload": e.payload.hex(), "digest": e.digest.hex()}
                 for e in launch
             ],
-            "expected_rtmr3": expected_rtmr3(m.events() + launch).hex(),
+            # A Dev CVM's RTMR3 ends with per-boot events no one can predict: without their
+            # values (--boot-id/--ssh-host-key, read from the boot's log) this is the value
+            # before them, and per_boot_events says what must follow.
+            "expected_rtmr3": None if per_boot else rtmr3,
+            "rtmr3_before_boot": rtmr3 if per_boot else None,
+            "per_boot_events": list(BOOT_EVENTS) if per_boot else [],
         }
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
@@ -171,7 +199,11 @@ def _show(r: dict[str, Any]) -> None:
             t.add_row(
                 f"{inst['cvm_id']}: {e['name']}", f"payload {e['payload']}\ndigest {e['digest']}"
             )
-        t.add_row(f"{inst['cvm_id']}: expected RTMR3", inst["expected_rtmr3"])
+        if inst["expected_rtmr3"] is not None:
+            t.add_row(f"{inst['cvm_id']}: expected RTMR3", inst["expected_rtmr3"])
+        else:
+            t.add_row(f"{inst['cvm_id']}: RTMR3 before boot events", inst["rtmr3_before_boot"])
+            t.add_row(f"{inst['cvm_id']}: then, per boot", ", ".join(inst["per_boot_events"]))
     console.print(t)
     if r["tee"] == "simulated":
         console.print("[bold magenta]SIMULATED TEE: these values prove nothing about hardware.[/]")
@@ -372,7 +404,7 @@ def launch_agent_cmd(
     ] = None,
     images_dir: Annotated[
         Path, typer.Option("--images-dir", help="The image archives shipped in the OS image.")
-    ] = Path("/usr/lib/umbra/images"),
+    ] = IMAGES_DIR,
     state_dir: Annotated[
         Path, typer.Option("--state-dir", help="Where lowered compose files and configs go.")
     ] = Path("/run/umbra/compose"),

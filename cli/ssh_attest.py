@@ -29,6 +29,7 @@ from umbra.attest.verify import Verdict, Verifier
 from umbra.contracts.session import (
     BOOT_ID_EVENT,
     CVM_ID_EVENT,
+    HOST_FIREWALL_EVENT,
     SSH_HOST_KEY_EVENT,
     SessionInfo,
     SessionState,
@@ -51,6 +52,7 @@ class Check(enum.StrEnum):
     measurement = "measurement"
     cvm_id = "cvm-id"
     authorized_keys = "authorized-keys"
+    host_firewall = "host-firewall"
     host_key = "host-key"
     host_key_binding = "host-key-binding"
     host_key_pin = "host-key-pin"
@@ -67,7 +69,8 @@ class Refused(Exception):
 
 def session_policy(info: SessionInfo) -> MeasurementPolicy:
     """The release's golden values plus this launch: exactly this CVM id, exactly these keys,
-    and one host-key event (whose payload the client then reads from the verified log)."""
+    the host firewall ruleset it was launched with (if any), and one boot id and host-key event
+    (whose payloads the client then reads from the verified log)."""
     if info.state != SessionState.running:
         raise Refused(Check.cvm_state, f"CVM {info.cvm_id} is {info.state}, not running")
     if info.release is None:
@@ -87,6 +90,12 @@ def session_policy(info: SessionInfo) -> MeasurementPolicy:
     for name in (BOOT_ID_EVENT, SSH_HOST_KEY_EVENT):
         if name not in names:
             binding_events.append(ExpectedEvent(name=name))
+    if info.host_firewall_sha256 is not None:
+        # Pinned: a firewall event with another ruleset, or none, is refused. Without a launch
+        # record of one, a firewall event is an unexpected runtime event: refused just the same.
+        binding_events.append(
+            ExpectedEvent(name=HOST_FIREWALL_EVENT, payloads=[info.host_firewall_sha256])
+        )
     release = info.release.model_copy(update={"events": release_events})
     binding = InstanceBinding(
         apiVersion="umbra/v1",
@@ -156,6 +165,7 @@ def classify(reasons: Sequence[str]) -> Check:
         (CVM_ID_EVENT, Check.cvm_id),
         (SSH_KEYS_EVENT, Check.authorized_keys),
         (SSH_HOST_KEY_EVENT, Check.host_key),
+        (HOST_FIREWALL_EVENT, Check.host_firewall),
         ("MRTD", Check.release),
         ("RTMR", Check.measurement),
     ):

@@ -20,6 +20,8 @@ SSH_HOST_KEY_EVENT = "umbra.ssh-host-key"
 # 16 random bytes (hex) chosen at each boot by whoever binds the host key: a client refuses a
 # host key that differs from its pin for the same CVM id and boot (docs/specs/session.md).
 BOOT_ID_EVENT = "umbra.boot-id"
+# Payload: SHA-256 of the nftables ruleset a cloud Dev CVM's launch agent loaded at boot.
+HOST_FIREWALL_EVENT = "umbra.host-firewall"
 # The gateway sshd's login name; its ForceCommand drops to the sandbox user inside the sandbox.
 LOGIN_USER = "root"
 _HOST = r"^[A-Za-z0-9]([A-Za-z0-9.:-]{0,251}[A-Za-z0-9])?$"
@@ -51,6 +53,9 @@ class SessionInfo(BaseModel):
     ingress: SshIngress | None
     release: ReleaseManifest | None
     ssh_authorized_keys: list[str] = Field(default_factory=list, max_length=32)
+    # A cloud Dev CVM's launch-bound host firewall (LaunchData.expected_events()'s
+    # umbra.host-firewall: SHA-256 of the ruleset, hex); None where none was launched.
+    host_firewall_sha256: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
 
     @field_validator("ssh_authorized_keys")
     @classmethod

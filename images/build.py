@@ -268,6 +268,32 @@ def sandbox_setup(recipe: Recipe, root: Path, epoch: int) -> list[Input]:
     return inputs
 
 
+# The sshd image's login user: the compose's sshd_config says `AllowUsers dev`, and its
+# ForceCommand runs as that user (the sandbox's uid, so session sockets are shared).
+SESSION_USER = ("dev", 1000)
+
+
+def runtime_setup(root: Path) -> None:
+    """The session user in the shared runtime rootfs, written directly (no useradd: no tool
+    dependency, no build-time date in /etc/shadow). Its password field is `*`: no password
+    login, but not locked (sshd refuses key logins to `!` accounts when PAM is off); empty
+    aging fields: no password expiry forcing a change at login."""
+    name, uid = SESSION_USER
+    for rel, line in (
+        ("etc/passwd", f"{name}:x:{uid}:{uid}::/home/{name}:/bin/sh"),
+        ("etc/group", f"{name}:x:{uid}:"),
+        ("etc/shadow", f"{name}:*:::::::"),
+        ("etc/gshadow", f"{name}:!::"),
+    ):
+        path = root / rel
+        if not path.exists():
+            continue
+        text = path.read_text()
+        if any(entry.split(":", 1)[0] == name for entry in text.splitlines()):
+            raise BuildError(f"{rel} already has a {name} entry")
+        path.write_text(text + ("" if text.endswith("\n") or not text else "\n") + line + "\n")
+
+
 @contextmanager
 def _workdir() -> Iterator[Path]:
     d = Path(tempfile.mkdtemp(prefix="umbra-build-", dir=os.environ.get("UMBRA_BUILD_TMP")))
@@ -316,6 +342,8 @@ def build_rootfs(
             install_wheel(wheel, requirements, host_python_prefix / "bin/python3.12", root)
         if rootfs is not Rootfs.RUNTIME:
             inputs += sandbox_setup(recipe, root, epoch)
+        else:
+            runtime_setup(root)
         normalize(root)
         layer = work / "layer.tar"
         with layer.open("wb") as f:

@@ -16,6 +16,10 @@ import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 
+# Where the CVM OS image ships the release's archives and the launch agent's runner loads them.
+IMAGES_DIR = Path("/usr/lib/umbra/images")
+ARCHIVE_SUFFIX = ".docker.tar"
+
 
 class ImageStoreError(Exception):
     """An archive is unreadable or inconsistent, or the engine refused it."""

@@ -7,7 +7,9 @@ else Umbra starts.
    the sandbox validator, the copies (compose hash, event list) consistent with what they copy,
    SSH keys exactly when the role is dev-cvm.
 3. Extend RTMR3 with the events the verifiers expect, in order (umbra.images.measure's
-   release_events + instance_events: one definition of them), and write the event log.
+   release_events + instance_events: one definition of them); on a Dev CVM then this boot's
+   events (boot_events): a fresh 16-byte boot id and the SSH host key generated here, inside
+   the TD, before anything else runs. Write the event log.
 4. Write /run/umbra/launch/, start the compose, report ready.
 
 The host controls the metadata, so nothing is trusted for being there: it is measured before use,
@@ -67,8 +69,8 @@ from umbra.images.launch_host import (
     write_hosts,
     write_resolv_conf,
 )
+from umbra.images.measure import boot_events, release_events
 from umbra.images.measure import instance_events as launch_events
-from umbra.images.measure import release_events
 from umbra.sandbox.render import canonical_json
 from umbra.sandbox.validate import (
     ComposeError,
@@ -332,6 +334,33 @@ def launch_event_list(data: LaunchData) -> list[Event]:
     )
 
 
+@dataclass(frozen=True)
+class BootIdentity:
+    """What a Dev CVM measures per boot: a random boot id and the SSH host key born in the TD.
+    The private key exists only in memory and in the root-only file sshd reads: never in launch
+    data, the event log, a log line or anything the Console sees."""
+
+    boot_id: str
+    public_line: str  # canonical `ssh-ed25519 base64`: the umbra.ssh-host-key payload
+    private_pem: bytes = field(repr=False)
+
+    @classmethod
+    def generate(cls) -> BootIdentity:
+        key = Ed25519PrivateKey.generate()
+        pem = key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.OpenSSH,
+            serialization.NoEncryption(),
+        )
+        pub = key.public_key().public_bytes(
+            serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH
+        )
+        return cls(os.urandom(16).hex(), canonical_ssh_key(pub.decode()), pem)
+
+    def events(self, role: str) -> list[Event]:
+        return boot_events(role, self.boot_id, self.public_line)
+
+
 # ---- measuring --------------------------------------------------------------------------------
 
 
@@ -386,7 +415,11 @@ def _write(path: Path, data: str | bytes, mode: int = 0o644) -> None:
 
 
 def write_launch_dir(
-    root: Path, data: LaunchData, events: Sequence[Event], token: str | None = None
+    root: Path,
+    data: LaunchData,
+    events: Sequence[Event],
+    token: str | None = None,
+    boot: BootIdentity | None = None,
 ) -> Path:
     """Everything the compose mounts from /run/umbra/launch; returns the compose file path."""
     doc = json.loads(data.app_compose)
@@ -403,20 +436,15 @@ def write_launch_dir(
     if data.role == "dev-cvm":
         _write(root / "forwarder/cvm-id", data.cvm_id + "\n")
         _write(root / "ssh/authorized_keys", "\n".join(data.ssh_authorized_keys) + "\n")
-        # The host key is born here and never leaves the CVM.
-        host = root / "ssh/ssh_host_ed25519_key"
-        if not host.exists():
-            key = Ed25519PrivateKey.generate()
-            pem = key.private_bytes(
-                serialization.Encoding.PEM,
-                serialization.PrivateFormat.OpenSSH,
-                serialization.NoEncryption(),
-            )
-            _write(host, pem, 0o600)
-            pub = key.public_key().public_bytes(
-                serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH
-            )
-            _write(root / "ssh/ssh_host_ed25519_key.pub", pub + b"\n")
+        if boot is None:
+            raise LaunchError(Refusal.HOST_SETUP_FAILED, "a Dev CVM boots with a host key")
+        # Born in this TD at this boot (measured: umbra.ssh-host-key); root-only, never leaves.
+        # The directory stays 0755: sshd reads authorized_keys as the login user.
+        ssh = root / "ssh"
+        _write(ssh / "ssh_host_ed25519_key", boot.private_pem, 0o600)
+        _write(ssh / "ssh_host_ed25519_key.pub", boot.public_line + "\n")
+        _write(ssh / "cvm-id", data.cvm_id + "\n")  # the attested ingress's launch_dir
+        _write(ssh / "boot-id", boot.boot_id + "\n")
     else:
         _write(root / "security/security-cvm-id", data.cvm_id + "\n")
         _write(root / "security/event-log.json", log)
@@ -457,7 +485,9 @@ class ComposeRunnerStart:
         from umbra.images.compose_runner import ComposeRunError, ComposeRunner
 
         try:
-            images = image_store.load(sorted(self.images_dir.glob("*.docker.tar")))
+            images = image_store.load(
+                sorted(self.images_dir.glob(f"*{image_store.ARCHIVE_SUFFIX}"))
+            )
             runner = ComposeRunner(self.state_dir, images, self.allow_runc, say=self.say)
             runner.up(compose.read_text())
         except (image_store.ImageStoreError, ComposeRunError, OSError) as exc:
@@ -539,12 +569,15 @@ class Agent:
             data = parse_launch_data(meta)
             token = enrollment_token(meta)
             events = launch_event_list(data)
+            boot = BootIdentity.generate() if data.role == "dev-cvm" else None
+            if boot is not None:
+                events += boot.events(data.role)
             if data.is_placeholder:
                 self.say("umbra-launch: PLACEHOLDER compose: no verifier will accept this CVM")
             # Measure first: whatever runs afterwards is already bound into RTMR3.
             for event in events:
                 self.extender.extend(event)
-            compose = write_launch_dir(self.launch_dir, data, events, token)
+            compose = write_launch_dir(self.launch_dir, data, events, token, boot)
             self._host(data)
             self.starter.start(compose)
         except LaunchError as exc:

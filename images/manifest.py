@@ -13,6 +13,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from umbra.attest.measurement import ReleaseManifest
+from umbra.contracts.session import BOOT_ID_EVENT, SSH_HOST_KEY_EVENT
 from umbra.images.measure import CVM_ID_EVENT, Measurement
 from umbra.sandbox.render import canonical_json
 
@@ -26,7 +27,7 @@ class _Strict(BaseModel):
 class RuntimeEventSpec(_Strict):
     name: str
     imr: int = Field(ge=0, le=3)
-    bound: Literal["release", "launch"]
+    bound: Literal["release", "launch", "boot"]
     payload: str | None = None  # hex, for release-bound events
     digest: str | None = None  # runtime_event_digest(name, payload), hex
     describes: str
@@ -90,6 +91,20 @@ def build_manifest(
                 describes="SHA-256 of the sorted, de-duplicated 'type base64' key lines, \\n-joined",
             )
         )
+        events += [
+            RuntimeEventSpec(
+                name=BOOT_ID_EVENT,
+                imr=3,
+                bound="boot",
+                describes="16 random bytes, 32 lowercase hex characters, chosen at each boot",
+            ),
+            RuntimeEventSpec(
+                name=SSH_HOST_KEY_EVENT,
+                imr=3,
+                bound="boot",
+                describes="the SSH host key generated in the TD at boot, 'type base64'",
+            ),
+        ]
     return MeasurementManifest(
         apiVersion="umbra/v1",
         kind="MeasurementManifest",

@@ -4,8 +4,11 @@ app-compose.json is canonical JSON {docker_compose_file, manifest_version, name,
 SHA-256 is the compose hash, extended into RTMR3 as the `compose-hash` runtime event. Then come
 the launch-bound events, in this order: `umbra.cvm-id` (payload: the id, UTF-8) and, on a Dev
 CVM, `umbra.ssh-authorized-keys` (payload: attest's ssh_keys_digest) and, when launch data
-carries one, `umbra.host-firewall` (payload: SHA-256 of the nftables ruleset). Event digests are
-attest's `runtime_event_digest`: this module never hashes an event itself.
+carries one, `umbra.host-firewall` (payload: SHA-256 of the nftables ruleset). Last, on a Dev
+CVM, the per-boot events: `umbra.boot-id` (16 random bytes, hex) and `umbra.ssh-host-key` (the
+host key generated at this boot, `type base64`). Their names and positions are predicted; their
+values cannot be, so a verifier reads them from the replayed log (boot_events_of) and checks their
+shape. Event digests are attest's `runtime_event_digest`: this module never hashes an event itself.
 """
 
 from __future__ import annotations
@@ -21,15 +24,17 @@ from umbra.attest.measurement import (
     ExpectedEvent,
     InstanceBinding,
     ReleaseManifest,
+    canonical_ssh_key,
     ssh_keys_digest,
 )
 from umbra.attest.simulator import simulated_boot_values
+from umbra.contracts.session import BOOT_ID_EVENT, SSH_HOST_KEY_EVENT
+from umbra.contracts.session import HOST_FIREWALL_EVENT as HOST_FIREWALL_EVENT
 from umbra.images.definition import BaseMeasurements, DevCvmDefinition, ImageDefinition
 from umbra.sandbox.render import Rendered, canonical_json, render_dev_cvm, render_security_cvm
 
 CVM_ID_EVENT = "umbra.cvm-id"
-# Payload: SHA-256 of the nftables ruleset (`umbra-host-firewall`) the launch agent loads.
-HOST_FIREWALL_EVENT = "umbra.host-firewall"
+# HOST_FIREWALL_EVENT's payload: SHA-256 of the nftables ruleset the launch agent loads.
 RTMR3 = 3
 
 
@@ -66,6 +71,45 @@ def instance_events(
             make_runtime_event(RTMR3, HOST_FIREWALL_EVENT, firewall_digest(host_firewall))
         )
     return events
+
+
+# A Dev CVM's per-boot events, in extend order, after every launch-bound one.
+BOOT_EVENTS = (BOOT_ID_EVENT, SSH_HOST_KEY_EVENT)
+_HEX = frozenset("0123456789abcdef")
+
+
+def boot_events(role: str, boot_id: str, host_key: str) -> list[Event]:
+    """The per-boot events: this boot's id (32 lowercase hex chars) and its SSH host key (the
+    canonical `type base64` line: what `umbra ssh` reads back from the verified log)."""
+    if role != "dev-cvm":
+        raise ValueError("only a Dev CVM has per-boot events (boot id, SSH host key)")
+    if len(boot_id) != 32 or not set(boot_id) <= _HEX:
+        raise ValueError(f"{BOOT_ID_EVENT} must be 16 bytes as 32 lowercase hex characters")
+    return [
+        make_runtime_event(RTMR3, BOOT_ID_EVENT, boot_id.encode()),
+        make_runtime_event(RTMR3, SSH_HOST_KEY_EVENT, canonical_ssh_key(host_key).encode()),
+    ]
+
+
+def boot_events_of(role: str, log: Sequence[Event]) -> tuple[str, str] | None:
+    """The per-boot values (boot id, host key) a log's RTMR3 tail carries, or None for a
+    Security CVM. Raises ValueError unless the tail is exactly the two events, in order, each
+    well-formed (re-derived through boot_events, so shape checks live in one place)."""
+    if role != "dev-cvm":
+        return None
+    tail = [e for e in log if e.imr == RTMR3 and e.name][-len(BOOT_EVENTS) :]
+    if tuple(e.name for e in tail) != BOOT_EVENTS:
+        raise ValueError(f"the log does not end with {', '.join(BOOT_EVENTS)}")
+    try:
+        values = (tail[0].payload.decode(), tail[1].payload.decode())
+    except UnicodeDecodeError:
+        raise ValueError("a per-boot event's payload is not text") from None
+    want = boot_events(role, *values)
+    if [(e.name, e.payload, e.digest) for e in want] != [
+        (e.name, e.payload, e.digest) for e in tail
+    ]:
+        raise ValueError("a per-boot event is not in its canonical form")
+    return values
 
 
 def firewall_digest(ruleset: str) -> bytes:
@@ -144,6 +188,12 @@ def measure(definition: ImageDefinition) -> Measurement:
                 # Present exactly once; its value is the instance's, bound by the forwarder's
                 # identity rather than pinned per release.
                 {"name": CVM_ID_EVENT, "imr": RTMR3},
+                # Dev CVMs: present exactly once, chosen at each boot inside the TD.
+                *(
+                    [{"name": name, "imr": RTMR3} for name in BOOT_EVENTS]
+                    if definition.role == "dev-cvm"
+                    else []
+                ),
             ],
             "other_runtime_events": "refuse",
         }

@@ -10,6 +10,7 @@ and are produced by the release workflow, not here.
 from __future__ import annotations
 
 import shutil
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -25,6 +26,7 @@ from umbra.images.build import (
     install_wheel,
     normalize,
 )
+from umbra.images.image_store import ARCHIVE_SUFFIX, IMAGES_DIR
 from umbra.images.recipes import MIRRORS, PY_LIBS, SUITE
 
 OS_DIR = Path(__file__).parent / "os"
@@ -80,6 +82,7 @@ def build_os_image(
     host_python_prefix: Path,
     epoch: int,
     extra_files: dict[str, str] | None = None,
+    image_archives: Sequence[Path] = (),
     size: str = "3G",
 ) -> OsImage:
     import os
@@ -132,6 +135,7 @@ def build_os_image(
             path.write_text(content)
             if rel.startswith(("/usr/local/bin/", "usr/local/bin/")):
                 path.chmod(0o755)
+        install_image_archives(root, image_archives)
         kernel = sorted((root / "boot").glob("vmlinuz-*"))
         initrd = sorted((root / "boot").glob("initrd.img-*"))
         if not kernel or not initrd:
@@ -148,6 +152,29 @@ def build_os_image(
             env=env,
         )  # fmt: skip
     return OsImage(image, out / "vmlinuz", out / "initrd.img")
+
+
+def install_image_archives(root: Path, archives: Sequence[Path]) -> list[Path]:
+    """Copy the release's image archives to where the launch agent's runner loads them
+    (image_store.IMAGES_DIR): root-owned, 0644, one file per archive name. Their content is
+    checked at boot against the measured compose's digest pins, not here."""
+    dest = root / IMAGES_DIR.relative_to("/")
+    dest.mkdir(parents=True, exist_ok=True, mode=0o755)
+    names: set[str] = set()
+    out = []
+    for archive in archives:
+        if not archive.name.endswith(ARCHIVE_SUFFIX):
+            raise BuildError(f"{archive}: an image archive is named *{ARCHIVE_SUFFIX}")
+        if archive.name in names:
+            raise BuildError(f"{archive.name}: two image archives with one name")
+        names.add(archive.name)
+        if not archive.is_file():
+            raise BuildError(f"{archive}: no such image archive")
+        target = dest / archive.name
+        shutil.copyfile(archive, target)
+        target.chmod(0o644)
+        out.append(target)
+    return out
 
 
 # Fixed UUID and hash seed: the file system carries no random ids.

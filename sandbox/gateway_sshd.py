@@ -86,6 +86,26 @@ def ensure_host_key(state_dir: Path) -> str:
         raise IngressConfigError(f"{key}.pub: {exc}") from None
 
 
+def adopt_host_key(state_dir: Path, source: Path) -> None:
+    """Make `source` (the launch agent's key, root 0600) the state directory's host key: its
+    private bytes copied as they are (checked to be an OpenSSH key), its public line derived."""
+    from cryptography.hazmat.primitives import serialization
+
+    try:
+        data = source.read_bytes()
+        private = serialization.load_ssh_private_key(data, password=None)
+    except OSError as exc:
+        raise IngressConfigError(f"{source}: cannot read the host key: {exc.strerror}") from None
+    except (ValueError, TypeError, UnsupportedAlgorithm) as exc:
+        raise IngressConfigError(f"{source}: not an OpenSSH private key: {exc}") from None
+    public = private.public_key().public_bytes(
+        serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH
+    )
+    key = state_dir / HOST_KEY
+    _write(key, data.decode(), 0o600)
+    _write(key.with_suffix(".pub"), canonical_ssh_key(public.decode()) + "\n", 0o644)
+
+
 BOUND_KEYS = "bound-host-keys"
 
 
@@ -218,6 +238,8 @@ ForceCommand {state / "enter"}
 def prepare(config: IngressConfig, launch: LaunchData) -> str:
     """Write the gateway's files; return the host public key line."""
     secure_state_dir(config.state_dir)
+    if config.host_key_file is not None:
+        adopt_host_key(config.state_dir, config.host_key_file)
     host_key = ensure_host_key(config.state_dir)
     _write(config.state_dir / "authorized_keys", "\n".join(launch.authorized_keys) + "\n", 0o600)
     _write(config.state_dir / "enter", enter_script(config), 0o700)

@@ -62,10 +62,7 @@ def build_evidence(
     def named(name: str) -> list[Event]:
         return [e for e in events or () if e.event_type == RUNTIME_EVENT_TYPE and e.name == name]
 
-    if qs.kind == "configfs":
-        # The launch agent generated the key, extended the events and wrote the log before us.
-        if events is None:
-            raise IngressConfigError("quote_source.event_log is required with kind configfs")
+    def check_agent_bound() -> None:
         hits = named(SSH_HOST_KEY_EVENT)
         if len(hits) != 1 or hits[0].payload != payload:
             raise IngressConfigError(
@@ -77,6 +74,12 @@ def build_evidence(
                 f"{qs.event_log}: the launch agent has not bound a boot id "
                 f"({BOOT_ID_EVENT} must appear once)"
             )
+
+    if qs.kind == "configfs":
+        # The launch agent generated the key, extended the events and wrote the log before us.
+        if events is None:
+            raise IngressConfigError("quote_source.event_log is required with kind configfs")
+        check_agent_bound()
         fixed = list(events)
         return Evidence(ConfigfsTsmSource(), lambda: fixed)
     assert qs.simulated_pki is not None  # the model requires it
@@ -93,6 +96,9 @@ def build_evidence(
     else:  # the embedded default: the ingress is the launch agent of its simulated TD
         tdx.extend_runtime_event(CVM_ID_EVENT, launch.cvm_id.encode())
         tdx.extend_runtime_event(SSH_KEYS_EVENT, ssh_keys_digest(list(launch.authorized_keys)))
+    if named(SSH_HOST_KEY_EVENT):  # a launch agent's log (simulated TEE): it bound them
+        check_agent_bound()
+        return Evidence(SimulatedSource(tdx), tdx.event_log)
     if not named(BOOT_ID_EVENT):  # this start of the ingress is this simulated TD's boot
         tdx.extend_runtime_event(BOOT_ID_EVENT, os.urandom(16).hex().encode())
     tdx.extend_runtime_event(SSH_HOST_KEY_EVENT, payload)

@@ -83,6 +83,10 @@ class IngressConfig(_Strict):
     state_dir: Path
     sandbox: SandboxEntry
     quote_source: QuoteSourceConfig
+    # A host key generated inside the TD by the launch agent (its `umbra.ssh-host-key` event
+    # binds it): copied into state_dir at each start instead of generating one. A cloud Dev
+    # CVM's /run/umbra/launch/ssh/ssh_host_ed25519_key.
+    host_key_file: Path | None = None
     sshd: Path = Path("/usr/sbin/sshd")
     sftp_server: Path = Path("/usr/lib/openssh/sftp-server")
     handshake_timeout: float = Field(default=15.0, gt=0, le=300)

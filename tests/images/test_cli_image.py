@@ -47,7 +47,16 @@ def test_measure_prints_golden_values_recomputable_from_the_written_files(tmp_pa
     # The written release + binding load as a verifier's measurement policy.
     policy = load_measurement_policy(tmp_path / "release.yaml", tmp_path / "binding.yaml")
     names = [e.name for e in policy.expected_events()]
-    assert names == ["compose-hash", "umbra.cvm-id", "umbra.ssh-authorized-keys"]
+    # The per-boot events are named (present once, any payload); their values come from the log.
+    assert names == [
+        "compose-hash",
+        "umbra.cvm-id",
+        "umbra.boot-id",
+        "umbra.ssh-host-key",
+        "umbra.ssh-authorized-keys",
+    ]
+    assert out["instance"]["expected_rtmr3"] is None
+    assert out["instance"]["per_boot_events"] == ["umbra.boot-id", "umbra.ssh-host-key"]
 
 
 def test_sign_and_verify_manifest(tmp_path: Path) -> None:
@@ -119,10 +128,12 @@ def test_the_cli_checks_launch_bound_ssh_keys_end_to_end(tmp_path: Path) -> None
     r = runner.invoke(
         app,
         ["image", "measure", str(DEFS / "dev-cvm.example.yaml"), "-o", str(golden),
-         "--cvm-id", "dev-alice-1", "--ssh-key", ALICE, "--json"],
+         "--cvm-id", "dev-alice-1", "--ssh-key", ALICE, "--json",
+         "--boot-id", "ab" * 16, "--ssh-host-key", BOB],
     )  # fmt: skip
     assert r.exit_code == 0, r.output
     out = json.loads(r.stdout)
+    assert out["instance"]["events"][-1]["name"] == "umbra.ssh-host-key"
     td = tmp_path / "td"
     events = [f"compose-hash={out['compose_hash']}"] + [
         f"{e['name']}={e['payload']}" for e in out["instance"]["events"]

@@ -37,7 +37,13 @@ from umbra.images import host_firewall, image_store
 from umbra.images.build import BuildResult
 from umbra.images.compose_runner import ComposeRunError, ComposeRunner, lower
 from umbra.images.launch_agent import Agent, ComposeRunnerStart, LogOnly, SimulatedRtmr
-from umbra.images.measure import expected_rtmr3, instance_events, measure
+from umbra.images.measure import (
+    boot_events,
+    boot_events_of,
+    expected_rtmr3,
+    instance_events,
+    measure,
+)
 from umbra.proxy.identity import hash_credential
 
 from ..sandbox.fixtures import dev_definition, security_definition
@@ -234,9 +240,11 @@ def _check_the_running_dev_cvm(
     assert "umbra-compose: services.sandbox: runtime runc, because sysbox-runc is absent" in (
         "\n".join(lines)
     )
-    events = instance_events("dev-cvm", "u12-dev", [ALICE])
-    want = expected_rtmr3(m.events() + events).hex()
     log = load_event_log((launch_dir / "event-log.json").read_bytes())
+    boot = boot_events_of("dev-cvm", log)  # this boot's id and host key, shape-checked
+    assert boot is not None
+    events = instance_events("dev-cvm", "u12-dev", [ALICE]) + boot_events("dev-cvm", *boot)
+    want = expected_rtmr3(m.events() + events).hex()
     assert replay(log)[3].hex() == want == tdx.rtmrs()[3].hex()
     ps = _docker("ps", "--filter", "label=com.docker.compose.project=umbra-dev",
                  "--format", "{{.Names}} {{.Status}}").stdout  # fmt: skip
@@ -250,6 +258,11 @@ def _check_the_running_dev_cvm(
     assert f"HTTPS_PROXY=http://10.232.{octet}.2:3128" in inspect["Config"]["Env"]
     for service in ("sandbox", "forwarder", "sshd"):
         _wait_running(f"umbra-dev_{service}_1")
+    # sshd serves the key the agent generated in the TD and measured, and has its login user.
+    served = _docker("exec", "umbra-dev_sshd_1", "ssh-keygen", "-y", "-f",
+                     "/etc/umbra/ssh/ssh_host_ed25519_key").stdout.split()  # fmt: skip
+    assert " ".join(served[:2]) == boot[1]
+    assert _docker("exec", "umbra-dev_sshd_1", "id", "-u", "dev").stdout.strip() == "1000"
 
 
 def _sh(cmd: str, check: bool = True) -> subprocess.CompletedProcess[str]:

@@ -37,7 +37,7 @@ from umbra.images.launch_agent import (
     Refusal,
     SimulatedRtmr,
 )
-from umbra.images.measure import measure
+from umbra.images.measure import boot_events_of, measure
 
 from ..sandbox.fixtures import (
     dev_definition,
@@ -142,13 +142,22 @@ def _dev_launch() -> tuple[LaunchData, Any]:
     return data, m
 
 
-def _predicted(tmp_path: Path, cvm_id: str, keys: list[str], definition: dict[str, Any]) -> str:
-    """What `umbra image measure` says RTMR3 must be for this instance."""
+def _predicted(
+    tmp_path: Path,
+    cvm_id: str,
+    keys: list[str],
+    definition: dict[str, Any],
+    boot: tuple[str, str] | None = None,
+) -> str:
+    """What `umbra image measure` says RTMR3 must be for this instance (and, on a Dev CVM, for
+    this boot's id and host key: the per-boot values a verifier reads from the log)."""
     path = tmp_path / "definition.yaml"
     path.write_text(yaml.safe_dump(definition))
     args = ["image", "measure", str(path), "--cvm-id", cvm_id, "--json"]
     for k in keys:
         args += ["--ssh-key", k]
+    if boot is not None:
+        args += ["--boot-id", boot[0], "--ssh-host-key", boot[1]]
     done = runner.invoke(app, args)
     assert done.exit_code == 0, done.output
     expected: str = json.loads(done.stdout)["instance"]["expected_rtmr3"]
@@ -171,11 +180,43 @@ def test_dev_cvm_on_gcp_extends_what_measure_predicts_and_verifies(
         say=lines.append,
     )
     agent.run()
-    predicted = _predicted(tmp_path, "dev-alice-1", [ALICE], dev_definition_doc())
+    log = load_event_log((tmp_path / "launch/event-log.json").read_bytes())
+    # The per-boot values cannot be predicted: read them from the log, where their names and
+    # positions (last, in order) and their shape are checked, then predict everything else.
+    boot = boot_events_of("dev-cvm", log)
+    assert boot is not None
+    boot_id, host_key = boot
+    launch = tmp_path / "launch/ssh"
+    assert (launch / "boot-id").read_text() == boot_id + "\n"
+    assert (launch / "ssh_host_ed25519_key.pub").read_text() == host_key + "\n"
+    predicted = _predicted(tmp_path, "dev-alice-1", [ALICE], dev_definition_doc(), boot)
     assert tdx.rtmrs()[3].hex() == predicted
     # The event log the agent wrote replays to the same value.
-    log = load_event_log((tmp_path / "launch/event-log.json").read_bytes())
     assert replay(log)[3].hex() == predicted
+    # Without the per-boot values, measure predicts the value before them and what must follow.
+    path = tmp_path / "definition.yaml"
+    done = runner.invoke(
+        app,
+        ["image", "measure", str(path), "--cvm-id", "dev-alice-1", "--ssh-key", ALICE, "--json"],
+    )
+    inst = json.loads(done.stdout)["instance"]
+    assert inst["expected_rtmr3"] is None
+    assert inst["per_boot_events"] == ["umbra.boot-id", "umbra.ssh-host-key"]
+    assert replay(log[: -len(inst["per_boot_events"])])[3].hex() == inst["rtmr3_before_boot"]
+    # The private key is root-only, exactly the key the event binds, and in no other output.
+    private = (launch / "ssh_host_ed25519_key").read_bytes()
+    from cryptography.hazmat.primitives import serialization
+
+    loaded = serialization.load_ssh_private_key(private, password=None)
+    pub = loaded.public_key().public_bytes(
+        serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH
+    )
+    assert pub.decode() == host_key
+    secret = private.split(b"\n")[1]
+    for f in (tmp_path / "launch").rglob("*"):
+        if f.is_file() and f.name != "ssh_host_ed25519_key":
+            assert secret not in f.read_bytes(), f
+    assert all(secret.decode() not in line for line in lines)
     assert starter.started == [m.compose.text]
     assert (tmp_path / "launch/forwarder/cvm-id").read_text() == "dev-alice-1\n"
     assert (tmp_path / "launch/ssh/authorized_keys").read_text() == ALICE + "\n"

@@ -121,16 +121,21 @@ def test_firewall_is_measured_loaded_and_verified(netns: str, tmp_path: Path) ->
     # Measured: umbra image measure --host-firewall predicts the same RTMR3.
     fw = tmp_path / "ruleset.nft"
     fw.write_text(ruleset)
+    log = load_event_log((tmp_path / "launch/event-log.json").read_bytes())
+    boot = measure_mod.boot_events_of("dev-cvm", log)  # per boot: read from the log, checked
+    assert boot is not None
     done = CliRunner().invoke(
         app,
         ["image", "measure", str(_definition_file(tmp_path)), "--cvm-id", "dev-alice-1",
-         "--ssh-key", ALICE, "--host-firewall", str(fw), "--json"],
+         "--ssh-key", ALICE, "--host-firewall", str(fw), "--json",
+         "--boot-id", boot[0], "--ssh-host-key", boot[1]],
     )  # fmt: skip
     assert done.exit_code == 0, done.output
     predicted = json.loads(done.stdout)["instance"]["expected_rtmr3"]
-    log = load_event_log((tmp_path / "launch/event-log.json").read_bytes())
     assert replay(log)[3].hex() == tdx.rtmrs()[3].hex() == predicted
-    assert [e.name for e in log if e.imr == 3][-1] == "umbra.host-firewall"
+    # The firewall is the last launch-bound event; the per-boot events follow it.
+    names = [e.name for e in log if e.imr == 3]
+    assert names[-3:] == ["umbra.host-firewall", "umbra.boot-id", "umbra.ssh-host-key"]
     binding = m.binding("dev-alice-1", [ALICE], ruleset)
     verifier = Verifier(
         MeasurementPolicy(release=m.release, binding=binding),

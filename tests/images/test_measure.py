@@ -18,7 +18,14 @@ from umbra.attest.simulator import SimulatedTdx
 from umbra.attest.verify import Verifier
 from umbra.images.definition import DefinitionError, parse_definition
 from umbra.images.manifest import build_manifest
-from umbra.images.measure import CVM_ID_EVENT, expected_rtmr3, instance_events, measure
+from umbra.images.measure import (
+    CVM_ID_EVENT,
+    boot_events,
+    boot_events_of,
+    expected_rtmr3,
+    instance_events,
+    measure,
+)
 from umbra.images.signing import SignatureError, sign_manifest, verify_signed_manifest
 from umbra.sandbox.render import render_dev_cvm
 
@@ -112,18 +119,51 @@ def _verify(pki: SimulatedPki, tdx: SimulatedTdx, policy: MeasurementPolicy) -> 
 
 def test_golden_values_verify_a_td_that_launched_them(pki: SimulatedPki) -> None:
     m = measure(dev_definition())
-    tdx = SimulatedTdx(pki, image="umbra-dev-cvm")
-    for e in m.events() + instance_events("dev-cvm", "dev-alice-1", [ALICE]):
-        tdx.extend_runtime_event(e.name, e.payload)
-    assert tdx.rtmrs()[3] == expected_rtmr3(
-        m.events() + instance_events("dev-cvm", "dev-alice-1", [ALICE])
-    )
+    launched = m.events() + instance_events("dev-cvm", "dev-alice-1", [ALICE])
     good = MeasurementPolicy(release=m.release, binding=m.binding("dev-alice-1", [ALICE]))
+    # A Dev CVM that never measured its boot id and host key is refused on exactly those.
+    bare = SimulatedTdx(pki, image="umbra-dev-cvm")
+    for e in launched:
+        bare.extend_runtime_event(e.name, e.payload)
+    reasons = _verify(pki, bare, good)
+    assert len(reasons) == 2 and all("umbra.boot-id" in r or "ssh-host-key" in r for r in reasons)
+    tdx = SimulatedTdx(pki, image="umbra-dev-cvm")
+    booted = launched + boot_events("dev-cvm", "ab" * 16, BOB)
+    for e in booted:
+        tdx.extend_runtime_event(e.name, e.payload)
+    assert tdx.rtmrs()[3] == expected_rtmr3(booted)
+    assert boot_events_of("dev-cvm", tdx.event_log()) == ("ab" * 16, BOB.rsplit(" ", 1)[0])
     assert _verify(pki, tdx, good) == []
     # The CLI's SSH-key check: a binding with other keys fails on exactly that event.
     wrong = MeasurementPolicy(release=m.release, binding=m.binding("dev-alice-1", [BOB]))
     reasons = _verify(pki, tdx, wrong)
     assert reasons and all("umbra.ssh-authorized-keys" in r for r in reasons), reasons
+
+
+K = BOB.encode()
+
+
+@pytest.mark.parametrize(
+    ("what", "tail", "match"),
+    [
+        ("missing", [], "does not end with"),
+        ("out of order", [("umbra.ssh-host-key", K), ("umbra.boot-id", b"ab" * 16)], "end with"),
+        ("short id", [("umbra.boot-id", b"ab" * 8), ("umbra.ssh-host-key", K)], "16 bytes"),
+        ("comment", [("umbra.boot-id", b"ab" * 16), ("umbra.ssh-host-key", K)], "canonical"),
+        ("no key", [("umbra.boot-id", b"ab" * 16), ("umbra.ssh-host-key", b"x")], "OpenSSH"),
+    ],
+)
+def test_per_boot_events_are_read_only_in_their_one_form(
+    pki: SimulatedPki, what: str, tail: list[tuple[str, bytes]], match: str
+) -> None:
+    tdx = SimulatedTdx(pki, image="umbra-dev-cvm")
+    for e in instance_events("dev-cvm", "x", [ALICE]):
+        tdx.extend_runtime_event(e.name, e.payload)
+    for name, payload in tail:
+        tdx.extend_runtime_event(name, payload)
+    with pytest.raises(ValueError, match=match):
+        boot_events_of("dev-cvm", tdx.event_log())
+    assert boot_events_of("security-cvm", tdx.event_log()) is None, what
 
 
 def test_a_td_with_another_compose_fails(pki: SimulatedPki) -> None:

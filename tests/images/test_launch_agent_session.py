@@ -1,0 +1,218 @@
+"""A cloud Dev CVM as `umbra ssh` sees it: the launch agent boots a simulated TD (launch data
+with a host firewall, served by a metadata stand-in), and the client's own verification code
+(session_policy + CapturingVerifier + check_host_key: what `umbra ssh-proxy`'s aTLS accept
+callback runs) accepts its quote and learns the host key the agent generated; a firewall other
+than the launch-bound one, an unrecorded one, or a tampered log is refused on the named check."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import pytest
+
+from umbra.attest.eventlog import Event, make_runtime_event
+from umbra.attest.simpki import SimulatedPki
+from umbra.attest.simulator import SimulatedTdx
+from umbra.cli import ssh_attest
+from umbra.cli.ssh_attest import Check, Refused
+from umbra.components.launch_data import LaunchData
+from umbra.contracts.session import SessionInfo, SessionState, SshIngress
+from umbra.images.launch_agent import Agent, GcpMetadata, SimulatedRtmr
+from umbra.images.measure import HOST_FIREWALL_EVENT, measure
+from umbra.sandbox.ingress import Ingress
+from umbra.sandbox.ingress_config import IngressConfig
+
+from ..sandbox.fixtures import dev_definition
+from ..session.harness import free_port
+from .test_launch_agent import ALICE, StandIn, standin
+
+__all__ = ["standin"]  # the metadata stand-in fixture, shared with test_launch_agent
+CVM = "dev-alice-1"
+SSH_HOST_KEY = "umbra.ssh-host-key"
+
+
+@dataclass
+class Loaded:
+    """The host firewall seam (nft itself is driven for real in test_launch_host)."""
+
+    rulesets: list[str] = field(default_factory=list)
+
+    def load(self, ruleset: str) -> None:
+        self.rulesets.append(ruleset)
+
+
+@dataclass
+class Started:
+    def start(self, compose: Path) -> None:
+        return None
+
+
+@pytest.fixture
+def client(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> SimulatedPki:
+    """The developer's machine: its own config dir and its own trust in this simulated PKI."""
+    pki = SimulatedPki.generate()
+    pki.save(tmp_path / "pki")
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    monkeypatch.setenv(ssh_attest.SIMULATED_PKI_ENV, str(tmp_path / "pki"))
+    return pki
+
+
+def _boot(standin: StandIn, pki: SimulatedPki, tmp_path: Path) -> tuple[SimulatedTdx, LaunchData]:
+    m = measure(dev_definition())
+    data = LaunchData(
+        role="dev-cvm",
+        team="team-a",
+        cvm_id=CVM,
+        app_compose=m.app_compose.decode(),
+        ssh_authorized_keys=(ALICE,),
+        security_cvm_ips=("10.20.1.10",),
+    )
+    standin.attributes = data.gcp_metadata()
+    tdx = SimulatedTdx(pki, image="umbra-dev-cvm")
+    loaded = Loaded()
+    Agent(
+        source=GcpMetadata(standin.url),
+        extender=SimulatedRtmr(tdx),
+        starter=Started(),
+        reporter=None,
+        launch_dir=tmp_path / "launch",
+        say=lambda _line: None,
+        firewall=loaded,
+        etc_dir=tmp_path,
+    ).run()
+    assert loaded.rulesets == [data.host_firewall]
+    return tdx, data
+
+
+def _info(data: LaunchData, firewall_sha256: str | None) -> SessionInfo:
+    return SessionInfo(
+        cvm_id=data.cvm_id,
+        name="main",
+        state=SessionState.running,
+        ingress=SshIngress(host="127.0.0.1", port=2222),
+        release=measure(dev_definition()).release,
+        ssh_authorized_keys=[ALICE],
+        host_firewall_sha256=firewall_sha256,
+    )
+
+
+def _client_verifies(
+    info: SessionInfo, tdx: SimulatedTdx, log: list[Event], binding: bytes
+) -> tuple[str, str]:
+    """The checks connect_attested runs, in its order, on one fresh quote."""
+    policy = ssh_attest.session_policy(info)
+    collateral, root = ssh_attest.collateral_and_root(policy.tee == "simulated")
+    verifier = ssh_attest.CapturingVerifier(
+        policy, collateral, allow_simulated=root is not None, simulated_root_der=root
+    )
+    nonce = os.urandom(64)
+    verdict = verifier.verify(tdx.quote(nonce), event_log=log, expected_report_data=nonce)
+    if not verdict.ok:
+        raise Refused(ssh_attest.classify(verdict.reasons), "; ".join(verdict.reasons))
+    return ssh_attest.check_host_key(info.cvm_id, verifier.log, binding)
+
+
+def test_the_client_accepts_a_launched_dev_cvm_and_learns_its_host_key(
+    standin: StandIn, client: SimulatedPki, tmp_path: Path
+) -> None:
+    tdx, data = _boot(standin, client, tmp_path)
+    expected = data.expected_events()
+    host_key = (tmp_path / "launch/ssh/ssh_host_ed25519_key.pub").read_text().strip()
+    boot_id = (tmp_path / "launch/ssh/boot-id").read_text().strip()
+    # What the Console records from the launch data it rendered (LaunchData.expected_events()).
+    info = _info(data, expected[HOST_FIREWALL_EVENT])
+    key, boot = _client_verifies(info, tdx, tdx.event_log(), host_key.encode())
+    assert (key, boot) == (host_key, boot_id)
+
+
+def test_another_or_unrecorded_firewall_is_refused(
+    standin: StandIn, client: SimulatedPki, tmp_path: Path
+) -> None:
+    tdx, data = _boot(standin, client, tmp_path)
+    host_key = (tmp_path / "launch/ssh/ssh_host_ed25519_key.pub").read_text().strip()
+    other = replace(data, security_cvm_ips=("10.20.1.99",)).host_firewall
+    assert other is not None
+    for digest, says in (
+        (hashlib.sha256(other.encode()).hexdigest(), "not an accepted value"),
+        (None, "runtime events not in the policy"),
+    ):
+        with pytest.raises(Refused) as exc:
+            _client_verifies(_info(data, digest), tdx, tdx.event_log(), host_key.encode())
+        assert exc.value.check is Check.host_firewall and says in exc.value.reason, digest
+
+
+def test_a_tampered_firewall_event_in_the_log_is_refused(
+    standin: StandIn, client: SimulatedPki, tmp_path: Path
+) -> None:
+    tdx, data = _boot(standin, client, tmp_path)
+    host_key = (tmp_path / "launch/ssh/ssh_host_ed25519_key.pub").read_text().strip()
+    info = _info(data, data.expected_events()[HOST_FIREWALL_EVENT])
+    forged = make_runtime_event(3, HOST_FIREWALL_EVENT, hashlib.sha256(b"accept all").digest())
+    log = [forged if e.name == HOST_FIREWALL_EVENT else e for e in tdx.event_log()]
+    with pytest.raises(Refused) as exc:
+        _client_verifies(info, tdx, log, host_key.encode())
+    # The forged log no longer replays to the quoted RTMR3: nothing in it is believed.
+    assert exc.value.check is Check.measurement and "RTMR3" in exc.value.reason
+    # And a TD that really extended another ruleset is refused on the firewall itself.
+    lying = SimulatedTdx(client, image="umbra-dev-cvm")
+    for e in log:
+        if e.name:
+            lying.extend_runtime_event(e.name, e.payload, e.imr)
+    with pytest.raises(Refused) as exc:
+        _client_verifies(info, lying, lying.event_log(), host_key.encode())
+    assert exc.value.check is Check.host_firewall
+
+
+def _ingress_config(tmp_path: Path, quote_source: dict[str, str]) -> IngressConfig:
+    """The attested ingress as a cloud Dev CVM runs it: launch files and host key from the
+    launch agent (never generated by the ingress itself)."""
+    launch = tmp_path / "launch"
+    return IngressConfig.model_validate(
+        {
+            "listen": {"host": "127.0.0.1", "port": free_port()},
+            "launch_dir": str(launch / "ssh"),
+            "state_dir": str(tmp_path / "state"),
+            "host_key_file": str(launch / "ssh/ssh_host_ed25519_key"),
+            "sandbox": {"netns": f"c12-none-{os.getpid()}"},  # no session is started here
+            "quote_source": quote_source,
+        }
+    )
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root: the gateway's files are root's")
+def test_the_ingress_serves_the_agents_host_key_and_the_client_connects(
+    standin: StandIn, client: SimulatedPki, tmp_path: Path
+) -> None:
+    _tdx, data = _boot(standin, client, tmp_path)
+    host_key = (tmp_path / "launch/ssh/ssh_host_ed25519_key.pub").read_text().strip()
+    log = str(tmp_path / "launch/event-log.json")
+    # TDX: the ingress only checks that the agent bound exactly its key and one boot id.
+    assert Ingress(_ingress_config(tmp_path, {"kind": "configfs", "event_log": log})).host_key == (
+        host_key
+    )
+    # Simulated TEE: it replays the agent's log (adding nothing) and serves quotes over aTLS;
+    # the client's full connect path (ssh-proxy's) verifies and learns the agent's key.
+    qs = {"kind": "simulated", "event_log": log, "simulated_pki": str(tmp_path / "pki")}
+    ingress = Ingress(_ingress_config(tmp_path, qs))
+    assert [e.name for e in ingress.evidence.event_log() if e.name].count(SSH_HOST_KEY) == 1
+
+    async def connect() -> ssh_attest.AttestedSession:
+        server = await ingress.start()
+        port = server.sockets[0].getsockname()[1]
+        info = _info(data, data.expected_events()[HOST_FIREWALL_EVENT])
+        info = info.model_copy(update={"ingress": SshIngress(host="127.0.0.1", port=port)})
+        try:
+            session = await ssh_attest.connect_attested(info)
+            await session.conn.close()
+            return session
+        finally:
+            server.close()
+            await server.wait_closed()
+
+    session = asyncio.run(connect())
+    boot_id = (tmp_path / "launch/ssh/boot-id").read_text().strip()
+    assert (session.host_key, session.boot_id) == (host_key, boot_id)
