@@ -13,11 +13,13 @@ from pydantic import ValidationError
 
 from umbra.attest.measurement import ReleaseManifest
 from umbra.console.models import Cvm
-from umbra.contracts.session import SessionInfo, SessionState, SshIngress
+from umbra.contracts.session import HOST_FIREWALL_EVENT, SessionInfo, SessionState, SshIngress
 
 log = logging.getLogger("umbra.console.session")
 INGRESS_KEY = "ssh_ingress"
 RELEASE_KEY = "release_manifest"
+# What the provider recorded of the launch data's RTMR3 events (components.launch_data).
+EVENTS_KEY = "expected_events"
 
 
 def session_info(cvm: Cvm) -> SessionInfo:
@@ -38,6 +40,23 @@ def session_info(cvm: Cvm) -> SessionInfo:
         release = ReleaseManifest.model_validate(raw_release) if raw_release is not None else None
     except ValidationError:
         log.warning("CVM %s: provider_state.%s is invalid; not served", cvm.id, RELEASE_KEY)
+    events = cvm.provider_state.get(EVENTS_KEY)
+    firewall = events.get(HOST_FIREWALL_EVENT) if isinstance(events, dict) else None
+    try:
+        return _info(cvm, state, ingress, release, firewall)
+    except ValidationError:
+        # Only the firewall digest is unchecked above: withheld, the client refuses the event.
+        log.warning("CVM %s: provider_state.%s is invalid; not served", cvm.id, EVENTS_KEY)
+        return _info(cvm, state, ingress, release, None)
+
+
+def _info(
+    cvm: Cvm,
+    state: SessionState,
+    ingress: SshIngress | None,
+    release: ReleaseManifest | None,
+    firewall: object,
+) -> SessionInfo:
     return SessionInfo(
         cvm_id=cvm.id,
         name=cvm.name,
@@ -45,4 +64,5 @@ def session_info(cvm: Cvm) -> SessionInfo:
         ingress=ingress,
         release=release,
         ssh_authorized_keys=list(cvm.ssh_keys),
+        host_firewall_sha256=firewall,
     )

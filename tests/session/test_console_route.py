@@ -34,6 +34,17 @@ def test_session_route(console: Server, issuer: LocalIssuer) -> None:
         assert doc["ingress"] == {"host": "127.0.0.1", "port": 2222}
         assert doc["release"]["name"] == harness.IMAGE and doc["state"] == "running"
     assert other.get(url).status_code == 404  # another developer's CVM does not exist for them
+    digest = "ab" * 32  # the host ruleset's digest the cloud provider recorded at launch
+    with console.console.write() as session:
+        cvm = session.get(Cvm, cvm_id)
+        assert cvm is not None
+        cvm.provider_state = {"expected_events": {"umbra.host-firewall": digest}}
+    assert owner.get(url).json()["host_firewall_sha256"] == digest
+    with console.console.write() as session:
+        cvm = session.get(Cvm, cvm_id)
+        assert cvm is not None
+        cvm.provider_state = {"expected_events": {"umbra.host-firewall": "not hex"}}
+    assert owner.get(url).json()["host_firewall_sha256"] is None  # withheld: the client refuses
     with console.console.write() as session:
         cvm = session.get(Cvm, cvm_id)
         assert cvm is not None
