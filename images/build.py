@@ -26,6 +26,7 @@ from umbra.images.recipes import (
     Rootfs,
     npm_name,
 )
+from umbra.sandbox.render import SERVICE_UID
 
 LOCK_FILE = Path(__file__).parent / "packages.lock"
 SANDBOX_INIT = Path(__file__).parent / "sandbox" / "umbra-sandbox-init"
@@ -273,8 +274,16 @@ def sandbox_setup(recipe: Recipe, root: Path, epoch: int) -> list[Input]:
 SESSION_USER = ("dev", 1000)
 
 
+SERVICE_STATE_DIRS = (
+    "var/lib/umbra/forwarder",
+    "var/lib/umbra/policy",
+    "var/lib/umbra/spool",
+    "var/lib/umbra/mitm-ca",
+)
+
+
 def runtime_setup(root: Path) -> None:
-    """The session user in the shared runtime rootfs, written directly (no useradd: no tool
+    """The services' state directories and the session user in the shared runtime rootfs, written directly (no useradd: no tool
     dependency, no build-time date in /etc/shadow). Its password field is `*`: no password
     login, but not locked (sshd refuses key logins to `!` accounts when PAM is off); empty
     aging fields: no password expiry forcing a change at login."""
@@ -292,6 +301,13 @@ def runtime_setup(root: Path) -> None:
         if any(entry.split(":", 1)[0] == name for entry in text.splitlines()):
             raise BuildError(f"{rel} already has a {name} entry")
         path.write_text(text + ("" if text.endswith("\n") or not text else "\n") + line + "\n")
+    # The compose's named volumes start as copies of these: the forwarder and the proxy run as
+    # 65534 and keep their enrolled credential, spool and CA there, unreadable by other uids.
+    for state in SERVICE_STATE_DIRS:
+        path = root / state
+        path.mkdir(parents=True, exist_ok=True)
+        os.chown(path, SERVICE_UID, SERVICE_UID)
+        path.chmod(0o700)
 
 
 @contextmanager

@@ -45,6 +45,7 @@ from umbra.components.launch_data import (
     META_APP_COMPOSE,
     META_COMPOSE_HASH,
     META_CONSOLE_CA,
+    META_CONSOLE_IPS,
     META_CONSOLE_URL,
     META_CVM_ID,
     META_DATABASE_CA,
@@ -71,7 +72,7 @@ from umbra.images.launch_host import (
 )
 from umbra.images.measure import boot_events, release_events
 from umbra.images.measure import instance_events as launch_events
-from umbra.sandbox.render import canonical_json
+from umbra.sandbox.render import SERVICE_UID, canonical_json
 from umbra.sandbox.validate import (
     ComposeError,
     load_compose,
@@ -89,6 +90,7 @@ _KNOWN = {
     META_APP_COMPOSE,
     META_COMPOSE_HASH,
     META_CONSOLE_CA,
+    META_CONSOLE_IPS,
     META_CONSOLE_URL,
     META_CVM_ID,
     META_DATABASE_CA,
@@ -263,6 +265,10 @@ def parse_launch_data(meta: dict[str, str]) -> LaunchData:
         # host's namespace (CVE-2024-29018): never configure one.
         raise LaunchError(Refusal.INVALID, f"{META_DNS_RESOLVERS}: loopback resolvers refused")
     lb_ip = meta.get(META_LB_IP)
+    console_ips = meta.get(META_CONSOLE_IPS)
+    if console_ips is not None and sec_ips is None:
+        # The Console path is a rule of the measured host ruleset: no ruleset, no path.
+        raise LaunchError(Refusal.MISSING, f"{META_CONSOLE_IPS} needs {META_HOST_FIREWALL}")
     data = LaunchData(
         role=role,
         team=team,
@@ -273,6 +279,7 @@ def parse_launch_data(meta: dict[str, str]) -> LaunchData:
         security_cvm_ips=_ipv4_list(META_SECURITY_CVM_IPS, sec_ips) if sec_ips else (),
         dns_resolvers=_ipv4_list(META_DNS_RESOLVERS, resolvers) if resolvers else (),
         lb_ip=_ipv4_list(META_LB_IP, lb_ip)[0] if lb_ip else None,
+        console_ips=_ipv4_list(META_CONSOLE_IPS, console_ips) if console_ips else (),
         console_url=meta.get(META_CONSOLE_URL),
         console_ca=meta.get(META_CONSOLE_CA),
         database_ca=meta.get(META_DATABASE_CA),
@@ -404,13 +411,15 @@ class LogOnly:
 # ---- writing, starting, reporting -------------------------------------------------------------
 
 
-def _write(path: Path, data: str | bytes, mode: int = 0o644) -> None:
+def _write(path: Path, data: str | bytes, mode: int = 0o644, owner: int | None = None) -> None:
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
     tmp = path.with_name(path.name + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
     with os.fdopen(fd, "wb") as f:
         f.write(data.encode() if isinstance(data, str) else data)
     os.chmod(tmp, mode)
+    if owner is not None:
+        os.chown(tmp, owner, owner)
     tmp.replace(path)
 
 
@@ -423,9 +432,13 @@ def write_launch_dir(
 ) -> Path:
     """Everything the compose mounts from /run/umbra/launch; returns the compose file path."""
     doc = json.loads(data.app_compose)
+    # The enrolling service's launch directory: the forwarder's on a Dev CVM, the proxy's on a
+    # Security CVM (each compose mounts only its own).
+    service = root / ("forwarder" if data.role == "dev-cvm" else "security")
     if token is not None:
-        # Short-lived, exchanged once at the Console; root-only, never measured or logged.
-        _write(root / "enrollment-token", token + "\n", 0o600)
+        # Short-lived, exchanged once at the Console by the enrolling service (its uid only);
+        # never measured or logged.
+        _write(service / "enrollment-token", token + "\n", 0o400, owner=SERVICE_UID)
     _write(root / "app-compose.json", data.app_compose)
     compose = root / "docker-compose.yaml"
     _write(compose, doc["docker_compose_file"])
@@ -434,7 +447,14 @@ def write_launch_dir(
     log = dump_dstack_event_log(events)
     _write(root / "event-log.json", log)
     if data.role == "dev-cvm":
-        _write(root / "forwarder/cvm-id", data.cvm_id + "\n")
+        _write(service / "cvm-id", data.cvm_id + "\n")
+        # What the forwarder's enrollment reads (sandbox/render.py): the TD's event log for its
+        # quote, and where the Console is (by address: the Dev CVM has no DNS).
+        _write(service / "event-log.json", log)
+        if data.console_ips:
+            _write(service / "console-ips", "\n".join(data.console_ips) + "\n")
+        if data.console_ca:
+            _write(service / "console-ca.pem", data.console_ca)
         _write(root / "ssh/authorized_keys", "\n".join(data.ssh_authorized_keys) + "\n")
         if boot is None:
             raise LaunchError(Refusal.HOST_SETUP_FAILED, "a Dev CVM boots with a host key")
@@ -446,8 +466,8 @@ def write_launch_dir(
         _write(ssh / "cvm-id", data.cvm_id + "\n")  # the attested ingress's launch_dir
         _write(ssh / "boot-id", boot.boot_id + "\n")
     else:
-        _write(root / "security/security-cvm-id", data.cvm_id + "\n")
-        _write(root / "security/event-log.json", log)
+        _write(service / "security-cvm-id", data.cvm_id + "\n")
+        _write(service / "event-log.json", log)
     if data.measurement_manifest:
         _write(root / "measurement-manifest.json", data.measurement_manifest)
     return compose

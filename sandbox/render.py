@@ -26,6 +26,8 @@ LAUNCH_DIR = "/run/umbra/launch"
 # The forwarder's state volume: the tunnel credential and the spent token's hash live here, so a
 # restart or a reboot (the launch agent writes the same token again) never re-enrolls.
 FORWARDER_STATE_DIR = "/var/lib/umbra/forwarder"
+# The uid the rendered forwarder and proxy services run as (the templates' `user: "65534:65534"`).
+SERVICE_UID = 65534
 
 
 @dataclass(frozen=True)

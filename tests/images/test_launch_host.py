@@ -26,10 +26,12 @@ from umbra.attest.verify import Verifier
 from umbra.cli.app import app
 from umbra.components import launch_data
 from umbra.components.launch_data import LaunchData
+from umbra.images import launch_agent
 from umbra.images import measure as measure_mod
 from umbra.images.launch_agent import Agent, LaunchError, Refusal, SimulatedRtmr
 from umbra.images.launch_host import Ext4DataDisk, HostSetupError, Nft
 from umbra.images.measure import measure
+from umbra.sandbox.render import SERVICE_UID
 
 from ..sandbox.fixtures import dev_definition, dev_definition_doc, security_definition
 
@@ -87,6 +89,37 @@ def _dev() -> tuple[LaunchData, measure_mod.Measurement]:
 def test_event_names_agree() -> None:
     assert launch_data.HOST_FIREWALL_EVENT == measure_mod.HOST_FIREWALL_EVENT
     assert launch_data.CVM_ID_EVENT == measure_mod.CVM_ID_EVENT
+
+
+def test_console_addresses_reach_the_forwarder_only_through_the_measured_ruleset(
+    tmp_path: Path,
+) -> None:
+    """A Dev CVM whose team stack gives the Console's addresses: the agent accepts the ruleset
+    that admits them (it is what they render to), writes them for the forwarder's enrollment,
+    and refuses addresses without a ruleset or a ruleset that does not match them."""
+    base, _ = _dev()
+    data = LaunchData(
+        **{**base.__dict__, "console_ips": ("10.9.0.5",), "console_url": "https://console.test"}
+    )
+    meta = data.as_metadata()
+    parsed = launch_agent.parse_launch_data(meta)
+    assert parsed.console_ips == ("10.9.0.5",) and parsed.host_firewall == data.host_firewall
+    assert "10.9.0.5" in (data.host_firewall or "")
+    boot = launch_agent.BootIdentity.generate()
+    launch_agent.write_launch_dir(tmp_path, parsed, [], boot=boot)
+    assert (tmp_path / "forwarder/console-ips").read_text() == "10.9.0.5\n"
+    tampered = meta | {launch_data.META_HOST_FIREWALL: base.host_firewall or ""}
+    with pytest.raises(LaunchError) as mismatch:
+        launch_agent.parse_launch_data(tampered)
+    assert mismatch.value.reason is Refusal.MISMATCH
+    alone = {
+        k: v
+        for k, v in meta.items()
+        if k not in (launch_data.META_HOST_FIREWALL, launch_data.META_SECURITY_CVM_IPS)
+    }
+    with pytest.raises(LaunchError) as missing:
+        launch_agent.parse_launch_data(alone)
+    assert missing.value.reason is Refusal.MISSING
 
 
 def test_firewall_is_measured_loaded_and_verified(netns: str, tmp_path: Path) -> None:
@@ -156,9 +189,16 @@ def test_firewall_is_measured_loaded_and_verified(netns: str, tmp_path: Path) ->
     refused = bare.verify(tdx.quote(b"nonce"), event_log=tdx.event_log())
     assert not refused.ok
     assert "runtime events not in the policy: umbra.host-firewall" in refused.reasons
-    # The enrollment token: written root-only, never said, never measured.
-    token = tmp_path / "launch/enrollment-token"
-    assert token.read_text() == TOKEN + "\n" and token.stat().st_mode & 0o777 == 0o600
+    # The enrollment token: only the forwarder's uid reads it, never said, never measured; the
+    # forwarder's enrollment also gets the TD's event log and the Console's addresses.
+    forwarder = tmp_path / "launch/forwarder"
+    token = forwarder / "enrollment-token"
+    assert token.read_text() == TOKEN + "\n" and token.stat().st_mode & 0o777 == 0o400
+    assert token.stat().st_uid == SERVICE_UID
+    assert not (tmp_path / "launch/enrollment-token").exists()
+    assert (forwarder / "event-log.json").read_text() == (
+        tmp_path / "launch/event-log.json"
+    ).read_text()
     everything = "\n".join(lines) + (tmp_path / "launch/event-log.json").read_text()
     assert TOKEN not in everything
 
