@@ -454,18 +454,27 @@ def host_firewall_cmd(
 
 @app.command("disks")
 def disks_cmd(
-    rootfs: Annotated[Path, typer.Argument(help="The OS image's rootfs.ext4.")],
-    out: Annotated[Path, typer.Option("--out", help="Directory for the disks.")],
+    os_dir: Annotated[
+        Path,
+        typer.Argument(
+            help="The OS image build's directory: rootfs.ext4, vmlinuz, initrd.img, "
+            "linuxx64.efi.stub."
+        ),
+    ],
+    out: Annotated[Path, typer.Option("--out", help="Directory for the UKI and the disks.")],
     source_date_epoch: Annotated[
-        int, typer.Option("--source-date-epoch", help="mtime in the GCP tarball.")
+        int, typer.Option("--source-date-epoch", help="Timestamps in the ESP and GCP tarball.")
     ] = 0,
     as_json: JsonFlag = False,
 ) -> None:
-    """Pack the OS image as cloud disks: GCP disk.raw in a .tar.gz, Azure fixed VHD."""
-    from umbra.images.disk_formats import DiskFormatError, build_cloud_disks
+    """Pack the OS image as bootable cloud disks (ESP with a UKI + root): GCP disk.raw in a
+    .tar.gz, Azure fixed VHD. Prints the UKI's digests: its Authenticode hash is what the
+    firmware measures into RTMR1."""
+    from umbra.images.disk_formats import DiskFormatError
+    from umbra.images.uki import CMDLINE, pack_os_image
 
     try:
-        disks = build_cloud_disks(rootfs, out, source_date_epoch)
+        uki, disks = pack_os_image(os_dir, out, source_date_epoch)
     except DiskFormatError as exc:
         fail(str(exc), EXIT_USAGE, as_json=as_json)
     except OSError as exc:
@@ -475,6 +484,11 @@ def disks_cmd(
         "raw_sha256": disks.raw_sha256,
         "gcp": str(disks.gcp_tar_gz),
         "azure": str(disks.azure_vhd),
+        "uki": str(uki.path),
+        "uki_sha256": uki.sha256,
+        "uki_authenticode_sha384": uki.authenticode_sha384,
+        "uki_authenticode_sha256": uki.authenticode_sha256,
+        "cmdline": CMDLINE,
     }
     if as_json:
         print_json(result)
