@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Annotated, Any
@@ -9,13 +10,14 @@ from typing import Annotated, Any
 import typer
 import yaml
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from pydantic import ValidationError
 from rich.table import Table
 
 from umbra.attest.measurement import canonical_ssh_key
 from umbra.cli.output import EXIT_USAGE, console, fail, print_json
 from umbra.contracts.keys import KeyFileError, write_key_pair
 from umbra.images.definition import DefinitionError, load_definition
-from umbra.images.manifest import build_manifest
+from umbra.images.manifest import BootEntry, boot_entry, build_manifest
 from umbra.images.measure import expected_rtmr3, instance_events, measure
 from umbra.images.signing import (
     SignatureError,
@@ -55,6 +57,20 @@ def _write(path: Path, data: str, mode: int = 0o644) -> None:
     os.chmod(path, mode)
 
 
+def _boot_entry(path: Path) -> BootEntry:
+    try:
+        doc = json.loads(path.read_text())
+        if not isinstance(doc, dict):
+            raise DefinitionError(f"{path}: not a JSON object (umbra image disks --json)")
+        return boot_entry(doc)
+    except json.JSONDecodeError as exc:
+        raise DefinitionError(f"{path}: line {exc.lineno}: {exc.msg}") from None
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise DefinitionError(f"{path}: {where}: {first['msg']}") from None
+
+
 @app.command("measure")
 def measure_cmd(
     definition: Annotated[Path, typer.Argument(help="Image definition (YAML).")],
@@ -81,6 +97,10 @@ def measure_cmd(
         Path | None,
         typer.Option("--host-firewall", help="The instance's umbra-host-firewall ruleset (Dev)."),
     ] = None,
+    boot: Annotated[
+        Path | None,
+        typer.Option("--boot", help="`umbra image disks --json` output: the UKI's digests."),
+    ] = None,
     as_json: JsonFlag = False,
 ) -> None:
     """Render the release's compose file and print its golden values."""
@@ -91,11 +111,12 @@ def measure_cmd(
         m = measure(load_definition(definition))
         index = provenance_index([p.read_bytes() for p in provenance]) if provenance else None
         ruleset = host_firewall.read_text() if host_firewall is not None else None
+        boot_doc = _boot_entry(boot) if boot is not None else None
     except (DefinitionError, ComposeError, ProvenanceError) as exc:
         fail(str(exc), EXIT_USAGE, as_json=as_json)
     except OSError as exc:
         fail(f"cannot read {exc.filename}: {exc.strerror}", EXIT_USAGE, as_json=as_json)
-    manifest = build_manifest(m, index)
+    manifest = build_manifest(m, index, boot_doc)
     result: dict[str, Any] = {
         "release": m.release.name,
         "role": m.role,
@@ -108,6 +129,8 @@ def measure_cmd(
         "rtmr2": m.release.rtmr2,
         "rtmr3_events": [e.model_dump(exclude_none=True) for e in manifest.rtmr3_events],
     }
+    if boot_doc is not None:
+        result["boot"] = boot_doc.model_dump()
     binding = None
     if cvm_id is not None or keys or ruleset is not None:
         if cvm_id is None:
