@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Annotated, Any
@@ -9,6 +10,7 @@ from typing import Annotated, Any
 import typer
 import yaml
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from pydantic import ValidationError
 from rich.table import Table
 
 from umbra.attest.measurement import canonical_ssh_key
@@ -16,7 +18,7 @@ from umbra.cli.output import EXIT_USAGE, console, fail, print_json
 from umbra.contracts.keys import KeyFileError, write_key_pair
 from umbra.images.definition import DefinitionError, load_definition
 from umbra.images.image_store import IMAGES_DIR
-from umbra.images.manifest import build_manifest
+from umbra.images.manifest import BootEntry, boot_entry, build_manifest
 from umbra.images.measure import (
     BOOT_EVENTS,
     boot_events,
@@ -62,6 +64,20 @@ def _write(path: Path, data: str, mode: int = 0o644) -> None:
     os.chmod(path, mode)
 
 
+def _boot_entry(path: Path) -> BootEntry:
+    try:
+        doc = json.loads(path.read_text())
+        if not isinstance(doc, dict):
+            raise DefinitionError(f"{path}: not a JSON object (umbra image disks --json)")
+        return boot_entry(doc)
+    except json.JSONDecodeError as exc:
+        raise DefinitionError(f"{path}: line {exc.lineno}: {exc.msg}") from None
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise DefinitionError(f"{path}: {where}: {first['msg']}") from None
+
+
 @app.command("measure")
 def measure_cmd(
     definition: Annotated[Path, typer.Argument(help="Image definition (YAML).")],
@@ -96,6 +112,10 @@ def measure_cmd(
         str | None,
         typer.Option("--ssh-host-key", help="Dev: the boot's umbra.ssh-host-key, from its log."),
     ] = None,
+    boot: Annotated[
+        Path | None,
+        typer.Option("--boot", help="`umbra image disks --json` output: the UKI's digests."),
+    ] = None,
     as_json: JsonFlag = False,
 ) -> None:
     """Render the release's compose file and print its golden values."""
@@ -106,11 +126,12 @@ def measure_cmd(
         m = measure(load_definition(definition))
         index = provenance_index([p.read_bytes() for p in provenance]) if provenance else None
         ruleset = host_firewall.read_text() if host_firewall is not None else None
+        boot_doc = _boot_entry(boot) if boot is not None else None
     except (DefinitionError, ComposeError, ProvenanceError) as exc:
         fail(str(exc), EXIT_USAGE, as_json=as_json)
     except OSError as exc:
         fail(f"cannot read {exc.filename}: {exc.strerror}", EXIT_USAGE, as_json=as_json)
-    manifest = build_manifest(m, index)
+    manifest = build_manifest(m, index, boot_doc)
     result: dict[str, Any] = {
         "release": m.release.name,
         "role": m.role,
@@ -123,6 +144,8 @@ def measure_cmd(
         "rtmr2": m.release.rtmr2,
         "rtmr3_events": [e.model_dump(exclude_none=True) for e in manifest.rtmr3_events],
     }
+    if boot_doc is not None:
+        result["boot"] = boot_doc.model_dump()
     binding = None
     instance_args = (keys, ruleset, boot_id, ssh_host_key)
     if cvm_id is not None or any(a is not None and a != [] for a in instance_args):
@@ -486,18 +509,27 @@ def host_firewall_cmd(
 
 @app.command("disks")
 def disks_cmd(
-    rootfs: Annotated[Path, typer.Argument(help="The OS image's rootfs.ext4.")],
-    out: Annotated[Path, typer.Option("--out", help="Directory for the disks.")],
+    os_dir: Annotated[
+        Path,
+        typer.Argument(
+            help="The OS image build's directory: rootfs.ext4, vmlinuz, initrd.img, "
+            "linuxx64.efi.stub."
+        ),
+    ],
+    out: Annotated[Path, typer.Option("--out", help="Directory for the UKI and the disks.")],
     source_date_epoch: Annotated[
-        int, typer.Option("--source-date-epoch", help="mtime in the GCP tarball.")
+        int, typer.Option("--source-date-epoch", help="Timestamps in the ESP and GCP tarball.")
     ] = 0,
     as_json: JsonFlag = False,
 ) -> None:
-    """Pack the OS image as cloud disks: GCP disk.raw in a .tar.gz, Azure fixed VHD."""
-    from umbra.images.disk_formats import DiskFormatError, build_cloud_disks
+    """Pack the OS image as bootable cloud disks (ESP with a UKI + root): GCP disk.raw in a
+    .tar.gz, Azure fixed VHD. Prints the UKI's digests: its Authenticode hash is what the
+    firmware measures into RTMR1."""
+    from umbra.images.disk_formats import DiskFormatError
+    from umbra.images.uki import CMDLINE, pack_os_image
 
     try:
-        disks = build_cloud_disks(rootfs, out, source_date_epoch)
+        uki, disks = pack_os_image(os_dir, out, source_date_epoch)
     except DiskFormatError as exc:
         fail(str(exc), EXIT_USAGE, as_json=as_json)
     except OSError as exc:
@@ -507,6 +539,11 @@ def disks_cmd(
         "raw_sha256": disks.raw_sha256,
         "gcp": str(disks.gcp_tar_gz),
         "azure": str(disks.azure_vhd),
+        "uki": str(uki.path),
+        "uki_sha256": uki.sha256,
+        "uki_authenticode_sha384": uki.authenticode_sha384,
+        "uki_authenticode_sha256": uki.authenticode_sha256,
+        "cmdline": CMDLINE,
     }
     if as_json:
         print_json(result)

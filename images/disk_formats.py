@@ -1,9 +1,12 @@
-"""Cloud disk formats from the OS image's root file system (`rootfs.ext4`, images.os_image).
+"""Cloud disk formats from the OS image (images.os_image): its root file system (`rootfs.ext4`)
+and the Unified Kernel Image built from its kernel, initrd and stub (images.uki).
 
-- `disk.raw`: a GPT disk whose one partition (1 MiB aligned, fixed GUIDs) holds the root file
-  system, its size rounded up to whole GiB (GCP wants whole-GiB disks; Azure 1 MiB multiples).
-  The same `rootfs.ext4` gives the same bytes: the GPT's disk and partition GUIDs are fixed here,
-  and the copy keeps holes (the result is sparse).
+- `disk.raw`: a GPT disk (1 MiB aligned, fixed GUIDs) with two partitions: the EFI system
+  partition (FAT32, the UKI at the removable-media path `/EFI/BOOT/BOOTX64.EFI`, which UEFI
+  firmware boots without any boot entry) and the root file system. Size rounded up to whole GiB
+  (GCP wants whole-GiB disks; Azure 1 MiB multiples). The same `rootfs.ext4` and UKI give the
+  same bytes: the GPT's GUIDs and the FAT's volume id are fixed, the FAT is written by mtools
+  (no mount) with SOURCE_DATE_EPOCH timestamps, and the copy keeps holes (the result is sparse).
 - GCP: `disk.raw` in a gzip'd tar, `--format=oldgnu`, sparse (`gcloud compute images create
   --source-uri`'s documented format). Owner, mtime and gzip header are fixed, so it is
   reproducible too.
@@ -11,8 +14,7 @@
   then a 512-byte footer. The footer holds a timestamp and a random UUID, so only its raw content
   is reproducible; that is what a verifier compares.
 
-Not a bootable cloud disk yet: there is no ESP/UKI (the QEMU boot uses direct kernel boot), so
-RTMR1/2 golden values cannot be computed from these disks. See docs/specs/images.md.
+The boot chain and what each step measures: docs/specs/images.md, "Measured boot".
 """
 
 from __future__ import annotations
@@ -29,6 +31,10 @@ GIB = 1 << 30
 DISK_GUID = "6a2f4c1e-3b7d-4e8a-9c05-1d2e3f405162"
 ROOT_PART_GUID = "0fc63daf-8483-4772-8e79-3d69d8477de4"  # GPT partition type: Linux filesystem
 ROOT_PART_UUID = "3e1b7a90-5c2d-4f68-8b14-7a9c0d2e6f31"
+ESP_TYPE_GUID = "c12a7328-f81f-11d2-ba4b-00a0c93ec93b"  # GPT partition type: EFI system
+ESP_PART_UUID = "5a3e1b7a-0c4d-4e2f-9a61-3b7c8d9e0f12"
+ESP_VOLUME_ID = "5A3E1B7A"
+ESP_PATH = "::/EFI/BOOT/BOOTX64.EFI"  # the removable-media boot path for x86-64
 
 
 class DiskFormatError(Exception):
@@ -43,28 +49,50 @@ class CloudDisks:
     azure_vhd: Path
 
 
-def _run(cmd: list[str], what: str, stdin: str | None = None) -> None:
-    done = subprocess.run(cmd, input=stdin, capture_output=True, text=True, check=False)
+def _run(
+    cmd: list[str], what: str, stdin: str | None = None, env: dict[str, str] | None = None
+) -> None:
+    done = subprocess.run(cmd, input=stdin, capture_output=True, text=True, check=False, env=env)
     if done.returncode != 0:
         raise DiskFormatError(f"{what} failed (exit {done.returncode}): {done.stderr.strip()}")
 
 
-def raw_disk(rootfs: Path, out: Path) -> Path:
-    size = rootfs.stat().st_size
-    if size % MIB:
-        raise DiskFormatError(f"{rootfs}: {size} bytes is not a whole number of MiB")
-    # 1 MiB before the partition (protective MBR + GPT), 1 MiB after (backup GPT), whole GiB.
-    total = -(-(size + 2 * MIB) // GIB) * GIB
+def esp_image(uki: Path, out: Path, epoch: int) -> Path:
+    """A FAT32 ESP holding only the UKI, built without mounting. mkfs.fat's --invariant fixes
+    its boot-sector and label times, mlabel then sets our volume id; mtools stamps the files and
+    directories with SOURCE_DATE_EPOCH."""
+    size = -(-(uki.stat().st_size + 16 * MIB) // (64 * MIB)) * 64 * MIB  # >= 64 MiB: FAT32
+    env = os.environ | {"SOURCE_DATE_EPOCH": str(epoch), "MTOOLS_SKIP_CHECK": "1", "TZ": "UTC"}
+    out.unlink(missing_ok=True)
+    _run(["mkfs.vfat", "-C", str(out), str(size // 1024), "-F", "32", "-n", "UMBRA-ESP",
+          "--invariant"], "mkfs.vfat (ESP)", env=env)  # fmt: skip
+    _run(["mlabel", "-i", str(out), "-N", ESP_VOLUME_ID, "::UMBRA-ESP"], "mlabel (ESP)", env=env)
+    _run(["mmd", "-i", str(out), "::/EFI", "::/EFI/BOOT"], "mmd (ESP)", env=env)
+    _run(["mcopy", "-i", str(out), str(uki), ESP_PATH], "mcopy (ESP)", env=env)
+    return out
+
+
+def raw_disk(rootfs: Path, esp: Path, out: Path) -> Path:
+    size, esp_size = rootfs.stat().st_size, esp.stat().st_size
+    for part, n in ((rootfs, size), (esp, esp_size)):
+        if n % MIB:
+            raise DiskFormatError(f"{part}: {n} bytes is not a whole number of MiB")
+    # 1 MiB before the partitions (protective MBR + GPT), 1 MiB after (backup GPT), whole GiB.
+    total = -(-(esp_size + size + 2 * MIB) // GIB) * GIB
     out.unlink(missing_ok=True)
     with out.open("wb") as f:
         f.truncate(total)
+    root_start = 2048 + esp_size // 512
     script = (
         f"label: gpt\nlabel-id: {DISK_GUID}\nunit: sectors\nfirst-lba: 2048\n"
-        f"start=2048, size={size // 512}, type={ROOT_PART_GUID}, uuid={ROOT_PART_UUID}, "
+        f"start=2048, size={esp_size // 512}, type={ESP_TYPE_GUID}, uuid={ESP_PART_UUID}, "
+        'name="umbra-esp"\n'
+        f"start={root_start}, size={size // 512}, type={ROOT_PART_GUID}, uuid={ROOT_PART_UUID}, "
         'name="umbra-root"\n'
     )
     _run(["sfdisk", "--quiet", "--no-reread", "--no-tell-kernel", str(out)], "sfdisk", script)
-    _copy_sparse(rootfs, out, MIB)
+    _copy_sparse(esp, out, MIB)
+    _copy_sparse(rootfs, out, root_start * 512)
     return out
 
 
@@ -119,9 +147,11 @@ def azure_vhd(raw: Path, out: Path) -> Path:
     return out
 
 
-def build_cloud_disks(rootfs: Path, out: Path, epoch: int) -> CloudDisks:
+def build_cloud_disks(rootfs: Path, uki: Path, out: Path, epoch: int) -> CloudDisks:
     out.mkdir(parents=True, exist_ok=True)
-    raw = raw_disk(rootfs, out / "disk.raw")
+    esp = esp_image(uki, out / "esp.img", epoch)
+    raw = raw_disk(rootfs, esp, out / "disk.raw")
+    esp.unlink()
     digest = sha256_file(raw)
     tgz = gcp_tarball(raw, out / "umbra-gcp.tar.gz", epoch)
     vhd = azure_vhd(raw, out / "umbra-azure.vhd")

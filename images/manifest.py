@@ -41,6 +41,17 @@ class ImageEntry(_Strict):
     provenance_sha256: Sha256Hex | None = None  # the DSSE envelope file's SHA-256
 
 
+class BootEntry(_Strict):
+    """The OS disk's boot payload (`umbra image disks --json`): the UKI the firmware measures
+    into RTMR1 (its Authenticode hash), for golden RTMR1 values. Not itself an RTMR value."""
+
+    uki_sha256: Sha256Hex
+    uki_authenticode_sha384: Annotated[str, Field(pattern=r"^[0-9a-f]{96}$")]
+    uki_authenticode_sha256: Sha256Hex
+    cmdline: str = Field(min_length=1)
+    raw_sha256: Sha256Hex  # disk.raw
+
+
 class MeasurementManifest(_Strict):
     apiVersion: Literal["umbra/v1"]
     kind: Literal["MeasurementManifest"]
@@ -50,6 +61,7 @@ class MeasurementManifest(_Strict):
     compose_hash: Sha256Hex
     rtmr3_events: list[RuntimeEventSpec]
     images: dict[str, ImageEntry] | None = None
+    boot: BootEntry | None = None
 
     def canonical(self) -> bytes:
         return canonical_json(self.model_dump(mode="json", exclude_none=True)).encode()
@@ -65,8 +77,14 @@ def image_entries(m: Measurement, provenance: Mapping[str, str]) -> dict[str, Im
     return out
 
 
+def boot_entry(disks_json: Mapping[str, object]) -> BootEntry:
+    """From `umbra image disks --json`: its boot fields (the paths are the build's, dropped).
+    Raises pydantic.ValidationError for a missing or malformed field."""
+    return BootEntry.model_validate({k: disks_json.get(k) for k in BootEntry.model_fields})
+
+
 def build_manifest(
-    m: Measurement, provenance: Mapping[str, str] | None = None
+    m: Measurement, provenance: Mapping[str, str] | None = None, boot: BootEntry | None = None
 ) -> MeasurementManifest:
     events = [
         RuntimeEventSpec(
@@ -117,4 +135,5 @@ def build_manifest(
         compose_hash=m.compose_hash.hex(),
         rtmr3_events=events,
         images=image_entries(m, provenance) if provenance is not None else None,
+        boot=boot,
     )

@@ -1,10 +1,10 @@
 """The CVM OS image: Debian bookworm with the cloud kernel, systemd, Docker, CPython 3.12 + the
 umbra wheel, and the launch agent unit, from one definition per cloud (images/os/*.yaml).
 
-Output: `rootfs.ext4` (the root file system, built with `mke2fs -d`: no loop mounts), and the
-kernel and initrd beside it. `qemu` boots these directly under OVMF (the CI boot test); the
-cloud disk formats (GCP raw.tar.gz with an ESP and a UKI, Azure fixed VHD) wrap the same files
-and are produced by the release workflow, not here.
+Output: `rootfs.ext4` (the root file system, built with `mke2fs -d`: no loop mounts), and beside
+it the kernel, the initrd and systemd's UEFI stub (`linuxx64.efi.stub`, Debian's systemd-boot-efi
+from the same suite), which images.uki joins into the Unified Kernel Image the disk boots
+(images.disk_formats: ESP + root partition; the CI boot test boots that disk under OVMF).
 """
 
 from __future__ import annotations
@@ -26,12 +26,14 @@ from umbra.images.build import (
     install_wheel,
     normalize,
 )
+from umbra.images.disk_formats import ROOT_PART_UUID
 from umbra.images.image_store import ARCHIVE_SUFFIX, IMAGES_DIR
 from umbra.images.recipes import MIRRORS, PY_LIBS, SUITE
 
 OS_DIR = Path(__file__).parent / "os"
 UNIT = OS_DIR / "umbra-launch-agent.service"
 FIREWALL_UNIT = OS_DIR / "umbra-host-firewall.service"
+STUB_PATH = "usr/lib/systemd/boot/efi/linuxx64.efi.stub"
 
 
 class LaunchAgentConfig(BaseModel):
@@ -71,6 +73,7 @@ class OsImage:
     rootfs: Path
     kernel: Path
     initrd: Path
+    stub: Path
 
 
 def build_os_image(
@@ -97,7 +100,10 @@ def build_os_image(
                 "--mode=root",
                 "--variant=minbase",
                 "--format=directory",
-                "--include=" + ",".join([d.kernel, "initramfs-tools", *PY_LIBS, *d.packages]),
+                "--include="
+                + ",".join(
+                    [d.kernel, "initramfs-tools", "systemd-boot-efi", *PY_LIBS, *d.packages]
+                ),
                 SUITE,
                 str(root),
                 *MIRRORS,
@@ -127,7 +133,8 @@ def build_os_image(
             (unit_dir / target / name).symlink_to(f"/lib/systemd/system/{name}")
         net = root / "etc/systemd/network/20-dhcp.network"
         net.write_text("[Match]\nName=en* eth*\n\n[Network]\nDHCP=ipv4\n")
-        (root / "etc/fstab").write_text("/dev/vda / ext4 defaults 0 1\n")
+        # The root partition by its fixed GPT id: /dev/vda under QEMU, NVMe or SCSI on the clouds.
+        (root / "etc/fstab").write_text(f"PARTUUID={ROOT_PART_UUID} / ext4 defaults 0 1\n")
         (root / "etc/hostname").write_text("umbra-cvm\n")
         for rel, content in (extra_files or {}).items():
             path = root / rel.lstrip("/")
@@ -142,6 +149,10 @@ def build_os_image(
             raise BuildError(f"{d.kernel}: no kernel/initrd under /boot")
         shutil.copyfile(kernel[-1], out / "vmlinuz")
         shutil.copyfile(initrd[-1], out / "initrd.img")
+        stub = root / STUB_PATH
+        if not stub.is_file():
+            raise BuildError(f"systemd-boot-efi: no {STUB_PATH} in the rootfs")
+        shutil.copyfile(stub, out / stub.name)
         normalize(root)
         image = out / "rootfs.ext4"
         image.unlink(missing_ok=True)
@@ -151,7 +162,7 @@ def build_os_image(
             "mke2fs",
             env=env,
         )  # fmt: skip
-    return OsImage(image, out / "vmlinuz", out / "initrd.img")
+    return OsImage(image, out / "vmlinuz", out / "initrd.img", out / "linuxx64.efi.stub")
 
 
 def install_image_archives(root: Path, archives: Sequence[Path]) -> list[Path]:

@@ -15,9 +15,11 @@ from typer.testing import CliRunner
 
 from umbra.cli.app import app
 from umbra.images.build import BuildResult, build_rootfs
+from umbra.images.disk_formats import CloudDisks
 from umbra.images.oci import BuiltImage
 from umbra.images.os_image import OS_DIR, OsImage, build_os_image, load_os_definition
 from umbra.images.recipes import Rootfs
+from umbra.images.uki import Uki, pack_os_image
 
 ROOT = Path(__file__).resolve().parents[2]
 EPOCH = "1700000000"
@@ -118,7 +120,8 @@ def sandbox_ci_build(
 def qemu_os_image(
     build_inputs: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
 ) -> OsImage:
-    """The `qemu` OS image, built once: the boot test boots it, the disk-format test packs it."""
+    """The `qemu` OS image, built once: packed once into `qemu_disks` (booted by the boot test),
+    and once more by the disk-format test (reproducibility)."""
     from .test_qemu_boot import STUB
 
     wheel, req = build_inputs
@@ -130,4 +133,15 @@ def qemu_os_image(
         host_python_prefix=Path(sys.base_prefix),
         epoch=int(EPOCH),
         extra_files={"/usr/local/bin/umbra-compose-stub": STUB},
+    )
+
+
+@pytest.fixture(scope="session")
+def qemu_disks(
+    qemu_os_image: OsImage, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Uki, CloudDisks]:
+    """The `qemu` OS image packed as bootable disks (ESP with the UKI + root), once."""
+    need_root_and("sfdisk")
+    return pack_os_image(
+        qemu_os_image.rootfs.parent, tmp_path_factory.mktemp("uim-disks"), int(EPOCH)
     )

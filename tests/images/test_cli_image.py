@@ -170,3 +170,37 @@ def test_the_cli_checks_launch_bound_ssh_keys_end_to_end(tmp_path: Path) -> None
     assert r.exit_code == 0, r.output
     code, text = verify(other / "binding.yaml")
     assert code == 1 and "umbra.ssh-authorized-keys" in text
+
+
+def test_the_manifest_names_the_boot_payload_from_image_disks(tmp_path: Path) -> None:
+    # The shape `umbra image disks --json` prints (paths included; the manifest drops them).
+    disks = {
+        "raw": "/build/disk.raw",
+        "raw_sha256": "a" * 64,
+        "gcp": "/build/umbra-gcp.tar.gz",
+        "azure": "/build/umbra-azure.vhd",
+        "uki": "/build/umbra-uki.efi",
+        "uki_sha256": "b" * 64,
+        "uki_authenticode_sha384": "c" * 96,
+        "uki_authenticode_sha256": "d" * 64,
+        "cmdline": "root=PARTUUID=x rw console=ttyS0",
+    }
+    boot = tmp_path / "disks.json"
+    boot.write_text(json.dumps(disks))
+    args = ["image", "measure", str(DEFS / "dev-cvm.example.yaml"), "--boot", str(boot)]
+    r = runner.invoke(app, [*args, "--out", str(tmp_path / "o"), "--json"])
+    assert r.exit_code == 0, r.output
+    manifest = json.loads((tmp_path / "o" / "measurement-manifest.json").read_text())
+    assert manifest["boot"] == {
+        k: v for k, v in disks.items() if k not in ("raw", "gcp", "azure", "uki")
+    }
+    assert json.loads(r.stdout)["boot"]["uki_authenticode_sha384"] == "c" * 96
+    # A missing or malformed digest is refused, naming the file and the field.
+    for broken in ({**disks, "uki_authenticode_sha384": "c" * 64}, {"raw_sha256": "a" * 64}):
+        boot.write_text(json.dumps(broken))
+        r = runner.invoke(app, args)
+        assert r.exit_code == 2, r.output
+        assert str(boot) in r.output and "uki_" in r.output
+    boot.write_text("{not json")
+    r = runner.invoke(app, args)
+    assert r.exit_code == 2 and "line 1" in r.output

@@ -1,12 +1,13 @@
-"""The cloud disk formats, packed from the OS image the QEMU boot test builds: GCP's `disk.raw`
-in an oldgnu, sparse `.tar.gz`, Azure's fixed VHD (1 MiB aligned), and a raw disk whose bytes are
-the same on every pack of the same root file system."""
+"""The cloud disk formats, packed from the OS image the QEMU boot test boots: GCP's `disk.raw`
+in an oldgnu, sparse `.tar.gz`, Azure's fixed VHD (1 MiB aligned), and a raw disk (ESP with the
+UKI, then root) whose bytes, and whose UKI's, are the same on every pack of the same OS image."""
 
 from __future__ import annotations
 
 import gzip
 import json
 import struct
+import subprocess
 import tarfile
 from pathlib import Path
 
@@ -14,32 +15,67 @@ import pytest
 from typer.testing import CliRunner
 
 from umbra.cli.app import app
-from umbra.images.disk_formats import GIB, MIB, DiskFormatError, build_cloud_disks, raw_disk
+from umbra.images.disk_formats import (
+    ESP_PART_UUID,
+    ESP_PATH,
+    ESP_TYPE_GUID,
+    GIB,
+    MIB,
+    ROOT_PART_GUID,
+    ROOT_PART_UUID,
+    CloudDisks,
+    DiskFormatError,
+    raw_disk,
+)
 from umbra.images.os_image import OsImage
+from umbra.images.uki import CMDLINE, Uki
 
 from .conftest import EPOCH, need_root_and
 
 pytestmark = pytest.mark.timeout(1500)
 
 
-def test_gcp_and_azure_formats_from_the_os_image(qemu_os_image: OsImage, tmp_path: Path) -> None:
+def test_gcp_and_azure_formats_from_the_os_image(
+    qemu_os_image: OsImage, qemu_disks: tuple[Uki, CloudDisks], tmp_path: Path
+) -> None:
     need_root_and("qemu-img")
-    need_root_and("sfdisk")
-    first = build_cloud_disks(qemu_os_image.rootfs, tmp_path / "a", int(EPOCH))
+    uki, first = qemu_disks
     # The second pack through the CLI the release workflow calls.
     done = CliRunner().invoke(
         app,
-        ["image", "disks", str(qemu_os_image.rootfs), "--out", str(tmp_path / "b"),
+        ["image", "disks", str(qemu_os_image.rootfs.parent), "--out", str(tmp_path / "b"),
          "--source-date-epoch", EPOCH, "--json"],
     )  # fmt: skip
     assert done.exit_code == 0, done.output
     second = json.loads(done.stdout)
     size = first.raw.stat().st_size
     print(f"disk.raw {size >> 20} MiB, sha256 {first.raw_sha256}")
-    # Reproducible: the same root file system packs to the same raw bytes and tarball.
+    print(f"UKI sha256 {uki.sha256}, Authenticode sha384 {uki.authenticode_sha384}")
+    # Reproducible: the same OS image packs to the same UKI, raw bytes and tarball.
+    assert (uki.sha256, uki.authenticode_sha384) == (
+        second["uki_sha256"],
+        second["uki_authenticode_sha384"],
+    )
+    assert second["cmdline"] == CMDLINE
     assert first.raw_sha256 == second["raw_sha256"]
     assert first.gcp_tar_gz.read_bytes() == Path(second["gcp"]).read_bytes()
     assert size % GIB == 0
+    # The GPT: the ESP (EFI system type) first, the UKI at the removable-media path, then root.
+    table = json.loads(
+        subprocess.run(["sfdisk", "--json", str(first.raw)], capture_output=True, check=True).stdout
+    )["partitiontable"]["partitions"]
+    assert [(p["type"].lower(), p["uuid"].lower()) for p in table] == [
+        (ESP_TYPE_GUID, ESP_PART_UUID),
+        (ROOT_PART_GUID, ROOT_PART_UUID),
+    ]
+    esp = tmp_path / "esp.img"
+    with first.raw.open("rb") as f, esp.open("wb") as g:
+        f.seek(table[0]["start"] * 512)
+        g.write(f.read(table[0]["size"] * 512))
+    got = subprocess.run(
+        ["mtype", "-i", str(esp), ESP_PATH], capture_output=True, check=True
+    ).stdout
+    assert got == uki.path.read_bytes()
     # GCP: one member, disk.raw, GNU oldgnu headers ("ustar  \0"), stored sparse.
     with gzip.open(first.gcp_tar_gz) as f:
         header = f.read(512)
@@ -67,7 +103,17 @@ def test_gcp_and_azure_formats_from_the_os_image(qemu_os_image: OsImage, tmp_pat
 
 
 def test_a_rootfs_not_in_whole_mib_is_refused(tmp_path: Path) -> None:
-    odd = tmp_path / "rootfs.ext4"
+    odd, esp = tmp_path / "rootfs.ext4", tmp_path / "esp.img"
     odd.write_bytes(b"x" * 1000)
+    esp.write_bytes(bytes(MIB))
     with pytest.raises(DiskFormatError, match="not a whole number of MiB"):
-        raw_disk(odd, tmp_path / "disk.raw")
+        raw_disk(odd, esp, tmp_path / "disk.raw")
+
+
+def test_an_os_image_directory_without_its_boot_files_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "rootfs.ext4").write_bytes(bytes(MIB))
+    done = CliRunner().invoke(
+        app, ["image", "disks", str(tmp_path), "--out", str(tmp_path / "o"), "--json"]
+    )
+    assert done.exit_code != 0
+    assert "not an OS image directory" in done.output and "vmlinuz" in done.output

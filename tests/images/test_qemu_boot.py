@@ -1,5 +1,9 @@
-"""Boot the built CVM OS image once under QEMU + OVMF (TCG: no KVM, no TDX here) with a GCP
+"""Boot the built CVM OS image's disk once under QEMU + OVMF (TCG: no KVM, no TDX here) with a GCP
 metadata stand-in, and check that the launch agent runs at boot, measures, and starts the compose.
+
+The boot is the cloud's: no -kernel, the firmware finds the ESP on the disk and runs the UKI at
+/EFI/BOOT/BOOTX64.EFI (the kernel, initrd and command line inside it), which mounts the root
+partition by its fixed PARTUUID.
 
 The guest reaches the stand-in at 10.0.2.100:80 through QEMU's guestfwd. The compose command is a
 stub that prints the compose file's SHA-256 on the serial console (the image has no Docker: the
@@ -10,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import subprocess
 import threading
 import time
@@ -21,8 +26,9 @@ from typing import Any
 import pytest
 
 from umbra.components.launch_data import LaunchData
+from umbra.images.disk_formats import CloudDisks
 from umbra.images.measure import measure
-from umbra.images.os_image import OsImage
+from umbra.images.uki import Uki
 
 from ..sandbox.fixtures import dev_definition
 from .conftest import need_root_and
@@ -72,7 +78,7 @@ def metadata() -> Iterator[tuple[int, LaunchData, list[str]]]:
 
 
 def test_os_image_boots_and_the_agent_starts_the_compose(
-    qemu_os_image: OsImage,
+    qemu_disks: tuple[Uki, CloudDisks],
     metadata: tuple[int, LaunchData, list[str]],
     tmp_path: Path,
 ) -> None:
@@ -80,15 +86,14 @@ def test_os_image_boots_and_the_agent_starts_the_compose(
     if not OVMF.exists():
         pytest.skip(f"needs {OVMF} (Debian ovmf; scripts/system-deps installs it)")
     port, data, seen = metadata
-    image = qemu_os_image
-    built = time.monotonic()  # the image is a session fixture (shared with the disk formats)
+    _uki, disks = qemu_disks
+    built = time.monotonic()  # the disks are a session fixture (shared with the disk formats)
     serial = tmp_path / "serial.log"
     qemu = subprocess.Popen(
         ["qemu-system-x86_64", "-machine", "q35", "-accel", "tcg", "-m", "1024", "-smp", "1",
-         "-bios", str(OVMF), "-kernel", str(image.kernel), "-initrd", str(image.initrd),
-         "-append", "console=ttyS0 root=/dev/vda rw quiet systemd.show_status=1",
-         # -snapshot: the boot writes to a temporary overlay; the disk-format test packs the image.
-         "-drive", f"file={image.rootfs},format=raw,if=virtio", "-snapshot",
+         "-bios", str(OVMF),
+         # -snapshot: the boot writes to a temporary overlay; the disk-format test reads the disk.
+         "-drive", f"file={disks.raw},format=raw,if=virtio", "-snapshot",
          "-netdev", f"user,id=n0,guestfwd=tcp:10.0.2.100:80-tcp:127.0.0.1:{port}",
          "-device", "virtio-net-pci,netdev=n0",
          "-display", "none", "-monitor", "none", "-serial", f"file:{serial}", "-no-reboot"],
@@ -109,6 +114,8 @@ def test_os_image_boots_and_the_agent_starts_the_compose(
             f"umbra-launch: dev-cvm dev-qemu-1 started, compose-hash {data.compose_sha256}" in text
         )
         assert any(p.startswith("/computeMetadata/v1/instance/attributes/") for p in seen)
+        # OVMF booted the disk (its removable-media path), not a kernel handed to it by QEMU.
+        assert re.search(r'BdsDxe: starting Boot[0-9A-F]{4} "UEFI Misc Device"', text)
     finally:
         qemu.kill()
         qemu.wait(30)

@@ -1,0 +1,100 @@
+"""The Unified Kernel Image the CVM disk boots: systemd's UEFI stub (Debian's systemd-boot-efi;
+bookworm's systemd 252 has no ukify) with the os-release, the fixed kernel command line, the
+kernel and the initrd added as PE sections by `objcopy`.
+
+One PE file holds the whole boot payload, so the firmware's measurement of it (the Authenticode
+hash, images.pe) covers kernel, initrd and command line together. The command line is fixed:
+the root partition by its fixed GPT id, the serial console the clouds and the CI boot read.
+The same four inputs give the same bytes (the PE timestamp is the stub's, the section
+addresses follow from the inputs' sizes only).
+"""
+
+from __future__ import annotations
+
+import struct
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from umbra.images.disk_formats import (
+    ROOT_PART_UUID,
+    CloudDisks,
+    DiskFormatError,
+    build_cloud_disks,
+    sha256_file,
+)
+from umbra.images.pe import PeError, authenticode_digest, parse, with_timestamp
+
+CMDLINE = f"root=PARTUUID={ROOT_PART_UUID} rw console=ttyS0 quiet systemd.show_status=1"
+OS_RELEASE = 'ID=debian\nVERSION_ID="12"\nPRETTY_NAME="Umbra CVM (Debian 12 bookworm)"\n'
+PAGE = 0x1000
+UKI_NAME = "umbra-uki.efi"
+
+
+@dataclass(frozen=True)
+class Uki:
+    path: Path
+    sha256: str  # the file
+    authenticode_sha384: str  # what a TDX firmware logs for it (RTMR1)
+    authenticode_sha256: str  # what a TPM firmware logs for it (PCR 4, SHA-256 bank)
+
+
+def _align(n: int) -> int:
+    return -(-n // PAGE) * PAGE
+
+
+def build_uki(kernel: Path, initrd: Path, stub: Path, out: Path) -> Uki:
+    try:
+        stub_bytes = stub.read_bytes()
+        layout = parse(stub_bytes)
+    except (OSError, PeError) as exc:
+        raise DiskFormatError(f"{stub}: not a usable UEFI stub: {exc}") from None
+    with tempfile.TemporaryDirectory(prefix="umbra-uki-") as tmp:
+        osrel, cmdline = Path(tmp) / "os-release", Path(tmp) / "cmdline"
+        osrel.write_text(OS_RELEASE)
+        cmdline.write_text(CMDLINE)
+        # Each section at the next page after the previous one, starting after the stub's image.
+        vma = layout.image_base + _align(layout.size_of_image)
+        args: list[str] = []
+        for name, path in ((".osrel", osrel), (".cmdline", cmdline), (".linux", kernel),
+                           (".initrd", initrd)):  # fmt: skip
+            args += ["--add-section", f"{name}={path}", "--change-section-vma", f"{name}={vma:#x}"]
+            vma = _align(vma + path.stat().st_size)
+        out.unlink(missing_ok=True)
+        done = subprocess.run(
+            ["objcopy", *args, str(stub), str(out)], capture_output=True, text=True, check=False
+        )
+    if done.returncode != 0:
+        raise DiskFormatError(f"objcopy (UKI) failed: {done.stderr.strip()}")
+    # objcopy stamps the PE header with the wall clock (neither -D nor SOURCE_DATE_EPOCH stop
+    # it in binutils 2.40): put back the stub's own stamp (0 in Debian's).
+    (pe,) = struct.unpack_from("<I", stub_bytes, 0x3C)
+    (stamp,) = struct.unpack_from("<I", stub_bytes, pe + 8)
+    out.write_bytes(with_timestamp(out.read_bytes(), stamp))
+    return describe_uki(out)
+
+
+def describe_uki(path: Path) -> Uki:
+    data = path.read_bytes()
+    try:
+        return Uki(
+            path,
+            sha256_file(path),
+            authenticode_digest(data, "sha384"),
+            authenticode_digest(data, "sha256"),
+        )
+    except PeError as exc:
+        raise DiskFormatError(f"{path}: {exc}") from None
+
+
+def pack_os_image(os_dir: Path, out: Path, epoch: int) -> tuple[Uki, CloudDisks]:
+    """images.os_image's output directory → the UKI, then the bootable cloud disks."""
+    files = {n: os_dir / n for n in ("rootfs.ext4", "vmlinuz", "initrd.img", "linuxx64.efi.stub")}
+    missing = [str(p) for p in files.values() if not p.is_file()]
+    if missing:
+        raise DiskFormatError(f"{os_dir}: not an OS image directory, missing {', '.join(missing)}")
+    out.mkdir(parents=True, exist_ok=True)
+    uki = build_uki(files["vmlinuz"], files["initrd.img"], files["linuxx64.efi.stub"],
+                    out / UKI_NAME)  # fmt: skip
+    return uki, build_cloud_disks(files["rootfs.ext4"], uki.path, out, epoch)
