@@ -5,12 +5,14 @@ resolver, so a name lookup is a channel out unless the guest drops it itself.
 
 The ruleset (one `inet` table, replaced atomically with `nft -f`):
 - forward: only the forwarder's uplink network may open connections, only to the Security CVM's
-  tunnel port and (for its one enrollment at first start) the Console's HTTPS port; the attested
-  SSH ingress may reach the forwarder; the compose's internal networks
-  talk among themselves; replies of allowed flows pass; everything else, DNS first, is dropped.
+  tunnel port and (for its one enrollment at first start) the Console's HTTPS port; the compose's
+  internal networks talk among themselves; replies of allowed flows pass; everything else, DNS
+  first, is dropped. Nothing is forwarded *into* a container: no compose service publishes a port.
 - output (the host's own processes): loopback, replies, DHCP, and optionally NTP and an IMDS
   HTTP allowance for named uids (Azure's TD quote comes from IMDS); never DNS, never anything else.
-- input: loopback, replies, the attested SSH port, DHCP replies.
+- input: loopback, replies, DHCP replies, and the attested SSH ingress's port (`umbra sandbox
+  ingress`, a host process the launch agent starts), but never from the compose's internal
+  networks: the sandbox does not reach the gateway that decides who logs into it.
 
 A pure function of its inputs: the launch agent writes the text to a file and runs `nft -f`
 before it starts containers (tests/infra/test_host_firewall.py loads it with real nft).
@@ -25,7 +27,6 @@ from dataclasses import dataclass, field
 from umbra.components.ports import (
     CONSOLE_PORT,
     DEV_ATTESTED_SSH_PORT,
-    DEV_FORWARDER_INGRESS_PORT,
     DEV_INTERNAL_CIDRS,
     DEV_UPLINK_CIDR,
     METADATA_ADDRESSES,
@@ -46,7 +47,6 @@ class HostFirewall:
     uplink_cidr: str = DEV_UPLINK_CIDR
     internal_cidrs: Sequence[str] = DEV_INTERNAL_CIDRS
     ssh_port: int = DEV_ATTESTED_SSH_PORT
-    forwarder_ingress_port: int = DEV_FORWARDER_INGRESS_PORT
     metadata_addresses: Sequence[str] = METADATA_ADDRESSES
     # Host NTP servers (GCP: the metadata server answers NTP on 169.254.169.254). Empty: none.
     ntp_servers: Sequence[str] = ()
@@ -73,7 +73,6 @@ class HostFirewall:
             self.tunnel_port,
             self.console_port,
             self.ssh_port,
-            self.forwarder_ingress_port,
         ):
             if not 0 < port < 65536:
                 raise ValueError(f"HostFirewall: port {port} out of range")
@@ -105,6 +104,7 @@ def render_host_ruleset(fw: HostFirewall) -> str:
         "    ct state established,related accept",
         "    ct state invalid drop",
         "    udp sport 67 udp dport 68 accept",
+        f"    ip saddr {internal} counter drop",
         f"    tcp dport {fw.ssh_port} ct state new accept",
         "    counter drop",
         "  }",
@@ -115,7 +115,6 @@ def render_host_ruleset(fw: HostFirewall) -> str:
         "    jump dns_out",
         f"    ip saddr {internal} ip daddr {internal} accept",
         f"    ip saddr {fw.uplink_cidr} ip daddr {sec} tcp dport {fw.tunnel_port} ct state new accept",
-        f"    ip daddr {fw.uplink_cidr} tcp dport {fw.forwarder_ingress_port} ct state new accept",
     ]
     if fw.console_ips:
         # The forwarder's enrollment; the sandbox's networks never match the uplink source.

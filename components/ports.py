@@ -6,7 +6,8 @@ from umbra.sandbox.models import ATTESTED_SSH_PORT
 
 # The Security CVM's tunnel endpoint: the only place a Dev CVM's forwarder may dial.
 SECURITY_TUNNEL_PORT: Final = 8443
-# The Dev CVM's SSH ingress, as its compose file publishes it. Port 22 is never opened.
+# The Dev CVM's attested SSH ingress (a host process, docs/specs/session.md). Port 22 is never
+# opened.
 DEV_ATTESTED_SSH_PORT: Final = ATTESTED_SSH_PORT
 # The Console's HTTPS port: a Dev CVM's forwarder enrolls there once (components.host_firewall).
 CONSOLE_PORT: Final = 443
@@ -32,7 +33,5 @@ SECURITY_CVM_HOST: Final = f"security-cvm.{PRIVATE_ZONE}"
 # the host firewall lets only the uplink reach the Security CVM. Must equal the Dev compose.
 DEV_UPLINK_CIDR: Final = "172.30.2.0/29"
 DEV_INTERNAL_CIDRS: Final = ("172.30.0.0/24", "172.30.1.0/24")
-# The forwarder's ingress port inside its container (umbra.sandbox.render.INGRESS_PORT).
-DEV_FORWARDER_INGRESS_PORT: Final = 2222
 # Cloud metadata / platform DNS addresses a guest reaches whatever the VPC firewall says.
 METADATA_ADDRESSES: Final = ("169.254.169.254", "168.63.129.16")

@@ -63,7 +63,6 @@ class Tunnel(Strict):
 class DevImages(Strict):
     sandbox: ImageRef
     forwarder: ImageRef
-    sshd: ImageRef
 
 
 class SecurityImages(Strict):
@@ -88,8 +87,6 @@ class DevCvmInputs(Strict):
     )
     proxy_port: Port = 3128
     tunnels: list[Tunnel] = Field(default_factory=list)
-    # The host port that publishes the forwarder's SSH ingress; the team network opens only this one.
-    ssh_port: Port = ATTESTED_SSH_PORT
     sandbox_subnet: ipaddress.IPv4Network = ipaddress.IPv4Network("172.30.0.0/24")
     sessions_subnet: ipaddress.IPv4Network = ipaddress.IPv4Network("172.30.1.0/24")
     sandbox_user: Annotated[str, Field(pattern=r"^[a-z_][a-z0-9_-]{0,31}$")] = "dev"

@@ -21,7 +21,6 @@ from umbra.sandbox.models import DevCvmInputs, SecurityCvmInputs
 from umbra.sandbox.validate import validate_dev_compose, validate_security_compose
 
 FORWARDER_CONFIG_PATH = "/etc/umbra/forwarder.json"
-INGRESS_PORT = 2222  # inside the forwarder container: it runs unprivileged
 LAUNCH_DIR = "/run/umbra/launch"
 # The forwarder's state volume: the tunnel credential and the spent token's hash live here, so a
 # restart or a reboot (the launch agent writes the same token again) never re-enrolls.
@@ -80,7 +79,6 @@ def dev_addresses(inputs: DevCvmInputs) -> dict[str, str]:
         "forwarder_sandbox": _host(inputs.sandbox_subnet, 2),
         "sandbox": _host(inputs.sandbox_subnet, 3),
         "forwarder_sessions": _host(inputs.sessions_subnet, 2),
-        "sshd": _host(inputs.sessions_subnet, 3),
     }
 
 
@@ -93,12 +91,6 @@ def forwarder_config(inputs: DevCvmInputs) -> dict[str, Any]:
             "host": addr["forwarder_sandbox"],
             "proxy_port": inputs.proxy_port,
             "tunnels": [t.model_dump(mode="json") for t in inputs.tunnels],
-        },
-        "ingress": {
-            "listen_host": "0.0.0.0",  # noqa: S104 -- the uplink side; sandbox sources refused
-            "listen_port": INGRESS_PORT,
-            "to": {"host": addr["sshd"], "port": 22},
-            "refuse_sources": [str(inputs.sandbox_subnet), str(inputs.sessions_subnet)],
         },
         "security_cvm": inputs.security_cvm.model_dump(mode="json"),
         "security_cvm_release": inputs.security_cvm_release.model_dump(
@@ -126,21 +118,17 @@ def forwarder_config(inputs: DevCvmInputs) -> dict[str, Any]:
 
 def render_dev_cvm(inputs: DevCvmInputs) -> Rendered:
     env = _env()
-    sshd = env.get_template("sshd_config.j2").render(sandbox_user=inputs.sandbox_user)
     text = env.get_template("dev-cvm.compose.yaml.j2").render(
         release=inputs.release,
         images=inputs.images,
         addr=dev_addresses(inputs),
         sandbox_user=inputs.sandbox_user,
         proxy_port=inputs.proxy_port,
-        ssh_port=inputs.ssh_port,
-        ingress_port=INGRESS_PORT,
         sandbox_subnet=str(inputs.sandbox_subnet),
         sessions_subnet=str(inputs.sessions_subnet),
         uplink_subnet=str(inputs.uplink_subnet),
         forwarder_state_dir=FORWARDER_STATE_DIR,
         forwarder_config=canonical_json(forwarder_config(inputs)),
-        sshd_config=sshd,
     )
     validate_dev_compose(text)
     return Rendered("docker-compose.yaml", text)

@@ -93,13 +93,12 @@ def test_rendered_dev_cvm_compose_runs_isolated_under_docker_compose(
     (sandbox,) = sandbox_ci_build.images
     archives = tmp_path / "images"
     archives.mkdir()
-    for name in ("forwarder", "sshd"):
+    for name in ("forwarder",):
         os.link(out / images[name]["archive"], archives / images[name]["archive"])
     os.link(sandbox.archive, archives / sandbox.archive.name)
     refs = {
         "sandbox": sandbox.ref,
         "forwarder": f"umbra/forwarder@{images['forwarder']['manifest_digest']}",
-        "sshd": f"umbra/sshd@{images['sshd']['manifest_digest']}",
     }
     pki = SimulatedPki.generate()
     sec = SecurityStandIn(tmp_path / "sec", pki, images["proxy"]["config_digest"])
@@ -127,7 +126,6 @@ def test_rendered_dev_cvm_compose_runs_isolated_under_docker_compose(
                 sandbox_subnet=f"10.232.{octet}.0/24",
                 sessions_subnet=f"10.233.{octet}.0/24",
                 uplink_subnet=f"10.234.{octet}.0/29",
-                ssh_port=18000 + os.getpid() % 1000,
             )
             m = measure(definition)
             data = LaunchData(
@@ -212,7 +210,6 @@ def test_rendered_dev_cvm_compose_runs_isolated_under_docker_compose(
             for ref in (
                 sandbox.config_digest,
                 images["forwarder"]["config_digest"],
-                images["sshd"]["config_digest"],
                 images["proxy"]["config_digest"],
             ):
                 _docker("rmi", "-f", ref, check=False)
@@ -250,19 +247,18 @@ def _check_the_running_dev_cvm(
                  "--format", "{{.Names}} {{.Status}}").stdout  # fmt: skip
     print(ps)
     assert {line.split()[0] for line in ps.splitlines()} == {
-        "umbra-dev_sandbox_1", "umbra-dev_forwarder_1", "umbra-dev_sshd_1"}  # fmt: skip
+        "umbra-dev_sandbox_1", "umbra-dev_forwarder_1"}  # fmt: skip
     inspect = json.loads(_docker("inspect", "umbra-dev_sandbox_1").stdout)[0]
     # The pinned manifest digest resolved to exactly the built image (its config digest).
     assert inspect["Image"] == sandbox.config_digest
     assert inspect["HostConfig"]["Runtime"] == "runc"
     assert f"HTTPS_PROXY=http://10.232.{octet}.2:3128" in inspect["Config"]["Env"]
-    for service in ("sandbox", "forwarder", "sshd"):
+    for service in ("sandbox", "forwarder"):
         _wait_running(f"umbra-dev_{service}_1")
-    # sshd serves the key the agent generated in the TD and measured, and has its login user.
-    served = _docker("exec", "umbra-dev_sshd_1", "ssh-keygen", "-y", "-f",
-                     "/etc/umbra/ssh/ssh_host_ed25519_key").stdout.split()  # fmt: skip
-    assert " ".join(served[:2]) == boot[1]
-    assert _docker("exec", "umbra-dev_sshd_1", "id", "-u", "dev").stdout.strip() == "1000"
+    # No container publishes a port: SSH is the attested ingress's, a host process.
+    for service in ("sandbox", "forwarder"):
+        ports = json.loads(_docker("inspect", f"umbra-dev_{service}_1").stdout)[0]
+        assert not ports["HostConfig"]["PortBindings"], service
 
 
 def _sh(cmd: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -467,7 +463,7 @@ def test_both_rendered_files_lower_to_what_docker_compose_1_29_accepts(
     for svc in doc["services"].values():
         assert svc["image"] in images.values()  # every pin resolved to a local image id
     if role == "dev":
-        assert low.project == "umbra-dev" and set(low.configs) == {"forwarder", "sshd_config"}
+        assert low.project == "umbra-dev" and set(low.configs) == {"forwarder"}
         fwd = doc["services"]["forwarder"]["volumes"]
         assert any(str(v).endswith(":/etc/umbra/forwarder.json:ro") for v in fwd), fwd
         assert doc["services"]["sandbox"]["runtime"] == "runc"

@@ -68,7 +68,7 @@ def test_measurement_is_deterministic_and_input_sensitive() -> None:
     a = build_manifest(measure(dev_definition())).canonical()
     b = build_manifest(measure(dev_definition())).canonical()
     assert a == b
-    other = build_manifest(measure(dev_definition(ssh_port=2022))).canonical()
+    other = build_manifest(measure(dev_definition(proxy_port=3129))).canonical()
     assert other != a
     # The Security CVM's golden values are part of the Dev CVM's compose hash.
     sec = measure(security_definition(tunnel_port=9443)).release

@@ -108,7 +108,7 @@ def test_cli_release_manifest_names_provenance_and_verify_checks_it(tmp_path: Pa
     key = Ed25519PrivateKey.generate()
     key_file = _write_key(tmp_path / "release.key", key)
     # Provenance whose subjects are exactly the digests the definition's compose pins.
-    refs = {n: digest_ref(n).rsplit("@", 1)[1] for n in ("sandbox", "forwarder", "sshd")}
+    refs = {n: digest_ref(n).rsplit("@", 1)[1] for n in ("sandbox", "forwarder")}
     st = statement(
         BuildResult(
             Rootfs.RUNTIME,
@@ -139,7 +139,7 @@ def test_cli_release_manifest_names_provenance_and_verify_checks_it(tmp_path: Pa
     base = ["image", "verify", signed, "-k", f"{key_file}.pub", "--json"]
     ok = runner.invoke(app, [*base, "-p", str(prov), "--commit", COMMIT])
     assert ok.exit_code == 0, ok.output
-    assert json.loads(ok.stdout)["images"] == ["forwarder", "sandbox", "sshd"]
+    assert json.loads(ok.stdout)["images"] == ["forwarder", "sandbox"]
     wrong = runner.invoke(app, [*base, "-p", str(prov), "--commit", "e" * 40])
     assert wrong.exit_code != 0 and "expected" in wrong.output
     # A re-signed envelope by another key is both a different file and an unpinned signature.

@@ -115,13 +115,6 @@ class Lab:
         self.ex("f", "ip", "route", "add", "default", "via", "172.30.2.1")
         self.ex("s", "ip", "route", "add", "default", "via", "172.30.0.1")
         self.ex("v", "sysctl", "-qw", "net.ipv4.ip_forward=1")
-        # What Docker does for the forwarder's published port: 8022 on the VM -> forwarder:2222.
-        nat = f"{self.ns['v']}nat"
-        self.ex("v", "nft", "add", "table", "ip", nat)
-        self.ex(
-            "v", "nft", f"add chain ip {nat} pre {{ type nat hook prerouting priority dstnat; }}"
-        )
-        self.ex("v", "nft", f"add rule ip {nat} pre tcp dport 8022 dnat to {FWD_IP}:2222")
         self.serve(
             "n",
             f"tcp:{SEC}:8443",
@@ -136,6 +129,9 @@ class Lab:
             f"tcp:{CON}:8443",
         )
         self.serve("f", f"tcp:{FWD_IP}:2222")
+        # The attested SSH ingress: a host process on every address of the VM (and port 22,
+        # which nothing may reach).
+        self.serve("v", "tcp:0.0.0.0:8022", "tcp:0.0.0.0:22")
 
     def serve(self, ns: str, *specs: str) -> None:
         proc = subprocess.Popen(
@@ -224,15 +220,22 @@ def test_dns_to_the_metadata_server_is_dropped_from_everywhere(lab: Lab) -> None
     assert _dns_drops(lab) > before
 
 
-def test_attested_ssh_ingress_reaches_the_forwarder(lab: Lab) -> None:
+def test_the_attested_ssh_ingress_is_reached_on_the_host_from_outside_only(lab: Lab) -> None:
     assert lab.probe("n", f"tcp:{VM_IP}:8022", f"tcp:{VM_IP}:22") == {
         f"tcp:{VM_IP}:8022": True,
         f"tcp:{VM_IP}:22": False,
     }
+    # The sandbox and the forwarder reach neither, not even through their bridge's gateway.
+    for ns, gateway in (("s", "172.30.0.1"), ("f", "172.30.2.1")):
+        assert lab.probe(ns, f"tcp:{VM_IP}:8022", f"tcp:{gateway}:8022") == {
+            f"tcp:{VM_IP}:8022": ns == "f",
+            f"tcp:{gateway}:8022": ns == "f",
+        }
 
 
-def test_the_cloud_network_can_reach_the_uplink_only_through_the_ingress_port(lab: Lab) -> None:
-    assert lab.probe("n", f"tcp:{FWD_IP}:2222") == {f"tcp:{FWD_IP}:2222": True}
+def test_nothing_is_forwarded_into_the_containers(lab: Lab) -> None:
+    # No compose service publishes a port: the forwarder's old SSH relay port is closed too.
+    assert lab.probe("n", f"tcp:{FWD_IP}:2222") == {f"tcp:{FWD_IP}:2222": False}
     lab.serve("s", f"tcp:{SBX_IP}:2222")
     assert lab.probe("n", f"tcp:{SBX_IP}:2222") == {f"tcp:{SBX_IP}:2222": False}
 

@@ -61,7 +61,6 @@ def dev_definition_doc(**compose: Any) -> dict[str, Any]:
             "images": {
                 "sandbox": digest_ref("sandbox"),
                 "forwarder": digest_ref("forwarder"),
-                "sshd": digest_ref("sshd"),
             },
             "security_cvm": {"host": "security.example", "port": 8443},
             "security_cvm_release": sec.release.model_dump(mode="json", exclude_none=True),

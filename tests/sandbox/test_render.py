@@ -47,7 +47,9 @@ def test_an_input_change_changes_the_bytes() -> None:
 def test_dev_topology_as_rendered() -> None:
     doc = yaml.safe_load(_dev_text())
     services, networks = doc["services"], doc["networks"]
-    assert set(services) == {"sandbox", "forwarder", "sshd"}
+    # No sshd and no published port: SSH is the attested ingress's, a host process.
+    assert set(services) == {"sandbox", "forwarder"}
+    assert not any("ports" in s for s in services.values())
     sandbox = services["sandbox"]
     assert sandbox["runtime"] == "sysbox-runc"
     assert set(service_networks(sandbox)) == {"sandbox"}
@@ -62,11 +64,10 @@ def test_dev_topology_as_rendered() -> None:
     # The forwarder's config is embedded (so measured) and binds to its sandbox address only.
     cfg = ForwarderConfig.model_validate(json.loads(doc["configs"]["forwarder"]["content"]))
     assert cfg.listen.host == services["forwarder"]["networks"]["sandbox"]["ipv4_address"]
-    assert cfg.ingress is not None and cfg.ingress.to.port == 22
+    assert cfg.ingress is None
     env = sandbox["environment"]
     assert env["HTTPS_PROXY"] == f"http://{cfg.listen.host}:3128"
-    sshd_config = doc["configs"]["sshd_config"]["content"]
-    assert "AllowTcpForwarding no" in sshd_config and "PasswordAuthentication no" in sshd_config
+    assert set(doc["configs"]) == {"forwarder"}
 
 
 def test_security_topology_as_rendered() -> None:
@@ -127,31 +128,44 @@ def _forwarder_doc(change: Any) -> Any:
     return go
 
 
+# The forwarder relaying SSH to a plain sshd: what the Dev compose no longer has.
+PLAIN_RELAY = {
+    "listen_host": "10.9.9.9",
+    "listen_port": 2222,
+    "to": {"host": "172.30.1.3", "port": 22},
+    "refuse_sources": ["172.30.0.0/24"],
+}
+
+
 @pytest.mark.parametrize(
     ("change", "expected"),
     [
         (_set(["networks", "sandbox", "internal"], False), "network sandbox must be internal"),
         (_set(["services", "sandbox", "privileged"], True), "privileged containers are never"),
-        (_set(["services", "sshd", "network_mode"], "host"), "network_mode"),
+        (_set(["services", "forwarder", "network_mode"], "host"), "network_mode"),
         (_set(["services", "sandbox", "image"], "ubuntu:24.04"), "not pinned by digest"),
         (_set(["services", "sandbox", "runtime"], "runc"), "runtime must be sysbox-runc"),
         (
             _set(["services", "sandbox", "networks"], {"sandbox": {}, "uplink": {}}),
             "only the forwarder may have an uplink",
         ),
-        (_set(["services", "sshd", "networks"], {"sessions": {}, "uplink": {}}), "uplink"),
-        (_set(["services", "sandbox", "ports"], ["8080:8080/tcp"]), "only the forwarder publishes"),
+        (_set(["services", "sandbox", "ports"], ["8080:8080/tcp"]), "publishes ports"),
+        (_set(["services", "forwarder", "ports"], ["8022:2222/tcp"]), "publishes ports"),
         (_set(["services", "forwarder", "ports"], ["53:53/udp"]), "must be TCP"),
+        (
+            _set(["services", "sshd"], {"image": digest_ref("sshd"), "networks": ["sessions"]}),
+            "services must be exactly",
+        ),
         (
             _set(["services", "sandbox", "volumes"], ["/var/run/docker.sock:/var/run/docker.sock"]),
             "Docker socket",
         ),
         (_set(["services", "sandbox", "volumes"], ["/:/host"]), "not under /run/umbra/launch/"),
         (
-            _set(["services", "sshd", "volumes"], ["/run/umbra/launch/ssh:/etc/umbra/ssh"]),
+            _set(["services", "forwarder", "volumes"], ["/run/umbra/launch/ssh:/etc/umbra/ssh"]),
             "read-only",
         ),
-        (_set(["services", "sshd", "cap_add"], ["NET_ADMIN"]), "cap_add NET_ADMIN"),
+        (_set(["services", "forwarder", "cap_add"], ["NET_ADMIN"]), "cap_add NET_ADMIN"),
         (_set(["services", "sandbox", "security_opt"], ["seccomp=unconfined"]), "disables"),
         (_set(["networks", "uplink", "enable_ipv6"], True), "enable_ipv6 must be false"),
         (_set(["networks", "extra"], {"driver": "bridge", "enable_ipv6": False}), "networks must"),
@@ -165,11 +179,10 @@ def _forwarder_doc(change: Any) -> Any:
             _set(["networks", "uplink", "driver_opts"], {"com.docker.network.driver.mtu": "9000"}),
             "driver_opts 'com.docker.network.driver.mtu' is not allowed",
         ),
+        # A plain relay to SSH would bypass the attested ingress.
         (
-            lambda d: d["configs"]["forwarder"].update(
-                content=d["configs"]["forwarder"]["content"].replace('"0.0.0.0"', '"10.9.9.9"')
-            ),
-            None,  # still valid: the ingress may bind anywhere on the uplink side
+            _forwarder_doc(lambda c: c.update(ingress=PLAIN_RELAY)),
+            "no `ingress` on a Dev CVM",
         ),
         (
             lambda d: d["configs"]["forwarder"].update(
@@ -220,8 +233,7 @@ def test_the_forwarder_enrolls_at_first_start_and_keeps_its_credential_in_a_volu
     assert "forwarder-state:/var/lib/umbra/forwarder" in volumes
     assert "/sys/kernel/config/tsm/report:/sys/kernel/config/tsm/report" in volumes
     assert "forwarder-state" in doc["volumes"]
-    for name in ("sandbox", "sshd"):
-        assert not any("tsm" in v for v in doc["services"][name]["volumes"])
+    assert not any("tsm" in v for v in doc["services"]["sandbox"]["volumes"])
     # The uplink's subnet is the one the host firewall admits.
     assert doc["networks"]["uplink"]["ipam"]["config"] == [{"subnet": DEV_UPLINK_CIDR}]
     with_ca = render_dev_cvm(dev_definition(console_ca=True).compose).text
@@ -271,7 +283,7 @@ def test_security_validator_confines_the_tsm_mount() -> None:
 @pytest.mark.parametrize(
     ("field", "value", "expected"),
     [
-        ("images", {"sandbox": "ubuntu:latest", "forwarder": digest_ref("f"), "sshd": digest_ref("s")}, "not pinned"),
+        ("images", {"sandbox": "ubuntu:latest", "forwarder": digest_ref("f")}, "not pinned"),
         ("unknown_field", 1, "Extra inputs are not permitted"),
         ("tunnels", [{"name": "x", "listen_port": 3128, "host": "github.com", "port": 22}], "distinct"),
         ("security_cvm", {"host": "evil\nhost: x", "port": 1}, "not a lowercase DNS name"),
