@@ -445,10 +445,26 @@ def launch_agent_cmd(
             help="Dev CVMs: the persistent disk (default: the cloud's name for it), or 'none'.",
         ),
     ] = None,
+    ingress: Annotated[
+        bool,
+        typer.Option(
+            "--ingress/--no-ingress",
+            help="Dev CVMs: start the attested SSH ingress (umbra-ingress.service) after the "
+            "compose. --no-ingress: no SSH at all (the boot test's compose stub).",
+        ),
+    ] = True,
+    simulated_pki: Annotated[
+        Path | None,
+        typer.Option(
+            "--simulated-pki",
+            help="With --tee simulated: the PKI the ingress's simulated quotes are signed by.",
+        ),
+    ] = None,
 ) -> None:
     """Boot-time: read launch data, measure it into RTMR3, write /run/umbra/launch, start the
     compose, report ready. Refuses (exit 1, reason on the serial console) on bad launch data."""
     from umbra.images import launch_agent as la
+    from umbra.images import launch_ingress as li
     from umbra.images.launch_host import Ext4DataDisk
 
     source: la.MetadataSource
@@ -468,6 +484,16 @@ def launch_agent_cmd(
         extender = la.LogOnly()  # the simulated quote source replays the written event log
     else:
         fail(f"--tee must be tdx or simulated, got {tee!r}", EXIT_USAGE)
+    quote_source: dict[str, str] = {"kind": "configfs"}
+    if tee == "simulated":
+        if ingress and simulated_pki is None:
+            fail(
+                "--tee simulated needs --simulated-pki for the ingress (or --no-ingress)",
+                EXIT_USAGE,
+            )
+        quote_source = {"kind": "simulated", "simulated_pki": str(simulated_pki)}
+    elif simulated_pki is not None:
+        fail("--simulated-pki is only for --tee simulated", EXIT_USAGE)
     say = la.serial_console(serial)
     disk: Ext4DataDisk | None = None
     if data_disk != "none":
@@ -486,6 +512,9 @@ def launch_agent_cmd(
         launch_dir=launch_dir,
         say=say,
         data_disk=disk,
+        ingress=li.AttestedIngress(li.DockerSandbox(), li.SystemdUnit(), quote_source)
+        if ingress
+        else None,
     )
     try:
         agent.run()

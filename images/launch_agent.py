@@ -10,7 +10,8 @@ else Umbra starts.
    release_events + instance_events: one definition of them); on a Dev CVM then this boot's
    events (boot_events): a fresh 16-byte boot id and the SSH host key generated here, inside
    the TD, before anything else runs. Write the event log.
-4. Write /run/umbra/launch/, start the compose, report ready.
+4. Write /run/umbra/launch/, start the compose; on a Dev CVM then start the attested SSH
+   ingress on the host (umbra.images.launch_ingress); report ready.
 
 The host controls the metadata, so nothing is trusted for being there: it is measured before use,
 and a verifier refuses a quote whose replayed events differ from the release and the binding.
@@ -70,6 +71,7 @@ from umbra.images.launch_host import (
     write_hosts,
     write_resolv_conf,
 )
+from umbra.images.launch_ingress import AttestedIngress, IngressStartError
 from umbra.images.measure import boot_events, release_events
 from umbra.images.measure import instance_events as launch_events
 from umbra.sandbox.render import SERVICE_UID, canonical_json
@@ -125,6 +127,7 @@ class Refusal(StrEnum):
     EXTEND_FAILED = "extend_failed"
     HOST_SETUP_FAILED = "host_setup_failed"
     START_FAILED = "start_failed"
+    INGRESS_FAILED = "ingress_failed"
 
 
 class LaunchError(Exception):
@@ -331,6 +334,18 @@ def _check_app_compose(text: str, role: str) -> None:
             validate_security_compose(compose)
     except ComposeError as exc:
         raise LaunchError(Refusal.INVALID, f"docker_compose_file: {exc}") from None
+
+
+def sandbox_user(data: LaunchData) -> str:
+    """The sandbox's login user, as the (validated, measured) compose names it."""
+    compose = load_compose(json.loads(data.app_compose)["docker_compose_file"])
+    try:
+        user = compose["services"]["sandbox"]["environment"]["UMBRA_USER"]
+    except (KeyError, TypeError):
+        user = None
+    if not isinstance(user, str):
+        raise IngressStartError("the compose's sandbox service names no UMBRA_USER")
+    return user
 
 
 def launch_event_list(data: LaunchData) -> list[Event]:
@@ -581,6 +596,8 @@ class Agent:
     firewall: Firewall = field(default_factory=Nft)
     etc_dir: Path = Path("/etc")
     data_disk: DataDisk | None = None  # Dev CVMs: the persistent workspace disk
+    # Dev CVMs: the attested SSH ingress, started after the compose. None: no SSH at all.
+    ingress: AttestedIngress | None = None
 
     def run(self) -> LaunchData:
         """Raises LaunchError (after saying why) when it refuses; starts nothing then."""
@@ -603,6 +620,18 @@ class Agent:
         except LaunchError as exc:
             self.say(f"umbra-launch: REFUSED, nothing started: {exc}")
             raise
+        # A placeholder compose is no release: nothing to log into.
+        if self.ingress is not None and data.role == "dev-cvm" and not data.is_placeholder:
+            try:
+                config = self.ingress.start(self.launch_dir, sandbox_user(data))
+            except IngressStartError as exc:
+                # The compose runs; with no ingress nobody can log in (closed, not open).
+                self.say(f"umbra-launch: attested SSH ingress NOT started: {exc}")
+                raise LaunchError(Refusal.INGRESS_FAILED, str(exc)) from None
+            self.say(
+                f"umbra-launch: attested SSH ingress started on port {config.listen.port} "
+                f"(sandbox pid file {config.sandbox.pid_file})"
+            )
         self.say(
             f"umbra-launch: {data.role} {data.cvm_id} started, compose-hash {data.compose_sha256}"
         )

@@ -33,6 +33,10 @@ from umbra.images.recipes import MIRRORS, PY_LIBS, SUITE
 OS_DIR = Path(__file__).parent / "os"
 UNIT = OS_DIR / "umbra-launch-agent.service"
 FIREWALL_UNIT = OS_DIR / "umbra-host-firewall.service"
+# Installed, never enabled: the launch agent starts it on a Dev CVM (images/launch_ingress.py).
+INGRESS_UNIT = OS_DIR / "umbra-ingress.service"
+# Debian's own sshd units: the only sshd on a CVM is the ingress's per-connection `sshd -i`.
+MASKED_UNITS = ("ssh.service", "ssh.socket")
 STUB_PATH = "usr/lib/systemd/boot/efi/linuxx64.efi.stub"
 
 
@@ -55,6 +59,14 @@ class OsDefinition(BaseModel):
     hyper_v_generation: str | None = None
     security_type: str | None = None
     disk_format: str | None = None
+
+
+def install_ingress_unit(unit_dir: Path) -> None:
+    """The attested ingress's unit (started by the launch agent only), and Debian's sshd masked."""
+    shutil.copyfile(INGRESS_UNIT, unit_dir / INGRESS_UNIT.name)
+    for name in MASKED_UNITS:
+        (unit_dir / name).unlink(missing_ok=True)
+        (unit_dir / name).symlink_to("/dev/null")
 
 
 def load_os_definition(path: Path) -> OsDefinition:
@@ -120,6 +132,8 @@ def build_os_image(
         for unit in units:
             shutil.copyfile(unit, unit_dir / unit.name)
             (wants / unit.name).symlink_to(f"/etc/systemd/system/{unit.name}")
+        if "openssh-server" in d.packages:
+            install_ingress_unit(unit_dir)
         conf = root / "etc/umbra"
         conf.mkdir(parents=True, exist_ok=True)
         (conf / "launch-agent.env").write_text(

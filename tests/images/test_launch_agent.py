@@ -327,9 +327,13 @@ def test_cli_agent_runs_the_compose_command_or_refuses_on_the_console(
     script = tmp_path / "compose"
     script.write_text(f'#!/bin/sh\necho "$@" > {marker}\n')
     script.chmod(0o755)
-    base = ["image", "launch-agent", "--cloud", "gcp", "--tee", "simulated",
+    base = ["image", "launch-agent", "--cloud", "gcp", "--tee", "simulated", "--no-ingress",
             "--metadata-url", standin.url, "--launch-dir", str(tmp_path / "launch"),
             "--data-disk", "none", "--console", str(serial), "--compose", str(script)]  # fmt: skip
+    # The simulated TEE's ingress signs with a simulated PKI: say which, or start no ingress.
+    usage = runner.invoke(app, [a for a in base if a != "--no-ingress"])
+    assert usage.exit_code == 2 and "--simulated-pki" in usage.output
+    assert not marker.exists()
     done = runner.invoke(app, base)
     assert done.exit_code == 0, done.output
     compose = tmp_path / "launch/docker-compose.yaml"

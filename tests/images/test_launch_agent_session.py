@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import os
+import stat
+import subprocess
+import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -21,12 +25,14 @@ from umbra.cli import ssh_attest
 from umbra.cli.ssh_attest import Check, Refused
 from umbra.components.launch_data import LaunchData
 from umbra.contracts.session import SessionInfo, SessionState, SshIngress
-from umbra.images.launch_agent import Agent, GcpMetadata, SimulatedRtmr
+from umbra.images.launch_agent import Agent, GcpMetadata, LaunchError, Refusal, SimulatedRtmr
+from umbra.images.launch_ingress import AttestedIngress, IngressStartError
 from umbra.images.measure import HOST_FIREWALL_EVENT, measure
 from umbra.sandbox.ingress import Ingress
-from umbra.sandbox.ingress_config import IngressConfig
+from umbra.sandbox.ingress_config import IngressConfig, load_ingress_config
 
 from ..sandbox.fixtures import dev_definition
+from ..session import harness
 from ..session.harness import free_port
 from .test_launch_agent import ALICE, StandIn, standin
 
@@ -47,8 +53,24 @@ class Loaded:
 
 @dataclass
 class Started:
-    def start(self, compose: Path) -> None:
-        return None
+    """The compose starter seam; records the order of what the agent started."""
+
+    order: list[str] = field(default_factory=list)
+
+    def start(self, compose: Path | None = None) -> None:
+        self.order.append("compose" if compose is not None else "ingress")
+
+
+@dataclass
+class FixedSandbox:
+    """Stands in for `docker inspect`: the sandbox container's PID (or no container)."""
+
+    pid_: int | None
+
+    def pid(self) -> int:
+        if self.pid_ is None:
+            raise IngressStartError("want exactly one running umbra-dev/sandbox container, got 0")
+        return self.pid_
 
 
 @pytest.fixture
@@ -61,14 +83,22 @@ def client(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> SimulatedPki:
     return pki
 
 
-def _boot(standin: StandIn, pki: SimulatedPki, tmp_path: Path) -> tuple[SimulatedTdx, LaunchData]:
+def _boot(
+    standin: StandIn,
+    pki: SimulatedPki,
+    tmp_path: Path,
+    key: str = ALICE,
+    ingress: AttestedIngress | None = None,
+    lines: list[str] | None = None,
+    starter: Started | None = None,
+) -> tuple[SimulatedTdx, LaunchData]:
     m = measure(dev_definition())
     data = LaunchData(
         role="dev-cvm",
         team="team-a",
         cvm_id=CVM,
         app_compose=m.app_compose.decode(),
-        ssh_authorized_keys=(ALICE,),
+        ssh_authorized_keys=(key,),
         security_cvm_ips=("10.20.1.10",),
     )
     standin.attributes = data.gcp_metadata()
@@ -77,12 +107,13 @@ def _boot(standin: StandIn, pki: SimulatedPki, tmp_path: Path) -> tuple[Simulate
     Agent(
         source=GcpMetadata(standin.url),
         extender=SimulatedRtmr(tdx),
-        starter=Started(),
+        starter=starter or Started(),
         reporter=None,
         launch_dir=tmp_path / "launch",
-        say=lambda _line: None,
+        say=(lines.append if lines is not None else lambda _line: None),
         firewall=loaded,
         etc_dir=tmp_path,
+        ingress=ingress,
     ).run()
     assert loaded.rulesets == [data.host_firewall]
     return tdx, data
@@ -216,3 +247,134 @@ def test_the_ingress_serves_the_agents_host_key_and_the_client_connects(
     session = asyncio.run(connect())
     boot_id = (tmp_path / "launch/ssh/boot-id").read_text().strip()
     assert (session.host_key, session.boot_id) == (host_key, boot_id)
+
+
+def _agent_ingress(tmp_path: Path, sandbox: FixedSandbox, starter: Started) -> AttestedIngress:
+    return AttestedIngress(
+        sandbox,
+        starter,
+        {"kind": "configfs"},  # what `--tee tdx` gives
+        config_dir=tmp_path / "run-ingress",
+        state_dir=tmp_path / "state",
+    )
+
+
+def test_the_agent_starts_the_attested_ingress_after_the_compose(
+    standin: StandIn, client: SimulatedPki, tmp_path: Path
+) -> None:
+    started, lines = Started(), []
+    ingress = _agent_ingress(tmp_path, FixedSandbox(4242), started)
+    _boot(standin, client, tmp_path, ingress=ingress, lines=lines, starter=started)
+    assert started.order == ["compose", "ingress"]
+    run = tmp_path / "run-ingress"
+    assert stat.S_IMODE(run.stat().st_mode) == 0o700
+    for name in ("config.json", "sandbox.pid"):
+        assert stat.S_IMODE((run / name).stat().st_mode) == 0o600, name
+    assert (run / "sandbox.pid").read_text() == "4242\n"
+    # What `umbra sandbox ingress --config` (the unit's command) loads, strictly.
+    config = load_ingress_config(run / "config.json")
+    launch = tmp_path / "launch"
+    assert (config.listen.host, config.listen.port) == ("0.0.0.0", 8022)  # noqa: S104
+    assert config.launch_dir == launch / "ssh"
+    assert config.state_dir == tmp_path / "state"
+    assert config.host_key_file == launch / "ssh/ssh_host_ed25519_key"
+    assert config.quote_source.kind == "configfs"
+    assert config.quote_source.event_log == launch / "event-log.json"
+    assert config.sandbox.pid_file == run / "sandbox.pid"
+    assert (config.sandbox.user, config.sandbox.uid, config.sandbox.home) == (
+        "dev",
+        1000,
+        "/home/dev",
+    )
+    # The private host key is the agent's file, named, never copied into the config.
+    private = (launch / "ssh/ssh_host_ed25519_key").read_bytes()
+    assert private not in (run / "config.json").read_bytes()
+    assert any("attested SSH ingress started on port 8022" in line for line in lines)
+
+
+def test_no_sandbox_container_means_no_ingress_and_a_refusal(
+    standin: StandIn, client: SimulatedPki, tmp_path: Path
+) -> None:
+    started, lines = Started(), []
+    ingress = _agent_ingress(tmp_path, FixedSandbox(None), started)
+    with pytest.raises(LaunchError) as exc:
+        _boot(standin, client, tmp_path, ingress=ingress, lines=lines, starter=started)
+    assert exc.value.reason is Refusal.INGRESS_FAILED
+    assert started.order == ["compose"]  # the unit was never started
+    assert not (tmp_path / "run-ingress/config.json").exists()
+    assert "attested SSH ingress NOT started" in lines[-1] and "got 0" in lines[-1]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="LOUD SKIP: needs root (user namespaces, sshd)")
+def test_the_agents_ingress_config_serves_a_real_login_into_the_sandbox(
+    standin: StandIn, client: SimulatedPki, tmp_path: Path
+) -> None:
+    """The agent's config drives a real ingress (quote source simulated, since there is no TD)
+    into a stand-in sandbox found by its PID file; the client's attested connect is the
+    ProxyCommand of a real `ssh`, and the command runs inside the sandbox as its user."""
+    harness.require_tools()
+    key_file, key = harness.keypair(tmp_path)
+    started = Started()
+    with harness.sandbox() as box:
+        _tdx, data = _boot(
+            standin,
+            client,
+            tmp_path,
+            key=key,
+            ingress=_agent_ingress(tmp_path, FixedSandbox(box.pid), started),
+            starter=started,
+        )
+        doc = json.loads((tmp_path / "run-ingress/config.json").read_text())
+        # Only what the stand-ins need changes: no TD (simulated quotes over the agent's log),
+        # a free loopback port, the stand-in sandbox's home (it shares the host's files).
+        doc["quote_source"] |= {"kind": "simulated", "simulated_pki": str(tmp_path / "pki")}
+        doc["listen"] = {"host": "127.0.0.1", "port": free_port()}
+        doc["sandbox"] |= {"home": str(box.home), "sessions_dir": str(box.sessions)}
+        assert doc["sandbox"]["pid_file"] == str(tmp_path / "run-ingress/sandbox.pid")
+        ingress = Ingress(IngressConfig.model_validate(doc))
+        info = _info(data, data.expected_events()[HOST_FIREWALL_EVENT])
+        info = info.model_copy(
+            update={"ingress": SshIngress(**doc["listen"]), "ssh_authorized_keys": [key]}
+        )
+        (tmp_path / "info.json").write_text(info.model_dump_json())
+        host_key = (tmp_path / "launch/ssh/ssh_host_ed25519_key.pub").read_text().split()
+        known = tmp_path / "known_hosts"
+        known.write_text(f"umbra-{CVM} {host_key[0]} {host_key[1]}\n")
+        (tmp_path / "proxy.py").write_text(PROXY)
+        proxy = f"{sys.executable} {tmp_path / 'proxy.py'} {tmp_path / 'info.json'}"
+
+        async def login() -> subprocess.CompletedProcess[str]:
+            server = await ingress.start()
+            try:
+                return await asyncio.to_thread(
+                    subprocess.run,
+                    ["ssh", "-F", "/dev/null", "-i", str(key_file), "-o", "IdentitiesOnly=yes",
+                     "-o", f"ProxyCommand={proxy}", "-o", f"HostKeyAlias=umbra-{CVM}",
+                     "-o", "StrictHostKeyChecking=yes", "-o", f"UserKnownHostsFile={known}",
+                     "-o", "BatchMode=yes", f"root@umbra-{CVM}",
+                     "id -u; readlink /proc/self/ns/net"],
+                    capture_output=True, text=True, timeout=60,
+                )  # fmt: skip
+            finally:
+                server.close()
+                await server.wait_closed()
+
+        done = asyncio.run(login())
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.split() == ["1000", os.readlink(f"/proc/{box.pid}/ns/net")]
+        assert ingress.stats.sessions == 1
+
+
+# The client's attested connect (ssh-proxy's checks, from a SessionInfo file instead of the
+# Console), then the stdio relay: ssh's ProxyCommand.
+PROXY = """
+import asyncio, sys
+from umbra.cli import ssh_proxy
+from umbra.cli.ssh_attest import connect_attested
+from umbra.contracts.session import SessionInfo
+info = SessionInfo.model_validate_json(open(sys.argv[1]).read())
+async def main():
+    session = await connect_attested(info)
+    await ssh_proxy._relay(session.conn)
+asyncio.run(main())
+"""

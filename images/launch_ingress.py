@@ -1,0 +1,173 @@
+"""A cloud Dev CVM's attested SSH ingress, started by the launch agent after the compose is up.
+
+The ingress (`umbra sandbox ingress`, docs/specs/session.md) is a **host** process: it runs a
+gateway `sshd -i` per attested connection as host root, in the sandbox's network namespace, and
+its sessions enter the sandbox with nsenter. No compose service may do that (the validator
+refuses shared pid/network namespaces), so it is a systemd unit, `umbra-ingress.service`
+(images/os/), that only this agent starts, once the config it needs exists:
+- its configuration is launch-time state (the sandbox container's PID, the quote source), which
+  only exists after the compose is up;
+- systemd supervises it (restart on failure, journal), outside the agent's oneshot unit;
+- it is not enabled at boot: without the agent's config it has nothing to serve
+  (`ConditionPathExists`), and a refused launch therefore opens no SSH port.
+
+What the agent writes (root-only, /run/umbra/ingress, 0700): `config.json` (validated by
+`IngressConfig` before it is written) and `sandbox.pid`, the sandbox container's PID from
+`docker inspect`. The host key is the agent's (`host_key_file`, measured as
+`umbra.ssh-host-key`); the quote source is the TD's configfs with the agent's event log.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from pydantic import ValidationError
+
+from umbra.components.ports import DEV_ATTESTED_SSH_PORT
+from umbra.sandbox.ingress_config import IngressConfig
+from umbra.sandbox.render import canonical_json
+
+INGRESS_DIR = Path("/run/umbra/ingress")  # root 0700: config.json, sandbox.pid
+INGRESS_STATE = Path("/var/lib/umbra/ingress")  # root 0700, the ingress's own (host key copy…)
+INGRESS_UNIT = "umbra-ingress.service"
+CONFIG_NAME = "config.json"
+PID_NAME = "sandbox.pid"
+COMPOSE_PROJECT = "umbra-dev"  # the rendered Dev compose's `name`
+SANDBOX_SERVICE = "sandbox"
+SANDBOX_UID = 1000  # the sandbox images' user (images/build.py)
+SESSIONS_DIR = "/run/umbra/sessions"  # the compose's `sessions` volume in the sandbox
+
+
+class IngressStartError(Exception):
+    """The ingress cannot be configured or started; the message says what and why."""
+
+
+class SandboxLocator(Protocol):
+    def pid(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class DockerSandbox:
+    """The sandbox container of the running Dev compose, by docker-compose's labels."""
+
+    project: str = COMPOSE_PROJECT
+    service: str = SANDBOX_SERVICE
+    docker: str = "docker"
+
+    def _run(self, *args: str) -> str:
+        try:
+            done = subprocess.run(
+                [self.docker, *args], capture_output=True, text=True, check=False, timeout=60
+            )
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise IngressStartError(f"docker {args[0]}: {exc}") from None
+        if done.returncode != 0:
+            raise IngressStartError(f"docker {args[0]}: {done.stderr.strip()[-300:]}")
+        return done.stdout
+
+    def pid(self) -> int:
+        ids = self._run(
+            "ps",
+            "--quiet",
+            "--filter",
+            f"label=com.docker.compose.project={self.project}",
+            "--filter",
+            f"label=com.docker.compose.service={self.service}",
+        ).split()
+        if len(ids) != 1:
+            raise IngressStartError(
+                f"want exactly one running {self.project}/{self.service} container, got {len(ids)}"
+            )
+        text = self._run("inspect", "--format", "{{.State.Pid}}", ids[0]).strip()
+        if not text.isdigit() or int(text) < 2:
+            # 0: not running. The ingress would enter whatever process holds that PID.
+            raise IngressStartError(f"the sandbox container has no process (pid {text!r})")
+        return int(text)
+
+
+class IngressStarter(Protocol):
+    def start(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class SystemdUnit:
+    unit: str = INGRESS_UNIT
+
+    def start(self) -> None:
+        done = subprocess.run(
+            ["systemctl", "start", self.unit], capture_output=True, text=True, check=False
+        )
+        if done.returncode != 0:
+            raise IngressStartError(f"systemctl start {self.unit}: {done.stderr.strip()}")
+
+
+def ingress_config(
+    launch_dir: Path,
+    pid_file: Path,
+    quote_source: dict[str, str],
+    user: str,
+    state_dir: Path = INGRESS_STATE,
+    port: int = DEV_ATTESTED_SSH_PORT,
+) -> dict[str, Any]:
+    """The ingress's configuration as the agent writes it (a plain document: JSON on disk)."""
+    ssh = launch_dir / "ssh"
+    return {
+        # Every host address: the host firewall admits this port from outside only (never from
+        # the compose's internal networks: components.host_firewall).
+        "listen": {"host": "0.0.0.0", "port": port},  # noqa: S104
+        "launch_dir": str(ssh),  # authorized_keys, cvm-id: measured launch data
+        "state_dir": str(state_dir),
+        "host_key_file": str(ssh / "ssh_host_ed25519_key"),  # the agent's: umbra.ssh-host-key
+        "sandbox": {
+            "pid_file": str(pid_file),
+            "uid": SANDBOX_UID,
+            "gid": SANDBOX_UID,
+            "user": user,
+            "home": f"/home/{user}",
+            "sessions_dir": SESSIONS_DIR,
+        },
+        "quote_source": quote_source,
+    }
+
+
+@dataclass(frozen=True)
+class AttestedIngress:
+    """What the agent does for SSH once the Dev compose is up: find the sandbox, write the
+    ingress's config, start its unit. `quote_source` is `{kind: configfs}` on TDX (the agent's
+    event log is added here); tests give a simulated one."""
+
+    locator: SandboxLocator
+    starter: IngressStarter
+    quote_source: dict[str, str]
+    config_dir: Path = INGRESS_DIR
+    state_dir: Path = INGRESS_STATE
+    port: int = DEV_ATTESTED_SSH_PORT
+
+    def start(self, launch_dir: Path, user: str) -> IngressConfig:
+        pid = self.locator.pid()
+        self.config_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(self.config_dir, 0o700)
+        pid_file = self.config_dir / PID_NAME
+        source = {"event_log": str(launch_dir / "event-log.json"), **self.quote_source}
+        doc = ingress_config(launch_dir, pid_file, source, user, self.state_dir, self.port)
+        try:
+            config = IngressConfig.model_validate(doc)
+        except ValidationError as exc:
+            raise IngressStartError(f"ingress config: {exc}") from None
+        _write(pid_file, f"{pid}\n")
+        _write(self.config_dir / CONFIG_NAME, canonical_json(doc) + "\n")
+        self.starter.start()
+        return config
+
+
+def _write(path: Path, text: str) -> None:
+    temp = path.with_name(path.name + ".tmp")
+    temp.unlink(missing_ok=True)
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(text)
+    os.replace(temp, path)
