@@ -25,8 +25,9 @@ from umbra.cli import ssh_attest
 from umbra.cli.ssh_attest import Check, Refused
 from umbra.components.launch_data import LaunchData
 from umbra.contracts.session import SessionInfo, SessionState, SshIngress
+from umbra.images import launch_ingress, os_image
 from umbra.images.launch_agent import Agent, GcpMetadata, LaunchError, Refusal, SimulatedRtmr
-from umbra.images.launch_ingress import AttestedIngress, IngressStartError
+from umbra.images.launch_ingress import AttestedIngress, DockerSandbox, IngressStartError
 from umbra.images.measure import HOST_FIREWALL_EVENT, measure
 from umbra.sandbox.ingress import Ingress
 from umbra.sandbox.ingress_config import IngressConfig, load_ingress_config
@@ -378,3 +379,49 @@ async def main():
     await ssh_proxy._relay(session.conn)
 asyncio.run(main())
 """
+
+
+def test_the_os_image_installs_the_ingress_unit_for_the_agent_only(tmp_path: Path) -> None:
+    units = tmp_path / "system"
+    (units / "multi-user.target.wants").mkdir(parents=True)
+    os_image.install_ingress_unit(units)
+    unit = (units / launch_ingress.INGRESS_UNIT).read_text()
+    config = launch_ingress.INGRESS_DIR / launch_ingress.CONFIG_NAME
+    assert f"umbra sandbox ingress --config {config}" in unit
+    assert f"ConditionPathExists={config}" in unit
+    assert "[Install]" not in unit and not any((units / "multi-user.target.wants").iterdir())
+    for name in ("ssh.service", "ssh.socket"):  # Debian's own sshd never runs
+        assert os.readlink(units / name) == "/dev/null"
+    for name in ("gcp.yaml", "azure.yaml"):
+        assert "openssh-server" in os_image.load_os_definition(os_image.OS_DIR / name).packages
+
+
+def _docker_stub(tmp_path: Path, ps: str, pid: str) -> DockerSandbox:
+    """The docker CLI's two answers the locator reads (the real engine is the CI compose test's);
+    the stub records its arguments."""
+    stub = tmp_path / "docker"
+    stub.write_text(
+        f'#!/bin/sh\necho "$@" >> {tmp_path}/argv\n'
+        f'case "$1" in ps) printf "{ps}" ;; inspect) echo {pid} ;; esac\n'
+    )
+    stub.chmod(0o755)
+    return DockerSandbox(docker=str(stub))
+
+
+def test_the_sandbox_is_found_by_its_compose_labels_and_must_be_one_running_process(
+    tmp_path: Path,
+) -> None:
+    assert _docker_stub(tmp_path, "abc\\n", "4242").pid() == 4242
+    argv = (tmp_path / "argv").read_text().splitlines()
+    assert argv == [
+        "ps --quiet --filter label=com.docker.compose.project=umbra-dev "
+        "--filter label=com.docker.compose.service=sandbox",
+        "inspect --format {{.State.Pid}} abc",
+    ]
+    for ps, pid, says in (
+        ("", "1", "got 0"),
+        ("a\\nb\\n", "1", "got 2"),
+        ("abc\\n", "0", "has no process"),
+    ):
+        with pytest.raises(IngressStartError, match=says):
+            _docker_stub(tmp_path, ps, pid).pid()
