@@ -98,9 +98,16 @@ class SystemdUnit:
     unit: str = INGRESS_UNIT
 
     def start(self) -> None:
-        done = subprocess.run(
-            ["systemctl", "start", self.unit], capture_output=True, text=True, check=False
-        )
+        try:
+            done = subprocess.run(
+                ["systemctl", "start", self.unit],
+                capture_output=True,
+                text=True,
+                check=False,
+                timeout=120,
+            )
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise IngressStartError(f"systemctl start {self.unit}: {exc}") from None
         if done.returncode != 0:
             raise IngressStartError(f"systemctl start {self.unit}: {done.stderr.strip()}")
 

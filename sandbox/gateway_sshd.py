@@ -163,10 +163,22 @@ def sandbox_pid(config: IngressConfig) -> int | None:
 
 
 def netns_path(config: IngressConfig) -> str:
-    """The sandbox's network namespace, where sshd runs."""
+    """The sandbox's network namespace, where sshd runs. A PID (read per connection) whose
+    process shares our network namespace is not a sandbox: a stale PID file whose number a host
+    process reused, e.g. after the sandbox container restarted. Refused, never entered."""
     if config.sandbox.netns is not None:
         return f"/run/netns/{config.sandbox.netns}"
-    return f"/proc/{sandbox_pid(config)}/ns/net"
+    path = f"/proc/{sandbox_pid(config)}/ns/net"
+    try:
+        theirs, ours = os.stat(path), os.stat("/proc/self/ns/net")
+    except OSError as exc:
+        raise IngressConfigError(f"{path}: the sandbox process is gone: {exc.strerror}") from None
+    if (theirs.st_dev, theirs.st_ino) == (ours.st_dev, ours.st_ino):
+        raise IngressConfigError(
+            f"{path}: that process is in the host's network namespace, not a sandbox "
+            "(stale PID file?)"
+        )
+    return path
 
 
 def enter_script(config: IngressConfig) -> str:

@@ -390,6 +390,10 @@ def test_the_os_image_installs_the_ingress_unit_for_the_agent_only(tmp_path: Pat
     assert f"umbra sandbox ingress --config {config}" in unit
     assert f"ConditionPathExists={config}" in unit
     assert "[Install]" not in unit and not any((units / "multi-user.target.wants").iterdir())
+    # The agent starts it from inside its own (still activating) oneshot and waits: no ordering
+    # after the agent, or that start job would wait for the agent forever.
+    after = [ln for ln in unit.splitlines() if ln.startswith("After=")]
+    assert after == ["After=docker.service"]
     for name in ("ssh.service", "ssh.socket"):  # Debian's own sshd never runs
         assert os.readlink(units / name) == "/dev/null"
     for name in ("gcp.yaml", "azure.yaml"):

@@ -89,3 +89,23 @@ def test_configfs_refuses_to_start_unless_the_launch_agent_bound_this_host_key(
     assert oct(state.stat().st_mode & 0o777) == "0o700"
     assert "AllowAgentForwarding no" in (state / "sshd_config").read_text()
     assert "\nHostKey " not in (state / "sshd_config").read_text()  # each sshd: its bound key
+
+
+def test_a_pid_file_naming_a_host_process_or_none_is_never_entered(tmp_path: Path) -> None:
+    """A stale PID file (the sandbox container restarted, its number reused by a host process)
+    must not put a session into the host's namespaces: checked per connection, before sshd."""
+    from umbra.sandbox.gateway_sshd import netns_path
+
+    pid_file = tmp_path / "sandbox.pid"
+    config = IngressConfig.model_validate(_config(tmp_path, sandbox={"pid_file": str(pid_file)}))
+    pid_file.write_text(f"{os.getpid()}\n")  # this test's own process: the host's namespace
+    with pytest.raises(IngressConfigError, match="host's network namespace"):
+        netns_path(config)
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    pid_file.write_text(f"{gone.pid}\n")
+    with pytest.raises(IngressConfigError, match="the sandbox process is gone"):
+        netns_path(config)
+    pid_file.write_text("not a pid\n")
+    with pytest.raises(IngressConfigError, match="no sandbox pid"):
+        netns_path(config)
