@@ -187,12 +187,20 @@ def enter_script(config: IngressConfig) -> str:
         f"HOME={entry.home} USER={entry.user} LOGNAME={entry.user} SHELL={entry.shell} "
         f"PATH={entry.path} UMBRA_SESSIONS={entry.sessions_dir} LANG=C.UTF-8"
     )
+    find = ""
     if entry.pid is not None or entry.pid_file is not None:
-        target = str(entry.pid) if entry.pid is not None else f'"$(cat {entry.pid_file})"'
+        target = str(entry.pid) if entry.pid is not None else f"$(cat {entry.pid_file})"
+        # A sandbox without a user namespace of its own (runc: development and CI only) cannot
+        # be "joined" into the one we are in (setns fails); it then keeps ours, as runc gave it.
+        find = (
+            f'pid="{target}"; userns=--user\n'
+            '[ "$(readlink /proc/"$pid"/ns/user)" != "$(readlink /proc/self/ns/user)" ]'
+            " || userns=\n"
+        )
         # --root: the sandbox process's root (a chrooted sandbox's tree, not the host's view of
         # its mount namespace); --wdns: the home directory as seen from inside it.
         join = (
-            f"/usr/bin/nsenter --target {target} --user --mount --pid --net --uts --ipc "
+            '/usr/bin/nsenter --target "$pid" $userns --mount --pid --net --uts --ipc '
             f"--root --setuid {entry.uid} --setgid {entry.gid} --wdns={entry.home} --"
         )
     else:
@@ -204,7 +212,7 @@ def enter_script(config: IngressConfig) -> str:
 # Written by `umbra sandbox ingress`: sshd's ForceCommand. Runs the session in the sandbox as
 # its user: an interactive login shell, or the requested command (exec, sftp) via the shell.
 set -eu
-if [ -z "${{SSH_ORIGINAL_COMMAND:-}}" ]; then set -- {entry.shell} -l
+{find}if [ -z "${{SSH_ORIGINAL_COMMAND:-}}" ]; then set -- {entry.shell} -l
 else set -- {entry.shell} -c "$SSH_ORIGINAL_COMMAND"; fi
 exec /usr/bin/env -i {env} TERM="${{TERM:-dumb}}" SSH_CONNECTION="${{SSH_CONNECTION:-}}" \\
   {join} "$@"

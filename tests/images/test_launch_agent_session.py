@@ -337,33 +337,40 @@ def test_the_agents_ingress_config_serves_a_real_login_into_the_sandbox(
         info = info.model_copy(
             update={"ingress": SshIngress(**doc["listen"]), "ssh_authorized_keys": [key]}
         )
-        (tmp_path / "info.json").write_text(info.model_dump_json())
-        host_key = (tmp_path / "launch/ssh/ssh_host_ed25519_key.pub").read_text().split()
-        known = tmp_path / "known_hosts"
-        known.write_text(f"umbra-{CVM} {host_key[0]} {host_key[1]}\n")
-        (tmp_path / "proxy.py").write_text(PROXY)
-        proxy = f"{sys.executable} {tmp_path / 'proxy.py'} {tmp_path / 'info.json'}"
-
-        async def login() -> subprocess.CompletedProcess[str]:
-            server = await ingress.start()
-            try:
-                return await asyncio.to_thread(
-                    subprocess.run,
-                    ["ssh", "-F", "/dev/null", "-i", str(key_file), "-o", "IdentitiesOnly=yes",
-                     "-o", f"ProxyCommand={proxy}", "-o", f"HostKeyAlias=umbra-{CVM}",
-                     "-o", "StrictHostKeyChecking=yes", "-o", f"UserKnownHostsFile={known}",
-                     "-o", "BatchMode=yes", f"root@umbra-{CVM}",
-                     "id -u; readlink /proc/self/ns/net"],
-                    capture_output=True, text=True, timeout=60,
-                )  # fmt: skip
-            finally:
-                server.close()
-                await server.wait_closed()
-
-        done = asyncio.run(login())
+        done = _ssh_through(ingress, info, tmp_path, key_file, "id -u; readlink /proc/self/ns/net")
         assert done.returncode == 0, done.stderr
         assert done.stdout.split() == ["1000", os.readlink(f"/proc/{box.pid}/ns/net")]
         assert ingress.stats.sessions == 1
+
+
+def _ssh_through(
+    ingress: Ingress, info: SessionInfo, tmp_path: Path, key_file: Path, command: str
+) -> subprocess.CompletedProcess[str]:
+    """A real `ssh` whose ProxyCommand is the client's attested connect to this ingress, with
+    the agent's attested host key as the only known host."""
+    (tmp_path / "info.json").write_text(info.model_dump_json())
+    host_key = (tmp_path / "launch/ssh/ssh_host_ed25519_key.pub").read_text().split()
+    known = tmp_path / "known_hosts"
+    known.write_text(f"umbra-{CVM} {host_key[0]} {host_key[1]}\n")
+    (tmp_path / "proxy.py").write_text(PROXY)
+    proxy = f"{sys.executable} {tmp_path / 'proxy.py'} {tmp_path / 'info.json'}"
+
+    async def login() -> subprocess.CompletedProcess[str]:
+        server = await ingress.start()
+        try:
+            return await asyncio.to_thread(
+                subprocess.run,
+                ["ssh", "-F", "/dev/null", "-i", str(key_file), "-o", "IdentitiesOnly=yes",
+                 "-o", f"ProxyCommand={proxy}", "-o", f"HostKeyAlias=umbra-{CVM}",
+                 "-o", "StrictHostKeyChecking=yes", "-o", f"UserKnownHostsFile={known}",
+                 "-o", "BatchMode=yes", f"root@umbra-{CVM}", command],
+                capture_output=True, text=True, timeout=60,
+            )  # fmt: skip
+        finally:
+            server.close()
+            await server.wait_closed()
+
+    return asyncio.run(login())
 
 
 # The client's attested connect (ssh-proxy's checks, from a SessionInfo file instead of the
@@ -429,3 +436,70 @@ def test_the_sandbox_is_found_by_its_compose_labels_and_must_be_one_running_proc
     ):
         with pytest.raises(IngressStartError, match=says):
             _docker_stub(tmp_path, ps, pid).pid()
+
+
+def _tiny_image(tmp_path: Path, tag: str) -> None:
+    """A container image with only bash and three coreutils (and their libraries), imported
+    from a tar of the host's files: no registry, no build."""
+    import tarfile
+
+    tools = ["/bin/bash", "/usr/bin/id", "/usr/bin/readlink", "/usr/bin/sleep"]
+    libs = subprocess.run(["ldd", *tools], capture_output=True, text=True, check=True).stdout
+    files = set(tools) | {w for w in libs.split() if w.startswith("/") and not w.endswith(":")}
+    archive = tmp_path / "rootfs.tar"
+    with tarfile.open(archive, "w", dereference=True) as tar:
+        for path in sorted(files):
+            tar.add(path, arcname=path.lstrip("/"), recursive=False)
+    subprocess.run(["docker", "import", str(archive), tag], check=True, capture_output=True)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="LOUD SKIP: needs root (Docker, sshd)")
+def test_the_agent_finds_a_real_sandbox_container_and_the_ingress_logs_into_it(
+    standin: StandIn, client: SimulatedPki, tmp_path: Path
+) -> None:
+    """The real engine: the agent's `DockerSandbox` finds the container by docker-compose's
+    labels (a project name of this test's own), and the ingress configured by the agent runs a
+    real ssh session inside that container (runc here: no user namespace of its own)."""
+    from .conftest import docker_up
+
+    docker_up()
+    harness.require_tools()
+    name = f"uing-sandbox-{os.getpid()}"
+    key_file, key = harness.keypair(tmp_path)
+    try:
+        _tiny_image(tmp_path, f"{name}:test")
+        subprocess.run(
+            ["docker", "run", "--detach", "--name", name, "--network", "none",
+             "--label", f"com.docker.compose.project={name}",
+             "--label", "com.docker.compose.service=sandbox",
+             f"{name}:test", "/usr/bin/sleep", "600"],
+            check=True, capture_output=True,
+        )  # fmt: skip
+        started = Started()
+        ingress_steps = AttestedIngress(
+            DockerSandbox(project=name),
+            started,
+            {"kind": "configfs"},
+            config_dir=tmp_path / "run-ingress",
+            state_dir=tmp_path / "state",
+        )
+        _tdx, data = _boot(
+            standin, client, tmp_path, key=key, ingress=ingress_steps, starter=started
+        )
+        inspect = ["docker", "inspect", "--format", "{{.State.Pid}}", name]
+        pid = subprocess.run(inspect, capture_output=True, text=True, check=True).stdout.strip()
+        assert (tmp_path / "run-ingress/sandbox.pid").read_text() == f"{pid}\n"
+        doc = json.loads((tmp_path / "run-ingress/config.json").read_text())
+        doc["quote_source"] |= {"kind": "simulated", "simulated_pki": str(tmp_path / "pki")}
+        doc["listen"] = {"host": "127.0.0.1", "port": free_port()}
+        doc["sandbox"] |= {"home": "/"}  # the tiny image has no /home/dev
+        ingress = Ingress(IngressConfig.model_validate(doc))
+        info = _info(data, data.expected_events()[HOST_FIREWALL_EVENT]).model_copy(
+            update={"ingress": SshIngress(**doc["listen"]), "ssh_authorized_keys": [key]}
+        )
+        done = _ssh_through(ingress, info, tmp_path, key_file, "id -u; readlink /proc/self/ns/net")
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.split() == ["1000", os.readlink(f"/proc/{pid}/ns/net")]
+    finally:
+        subprocess.run(["docker", "rm", "-f", name], capture_output=True)
+        subprocess.run(["docker", "rmi", "-f", f"{name}:test"], capture_output=True)
