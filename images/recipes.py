@@ -118,7 +118,18 @@ RECIPES: dict[Rootfs, Recipe] = {
     Rootfs.SANDBOX_CI: Recipe(
         Rootfs.SANDBOX_CI,
         variant="minbase",
-        packages=(*PY_LIBS, "sudo", "git", "curl", "nodejs", "npm", "dtach", "iproute2"),
+        # sftp-server: the attested ingress's sshd serves sftp inside the sandbox (scp, IDEs).
+        packages=(
+            *PY_LIBS,
+            "sudo",
+            "git",
+            "curl",
+            "nodejs",
+            "npm",
+            "dtach",
+            "iproute2",
+            "openssh-sftp-server",
+        ),
         npm=NPM_AGENTS,
         images={"sandbox-ci": _SANDBOX_IMAGE},
     ),
@@ -135,6 +146,7 @@ RECIPES: dict[Rootfs, Recipe] = {
             "dtach",
             "iproute2",
             "openssh-client",
+            "openssh-sftp-server",
             "bash-completion",
             "build-essential",
             "python3",

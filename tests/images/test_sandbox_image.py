@@ -18,7 +18,9 @@ pytestmark = pytest.mark.timeout(1500)
 
 CHECK = (
     "set -e; id -un; sudo -n true && echo sudo-ok; git --version; python3.12 --version; "
-    "node --version; claude --version; codex --version; env | sort"
+    "node --version; claude --version; codex --version; "
+    # The attested ingress's sshd runs its sftp subsystem inside the sandbox (scp, IDEs).
+    "test -x /usr/lib/openssh/sftp-server && echo sftp-ok; env | sort"
 )
 
 
@@ -40,7 +42,7 @@ def test_sandbox_ci_image_has_the_tools_and_the_agents_start(
         assert done.returncode == 0, done.stdout + done.stderr
         lines = done.stdout.splitlines()
         print("\n".join(lines[:6]))
-        assert lines[0] == "dev" and lines[1] == "sudo-ok"
+        assert lines[0] == "dev" and lines[1] == "sudo-ok" and "sftp-ok" in lines
         env = dict(line.split("=", 1) for line in lines if "=" in line)
         for var in ("NODE_EXTRA_CA_CERTS", "REQUESTS_CA_BUNDLE", "SSL_CERT_FILE", "GIT_SSL_CAINFO"):
             assert env[var] == CA_BUNDLE
