@@ -46,9 +46,31 @@ META_DATABASE_CA = "umbra-database-ca"
 # Security CVM replicas: the internal load balancer's address, added as a local route.
 META_LB_IP = "umbra-security-lb-ip"
 # The one-time enrollment token (contracts/enrollment.py): the only credential launch data
-# carries; the launch agent writes it to a 0600 /run/umbra/launch/enrollment-token for the
-# enrolling process. Not measured (it is spent at first boot and differs per launch).
+# carries; the launch agent gives it to the enrolling service only (its launch directory, 0400).
+# Not measured (it is spent at first boot and differs per launch).
 META_ENROLLMENT_TOKEN = _ENROLLMENT_KEY
+# Every key launch data may carry: the launch agent refuses any other.
+META_KEYS = frozenset(
+    {
+        META_APP_COMPOSE,
+        META_COMPOSE_HASH,
+        META_CVM_ID,
+        META_SSH_KEYS,
+        META_MANIFEST,
+        META_ROLE,
+        META_TEAM,
+        META_EVENTS,
+        META_HOST_FIREWALL,
+        META_SECURITY_CVM_IPS,
+        META_DNS_RESOLVERS,
+        META_CONSOLE_URL,
+        META_CONSOLE_CA,
+        META_CONSOLE_IPS,
+        META_DATABASE_CA,
+        META_LB_IP,
+        META_ENROLLMENT_TOKEN,
+    }
+)
 # Same names as in umbra.images.measure (a test keeps them equal).
 CVM_ID_EVENT = "umbra.cvm-id"
 HOST_FIREWALL_EVENT = "umbra.host-firewall"

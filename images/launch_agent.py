@@ -54,6 +54,7 @@ from umbra.components.launch_data import (
     META_ENROLLMENT_TOKEN,
     META_EVENTS,
     META_HOST_FIREWALL,
+    META_KEYS,
     META_LB_IP,
     META_MANIFEST,
     META_ROLE,
@@ -88,25 +89,7 @@ LAUNCH_DIR = Path("/run/umbra/launch")
 # Linux >= 6.16 exposes TDX RTMRs in sysfs; writing a SHA-384 digest extends the register.
 RTMR3_SYSFS = Path("/sys/class/misc/tdx_guest/measurements/rtmr3:sha384")
 _ID = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
-_KNOWN = {
-    META_APP_COMPOSE,
-    META_COMPOSE_HASH,
-    META_CONSOLE_CA,
-    META_CONSOLE_IPS,
-    META_CONSOLE_URL,
-    META_CVM_ID,
-    META_DATABASE_CA,
-    META_DNS_RESOLVERS,
-    META_ENROLLMENT_TOKEN,
-    META_EVENTS,
-    META_HOST_FIREWALL,
-    META_LB_IP,
-    META_MANIFEST,
-    META_ROLE,
-    META_SECURITY_CVM_IPS,
-    META_SSH_KEYS,
-    META_TEAM,
-}
+_KNOWN = META_KEYS
 # Opaque, short-lived, single use (the Console's enrollment endpoint checks it).
 _TOKEN = re.compile(r"^[A-Za-z0-9._~+/=-]{16,1024}$")
 # GCP names the data disk by its device name; Azure by LUN (the udev rule Azure documents).
