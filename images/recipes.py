@@ -101,6 +101,19 @@ _SANDBOX_IMAGE = ImageConfig(
     WorkingDir="/home/dev",
 )
 
+# What both sandbox rootfs carry. sftp-server: the attested ingress's sshd serves sftp inside the
+# sandbox (scp, IDEs).
+_SANDBOX_PACKAGES = (
+    *PY_LIBS,
+    "sudo",
+    "git",
+    "curl",
+    "nodejs",
+    "npm",
+    "dtach",
+    "iproute2",
+    "openssh-sftp-server",
+)
 RECIPES: dict[Rootfs, Recipe] = {
     Rootfs.RUNTIME: Recipe(
         Rootfs.RUNTIME,
@@ -118,18 +131,7 @@ RECIPES: dict[Rootfs, Recipe] = {
     Rootfs.SANDBOX_CI: Recipe(
         Rootfs.SANDBOX_CI,
         variant="minbase",
-        # sftp-server: the attested ingress's sshd serves sftp inside the sandbox (scp, IDEs).
-        packages=(
-            *PY_LIBS,
-            "sudo",
-            "git",
-            "curl",
-            "nodejs",
-            "npm",
-            "dtach",
-            "iproute2",
-            "openssh-sftp-server",
-        ),
+        packages=_SANDBOX_PACKAGES,
         npm=NPM_AGENTS,
         images={"sandbox-ci": _SANDBOX_IMAGE},
     ),
@@ -137,16 +139,8 @@ RECIPES: dict[Rootfs, Recipe] = {
         Rootfs.SANDBOX,
         variant="minbase",
         packages=(
-            *PY_LIBS,
-            "sudo",
-            "git",
-            "curl",
-            "nodejs",
-            "npm",
-            "dtach",
-            "iproute2",
+            *_SANDBOX_PACKAGES,
             "openssh-client",
-            "openssh-sftp-server",
             "bash-completion",
             "build-essential",
             "python3",
