@@ -40,6 +40,10 @@ class UnsupportedEncoding(Exception):
 class _Decoder(Protocol):
     def feed(self, data: bytes) -> bytes: ...
 
+    def flush(self) -> bytes:
+        """What the decoder still buffers at the end of the body."""
+        ...
+
 
 class _Zlib:
     def __init__(self, wbits: int) -> None:
@@ -48,6 +52,12 @@ class _Zlib:
     def feed(self, data: bytes) -> bytes:
         try:
             return self._obj.decompress(data)
+        except zlib.error as exc:
+            raise Reflected(f"undecodable response ({exc})") from None
+
+    def flush(self) -> bytes:
+        try:
+            return self._obj.flush()
         except zlib.error as exc:
             raise Reflected(f"undecodable response ({exc})") from None
 
@@ -62,6 +72,9 @@ class _Brotli:
         except brotli.error as exc:
             raise Reflected(f"undecodable response ({exc})") from None
 
+    def flush(self) -> bytes:
+        return b""  # `process` returns all it can decode
+
 
 class _Zstd:
     def __init__(self) -> None:
@@ -70,6 +83,12 @@ class _Zstd:
     def feed(self, data: bytes) -> bytes:
         try:
             return self._obj.decompress(data)
+        except zstandard.ZstdError as exc:
+            raise Reflected(f"undecodable response ({exc})") from None
+
+    def flush(self) -> bytes:
+        try:
+            return bytes(self._obj.flush())
         except zstandard.ZstdError as exc:
             raise Reflected(f"undecodable response ({exc})") from None
 
@@ -186,21 +205,8 @@ class BodyStream:
     def feed(self, chunk: bytes) -> bytes:
         if self._closed:
             raise Reflected("stream already cut")
-        try:
-            self._encoded += len(chunk)
-            decoded = self._decode(chunk)
-            self._decoded += len(decoded)
-            if self._decoded > _MAX_RATIO * self._encoded + _SLACK:
-                raise Reflected("response decodes beyond its bound")
-            if decoded:
-                self._stream.scan(
-                    decoded, scratch=self._forms.scratch(), match_event_handler=self._on_match
-                )
-            if self._hit:
-                raise Reflected("response reflects an injected credential")
-        except Reflected:
-            self._close()
-            raise
+        self._encoded += len(chunk)
+        decoded = self._checked(lambda: self._decode(chunk))
         if decoded:
             self._tail = (self._tail + decoded)[-self._forms.longest :]
         pending = self._held + chunk
@@ -215,12 +221,39 @@ class BodyStream:
         return pending[:-hold]
 
     def finish(self) -> bytes:
-        """End of body: a held prefix that never completed is passed on."""
+        """End of body: whatever the decoders still buffer is checked, then the held bytes (a
+        prefix that never completed) are passed on."""
+        if self._closed:
+            raise Reflected("stream already cut")
+        self._checked(self._flush)
+        held = self._held
         self._close()
-        if self._hit:
-            raise Reflected("response reflects an injected credential")
-        held, self._held = self._held, b""
         return held
+
+    def _flush(self) -> bytes:
+        rest = b""
+        for decoder in self._decoders:
+            rest = (decoder.feed(rest) if rest else b"") + decoder.flush()
+        return rest
+
+    def _checked(self, decode: Callable[[], bytes]) -> bytes:
+        """Decode, then match the decoded bytes against every form; an undecodable body, a bomb or
+        a hit closes the stream and raises `Reflected` (the caller cuts it)."""
+        try:
+            decoded = decode()
+            self._decoded += len(decoded)
+            if self._decoded > _MAX_RATIO * self._encoded + _SLACK:
+                raise Reflected("response decodes beyond its bound")
+            if decoded:
+                self._stream.scan(
+                    decoded, scratch=self._forms.scratch(), match_event_handler=self._on_match
+                )
+            if self._hit:
+                raise Reflected("response reflects an injected credential")
+        except Reflected:
+            self._close()
+            raise
+        return decoded
 
     def _close(self) -> None:
         if not self._closed:

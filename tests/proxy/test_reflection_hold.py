@@ -4,10 +4,15 @@ encoded form is pending, and then at most the longest form minus one byte (real 
 from __future__ import annotations
 
 import base64
+import gzip
+import random
+import zlib
 
+import brotli  # type: ignore[import-untyped]
 import pytest
+import zstandard
 
-from umbra.proxy.reflection import Reflected, ReflectionGuard
+from umbra.proxy.reflection import BodyStream, Reflected, ReflectionGuard
 from umbra.proxy.scanner import secret_encodings
 
 VALUE = "Bearer tok-7q2w9e8r1t"
@@ -41,3 +46,54 @@ def test_a_form_split_across_chunks_is_cut_before_its_first_half() -> None:
     assert form[:10] not in stream.feed(b"data: " + form[:10])
     with pytest.raises(Reflected):
         stream.feed(form[10:])
+
+
+@pytest.mark.parametrize("encoding", ["", "gzip", "deflate", "br", "zstd", "gzip, br"])
+def test_a_body_ending_in_a_pending_prefix_is_passed_on_whole(encoding: str) -> None:
+    """The held tail of a body that ends mid-prefix is released at the end, not dropped: a
+    Content-Length response then never waits for bytes that will not come."""
+    plain = b"peer port 5638" + VALUE[:9].encode()
+    body = _encode(plain, encoding)
+    stream = ReflectionGuard([VALUE]).stream(encoding)
+    out = b"".join(stream.feed(body[i : i + 7]) for i in range(0, len(body), 7))
+    assert out + stream.finish() == body
+
+
+def test_any_body_without_the_credential_comes_out_byte_for_byte() -> None:
+    rng = random.Random(7)
+    alphabet = b"Bearer tok-7q2w9e8r1t=/+:" + bytes(range(256))
+    for _ in range(300):
+        body = bytes(rng.choice(alphabet) for _ in range(rng.randrange(0, 300)))
+        if any(form in body for form in secret_encodings(VALUE.encode())):
+            continue
+        stream = ReflectionGuard([VALUE]).stream("")
+        out, start = b"", 0
+        while start < len(body):
+            size = rng.randrange(1, 40)
+            out += stream.feed(body[start : start + size])
+            start += size
+        assert out + stream.finish() == body
+
+
+def test_a_credential_in_the_last_compressed_bytes_is_caught_before_the_end() -> None:
+    packed = zlib.compress(b"x" * 100 + VALUE.encode())
+    stream = ReflectionGuard([VALUE]).stream("deflate")
+    with pytest.raises(Reflected):
+        _feed_bytewise_and_finish(stream, packed)
+
+
+def _feed_bytewise_and_finish(stream: BodyStream, body: bytes) -> bytes:
+    out = b"".join(stream.feed(body[i : i + 1]) for i in range(len(body)))
+    return out + stream.finish()
+
+
+def _encode(data: bytes, encoding: str) -> bytes:
+    coders = {
+        "gzip": gzip.compress,
+        "deflate": zlib.compress,
+        "br": brotli.compress,
+        "zstd": zstandard.ZstdCompressor().compress,
+    }
+    for name in [part.strip() for part in encoding.split(",") if part.strip()]:
+        data = coders[name](data)
+    return data

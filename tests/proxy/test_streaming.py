@@ -90,3 +90,19 @@ def test_keep_alive_requests_reuse_one_checked_upstream_connection(env: Env) -> 
         del env.origin.routes["api.test"]
     assert len(set(bodies)) == 1, bodies  # same upstream source port every time
     assert injected == [True, True, True]
+
+
+def test_a_response_ending_in_part_of_the_credential_arrives_whole(env: Env) -> None:
+    """The reflection guard holds back a tail that could start the credential; at the end of the
+    body that tail is passed on (it once was dropped, and a Content-Length client waited for it)."""
+    host = f"api.test:{env.origin.port}"
+    body = b"the header starts with " + f"Bearer {TEAM_SECRET}"[:12].encode()
+    env.origin.routes["api.test"] = lambda handler, _seen: handler.send(200, body)
+    try:
+        sock, _ = connect_tunnel(env.proxy, host, sni="api.test")
+        with sock:
+            sock.sendall(f"GET /tail HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+            response = read_response(sock, timeout=5)
+    finally:
+        del env.origin.routes["api.test"]
+    assert response.partition(b"\r\n\r\n")[2] == body
