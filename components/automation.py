@@ -11,7 +11,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import os
 import re
+import stat
+import tempfile
 import time
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
@@ -324,8 +327,12 @@ class PulumiDevCvmProvisioner:
         attempts: int = 3,
         backoff_s: float = 5.0,
         sleep: Callable[[float], None] = time.sleep,
+        work_root: Path | None = None,
     ) -> None:
         self.target = target
+        # The Automation API's workspace (Pulumi.yaml, the stack's settings) lives in one directory
+        # per stack, reused by every run: without `work_dir` each run left a new temp dir behind.
+        self.work_root = work_root or Path(tempfile.gettempdir()) / f"umbra-pulumi-{os.getuid()}"
         self.org = org
         self.env = dict(env or {})
         self.policy_packs = tuple(policy_packs)
@@ -468,8 +475,25 @@ class PulumiDevCvmProvisioner:
 
         return relay
 
+    def work_dir(self, name: str) -> Path:
+        """This stack's workspace: private to this user (the stack's settings are written there),
+        refused if another user owns or can write its parent."""
+        root = self.work_root
+        root.mkdir(mode=0o700, exist_ok=True)
+        info = root.lstat()
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+            raise ProvisionerError(
+                f"{root} must be a directory owned by uid {os.getuid()} with mode 0700 "
+                "(it holds the Pulumi workspaces); remove it or fix its owner and mode"
+            )
+        path = root / re.sub(r"[^A-Za-z0-9._-]", "_", name)
+        path.mkdir(mode=0o700, exist_ok=True)
+        return path
+
     def _local_stack(self, name: str, program: auto.PulumiFn, create: bool) -> StackLike:
-        opts = auto.LocalWorkspaceOptions(env_vars=self.env or None)
+        opts = auto.LocalWorkspaceOptions(
+            work_dir=str(self.work_dir(name)), env_vars=self.env or None
+        )
         if create:
             stack = auto.create_or_select_stack(
                 name, project_name=PROJECT, program=program, opts=opts

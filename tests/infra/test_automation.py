@@ -5,8 +5,12 @@ stand-in stack. The real `pulumi` CLI is not installed here."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import stat
+import tempfile
 from collections.abc import Callable, Mapping, MutableMapping
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -251,3 +255,28 @@ def test_a_failed_run_reports_failed_and_raises() -> None:
 def test_without_the_cli_the_default_stack_factory_fails_clearly() -> None:
     with pytest.raises(ProvisionerError, match="the Pulumi CLI is not installed on this host"):
         PulumiDevCvmProvisioner(GCP).launch(spec(), lambda e: None)
+
+
+@pytest.mark.skipif(shutil.which("pulumi") is not None, reason="a Pulumi CLI is installed here")
+def test_runs_reuse_one_private_workspace_per_stack_and_leave_no_temp_dir(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    prov = PulumiDevCvmProvisioner(GCP)
+    for _ in range(2):
+        with pytest.raises(ProvisionerError):
+            prov.launch(spec(), lambda e: None)
+    (root,) = scratch.iterdir()  # the workspaces' root, nothing else (no `automation-*`)
+    assert root.name == f"umbra-pulumi-{os.getuid()}"
+    assert [p.name for p in root.iterdir()] == ["acme-alice-main"]
+    assert stat.S_IMODE(root.stat().st_mode) == 0o700
+
+
+def test_a_workspace_root_others_can_write_is_refused(tmp_path: Path) -> None:
+    root = tmp_path / "ws"
+    root.mkdir(mode=0o777)
+    root.chmod(0o777)
+    with pytest.raises(ProvisionerError, match=r"must be a directory owned by uid .* mode 0700"):
+        PulumiDevCvmProvisioner(GCP, work_root=root).work_dir("acme-alice-main")
