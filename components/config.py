@@ -79,6 +79,9 @@ def _console_address(addr: ipaddress.IPv4Address) -> ipaddress.IPv4Address:
 
 
 ConsoleAddress = Annotated[ipaddress.IPv4Address, AfterValidator(_console_address)]
+# Team networks: what the policy pack counts as "inside" (Python's `is_private` also counts
+# documentation and benchmark ranges, which the internet gateway routes like public ones).
+RFC1918 = tuple(ipaddress.IPv4Network(n) for n in ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16"))
 IapMember = Annotated[str, Field(pattern=r"^(user|group|serviceAccount|domain):[^\s]+$")]
 PublicAddress = Annotated[ipaddress.IPv4Address, AfterValidator(_public)]
 SshKey = Annotated[str, AfterValidator(_ssh_key)]
@@ -155,8 +158,10 @@ class NetworkConfig(_Strict):
     @model_validator(mode="after")
     def _disjoint(self) -> NetworkConfig:
         for field, net in (("dev_cidr", self.dev_cidr), ("security_cidr", self.security_cidr)):
-            if not net.is_private:
-                raise ValueError(f"{field} {net} is not a private range")
+            if not any(net.subnet_of(r) for r in RFC1918):
+                raise ValueError(
+                    f"{field} {net} is not a private range (10/8, 172.16/12, 192.168/16)"
+                )
             if net.prefixlen > 28:
                 raise ValueError(f"{field} {net} is too small (at most /28)")
         if self.dev_cidr.overlaps(self.security_cidr):

@@ -222,3 +222,12 @@ def test_a_team_without_console_ips_is_warned_that_dev_cvms_cannot_enroll(
     assert NO_CONSOLE_IPS_WARNING in warned
     assert "console_ips is empty: Dev CVMs cannot enroll" in NO_CONSOLE_IPS_WARNING
     assert not [r for r in mocks.of_type(FIREWALL) if "console" in r.name]
+
+
+@pytest.mark.parametrize("cidr", ["198.18.0.0/24", "192.0.2.0/24", "100.64.0.0/24"])
+def test_team_ranges_are_rfc1918_as_the_policy_pack_counts_them(cidr: str) -> None:
+    # Python's is_private counts these; the pack would refuse the tunnel rule to them.
+    doc: dict[str, Any] = example_stack("acme-gcp")
+    doc["network"] = doc["network"] | {"security_cidr": cidr}
+    with pytest.raises(ConfigError, match="is not a private range"):
+        parse_stack_config(raw_of(doc), frozenset())
