@@ -4,6 +4,10 @@ outbound access, and one NSG per subnet.
 Azure's default NSG rules allow all traffic inside the VNet and outbound to the internet at
 priorities 65000-65001; each NSG here ends with deny-all rules at 4096 (the lowest a custom rule
 may take) so only the named allows pass.
+
+With `dev_console_ips`, the dev subnet also gets the team's NAT Gateway and a route table that
+drops every internet destination but those /32s, and its NSG allows exactly them on tcp 443
+(the forwarder's enrollment at the Console): two layers, as for everything else.
 """
 
 from __future__ import annotations
@@ -14,8 +18,9 @@ from typing import Any
 import pulumi
 import pulumi_azure_native as azure
 
-from umbra.components.network import NetworkParts, TeamNetworkArgs
+from umbra.components.network import NetworkParts, TeamNetworkArgs, console_hosts
 from umbra.components.ports import (
+    CONSOLE_PORT,
     DEV_ATTESTED_SSH_PORT,
     PRIVATE_ZONE,
     ROLE_DEV,
@@ -32,6 +37,8 @@ DENY_ALL_PRIORITY = 4096
 # is the one way an NSG names it, so the Dev NSG denies it explicitly above everything else.
 PLATFORM_DNS_TAG = "AzurePlatformDNS"
 PLATFORM_DNS_PRIORITY = 100
+# Dev CVM -> Console on 443: after the tunnel allow (110), long before the deny-all (4096).
+DEV_CONSOLE_PRIORITY = 120
 
 
 def _prefixes(side: str, values: list[str]) -> dict[str, Any]:
@@ -100,6 +107,21 @@ def build_azure_network(
     rg = azure.resources.ResourceGroup(
         f"{name}-rg", resource_group_name=prefix, location=location, tags=tags, opts=opts
     )
+    consoles = console_hosts(args)
+    dev_console_rules = (
+        [
+            _allow(
+                "to-console",
+                DEV_CONSOLE_PRIORITY,
+                "Outbound",
+                [args.dev_cidr],
+                consoles,
+                [CONSOLE_PORT],
+            )
+        ]
+        if consoles
+        else []
+    )
     dev_nsg = azure.network.NetworkSecurityGroup(
         f"{name}-dev-nsg",
         network_security_group_name=f"{prefix}-dev",
@@ -136,6 +158,7 @@ def build_azure_network(
                 [f"{security_ip}/32"],
                 [SECURITY_TUNNEL_PORT],
             ),
+            *dev_console_rules,
             _deny_all("Outbound"),
         ],
         opts=opts,
@@ -219,16 +242,6 @@ def build_azure_network(
         tags=tags,
         opts=pulumi.ResourceOptions.merge(opts, pulumi.ResourceOptions(ignore_changes=["subnets"])),
     )
-    dev_subnet = azure.network.Subnet(
-        f"{name}-dev",
-        subnet_name="dev",
-        resource_group_name=rg.name,
-        virtual_network_name=vnet.name,
-        address_prefix=args.dev_cidr,
-        default_outbound_access=False,
-        network_security_group=azure.network.NetworkSecurityGroupArgs(id=dev_nsg.id),
-        opts=opts,
-    )
     # Security CVM egress: a NAT Gateway on one static Standard address, no public IP on the VM.
     egress_ip = azure.network.PublicIPAddress(
         f"{name}-egress-ip",
@@ -250,6 +263,17 @@ def build_azure_network(
         public_ip_addresses=[azure.network.SubResourceArgs(id=egress_ip.id)],
         zones=[args.azure.zone] if args.azure.zone else None,
         tags={**tags, ROLE_LABEL: ROLE_SECURITY},
+        opts=opts,
+    )
+    dev_subnet = azure.network.Subnet(
+        f"{name}-dev",
+        subnet_name="dev",
+        resource_group_name=rg.name,
+        virtual_network_name=vnet.name,
+        address_prefix=args.dev_cidr,
+        default_outbound_access=False,
+        network_security_group=azure.network.NetworkSecurityGroupArgs(id=dev_nsg.id),
+        **_dev_console_path(name, prefix, rg.name, location, consoles, nat, tags, opts),
         opts=opts,
     )
     sec_subnet = azure.network.Subnet(
@@ -302,6 +326,47 @@ def build_azure_network(
         resource_group_name=rg.name,
         egress_ip=egress_ip.ip_address.apply(lambda a: a or ""),
     )
+
+
+def _dev_console_path(
+    name: str,
+    prefix: str,
+    rg: pulumi.Output[str],
+    location: str,
+    consoles: list[str],
+    nat: azure.network.NatGateway,
+    tags: dict[str, str],
+    opts: pulumi.ResourceOptions,
+) -> dict[str, Any]:
+    """The dev subnet's way to the Console, or nothing: the NAT Gateway (the subnet has no
+    default outbound access) and a route table whose internet routes are the Console's /32s
+    only, every other public destination dropped (`None`) even if an NSG rule went wrong.
+    Addresses inside the VNet keep their more specific system routes."""
+    if not consoles:
+        return {}
+    table = azure.network.RouteTable(
+        f"{name}-dev-routes",
+        route_table_name=f"{prefix}-dev",
+        resource_group_name=rg,
+        location=location,
+        routes=[
+            azure.network.RouteArgs(
+                name=f"console-{i}", address_prefix=host, next_hop_type="Internet"
+            )
+            for i, host in enumerate(consoles)
+        ]
+        + [
+            azure.network.RouteArgs(
+                name="drop-internet", address_prefix="0.0.0.0/0", next_hop_type="None"
+            )
+        ],
+        tags={**tags, ROLE_LABEL: ROLE_DEV},
+        opts=opts,
+    )
+    return {
+        "nat_gateway": azure.network.SubResourceArgs(id=nat.id),
+        "route_table": azure.network.RouteTableArgs(id=table.id),
+    }
 
 
 def _close_dns(

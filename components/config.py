@@ -60,6 +60,28 @@ def _public(addr: ipaddress.IPv4Address) -> ipaddress.IPv4Address:
     return addr
 
 
+def console_address_problem(addr: ipaddress.IPv4Address) -> str | None:
+    """Why `addr` cannot be a Console address a Dev CVM may dial on 443, or None. The team
+    network routes and allows exactly these /32s: a metadata, loopback or broadcast address
+    there would open something that is not the Console."""
+    if addr.is_unspecified or addr.is_loopback or addr.is_link_local or addr.is_multicast:
+        return f"{addr} is not a host the Console can be reached at"
+    if addr.is_reserved or addr == ipaddress.IPv4Address("255.255.255.255"):
+        return f"{addr} is a reserved address"
+    return None
+
+
+def _console_address(addr: ipaddress.IPv4Address) -> ipaddress.IPv4Address:
+    problem = console_address_problem(addr)
+    if problem:
+        raise ValueError(problem)
+    return addr
+
+
+ConsoleAddress = Annotated[ipaddress.IPv4Address, AfterValidator(_console_address)]
+# Team networks: what the policy pack counts as "inside" (Python's `is_private` also counts
+# documentation and benchmark ranges, which the internet gateway routes like public ones).
+RFC1918 = tuple(ipaddress.IPv4Network(n) for n in ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16"))
 IapMember = Annotated[str, Field(pattern=r"^(user|group|serviceAccount|domain):[^\s]+$")]
 PublicAddress = Annotated[ipaddress.IPv4Address, AfterValidator(_public)]
 SshKey = Annotated[str, AfterValidator(_ssh_key)]
@@ -136,8 +158,10 @@ class NetworkConfig(_Strict):
     @model_validator(mode="after")
     def _disjoint(self) -> NetworkConfig:
         for field, net in (("dev_cidr", self.dev_cidr), ("security_cidr", self.security_cidr)):
-            if not net.is_private:
-                raise ValueError(f"{field} {net} is not a private range")
+            if not any(net.subnet_of(r) for r in RFC1918):
+                raise ValueError(
+                    f"{field} {net} is not a private range (10/8, 172.16/12, 192.168/16)"
+                )
             if net.prefixlen > 28:
                 raise ValueError(f"{field} {net} is too small (at most /28)")
         if self.dev_cidr.overlaps(self.security_cidr):
@@ -196,9 +220,10 @@ class TeamStack(_Strict):
     console_stack: (
         Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+){0,2}$")] | None
     ) = None
-    # The Console's address(es) a Dev CVM's forwarder dials to enroll (it has no DNS); its host
-    # firewall admits exactly these on 443 from the forwarder. Empty: Dev CVMs cannot enroll.
-    console_ips: list[ipaddress.IPv4Address] = Field(default_factory=list, max_length=4)
+    # The Console's address(es) a Dev CVM's forwarder dials to enroll (it has no DNS): its host
+    # firewall, the team network (a /32 each, tcp 443 only) and the policy pack's config admit
+    # exactly these. Empty: Dev CVMs cannot enroll (the program warns).
+    console_ips: list[ConsoleAddress] = Field(default_factory=list, max_length=4)
     network: NetworkConfig
     security_cvm: SecurityCvmConfig
     dev_cvm: CvmConfig
@@ -231,6 +256,18 @@ class TeamStack(_Strict):
             _check_size(self.cloud, where, size)
         _check_image(self.cloud, "security_cvm.image", self.security_cvm.image)
         _check_image(self.cloud, "dev_cvm.image", self.dev_cvm.image)
+        for i, ip in enumerate(self.console_ips):
+            for field, net in (
+                ("network.dev_cidr", self.network.dev_cidr),
+                ("network.security_cidr", self.network.security_cidr),
+            ):
+                if ip in net:
+                    raise ValueError(
+                        f"console_ips[{i}] {ip} is inside {field} {net}: the Console is not in "
+                        "the team network, and this would open tcp 443 to a team host"
+                    )
+        if len(set(self.console_ips)) != len(self.console_ips):
+            raise ValueError("console_ips lists an address twice")
         names = [d.name for d in self.developers]
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:

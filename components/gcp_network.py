@@ -4,7 +4,9 @@ one service account per role (firewall targets by identity, not by tag), and fir
 GCP firewalls are stateful, so replies to allowed ingress need no egress rule; the deny-all
 egress rules sit at the lowest priority so only the named allows above them pass. The default
 internet route exists only for instances tagged as the Security CVM, so even a mistaken firewall
-rule leaves a Dev CVM with no route out.
+rule leaves a Dev CVM with no route out. The one exception: with `dev_console_ips`, a /32 route
+per Console address (and Cloud NAT for the dev subnet) carries the forwarder's enrollment, and
+the firewall admits exactly those /32s on tcp 443.
 """
 
 from __future__ import annotations
@@ -12,8 +14,9 @@ from __future__ import annotations
 import pulumi
 import pulumi_gcp as gcp
 
-from umbra.components.network import NetworkParts, TeamNetworkArgs
+from umbra.components.network import NetworkParts, TeamNetworkArgs, console_hosts
 from umbra.components.ports import (
+    CONSOLE_PORT,
     DEV_ATTESTED_SSH_PORT,
     PRIVATE_ZONE,
     ROLE_DEV,
@@ -156,9 +159,24 @@ def build_gcp_network(
         priority=1000,
         opts=opts,
     )
+    # Dev CVMs: a route to each Console address only (untagged: routes select by tag, which
+    # any instance admin can set, so the firewall's service-account rule below is the gate and
+    # the route only bounds where a wrong rule could lead). Nothing else has a way out.
+    consoles = console_hosts(args)
+    for i, host in enumerate(consoles):
+        gcp.compute.Route(
+            f"{name}-dev-console-route-{i}",
+            name=f"{prefix}-dev-console-{i}",
+            project=project,
+            network=vpc.id,
+            dest_range=host,
+            next_hop_gateway="default-internet-gateway",
+            priority=1000,
+            opts=opts,
+        )
     # Security CVM egress: Cloud NAT on one static address (allow-listable by the sites the
-    # proxy reaches, no inbound surface); the VM itself has no external address. Only the
-    # security subnet is translated, and Dev CVMs have no route out anyway.
+    # proxy reaches, no inbound surface); the VM itself has no external address. The dev subnet
+    # is translated only with Console routes, and then reaches only those /32s.
     router = gcp.compute.Router(
         f"{name}-router",
         name=f"{prefix}-router",
@@ -185,10 +203,12 @@ def build_gcp_network(
         nat_ip_allocate_option="MANUAL_ONLY",
         nat_ips=[egress_ip.self_link],
         source_subnetwork_ip_ranges_to_nat="LIST_OF_SUBNETWORKS",
+        # The dev subnet only when it has Console routes: without them nothing of it gets here.
         subnetworks=[
             gcp.compute.RouterNatSubnetworkArgs(
-                name=sec_subnet.id, source_ip_ranges_to_nats=["ALL_IP_RANGES"]
+                name=s.id, source_ip_ranges_to_nats=["ALL_IP_RANGES"]
             )
+            for s in ([sec_subnet, dev_subnet] if consoles else [sec_subnet])
         ],
         log_config=gcp.compute.RouterNatLogConfigArgs(enable=args.log_denied, filter="ERRORS_ONLY"),
         opts=opts,
@@ -253,6 +273,15 @@ def build_gcp_network(
         destination_ranges=[f"{security_ip}/32"],
         allows=[tcp(protocol="tcp", ports=[str(SECURITY_TUNNEL_PORT)])],
     )
+    if consoles:
+        rule(
+            "dev-console-egress",
+            direction="EGRESS",
+            priority=ALLOW_PRIORITY,
+            target_service_accounts=[dev_sa.email],
+            destination_ranges=consoles,
+            allows=[tcp(protocol="tcp", ports=[str(CONSOLE_PORT)])],
+        )
     rule(
         "dev-deny-egress",
         direction="EGRESS",

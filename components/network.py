@@ -1,5 +1,6 @@
 """TeamNetwork: one team's private network. Dev CVMs reach only their team's Security CVM (on the
-tunnel port) and accept only the attested SSH port from named ranges; the Security CVM accepts
+tunnel port), plus the Console's declared addresses on tcp 443 for their forwarder's one
+enrollment, and accept only the attested SSH port from named ranges; the Security CVM accepts
 the tunnel from Dev CVMs and egresses only on 80/443 (and to the Console). No peering, no shared
 resources: each team's network stands alone.
 """
@@ -13,7 +14,7 @@ from typing import Literal
 
 import pulumi
 
-from umbra.components.config import AzurePlacement, GcpPlacement
+from umbra.components.config import AzurePlacement, GcpPlacement, console_address_problem
 
 Cloud = Literal["gcp", "azure"]
 
@@ -42,6 +43,10 @@ class TeamNetworkArgs:
     console_cidrs: Sequence[str] = ()
     # The Console's port when `console_cidrs` is used (443 to the internet is always allowed).
     console_port: int = 443
+    # The Console's addresses (the team stack's `console_ips`): Dev CVMs may open tcp 443 to
+    # exactly these /32s, routed and NATed out (their forwarder enrolls there once; the host
+    # firewall admits only the forwarder's uplink). Empty: no Dev CVM path out but the tunnel.
+    dev_console_ips: Sequence[str] = ()
     gcp: GcpPlacement | None = None
     azure: AzurePlacement | None = None
     labels: dict[str, str] = field(default_factory=dict)
@@ -61,6 +66,18 @@ class TeamNetworkArgs:
         for cidr in self.ssh_ingress_cidrs:
             if ipaddress.IPv4Network(cidr).prefixlen == 0:
                 raise ValueError(f"ssh_ingress_cidrs: {cidr} would open SSH to the internet")
+        for ip in self.dev_console_ips:
+            # A bare address only: "203.0.113.0/24" or a name is refused here, not widened.
+            try:
+                addr = ipaddress.IPv4Address(ip)
+            except ValueError:
+                raise ValueError(f"dev_console_ips: {ip!r} is not one IPv4 address") from None
+            problem = console_address_problem(addr)
+            if problem:
+                raise ValueError(f"dev_console_ips: {problem}")
+            for net in (self.dev_cidr, self.security_cidr):
+                if addr in ipaddress.IPv4Network(net):
+                    raise ValueError(f"dev_console_ips: {ip} is inside the team range {net}")
         if (self.cloud == "gcp") != (self.gcp is not None):
             raise ValueError("TeamNetworkArgs: gcp placement must be given exactly for cloud 'gcp'")
         if (self.cloud == "azure") != (self.azure is not None):
@@ -133,3 +150,8 @@ class TeamNetwork(pulumi.ComponentResource):
             if value is not None:
                 outputs[key] = value
         self.register_outputs(outputs)
+
+
+def console_hosts(args: TeamNetworkArgs) -> list[str]:
+    """The Dev CVMs' Console destinations as /32s, in a stable order."""
+    return [f"{ipaddress.IPv4Address(ip)}/32" for ip in sorted(set(args.dev_console_ips))]

@@ -119,6 +119,11 @@ def placement_for(
 
 
 DEFAULT_DEV_DATA_DISK_GB = 100
+NO_CONSOLE_IPS_WARNING = (
+    "umbra:stack.console_ips is empty: Dev CVMs cannot enroll at the Console (their forwarder "
+    "has no DNS and the team network opens tcp 443 only to these addresses), so they get no "
+    "tunnel credential; set console_ips to the Console's address(es)"
+)
 
 
 def build_team(cfg: TeamStack, root: Path) -> Team:
@@ -133,6 +138,7 @@ def build_team(cfg: TeamStack, root: Path) -> Team:
             security_cidr=str(net_cfg.security_cidr),
             ssh_ingress_cidrs=[str(c) for c in net_cfg.ssh_ingress_cidrs],
             console_cidrs=[str(c) for c in net_cfg.console_cidrs],
+            dev_console_ips=[str(ip) for ip in cfg.console_ips],
             gcp=cfg.gcp,
             azure=cfg.azure,
             labels=labels,
@@ -239,6 +245,8 @@ def build_team(cfg: TeamStack, root: Path) -> Team:
                 ),
                 opts=pulumi.ResourceOptions(depends_on=[security]),
             )
+    if not cfg.console_ips:
+        pulumi.log.warn(NO_CONSOLE_IPS_WARNING)
     for role, files in ((ROLE_SECURITY, sec_files), (ROLE_DEV, dev_files)):
         if files.placeholder:
             pulumi.log.warn(

@@ -3,6 +3,12 @@
 Props are the engine's camelCase input properties. The pack runs in its own interpreter, so it
 imports nothing from umbra; the constants below must equal umbra.components.ports (a test
 checks). A value that is unknown at preview is treated as not compliant where it matters.
+
+The pack's one piece of configuration: the Console addresses Dev CVMs may reach on tcp 443 (their
+forwarder enrolls there once), declared to the pack itself, not read from the stack it checks:
+`--policy-pack-config` file (or the policy group's config in Pulumi Cloud) of the form
+`{"umbra-dev-cvm-no-bypass": {"console_ips": ["203.0.113.7"]}}`. Undeclared, no Dev CVM rule or
+route may lead anywhere but a Security CVM.
 """
 
 from __future__ import annotations
@@ -17,6 +23,9 @@ ROLE_DEV = "dev-cvm"
 ROLE_SECURITY = "security-cvm"
 SECURITY_ROUTE_TAG = "umbra-security-cvm"
 SECURITY_TUNNEL_PORT = 8443
+CONSOLE_PORT = 443
+CONSOLE_IPS_KEY = "console_ips"
+MAX_CONSOLE_IPS = 4
 # Port 22 and the Dev CVM's attested SSH port: neither may face the whole internet.
 SSH_PORTS = (22, 8022)
 
@@ -50,9 +59,16 @@ GCP_TDX_MACHINE = re.compile(r"(^|/)c3-standard-\d+$")
 # Sources that mean "anyone" (Azure service tags are case-insensitive). Not a bind address.
 WORLD = frozenset({"*", "0.0.0.0/0", "::/0", "internet", "any", "0.0.0.0"})  # noqa: S104
 DEV_SA = re.compile(r"^umbra-[a-z0-9-]+-dev@")
+# Where team networks live (RFC 1918). Python's `is_private` also counts documentation and
+# benchmark ranges (198.51.100.0/24, 198.18.0.0/15, ...), which are routed to the internet
+# gateway like any public address: they must not pass as "inside the team network".
+INTERNAL = tuple(
+    ipaddress.IPv4Network(n) for n in ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16")
+)
 
 Props = Mapping[str, Any]
-Rule = Callable[[str, Props], list[str]]
+Config = Mapping[str, Any]
+Rule = Callable[[str, Props, Config], list[str]]
 
 
 def _get(obj: Any, *path: str) -> Any:
@@ -89,7 +105,7 @@ def _azure_tdx(out: list[str], sec_profile: Any, size: Any, os_disk: Any, where:
         out.append(f"{where}OS disk securityEncryptionType is {enc!r}, not 'DiskWithVMGuestState'")
 
 
-def check_tdx(resource_type: str, props: Props) -> list[str]:
+def check_tdx(resource_type: str, props: Props, config: Config) -> list[str]:
     if resource_type in GCP_VMS:
         # Instances made from templates or machine images inherit what they do not say: the
         # pack cannot see the template, so the TDX settings must be stated on the resource.
@@ -133,6 +149,10 @@ def check_tdx(resource_type: str, props: Props) -> list[str]:
 # --- Dev CVM has no way out but the Security CVM ------------------------------------------------
 
 
+def _internal(net: ipaddress.IPv4Network | ipaddress.IPv6Network) -> bool:
+    return isinstance(net, ipaddress.IPv4Network) and any(net.subnet_of(r) for r in INTERNAL)
+
+
 def _single_private_hosts(ranges: Iterable[Any]) -> bool:
     seen = False
     for r in ranges:
@@ -141,7 +161,7 @@ def _single_private_hosts(ranges: Iterable[Any]) -> bool:
             net = ipaddress.ip_network(str(r), strict=True)
         except ValueError:
             return False  # service tags ("Internet", "*"), unknowns, names
-        if net.num_addresses != 1 or not net.is_private:
+        if net.num_addresses != 1 or not _internal(net):
             return False
     return seen
 
@@ -182,13 +202,68 @@ def _non_private(ranges: Iterable[Any]) -> list[str]:
         except ValueError:
             out.append(str(r))  # service tags, unknowns: assume the worst
             continue
-        if not net.is_private:
+        if not _internal(net):
             out.append(str(r))
     return out
 
 
-def check_dev_isolation(resource_type: str, props: Props) -> list[str]:
+def declared_consoles(config: Config) -> tuple[frozenset[str], list[str]]:
+    """The pack config's Console addresses as /32 strings, and why any entry was ignored: only a
+    single IPv4 host that can be a Console counts (no range, no 0.0.0.0, no metadata address)."""
+    raw = config.get(CONSOLE_IPS_KEY) or []
+    if not isinstance(raw, list | tuple):
+        return frozenset(), [f"pack config {CONSOLE_IPS_KEY} is not a list: ignored"]
+    hosts, problems = set(), []
+    for entry in raw[:MAX_CONSOLE_IPS]:
+        try:
+            net = ipaddress.IPv4Network(str(entry), strict=True)
+        except ValueError:
+            problems.append(f"pack config {CONSOLE_IPS_KEY} entry {entry!r} is not an IPv4 host")
+            continue
+        addr = net.network_address
+        if net.prefixlen != 32:
+            problems.append(f"pack config {CONSOLE_IPS_KEY} entry {entry!r} is a range, not a host")
+        elif addr.is_unspecified or addr.is_loopback or addr.is_link_local or addr.is_multicast:
+            problems.append(f"pack config {CONSOLE_IPS_KEY} entry {entry!r} cannot be a Console")
+        elif addr.is_reserved:
+            problems.append(f"pack config {CONSOLE_IPS_KEY} entry {entry!r} is reserved")
+        else:
+            hosts.add(f"{addr}/32")
+    if len(raw) > MAX_CONSOLE_IPS:
+        problems.append(f"pack config {CONSOLE_IPS_KEY}: more than {MAX_CONSOLE_IPS} entries")
+    return frozenset(hosts), problems
+
+
+def _as_host(value: Any) -> str | None:
+    try:
+        net = ipaddress.IPv4Network(str(value), strict=True)
+    except ValueError:
+        return None
+    return str(net) if net.prefixlen == 32 else None
+
+
+def _only_consoles(ranges: Iterable[Any], consoles: frozenset[str]) -> bool:
+    """Every destination is a declared Console /32 (and there is at least one)."""
+    hosts = [_as_host(r) for r in ranges]
+    return bool(hosts) and all(h is not None and h in consoles for h in hosts)
+
+
+def _gcp_ports_only_console(allows: list[Any]) -> bool:
+    return bool(allows) and all(
+        _get(a, "protocol") == "tcp" and _list(_get(a, "ports")) == [str(CONSOLE_PORT)]
+        for a in allows
+    )
+
+
+def _console_note(consoles: frozenset[str], problems: list[str]) -> str:
+    declared = sorted(consoles) or "none declared"
+    note = f"; or the Console's declared addresses ({declared}) on tcp:{CONSOLE_PORT}"
+    return note + ("" if not problems else f" [{'; '.join(problems)}]")
+
+
+def check_dev_isolation(resource_type: str, props: Props, config: Config) -> list[str]:
     out: list[str] = []
+    consoles, problems = declared_consoles(config)
     if resource_type in GCP_VMS:
         # Only the Console serves the internet. Every other VM, labelled or not, has no external
         # address: the Security CVM egresses through Cloud NAT.
@@ -213,10 +288,12 @@ def check_dev_isolation(resource_type: str, props: Props) -> list[str]:
         dests = [props.get("destRange")]
         if isinstance(hop_gateway, str) and hop_gateway.endswith("default-internet-gateway"):
             tags = _list(props.get("tags"))
-            if tags != [SECURITY_ROUTE_TAG]:
+            # A route to a declared Console /32 only: the firewall admits tcp 443 on it.
+            if tags != [SECURITY_ROUTE_TAG] and not _only_consoles(dests, consoles):
                 out.append(
-                    f"internet route with tags {tags or 'none (all instances)'}: only the "
-                    f"Security CVM ({SECURITY_ROUTE_TAG}) may have one"
+                    f"internet route to {dests[0]} with tags {tags or 'none (all instances)'}: "
+                    f"only the Security CVM ({SECURITY_ROUTE_TAG}) may have one"
+                    + _console_note(consoles, problems)
                 )
         for hop in ("nextHopIp", "nextHopInstance", "nextHopIlb", "nextHopVpnTunnel"):
             if props.get(hop) and _non_private(dests):
@@ -229,10 +306,15 @@ def check_dev_isolation(resource_type: str, props: Props) -> list[str]:
         for route in routes:
             hop = _get(route, "nextHopType")
             dest = _get(route, "addressPrefix")
+            if hop == "Internet" and _only_consoles([dest], consoles):
+                continue  # a declared Console /32: the dev NSG admits tcp 443 on it
             if hop in ("Internet", "VirtualAppliance", "VirtualNetworkGateway") and _non_private(
                 [dest]
             ):
-                out.append(f"route to {dest} via {hop}: only the Security CVM reaches the internet")
+                out.append(
+                    f"route to {dest} via {hop}: only the Security CVM reaches the internet"
+                    + _console_note(consoles, problems)
+                )
     elif resource_type == AZ_NIC:
         role = _role(props, "tags")
         if role is None:
@@ -261,22 +343,32 @@ def check_dev_isolation(resource_type: str, props: Props) -> list[str]:
         egress_allow = props.get("direction") == "EGRESS" and _list(props.get("allows"))
         if egress_allow and _gcp_firewall_targets_dev(props):
             dests = _list(props.get("destinationRanges"))
-            if not _single_private_hosts(dests) or not _gcp_ports_only_tunnel(
-                _list(props.get("allows"))
-            ):
+            allows = _list(props.get("allows"))
+            # One kind per rule: a GCP rule's ports apply to all its destinations.
+            tunnel = _single_private_hosts(dests) and _gcp_ports_only_tunnel(allows)
+            console = _only_consoles(dests, consoles) and _gcp_ports_only_console(allows)
+            if not (tunnel or console):
                 out.append(
-                    f"egress rule for Dev CVMs allows {dests or 'every destination'}: "
-                    f"only the Security CVM's address on tcp:{SECURITY_TUNNEL_PORT} is allowed"
+                    f"egress rule for Dev CVMs allows {dests or 'every destination'} "
+                    f"({allows}): only the Security CVM's address on tcp:{SECURITY_TUNNEL_PORT}"
+                    + _console_note(consoles, problems)
                 )
     elif resource_type == AZ_NSG and _role(props, "tags") == ROLE_DEV:
         for rule in _list(props.get("securityRules")):
             if _get(rule, "direction") == "Outbound" and _get(rule, "access") == "Allow":
                 dests = _azure_prefixes(rule, "destination")
                 ports = _azure_ports(rule)
-                if not _single_private_hosts(dests) or ports != [(SECURITY_TUNNEL_PORT,) * 2]:
+                tunnel = _single_private_hosts(dests) and ports == [(SECURITY_TUNNEL_PORT,) * 2]
+                console = (
+                    _only_consoles(dests, consoles)
+                    and ports == [(CONSOLE_PORT,) * 2]
+                    and str(_get(rule, "protocol")).lower() == "tcp"
+                )
+                if not (tunnel or console):
                     out.append(
                         f"Dev CVM NSG rule {_get(rule, 'name')!r} allows outbound to {dests} "
-                        f"ports {ports}: only the Security CVM on {SECURITY_TUNNEL_PORT} is allowed"
+                        f"ports {ports} ({_get(rule, 'protocol')}): only the Security CVM on "
+                        f"{SECURITY_TUNNEL_PORT}" + _console_note(consoles, problems)
                     )
     return out
 
@@ -325,7 +417,7 @@ def _azure_rule_public_ssh(rule: Any) -> bool:
     return bool(sources & WORLD) and _covers_ssh(_azure_ports(rule))
 
 
-def check_public_ssh(resource_type: str, props: Props) -> list[str]:
+def check_public_ssh(resource_type: str, props: Props, config: Config) -> list[str]:
     if resource_type == GCP_FIREWALL:
         if props.get("direction", "INGRESS") != "INGRESS":
             return []
@@ -349,6 +441,17 @@ def check_public_ssh(resource_type: str, props: Props) -> list[str]:
     return []
 
 
+# The bypass policy's configuration (see the module docstring); the others take none.
+CONSOLE_CONFIG_SCHEMA: dict[str, dict[str, Any]] = {
+    CONSOLE_IPS_KEY: {
+        "type": "array",
+        "items": {"type": "string"},
+        "maxItems": MAX_CONSOLE_IPS,
+        "default": [],
+        "description": "The Console's IPv4 addresses Dev CVMs may reach on tcp 443 (enrollment).",
+    }
+}
+
 RULES: dict[str, tuple[str, Rule]] = {
     "umbra-cvm-requires-tdx": (
         "Every VM, template and scale set is an Intel TDX confidential VM on a TDX machine type.",
@@ -356,7 +459,7 @@ RULES: dict[str, tuple[str, Rule]] = {
     ),
     "umbra-dev-cvm-no-bypass": (
         "No VM but the Console has an external IP; no route or rule lets a Dev CVM around its "
-        "Security CVM.",
+        "Security CVM (but to the Console's declared addresses on tcp 443).",
         check_dev_isolation,
     ),
     "umbra-no-public-ssh": (
@@ -371,6 +474,7 @@ def policies() -> list[Any]:
     above stay plain functions)."""
     from pulumi_policy import (
         EnforcementLevel,
+        PolicyConfigSchema,
         ReportViolation,
         ResourceValidationArgs,
         ResourceValidationPolicy,
@@ -378,7 +482,7 @@ def policies() -> list[Any]:
 
     def wrap(rule: Rule) -> Callable[[ResourceValidationArgs, ReportViolation], None]:
         def validate(args: ResourceValidationArgs, report: ReportViolation) -> None:
-            for message in rule(args.resource_type, args.props):
+            for message in rule(args.resource_type, args.props, args.get_config() or {}):
                 report(message, None)
 
         return validate
@@ -389,6 +493,9 @@ def policies() -> list[Any]:
             description=description,
             validate=wrap(rule),
             enforcement_level=EnforcementLevel.MANDATORY,
+            config_schema=PolicyConfigSchema(CONSOLE_CONFIG_SCHEMA)
+            if rule is check_dev_isolation
+            else None,
         )
         for name, (description, rule) in RULES.items()
     ]

@@ -242,8 +242,10 @@ def test_gcp_security_egress_is_cloud_nat_on_a_static_address(acme: Recorder) ->
     (addr,) = acme.of_type("gcp:compute/address:Address")
     assert nat.inputs["natIpAllocateOption"] == "MANUAL_ONLY"
     assert nat.inputs["sourceSubnetworkIpRangesToNat"] == "LIST_OF_SUBNETWORKS"
+    # The dev subnet too: it has routes to the Console's /32s only (console_ips).
     assert nat.inputs["subnetworks"] == [
-        {"name": "acme-security-id", "sourceIpRangesToNats": ["ALL_IP_RANGES"]}
+        {"name": "acme-security-id", "sourceIpRangesToNats": ["ALL_IP_RANGES"]},
+        {"name": "acme-dev-id", "sourceIpRangesToNats": ["ALL_IP_RANGES"]},
     ]
     assert addr.inputs["addressType"] == "EXTERNAL"
     assert all(
@@ -256,7 +258,9 @@ def test_azure_security_egress_is_a_nat_gateway_on_the_security_subnet(globex: R
     assert nat.inputs["publicIpAddresses"] == [{"id": "globex-egress-ip-id"}]
     subnets = {s.name: s.inputs for s in globex.of_type("azure-native:network:Subnet")}
     assert subnets["globex-security"]["natGateway"] == {"id": "globex-nat-id"}
-    assert "natGateway" not in subnets["globex-dev"]
+    # The dev subnet too, behind a route table that drops all but the Console (console_ips).
+    assert subnets["globex-dev"]["natGateway"] == {"id": "globex-nat-id"}
+    assert subnets["globex-dev"]["routeTable"] == {"id": "globex-dev-routes-id"}
     (pip,) = globex.of_type("azure-native:network:PublicIPAddress")
     assert pip.name == "globex-egress-ip"
 

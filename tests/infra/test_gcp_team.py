@@ -76,8 +76,10 @@ def test_no_cvm_has_an_external_ip_and_only_the_security_cvm_has_the_route_tag(
         mocks.one(INSTANCE, "acme-security").inputs["networkInterfaces"][0]["networkIp"]
         == SECURITY_IP
     )
-    (route,) = mocks.of_type("gcp:compute/route:Route")
-    assert route.inputs["tags"] == ["umbra-security-cvm"]
+    routes = {r.inputs["destRange"]: r.inputs for r in mocks.of_type("gcp:compute/route:Route")}
+    assert routes["0.0.0.0/0"]["tags"] == ["umbra-security-cvm"]
+    # Besides it, only the Console's /32 (console_ips) for the forwarder's enrollment.
+    assert set(routes) == {"0.0.0.0/0", "198.51.100.7/32"}
     (vpc,) = mocks.of_type("gcp:compute/network:Network")
     assert vpc.inputs["deleteDefaultRoutesOnCreate"] is True
 

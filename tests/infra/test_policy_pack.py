@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import json
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -26,12 +27,29 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 POLICIES = {p.name: p for p in rules.policies()}
 
 
-def violations(resource_type: str, props: dict[str, Any]) -> dict[str, list[str]]:
-    """Run every policy of the pack on one resource, as the engine would."""
+def pack_config(stack: str) -> dict[str, Any]:
+    """The example `--policy-pack-config` file of a stack (stacks/policy-pack.<stack>.json)."""
+    doc: dict[str, Any] = json.loads((ROOT / "stacks" / f"policy-pack.{stack}.json").read_text())
+    return doc
+
+
+def violations(
+    resource_type: str, props: dict[str, Any], config: dict[str, Any] | None = None
+) -> dict[str, list[str]]:
+    """Run every policy of the pack on one resource, as the engine would, each policy with its
+    part of the pack config (as `--policy-pack-config` hands it over)."""
     opts = PolicyResourceOptions(False, [], None, [], PolicyCustomTimeouts(0, 0, 0), [])
-    args = ResourceValidationArgs(resource_type, props, "urn:pulumi:t::umbra::x", "x", opts, None)
     out: dict[str, list[str]] = {}
     for name, policy in POLICIES.items():
+        args = ResourceValidationArgs(
+            resource_type,
+            props,
+            "urn:pulumi:t::umbra::x",
+            "x",
+            opts,
+            None,
+            (config or {}).get(name),
+        )
         seen: list[str] = []
         policy.validate(args, lambda msg, urn=None, seen=seen: seen.append(msg))
         if seen:
@@ -92,7 +110,7 @@ def test_everything_our_team_programs_build_passes(built: dict[str, Recorder], s
     }
     assert len(checked) >= 3  # the pack actually looked at CVMs and network rules
     for r in mocks.resources:
-        assert violations(r.typ, dict(r.inputs)) == {}, (r.typ, r.name)
+        assert violations(r.typ, dict(r.inputs), pack_config(stack)) == {}, (r.typ, r.name)
 
 
 def _gcp(built: dict[str, Recorder], name: str) -> dict[str, Any]:
@@ -173,7 +191,8 @@ def test_dev_cvm_routes_around_the_security_cvm_are_refused(built: dict[str, Rec
             "destinationPortRange": "443",
         }
     )
-    assert "'web' allows outbound to ['Internet']" in violations(rules.AZ_NSG, nsg)[bypass][0]
+    found = violations(rules.AZ_NSG, nsg, pack_config("globex-azure"))[bypass]
+    assert len(found) == 1 and "'web' allows outbound to ['Internet']" in found[0]
 
 
 @pytest.mark.parametrize(
@@ -433,3 +452,149 @@ def test_api_scopes_on_a_team_cvm_are_refused(built: dict[str, Recorder]) -> Non
     assert "a team CVM calls no Google API" in violations(rules.GCP_INSTANCE, vm)[BYPASS][0]
     vm["labels"]["umbra-role"] = "console"
     assert BYPASS not in violations(rules.GCP_INSTANCE, vm)
+
+
+# --- Dev CVM -> Console on tcp 443: only to the addresses declared to the pack ---------------------
+
+CONSOLE = "198.51.100.7"
+DECLARED = {BYPASS: {"console_ips": [CONSOLE]}}
+
+
+def test_the_packs_console_config_is_the_stacks_console_ips() -> None:
+    for stack in ("acme-gcp", "globex-azure"):
+        cfg = parse_stack_config(example_raw(stack), frozenset())
+        assert isinstance(cfg, TeamStack)
+        assert pack_config(stack)[BYPASS]["console_ips"] == [str(ip) for ip in cfg.console_ips]
+    assert rules.CONSOLE_PORT == ports.CONSOLE_PORT
+    schema = POLICIES[BYPASS].config_schema
+    assert schema is not None and set(schema.properties) == {"console_ips"}
+
+
+@pytest.mark.parametrize(
+    ("stack", "typ", "name"),
+    [
+        ("acme-gcp", rules.GCP_FIREWALL, "acme-dev-console-egress"),
+        ("acme-gcp", rules.GCP_ROUTE, "acme-dev-console-route-0"),
+        ("globex-azure", rules.AZ_NSG, "globex-dev-nsg"),
+        ("globex-azure", rules.AZ_ROUTE_TABLE, "globex-dev-routes"),
+    ],
+)
+def test_the_console_path_passes_only_when_declared_to_the_pack(
+    built: dict[str, Recorder], stack: str, typ: str, name: str
+) -> None:
+    props = copy.deepcopy(dict(built[stack].one(typ, name).inputs))
+    assert violations(typ, props, DECLARED) == {}
+    undeclared = violations(typ, props)[BYPASS]
+    assert len(undeclared) == 1 and "(none declared)" in undeclared[0]
+    other = violations(typ, props, {BYPASS: {"console_ips": ["203.0.113.9"]}})
+    assert BYPASS in other
+
+
+def _console_fw(built: dict[str, Recorder]) -> dict[str, Any]:
+    return _gcp(built, "acme-dev-console-egress")
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"destinationRanges": ["0.0.0.0/0"]},
+        {"destinationRanges": ["198.51.100.0/24"]},  # the Console's whole range
+        {"destinationRanges": ["198.51.100.7/32", "198.51.100.8/32"]},  # one undeclared
+        {"destinationRanges": ["198.51.100.7/32", "10.20.1.10/32"]},  # mixed with the tunnel
+        {"destinationRanges": []},
+        {"allows": [{"protocol": "tcp", "ports": ["80"]}]},
+        {"allows": [{"protocol": "tcp", "ports": ["443", "8443"]}]},
+        {"allows": [{"protocol": "tcp", "ports": ["443-444"]}]},
+        {"allows": [{"protocol": "tcp"}]},  # every port
+        {"allows": [{"protocol": "udp", "ports": ["443"]}]},
+        {"allows": [{"protocol": "all"}]},
+        {"allows": [{"protocol": "tcp", "ports": ["443"]}, {"protocol": "udp", "ports": ["443"]}]},
+        {"allows": [{"protocol": "tcp", "ports": ["8443"]}]},  # tunnel port to the Console
+    ],
+)
+def test_widened_gcp_console_rules_are_refused(
+    built: dict[str, Recorder], change: dict[str, Any]
+) -> None:
+    fw = _console_fw(built) | change
+    assert BYPASS in violations(rules.GCP_FIREWALL, fw, DECLARED), change
+
+
+@pytest.mark.parametrize(
+    "route",
+    [
+        {"destRange": "0.0.0.0/0"},
+        {"destRange": "198.51.100.0/24"},
+        {"destRange": "198.51.100.8/32"},
+        {"destRange": "128.0.0.0/1"},
+    ],
+)
+def test_gcp_internet_routes_beyond_the_console_are_refused(
+    built: dict[str, Recorder], route: dict[str, Any]
+) -> None:
+    props = _gcp(built, "acme-dev-console-route-0") | route
+    assert BYPASS in violations(rules.GCP_ROUTE, props, DECLARED)
+
+
+def _az_console_rule(built: dict[str, Recorder]) -> tuple[dict[str, Any], dict[str, Any]]:
+    nsg = _az(built, "globex-dev-nsg")
+    rule = next(r for r in nsg["securityRules"] if r["name"] == "to-console")
+    return nsg, rule
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"destinationAddressPrefix": "Internet"},
+        {"destinationAddressPrefix": "*"},
+        {"destinationAddressPrefix": "0.0.0.0/0"},
+        {"destinationAddressPrefix": "198.51.100.0/24"},
+        {"destinationAddressPrefix": "198.51.100.8/32"},
+        {"destinationPortRanges": ["*"]},
+        {"destinationPortRanges": ["443-444"]},
+        {"destinationPortRanges": ["443", "8443"]},
+        {"destinationPortRanges": ["80"]},
+        {"protocol": "Udp"},
+        {"protocol": "*"},
+    ],
+)
+def test_widened_azure_console_rules_are_refused(
+    built: dict[str, Recorder], change: dict[str, Any]
+) -> None:
+    nsg, rule = _az_console_rule(built)
+    if any(k.startswith("destinationAddress") for k in change):
+        rule.pop("destinationAddressPrefixes", None)
+        rule.pop("destinationAddressPrefix", None)
+    rule.update(change)
+    found = violations(rules.AZ_NSG, nsg, DECLARED)[BYPASS]
+    assert any("'to-console'" in m for m in found), change
+
+
+def test_azure_internet_routes_beyond_the_console_are_refused(built: dict[str, Recorder]) -> None:
+    table = _az(built, "globex-dev-routes")
+    assert violations(rules.AZ_ROUTE_TABLE, table, DECLARED) == {}
+    for prefix in ("198.51.100.8/32", "198.51.100.0/24", "0.0.0.0/0"):
+        widened = copy.deepcopy(table)
+        widened["routes"].append({"addressPrefix": prefix, "nextHopType": "Internet"})
+        assert BYPASS in violations(rules.AZ_ROUTE_TABLE, widened, DECLARED), prefix
+    via_appliance = {"addressPrefix": f"{CONSOLE}/32", "nextHopType": "VirtualAppliance"}
+    assert BYPASS in violations(rules.AZ_ROUTE, via_appliance, DECLARED)
+
+
+@pytest.mark.parametrize(
+    ("entry", "why"),
+    [
+        ("0.0.0.0/0", "is a range"),
+        ("198.51.100.0/24", "is a range"),
+        ("0.0.0.0", "cannot be a Console"),  # noqa: S104
+        ("169.254.169.254", "cannot be a Console"),
+        ("console.example", "is not an IPv4 host"),
+    ],
+)
+def test_a_wide_or_bogus_pack_config_declares_nothing(
+    built: dict[str, Recorder], entry: str, why: str
+) -> None:
+    fw = _console_fw(built) | {"destinationRanges": [entry]}
+    found = violations(rules.GCP_FIREWALL, fw, {BYPASS: {"console_ips": [entry]}})[BYPASS]
+    assert why in found[0] and "(none declared)" in found[0]
+    ok = violations(rules.GCP_FIREWALL, _console_fw(built), {BYPASS: {"console_ips": [entry]}})
+    assert BYPASS in ok  # the real Console address is not declared either
