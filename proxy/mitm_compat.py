@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Generator
+from enum import StrEnum
 from typing import Any
 
 import wsproto.events
@@ -51,7 +52,16 @@ CUT_STREAM = "umbra.cut_stream"
 # flow.metadata key: called as (kind, from_client, payload size) for each ping/pong payload that was
 # not relayed (a ping's is answered to its sender, a pong's dropped).
 WS_CONTROL = "umbra.ws_control"
-ControlReport = Callable[[str, bool, int], None]
+
+
+class ControlKind(StrEnum):
+    """A control frame whose payload the proxy did not relay."""
+
+    PING = "ping"  # answered by the proxy with the pinger's own payload
+    PONG = "pong"  # dropped
+
+
+ControlReport = Callable[[ControlKind, bool, int], None]
 # Attribute of a mitmproxy Server: the (name, port) the dial guard dialled its IP literal for.
 DIALLED_FOR = "umbra_dialled_for"
 _installed = False
@@ -119,7 +129,7 @@ def install(*, reuse_port: bool = False) -> None:
             return _HopByHop(_answer_ping(self, bytes(event.payload)))
         if isinstance(event, wsproto.events.Pong):
             if event.payload:
-                _report_control(self, "pong", len(event.payload))
+                _report_control(self, ControlKind.PONG, len(event.payload))
             return _HopByHop(())
         if isinstance(event, wsproto.events.CloseConnection) and event.reason:
             event = wsproto.events.CloseConnection(code=event.code, reason="")
@@ -197,11 +207,11 @@ def _answer_ping(ws: Any, payload: bytes) -> list[Any]:
     if ws.state is ConnectionState.OPEN:
         out.append(commands.SendData(ws.conn, ws.send(wsproto.events.Ping(payload=b""))))
     if payload:
-        _report_control(ws, "ping", len(payload))
+        _report_control(ws, ControlKind.PING, len(payload))
     return out
 
 
-def _report_control(ws: Any, kind: str, size: int) -> None:
+def _report_control(ws: Any, kind: ControlKind, size: int) -> None:
     """Tell the flow's addon that a control frame's payload was not relayed (never the payload)."""
     flow = getattr(ws, "umbra_flow", None)
     report: ControlReport | None = flow.metadata.get(WS_CONTROL) if flow is not None else None
@@ -211,7 +221,7 @@ def _report_control(ws: Any, kind: str, size: int) -> None:
         report(kind, bool(getattr(ws, "umbra_from_client", False)), size)
     except Exception as exc:
         # The payload is withheld whatever happens here; only the record is lost, and said so.
-        logger.error("reporting an emptied WebSocket %s failed (%s)", kind, type(exc).__name__)
+        logger.error("reporting a withheld WebSocket %s payload failed (%s)", kind, type(exc).__name__)
 
 
 def _reuse_port() -> None:

@@ -19,7 +19,7 @@ from mitmproxy import connection, http
 from umbra.contracts.traffic import Decision, Kind, TrafficRecord
 from umbra.proxy.addons.reasons import Reason
 from umbra.proxy.addons.state import ConnTable, FlowState, Stage, flow_state
-from umbra.proxy.mitm_compat import WS_CONTROL
+from umbra.proxy.mitm_compat import WS_CONTROL, ControlKind
 from umbra.proxy.secrets import SecretStore
 from umbra.proxy.spool import Spool
 from umbra.proxy.state import PolicyState
@@ -229,7 +229,7 @@ class TrafficLog:
         # mitmproxy relays control frames without a hook; mitm_compat answers pings hop by hop,
         # drops pongs and reports each payload it did not relay here, so the channel is visible in
         # the log, not only closed.
-        def control(kind: str, from_client: bool, size: int) -> None:
+        def control(kind: ControlKind, from_client: bool, size: int) -> None:
             self._control_record(flow, kind, from_client, size)
 
         flow.metadata[WS_CONTROL] = control
@@ -269,9 +269,9 @@ class TrafficLog:
 
 
 # What became of a control frame's payload instead of being relayed (close: the reason is emptied).
-_CONTROL_FATE = {
-    "ping": "payload answered by the proxy, not relayed",
-    "pong": "payload dropped, not relayed",
+_CONTROL_FATE: dict[str, str] = {
+    ControlKind.PING: "payload answered by the proxy, not relayed",
+    ControlKind.PONG: "payload dropped, not relayed",
 }
 
 

@@ -69,7 +69,7 @@ def test_ping_is_answered_by_the_proxy_and_an_empty_ping_goes_on(pinger: str) ->
     own, other = (to_client, to_server) if pinger == "client" else (to_server, to_client)
     assert own == [wsproto.events.Pong(payload=PAYLOAD)]
     assert other == [wsproto.events.Ping(payload=b"")]
-    assert h.reports == [("ping", pinger == "client", len(PAYLOAD))]
+    assert h.reports == [(mitm_compat.ControlKind.PING, pinger == "client", len(PAYLOAD))]
     # mitmproxy's log line for the ping quotes its payload: it is not emitted.
     assert not any(PAYLOAD in repr(c).encode() for c in h.commands)
 
@@ -81,7 +81,7 @@ def test_pongs_are_dropped(sender: str) -> None:
     send(wsproto.events.Pong(payload=PAYLOAD))
     send(wsproto.events.Pong(payload=b""))
     assert h.received() == ([], [])
-    assert h.reports == [("pong", sender == "client", len(PAYLOAD))]
+    assert h.reports == [(mitm_compat.ControlKind.PONG, sender == "client", len(PAYLOAD))]
 
 
 def test_messages_still_pass_and_close_reasons_are_emptied() -> None:
