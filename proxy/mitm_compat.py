@@ -221,7 +221,9 @@ def _report_control(ws: Any, kind: ControlKind, size: int) -> None:
         report(kind, bool(getattr(ws, "umbra_from_client", False)), size)
     except Exception as exc:
         # The payload is withheld whatever happens here; only the record is lost, and said so.
-        logger.error("reporting a withheld WebSocket %s payload failed (%s)", kind, type(exc).__name__)
+        logger.error(
+            "reporting a withheld WebSocket %s payload failed (%s)", kind, type(exc).__name__
+        )
 
 
 def _reuse_port() -> None:
