@@ -10,11 +10,18 @@
    stream is reset (a protocol error: HTTP/1 closes the connection, HTTP/2 resets the stream) and
    the server side is dropped, so a cut response never ends as if it were complete.
 3. WebSocket control frames (ping, pong, close) are relayed by mitmproxy without any hook, so their
-   payloads (up to 125 bytes each) would be an unscanned channel. `install()` wraps
-   `WebsocketConnection.send2` to empty ping/pong payloads and close reasons (the close code stays),
-   and `WebsocketLayer.start` to tell each side's connection its flow, so that every emptied ping or
-   pong payload is reported to the callable an addon put in `flow.metadata[WS_CONTROL]` (close
-   reasons stay readable on `flow.websocket.close_reason` for the `websocket_end` hook).
+   payloads (up to 125 bytes each) would be an unscanned channel. They are answered hop by hop
+   instead: `install()` wraps `WebsocketConnection.send2` so that a ping is answered by the proxy
+   with a pong carrying the pinger's own payload, and only an empty ping goes on to the other side
+   (keeping that leg alive through idle timeouts); every pong is dropped (the proxy's own pings are
+   empty, so their answers carry nothing; any other pong is unsolicited). Close reasons are emptied
+   (the close code stays). `send2` can return one command only, so for a ping or pong it returns a
+   `_HopByHop` tuple that the wrapped `WebsocketLayer.relay_messages` yields command by command;
+   that wrapper also drops mitmproxy's log line for the frame, which quotes its payload. The
+   wrapped `WebsocketLayer.start` tells each side's connection its flow and its peer, so that every
+   ping or pong payload not relayed is reported (kind, side, size; never the bytes) to the callable
+   an addon put in `flow.metadata[WS_CONTROL]` (close reasons stay readable on
+   `flow.websocket.close_reason` for the `websocket_end` hook).
 4. Worker processes (`--workers`): listeners bind with SO_REUSEPORT (`install(reuse_port=True)`).
 5. The dial guard dials the checked IP literal, so the upstream connection's address is no longer
    the name the next request on the client connection asks for, and mitmproxy would dial (and
@@ -30,18 +37,31 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Generator
+from enum import StrEnum
 from typing import Any
 
 import wsproto.events
+from mitmproxy.proxy import commands
 from mitmproxy.proxy.layers import http as http_layers
 from mitmproxy.proxy.layers import websocket as ws_layers
 from mitmproxy.version import VERSION
+from wsproto.connection import ConnectionState
 
 STREAM_RESPONSE = "umbra.stream_response"
 CUT_STREAM = "umbra.cut_stream"
-# flow.metadata key: called as (kind, from_client, payload size) for each emptied ping/pong payload.
+# flow.metadata key: called as (kind, from_client, payload size) for each ping/pong payload that was
+# not relayed (a ping's is answered to its sender, a pong's dropped).
 WS_CONTROL = "umbra.ws_control"
-ControlReport = Callable[[str, bool, int], None]
+
+
+class ControlKind(StrEnum):
+    """A control frame whose payload the proxy did not relay."""
+
+    PING = "ping"  # answered by the proxy with the pinger's own payload
+    PONG = "pong"  # dropped
+
+
+ControlReport = Callable[[ControlKind, bool, int], None]
 # Attribute of a mitmproxy Server: the (name, port) the dial guard dialled its IP literal for.
 DIALLED_FOR = "umbra_dialled_for"
 _installed = False
@@ -95,31 +115,58 @@ def install(*, reuse_port: bool = False) -> None:
             yield from cut(self)
 
     ws_cls: Any = getattr(ws_layers, "WebsocketConnection", None)
-    original_send2 = getattr(ws_cls, "send2", None)
+    original_send2: Any = getattr(ws_cls, "send2", None)
     layer_cls: Any = getattr(ws_layers, "WebsocketLayer", None)
-    original_start = getattr(layer_cls, "start", None)
-    if original_send2 is None or original_start is None:
+    original_start: Any = getattr(layer_cls, "start", None)
+    original_relay: Any = getattr(layer_cls, "relay_messages", None)
+    log_command: Any = getattr(commands, "Log", None)
+    if None in (original_send2, original_start, original_relay, log_command):
         raise CompatError("mitmproxy's WebSocket layer internals are missing; refusing to run")
 
     def send2(self: Any, event: Any) -> Any:
-        emptied: tuple[str, int] | None = None
+        # `self` is the side the frame would go to; `umbra_peer` is the side it came from.
         if isinstance(event, wsproto.events.Ping):
-            emptied = ("ping", len(event.payload))
-            event = wsproto.events.Ping(payload=b"")
-        elif isinstance(event, wsproto.events.Pong):
-            emptied = ("pong", len(event.payload))
-            event = wsproto.events.Pong(payload=b"")
-        elif isinstance(event, wsproto.events.CloseConnection) and event.reason:
+            return _HopByHop(_answer_ping(self, bytes(event.payload)))
+        if isinstance(event, wsproto.events.Pong):
+            if event.payload:
+                _report_control(self, ControlKind.PONG, len(event.payload))
+            return _HopByHop(())
+        if isinstance(event, wsproto.events.CloseConnection) and event.reason:
             event = wsproto.events.CloseConnection(code=event.code, reason="")
-        if emptied is not None and emptied[1]:
-            _report_control(self, *emptied)
         return original_send2(self, event)
+
+    def relay_messages(self: Any, event: Any) -> Generator[Any, Any, None]:
+        steps = original_relay(self, event)
+        reply: Any = None
+        # mitmproxy logs each ping/pong with its payload just before relaying it: hold every log
+        # line until the next command shows whether it was about a control frame.
+        held: Any = None
+        while True:
+            try:
+                command = steps.send(reply)
+            except StopIteration:
+                break
+            reply = None
+            if isinstance(command, _HopByHop):
+                held = None
+                yield from command
+                continue
+            if held is not None:
+                yield held
+                held = None
+            if isinstance(command, log_command):
+                held = command
+                continue
+            reply = yield command
+        if held is not None:
+            yield held
 
     def start(self: Any, event: Any) -> Generator[Any, Any, None]:
         yield from original_start(self, event)
         # A frame sent to the server came from the client, and the other way round.
         self.server_ws.umbra_flow, self.server_ws.umbra_from_client = self.flow, True
         self.client_ws.umbra_flow, self.client_ws.umbra_from_client = self.flow, False
+        self.server_ws.umbra_peer, self.client_ws.umbra_peer = self.client_ws, self.server_ws
 
     get_connection: Any = getattr(http_layers, "GetHttpConnection", None)
     original_matches = getattr(get_connection, "connection_spec_matches", None)
@@ -138,6 +185,7 @@ def install(*, reuse_port: bool = False) -> None:
 
     get_connection.connection_spec_matches = connection_spec_matches
     ws_cls.send2 = send2
+    layer_cls.relay_messages = relay_messages
     # `_handle_event` is bound to `start` when the class is defined: replace both.
     layer_cls.start = start
     layer_cls._handle_event = start
@@ -146,8 +194,25 @@ def install(*, reuse_port: bool = False) -> None:
     _installed = True
 
 
-def _report_control(ws: Any, kind: str, size: int) -> None:
-    """Tell the flow's addon that a control frame's payload was emptied (never the payload)."""
+class _HopByHop(tuple[Any, ...]):
+    """What `send2` returns for a ping or pong: the commands sent instead of relaying it."""
+
+
+def _answer_ping(ws: Any, payload: bytes) -> list[Any]:
+    """A ping from `ws`'s peer: pong the peer with its own payload, send `ws` an empty ping."""
+    out: list[Any] = []
+    peer = getattr(ws, "umbra_peer", None)
+    if peer is not None and peer.state is ConnectionState.OPEN:
+        out.append(commands.SendData(peer.conn, peer.send(wsproto.events.Pong(payload=payload))))
+    if ws.state is ConnectionState.OPEN:
+        out.append(commands.SendData(ws.conn, ws.send(wsproto.events.Ping(payload=b""))))
+    if payload:
+        _report_control(ws, ControlKind.PING, len(payload))
+    return out
+
+
+def _report_control(ws: Any, kind: ControlKind, size: int) -> None:
+    """Tell the flow's addon that a control frame's payload was not relayed (never the payload)."""
     flow = getattr(ws, "umbra_flow", None)
     report: ControlReport | None = flow.metadata.get(WS_CONTROL) if flow is not None else None
     if report is None:
@@ -155,8 +220,10 @@ def _report_control(ws: Any, kind: str, size: int) -> None:
     try:
         report(kind, bool(getattr(ws, "umbra_from_client", False)), size)
     except Exception as exc:
-        # The payload is emptied whatever happens here; only the record is lost, and said so.
-        logger.error("reporting an emptied WebSocket %s failed (%s)", kind, type(exc).__name__)
+        # The payload is withheld whatever happens here; only the record is lost, and said so.
+        logger.error(
+            "reporting a withheld WebSocket %s payload failed (%s)", kind, type(exc).__name__
+        )
 
 
 def _reuse_port() -> None:

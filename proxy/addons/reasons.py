@@ -57,8 +57,9 @@ class Reason(StrEnum):
     # flow bookkeeping
     DENIED = "denied", 403
     NOT_DECIDED = "not_decided", 403
-    # WebSocket control frames: a ping/pong payload or close reason was emptied (relayed without it)
-    WS_CONTROL_EMPTIED = "ws_control_emptied", None
+    # WebSocket control frames: a ping's payload was answered hop by hop, a pong's dropped, or a close
+    # reason emptied; none of them reached the other side
+    WS_CONTROL_NOT_RELAYED = "ws_control_not_relayed", None
     # responses
     CREDENTIAL_REFLECTED = "credential_reflected", 502
     # errors after forwarding

@@ -19,7 +19,7 @@ from mitmproxy import connection, http
 from umbra.contracts.traffic import Decision, Kind, TrafficRecord
 from umbra.proxy.addons.reasons import Reason
 from umbra.proxy.addons.state import ConnTable, FlowState, Stage, flow_state
-from umbra.proxy.mitm_compat import WS_CONTROL
+from umbra.proxy.mitm_compat import WS_CONTROL, ControlKind
 from umbra.proxy.secrets import SecretStore
 from umbra.proxy.spool import Spool
 from umbra.proxy.state import PolicyState
@@ -226,9 +226,10 @@ class TrafficLog:
         )
 
     def websocket_start(self, flow: http.HTTPFlow) -> None:
-        # mitmproxy relays control frames without a hook; mitm_compat empties their payloads and
-        # reports each one here, so the channel is visible in the log, not only closed.
-        def control(kind: str, from_client: bool, size: int) -> None:
+        # mitmproxy relays control frames without a hook; mitm_compat answers pings hop by hop,
+        # drops pongs and reports each payload it did not relay here, so the channel is visible in
+        # the log, not only closed.
+        def control(kind: ControlKind, from_client: bool, size: int) -> None:
             self._control_record(flow, kind, from_client, size)
 
         flow.metadata[WS_CONTROL] = control
@@ -244,12 +245,12 @@ class TrafficLog:
 
     def _control_record(self, flow: http.HTTPFlow, kind: str, from_client: bool, size: int) -> None:
         side = "client" if from_client else "server"
-        what = "reason" if kind.startswith("close") else "payload"
+        what = _CONTROL_FATE.get(kind, "reason emptied")
         self.websocket_record(
             flow,
-            Reason.WS_CONTROL_EMPTIED,
+            Reason.WS_CONTROL_NOT_RELAYED,
             [],
-            f"{kind} from {side}: {size}-byte {what} emptied",
+            f"{kind} from {side}: {size}-byte {what}",
             bytes_sent=size if from_client else 0,
             bytes_received=0 if from_client else size,
         )
@@ -265,6 +266,13 @@ class TrafficLog:
         allowed = fstate.stage is Stage.ALLOWED and reason is not Reason.UPSTREAM_REFUSED
         decision = Decision.ALLOW if allowed else Decision.DENY
         self.flow_record(flow, decision, reason, message[:200])
+
+
+# What became of a control frame's payload instead of being relayed (close: the reason is emptied).
+_CONTROL_FATE: dict[str, str] = {
+    ControlKind.PING: "payload answered by the proxy, not relayed",
+    ControlKind.PONG: "payload dropped, not relayed",
+}
 
 
 def _sub_all(patterns: list[re.Pattern[str]], value: str) -> str:

@@ -14,6 +14,7 @@ import pytest
 from tests.proxy.harness import (
     ALL_SECRETS,
     ORIGIN_NAMES,
+    KeepAliveOrigin,
     OriginServer,
     ProxyProcess,
     Recorder,
@@ -41,9 +42,12 @@ class Env:
     identities: Path
     secrets: Path
     resolver: Path
+    keepalive: KeepAliveOrigin
 
 
-def policy_yaml(tls_port: int, plain_port: int, tcp_port: int, ws_port: int, self_port: int) -> str:
+def policy_yaml(
+    tls_port: int, plain_port: int, tcp_port: int, ws_port: int, self_port: int, keepalive_port: int
+) -> str:
     return f"""
 apiVersion: umbra/v1
 kind: Profile
@@ -64,7 +68,7 @@ egress:
   - id: self
     allow: {{hosts: [self.test], schemes: [http], ports: [{self_port}]}}
   - id: ws
-    allow: {{hosts: [ws.test], ports: [{ws_port}]}}
+    allow: {{hosts: [ws.test], ports: [{ws_port}, {keepalive_port}]}}
   - id: raw
     tunnel: {{hosts: [tcp.test], ports: [{tcp_port}]}}
 scan:
@@ -91,11 +95,12 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
     plain = OriginServer(recorder, None).start()
     tcp = TcpEcho(recorder)
     ws = WsOrigin(recorder, tls)
+    keepalive = KeepAliveOrigin(tls)
     proxy_port = free_port()
     policy_dir = workdir / "policies"
     policy_dir.mkdir()
     (policy_dir / "testing.yaml").write_text(
-        policy_yaml(origin.port, plain.port, tcp.port, ws.port, proxy_port)
+        policy_yaml(origin.port, plain.port, tcp.port, ws.port, proxy_port, keepalive.port)
     )
     resolver = workdir / "resolver.json"
     answers: dict[str, object] = {
@@ -167,11 +172,13 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
         identities,
         secrets,
         resolver,
+        keepalive,
     )
     yield environment
     output = proxy.stop()
     origin.shutdown()
     plain.shutdown()
+    keepalive.shutdown()
     # Secrets never appear in anything the proxy wrote: its output and its traffic log.
     spool_bytes = b"".join(p.read_bytes() for p in (workdir / "spool").glob("*.jsonl"))
     for secret in ALL_SECRETS:

@@ -8,6 +8,7 @@ import contextlib
 import datetime
 import gzip
 import json
+import logging
 import os
 import re
 import socket
@@ -22,6 +23,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import websockets.exceptions
+import websockets.frames
+import websockets.sync.server
 import wsproto
 import wsproto.events
 from cryptography import x509
@@ -368,8 +372,12 @@ class TcpEcho:
                 conn.sendall(data)
 
 
+ORIGIN_PING = b"origin-ping-data"
+
+
 class WsOrigin:
-    """A TLS WebSocket origin (wsproto) that records every message it receives."""
+    """A TLS WebSocket origin (wsproto) that records every message it receives; it answers pings
+    with a pong of its own payload, and pings the client (`ORIGIN_PING`) when sent `ping-me`."""
 
     def __init__(self, recorder: Recorder, tls: ssl.SSLContext) -> None:
         self.recorder = recorder
@@ -379,8 +387,8 @@ class WsOrigin:
         self.sock.listen(16)
         self.port = int(self.sock.getsockname()[1])
         self.messages: list[bytes | str] = []
-        # (frame kind, payload or close reason) of every control frame received.
-        self.control: list[tuple[str, bytes]] = []
+        # (request target, frame kind, payload or close reason) of every control frame received.
+        self.control: list[tuple[str, str, bytes]] = []
         threading.Thread(target=self._serve, daemon=True).start()
 
     def _serve(self) -> None:
@@ -397,6 +405,7 @@ class WsOrigin:
         except (ssl.SSLError, OSError):
             return
         ws = wsproto.WSConnection(wsproto.ConnectionType.SERVER)
+        target = ""
         conn.settimeout(10)
         try:
             while True:
@@ -408,25 +417,87 @@ class WsOrigin:
                 ws.receive_data(data)
                 for event in ws.events():
                     if isinstance(event, wsproto.events.Request):
+                        target = event.target
                         conn.sendall(ws.send(wsproto.events.AcceptConnection()))
                     elif isinstance(event, wsproto.events.Message):
                         if event.message_finished:
                             self.messages.append(event.data)
+                        if event.data == "ping-me":
+                            # Try to carry data to the client in a ping of the origin's own.
+                            conn.sendall(ws.send(wsproto.events.Ping(payload=ORIGIN_PING)))
                         conn.sendall(ws.send(wsproto.events.TextMessage(data="echo")))
                     elif isinstance(event, wsproto.events.Ping):
-                        self.control.append(("ping", bytes(event.payload)))
+                        self.control.append((target, "ping", bytes(event.payload)))
                         # Answer, and try to carry data back in the pong.
                         conn.sendall(ws.send(wsproto.events.Pong(payload=b"origin-pong-data")))
                     elif isinstance(event, wsproto.events.Pong):
-                        self.control.append(("pong", bytes(event.payload)))
+                        self.control.append((target, "pong", bytes(event.payload)))
                     elif isinstance(event, wsproto.events.CloseConnection):
-                        self.control.append(("close", (event.reason or "").encode()))
+                        self.control.append((target, "close", (event.reason or "").encode()))
                         conn.sendall(ws.send(event.response()))
                         return
         except (OSError, wsproto.utilities.LocalProtocolError):
             return
         finally:
             conn.close()
+
+
+class FrameLog(logging.Handler):
+    """Every frame a `websockets` endpoint sends (`>`) or receives (`<`), from its debug log."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(logging.DEBUG)
+        self.frames: list[tuple[str, websockets.frames.Frame]] = []
+        self.logger = logging.getLogger(name)
+        self.logger.setLevel(logging.DEBUG)
+        self.logger.propagate = False
+        self.logger.addHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        args = record.args if isinstance(record.args, tuple) else ()
+        if args and isinstance(args[0], websockets.frames.Frame):
+            self.frames.append((str(record.msg)[:1], args[0]))
+
+    def payloads(self, direction: str, opcode: websockets.frames.Opcode) -> list[bytes]:
+        return [
+            bytes(f.data) for d, f in list(self.frames) if d == direction and f.opcode is opcode
+        ]
+
+    def carried(self, needle: bytes) -> bool:
+        """Whether any frame this endpoint received carried `needle` (after unmasking)."""
+        return any(needle in bytes(f.data) for d, f in list(self.frames) if d == "<")
+
+
+class KeepAliveOrigin:
+    """A TLS WebSocket origin built on `websockets` that echoes messages and runs the library's
+    own keep-alive (a ping with a random payload every 0.5 s; no matching pong within 1 s closes
+    the connection)."""
+
+    INTERVAL = 0.5
+    TIMEOUT = 1.0
+
+    def __init__(self, tls: ssl.SSLContext) -> None:
+        self.log = FrameLog(f"uws.origin.{os.getpid()}")
+        self.server = websockets.sync.server.serve(
+            self._echo,
+            "127.0.0.1",
+            0,
+            ssl=tls,
+            ping_interval=self.INTERVAL,
+            ping_timeout=self.TIMEOUT,
+            logger=self.log.logger,
+        )
+        self.port = int(self.server.socket.getsockname()[1])
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    @staticmethod
+    def _echo(connection: websockets.sync.server.ServerConnection) -> None:
+        with contextlib.suppress(websockets.exceptions.ConnectionClosed):
+            for message in connection:
+                connection.send(message)
+
+    def shutdown(self) -> None:
+        self.server.shutdown()
 
 
 # ------------------------------------------------------------------ traffic log

@@ -10,13 +10,19 @@ import wsproto
 import wsproto.events
 
 from tests.proxy.conftest import Env
-from tests.proxy.harness import TEAM_SECRET, connect_tunnel, read_response, status_of
+from tests.proxy.harness import (
+    ORIGIN_PING,
+    TEAM_SECRET,
+    connect_tunnel,
+    read_response,
+    status_of,
+)
 
 
-def _ws_open(env: Env) -> tuple[object, wsproto.WSConnection]:
+def _ws_open(env: Env, target: str = "/chat") -> tuple[object, wsproto.WSConnection]:
     sock, _ = connect_tunnel(env.proxy, f"ws.test:{env.ws.port}", sni="ws.test")
     ws = wsproto.WSConnection(wsproto.ConnectionType.CLIENT)
-    sock.sendall(ws.send(wsproto.events.Request(host=f"ws.test:{env.ws.port}", target="/chat")))
+    sock.sendall(ws.send(wsproto.events.Request(host=f"ws.test:{env.ws.port}", target=target)))
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         ws.receive_data(sock.recv(65536))
@@ -88,48 +94,74 @@ def test_secret_base64_in_binary_websocket_frame(env: Env) -> None:
     env.proxy.log.wait_for(mark, lambda r: r["kind"] == "websocket")
 
 
-def test_websocket_control_frames_are_emptied_and_logged(env: Env) -> None:
-    """Ping, pong and close reason carry a secret both ways: the payloads are emptied, the frames
-    still pass (the connection keeps working), and each emptied frame is a traffic-log record that
-    names its kind, side and size, never its bytes."""
+def test_websocket_control_frames_are_answered_hop_by_hop_and_logged(env: Env) -> None:
+    """Ping, pong and close reason try to carry data both ways. The proxy answers each ping itself
+    with the pinger's own payload and sends only an empty ping on; it drops every pong; it empties
+    close reasons. No control payload crosses, and each one not relayed is a traffic-log record
+    that names its kind, side and size, never its bytes."""
     mark = env.proxy.log.mark()
-    sock, ws = _ws_open(env)
+    sock, ws = _ws_open(env, "/control")
     secret = TEAM_SECRET.encode()
     unsolicited = b"unsolicited-" + secret
     sock.sendall(ws.send(wsproto.events.Ping(payload=secret)))  # type: ignore[attr-defined]
     sock.sendall(ws.send(wsproto.events.Pong(payload=unsolicited)))  # type: ignore[attr-defined]
+    # The origin answers with a ping of its own carrying `ORIGIN_PING`.
+    sock.sendall(ws.send(wsproto.events.TextMessage(data="ping-me")))  # type: ignore[attr-defined]
     pongs: list[bytes] = []
+    pings: list[bytes] = []
+    received = b""
     sock.settimeout(5)  # type: ignore[attr-defined]
     deadline = time.monotonic() + 5
-    while not pongs and time.monotonic() < deadline:
-        ws.receive_data(sock.recv(65536))  # type: ignore[attr-defined]
-        pongs += [bytes(e.payload) for e in ws.events() if isinstance(e, wsproto.events.Pong)]
-    assert pongs == [b""], "the origin's pong arrives, without its payload"
+    while not (pongs and pings) and time.monotonic() < deadline:
+        data = sock.recv(65536)  # type: ignore[attr-defined]
+        received += data
+        ws.receive_data(data)
+        for event in ws.events():
+            if isinstance(event, wsproto.events.Pong):
+                pongs.append(bytes(event.payload))
+            elif isinstance(event, wsproto.events.Ping):
+                pings.append(bytes(event.payload))
+                sock.sendall(ws.send(event.response()))  # type: ignore[attr-defined]
+    assert pongs == [secret], "the proxy answers the client's ping with the client's own payload"
+    assert pings == [b""], "the origin's ping reaches the client only as the proxy's empty ping"
+    assert ORIGIN_PING not in received and b"origin-pong-data" not in received
     sock.sendall(ws.send(wsproto.events.CloseConnection(code=1000, reason=TEAM_SECRET)))  # type: ignore[attr-defined]
     _recv_until_closed(sock, ws)
+    expected = [("ping", b""), ("pong", ORIGIN_PING), ("close", b"")]
+
+    def seen() -> list[tuple[str, bytes]]:
+        return [(kind, payload) for target, kind, payload in env.ws.control if target == "/control"]
+
     deadline = time.monotonic() + 5
-    while len(env.ws.control) < 3 and time.monotonic() < deadline:
+    while len(seen()) < len(expected) and time.monotonic() < deadline:
         time.sleep(0.05)
-    seen = {kind: payload for kind, payload in env.ws.control[-3:]}
-    assert seen == {"ping": b"", "pong": b"", "close": b""}, env.ws.control
+    # The origin got the proxy's empty ping, its own ping's payload back, and a close without
+    # reason: never the client's ping, its unsolicited pong, or its pong to the proxy's ping.
+    assert seen() == expected
 
     def control(detail: str) -> dict[str, object]:
         return env.proxy.log.wait_for(
             mark,
-            lambda r: r["reason"] == "ws_control_emptied" and str(r["detail"]).startswith(detail),
+            lambda r: (
+                r["reason"] == "ws_control_not_relayed" and str(r["detail"]).startswith(detail)
+            ),
         )
 
     size = len(secret)
-    ping = control(f"ping from client: {size}-byte payload emptied")
+    ping = control(f"ping from client: {size}-byte payload answered by the proxy, not relayed")
     assert ping["kind"] == "websocket" and ping["decision"] == "deny"
     assert ping["cvm_id"] == "cvm-alice" and ping["bytes_sent"] == size
-    assert ping["path"] == "/chat" and ping["rule_id"] == "testing:ws"
-    assert control(f"pong from client: {len(unsolicited)}-byte")["bytes_sent"] == len(unsolicited)
-    assert control("pong from server: 16-byte")["bytes_received"] == 16
+    assert ping["path"] == "/control" and ping["rule_id"] == "testing:ws"
+    unsolicited_record = control(f"pong from client: {len(unsolicited)}-byte payload dropped")
+    assert unsolicited_record["bytes_sent"] == len(unsolicited)
+    assert control("pong from server: 16-byte payload dropped")["bytes_received"] == 16
+    origin_ping = control(f"ping from server: {len(ORIGIN_PING)}-byte payload answered")
+    assert origin_ping["bytes_received"] == len(ORIGIN_PING)
     close = control(f"close (code 1000) from client: {size}-byte reason emptied")
     assert close["bytes_sent"] == size
     for record in env.proxy.log.records()[mark:]:
         assert TEAM_SECRET not in json.dumps(record)
+        assert ORIGIN_PING.decode() not in json.dumps(record)
 
 
 def test_explicit_tunnel_carries_raw_tcp(env: Env) -> None:
