@@ -229,12 +229,28 @@ class TrafficLog:
         # mitmproxy relays control frames without a hook; mitm_compat answers pings hop by hop,
         # drops pongs and reports each payload it did not relay here, so the channel is visible in
         # the log, not only closed.
+        # A keep-alive pings every few seconds for hours: the first frame of each kind and side is
+        # recorded at once, the rest are counted into one summary record at the end (the log stays
+        # bounded per connection, however many frames a client sends).
+        later: dict[tuple[ControlKind, bool], list[int]] = {}
+        flow.metadata[_CONTROL_LATER] = later
+
         def control(kind: ControlKind, from_client: bool, size: int) -> None:
-            self._control_record(flow, kind, from_client, size)
+            counted = later.get((kind, from_client))
+            if counted is None:
+                later[(kind, from_client)] = [0, 0]
+                self._control_record(flow, kind, from_client, size)
+            else:
+                counted[0] += 1
+                counted[1] += size
 
         flow.metadata[WS_CONTROL] = control
 
     def websocket_end(self, flow: http.HTTPFlow) -> None:
+        later: dict[tuple[ControlKind, bool], list[int]] = flow.metadata.get(_CONTROL_LATER, {})
+        for (kind, from_client), (count, size) in later.items():
+            if count:
+                self._control_record(flow, kind, from_client, size, more=count)
         reason = flow.websocket.close_reason if flow.websocket is not None else None
         if reason and flow.websocket is not None:
             size = len(reason.encode())
@@ -243,14 +259,17 @@ class TrafficLog:
                 flow, f"close (code {code})", flow.websocket.closed_by_client is True, size
             )
 
-    def _control_record(self, flow: http.HTTPFlow, kind: str, from_client: bool, size: int) -> None:
+    def _control_record(
+        self, flow: http.HTTPFlow, kind: str, from_client: bool, size: int, more: int = 0
+    ) -> None:
         side = "client" if from_client else "server"
         what = _CONTROL_FATE.get(kind, "reason emptied")
+        frames = f"{more} more {kind} frames" if more else kind
         self.websocket_record(
             flow,
             Reason.WS_CONTROL_NOT_RELAYED,
             [],
-            f"{kind} from {side}: {size}-byte {what}",
+            f"{frames} from {side}: {size}-byte {what}",
             bytes_sent=size if from_client else 0,
             bytes_received=0 if from_client else size,
         )
@@ -268,6 +287,7 @@ class TrafficLog:
         self.flow_record(flow, decision, reason, message[:200])
 
 
+_CONTROL_LATER = "umbra.ws_control_later"
 # What became of a control frame's payload instead of being relayed (close: the reason is emptied).
 _CONTROL_FATE: dict[str, str] = {
     ControlKind.PING: "payload answered by the proxy, not relayed",
