@@ -5,7 +5,6 @@ restarts. The Console side is a small stand-in serving the documented endpoints.
 from __future__ import annotations
 
 import hashlib
-import itertools
 import json
 import subprocess
 import threading
@@ -327,6 +326,10 @@ def test_unchanged_answers_are_paced_and_a_change_is_followed_at_once(
     assert state.source.bundle is not None and state.source.bundle.serial == 6
     # 1.6 s of unchanged answers: about four polls, not a hot loop.
     assert 2 <= settled <= 6, console.bundle_times
-    gaps = [b - a for a, b in itertools.pairwise(console.bundle_times[1:settled])]
-    assert all(gap >= 0.4 for gap in gaps), gaps
+    # Polls *start* at least 0.5 s apart; the stand-in sees them arrive, each late by its own
+    # latency, so two arrivals may be closer (one slow, the next fast). Over the run the spacing
+    # holds up to one request's latency.
+    unchanged = console.bundle_times[1:settled]
+    span = unchanged[-1] - unchanged[0]
+    assert span >= 0.5 * (len(unchanged) - 1) - 0.25, console.bundle_times
     assert follow_up < 0.3, "the poll after an installed bundle was paced"
