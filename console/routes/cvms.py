@@ -13,7 +13,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 from sqlmodel import col
 
-from umbra.console import audit, enrollment, provisioning, team_defaults
+from umbra.console import audit, enrollment, provisioning, security_pool, team_defaults
 from umbra.console.deps import (
     CREDENTIAL_PREFIX,
     ConsoleDep,
@@ -63,6 +63,12 @@ def _security_cvm_in_team(session: Session, team: str, cvm_id: str) -> Cvm:
     ):
         raise HTTPException(
             UNPROCESSABLE, f"security_cvm_id: no live Security CVM {cvm_id} in team {team!r}"
+        )
+    if target.replica_of is not None:
+        # Dev CVMs route to a pool, never to one replica (the load balancer picks the replica).
+        raise HTTPException(
+            UNPROCESSABLE,
+            f"security_cvm_id: {cvm_id} is a replica; route to its pool {target.replica_of}",
         )
     return target
 
@@ -335,6 +341,18 @@ def destroy_cvm(cvm_id: CvmIdPath, console: ConsoleDep, user: UserDep) -> CvmInf
         _may_manage(cvm, user.role_in(cvm.team))
         if cvm.state != "destroyed":
             _not_busy(cvm)
+            replicas: list[Cvm] = []
+            if cvm.kind == "security":
+                # Serialized with replica registrations: none joins a pool being destroyed.
+                console.lock(session, security_pool.pool_lock(cvm.team))
+                replicas = security_pool.live_replicas(session, cvm.id)
+            if replicas:
+                # Its replicas serve the Dev CVMs routed to it: the pool goes replica by replica.
+                raise HTTPException(
+                    status.HTTP_409_CONFLICT,
+                    f"CVM {cvm_id} leads a Security CVM pool; destroy its replicas first: "
+                    + ", ".join(sorted(r.id for r in replicas)),
+                )
             provider = console.providers.get(cvm.provider)
             final = "destroyed"
             if provider is not None and provider.background:
