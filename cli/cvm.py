@@ -88,6 +88,12 @@ def _show(cvm: CvmInfo, as_json: bool, credential: str | None = None) -> None:
                 f" profiles: {', '.join(cvm.profiles) or 'none'}",
                 highlight=False,
             )
+        if cvm.replica_index is not None:
+            console.print(
+                f"  replica {cvm.replica_index} of the Security CVM pool "
+                f"{cvm.replica_of or cvm.id} (run by the team stack)",
+                highlight=False,
+            )
         if cvm.state_reason:
             console.print(f"  reason: {cvm.state_reason}", highlight=False)
         if credential is not None:

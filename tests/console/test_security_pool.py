@@ -148,3 +148,28 @@ def test_replica_registration_is_admin_only_and_bounded(team: Team) -> None:
     assert team.admin.post(url.format(8)).status_code == 422
     assert team.admin.post(url.format(-1)).status_code == 422
     assert team.admin.post(url.format("x")).status_code == 422
+
+
+def test_the_cli_registers_a_replica_and_prints_what_the_team_stack_needs(
+    server: Any, team: Team, tmp_path: Path
+) -> None:
+    from tests.console.test_cli_admin import Cli
+
+    admin = Cli(tmp_path / "admin")
+    token = str(team.admin.headers["Authorization"]).removeprefix("Bearer ")
+    admin("auth", "login", server.url, "--token-file", "-", "--team", team.name, input=token)
+    minted = admin.json("cvm", "security-replica", "1")
+    assert (minted["replica"], minted["created"]) == (1, True)
+    assert minted["cvm_id"] != minted["pool_id"] and minted["token"].startswith("enr_")
+    piped = admin("cvm", "security-replica", "1", "--token-only").stdout
+    assert piped.startswith("enr_") and piped.count("\n") == 1  # just the token, for a pipe
+    shown = admin("cvm", "security-replica", "1").output
+    assert minted["cvm_id"] in shown and "already registered" in shown
+    assert f"'umbra:stack.security_cvm.cvm_ids[1]' {minted['cvm_id']}" in shown
+    assert "pulumi config set --secret securityEnrollmentToken1" in shown
+
+    dev = Cli(tmp_path / "dev")
+    dev_token = str(team.dev.headers["Authorization"]).removeprefix("Bearer ")
+    dev("auth", "login", server.url, "--token-file", "-", "--team", team.name, input=dev_token)
+    refused = dev("cvm", "security-replica", "0", code=1)
+    assert "403" in refused.output
