@@ -312,7 +312,7 @@ def _enroll_body(team: Team, token: str, cvm_id: str) -> dict[str, str]:
 
 def test_parallel_registrations_of_a_replica_make_one_record(team: Team) -> None:
     """Two operators (or a retried script) registering replica 2 at once: one pool, one record
-    for the replica, and every caller gets a working token for that record."""
+    for the replica, and every caller gets its own token for that record."""
     url = f"/api/v1/teams/{team.name}/security-replicas/2/enrollment-token"
     pool = clients(team.server, token_of(team.admin), PARALLEL)
     responses = race([lambda c=c: c.post(url) for c in pool])  # type: ignore[misc]
