@@ -77,6 +77,19 @@ def test_each_replica_enrolls_as_its_own_cvm_and_serves_the_pool(
             record = traffic_record(team.name, cvm_id=dev_id, owner=team.dev_subject)
             shipped = client.post("/api/v1/traffic/batches", json={"records": [record]})
             assert shipped.status_code == 200, shipped.text
+        # The pool's developer's personal secret is in every replica's release, in no other's.
+        put = team.dev.put(
+            f"/api/v1/teams/{team.name}/personal-secrets/{unique('p')}",
+            json={"value": "v", "hosts": ["example.com"]},
+        )
+        assert put.status_code == 200, put.text
+        versions = {
+            cvm_id: client.get(f"/api/v1/security-cvms/{cvm_id}/secrets/version").json()
+            for cvm_id, client in clients.items()
+        }
+        assert len(set(map(str, versions.values()))) == 1
+        outside = team.scvm.get(f"/api/v1/security-cvms/{team.scvm_id}/secrets/version").json()
+        assert outside != next(iter(versions.values()))
         page = team.admin.get(f"/api/v1/teams/{team.name}/traffic", params={"cvm_id": dev_id})
         rows = page.json()["records"]
         assert sorted(r["security_cvm_id"] for r in rows) == sorted(creds)
