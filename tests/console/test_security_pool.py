@@ -100,6 +100,10 @@ def test_each_replica_enrolls_as_its_own_cvm_and_serves_the_pool(
         registered = [a for a in actions if a[0] == "cvm.register_replica"]
         assert sorted(a[2]["replica"] for a in registered) == [0, 1]
 
+        # The team stack runs them: the Console starts, stops and resizes nothing.
+        patched = team.admin.patch(f"/api/v1/cvms/{pool}", json={"state": "stopped"})
+        assert patched.status_code == 409 and "team stack" in patched.text
+
         # The pool goes replica by replica; destroying one revokes only its credential.
         refused = team.admin.delete(f"/api/v1/cvms/{pool}")
         assert refused.status_code == 409 and second["cvm_id"] in refused.text
@@ -109,6 +113,10 @@ def test_each_replica_enrolls_as_its_own_cvm_and_serves_the_pool(
         )
         assert gone.status_code == 401
         assert clients[pool].get(f"/api/v1/security-cvms/{pool}/attachments").status_code == 200
+        # The break-glass credential (no attestation) replaces the enrolled one, audited as such.
+        assert team.admin.post(f"/api/v1/cvms/{pool}/credential").status_code == 200
+        assert ("cvm.credential", pool, {"break_glass": True}) in audit(team)
+        assert clients[pool].get(f"/api/v1/security-cvms/{pool}/attachments").status_code == 401
         assert team.admin.delete(f"/api/v1/cvms/{pool}").status_code == 200
     finally:
         for client in clients.values():
