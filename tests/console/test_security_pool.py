@@ -194,3 +194,13 @@ def test_the_cli_registers_a_replica_and_prints_what_the_team_stack_needs(
     dev("auth", "login", server.url, "--token-file", "-", "--team", team.name, input=dev_token)
     refused = dev("cvm", "security-replica", "0", code=1)
     assert "403" in refused.output
+
+
+def test_a_dev_cvm_is_routed_to_its_teams_pool_by_default(team: Team) -> None:
+    assert team.admin.delete(f"/api/v1/cvms/{team.scvm_id}").status_code == 200
+    pool = register(team, 0)["cvm_id"]
+    register(team, 1)
+    register(team, 2)
+    created = team.dev.post(f"/api/v1/teams/{team.name}/cvms", json={"name": unique("d")})
+    assert created.status_code == 201, created.text
+    assert created.json()["security_cvm_id"] == pool  # the pool counts once, by replica 0
