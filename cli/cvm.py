@@ -18,6 +18,7 @@ from umbra.cli.auth import api_failure, open_client, resolve_team
 from umbra.cli.output import EXIT_FINDINGS, EXIT_USAGE, console, fail, print_json, stderr
 from umbra.console.client import ConsoleApiError, ConsoleClient
 from umbra.console.schemas import CvmInfo
+from umbra.contracts.enrollment import security_token_key
 
 app = typer.Typer(help="Launch, list, update and destroy CVMs.", no_args_is_help=True)
 
@@ -85,6 +86,12 @@ def _show(cvm: CvmInfo, as_json: bool, credential: str | None = None) -> None:
             console.print(
                 f"  egress via Security CVM {cvm.security_cvm_id or '(none: all refused)'};"
                 f" profiles: {', '.join(cvm.profiles) or 'none'}",
+                highlight=False,
+            )
+        if cvm.replica_index is not None:
+            console.print(
+                f"  replica {cvm.replica_index} of the Security CVM pool "
+                f"{cvm.replica_of or cvm.id} (run by the team stack)",
                 highlight=False,
             )
         if cvm.state_reason:
@@ -224,6 +231,61 @@ def enrollment_token(
         f"One-time enrollment token for {cvm_id} (expires {minted.expires_at:%H:%M} UTC):"
     )
     console.print(minted.token, highlight=False, soft_wrap=True)
+
+
+@app.command("security-replica")
+def security_replica(
+    replica: Annotated[
+        int, typer.Argument(min=0, max=7, help="Replica number in the team stack (0 = first).")
+    ],
+    team: TeamOption = None,
+    token_only: Annotated[
+        bool,
+        typer.Option(
+            "--token-only",
+            help="Print only the token, to pipe into `pulumi config set --secret KEY`.",
+        ),
+    ] = False,
+    as_json: JsonFlag = False,
+) -> None:
+    """Register replica N of the team's Security CVM pool and mint its one-time token (admins).
+
+    Run once per replica before `pulumi up`, and again for a replica that booted after its
+    token expired (valid 1 h) or whose VM is relaunched: the record stays, the token is new."""
+    client, login = open_client(as_json)
+    try:
+        with client:
+            team_name = resolve_team(client, login, team, as_json)
+            minted = client.security_replica_token(team_name, replica)
+    except (ConsoleApiError, httpx.HTTPError) as exc:
+        api_failure(exc, as_json)
+    if as_json:
+        print_json(minted.model_dump(mode="json"))
+        return
+    if token_only:
+        typer.echo(minted.token)
+        return
+    key = security_token_key(replica).split(":", 1)[1]
+    what = "registered" if minted.created else "already registered"
+    console.print(
+        f"Replica {replica} of team {team_name}'s Security CVM pool: {minted.cvm_id} ({what}; "
+        f"Dev CVMs route to {minted.pool_id})",
+        highlight=False,
+    )
+    console.print(
+        f"One-time enrollment token (expires {minted.expires_at:%H:%M} UTC; the replica must "
+        "boot and enroll before then):"
+    )
+    console.print(minted.token, highlight=False, soft_wrap=True)
+    console.print(
+        "In the team stack (the token at the prompt of the second command, or piped into it "
+        "from `--token-only`):\n"
+        f"  pulumi config set --path 'umbra:stack.security_cvm.cvm_ids[{replica}]' "
+        f"{minted.cvm_id}\n"
+        f"  pulumi config set --secret {key}",
+        highlight=False,
+        soft_wrap=True,
+    )
 
 
 @app.command()

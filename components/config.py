@@ -15,17 +15,26 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     ValidationError,
     field_validator,
     model_validator,
 )
 
 from umbra.attest.measurement import canonical_ssh_key
+from umbra.contracts.enrollment import SECURITY_REPLICA_TOKEN_KEY, TOKEN_PREFIX, security_token_key
 
 NAMESPACE = "umbra"
 STACK_KEY = f"{NAMESPACE}:stack"
 CONSOLE_DB_PASSWORD_KEY = f"{NAMESPACE}:consoleDbPassword"
 KNOWN_KEYS = frozenset({STACK_KEY, CONSOLE_DB_PASSWORD_KEY})
+# Team stacks: replica i's one-time enrollment token, a Pulumi secret (`umbra cvm security-replica`).
+SECURITY_TOKEN_KEY_RE = re.compile(
+    "^" + re.escape(SECURITY_REPLICA_TOKEN_KEY).replace(r"\{replica\}", "([0-7])") + "$"
+)
+_TOKEN_SHAPE = re.compile("^" + re.escape(TOKEN_PREFIX) + r"[A-Za-z0-9_-]{16,124}$")
+# A Console CVM id as the launch agent accepts it for `umbra-cvm-id` (images/launch_agent.py).
+ConsoleCvmId = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9_-]{0,62}$")]
 
 
 class ConfigError(Exception):
@@ -192,6 +201,11 @@ class SecurityCvmConfig(CvmConfig):
     # Replicas behind the cloud's internal passthrough TCP load balancer on the fixed address;
     # the forwarder attests whichever replica it reaches (they run the same release).
     replicas: int = Field(default=1, ge=1, le=8)
+    # Each replica's own Console identity, in replica order: the CVM id `umbra cvm
+    # security-replica I` registered (its launch data's `umbra-cvm-id`, bound into its quotes).
+    # Replica I's one-time token is the Pulumi secret `umbra:securityEnrollmentToken<I>`, never
+    # this document. Unset: the Security CVMs get no token and cannot enroll (a warning).
+    cvm_ids: list[ConsoleCvmId] | None = Field(default=None, min_length=1, max_length=8)
 
 
 class Developer(_Strict):
@@ -230,6 +244,16 @@ class TeamStack(_Strict):
     developers: list[Developer] = Field(default_factory=list)
     # A label on every resource (GCP label value syntax), for billing.
     cost_centre: Annotated[str, Field(pattern=r"^[a-z0-9_-]{1,63}$")] | None = None
+    # Per replica, from Pulumi secret config only (parse_stack_config): no document sets it.
+    _security_tokens: tuple[str, ...] = PrivateAttr(default=())
+
+    def security_enrollment_tokens(self) -> tuple[str, ...]:
+        """Replica i's one-time enrollment token at index i (empty: none configured)."""
+        return self._security_tokens
+
+    def with_security_tokens(self, tokens: tuple[str, ...]) -> TeamStack:
+        self._security_tokens = tokens
+        return self
 
     @model_validator(mode="after")
     def _consistent(self) -> TeamStack:
@@ -245,6 +269,14 @@ class TeamStack(_Strict):
                     f"{self.network.security_cidr} (load balancer at host .10, replicas from .11; "
                     f"at most {room}: use a larger range)"
                 )
+        ids = self.security_cvm.cvm_ids
+        if ids is not None and len(ids) != replicas:
+            raise ValueError(
+                f"security_cvm.cvm_ids names {len(ids)} CVM(s) for {replicas} replica(s): one "
+                "per replica, in order (`umbra cvm security-replica I`)"
+            )
+        if ids is not None and len(set(ids)) != len(ids):
+            raise ValueError("security_cvm.cvm_ids: each replica is its own CVM (ids repeat)")
         mode = self.network.reachability
         if (mode == "iap" and self.cloud != "gcp") or (mode == "bastion" and self.cloud != "azure"):
             raise ValueError(f"network.reachability {mode!r} does not exist on {self.cloud}")
@@ -389,7 +421,13 @@ def _message(err: Mapping[str, Any]) -> str:
 def parse_stack_config(raw: Mapping[str, str], secret_keys: frozenset[str]) -> StackConfig:
     """Validate the stack's `umbra:*` config (values as Pulumi hands them: strings, objects as
     JSON). Raises ConfigError listing every problem, one `key: what` per line."""
-    unknown = sorted(k for k in raw if k.startswith(NAMESPACE + ":") and k not in KNOWN_KEYS)
+    unknown = sorted(
+        k
+        for k in raw
+        if k.startswith(NAMESPACE + ":")
+        and k not in KNOWN_KEYS
+        and not SECURITY_TOKEN_KEY_RE.match(k)
+    )
     if unknown:
         raise ConfigError(
             "\n".join(f"{k}: unknown key (known: {', '.join(sorted(KNOWN_KEYS))})" for k in unknown)
@@ -420,4 +458,47 @@ def parse_stack_config(raw: Mapping[str, str], secret_keys: frozenset[str]) -> S
             )
         if len(raw[CONSOLE_DB_PASSWORD_KEY]) < 16:
             raise ConfigError(f"{CONSOLE_DB_PASSWORD_KEY}: must be at least 16 characters")
-    return stack
+        if any(SECURITY_TOKEN_KEY_RE.match(k) for k in raw):
+            raise ConfigError("securityEnrollmentToken keys belong to team stacks")
+        return stack
+    return stack.with_security_tokens(_security_tokens(stack, raw, secret_keys))
+
+
+def _security_tokens(
+    stack: TeamStack, raw: Mapping[str, str], secret_keys: frozenset[str]
+) -> tuple[str, ...]:
+    """Each replica's token from its secret key; every problem named by key, never by value."""
+    replicas, ids = stack.security_cvm.replicas, stack.security_cvm.cvm_ids
+    problems: list[str] = []
+    given = {int(m.group(1)): k for k in raw if (m := SECURITY_TOKEN_KEY_RE.match(k))}
+    for index, key in sorted(given.items()):
+        if index >= replicas:
+            problems.append(
+                f"{key}: there is no replica {index} (security_cvm.replicas {replicas})"
+            )
+        elif key not in secret_keys:
+            problems.append(
+                f"{key}: stored in plain text; set it with `pulumi config set --secret`"
+            )
+        elif not _TOKEN_SHAPE.match(raw[key].strip()):
+            problems.append(
+                f"{key}: not an enrollment token (`umbra cvm security-replica {index} --token-only`)"
+            )
+    if given and ids is None:
+        problems.append(
+            f"{STACK_KEY}.security_cvm.cvm_ids: required with enrollment tokens (the CVM ids "
+            "`umbra cvm security-replica I` registered)"
+        )
+    if ids is not None:
+        for index in range(replicas):
+            if index not in given:
+                key = security_token_key(index)
+                problems.append(
+                    f"{key}: required key is missing (`umbra cvm security-replica {index} "
+                    f"--token-only | pulumi config set --secret {key.split(':', 1)[1]}`)"
+                )
+    if problems:
+        raise ConfigError("\n".join(problems))
+    if ids is None:
+        return ()
+    return tuple(raw[given[index]].strip() for index in range(replicas))

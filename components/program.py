@@ -168,6 +168,16 @@ def build_team(cfg: TeamStack, root: Path) -> Team:
             tags={**labels, TEAM_LABEL: cfg.team, ROLE_LABEL: ROLE_SECURITY},
             opts=pulumi.ResourceOptions(depends_on=[network]),
         )
+    # Each replica is its own Console identity: its CVM id (launch-bound, in its quotes) and its
+    # one-time token (a Pulumi secret: encrypted in state, and so is the metadata it joins).
+    cvm_ids = cfg.security_cvm.cvm_ids or []
+    tokens = cfg.security_enrollment_tokens()
+    if not cvm_ids:
+        pulumi.log.warn(
+            "security_cvm.cvm_ids is unset: the Security CVMs get no enrollment token and cannot "
+            "obtain their Console credential (register each replica with `umbra cvm "
+            "security-replica I`)"
+        )
     securities = [
         SecurityCvm(
             f"{cfg.team}-security" + (f"-{i}" if i else ""),
@@ -191,6 +201,8 @@ def build_team(cfg: TeamStack, root: Path) -> Team:
                 lb_backend_pool=pool,
                 console_url=console_url,
                 console_ca=console_ca,
+                cvm_id=cvm_ids[i] if cvm_ids else "",
+                enrollment_token=tokens[i] if tokens else None,
             ),
             opts=pulumi.ResourceOptions(depends_on=[network]),
         )

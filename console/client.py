@@ -26,6 +26,7 @@ from umbra.console.schemas import (
     ReleaseChallenge,
     ReleaseResponse,
     SecretInfo,
+    SecurityReplicaToken,
     TeamDefaultProfiles,
     TrafficPage,
 )
@@ -198,6 +199,16 @@ class ConsoleClient(_Base):
         """A one-time token for the CVM's launch data (admins): it enrolls with it."""
         return self._model(
             EnrollmentToken, "POST", f"/api/v1/cvms/{cvm_id}/enrollment-token", ok=(201,)
+        )
+
+    def security_replica_token(self, team: str, replica: int) -> SecurityReplicaToken:
+        """Register replica `replica` of the team's Security CVM pool (admins) and mint its
+        one-time token, for the team stack's Pulumi secret config."""
+        return self._model(
+            SecurityReplicaToken,
+            "POST",
+            f"/api/v1/teams/{team}/security-replicas/{replica}/enrollment-token",
+            ok=(201,),
         )
 
     def rotate_credential(self, cvm_id: str) -> CvmCreated:

@@ -17,9 +17,10 @@ CVM image's `release_policy`, the Dev CVM image's `dev_cvm_release_policy`); a k
 refused as `no_release_policy`. A Security CVM receives its Console bearer credential, a Dev CVM
 its tunnel credential (whose hash its Security CVM learns from the attachments document).
 
-A CVM that never enrolled and whose valid token met a quote that does not verify is marked
-`failed` with the reason (it cannot be provisioned); a later successful enrollment with a new
-token brings it back to `running`. Refusals of bad tokens never touch the CVM.
+A CVM that never enrolled and whose valid token met a quote that does not verify, or whose
+token expired before it enrolled, is marked `failed` with the reason (it cannot be provisioned);
+a later successful enrollment with a new token brings it back to `running`. Refusals of unknown
+or reused tokens never touch the CVM (a replay cannot fail an enrolled one).
 """
 
 from __future__ import annotations
@@ -60,8 +61,13 @@ CREDENTIAL_PREFIXES = {
     "security": SECURITY_CVM_CREDENTIAL_PREFIX,
     "dev": TUNNEL_CREDENTIAL_PREFIX,
 }
-# Refusals that mean "this CVM, holding its valid token, is not what its release says".
-PROVISIONING_FAILURES = frozenset({"no_release_policy", "bad_evidence", "attestation_failed"})
+# Refusals that mean "this CVM, holding its valid token, is not what its release says", and an
+# expired token (a CVM that booted too late, e.g. a team stack's replica whose token waited in
+# Pulumi config past TOKEN_TTL): a never-enrolled CVM refused for one of these is `failed` with
+# the reason, so the operator sees it and re-issues a token.
+PROVISIONING_FAILURES = frozenset(
+    {"no_release_policy", "bad_evidence", "attestation_failed", "expired_token"}
+)
 
 TOKEN_TTL = timedelta(hours=1)
 NONCE_TTL = timedelta(minutes=2)

@@ -75,6 +75,12 @@ class Cvm(SQLModel, table=True):
     provider_ref: str | None = Field(default=None, max_length=255)
     state: str = Field(max_length=16)
     security_cvm_id: str | None = Field(default=None, index=True, max_length=40)
+    # Security CVM replicas (revision 0007): each replica is its own CVM with its own enrolled
+    # credential; `replica_of` names the pool's first Security CVM, the one Dev CVMs route to
+    # (NULL for that one and for Dev CVMs). `replica_index` is the team stack's replica number
+    # (0 for the pool's first), NULL for CVMs not registered by a team stack.
+    replica_of: str | None = Field(default=None, index=True, max_length=40)
+    replica_index: int | None = None
     profiles: list[str] = Field(default_factory=list, sa_column=Column(JSON, nullable=False))
     credential_hash: str | None = Field(default=None, unique=True, max_length=64)
     # Launch inputs and what the provider reported (revision 0003). Public keys, not secrets.

@@ -160,6 +160,12 @@ class CvmInfo(Strict):
     state: CvmState
     security_cvm_id: str | None
     profiles: list[str]
+    replica_of: str | None = Field(
+        default=None, description="Security CVM replicas: the pool's first Security CVM."
+    )
+    replica_index: int | None = Field(
+        default=None, description="Security CVMs a team stack runs: the replica number."
+    )
     ssh_keys: list[str] = Field(default_factory=list)
     size: str | None = None
     provider_state: dict[str, Any] = Field(
@@ -174,6 +180,18 @@ class CvmInfo(Strict):
 class EnrollmentToken(Strict):
     cvm_id: str
     token: str = Field(description="One-time; goes into the CVM's launch data, nothing more.")
+    expires_at: datetime
+
+
+class SecurityReplicaToken(Strict):
+    """Replica `replica` of a team's Security CVM pool, registered, and its one-time token."""
+
+    team: str
+    replica: int
+    cvm_id: str = Field(description="The replica's `umbra.cvm-id` (team stack config).")
+    pool_id: str = Field(description="The Security CVM its team's Dev CVMs route to.")
+    created: bool = Field(description="Whether this call created the replica's record.")
+    token: str = Field(description="One-time; goes into Pulumi secret config, nothing more.")
     expires_at: datetime
 
 

@@ -18,6 +18,16 @@ TOKEN_PREFIX = "enr_"  # noqa: S105 -- a prefix, not a token
 SECURITY_CVM_CREDENTIAL_PREFIX = "umbra_scvm_"
 TUNNEL_CREDENTIAL_PREFIX = "umbra_tun_"
 
+# A team stack's Security CVM replica i: its Console CVM id is `umbra:stack.security_cvm.cvm_ids[i]`
+# and its one-time token the Pulumi secret config key below (`umbra cvm security-replica I`
+# prints both; components/config.py reads them).
+SECURITY_REPLICA_TOKEN_KEY = "umbra:securityEnrollmentToken{replica}"  # noqa: S105 -- a key name
+
+
+def security_token_key(replica: int) -> str:
+    return SECURITY_REPLICA_TOKEN_KEY.format(replica=replica)
+
+
 REPORT_DATA_CONTEXT = b"umbra-enroll-v1\x00"
 HPKE_INFO_CONTEXT = b"umbra-enroll-credential-v1"
 

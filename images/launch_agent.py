@@ -89,6 +89,8 @@ LAUNCH_DIR = Path("/run/umbra/launch")
 # Linux >= 6.16 exposes TDX RTMRs in sysfs; writing a SHA-384 digest extends the register.
 RTMR3_SYSFS = Path("/sys/class/misc/tdx_guest/measurements/rtmr3:sha384")
 _ID = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
+# The Console's CVM ids are `cvm_<hex>`: a CVM id may hold `_` (never `/` or `.`).
+_CVM_ID = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
 _KNOWN = META_KEYS
 # Opaque, short-lived, single use (the Console's enrollment endpoint checks it).
 _TOKEN = re.compile(r"^[A-Za-z0-9._~+/=-]{16,1024}$")
@@ -218,9 +220,12 @@ def parse_launch_data(meta: dict[str, str]) -> LaunchData:
     role, team, cvm_id = meta[META_ROLE], meta[META_TEAM], meta[META_CVM_ID]
     if role not in ("dev-cvm", "security-cvm"):
         raise LaunchError(Refusal.INVALID, f"{META_ROLE}: {role!r} is not dev-cvm or security-cvm")
-    for key, value in ((META_TEAM, team), (META_CVM_ID, cvm_id)):
-        if not _ID.match(value):
-            raise LaunchError(Refusal.INVALID, f"{key}: {value!r} is not [a-z0-9-], 1-63 chars")
+    for key, value, pattern, chars in (
+        (META_TEAM, team, _ID, "[a-z0-9-]"),
+        (META_CVM_ID, cvm_id, _CVM_ID, "[a-z0-9_-]"),
+    ):
+        if not pattern.match(value):
+            raise LaunchError(Refusal.INVALID, f"{key}: {value!r} is not {chars}, 1-63 chars")
     app = meta[META_APP_COMPOSE]
     _check_app_compose(app, role)
     keys = [ln for ln in meta.get(META_SSH_KEYS, "").splitlines() if ln.strip()]

@@ -13,7 +13,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 from sqlmodel import col
 
-from umbra.console import audit, enrollment, provisioning, team_defaults
+from umbra.console import audit, enrollment, provisioning, security_pool, team_defaults
 from umbra.console.deps import (
     CREDENTIAL_PREFIX,
     ConsoleDep,
@@ -63,6 +63,12 @@ def _security_cvm_in_team(session: Session, team: str, cvm_id: str) -> Cvm:
     ):
         raise HTTPException(
             UNPROCESSABLE, f"security_cvm_id: no live Security CVM {cvm_id} in team {team!r}"
+        )
+    if target.replica_of is not None:
+        # Dev CVMs route to a pool, never to one replica (the load balancer picks the replica).
+        raise HTTPException(
+            UNPROCESSABLE,
+            f"security_cvm_id: {cvm_id} is a replica; route to its pool {target.replica_of}",
         )
     return target
 
@@ -261,6 +267,11 @@ def update_cvm(cvm_id: CvmIdPath, body: CvmUpdate, console: ConsoleDep, user: Us
         wants_provider = (body.state is not None and body.state != cvm.state) or (
             body.ssh_keys is not None or body.size is not None
         )
+        if wants_provider and cvm.provider == security_pool.TEAM_STACK_PROVIDER:
+            raise HTTPException(
+                status.HTTP_409_CONFLICT,
+                f"CVM {cvm_id} is run by its team stack: change it there (`pulumi up`)",
+            )
         if wants_provider and provider is None:
             raise HTTPException(
                 status.HTTP_409_CONFLICT, f"provider {cvm.provider!r} is no longer configured"
@@ -335,6 +346,18 @@ def destroy_cvm(cvm_id: CvmIdPath, console: ConsoleDep, user: UserDep) -> CvmInf
         _may_manage(cvm, user.role_in(cvm.team))
         if cvm.state != "destroyed":
             _not_busy(cvm)
+            replicas: list[Cvm] = []
+            if cvm.kind == "security":
+                # Serialized with replica registrations: none joins a pool being destroyed.
+                console.lock(session, security_pool.pool_lock(cvm.team))
+                replicas = security_pool.live_replicas(session, cvm.id)
+            if replicas:
+                # Its replicas serve the Dev CVMs routed to it: the pool goes replica by replica.
+                raise HTTPException(
+                    status.HTTP_409_CONFLICT,
+                    f"CVM {cvm_id} leads a Security CVM pool; destroy its replicas first: "
+                    + ", ".join(sorted(r.id for r in replicas)),
+                )
             provider = console.providers.get(cvm.provider)
             final = "destroyed"
             if provider is not None and provider.background:
@@ -434,7 +457,8 @@ def rotate_credential(cvm_id: CvmIdPath, console: ConsoleDep, user: UserDep) -> 
             team=cvm.team,
             action="cvm.credential",
             target=cvm.id,
-            details={},
+            # Issued without attestation: the audit says so, whoever reads it later.
+            details={"break_glass": True},
         )
         session.flush()
         info = cvm_info(cvm)

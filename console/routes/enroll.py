@@ -7,16 +7,17 @@ attempt's transaction is rolled back) and answered 403 with its reason.
 from __future__ import annotations
 
 import base64
+from typing import Annotated
 
-from fastapi import APIRouter, HTTPException, status
+from fastapi import APIRouter, HTTPException, Path, status
 from fastapi.concurrency import run_in_threadpool
 from pydantic import BaseModel, ConfigDict, Field
 
-from umbra.console import audit, enrollment
+from umbra.console import audit, enrollment, security_pool
 from umbra.console.deps import ConsoleDep, UserDep, require_role
 from umbra.console.enrollment import EnrollEvidence, EnrollmentRefused
-from umbra.console.routes.common import CvmIdPath, visible_cvm
-from umbra.console.schemas import EnrollmentToken
+from umbra.console.routes.common import CvmIdPath, TeamPath, visible_cvm
+from umbra.console.schemas import EnrollmentToken, SecurityReplicaToken
 from umbra.console.state import Console
 
 router = APIRouter(prefix="/api/v1", tags=["enrollment"])
@@ -53,6 +54,37 @@ def create_token(cvm_id: CvmIdPath, console: ConsoleDep, user: UserDep) -> Enrol
             raise HTTPException(status.HTTP_409_CONFLICT, f"CVM {cvm_id} is destroyed")
         token, expires = enrollment.issue_token(session, cvm, user.subject)
     return EnrollmentToken(cvm_id=cvm_id, token=token, expires_at=expires)
+
+
+ReplicaPath = Annotated[
+    int, Path(ge=0, lt=security_pool.MAX_REPLICAS, description="The team stack's replica number.")
+]
+
+
+@router.post(
+    "/teams/{team}/security-replicas/{replica}/enrollment-token",
+    status_code=status.HTTP_201_CREATED,
+    summary="Register replica N of the team's Security CVM pool and mint its token (admin).",
+)
+def replica_token(
+    team: TeamPath, replica: ReplicaPath, console: ConsoleDep, user: UserDep
+) -> SecurityReplicaToken:
+    """Idempotent per replica: the record is created once, every call mints a fresh one-time
+    token (for a replica that booted after its token expired, or a relaunched VM)."""
+    require_role(user, team, "admin")
+    with console.write(security_pool.pool_lock(team)) as session:
+        try:
+            cvm, token, expires, created = security_pool.register(
+                session, team, replica, user.subject
+            )
+        except security_pool.PoolError as exc:
+            raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, str(exc)) from None
+        minted = SecurityReplicaToken(
+            team=team, replica=replica, cvm_id=cvm.id, pool_id=security_pool.pool_id(cvm),
+            created=created, token=token, expires_at=expires,
+        )  # fmt: skip
+    console.notifier.notify()
+    return minted
 
 
 def _token_lock(token: str) -> str:

@@ -1,5 +1,9 @@
 """What a Security CVM pulls: its team's signed bundle, the attachments of the Dev CVMs it serves,
-and (after attestation) their secrets. Pull only; the Console never pushes to a Security CVM."""
+and (after attestation) their secrets. Pull only; the Console never pushes to a Security CVM.
+
+A replica (console/security_pool.py) serves its pool: the Dev CVMs routed to the pool's first
+Security CVM, whichever replica the load balancer hands them to. Everything else stays per
+replica: its credential, its release nonces and quote binding, its audit actor, its records."""
 
 from __future__ import annotations
 
@@ -29,6 +33,7 @@ from umbra.console.release import (
 )
 from umbra.console.routes.common import CvmIdPath, current_bundle
 from umbra.console.schemas import AttachmentsDoc, ReleaseChallenge, ReleaseResponse
+from umbra.console.security_pool import pool_id
 from umbra.console.state import Console
 from umbra.contracts.release import ReleaseDocument, ReleasedSecret
 
@@ -81,7 +86,7 @@ def attachments_document(console: Console, caller: Cvm) -> dict[str, Any]:
         rows = session.execute(
             select(Cvm)
             .where(
-                col(Cvm.security_cvm_id) == caller.id,
+                col(Cvm.security_cvm_id) == pool_id(caller),
                 col(Cvm.team) == caller.team,
                 col(Cvm.kind) == "dev",
                 col(Cvm.state) != "destroyed",
@@ -145,7 +150,7 @@ def secrets_version(console: Console, caller: Cvm) -> str:
         owners = set(
             session.execute(
                 select(col(Cvm.owner)).where(
-                    col(Cvm.security_cvm_id) == caller.id,
+                    col(Cvm.security_cvm_id) == pool_id(caller),
                     col(Cvm.team) == caller.team,
                     col(Cvm.state) != "destroyed",
                 )
@@ -286,7 +291,7 @@ def _release(console: Console, caller: Cvm, evidence: ReleaseEvidence) -> Releas
         owners = set(
             session.execute(
                 select(col(Cvm.owner)).where(
-                    col(Cvm.security_cvm_id) == caller.id,
+                    col(Cvm.security_cvm_id) == pool_id(caller),
                     col(Cvm.team) == caller.team,
                     col(Cvm.state) != "destroyed",
                 )

@@ -215,6 +215,12 @@ USER_MATRIX: dict[tuple[str, str], tuple[Case, dict[str, int]]] = {
         lambda w, p: w.call(p, "POST", f"/api/v1/cvms/{w.dev_cvm}/enrollment-token"),
         expect(201, 403, 404, 404, 404, 401),
     ),
+    ("POST", T + "/security-replicas/{replica}/enrollment-token"): (
+        lambda w, p: w.call(
+            p, "POST", f"/api/v1/teams/{w.team_a}/security-replicas/1/enrollment-token"
+        ),
+        expect(201, 403, 403, 403, 403, 401),
+    ),
     ("PUT", "/api/v1/cvms/{cvm_id}/profiles"): (
         lambda w, p: w.call(
             p, "PUT", f"/api/v1/cvms/{w.dev_cvm}/profiles", json={"profiles": ["github"]}

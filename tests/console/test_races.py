@@ -285,3 +285,63 @@ def test_parallel_enrollments_with_one_token_issue_one_credential(team: Team) ->
     assert codes == [200] + [403] * (PARALLEL - 1), [r.text for r in responses]
     for client in pool:
         client.close()
+
+
+def _enroll_body(team: Team, token: str, cvm_id: str) -> dict[str, str]:
+    import base64
+
+    from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+    from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+
+    from tests.console import enroll
+    from umbra.attest.simulator import SimulatedTdx
+    from umbra.contracts.enrollment import report_data
+
+    nonce = team.dev.post("/api/v1/enroll/challenge", json={"token": token}).json()["nonce"]
+    public = X25519PrivateKey.generate().public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
+    quote = SimulatedTdx(enroll.pki(), image=enroll.SECURITY_IMAGE).quote(
+        report_data(nonce, cvm_id, public)
+    )
+    return {
+        "token": token,
+        "nonce": nonce,
+        "quote": base64.b64encode(quote).decode(),
+        "public_key": base64.b64encode(public).decode(),
+    }
+
+
+def test_parallel_registrations_of_a_replica_make_one_record(team: Team) -> None:
+    """Two operators (or a retried script) registering replica 2 at once: one pool, one record
+    for the replica, and every caller gets its own token for that record."""
+    url = f"/api/v1/teams/{team.name}/security-replicas/2/enrollment-token"
+    pool = clients(team.server, token_of(team.admin), PARALLEL)
+    responses = race([lambda c=c: c.post(url) for c in pool])  # type: ignore[misc]
+    assert [r.status_code for r in responses] == [201] * PARALLEL, [r.text for r in responses]
+    bodies = [r.json() for r in responses]
+    assert len({b["cvm_id"] for b in bodies}) == 1 and len({b["pool_id"] for b in bodies}) == 1
+    assert sum(b["created"] for b in bodies) == 1
+    assert len({b["token"] for b in bodies}) == PARALLEL
+    rows = team.admin.get(f"/api/v1/teams/{team.name}/cvms").json()
+    assert sorted(r["replica_index"] for r in rows if r["replica_index"] is not None) == [0, 2]
+    for client in pool:
+        client.close()
+
+
+def test_two_replicas_enrolling_at_once_each_get_one_credential(team: Team) -> None:
+    """Replicas 0 and 1 boot together, and each one's evidence is also sent by three more
+    clients (copied launch data racing the genuine TD): exactly one credential per replica."""
+    url = f"/api/v1/teams/{team.name}/security-replicas/{{}}/enrollment-token"
+    minted = [team.admin.post(url.format(i)).json() for i in (0, 1)]
+    bodies = [_enroll_body(team, m["token"], m["cvm_id"]) for m in minted]
+    per = PARALLEL // 2
+    senders = [team.server.client() for _ in range(PARALLEL)]
+    responses = race(
+        [lambda c=c, i=i: c.post("/api/v1/enroll", json=bodies[i // per]) for i, c in enumerate(senders)]  # type: ignore[misc]
+    )  # fmt: skip
+    for replica in (0, 1):
+        codes = sorted(r.status_code for r in responses[replica * per : (replica + 1) * per])
+        assert codes == [200] + [403] * (per - 1), [r.text for r in responses]
+    enrolled = [r.json()["cvm_id"] for r in responses if r.status_code == 200]
+    assert sorted(enrolled) == sorted(m["cvm_id"] for m in minted)
+    for client in senders:
+        client.close()

@@ -233,10 +233,14 @@ def test_dev_cvm_on_gcp_extends_what_measure_predicts_and_verifies(
     assert any("started" in line for line in lines)
 
 
+CONSOLE_ID = "cvm_5ec0000000000001"
+
+
 def test_security_cvm_on_azure_custom_data_reports_ready(standin: StandIn, tmp_path: Path) -> None:
+    # A team stack's replica carries the Console's id for it (`cvm_<hex>`: with an underscore).
     m = measure(security_definition())
     data = LaunchData(
-        role="security-cvm", team="team-a", cvm_id="sec-team-a", app_compose=m.app_compose.decode()
+        role="security-cvm", team="team-a", cvm_id=CONSOLE_ID, app_compose=m.app_compose.decode()
     )
     standin.user_data = data.azure_custom_data()
     starter = RecordingStarter()
@@ -249,10 +253,10 @@ def test_security_cvm_on_azure_custom_data_reports_ready(standin: StandIn, tmp_p
         say=lambda _line: None,
     ).run()
     log = load_event_log((tmp_path / "launch/security/event-log.json").read_bytes())
-    predicted = _predicted(tmp_path, "sec-team-a", [], security_definition_doc())
+    predicted = _predicted(tmp_path, CONSOLE_ID, [], security_definition_doc())
     assert replay(log)[3].hex() == predicted
     assert starter.started == [m.compose.text]
-    assert (tmp_path / "launch/security/security-cvm-id").read_text() == "sec-team-a\n"
+    assert (tmp_path / "launch/security/security-cvm-id").read_text() == CONSOLE_ID + "\n"
     assert len(standin.health) == 1 and "<State>Ready</State>" in standin.health[0]
     assert "<GoalStateIncarnation>7<" in standin.health[0]
 

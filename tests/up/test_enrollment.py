@@ -314,3 +314,88 @@ def test_the_rendered_dev_cvm_forwarder_enrolls_by_address_once_and_keeps_its_cr
     finally:
         verifiers["dev"] = plain
         team.close()
+
+
+def test_two_team_stack_replicas_enroll_each_as_itself_and_serve_the_pool(
+    console: tuple[Server, LocalIssuer], tmp_path: Path
+) -> None:
+    """The whole path of a cloud Security CVM pool, every hop real but the cloud: an admin
+    registers replicas 0 and 1 (one-time tokens), the operator puts ids and tokens (as secrets)
+    into the team stack's config, the team program (under Pulumi mocks) builds each replica's
+    launch data, the image's launch agent writes each one's launch directory, and each proxy
+    enrolls with its simulated TD. Two identities, both serving the pool's Dev CVMs."""
+    from tests.infra.harness import example_stack, raw_of, run_program
+    from umbra.components.config import TeamStack, parse_stack_config
+    from umbra.components.program import build_team
+    from umbra.contracts.enrollment import security_token_key
+    from umbra.images.launch_agent import enrollment_token, parse_launch_data, write_launch_dir
+    from umbra.proxy.config import ProxyConfig
+    from umbra.proxy.enroll import ensure_console_credential
+
+    server, issuer = console
+    team = new_team(server, issuer)
+    pki_dir, bundle_key = tmp_path / "pki", tmp_path / "bundle.pub"
+    enroll.pki().save(pki_dir)
+    bundle_key.write_bytes(
+        server.bundle_key.public_key().public_bytes(Encoding.PEM, PublicFormat.SubjectPublicKeyInfo)
+    )
+    clients: list[Any] = []
+    try:
+        url = f"/api/v1/teams/{team.name}/security-replicas/{{}}/enrollment-token"
+        minted = [team.admin.post(url.format(i)).json() for i in (0, 1)]
+        pool = minted[0]["cvm_id"]
+
+        stack = example_stack("acme-gcp")
+        stack["security_cvm"] |= {"replicas": 2, "cvm_ids": [m["cvm_id"] for m in minted]}
+        raw = raw_of(stack) | {security_token_key(i): m["token"] for i, m in enumerate(minted)}
+        cfg = parse_stack_config(raw, frozenset(security_token_key(i) for i in (0, 1)))
+        assert isinstance(cfg, TeamStack)
+        mocks, _ = run_program(lambda: build_team(cfg, tmp_path / "root").security.instance_id)
+
+        dev = team.dev.post(
+            f"/api/v1/teams/{team.name}/cvms", json={"name": "pooled", "security_cvm_id": pool}
+        ).json()["id"]
+        credentials = []
+        for i, name in enumerate(("acme-security", "acme-security-1")):
+            metadata = mocks.one("gcp:compute/instance:Instance", name).inputs["metadata"]
+            meta = {k: v for k, v in metadata["value"].items() if k.startswith("umbra-")}
+            data = parse_launch_data(meta)
+            launch = tmp_path / f"launch-{i}"
+            write_launch_dir(launch, data, [], enrollment_token(meta))
+            security = launch / "security"
+            config = ProxyConfig(
+                identities=tmp_path / f"identities-{i}.json",
+                traffic_log=tmp_path / f"spool-{i}",
+                confdir=tmp_path / f"mitm-{i}",
+                console_url=server.url,  # plain HTTP on loopback here; https in the cloud
+                security_cvm_id=(security / "security-cvm-id").read_text().strip(),
+                console_credential_file=tmp_path / f"state-{i}" / "console-credential",
+                enroll_token_file=security / "enrollment-token",
+                bundle_keys=[bundle_key],
+                quote_source="simulated",
+                simulated_pki=pki_dir,
+                simulated_image=enroll.SECURITY_IMAGE,
+            )
+            assert config.security_cvm_id == minted[i]["cvm_id"]
+            assert ensure_console_credential(config) is True
+            credential = (tmp_path / f"state-{i}" / "console-credential").read_text().strip()
+            credentials.append(credential)
+            client = server.client(credential)
+            clients.append(client)
+            doc = client.get(f"/api/v1/security-cvms/{minted[i]['cvm_id']}/attachments")
+            assert doc.status_code == 200 and dev in doc.json()["cvms"], doc.text
+        assert len(set(credentials)) == 2
+        # Attributed apart: each replica's enrollment is its own audit entry.
+        enrolled = [t for a, t in _audit_targets(team) if a == "cvm.enroll"]
+        assert {m["cvm_id"] for m in minted} <= set(enrolled)
+        assert not any(m["token"] in str(list(tmp_path.rglob("*"))) for m in minted)
+    finally:
+        for client in clients:
+            client.close()
+        team.close()
+
+
+def _audit_targets(team: Any) -> list[tuple[str, str]]:
+    page = team.admin.get(f"/api/v1/teams/{team.name}/audit", params={"limit": 200}).json()
+    entries = page["entries"] if isinstance(page, dict) else page
+    return [(e["action"], e["target"]) for e in entries]
