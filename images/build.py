@@ -269,8 +269,8 @@ def sandbox_setup(recipe: Recipe, root: Path, epoch: int) -> list[Input]:
     return inputs
 
 
-# The sshd image's login user: the compose's sshd_config says `AllowUsers dev`, and its
-# ForceCommand runs as that user (the sandbox's uid, so session sockets are shared).
+# The login user of the gateway sshd the ingress image runs (`sshd -i`): the sandbox's user and
+# uid, so session sockets are shared.
 SESSION_USER = ("dev", 1000)
 
 

@@ -1,6 +1,6 @@
 """What each container image is made of: Debian packages, the project's wheel, runtime defaults.
 
-Every Umbra service image (forwarder, proxy, console, ingress/sshd) shares one rootfs, `runtime`:
+Every Umbra service image (forwarder, proxy, console, ingress) shares one rootfs, `runtime`:
 the same layer bytes, so one build, one set of inputs, one provenance subject per image. The
 sandbox rootfs is separate: a place an agent works. `sandbox-ci` is the smaller variant CI builds
 (no compilers, no nested Docker engine); the release workflow builds the full `sandbox`.
@@ -125,7 +125,6 @@ RECIPES: dict[Rootfs, Recipe] = {
             "proxy": _service(["umbra", "proxy", "serve"]),
             "console": _service(["umbra", "console", "serve"]),
             "ingress": _service(["umbra", "sandbox", "ingress"], user="0:0"),
-            "sshd": _service(["/usr/sbin/sshd", "-D", "-e"], user="0:0"),
         },
     ),
     Rootfs.SANDBOX_CI: Recipe(
