@@ -23,8 +23,9 @@ MIRRORS = (
 # build host's own CPython 3.12 tree, copied under /opt/python and recorded as an input.
 PYTHON_PREFIX = "/opt/python"
 UMBRA = f"{PYTHON_PREFIX}/bin/umbra"
-# The Security CVM's interception CA, installed at launch (mounted) and trusted everywhere.
-CA_PATH = "/usr/local/share/ca-certificates/umbra-security-cvm.crt"
+# The Security CVM's interception CA(s): umbra-sandbox-init copies the forwarder's attested
+# bundle here, one file per certificate, and runs update-ca-certificates (the system bundle).
+CA_DIR = "/usr/local/share/ca-certificates/umbra"
 CA_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"
 
 
