@@ -32,6 +32,6 @@ SECURITY_CVM_HOST: Final = f"security-cvm.{PRIVATE_ZONE}"
 # The Dev compose's `uplink` network (only the forwarder sits on it) and its internal networks;
 # the host firewall lets only the uplink reach the Security CVM. Must equal the Dev compose.
 DEV_UPLINK_CIDR: Final = "172.30.2.0/29"
-DEV_INTERNAL_CIDRS: Final = ("172.30.0.0/24", "172.30.1.0/24")
+DEV_INTERNAL_CIDRS: Final = ("172.30.0.0/24",)
 # Cloud metadata / platform DNS addresses a guest reaches whatever the VPC firewall says.
 METADATA_ADDRESSES: Final = ("169.254.169.254", "168.63.129.16")

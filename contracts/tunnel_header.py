@@ -4,7 +4,13 @@ session, before any byte from the sandbox. The tunnel endpoint on the Security C
     header = u32be length ‖ JSON object (UTF-8, sorted keys, no spaces), 2 ≤ length ≤ 4096
     {"v": 1, "cvm_id": "<id>", "mode": "proxy"}
     {"v": 1, "cvm_id": "<id>", "mode": "tunnel", "tunnel": "<name>", "host": "<dest>", "port": N}
-    optional in both: "credential": "<per-CVM secret delivered at launch>"
+    {"v": 1, "cvm_id": "<id>", "mode": "ca"}
+    optional in all: "credential": "<per-CVM secret delivered at launch>"
+
+`ca` asks for the Security CVM's interception CA certificate(s) instead of a relay: the endpoint
+answers with one reply (`u32be length ‖ PEM`, 1 ≤ length ≤ MAX_CA_REPLY) and closes. Because it
+arrives inside the attested session, the forwarder knows it comes from the verified Security CVM
+and no network can substitute its own CA (docs/specs/sandbox.md, "The interception CA").
 
 Every value comes from the forwarder's own configuration (launch-bound and measured), never from
 anything the sandbox sent: in tunnel mode the destination is the one configured for the port
@@ -24,6 +30,9 @@ from umbra.contracts.names import CVM_ID_PATTERN, check_host
 
 VERSION = 1
 MAX_HEADER = 4096
+MAX_CA_REPLY = 64 * 1024  # a few PEM certificates; both sides use this bound
+Mode = Literal["proxy", "tunnel", "ca"]
+MODES: tuple[str, ...] = ("proxy", "tunnel", "ca")
 _CVM_ID = re.compile(CVM_ID_PATTERN)
 _TUNNEL = re.compile(r"^[a-z][a-z0-9-]{0,30}$")
 
@@ -35,7 +44,7 @@ class HeaderError(Exception):
 @dataclass(frozen=True)
 class TunnelHeader:
     cvm_id: str
-    mode: Literal["proxy", "tunnel"]
+    mode: Mode
     tunnel: str | None = None
     host: str | None = None
     port: int | None = None
@@ -53,9 +62,9 @@ class TunnelHeader:
                 check_host(self.host)
             except ValueError as exc:
                 raise HeaderError(str(exc)) from None
-        elif self.mode == "proxy":
+        elif self.mode in ("proxy", "ca"):
             if self.tunnel is not None or self.host is not None or self.port is not None:
-                raise HeaderError("proxy mode carries no destination")
+                raise HeaderError(f"{self.mode} mode carries no destination")
         else:
             raise HeaderError(f"unknown mode {self.mode!r}")
         if self.credential is not None and not (
@@ -97,8 +106,8 @@ def decode_header_body(body: bytes) -> TunnelHeader:
         raise HeaderError("header fields have the wrong types")
     if fields["port"] is not None and type(fields["port"]) is not int:
         raise HeaderError("port must be an integer")
-    if not isinstance(fields["cvm_id"], str) or fields["mode"] not in ("proxy", "tunnel"):
-        raise HeaderError("header needs cvm_id and mode (proxy or tunnel)")
+    if not isinstance(fields["cvm_id"], str) or fields["mode"] not in MODES:
+        raise HeaderError("header needs cvm_id and mode (proxy, tunnel or ca)")
     return TunnelHeader(**fields)
 
 
@@ -124,3 +133,27 @@ async def read_header(recv: Callable[[int], Awaitable[bytes]]) -> tuple[TunnelHe
         if need == 4 and len(buf) >= 4:
             need = 4 + parse_length(buf[:4])
     return decode_header_body(buf[4:need]), buf[need:]
+
+
+def encode_ca_reply(pem: bytes) -> bytes:
+    """The tunnel endpoint's answer to a `ca` header."""
+    if not 1 <= len(pem) <= MAX_CA_REPLY:
+        raise HeaderError(f"CA reply of {len(pem)} bytes is outside 1..{MAX_CA_REPLY}")
+    return struct.pack(">I", len(pem)) + pem
+
+
+async def read_ca_reply(recv: Callable[[int], Awaitable[bytes]]) -> bytes:
+    """The forwarder's side: exactly one CA reply, bounded before anything is buffered."""
+    buf = b""
+    need = 4
+    while len(buf) < need:
+        chunk = await recv(need - len(buf))
+        if not chunk:
+            raise HeaderError("connection closed before the whole CA reply")
+        buf += chunk
+        if need == 4 and len(buf) == 4:
+            (n,) = struct.unpack(">I", buf)
+            if not 1 <= n <= MAX_CA_REPLY:
+                raise HeaderError(f"CA reply length {n} is outside 1..{MAX_CA_REPLY}")
+            need = 4 + n
+    return buf[4:]

@@ -269,16 +269,19 @@ def sandbox_setup(recipe: Recipe, root: Path, epoch: int) -> list[Input]:
     return inputs
 
 
-# The sshd image's login user: the compose's sshd_config says `AllowUsers dev`, and its
-# ForceCommand runs as that user (the sandbox's uid, so session sockets are shared).
+# The login user of the gateway sshd the ingress image runs (`sshd -i`): the sandbox's user and
+# uid, so session sockets are shared.
 SESSION_USER = ("dev", 1000)
 
 
 SERVICE_STATE_DIRS = (
-    "var/lib/umbra/forwarder",
-    "var/lib/umbra/policy",
-    "var/lib/umbra/spool",
-    "var/lib/umbra/mitm-ca",
+    ("var/lib/umbra/forwarder", 0o700),
+    ("var/lib/umbra/policy", 0o700),
+    ("var/lib/umbra/spool", 0o700),
+    ("var/lib/umbra/mitm-ca", 0o700),
+    # The attested interception CA(s) the forwarder writes for the sandbox, which mounts the
+    # volume read-only: certificates only, readable by all.
+    ("var/lib/umbra/sandbox-ca", 0o755),
 )
 
 
@@ -303,11 +306,11 @@ def runtime_setup(root: Path) -> None:
         path.write_text(text + ("" if text.endswith("\n") or not text else "\n") + line + "\n")
     # The compose's named volumes start as copies of these: the forwarder and the proxy run as
     # 65534 and keep their enrolled credential, spool and CA there, unreadable by other uids.
-    for state in SERVICE_STATE_DIRS:
+    for state, mode in SERVICE_STATE_DIRS:
         path = root / state
         path.mkdir(parents=True, exist_ok=True)
         os.chown(path, SERVICE_UID, SERVICE_UID)
-        path.chmod(0o700)
+        path.chmod(mode)
 
 
 @contextmanager

@@ -2,9 +2,8 @@
 
 Docker's `internal: true` drops forwarding off the bridge, but the host itself still answers on
 the bridge's gateway address (INPUT), so any host service listening on 0.0.0.0 would be reachable
-from the sandbox. These rules drop everything that enters from the sandbox's (and the sessions')
-bridges toward the host or elsewhere; only the forwarder, which also sits on the uplink, talks to
-the Security CVM. Rules are inserted first in INPUT and FORWARD (ahead of Docker's own) and are
+from the sandbox. These rules drop everything that enters from the sandbox's bridge toward the
+host or elsewhere; only the forwarder, which also sits on the uplink, talks to the Security CVM. Rules are inserted first in INPUT and FORWARD (ahead of Docker's own) and are
 idempotent: `-C` before `-I`, and removal takes out exactly what was added.
 """
 
@@ -14,7 +13,7 @@ import subprocess
 from collections.abc import Sequence
 
 # The bridges the rendered Dev CVM compose names (com.docker.network.bridge.name).
-SANDBOX_BRIDGES = ("umbra-sbx0", "umbra-ses0")
+SANDBOX_BRIDGES = ("umbra-sbx0",)
 
 
 class FirewallError(Exception):

@@ -13,7 +13,9 @@ refuses shared pid/network namespaces), so it is a systemd unit, `umbra-ingress.
 
 What the agent writes (root-only, /run/umbra/ingress, 0700): `config.json` (validated by
 `IngressConfig` before it is written) and `sandbox.pid`, the sandbox container's PID from
-`docker inspect`. The host key is the agent's (`host_key_file`, measured as
+`docker inspect`. The config names the container (`sandbox.docker`), so the ingress looks its
+process up again for every connection and rewrites `sandbox.pid`: after the sandbox container
+restarts, sessions enter the new process, never a stale PID. The host key is the agent's (`host_key_file`, measured as
 `umbra.ssh-host-key`); the quote source is the TD's configfs with the agent's event log.
 """
 
@@ -30,63 +32,25 @@ from pydantic import ValidationError
 from umbra.components.ports import DEV_ATTESTED_SSH_PORT
 from umbra.sandbox.ingress_config import IngressConfig
 from umbra.sandbox.render import canonical_json
+from umbra.sandbox.sandbox_locator import (
+    DockerSandbox,
+    SandboxLocateError,
+    SandboxLocator,
+)
+
+__all__ = ["DockerSandbox", "SandboxLocator"]  # where the agent's callers import them from
 
 INGRESS_DIR = Path("/run/umbra/ingress")  # root 0700: config.json, sandbox.pid
 INGRESS_STATE = Path("/var/lib/umbra/ingress")  # root 0700, the ingress's own (host key copy…)
 INGRESS_UNIT = "umbra-ingress.service"
 CONFIG_NAME = "config.json"
 PID_NAME = "sandbox.pid"
-COMPOSE_PROJECT = "umbra-dev"  # the rendered Dev compose's `name`
-SANDBOX_SERVICE = "sandbox"
 SANDBOX_UID = 1000  # the sandbox images' user (images/build.py)
 SESSIONS_DIR = "/run/umbra/sessions"  # the compose's `sessions` volume in the sandbox
 
 
 class IngressStartError(Exception):
     """The ingress cannot be configured or started; the message says what and why."""
-
-
-class SandboxLocator(Protocol):
-    def pid(self) -> int: ...
-
-
-@dataclass(frozen=True)
-class DockerSandbox:
-    """The sandbox container of the running Dev compose, by docker-compose's labels."""
-
-    project: str = COMPOSE_PROJECT
-    service: str = SANDBOX_SERVICE
-    docker: str = "docker"
-
-    def _run(self, *args: str) -> str:
-        try:
-            done = subprocess.run(
-                [self.docker, *args], capture_output=True, text=True, check=False, timeout=60
-            )
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            raise IngressStartError(f"docker {args[0]}: {exc}") from None
-        if done.returncode != 0:
-            raise IngressStartError(f"docker {args[0]}: {done.stderr.strip()[-300:]}")
-        return done.stdout
-
-    def pid(self) -> int:
-        ids = self._run(
-            "ps",
-            "--quiet",
-            "--filter",
-            f"label=com.docker.compose.project={self.project}",
-            "--filter",
-            f"label=com.docker.compose.service={self.service}",
-        ).split()
-        if len(ids) != 1:
-            raise IngressStartError(
-                f"want exactly one running {self.project}/{self.service} container, got {len(ids)}"
-            )
-        text = self._run("inspect", "--format", "{{.State.Pid}}", ids[0]).strip()
-        if not text.isdigit() or int(text) < 2:
-            # 0: not running. The ingress would enter whatever process holds that PID.
-            raise IngressStartError(f"the sandbox container has no process (pid {text!r})")
-        return int(text)
 
 
 class IngressStarter(Protocol):
@@ -119,10 +83,11 @@ def ingress_config(
     user: str,
     state_dir: Path = INGRESS_STATE,
     port: int = DEV_ATTESTED_SSH_PORT,
+    docker: DockerSandbox | None = None,
 ) -> dict[str, Any]:
     """The ingress's configuration as the agent writes it (a plain document: JSON on disk)."""
     ssh = launch_dir / "ssh"
-    return {
+    doc: dict[str, Any] = {
         # Every host address: the host firewall admits this port from outside only (never from
         # the compose's internal networks: components.host_firewall).
         "listen": {"host": "0.0.0.0", "port": port},  # noqa: S104
@@ -139,6 +104,10 @@ def ingress_config(
         },
         "quote_source": quote_source,
     }
+    if docker is not None:
+        # Looked up again per connection (sandbox_locator.py): the container may restart.
+        doc["sandbox"]["docker"] = {"project": docker.project, "service": docker.service}
+    return doc
 
 
 @dataclass(frozen=True)
@@ -155,12 +124,16 @@ class AttestedIngress:
     port: int = DEV_ATTESTED_SSH_PORT
 
     def start(self, launch_dir: Path, user: str) -> IngressConfig:
-        pid = self.locator.pid()
+        try:
+            pid = self.locator.pid()
+        except SandboxLocateError as exc:
+            raise IngressStartError(str(exc)) from None
         self.config_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         os.chmod(self.config_dir, 0o700)
         pid_file = self.config_dir / PID_NAME
         source = {"event_log": str(launch_dir / "event-log.json"), **self.quote_source}
-        doc = ingress_config(launch_dir, pid_file, source, user, self.state_dir, self.port)
+        docker = self.locator if isinstance(self.locator, DockerSandbox) else None
+        doc = ingress_config(launch_dir, pid_file, source, user, self.state_dir, self.port, docker)
         try:
             config = IngressConfig.model_validate(doc)
         except ValidationError as exc:

@@ -1,6 +1,6 @@
 """What each container image is made of: Debian packages, the project's wheel, runtime defaults.
 
-Every Umbra service image (forwarder, proxy, console, ingress/sshd) shares one rootfs, `runtime`:
+Every Umbra service image (forwarder, proxy, console, ingress) shares one rootfs, `runtime`:
 the same layer bytes, so one build, one set of inputs, one provenance subject per image. The
 sandbox rootfs is separate: a place an agent works. `sandbox-ci` is the smaller variant CI builds
 (no compilers, no nested Docker engine); the release workflow builds the full `sandbox`.
@@ -23,8 +23,9 @@ MIRRORS = (
 # build host's own CPython 3.12 tree, copied under /opt/python and recorded as an input.
 PYTHON_PREFIX = "/opt/python"
 UMBRA = f"{PYTHON_PREFIX}/bin/umbra"
-# The Security CVM's interception CA, installed at launch (mounted) and trusted everywhere.
-CA_PATH = "/usr/local/share/ca-certificates/umbra-security-cvm.crt"
+# The Security CVM's interception CA(s): umbra-sandbox-init copies the forwarder's attested
+# bundle here, one file per certificate, and runs update-ca-certificates (the system bundle).
+CA_DIR = "/usr/local/share/ca-certificates/umbra"
 CA_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"
 
 
@@ -125,7 +126,6 @@ RECIPES: dict[Rootfs, Recipe] = {
             "proxy": _service(["umbra", "proxy", "serve"]),
             "console": _service(["umbra", "console", "serve"]),
             "ingress": _service(["umbra", "sandbox", "ingress"], user="0:0"),
-            "sshd": _service(["/usr/sbin/sshd", "-D", "-e"], user="0:0"),
         },
     ),
     Rootfs.SANDBOX_CI: Recipe(

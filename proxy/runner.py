@@ -363,6 +363,7 @@ class UmbraProxy:
             proxy_port=proxy_port,
             emit=spool.append,
             header_timeout=config.tunnel_header_timeout,
+            ca_file=config.confdir / "mitmproxy-ca-cert.pem",
         )
         quote_source, event_log = evidence
         try:

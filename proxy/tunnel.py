@@ -10,6 +10,9 @@ a traffic-log record (kind `connection`, reason `tunnel_*`); no sandbox byte rea
 
 aTLS is one-way (the forwarder verifies us), so the per-CVM credential is what authenticates the
 Dev CVM until mutual attestation exists.
+
+A `ca` header (same checks) is answered with the interception CA certificate instead of a relay:
+the forwarder installs it for its sandbox, authenticated by this attested session.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import logging
 import socket
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from umbra.attest.atls import ATLSConnection, relay, serve_atls
 from umbra.attest.errors import ATLSError
@@ -30,6 +34,7 @@ from umbra.contracts.tunnel_header import (
     HeaderError,
     TunnelHeader,
     decode_header_body,
+    encode_ca_reply,
     parse_length,
 )
 from umbra.proxy.identity import CvmIdentity, StaticIdentities
@@ -50,6 +55,7 @@ class Refused(Exception):
 @dataclass
 class EndpointStats:
     accepted: int = 0
+    ca_served: int = 0
     refused: dict[str, int] = field(default_factory=dict)
 
 
@@ -62,6 +68,8 @@ class TunnelEndpoint:
     emit: Callable[[TrafficRecord], None]
     header_timeout: float = 10.0
     connect_timeout: float = 10.0
+    # The interception CA's certificate (mitmproxy's `mitmproxy-ca-cert.pem`): never the key.
+    ca_file: Path | None = None
     stats: EndpointStats = field(default_factory=EndpointStats)
 
     async def serve(
@@ -119,9 +127,22 @@ class TunnelEndpoint:
         if not self.identities.credential_matches(header.cvm_id, header.credential):
             return self._refuse("tunnel_bad_credential", claimed)
         try:
-            await self._relay(conn, header, identity, rest)
+            if header.mode == "ca":
+                await self._send_ca(conn, identity)
+            else:
+                await self._relay(conn, header, identity, rest)
         except (ATLSError, ConnectionError, OSError) as exc:
             logger.info("tunnel of %s ended: %s", identity.cvm_id, type(exc).__name__)
+
+    async def _send_ca(self, conn: ATLSConnection, identity: CvmIdentity) -> None:
+        try:
+            if self.ca_file is None:
+                raise OSError("no CA configured")
+            reply = encode_ca_reply(self.ca_file.read_bytes())
+        except (OSError, HeaderError):
+            return self._refuse("tunnel_no_ca", "the interception CA cannot be served", identity)
+        await conn.send(reply)
+        self.stats.ca_served += 1
 
     async def _relay(
         self, conn: ATLSConnection, header: TunnelHeader, identity: CvmIdentity, rest: bytes

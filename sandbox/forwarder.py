@@ -6,15 +6,14 @@ identity header, and only then relays bytes. If the Security CVM is down, its qu
 verify, or anything times out, the sandbox connection is closed and not one of its bytes has
 left. Each connection is its own attested session, so a reconnect is always re-verified.
 
-It also relays the published SSH port to sshd (plain TCP: SSH authenticates end to end), and
-refuses that relay to sources on the sandbox networks. It opens no UDP socket at all.
+It opens no UDP socket at all. It also fetches the Security CVM's interception CA for the sandbox,
+inside an attested session like any other (`fetch_ca`, sandbox_ca.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -22,13 +21,17 @@ from dataclasses import dataclass, field
 from umbra.attest.atls import ATLSConnection, client_handshake, relay
 from umbra.attest.errors import ATLSError
 from umbra.attest.verify import Verifier
-from umbra.contracts.tunnel_header import TunnelHeader, encode_header
-from umbra.sandbox.forwarder_config import Ingress
+from umbra.contracts.tunnel_header import (
+    HeaderError,
+    TunnelHeader,
+    encode_header,
+    read_ca_reply,
+)
 from umbra.sandbox.models import Endpoint, Tunnel
+from umbra.sandbox.sandbox_ca import CaBundle, keep_ca_fresh
 
 logger = logging.getLogger(__name__)
 
-CHUNK = 64 * 1024
 HALF_CLOSE_GRACE = 60.0
 Streams = tuple[asyncio.StreamReader, asyncio.StreamWriter]
 Dialer = Callable[[str, int], Awaitable[Streams]]
@@ -58,11 +61,13 @@ class Forwarder:
     listen_host: str
     proxy_port: int
     tunnels: Sequence[Tunnel] = ()
-    ingress: Ingress | None = None
     credential: str | None = None
     connect_timeout: float = 10.0
     handshake_timeout: float = 30.0
     max_connections: int = 256
+    # Where the sandbox's trust in the Security CVM's interception CA comes from (sandbox_ca.py).
+    ca_bundle: CaBundle | None = None
+    ca_refresh: float = 300.0
     dial: Dialer = tcp_dial
     stats: ForwarderStats = field(default_factory=ForwarderStats)
     _servers: list[asyncio.Server] = field(default_factory=list)
@@ -80,8 +85,6 @@ class Forwarder:
                 self.cvm_id, "tunnel", t.name, t.host, t.port, credential=self.credential
             )
             listeners.append((self.listen_host, t.listen_port, self._egress(header)))
-        if self.ingress is not None:
-            listeners.append((self.ingress.listen_host, self.ingress.listen_port, self._ingress))
         try:
             for host, port, handler in listeners:
                 self._servers.append(await asyncio.start_server(handler, host, port))
@@ -90,7 +93,7 @@ class Forwarder:
             raise
 
     def ports(self) -> list[int]:
-        """Bound ports in listener order (proxy, tunnels..., ingress): useful with port 0."""
+        """Bound ports in listener order (proxy, tunnels...): useful with port 0."""
         return [int(s.sockets[0].getsockname()[1]) for s in self._servers]
 
     async def close(self) -> None:
@@ -103,10 +106,37 @@ class Forwarder:
 
     async def serve_forever(self) -> None:
         await self.start()
+        ca_task = None
+        if self.ca_bundle is not None:
+            ca_task = asyncio.create_task(
+                keep_ca_fresh(self.fetch_ca, self.ca_bundle, self.ca_refresh)
+            )
         try:
             await asyncio.Event().wait()
         finally:
+            if ca_task is not None:
+                ca_task.cancel()
             await self.close()
+
+    async def fetch_ca(self) -> bytes | None:
+        """The Security CVM's interception CA (PEM), read inside an attested session; None (and
+        logged) when it cannot be had."""
+        conn = await self._attest(None)
+        if conn is None:
+            return None
+        try:
+            await conn.send(
+                encode_header(TunnelHeader(self.cvm_id, "ca", credential=self.credential))
+            )
+            return await asyncio.wait_for(read_ca_reply(conn.recv), self.handshake_timeout)
+        except (ATLSError, HeaderError, ConnectionError, OSError, TimeoutError) as exc:
+            self.stats.refuse("ca_unavailable")
+            logger.warning(
+                "no interception CA from the Security CVM: %s", exc or type(exc).__name__
+            )
+            return None
+        finally:
+            await conn.close()
 
     def _egress(
         self, header: TunnelHeader
@@ -144,8 +174,8 @@ class Forwarder:
             await conn.close()
             await _close(writer)
 
-    async def _attest(self, client: asyncio.StreamWriter) -> ATLSConnection | None:
-        """An attested session to the Security CVM, or None after closing `client`."""
+    async def _attest(self, client: asyncio.StreamWriter | None) -> ATLSConnection | None:
+        """An attested session to the Security CVM, or None after closing `client` (if any)."""
         target = f"{self.security_cvm.host}:{self.security_cvm.port}"
         try:
             up_r, up_w = await asyncio.wait_for(
@@ -156,7 +186,8 @@ class Forwarder:
             logger.warning(
                 "refusing sandbox connection: Security CVM %s unreachable: %s", target, exc
             )
-            await _abort(client)
+            if client is not None:
+                await _abort(client)
             return None
         try:
             return await asyncio.wait_for(
@@ -170,56 +201,9 @@ class Forwarder:
                 str(exc) or type(exc).__name__,
             )
             up_w.close()
-            await _abort(client)
+            if client is not None:
+                await _abort(client)
             return None
-
-    async def _ingress(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        assert self.ingress is not None
-        peer = writer.get_extra_info("peername")
-        try:
-            source = ipaddress.ip_address(peer[0])
-        except (TypeError, ValueError, IndexError):
-            source = None
-        if source is None or any(source in net for net in self.ingress.refuse_sources):
-            self.stats.refuse("ingress_from_sandbox")
-            await _abort(writer)
-            return
-        to = self.ingress.to
-        try:
-            up_r, up_w = await asyncio.wait_for(self.dial(to.host, to.port), self.connect_timeout)
-        except (OSError, TimeoutError):
-            self.stats.refuse("sshd_unreachable")
-            await _abort(writer)
-            return
-        await _relay_tcp(reader, writer, up_r, up_w)
-
-
-async def _pump(reader: asyncio.StreamReader, send: Callable[[bytes], Awaitable[None]]) -> None:
-    while data := await reader.read(CHUNK):
-        await send(data)
-
-
-async def _relay_tcp(
-    a_r: asyncio.StreamReader,
-    a_w: asyncio.StreamWriter,
-    b_r: asyncio.StreamReader,
-    b_w: asyncio.StreamWriter,
-) -> None:
-    async def one(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        async def send(data: bytes) -> None:
-            w.write(data)
-            await w.drain()
-
-        with contextlib.suppress(ConnectionError, OSError):
-            await _pump(r, send)
-            if w.can_write_eof():
-                w.write_eof()
-
-    try:
-        await asyncio.gather(one(a_r, b_w), one(b_r, a_w))
-    finally:
-        await _close(a_w)
-        await _close(b_w)
 
 
 async def _close(writer: asyncio.StreamWriter) -> None:

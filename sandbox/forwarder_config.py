@@ -34,16 +34,6 @@ class Listen(Strict):
         return self
 
 
-class Ingress(Strict):
-    """A plain TCP relay from the uplink to sshd (SSH authenticates end to end)."""
-
-    listen_host: Host
-    listen_port: Port
-    to: Endpoint
-    # Sources that must never use the relay: the sandbox itself (and the sessions network).
-    refuse_sources: list[ipaddress.IPv4Network | ipaddress.IPv6Network] = Field(min_length=1)
-
-
 class Collateral(Strict):
     pccs_urls: list[str] = Field(default_factory=list)
     file: Path | None = None
@@ -80,11 +70,18 @@ class Enrollment(Strict):
         return self
 
 
+class SandboxCa(Strict):
+    """Where the forwarder keeps the Security CVM's attested interception CA(s) for its sandbox
+    (a volume the sandbox mounts read-only), and how often it asks again (replicas)."""
+
+    file: Path
+    refresh: Annotated[float, Field(ge=10, le=86400)] = 300.0
+
+
 class ForwarderConfig(Strict):
     apiVersion: Literal["umbra/v1"]
     kind: Literal["ForwarderConfig"]
     listen: Listen
-    ingress: Ingress | None = None
     security_cvm: Endpoint
     security_cvm_release: ReleaseManifest
     collateral: Collateral
@@ -93,6 +90,7 @@ class ForwarderConfig(Strict):
     cvm_id_file: Path
     credential_file: Path | None = None
     enrollment: Enrollment | None = None
+    sandbox_ca: SandboxCa | None = None
     connect_timeout: Annotated[float, Field(gt=0, le=120)] = 10.0
     handshake_timeout: Annotated[float, Field(gt=0, le=120)] = 30.0
     max_connections: Annotated[int, Field(ge=1, le=65536)] = 256

@@ -21,6 +21,7 @@ from umbra.sandbox.forwarder_config import (
     read_credential,
     read_cvm_id,
 )
+from umbra.sandbox.sandbox_ca import CaBundle
 
 
 def build_verifier(cfg: ForwarderConfig, cache_dir: Path | None = None) -> Verifier:
@@ -55,8 +56,9 @@ def build_forwarder(cfg: ForwarderConfig) -> Forwarder:
         listen_host=cfg.listen.host,
         proxy_port=cfg.listen.proxy_port,
         tunnels=cfg.listen.tunnels,
-        ingress=cfg.ingress,
         connect_timeout=cfg.connect_timeout,
         handshake_timeout=cfg.handshake_timeout,
         max_connections=cfg.max_connections,
+        ca_bundle=CaBundle.load(cfg.sandbox_ca.file) if cfg.sandbox_ca else None,
+        ca_refresh=cfg.sandbox_ca.refresh if cfg.sandbox_ca else 300.0,
     )

@@ -167,7 +167,8 @@ class Ingress:
         key_file = gateway_sshd.bound_key_path(self.config.state_dir, conn.binding.decode())
         ours, theirs = socket.socketpair()
         try:
-            argv = gateway_sshd.sshd_argv(self.config, key_file)
+            # In a thread: finding the sandbox may ask the Docker engine (sandbox_locator.py).
+            argv = await asyncio.to_thread(gateway_sshd.sshd_argv, self.config, key_file)
             proc = await asyncio.create_subprocess_exec(
                 *argv, stdin=theirs.fileno(), stdout=theirs.fileno(), close_fds=True
             )

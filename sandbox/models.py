@@ -88,7 +88,6 @@ class DevCvmInputs(Strict):
     proxy_port: Port = 3128
     tunnels: list[Tunnel] = Field(default_factory=list)
     sandbox_subnet: ipaddress.IPv4Network = ipaddress.IPv4Network("172.30.0.0/24")
-    sessions_subnet: ipaddress.IPv4Network = ipaddress.IPv4Network("172.30.1.0/24")
     sandbox_user: Annotated[str, Field(pattern=r"^[a-z_][a-z0-9_-]{0,31}$")] = "dev"
     allow_simulated: bool = False
     # The Console the forwarder enrolls at, once, at first start: the launch data's one-time
@@ -109,12 +108,10 @@ class DevCvmInputs(Strict):
         names = [t.name for t in self.tunnels]
         if len(set(names)) != len(names):
             raise ValueError("tunnel names must be distinct")
-        nets = [self.sandbox_subnet, self.sessions_subnet, self.uplink_subnet]
-        if any(a.overlaps(b) for i, a in enumerate(nets) for b in nets[i + 1 :]):
-            raise ValueError("sandbox_subnet, sessions_subnet and uplink_subnet overlap")
-        for net in (self.sandbox_subnet, self.sessions_subnet):
-            if net.num_addresses < 8:
-                raise ValueError(f"subnet {net} is too small")
+        if self.sandbox_subnet.overlaps(self.uplink_subnet):
+            raise ValueError("sandbox_subnet and uplink_subnet overlap")
+        if self.sandbox_subnet.num_addresses < 8:
+            raise ValueError(f"subnet {self.sandbox_subnet} is too small")
         return self
 
 

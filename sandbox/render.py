@@ -25,6 +25,11 @@ LAUNCH_DIR = "/run/umbra/launch"
 # The forwarder's state volume: the tunnel credential and the spent token's hash live here, so a
 # restart or a reboot (the launch agent writes the same token again) never re-enrolls.
 FORWARDER_STATE_DIR = "/var/lib/umbra/forwarder"
+# The attested interception CA bundle: written by the forwarder into the `sandbox-ca` volume,
+# read by the sandbox's init through a read-only mount of the same volume.
+FORWARDER_CA_DIR = "/var/lib/umbra/sandbox-ca"
+SANDBOX_CA_DIR = "/run/umbra/security-ca"
+CA_NAME = "security-cvm-ca.pem"
 # The uid the rendered forwarder and proxy services run as (the templates' `user: "65534:65534"`).
 SERVICE_UID = 65534
 
@@ -78,7 +83,6 @@ def dev_addresses(inputs: DevCvmInputs) -> dict[str, str]:
     return {
         "forwarder_sandbox": _host(inputs.sandbox_subnet, 2),
         "sandbox": _host(inputs.sandbox_subnet, 3),
-        "forwarder_sessions": _host(inputs.sessions_subnet, 2),
     }
 
 
@@ -99,6 +103,7 @@ def forwarder_config(inputs: DevCvmInputs) -> dict[str, Any]:
         "collateral": {"pccs_urls": list(inputs.pccs_urls)},
         "cvm_id_file": f"{LAUNCH_DIR}/cvm-id",
         "credential_file": f"{FORWARDER_STATE_DIR}/tunnel-credential",
+        "sandbox_ca": {"file": f"{FORWARDER_CA_DIR}/{CA_NAME}"},
         # Launch-bound files the launch agent writes into the forwarder's launch directory.
         "enrollment": {
             "console_url": inputs.console_url,
@@ -125,9 +130,11 @@ def render_dev_cvm(inputs: DevCvmInputs) -> Rendered:
         sandbox_user=inputs.sandbox_user,
         proxy_port=inputs.proxy_port,
         sandbox_subnet=str(inputs.sandbox_subnet),
-        sessions_subnet=str(inputs.sessions_subnet),
         uplink_subnet=str(inputs.uplink_subnet),
         forwarder_state_dir=FORWARDER_STATE_DIR,
+        forwarder_ca_dir=FORWARDER_CA_DIR,
+        sandbox_ca_dir=SANDBOX_CA_DIR,
+        ca_name=CA_NAME,
         forwarder_config=canonical_json(forwarder_config(inputs)),
     )
     validate_dev_compose(text)

@@ -208,8 +208,8 @@ def _dev(doc: dict[str, Any], out: list[str]) -> None:
     services = _mapping(doc.get("services"))
     networks = _mapping(doc.get("networks"))
     _exact("services", services, {"sandbox", "forwarder"}, out)
-    _exact("networks", networks, {"sandbox", "sessions", "uplink"}, out)
-    for name, bridge in (("sandbox", "umbra-sbx0"), ("sessions", "umbra-ses0")):
+    _exact("networks", networks, {"sandbox", "uplink"}, out)
+    for name, bridge in (("sandbox", "umbra-sbx0"),):
         if _mapping(networks.get(name)).get("internal") is not True:
             out.append(f"network {name} must be internal: true (no route out)")
         opts = _mapping(_mapping(networks.get(name)).get("driver_opts"))
@@ -266,9 +266,31 @@ def _check_forwarder_config(doc: dict[str, Any], out: list[str]) -> None:
     fwd_nets = service_networks(_mapping(services.get("forwarder")))
     if cfg.listen.host != fwd_nets.get("sandbox", {}).get("ipv4_address"):
         out.append("config forwarder: listen.host must be the forwarder's sandbox-network address")
-    if cfg.ingress is not None:
-        # A plain TCP relay to SSH would bypass the attested ingress (docs/specs/session.md).
-        out.append("config forwarder: no `ingress` on a Dev CVM: SSH is the attested ingress's")
+    _check_sandbox_ca(cfg, services, out)
+
+
+def _check_sandbox_ca(cfg: Any, services: dict[str, Any], out: list[str]) -> None:
+    """The sandbox trusts only what the forwarder attested: the forwarder writes the CA into a
+    named volume, and the sandbox may mount that volume only read-only."""
+    if cfg.sandbox_ca is None:
+        out.append("config forwarder: needs `sandbox_ca` (the sandbox's interception CA source)")
+        return
+    fwd_vols = [
+        str(v).split(":") for v in _mapping(services.get("forwarder")).get("volumes", []) or []
+    ]
+    holder = [
+        p for p in fwd_vols if len(p) == 2 and str(cfg.sandbox_ca.file).startswith(p[1] + "/")
+    ]
+    if not holder or holder[0][0].startswith("/"):
+        out.append(
+            "config forwarder: sandbox_ca.file must be in a named volume the forwarder mounts"
+        )
+        return
+    for name, svc in services.items():
+        for vol in _mapping(svc).get("volumes", []) or []:
+            parts = str(vol).split(":")
+            if name != "forwarder" and parts[0] == holder[0][0] and parts[-1] != "ro":
+                out.append(f"service {name}: volume {parts[0]} must be mounted read-only (:ro)")
 
 
 def _flag(command: list[str], flag: str) -> str | None:

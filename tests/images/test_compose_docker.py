@@ -3,7 +3,8 @@ starts it with the CVM's own runner (Debian's docker-compose 1.29.2 via
 umbra.images.compose_runner) on Debian's docker.io, with the images built by this session and
 loaded from their archives (no registry). Runtime: runc, because sysbox is absent here (said in
 the output). From inside the sandbox container: no route out, no host service reachable (the
-bridge gateway included, TCP and UDP), DNS dead; the agents start.
+bridge gateway included, TCP and UDP), DNS dead; the agents start; HTTPS from the sandbox
+verifies with no CA option, against the interception CA the forwarder fetched over aTLS.
 
 The compose file mounts absolute launch paths (/run/umbra/launch/...), so the test owns that
 directory for its duration and refuses to run if something else already does.
@@ -16,6 +17,7 @@ import json
 import os
 import shutil
 import socket
+import ssl
 import subprocess
 import threading
 import time
@@ -46,6 +48,7 @@ from umbra.images.measure import (
 )
 from umbra.proxy.identity import hash_credential
 
+from ..proxy.harness import TestCA as OriginCA
 from ..sandbox.fixtures import dev_definition, security_definition
 from .conftest import docker_up
 from .test_docker_isolation import PROBE, host_services  # noqa: F401 -- the fixture
@@ -124,7 +127,6 @@ def test_rendered_dev_cvm_compose_runs_isolated_under_docker_compose(
                 pccs_urls=[f"http://{host_ip}:{pccs.url.rsplit(':', 1)[1]}"],
                 tunnels=[],
                 sandbox_subnet=f"10.232.{octet}.0/24",
-                sessions_subnet=f"10.233.{octet}.0/24",
                 uplink_subnet=f"10.234.{octet}.0/29",
             )
             m = measure(definition)
@@ -177,6 +179,7 @@ def test_rendered_dev_cvm_compose_runs_isolated_under_docker_compose(
             print("denied:", denied.stdout, denied.stderr)
             assert denied.stdout.startswith("4") and "/x" not in sec.origin_paths
             assert "/allowed" in sec.origin_paths
+            _check_https_trusts_the_attested_ca(sec)
             records = sec.traffic()
             print("traffic records:", [(r.get("host"), r.get("path")) for r in records])
             assert any(
@@ -324,10 +327,18 @@ class SecurityStandIn:
         self.origin = _origin(d / "www", self.origin_paths)
         self.origin_port = self.origin.server_address[1]
         (d / "policies").mkdir()
+        self.tls_origin = _tls_origin(d / "tls")
+        self.repo_head = subprocess.run(
+            ["git", "-C", str(d / "tls/www/repo.git"), "rev-parse", "HEAD"],
+            capture_output=True, text=True, check=True,
+        ).stdout.strip()  # fmt: skip
+        self.tls_port = self.tls_origin.server_address[1]
         (d / "policies/testing.yaml").write_text(
             "apiVersion: umbra/v1\nkind: Profile\nname: testing\negress:\n"
             f"  - id: origin\n    allow: {{hosts: [origin.test], schemes: [http], "
             f"ports: [{self.origin_port}]}}\n"
+            f"  - id: origin-tls\n    allow: {{hosts: [origin.test], schemes: [https], "
+            f"ports: [{self.tls_port}]}}\n"
         )
         (d / "identities.json").write_text(json.dumps({"cvms": [{
             "cvm_id": "u12-dev", "owner": "dev", "team": "acme", "profiles": ["testing"],
@@ -342,6 +353,7 @@ class SecurityStandIn:
 
     def start(self) -> None:
         threading.Thread(target=self.origin.serve_forever, daemon=True).start()
+        threading.Thread(target=self.tls_origin.serve_forever, daemon=True).start()
         _docker(
             "run", "-d", "--name", self.name, "--network", "host", "--runtime", "runc",
             "-v", f"{self.d}:/sec", self.image,
@@ -352,6 +364,7 @@ class SecurityStandIn:
             "--event-log", "/sec/launch/security/event-log.json",
             "--policy-dir", "/sec/policies", "--identities", "/sec/identities.json",
             "--traffic-log", "/sec/spool", "--confdir", "/sec/mitm-ca",
+            "--upstream-ca", "/sec/tls/origin-ca.pem",
             "--test-allow-upstream", "127.0.0.1/32", "--test-resolver", "/sec/resolver.json",
         )  # fmt: skip
         for _ in range(60):
@@ -380,8 +393,85 @@ class SecurityStandIn:
     def stop(self) -> None:
         print("security stand-in log tail:\n" + "\n".join(self.log().splitlines()[-15:]))
         _docker("rm", "-f", self.name, check=False)
-        self.origin.shutdown()
-        self.origin.server_close()
+        for server in (self.origin, self.tls_origin):
+            server.shutdown()
+            server.server_close()
+
+
+def _check_https_trusts_the_attested_ca(sec: SecurityStandIn) -> None:
+    """The sandbox's init installed the CA the forwarder fetched inside aTLS (exactly the
+    Security CVM's interception CA), and the tools verify HTTPS with it and no CA option."""
+    from cryptography import x509
+
+    fetched = _docker("exec", "umbra-dev_sandbox_1", "cat",
+                      "/run/umbra/security-ca/security-cvm-ca.pem").stdout  # fmt: skip
+    proxy_ca = (sec.d / "mitm-ca" / "mitmproxy-ca-cert.pem").read_bytes()
+    assert [
+        c.fingerprint(_sha256()) for c in x509.load_pem_x509_certificates(fetched.encode())
+    ] == [x509.load_pem_x509_certificate(proxy_ca).fingerprint(_sha256())]
+    init = _docker("logs", "umbra-dev_sandbox_1", check=False)
+    assert "trusting 1 Security CVM CA certificate(s)" in init.stdout + init.stderr
+    tls = f"https://origin.test:{sec.tls_port}"
+    assert _sh(f"curl -sS -m 30 {tls}/allowed").stdout == "u12-origin-ok"
+    py = _sh(
+        'python3.12 -c "import urllib.request; print(urllib.request.urlopen('
+        f"'{tls}/allowed', timeout=30).read().decode())\""
+    )
+    assert py.stdout.strip() == "u12-origin-ok"
+    git = _sh(f"GIT_TERMINAL_PROMPT=0 git ls-remote {tls}/repo.git")
+    assert f"{sec.repo_head}\tHEAD" in git.stdout, git.stdout + git.stderr
+    # Not trusted because of anything but that CA: without it, curl refuses the proxy's cert.
+    bare = _sh(f"curl -sS -m 30 --cacert /dev/null {tls}/allowed", check=False)
+    assert bare.returncode != 0
+
+
+def _sha256() -> Any:
+    from cryptography.hazmat.primitives import hashes
+
+    return hashes.SHA256()
+
+
+def _tls_origin(d: Path) -> ThreadingHTTPServer:
+    """An HTTPS origin with its own CA (the proxy's `--upstream-ca`) on the host's loopback,
+    serving /allowed and a bare git repository over git's dumb HTTP protocol."""
+    d.mkdir()
+    ca = OriginCA(d)
+    cert, key = ca.issue(["origin.test"])
+    work, repo = d / "work", d / "www" / "repo.git"
+    git = ["git", "-c", "user.name=umbra", "-c", "user.email=tests@umbra.invalid"]
+    subprocess.run([*git, "init", "-q", str(work)], check=True)
+    subprocess.run(
+        [*git, "-C", str(work), "commit", "-q", "--allow-empty", "-m", "u12"], check=True
+    )
+    subprocess.run([*git, "clone", "-q", "--bare", str(work), str(repo)], check=True)
+    subprocess.run([*git, "-C", str(repo), "update-server-info"], check=True)
+    www = d / "www"
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args: Any) -> None:
+            return None
+
+        def do_GET(self) -> None:
+            path = self.path.split("?", 1)[0]
+            if path == "/allowed":
+                body = b"u12-origin-ok"
+            else:
+                f = www / path.lstrip("/")
+                if ".." in path or not path.startswith("/repo.git/") or not f.is_file():
+                    self.send_error(404)
+                    return
+                body = f.read_bytes()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    server.socket = context.wrap_socket(server.socket, server_side=True)
+    return server
 
 
 class _NoStart:

@@ -31,6 +31,7 @@ from umbra.images.launch_ingress import AttestedIngress, DockerSandbox, IngressS
 from umbra.images.measure import HOST_FIREWALL_EVENT, measure
 from umbra.sandbox.ingress import Ingress
 from umbra.sandbox.ingress_config import IngressConfig, load_ingress_config
+from umbra.sandbox.sandbox_locator import SandboxLocateError
 
 from ..sandbox.fixtures import dev_definition
 from ..session import harness
@@ -434,7 +435,7 @@ def test_the_sandbox_is_found_by_its_compose_labels_and_must_be_one_running_proc
         ("a\\nb\\n", "1", "got 2"),
         ("abc\\n", "0", "has no process"),
     ):
-        with pytest.raises(IngressStartError, match=says):
+        with pytest.raises(SandboxLocateError, match=says):
             _docker_stub(tmp_path, ps, pid).pid()
 
 
@@ -500,6 +501,15 @@ def test_the_agent_finds_a_real_sandbox_container_and_the_ingress_logs_into_it(
         done = _ssh_through(ingress, info, tmp_path, key_file, "id -u; readlink /proc/self/ns/net")
         assert done.returncode == 0, done.stderr
         assert done.stdout.split() == ["1000", os.readlink(f"/proc/{pid}/ns/net")]
+        # The sandbox container restarts (a crash, `restart: unless-stopped`): a new process in
+        # new namespaces. The ingress finds it by the container's labels; never the stale PID.
+        subprocess.run(["docker", "restart", "-t", "1", name], check=True, capture_output=True)
+        new = subprocess.run(inspect, capture_output=True, text=True, check=True).stdout.strip()
+        assert new != pid
+        again = _ssh_through(ingress, info, tmp_path, key_file, "readlink /proc/self/ns/net")
+        assert again.returncode == 0, again.stderr
+        assert again.stdout.split() == [os.readlink(f"/proc/{new}/ns/net")]
+        assert (tmp_path / "run-ingress/sandbox.pid").read_text() == f"{new}\n"
     finally:
         subprocess.run(["docker", "rm", "-f", name], capture_output=True)
         subprocess.run(["docker", "rmi", "-f", f"{name}:test"], capture_output=True)

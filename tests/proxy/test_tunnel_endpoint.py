@@ -27,7 +27,7 @@ from pydantic import ValidationError
 from umbra.attest.atls import atls_connect
 from umbra.attest.collateral import StaticCollateral
 from umbra.attest.eventlog import dump_dstack_event_log
-from umbra.attest.measurement import MeasurementPolicy
+from umbra.attest.measurement import MeasurementPolicy, ReleaseManifest
 from umbra.attest.simpki import SimulatedPki
 from umbra.attest.simulator import SimulatedTdx
 from umbra.attest.verify import Verifier
@@ -35,6 +35,7 @@ from umbra.proxy.identity import CvmIdentity
 from umbra.proxy.runner import ProxyConfig, ProxyThread, StartupError
 from umbra.sandbox.forwarder import Forwarder
 from umbra.sandbox.models import Endpoint, Tunnel
+from umbra.sandbox.sandbox_ca import CaBundle
 
 from .conftest import Env
 from .harness import (
@@ -435,3 +436,59 @@ def test_tunnel_endpoint_start_up_fails_closed(tun: Tun, tmp_path: Path) -> None
     runner = ProxyThread(_inprocess_config(tun, tmp_path, simulated_pki=tmp_path / "missing"))
     with pytest.raises(StartupError, match="simulated PKI"):
         runner.start()
+
+
+# ------------------------------------------------------------------ the sandbox's CA
+
+
+def _ca_forwarder(tun: Tun, cvm_id: str, credential: str | None, verifier: Verifier) -> Forwarder:
+    return Forwarder(
+        cvm_id=cvm_id,
+        security_cvm=Endpoint(host="127.0.0.1", port=tun.tunnel_port),
+        verifier=verifier,
+        listen_host="127.0.0.1",
+        proxy_port=free_port(),
+        credential=credential,
+        connect_timeout=5,
+        handshake_timeout=20,
+    )
+
+
+def test_the_sandbox_ca_comes_from_the_attested_security_cvm(
+    tun: Tun, alice: list[int], tmp_path: Path
+) -> None:
+    """The forwarder's `ca` request, inside aTLS to the real endpoint: exactly the proxy's
+    interception CA, which then verifies HTTPS through the forwarder (no other trust given)."""
+    fwd = _ca_forwarder(tun, "cvm-alice", ALICE_TOKEN, tun.verifier)
+    pem = tun.loop.run(fwd.fetch_ca())
+    assert pem == tun.proxy.ca.read_bytes()
+    bundle = CaBundle(tmp_path / "sandbox-ca.pem")
+    assert bundle.add(pem)
+    written = bundle.path.read_bytes()
+    assert b"PRIVATE KEY" not in written and (bundle.path.stat().st_mode & 0o777) == 0o644
+    needle = f"tunnel-ca-{uuid.uuid4().hex}"
+    response = https_via(tun, alice[0], f"/{needle}", ca=bundle.path)
+    assert status_of(response) == 200, response[:300]
+    assert not bundle.add(pem)  # the same CA again: unchanged
+
+
+def test_no_ca_without_attestation_or_credential(tun: Tun, tmp_path: Path) -> None:
+    """A Security CVM that does not verify (another release) gives nothing, and the endpoint
+    gives its CA only to a known CVM with its credential."""
+    release = tun.verifier.policy.release.model_dump(mode="json", exclude_none=True)
+    other = release | {"events": [{"name": "compose-hash", "payloads": ["cd" * 32]}]}
+    pki = SimulatedPki.load(tun.workdir / "pki")
+    wrong = Verifier(
+        MeasurementPolicy(release=ReleaseManifest.model_validate(other)),
+        StaticCollateral(pki.collateral(int(time.time()) - 60)),
+        allow_simulated=True,
+        simulated_root_der=pki.root_der,
+    )
+    unverified = _ca_forwarder(tun, "cvm-alice", ALICE_TOKEN, wrong)
+    assert tun.loop.run(unverified.fetch_ca()) is None
+    assert unverified.stats.refused == {"attestation_failed": 1}
+    mark = tun.proxy.log.mark()
+    stranger = _ca_forwarder(tun, "cvm-alice", "tunnel-wrong-credential", tun.verifier)
+    assert tun.loop.run(stranger.fetch_ca()) is None
+    assert stranger.stats.refused == {"ca_unavailable": 1}
+    tun.proxy.log.wait_for(mark, lambda r: r.get("reason") == "tunnel_bad_credential")

@@ -54,7 +54,7 @@ def test_dev_topology_as_rendered() -> None:
     assert sandbox["runtime"] == "sysbox-runc"
     assert set(service_networks(sandbox)) == {"sandbox"}
     assert networks["sandbox"]["internal"] is True
-    assert networks["sessions"]["internal"] is True
+    assert set(networks) == {"sandbox", "uplink"}  # no `sessions` leftover
     assert "internal" not in networks["uplink"]
     on_uplink = [n for n, s in services.items() if "uplink" in service_networks(s)]
     assert on_uplink == ["forwarder"]
@@ -64,7 +64,16 @@ def test_dev_topology_as_rendered() -> None:
     # The forwarder's config is embedded (so measured) and binds to its sandbox address only.
     cfg = ForwarderConfig.model_validate(json.loads(doc["configs"]["forwarder"]["content"]))
     assert cfg.listen.host == services["forwarder"]["networks"]["sandbox"]["ipv4_address"]
-    assert cfg.ingress is None
+    assert set(services["forwarder"]["networks"]) == {"sandbox", "uplink"}
+    # The attested CA: the forwarder writes it into `sandbox-ca`, the sandbox mounts it read-only
+    # and its init installs the file named on its command line.
+    assert cfg.sandbox_ca is not None
+    assert "sandbox-ca:/var/lib/umbra/sandbox-ca" in services["forwarder"]["volumes"]
+    assert "sandbox-ca:/run/umbra/security-ca:ro" in sandbox["volumes"]
+    command = sandbox["command"]
+    assert (
+        command[command.index("--ca") + 1] == "/run/umbra/security-ca/" + cfg.sandbox_ca.file.name
+    )
     env = sandbox["environment"]
     assert env["HTTPS_PROXY"] == f"http://{cfg.listen.host}:3128"
     assert set(doc["configs"]) == {"forwarder"}
@@ -179,10 +188,23 @@ PLAIN_RELAY = {
             _set(["networks", "uplink", "driver_opts"], {"com.docker.network.driver.mtu": "9000"}),
             "driver_opts 'com.docker.network.driver.mtu' is not allowed",
         ),
-        # A plain relay to SSH would bypass the attested ingress.
+        # A plain relay to SSH would bypass the attested ingress: the forwarder has none.
         (
             _forwarder_doc(lambda c: c.update(ingress=PLAIN_RELAY)),
-            "no `ingress` on a Dev CVM",
+            "Extra inputs are not permitted",
+        ),
+        # The sandbox trusts only the CA the forwarder attested, and cannot write it.
+        (_forwarder_doc(lambda c: c.pop("sandbox_ca")), "needs `sandbox_ca`"),
+        (
+            _forwarder_doc(lambda c: c.update(sandbox_ca={"file": "/tmp/ca.pem"})),
+            "sandbox_ca.file must be in a named volume",
+        ),
+        (
+            _set(
+                ["services", "sandbox", "volumes"],
+                ["sandbox-ca:/run/umbra/security-ca"],
+            ),
+            "volume sandbox-ca must be mounted read-only",
         ),
         (
             lambda d: d["configs"]["forwarder"].update(
@@ -287,7 +309,7 @@ def test_security_validator_confines_the_tsm_mount() -> None:
         ("unknown_field", 1, "Extra inputs are not permitted"),
         ("tunnels", [{"name": "x", "listen_port": 3128, "host": "github.com", "port": 22}], "distinct"),
         ("security_cvm", {"host": "evil\nhost: x", "port": 1}, "not a lowercase DNS name"),
-        ("sessions_subnet", "172.30.0.0/25", "overlap"),
+        ("sessions_subnet", "172.30.1.0/24", "Extra inputs are not permitted"),
         ("uplink_subnet", "172.30.0.0/29", "overlap"),
         ("console_url", "http://console.example", "String should match pattern"),
     ],

@@ -8,10 +8,13 @@ import struct
 import pytest
 
 from umbra.contracts.tunnel_header import (
+    MAX_CA_REPLY,
     MAX_HEADER,
     HeaderError,
     TunnelHeader,
+    encode_ca_reply,
     encode_header,
+    read_ca_reply,
     read_header,
 )
 
@@ -64,3 +67,20 @@ def _frame(doc: object) -> bytes:
 async def test_malformed_headers_are_refused(raw: bytes, expected: str) -> None:
     with pytest.raises(HeaderError, match=expected):
         await read_header(_reader(raw))
+
+
+async def test_ca_mode_and_its_bounded_reply() -> None:
+    h = TunnelHeader("dev-alice-1", "ca", credential="c" * 20)
+    got, rest = await read_header(_reader(encode_header(h)))
+    assert got == h and rest == b""
+    with pytest.raises(HeaderError, match="ca mode carries no destination"):
+        TunnelHeader("dev-alice-1", "ca", host="github.com", port=22)
+    pem = b"-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n"
+    assert await read_ca_reply(_reader(encode_ca_reply(pem) + b"trailing", step=7)) == pem
+    # Both sides share one bound; a longer claim is refused before anything is buffered.
+    with pytest.raises(HeaderError, match="outside"):
+        await read_ca_reply(_reader(struct.pack(">I", MAX_CA_REPLY + 1) + b"x" * 10))
+    with pytest.raises(HeaderError, match="outside"):
+        encode_ca_reply(b"")
+    with pytest.raises(HeaderError, match="closed before the whole CA reply"):
+        await read_ca_reply(_reader(encode_ca_reply(pem)[:-3]))

@@ -55,6 +55,24 @@ def test_bad_config_names_file_and_field(tmp_path: Path) -> None:
     assert done.returncode == 2 and "sandbox.uid" in done.stderr and "Traceback" not in done.stderr
 
 
+def test_a_docker_sandbox_needs_a_pid_file_and_a_running_container(tmp_path: Path) -> None:
+    """`sandbox.docker`: the ingress looks the container up per connection (it may have
+    restarted: tests/images/test_launch_agent_session.py runs that with a real engine)."""
+    from umbra.sandbox.gateway_sshd import sandbox_pid
+
+    target = {"project": "uca-none", "service": "sandbox"}
+    with pytest.raises(ValueError, match="docker needs pid_file"):
+        IngressConfig.model_validate(_config(tmp_path, sandbox={"netns": "x", "docker": target}))
+    pid_file = tmp_path / "sandbox.pid"
+    pid_file.write_text(f"{os.getpid()}\n")
+    config = IngressConfig.model_validate(
+        _config(tmp_path, sandbox={"pid_file": str(pid_file), "docker": target})
+    )
+    # No such container (or no engine at all): refused, and the old PID is never used.
+    with pytest.raises(IngressConfigError, match="the sandbox is not running"):
+        sandbox_pid(config)
+
+
 def test_simulated_needs_a_pki_and_only_then(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="simulated_pki"):
         IngressConfig.model_validate(_config(tmp_path, quote_source={"kind": "simulated"}))

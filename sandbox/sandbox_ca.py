@@ -1,0 +1,128 @@
+"""The Security CVM's interception CA, as the sandbox must trust it.
+
+The forwarder fetches it inside an attested aTLS session (`Forwarder.fetch_ca`, the tunnel
+header's `ca` mode), so it comes from a Security CVM whose quote verified: no network in between
+can substitute its own CA. It keeps every CA it has attested in one PEM bundle (replicas behind a
+load balancer each have their own mitmproxy CA today), written atomically into a volume the
+sandbox mounts read-only; `umbra-sandbox-init` installs it with `update-ca-certificates` and again
+whenever it changes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+
+logger = logging.getLogger(__name__)
+
+MAX_CAS = 16  # replicas a bundle remembers; a new CA beyond this is refused, never one dropped
+RETRY_FIRST = 1.0
+RETRY_MAX = 30.0
+
+
+class CaError(Exception):
+    """What the Security CVM sent is not a usable CA certificate (the message says why)."""
+
+
+def parse_cas(pem: bytes) -> list[x509.Certificate]:
+    """Only CA certificates, at least one; anything else in the reply is refused whole."""
+    try:
+        certs = x509.load_pem_x509_certificates(pem)
+    except ValueError:
+        raise CaError("the reply is not PEM certificates") from None
+    for cert in certs:
+        try:
+            bc = cert.extensions.get_extension_for_class(x509.BasicConstraints).value
+        except x509.ExtensionNotFound:
+            raise CaError("a certificate has no basicConstraints: not a CA") from None
+        if not bc.ca:
+            raise CaError("a certificate is not a CA (basicConstraints CA:FALSE)")
+    return certs
+
+
+def fingerprint(cert: x509.Certificate) -> str:
+    return cert.fingerprint(hashes.SHA256()).hex()
+
+
+@dataclass
+class CaBundle:
+    """The CAs this forwarder has attested, in first-seen order, persisted at `path`."""
+
+    path: Path
+    certs: list[x509.Certificate] = field(default_factory=list)
+
+    @classmethod
+    def load(cls, path: Path) -> CaBundle:
+        """What an earlier run attested (the volume is the forwarder's; the sandbox mounts it
+        read-only). An unreadable file starts empty: the next fetch rewrites it."""
+        try:
+            return cls(path, parse_cas(path.read_bytes()))
+        except (OSError, CaError):
+            return cls(path)
+
+    def add(self, pem: bytes) -> bool:
+        """Merge the attested CA(s); True when the bundle changed (and was rewritten)."""
+        known = {fingerprint(c) for c in self.certs}
+        new = [c for c in parse_cas(pem) if fingerprint(c) not in known]
+        if not new:
+            if not self.path.exists():
+                self._write()
+            return False
+        if len(self.certs) + len(new) > MAX_CAS:
+            raise CaError(f"more than {MAX_CAS} distinct Security CVM CAs: refusing to grow")
+        self.certs.extend(new)
+        self._write()
+        return True
+
+    def pem(self) -> bytes:
+        # Re-encoded from the parsed certificates: only certificates are ever written.
+        return b"".join(c.public_bytes(serialization.Encoding.PEM) for c in self.certs)
+
+    def _write(self) -> None:
+        temp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        temp.unlink(missing_ok=True)
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(self.pem())
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.chmod(temp, 0o644)  # the sandbox's root reads it through a read-only mount
+        os.replace(temp, self.path)
+
+
+async def keep_ca_fresh(
+    fetch: Callable[[], Awaitable[bytes | None]],
+    bundle: CaBundle,
+    refresh: float,
+    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+) -> None:
+    """Fetch until the first success (backing off), then every `refresh` seconds: each fetch may
+    land on another replica, whose CA joins the bundle."""
+    delay = RETRY_FIRST
+    have = bool(bundle.certs)
+    while True:
+        pem = await fetch()
+        if pem is not None:
+            try:
+                if bundle.add(pem):
+                    logger.warning(
+                        "sandbox CA bundle now holds %d attested CA(s): %s",
+                        len(bundle.certs),
+                        bundle.path,
+                    )
+                have = True
+            except (CaError, OSError) as exc:
+                logger.warning("Security CVM CA not installed: %s", exc)
+        if have and pem is not None:
+            delay = RETRY_FIRST
+            await sleep(refresh)
+        else:
+            await sleep(delay)
+            delay = min(delay * 2, RETRY_MAX)

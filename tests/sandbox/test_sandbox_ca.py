@@ -1,0 +1,113 @@
+"""The forwarder's bundle of attested interception CAs: only CA certificates are accepted, each is
+kept once, the file is rewritten atomically only when it changes, and the refresher keeps every
+replica's CA it meets (the fetch over aTLS itself: tests/proxy/test_tunnel_endpoint.py)."""
+
+from __future__ import annotations
+
+import datetime
+from pathlib import Path
+
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+
+from umbra.sandbox import sandbox_ca
+from umbra.sandbox.sandbox_ca import MAX_CAS, CaBundle, CaError, keep_ca_fresh
+
+
+def _cert(name: str, ca: bool = True) -> bytes:
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now)
+        .not_valid_after(now + datetime.timedelta(days=30))
+        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    return cert.public_bytes(serialization.Encoding.PEM)
+
+
+def test_bundle_keeps_each_attested_ca_once(tmp_path: Path) -> None:
+    a, b = _cert("replica-a"), _cert("replica-b")
+    bundle = CaBundle(tmp_path / "ca.pem")
+    assert bundle.add(a)
+    assert bundle.path.read_bytes() == a
+    before = bundle.path.stat().st_ino
+    assert not bundle.add(a)  # the same CA: the file is left alone
+    assert bundle.path.stat().st_ino == before
+    assert bundle.add(b)
+    assert bundle.path.read_bytes() == a + b
+    # A restart starts from what was attested before.
+    assert [sandbox_ca.fingerprint(c) for c in CaBundle.load(bundle.path).certs] == [
+        sandbox_ca.fingerprint(c) for c in bundle.certs
+    ]
+    assert list(tmp_path.iterdir()) == [bundle.path]  # no temp file left
+
+
+@pytest.mark.parametrize(
+    ("reply", "expected"),
+    [
+        (b"not pem", "not PEM certificates"),
+        (_cert("leaf", ca=False), "not a CA"),
+        (_cert("ok") + _cert("leaf", ca=False), "not a CA"),
+    ],
+)
+def test_bundle_refuses_what_is_not_a_ca(tmp_path: Path, reply: bytes, expected: str) -> None:
+    bundle = CaBundle(tmp_path / "ca.pem")
+    with pytest.raises(CaError, match=expected):
+        bundle.add(reply)
+    assert not bundle.path.exists()
+
+
+def test_only_certificates_are_ever_written(tmp_path: Path) -> None:
+    key = ec.generate_private_key(ec.SECP256R1())
+    key_pem = key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    )
+    bundle = CaBundle(tmp_path / "ca.pem")
+    bundle.add(key_pem + _cert("ca"))  # a careless Security CVM serving mitmproxy-ca.pem whole
+    assert b"PRIVATE KEY" not in bundle.path.read_bytes()
+
+
+def test_bundle_growth_is_bounded(tmp_path: Path) -> None:
+    bundle = CaBundle(tmp_path / "ca.pem")
+    for i in range(MAX_CAS):
+        bundle.add(_cert(f"r{i}"))
+    with pytest.raises(CaError, match="refusing to grow"):
+        bundle.add(_cert("one-too-many"))
+    assert len(CaBundle.load(bundle.path).certs) == MAX_CAS
+
+
+async def test_refresher_backs_off_then_collects_every_replica(tmp_path: Path) -> None:
+    a, b = _cert("replica-a"), _cert("replica-b")
+    replies: list[bytes | None] = [None, None, a, b"garbage", b, a]
+    sleeps: list[float] = []
+
+    async def fetch() -> bytes | None:
+        return replies.pop(0)
+
+    async def sleep(seconds: float) -> None:
+        sleeps.append(seconds)
+        if not replies:
+            raise _Done
+
+    bundle = CaBundle(tmp_path / "ca.pem")
+    with pytest.raises(_Done):
+        await keep_ca_fresh(fetch, bundle, refresh=300, sleep=sleep)
+    assert bundle.path.read_bytes() == a + b
+    # Unreachable twice: back off; then the refresh interval (a bad reply changes nothing).
+    assert sleeps == [1.0, 2.0, 300, 300, 300, 300]
+
+
+class _Done(Exception):
+    pass
