@@ -466,6 +466,11 @@ def write_launch_dir(
     else:
         _write(service / "security-cvm-id", data.cvm_id + "\n")
         _write(service / "event-log.json", log)
+        # Dev CVMs are known from the Console's attachments (each enrolled Dev CVM's credential
+        # hash): the proxy's local identities file is empty, and nothing in launch data adds one.
+        _write(service / "identities.yaml", "cvms: []\n")
+        if data.console_ca:
+            _write(service / "console-ca.pem", data.console_ca)
     if data.measurement_manifest:
         _write(root / "measurement-manifest.json", data.measurement_manifest)
     return compose
