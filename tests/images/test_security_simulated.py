@@ -131,7 +131,7 @@ def test_simulated_evidence_passes_a_test_forwarder_and_production_refuses_its_r
     data = LaunchData(
         role="security-cvm",
         team="acme",
-        cvm_id="usc-sec",
+        cvm_id="cvm_0123456789abcdef",  # the Console's id form
         app_compose=m.app_compose.decode(),
         console_ca="-----BEGIN CERTIFICATE-----\nusc\n-----END CERTIFICATE-----\n",
         enrollment_token="usc-token-0123456789abcdef",
@@ -143,7 +143,7 @@ def test_simulated_evidence_passes_a_test_forwarder_and_production_refuses_its_r
     # What the rendered proxy reads from its launch directory, written by the launch agent.
     assert (own / "identities.yaml").read_text() == "cvms: []\n"
     assert (own / "console-ca.pem").read_text() == data.console_ca
-    assert (own / "security-cvm-id").read_text() == "usc-sec\n"
+    assert (own / "security-cvm-id").read_text() == "cvm_0123456789abcdef\n"
     assert oct((own / "enrollment-token").stat().st_mode & 0o777) == "0o400"
 
     pki = SimulatedPki.generate()
