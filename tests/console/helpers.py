@@ -166,10 +166,14 @@ def start_server(
     enroll.install(app.state.console)
     sock = listening_socket(listen, 0)
     port = sock.getsockname()[1]
-    tls_options: dict[str, str] = {}
-    if tls is not None:
-        tls_options = {"ssl_certfile": str(tls[0]), "ssl_keyfile": str(tls[1])}
-    config = uvicorn.Config(app, log_config=None, access_log=True, lifespan="on", **tls_options)
+    config = uvicorn.Config(
+        app,
+        log_config=None,
+        access_log=True,
+        lifespan="on",
+        ssl_certfile=str(tls[0]) if tls is not None else None,
+        ssl_keyfile=str(tls[1]) if tls is not None else None,
+    )
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
