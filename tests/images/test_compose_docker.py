@@ -40,7 +40,7 @@ import yaml
 from tests.console import enroll
 from tests.console.helpers import Server, new_team, start_server
 from tests.console.oidc_issuer import LocalIssuer
-from tests.proxy.harness import TestCA
+from tests.proxy import harness
 from umbra.attest.collateral import StaticCollateral
 from umbra.attest.eventlog import load_event_log, replay
 from umbra.attest.measurement import MeasurementPolicy
@@ -137,8 +137,12 @@ def test_rendered_dev_and_security_cvm_compose_run_isolated_under_docker_compose
         with (
             SimulatedPccs(pki, int(time.time()) - 60, host="0.0.0.0") as pccs,  # noqa: S104
             _console(tmp_path / "console", host_ip, monkeypatch) as (server, ca, issuer),
+            contextlib.ExitStack() as down,
         ):
             sec = SecurityCvm(tmp_path / "sec", pki, server, ca, issuer, host_ip, out, images)
+            # Both composes go down (Dev first) while the Console still answers the proxy.
+            down.callback(sec.stop, runner)
+            down.callback(runner.down, "umbra-dev")
             sec.start(launch_dir, state, lines)
             definition = dev_definition(
                 images=refs,
@@ -204,7 +208,7 @@ def test_rendered_dev_and_security_cvm_compose_run_isolated_under_docker_compose
             # The proxy's records reach the Console (shipped with its enrolled credential),
             # attributed to the Dev CVM, its owner and team from the Console's attachments.
             records = sec.traffic(lambda r: r.get("path") == "/allowed")
-            print("traffic records:", [(r.get("connect_host"), r.get("path")) for r in records])
+            print("traffic records:", [(r.get("host"), r.get("path")) for r in records])
             assert records and all(r["cvm_id"] == sec.dev_cvm_id for r in records)
             assert records[0]["owner"] == sec.team.dev_subject
             assert records[0]["team"] == sec.team.name
@@ -341,7 +345,7 @@ def _console(
     """The real Console (embedded SQLite) over TLS on every address, its certificate naming the
     bridge gateway the Security CVM dials; this process trusts exactly its CA."""
     d.mkdir()
-    ca = TestCA(d)
+    ca = harness.TestCA(d)
     cert, key = ca.issue(["console.umbra.test"], ips=(host_ip,))
     monkeypatch.setenv("SSL_CERT_FILE", str(ca.cert_path))  # httpx clients of this process
     issuer = LocalIssuer()
@@ -374,6 +378,7 @@ class SecurityCvm:
         images: dict[str, dict[str, str]],
     ) -> None:
         self.d, self.pki, self.server, self.server_ca = d, pki, server, server_ca
+        self.stopped = False
         d.mkdir()
         self.archives = d / "images"
         self.archives.mkdir()
@@ -466,7 +471,6 @@ class SecurityCvm:
             say=said.append,
             etc_dir=self.d,
         ).run()
-        lines += said
         print("\n".join(said))
         assert any("security-cvm" in line and "started" in line for line in said)
         for _ in range(90):
@@ -517,6 +521,9 @@ class SecurityCvm:
         assert self.token not in log and self.dev_credential not in log
 
     def stop(self, runner: ComposeRunner) -> None:
+        if self.stopped:
+            return
+        self.stopped = True
         print("security cvm log tail:\n" + "\n".join(self.log().splitlines()[-15:]))
         try:
             runner.down("umbra-security")
