@@ -231,6 +231,7 @@ def test_rendered_dev_and_security_cvm_compose_run_isolated_under_docker_compose
             _wait_running("umbra-security_proxy_1")  # never restarted
             assert pccs.requests, "the forwarder fetched no collateral: it did not verify"
             sec.check_secrets_kept()
+            assert b"BEGIN CERTIFICATE" in sec.interception_ca()  # made in its own volume
     finally:
         try:
             runner.down("umbra-dev")
@@ -514,6 +515,12 @@ class SecurityCvm:
                 return records
             time.sleep(0.5)
         return []
+
+    def interception_ca(self) -> bytes:
+        """The proxy's interception CA certificate, from its `mitm-ca` state volume."""
+        volume = "umbra-security_mitm-ca"
+        data = Path(_docker("volume", "inspect", "-f", "{{.Mountpoint}}", volume).stdout.strip())
+        return (data / "mitmproxy-ca-cert.pem").read_bytes()
 
     def check_secrets_kept(self) -> None:
         """Neither the one-time token nor the Dev CVM's credential appears in the proxy's log."""
