@@ -184,3 +184,22 @@ def test_simulated_evidence_passes_a_test_forwarder_and_production_refuses_its_r
     assert not refused.ok
     assert [f.step for f in refused.failures] == [Step.POLICY]
     assert "simulated quotes were not allowed" in " ".join(refused.reasons)
+
+
+def test_the_simulated_command_parses_as_a_valid_proxy_config() -> None:
+    """Every argument of the simulated release's command is a real `umbra proxy serve` option
+    and together they are a valid configuration (the container would start, not exit 2)."""
+    from typer.main import get_command
+
+    from umbra.cli.proxy import _config_values
+    from umbra.cli.proxy import app as proxy_app
+    from umbra.proxy.config import ProxyConfig
+
+    command = _command(measure(security_definition(**SIMULATED, test_options=TESTING)).compose.text)
+    params = get_command(proxy_app).make_context("serve", command[3:]).params
+    values = _config_values(params) | {"security_cvm_id": "cvm_0123456789abcdef", "workers": 1}
+    config = ProxyConfig(**values)
+    assert config.quote_source == "simulated"
+    assert str(config.console_ca) == "/run/umbra/launch/console-ca.pem"
+    assert config.test_allow_upstream == ["172.17.0.0/16"]
+    assert str(config.test_resolver) == "/etc/umbra/test-resolver.json"
