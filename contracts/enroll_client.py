@@ -16,6 +16,7 @@ import contextlib
 import hashlib
 import ipaddress
 import os
+import ssl
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,7 +80,7 @@ def ensure_credential(
     token_file: Path | None,
     credential_file: Path,
     quoter: Quoter,
-    verify: str | bool = True,
+    verify: ssl.SSLContext | str | bool = True,
     timeout: float = 30.0,
     connect_address: str | None = None,
 ) -> tuple[str, bool]:

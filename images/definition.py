@@ -79,6 +79,16 @@ def _check_tee(d: ImageDefinition) -> ImageDefinition:
         raise DefinitionError(
             f"{d.name}: a tee: tdx release must not let its forwarder accept simulated quotes"
         )
+    if isinstance(d, SecurityCvmDefinition) and d.compose.simulated is not None:
+        if d.tee == "tdx":
+            raise DefinitionError(
+                f"{d.name}: a tee: tdx release must not let its proxy quote with the simulator"
+            )
+        if d.compose.simulated.image != d.base.simulated_image:
+            raise DefinitionError(
+                f"{d.name}: compose.simulated.image must be base.simulated_image "
+                f"({d.base.simulated_image!r}): the quotes would measure another image"
+            )
     if (d.tee == "simulated") != (d.base.simulated_image is not None):
         raise DefinitionError(
             f"{d.name}: tee {d.tee!r} needs "

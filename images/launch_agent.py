@@ -64,6 +64,7 @@ from umbra.components.launch_data import (
     PLACEHOLDER_MARK,
     LaunchData,
 )
+from umbra.contracts.names import CVM_ID_PATTERN
 from umbra.images.launch_host import (
     DataDisk,
     Firewall,
@@ -89,8 +90,7 @@ LAUNCH_DIR = Path("/run/umbra/launch")
 # Linux >= 6.16 exposes TDX RTMRs in sysfs; writing a SHA-384 digest extends the register.
 RTMR3_SYSFS = Path("/sys/class/misc/tdx_guest/measurements/rtmr3:sha384")
 _ID = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
-# The Console's CVM ids are `cvm_<hex>`: a CVM id may hold `_` (never `/` or `.`).
-_CVM_ID = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
+_CVM_ID = re.compile(CVM_ID_PATTERN)
 _KNOWN = META_KEYS
 # Opaque, short-lived, single use (the Console's enrollment endpoint checks it).
 _TOKEN = re.compile(r"^[A-Za-z0-9._~+/=-]{16,1024}$")
@@ -220,12 +220,11 @@ def parse_launch_data(meta: dict[str, str]) -> LaunchData:
     role, team, cvm_id = meta[META_ROLE], meta[META_TEAM], meta[META_CVM_ID]
     if role not in ("dev-cvm", "security-cvm"):
         raise LaunchError(Refusal.INVALID, f"{META_ROLE}: {role!r} is not dev-cvm or security-cvm")
-    for key, value, pattern, chars in (
-        (META_TEAM, team, _ID, "[a-z0-9-]"),
-        (META_CVM_ID, cvm_id, _CVM_ID, "[a-z0-9_-]"),
-    ):
-        if not pattern.match(value):
-            raise LaunchError(Refusal.INVALID, f"{key}: {value!r} is not {chars}, 1-63 chars")
+    if not _ID.match(team):
+        raise LaunchError(Refusal.INVALID, f"{META_TEAM}: {team!r} is not [a-z0-9-], 1-63 chars")
+    # The Console's ids (`cvm_<hex>`): the wire pattern every other end checks them with.
+    if not _CVM_ID.match(cvm_id):
+        raise LaunchError(Refusal.INVALID, f"{META_CVM_ID}: {cvm_id!r} is not a CVM id")
     app = meta[META_APP_COMPOSE]
     _check_app_compose(app, role)
     keys = [ln for ln in meta.get(META_SSH_KEYS, "").splitlines() if ln.strip()]
@@ -471,6 +470,11 @@ def write_launch_dir(
     else:
         _write(service / "security-cvm-id", data.cvm_id + "\n")
         _write(service / "event-log.json", log)
+        # Dev CVMs are known from the Console's attachments (each enrolled Dev CVM's credential
+        # hash): the proxy's local identities file is empty, and nothing in launch data adds one.
+        _write(service / "identities.yaml", "cvms: []\n")
+        if data.console_ca:
+            _write(service / "console-ca.pem", data.console_ca)
     if data.measurement_manifest:
         _write(root / "measurement-manifest.json", data.measurement_manifest)
     return compose

@@ -188,6 +188,17 @@ class ProxyConfig(BaseModel):
             "mode without it",
         ),
     ] = None
+    # A private Console CA (launch data's `umbra-console-ca`); absent: the public CAs (certifi).
+    console_ca: Annotated[
+        Path | None,
+        Flag(
+            "CA (PEM) the Console's TLS certificate chains to, instead of the public CAs.",
+            "the CA (PEM) the Console's TLS chains to, for every Console call (enrollment, "
+            "bundle, attachments, secrets, traffic log); the launch agent writes it from launch "
+            "data (`umbra-console-ca`); absent: the public CAs",
+            metavar="FILE",
+        ),
+    ] = None
     enroll_token_file: Annotated[
         Path | None,
         Flag(
@@ -327,6 +338,8 @@ class ProxyConfig(BaseModel):
             raise ValueError("--console needs --security-cvm-id")
         if self.console_url and self.console_credential_file is None:
             raise ValueError("--console needs --console-credential-file")
+        if self.console_ca is not None and self.console_url is None:
+            raise ValueError("--console-ca needs --console")
         if self.enroll_token_file is not None and self.console_url is None:
             raise ValueError("--enroll-token-file needs --console")
         if self.secrets_from_console and (self.console_url is None or self.secrets is not None):

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from umbra.attest.eventlog import Event
 from umbra.contracts.enroll_client import EnrollError, ensure_credential
-from umbra.proxy.runner import ProxyConfig, StartupError, config_evidence
+from umbra.proxy.runner import ProxyConfig, StartupError, config_evidence, console_verify
 
 
 def ensure_console_credential(config: ProxyConfig) -> bool:
@@ -32,6 +32,7 @@ def ensure_console_credential(config: ProxyConfig) -> bool:
             token_file=config.enroll_token_file,
             credential_file=config.console_credential_file,
             quoter=quoter,
+            verify=console_verify(config),
         )
     except EnrollError as exc:
         raise StartupError(f"enrollment: {exc}") from None

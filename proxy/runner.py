@@ -14,6 +14,7 @@ import ipaddress
 import logging
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -98,6 +99,16 @@ def config_evidence(config: ProxyConfig, purpose: str) -> Evidence:
         raise StartupError(f"{purpose}: {exc}") from None
 
 
+def console_verify(config: ProxyConfig) -> ssl.SSLContext | bool:
+    """TLS trust for the Console: exactly `--console-ca` when given, else the public CAs."""
+    if config.console_ca is None:
+        return True
+    try:
+        return ssl.create_default_context(cafile=str(config.console_ca))
+    except (OSError, ssl.SSLError) as exc:
+        raise StartupError(f"{config.console_ca}: not a readable CA certificate: {exc}") from None
+
+
 class UmbraProxy:
     """Everything the proxy runs: mitmproxy master, spool, shipper and policy puller."""
 
@@ -135,7 +146,11 @@ class UmbraProxy:
             ) from None
         if not credential or any(ord(char) < 0x21 or ord(char) > 0x7E for char in credential):
             raise StartupError(f"{path}: the Console credential must be one printable token")
-        return httpx.AsyncClient(timeout=10, headers={"Authorization": f"Bearer {credential}"})
+        return httpx.AsyncClient(
+            timeout=10,
+            headers={"Authorization": f"Bearer {credential}"},
+            verify=console_verify(self.config),
+        )
 
     def _load(self) -> tuple[PolicyState, StaticIdentities, Resolver, AddressPolicy]:
         config = self.config

@@ -115,6 +115,24 @@ class DevCvmInputs(Strict):
         return self
 
 
+class SimulatedQuotes(Strict):
+    """A `tee: simulated` release only (development, CI): the proxy quotes with the simulator,
+    signed by the simulated PKI the launch directory holds (`simulated-pki/`), with RTMR3 replayed
+    from the launch agent's event log. Measured, so the compose hash says so; every production
+    verifier refuses the simulated root whatever the compose says."""
+
+    image: Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9.-]{0,62}$")] = "umbra-security-cvm"
+
+
+class SecurityTestOptions(Strict):
+    """`umbra proxy serve`'s test-only options, for a simulated release's test origins on private
+    addresses (the proxy prints a loud warning). Refused without `simulated`."""
+
+    allow_upstream: list[ipaddress.IPv4Network] = Field(min_length=1)
+    resolver: dict[Host, list[ipaddress.IPv4Address]] = Field(default_factory=dict)
+    upstream_ca: Annotated[str, Field(min_length=1, max_length=16384)] | None = None
+
+
 class SecurityCvmInputs(Strict):
     release: Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9.-]{0,62}$")]
     images: SecurityImages
@@ -124,3 +142,16 @@ class SecurityCvmInputs(Strict):
     bundle_keys: list[Annotated[str, Field(min_length=1, max_length=4096)]] = Field(min_length=1)
     tunnel_port: Port = 8443
     proxy_port: Port = 8080
+    # The launch data carries the CA the Console's TLS chains to (`umbra-console-ca`); False: a
+    # public CA. Measured, like the Dev CVM's.
+    console_ca: bool = False
+    simulated: SimulatedQuotes | None = None
+    test_options: SecurityTestOptions | None = None
+
+    @model_validator(mode="after")
+    def _test_only_when_simulated(self) -> SecurityCvmInputs:
+        if self.test_options is not None and self.simulated is None:
+            raise ValueError("test_options need simulated quotes (never in a tdx release)")
+        if self.tunnel_port == self.proxy_port:
+            raise ValueError("tunnel_port and proxy_port must differ")
+        return self

@@ -141,7 +141,36 @@ def render_dev_cvm(inputs: DevCvmInputs) -> Rendered:
     return Rendered("docker-compose.yaml", text)
 
 
+def security_options(
+    inputs: SecurityCvmInputs,
+) -> tuple[list[str], dict[str, tuple[str, str]]]:
+    """The release-dependent part of the proxy's command line, and the extra configs it reads
+    (name -> (target path, content))."""
+    args: list[str] = []
+    configs: dict[str, tuple[str, str]] = {}
+    if inputs.simulated is None:
+        args += ["--quote-source", "configfs"]
+    else:
+        args += ["--quote-source", "simulated", "--simulated-pki", f"{LAUNCH_DIR}/simulated-pki",
+                 "--simulated-image", inputs.simulated.image]  # fmt: skip
+    if inputs.console_ca:
+        args += ["--console-ca", f"{LAUNCH_DIR}/console-ca.pem"]
+    test = inputs.test_options
+    if test is not None:
+        for net in test.allow_upstream:
+            args += ["--test-allow-upstream", str(net)]
+        if test.resolver:
+            resolver = {name: [str(ip) for ip in ips] for name, ips in test.resolver.items()}
+            configs["test_resolver"] = ("/etc/umbra/test-resolver.json", canonical_json(resolver))
+            args += ["--test-resolver", "/etc/umbra/test-resolver.json"]
+        if test.upstream_ca is not None:
+            configs["upstream_ca"] = ("/etc/umbra/upstream-ca.pem", test.upstream_ca)
+            args += ["--upstream-ca", "/etc/umbra/upstream-ca.pem"]
+    return args, configs
+
+
 def render_security_cvm(inputs: SecurityCvmInputs) -> Rendered:
+    options, configs = security_options(inputs)
     text = (
         _env()
         .get_template("security-cvm.compose.yaml.j2")
@@ -152,6 +181,9 @@ def render_security_cvm(inputs: SecurityCvmInputs) -> Rendered:
             proxy_port=inputs.proxy_port,
             console_url=inputs.console_url,
             bundle_keys="".join(k if k.endswith("\n") else k + "\n" for k in inputs.bundle_keys),
+            options=", ".join(json.dumps(a, ensure_ascii=True) for a in options),
+            quotes_configfs=inputs.simulated is None,
+            configs=configs,
         )
     )
     validate_security_compose(text)

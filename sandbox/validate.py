@@ -323,12 +323,37 @@ def _security(doc: dict[str, Any], out: list[str]) -> None:
     tunnel = _flag(command, "--tunnel-listen")
     if tunnel is None:
         out.append("service proxy: needs exactly one --tunnel-listen")
-    if _flag(command, "--quote-source") != "configfs":
-        out.append("service proxy: the Security CVM quotes with --quote-source configfs")
+    _check_quote_source(command, proxy, out)
     tunnel_port = (tunnel or "").rpartition(":")[2]
     ports = [str(p) for p in proxy.get("ports", []) or []]
     if ports != [f"{tunnel_port}:{tunnel_port}/tcp"]:
         out.append("service proxy: it publishes only the tunnel endpoint's port")
+
+
+# Only a simulated release may carry these (the proxy warns loudly; production verifiers refuse
+# the simulated root, so such a release never attests as production).
+SIMULATED_ONLY_FLAGS = ("--simulated-pki", "--test-allow-upstream", "--test-resolver",
+                        "--upstream-ca", "--policy-dir", "--bundle", "--secrets")  # fmt: skip
+
+
+def _check_quote_source(command: list[str], proxy: dict[str, Any], out: list[str]) -> None:
+    source = _flag(command, "--quote-source")
+    tsm = any(str(v).startswith(TSM_REPORT) for v in proxy.get("volumes", []) or [])
+    if source == "configfs":
+        for flag in SIMULATED_ONLY_FLAGS:
+            if flag in command:
+                out.append(f"service proxy: {flag} only in a simulated release")
+        if not tsm:
+            out.append(f"service proxy: --quote-source configfs needs {TSM_REPORT} mounted")
+    elif source == "simulated":
+        # The simulator's PKI comes with the launch material, read-only; no TD interface.
+        if not (_flag(command, "--simulated-pki") or "").startswith(LAUNCH_PREFIX):
+            out.append("service proxy: --simulated-pki must be in the launch directory")
+        if tsm:
+            out.append(f"service proxy: a simulated release does not mount {TSM_REPORT}")
+    else:
+        out.append("service proxy: the Security CVM quotes with --quote-source configfs "
+                   "(or simulated, in a simulated release)")  # fmt: skip
 
 
 def validate_dev_compose(text: str) -> dict[str, Any]:

@@ -135,8 +135,12 @@ def start_server(
     tmp: Path,
     *,
     stack_factory: Any = None,
+    listen: str = "127.0.0.1",
+    tls: tuple[Path, Path, str] | None = None,
     **overrides: Any,
 ) -> Server:
+    """`tls`: (certificate, key, the host name or address its URL names), e.g. for a Console that
+    containers reach on the Docker bridge's gateway; clients then need to trust its CA."""
     from cryptography.hazmat.primitives import serialization
 
     from umbra.console import db
@@ -160,9 +164,16 @@ def start_server(
     )
     app = create_app(settings, stack_factory=stack_factory)
     enroll.install(app.state.console)
-    sock = listening_socket("127.0.0.1", 0)
+    sock = listening_socket(listen, 0)
     port = sock.getsockname()[1]
-    config = uvicorn.Config(app, log_config=None, access_log=True, lifespan="on")
+    config = uvicorn.Config(
+        app,
+        log_config=None,
+        access_log=True,
+        lifespan="on",
+        ssl_certfile=str(tls[0]) if tls is not None else None,
+        ssl_keyfile=str(tls[1]) if tls is not None else None,
+    )
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
@@ -173,7 +184,7 @@ def start_server(
         time.sleep(0.02)
     return Server(
         backend=backend,
-        url=f"http://127.0.0.1:{port}",
+        url=f"https://{tls[2]}:{port}" if tls is not None else f"http://127.0.0.1:{port}",
         app=app,
         settings=settings,
         sqlite_path=sqlite_path,

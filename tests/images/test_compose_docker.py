@@ -1,17 +1,26 @@
-"""The rendered Dev CVM compose file, run for real: the launch agent (simulated TEE) measures it and
-starts it with the CVM's own runner (Debian's docker-compose 1.29.2 via
-umbra.images.compose_runner) on Debian's docker.io, with the images built by this session and
-loaded from their archives (no registry). Runtime: runc, because sysbox is absent here (said in
-the output). From inside the sandbox container: no route out, no host service reachable (the
-bridge gateway included, TCP and UDP), DNS dead; the agents start; HTTPS from the sandbox
-verifies with no CA option, against the interception CA the forwarder fetched over aTLS.
+"""The rendered Dev CVM and Security CVM compose files, run for real: for each, the launch agent
+(simulated TEE) measures it and starts it with the CVM's own runner (Debian's docker-compose
+1.29.2 via umbra.images.compose_runner) on Debian's docker.io, with the images built by this
+session and loaded from their archives (no registry). Runtime: runc, because sysbox is absent here
+(said in the output). HTTPS from the sandbox verifies with no CA option, against the
+interception CA the forwarder fetched over aTLS.
 
-The compose file mounts absolute launch paths (/run/umbra/launch/...), so the test owns that
+The Security CVM is a `tee: simulated` release (its proxy quotes with the simulator, its test
+options reach the host's origin) against the real Console (SQLite, over TLS with its own CA from
+launch data): it enrolls with the one-time token the launch agent wrote, pulls the signed bundle
+and the Dev CVM's attachment, and ships its traffic log there. The Dev CVM's forwarder attests it
+(the measured Security release, compose hash included) before relaying. From inside the sandbox
+container: no route out, no host service reachable (the bridge gateway included, TCP and UDP),
+DNS dead, HTTP only through forwarder -> proxy -> origin, recorded at the Console against the Dev
+CVM; the agents start.
+
+The compose files mount absolute launch paths (/run/umbra/launch/...), so the test owns that
 directory for its duration and refuses to run if something else already does.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -30,11 +39,19 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.console import enroll
+from tests.console.helpers import Server, new_team, start_server
+from tests.console.oidc_issuer import LocalIssuer
+from tests.proxy import harness
+from umbra.attest.collateral import StaticCollateral
 from umbra.attest.eventlog import load_event_log, replay
+from umbra.attest.measurement import MeasurementPolicy
 from umbra.attest.simpccs import SimulatedPccs
 from umbra.attest.simpki import SimulatedPki
 from umbra.attest.simulator import SimulatedTdx
+from umbra.attest.verify import Verifier
 from umbra.components.launch_data import LaunchData
+from umbra.console.release import AttestedReleaseVerifier
 from umbra.images import host_firewall, image_store
 from umbra.images.build import BuildResult
 from umbra.images.compose_runner import ComposeRunError, ComposeRunner, lower
@@ -46,7 +63,8 @@ from umbra.images.measure import (
     instance_events,
     measure,
 )
-from umbra.proxy.identity import hash_credential
+from umbra.proxy.policy.bundle import generate_key, payload_document, sign_bundle
+from umbra.proxy.policy.loader import load_policy_dir
 
 from ..proxy.harness import TestCA as OriginCA
 from ..sandbox.fixtures import dev_definition, security_definition
@@ -84,12 +102,13 @@ def launch_dir() -> Iterator[Path]:
         shutil.rmtree(LAUNCH, ignore_errors=True)
 
 
-def test_rendered_dev_cvm_compose_runs_isolated_under_docker_compose(
+def test_rendered_dev_and_security_cvm_compose_run_isolated_under_docker_compose(
     runtime_builds: tuple[Path, dict[str, dict[str, str]], dict[str, dict[str, str]]],
     sandbox_ci_build: BuildResult,
     host_services: tuple[int, int, list[bytes]],  # noqa: F811
     launch_dir: Path,
     tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     docker_up()
     out, images, _ = runtime_builds
@@ -103,10 +122,9 @@ def test_rendered_dev_cvm_compose_runs_isolated_under_docker_compose(
         "sandbox": sandbox.ref,
         "forwarder": f"umbra/forwarder@{images['forwarder']['manifest_digest']}",
     }
-    pki = SimulatedPki.generate()
-    sec = SecurityStandIn(tmp_path / "sec", pki, images["proxy"]["config_digest"])
-    _docker("load", "-i", str(out / images["proxy"]["archive"]))
-    # The host as containers see it on Docker's default bridge: where the stand-ins listen.
+    pki = enroll.pki()  # the test Console's enrollment verifiers trust this simulated root
+    # The host as containers see it on Docker's default bridge: where the Console and the origin
+    # listen (the Security CVM reaches them from its own bridge through the host).
     host_ip = _docker(
         "network", "inspect", "bridge", "-f", "{{(index .IPAM.Config 0).Gateway}}"
     ).stdout.strip()
@@ -116,14 +134,24 @@ def test_rendered_dev_cvm_compose_runs_isolated_under_docker_compose(
     gw = f"10.232.{octet}.1"
     tcp, udp, got = host_services
     runner = ComposeRunner(state, {})
+    sec: SecurityCvm | None = None
     host_firewall.apply()  # on the CVM its unit runs before docker.service
     try:
-        with SimulatedPccs(pki, int(time.time()) - 60, host="0.0.0.0") as pccs:  # noqa: S104
-            sec.start()
+        with (
+            SimulatedPccs(pki, int(time.time()) - 60, host="0.0.0.0") as pccs,  # noqa: S104
+            _console(tmp_path / "console", host_ip, monkeypatch) as (server, ca, issuer),
+            contextlib.ExitStack() as down,
+        ):
+            sec = SecurityCvm(tmp_path / "sec", pki, server, ca, issuer, host_ip, out, images)
+            # Both composes go down (Dev first) while the Console still answers the proxy.
+            down.callback(sec.stop, runner)
+            down.callback(runner.down, "umbra-dev")
+            sec.start(launch_dir, state, lines)
             definition = dev_definition(
                 images=refs,
                 allow_simulated=True,
                 security_cvm={"host": host_ip, "port": sec.tunnel_port},
+                security_cvm_release=sec.release,
                 pccs_urls=[f"http://{host_ip}:{pccs.url.rsplit(':', 1)[1]}"],
                 tunnels=[],
                 sandbox_subnet=f"10.232.{octet}.0/24",
@@ -132,16 +160,16 @@ def test_rendered_dev_cvm_compose_runs_isolated_under_docker_compose(
             m = measure(definition)
             data = LaunchData(
                 role="dev-cvm",
-                team="acme",
-                cvm_id="u12-dev",
+                team=sec.team.name,
+                cvm_id=sec.dev_cvm_id,
                 app_compose=m.app_compose.decode(),
                 ssh_authorized_keys=(ALICE,),
             )
             # Not launch data (no long-lived credential there): the forwarder enrolls at first
-            # start and keeps the credential in its state volume (tests/up/test_enrollment.py
-            # runs that enrollment against the real Console). This engine has no configfs-tsm to
-            # quote with, so the test puts the credential where the enrollment would.
-            _seed_forwarder_state(TUNNEL_TOKEN)
+            # start and keeps the credential in its state volume. This engine has no configfs-tsm
+            # to quote with, so the test enrolls the Dev CVM at the Console as its simulated TD
+            # (same routes, one-time token) and puts the credential where the enrollment would.
+            _seed_forwarder_state(sec.dev_credential)
             fwd_dir = launch_dir / "forwarder"
             fwd_dir.mkdir(parents=True)
             (fwd_dir / "simulated-root.der").write_bytes(pki.root_der)
@@ -157,7 +185,7 @@ def test_rendered_dev_cvm_compose_runs_isolated_under_docker_compose(
                 say=lines.append,
             )
             agent.run()
-            _check_the_running_dev_cvm(m, tdx, launch_dir, lines, sandbox, octet)
+            _check_the_running_dev_cvm(m, tdx, launch_dir, lines, sandbox, octet, sec.dev_cvm_id)
             probe = _exec(PROBE, gw, str(tcp), str(udp))
             print("from the sandbox:", probe)
             assert probe["gateway_tcp"].startswith("error:")
@@ -180,12 +208,13 @@ def test_rendered_dev_cvm_compose_runs_isolated_under_docker_compose(
             assert denied.stdout.startswith("4") and "/x" not in sec.origin_paths
             assert "/allowed" in sec.origin_paths
             _check_https_trusts_the_attested_ca(sec)
-            records = sec.traffic()
+            # The proxy's records reach the Console (shipped with its enrolled credential),
+            # attributed to the Dev CVM, its owner and team from the Console's attachments.
+            records = sec.traffic(lambda r: r.get("path") == "/allowed")
             print("traffic records:", [(r.get("host"), r.get("path")) for r in records])
-            assert any(
-                "origin.test" in json.dumps(r) and "/allowed" in json.dumps(r) for r in records
-            )
-            assert any(r.get("cvm_id") == "u12-dev" for r in records)
+            assert records and all(r["cvm_id"] == sec.dev_cvm_id for r in records)
+            assert records[0]["owner"] == sec.team.dev_subject
+            assert records[0]["team"] == sec.team.name
             # sudo apt-get install through the proxy, from the stand-in apt repo.
             repo = f"http://origin.test:{sec.origin_port}/debian"
             apt = _sh(
@@ -201,14 +230,18 @@ def test_rendered_dev_cvm_compose_runs_isolated_under_docker_compose(
             print(agents.stdout)
             assert "Claude Code" in agents.stdout and "codex" in agents.stdout.lower()
             # The forwarder verified the Security CVM's (simulated) quote before relaying.
-            assert sec.log().count("umbra tunnel endpoint listening") == 1
+            assert "umbra tunnel endpoint listening" in sec.log()
+            _wait_running("umbra-security_proxy_1")  # never restarted
             assert pccs.requests, "the forwarder fetched no collateral: it did not verify"
+            sec.check_secrets_kept()
+            assert b"BEGIN CERTIFICATE" in sec.interception_ca()  # made in its own volume
     finally:
         try:
             runner.down("umbra-dev")
             _docker("volume", "rm", "-f", "umbra-dev_forwarder-state", check=False)
         finally:
-            sec.stop()
+            if sec is not None:
+                sec.stop(runner)
             host_firewall.remove()
             for ref in (
                 sandbox.config_digest,
@@ -233,7 +266,13 @@ def _seed_forwarder_state(credential: str) -> None:
 
 
 def _check_the_running_dev_cvm(
-    m: Any, tdx: SimulatedTdx, launch_dir: Path, lines: list[str], sandbox: Any, octet: int
+    m: Any,
+    tdx: SimulatedTdx,
+    launch_dir: Path,
+    lines: list[str],
+    sandbox: Any,
+    octet: int,
+    cvm_id: str,
 ) -> None:
     print("\n".join(lines))
     # Stated plainly: not the production runtime.
@@ -243,7 +282,7 @@ def _check_the_running_dev_cvm(
     log = load_event_log((launch_dir / "event-log.json").read_bytes())
     boot = boot_events_of("dev-cvm", log)  # this boot's id and host key, shape-checked
     assert boot is not None
-    events = instance_events("dev-cvm", "u12-dev", [ALICE]) + boot_events("dev-cvm", *boot)
+    events = instance_events("dev-cvm", cvm_id, [ALICE]) + boot_events("dev-cvm", *boot)
     want = expected_rtmr3(m.events() + events).hex()
     assert replay(log)[3].hex() == want == tdx.rtmrs()[3].hex()
     ps = _docker("ps", "--filter", "label=com.docker.compose.project=umbra-dev",
@@ -303,109 +342,226 @@ def test_image_store_refuses_an_inconsistent_archive(tmp_path: Path) -> None:
         image_store.read_archive(bad)
 
 
-TUNNEL_TOKEN = "u12-tunnel-credential-0123456789"
+@contextlib.contextmanager
+def _console(
+    d: Path, host_ip: str, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[tuple[Server, str, LocalIssuer]]:
+    """The real Console (embedded SQLite) over TLS on every address, its certificate naming the
+    bridge gateway the Security CVM dials; this process trusts exactly its CA."""
+    d.mkdir()
+    ca = harness.TestCA(d)
+    cert, key = ca.issue(["console.umbra.test"], ips=(host_ip,))
+    monkeypatch.setenv("SSL_CERT_FILE", str(ca.cert_path))  # httpx clients of this process
+    issuer = LocalIssuer()
+    db = d / "console.db"
+    server = start_server("sqlite", f"sqlite:///{db}", db, issuer.url, generate_key(), d,
+                          listen="0.0.0.0", tls=(cert, key, host_ip))  # fmt: skip # noqa: S104
+    try:
+        yield server, ca.cert_path.read_text(), issuer
+    finally:
+        server.stop()
+        issuer.close()
 
 
-class SecurityStandIn:
-    """The Security CVM side: its launch agent's event log (simulated TEE) and the proxy image
-    running `umbra proxy serve` with that log (host network), a local policy, an origin and an
-    apt repository on the host. Not the rendered Security compose: that one needs a Console."""
+class SecurityCvm:
+    """The rendered Security CVM compose of a `tee: simulated` release, started by the launch
+    agent like the Dev CVM's, against the real Console: a team with this Security CVM (created,
+    not enrolled: the proxy enrolls with the one-time token the launch agent writes), a Dev CVM
+    attached to it with the `testing` profile of a signed bundle, an origin and an apt repository
+    on the host (reached through the proxy's test options: a simulated release only)."""
 
-    def __init__(self, d: Path, pki: SimulatedPki, image: str) -> None:
-        self.d, self.image = d, image
-        self.name = f"u12-sec-{os.getpid()}"
-        self.tunnel_port, self.proxy_port = _free_port(), _free_port()
+    def __init__(
+        self,
+        d: Path,
+        pki: SimulatedPki,
+        server: Server,
+        server_ca: str,
+        issuer: LocalIssuer,
+        host_ip: str,
+        out: Path,
+        images: dict[str, dict[str, str]],
+    ) -> None:
+        self.d, self.pki, self.server, self.server_ca = d, pki, server, server_ca
+        self.stopped = False
         d.mkdir()
-        pki.save(d / "pki")
-        m = measure(security_definition())
-        data = LaunchData(
-            role="security-cvm", team="acme", cvm_id="u12-sec", app_compose=m.app_compose.decode()
-        )
-        Agent(Given(data.as_metadata()), LogOnly(), _NoStart(), None, d / "launch",
-              lambda _line: None, etc_dir=d).run()  # fmt: skip
+        self.archives = d / "images"
+        self.archives.mkdir()
+        os.link(out / images["proxy"]["archive"], self.archives / images["proxy"]["archive"])
+        self.tunnel_port = _free_port()
         self.origin_paths: list[str] = []
         self.origin = _origin(d / "www", self.origin_paths)
         self.origin_port = self.origin.server_address[1]
-        (d / "policies").mkdir()
         self.tls_origin = _tls_origin(d / "tls")
         self.repo_head = subprocess.run(
             ["git", "-C", str(d / "tls/www/repo.git"), "rev-parse", "HEAD"],
             capture_output=True, text=True, check=True,
         ).stdout.strip()  # fmt: skip
         self.tls_port = self.tls_origin.server_address[1]
-        (d / "policies/testing.yaml").write_text(
+        self.team = new_team(server, issuer)
+        made = self.team.admin.post(f"/api/v1/teams/{self.team.name}/cvms",
+                                    json={"name": "usc-sec", "kind": "security"})  # fmt: skip
+        assert made.status_code == 201, made.text
+        self.cvm_id: str = made.json()["id"]
+        minted = self.team.admin.post(f"/api/v1/cvms/{self.cvm_id}/enrollment-token")
+        assert minted.status_code == 201, minted.text
+        self.token: str = minted.json()["token"]
+        keys = [Path(k).read_text() for k in server.settings.bundle_public_keys]
+        self.definition = security_definition(
+            images={"proxy": f"umbra/proxy@{images['proxy']['manifest_digest']}"},
+            console_url=server.url,
+            console_ca=True,
+            bundle_keys=keys,
+            tunnel_port=self.tunnel_port,
+            simulated={},
+            test_options={
+                "allow_upstream": [f"{host_ip}/32"],
+                "resolver": {"origin.test": [host_ip], "denied.test": [host_ip]},
+                "upstream_ca": (d / "tls" / "origin-ca.pem").read_text(),
+            },
+        )
+        self.measured = measure(self.definition)
+        # The Console admits this Security CVM's enrollment and secret release only for the
+        # measured release (compose hash included), on the simulated root.
+        verifier = AttestedReleaseVerifier(
+            Verifier(
+                MeasurementPolicy(release=self.measured.release),
+                StaticCollateral(pki.collateral(int(time.time()) - 3600)),
+                allow_simulated=True,
+                simulated_root_der=pki.root_der,
+            )
+        )
+        server.console.enrollment_verifiers["security"] = verifier
+        server.console.release_verifier = verifier
+        policies = d / "policies"
+        policies.mkdir()
+        (policies / "testing.yaml").write_text(
             "apiVersion: umbra/v1\nkind: Profile\nname: testing\negress:\n"
             f"  - id: origin\n    allow: {{hosts: [origin.test], schemes: [http], "
             f"ports: [{self.origin_port}]}}\n"
             f"  - id: origin-tls\n    allow: {{hosts: [origin.test], schemes: [https], "
             f"ports: [{self.tls_port}]}}\n"
         )
-        (d / "identities.json").write_text(json.dumps({"cvms": [{
-            "cvm_id": "u12-dev", "owner": "dev", "team": "acme", "profiles": ["testing"],
-            "credential_sha256": hash_credential(TUNNEL_TOKEN)}]}))  # fmt: skip
-        (d / "resolver.json").write_text(
-            json.dumps({"origin.test": ["127.0.0.1"], "denied.test": ["127.0.0.1"]})
+        compiled = [loaded.compiled for loaded in load_policy_dir(policies).profiles.values()]
+        bundle = sign_bundle(payload_document(compiled, 1, "usc"), [server.bundle_key])
+        assert self.team.upload(1, bundle).status_code == 201
+        dev = self.team.dev.post(f"/api/v1/teams/{self.team.name}/cvms",
+                                 json={"name": "usc-dev", "security_cvm_id": self.cvm_id})  # fmt: skip
+        assert dev.status_code == 201, dev.text
+        self.dev_cvm_id: str = dev.json()["id"]
+        attached = self.team.admin.put(f"/api/v1/cvms/{self.dev_cvm_id}/profiles",
+                                       json={"profiles": ["testing"]})  # fmt: skip
+        assert attached.status_code == 200, attached.text
+        self.dev_credential = enroll.enroll(
+            server.url, self.team.admin, self.dev_cvm_id, enroll.DEV_IMAGE, d
         )
-        for sub in ("spool", "mitm-ca"):
-            (d / sub).mkdir(mode=0o777)
-            (d / sub).chmod(0o777)
-        subprocess.run(["chmod", "-R", "a+rX", str(d)], check=True)
 
-    def start(self) -> None:
+    @property
+    def release(self) -> dict[str, Any]:
+        return self.measured.release.model_dump(mode="json", exclude_none=True)
+
+    def start(self, launch_dir: Path, state: Path, lines: list[str]) -> None:
         threading.Thread(target=self.origin.serve_forever, daemon=True).start()
         threading.Thread(target=self.tls_origin.serve_forever, daemon=True).start()
-        _docker(
-            "run", "-d", "--name", self.name, "--network", "host", "--runtime", "runc",
-            "-v", f"{self.d}:/sec", self.image,
-            "umbra", "proxy", "serve", "--workers", "1",
-            "--listen", f"127.0.0.1:{self.proxy_port}",
-            "--tunnel-listen", f"0.0.0.0:{self.tunnel_port}",
-            "--quote-source", "simulated", "--simulated-pki", "/sec/pki",
-            "--event-log", "/sec/launch/security/event-log.json",
-            "--policy-dir", "/sec/policies", "--identities", "/sec/identities.json",
-            "--traffic-log", "/sec/spool", "--confdir", "/sec/mitm-ca",
-            "--upstream-ca", "/sec/tls/origin-ca.pem",
-            "--test-allow-upstream", "127.0.0.1/32", "--test-resolver", "/sec/resolver.json",
-        )  # fmt: skip
-        for _ in range(60):
-            if "umbra tunnel endpoint listening" in self.log():
-                return
+        own = launch_dir / "security"
+        # The simulator's signing keys, as the simulated host provides them (never launch data).
+        self.pki.save(own / "simulated-pki")
+        subprocess.run(["chown", "-R", "65534:65534", str(own / "simulated-pki")], check=True)
+        data = LaunchData(
+            role="security-cvm",
+            team=self.team.name,
+            cvm_id=self.cvm_id,
+            app_compose=self.measured.app_compose.decode(),
+            console_url=self.server.url,
+            console_ca=self.server_ca,
+            enrollment_token=self.token,
+        )
+        said: list[str] = []
+        Agent(
+            source=Given(data.as_metadata()),
+            extender=LogOnly(),  # the proxy's simulator replays the written event log
+            starter=ComposeRunnerStart(self.archives, state, allow_runc=True, say=said.append),
+            reporter=None,
+            launch_dir=launch_dir,
+            say=said.append,
+            etc_dir=self.d,
+        ).run()
+        print("\n".join(said))
+        assert any("security-cvm" in line and "started" in line for line in said)
+        for _ in range(90):
+            log = self.log()
+            if "umbra tunnel endpoint listening" in log or "Exited" in self._status():
+                break
             time.sleep(1)
-        raise AssertionError(f"the Security CVM stand-in did not start:\n{self.log()}")
+        log = self.log()
+        assert "umbra tunnel endpoint listening" in log, f"the Security CVM did not start:\n{log}"
+        # It enrolled with the token (attested against the measured release) and pulled the
+        # signed bundle with the credential it got.
+        assert "umbra proxy serve: enrolled" in log
+        assert "SIMULATED TEE" in log
+        with self.server.client() as anonymous:  # the token is spent: single use
+            again = anonymous.post("/api/v1/enroll/challenge", json={"token": self.token})
+        assert again.status_code == 403 and "reused_token" in again.text
+        inspect = json.loads(_docker("inspect", "umbra-security_proxy_1").stdout)[0]
+        assert (
+            inspect["Config"]["User"] == "65534:65534" and inspect["HostConfig"]["ReadonlyRootfs"]
+        )
+        assert inspect["HostConfig"]["PortBindings"] == {
+            f"{self.tunnel_port}/tcp": [{"HostIp": "", "HostPort": str(self.tunnel_port)}]
+        }
+
+    def _status(self) -> str:
+        return _docker("ps", "-a", "--filter", "name=umbra-security_proxy_1", "--format",
+                       "{{.Status}}", check=False).stdout  # fmt: skip
 
     def log(self) -> str:
-        done = _docker("logs", self.name, check=False)
+        done = _docker("logs", "umbra-security_proxy_1", check=False)
         return done.stdout + done.stderr
 
-    def traffic(self) -> list[dict[str, Any]]:
-        for _ in range(20):  # the spool is appended after the response
-            records = [
-                json.loads(line)
-                for p in sorted((self.d / "spool").glob("*.jsonl"))
-                for line in p.read_text().splitlines()
-                if line.strip()
-            ]
+    def traffic(self, match: Any) -> list[dict[str, Any]]:
+        for _ in range(40):  # shipped about every second
+            page = self.team.admin.get(
+                f"/api/v1/teams/{self.team.name}/traffic",
+                params={"cvm_id": self.dev_cvm_id, "limit": 100},
+            ).json()
+            records = [r for r in page["records"] if match(r)]
             if records:
                 return records
             time.sleep(0.5)
         return []
 
-    def stop(self) -> None:
-        print("security stand-in log tail:\n" + "\n".join(self.log().splitlines()[-15:]))
-        _docker("rm", "-f", self.name, check=False)
-        for server in (self.origin, self.tls_origin):
-            server.shutdown()
-            server.server_close()
+    def interception_ca(self) -> bytes:
+        """The proxy's interception CA certificate, from its `mitm-ca` state volume."""
+        volume = "umbra-security_mitm-ca"
+        data = Path(_docker("volume", "inspect", "-f", "{{.Mountpoint}}", volume).stdout.strip())
+        return (data / "mitmproxy-ca-cert.pem").read_bytes()
+
+    def check_secrets_kept(self) -> None:
+        """Neither the one-time token nor the Dev CVM's credential appears in the proxy's log."""
+        log = self.log()
+        assert self.token not in log and self.dev_credential not in log
+
+    def stop(self, runner: ComposeRunner) -> None:
+        if self.stopped:
+            return
+        self.stopped = True
+        print("security cvm log tail:\n" + "\n".join(self.log().splitlines()[-15:]))
+        try:
+            runner.down("umbra-security")
+        finally:
+            for server in (self.origin, self.tls_origin):
+                server.shutdown()
+                server.server_close()
+            self.team.close()
 
 
-def _check_https_trusts_the_attested_ca(sec: SecurityStandIn) -> None:
+def _check_https_trusts_the_attested_ca(sec: SecurityCvm) -> None:
     """The sandbox's init installed the CA the forwarder fetched inside aTLS (exactly the
     Security CVM's interception CA), and the tools verify HTTPS with it and no CA option."""
     from cryptography import x509
 
     fetched = _docker("exec", "umbra-dev_sandbox_1", "cat",
                       "/run/umbra/security-ca/security-cvm-ca.pem").stdout  # fmt: skip
-    proxy_ca = (sec.d / "mitm-ca" / "mitmproxy-ca-cert.pem").read_bytes()
+    proxy_ca = sec.interception_ca()
     assert [
         c.fingerprint(_sha256()) for c in x509.load_pem_x509_certificates(fetched.encode())
     ] == [x509.load_pem_x509_certificate(proxy_ca).fingerprint(_sha256())]
@@ -432,7 +588,7 @@ def _sha256() -> Any:
 
 
 def _tls_origin(d: Path) -> ThreadingHTTPServer:
-    """An HTTPS origin with its own CA (the proxy's `--upstream-ca`) on the host's loopback,
+    """An HTTPS origin with its own CA (the proxy's `--upstream-ca`) on the host,
     serving /allowed and a bare git repository over git's dumb HTTP protocol."""
     d.mkdir()
     ca = OriginCA(d)
@@ -467,16 +623,12 @@ def _tls_origin(d: Path) -> ThreadingHTTPServer:
             self.end_headers()
             self.wfile.write(body)
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    # On all addresses: the proxy container reaches the host through its bridge gateway.
+    server = ThreadingHTTPServer(("0.0.0.0", 0), Handler)  # noqa: S104
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.load_cert_chain(cert, key)
     server.socket = context.wrap_socket(server.socket, server_side=True)
     return server
-
-
-class _NoStart:
-    def start(self, compose: Path) -> None:
-        return None
 
 
 def _free_port() -> int:

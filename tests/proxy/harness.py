@@ -111,11 +111,12 @@ class TestCA:
         self.cert_path = self.directory / "origin-ca.pem"
         self.cert_path.write_bytes(self.cert.public_bytes(serialization.Encoding.PEM))
 
-    def issue(self, names: list[str]) -> tuple[Path, Path]:
+    def issue(self, names: list[str], ips: tuple[str, ...] = ()) -> tuple[Path, Path]:
         key = ec.generate_private_key(ec.SECP256R1())
         now = datetime.datetime.now(datetime.UTC)
         sans: list[x509.GeneralName] = [x509.DNSName(name) for name in names]
-        sans.append(x509.IPAddress(__import__("ipaddress").ip_address("127.0.0.1")))
+        for ip in ("127.0.0.1", *ips):
+            sans.append(x509.IPAddress(__import__("ipaddress").ip_address(ip)))
         cert = (
             x509.CertificateBuilder()
             .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, names[0])]))

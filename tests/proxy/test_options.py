@@ -60,6 +60,7 @@ def test_command_options_are_the_declared_ones() -> None:
             "with --tunnel-listen, --listen must be a loopback address",
         ),
         (["--policy-dir", "p", "--workers", "2", "--listen", "127.0.0.1:0"], 2, "fixed --listen"),
+        (["--policy-dir", "p", "--console-ca", "ca.pem"], 2, "--console-ca needs --console"),
     ],
 )
 def test_errors_are_precise(args: list[str], code: int, message: str) -> None:
