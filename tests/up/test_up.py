@@ -488,7 +488,13 @@ def test_kill_9_is_reported_restarted_and_no_record_is_lost(up: Up) -> None:
     os.killpg(forwarder_pid, signal.SIGKILL)
     proxy_pid = stack.pid("proxy")
     assert proxy_pid
-    time.sleep(0.5)  # the record reaches the spool on disk
+    # The spool promises a record on disk within a flush interval of its decision, not before
+    # the response: wait until it is there (a fixed sleep lost it on a loaded machine), then kill.
+    spool = up.state / "security-cvm" / "spool"
+    end = time.monotonic() + 15
+    while not any(stamp in seg.read_text(errors="replace") for seg in spool.glob("*.jsonl")):
+        assert time.monotonic() < end, f"the record never reached the spool\n{up.logs()}"
+        time.sleep(0.05)
     os.killpg(proxy_pid, signal.SIGKILL)
     time.sleep(0.3)
     report = up.json("status")
