@@ -6,7 +6,7 @@ import os
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 import yaml
@@ -15,25 +15,17 @@ from rich.panel import Panel
 from rich.table import Table
 
 from umbra.attest.azure import decode_envelope, is_azure_envelope, parse_hcl_report
-from umbra.attest.collateral import (
-    Collateral,
-    CollateralCache,
-    CollateralSource,
-    PccsCollateral,
-    StaticCollateral,
-    pck_identity,
-)
 from umbra.attest.errors import AttestError
 from umbra.attest.eventlog import Event, dump_dstack_event_log, load_event_log
 from umbra.attest.inputs import decode_evidence
 from umbra.attest.measurement import MeasurementPolicy, ReleaseManifest, load_measurement_policy
 from umbra.attest.policy_from import release_from_evidence
 from umbra.attest.quote import parse_quote
-from umbra.attest.simazure import SimulatedAzureCvm
-from umbra.attest.simpki import SimulatedPki
-from umbra.attest.simulator import SimulatedTdx
-from umbra.attest.verify import Step, Verdict, Verifier, summarize
 from umbra.cli.output import EXIT_FINDINGS, EXIT_USAGE, console, fail, print_json
+
+if TYPE_CHECKING:  # collateral, verification and the simulator load dcap-qvl: not for --help
+    from umbra.attest.collateral import CollateralSource
+    from umbra.attest.verify import Verdict
 
 app = typer.Typer(help="Verify TDX attestation quotes; simulate a TEE.", no_args_is_help=True)
 
@@ -145,6 +137,8 @@ def verify(
             fail(f"cannot read {event_log}: {exc.strerror}", EXIT_USAGE, as_json=as_json)
         except AttestError as exc:  # a forged or broken log is a finding, not a usage error
             log_error = f"event log {event_log} does not parse: {exc}"
+    from umbra.attest.verify import Step, Verifier
+
     verdict = Verifier(measurement, source, allow_simulated, root).verify(
         raw, event_log=log, expected_report_data=expected_rd, now=at
     )
@@ -175,6 +169,8 @@ def _policy_doc(release: ReleaseManifest) -> dict[str, Any]:
 
 def _with_hints(v: Verdict) -> Verdict:
     """Say what to do about an expired collateral set, in the CLI's own terms."""
+    from umbra.attest.verify import Step
+
     if not any(f.step is Step.COLLATERAL and "expired at" in f.reason for f in v.failures):
         return v
     failures = [
@@ -199,6 +195,13 @@ def _render_pinned(release: ReleaseManifest) -> None:
 def _collateral_source(
     path: Path | None, pccs: list[str] | None, cache_dir: Path | None
 ) -> CollateralSource:
+    from umbra.attest.collateral import (
+        Collateral,
+        CollateralCache,
+        PccsCollateral,
+        StaticCollateral,
+    )
+
     if path is not None and pccs:
         raise AttestError("give --collateral or --pccs, not both")
     if path is not None:
@@ -274,6 +277,9 @@ def _render(v: Verdict, source: Path) -> None:
 
 def _describe(raw: bytes) -> dict[str, Any]:
     """What a user needs to pick collateral and write a policy; verifies nothing."""
+    from umbra.attest.collateral import pck_identity
+    from umbra.attest.verify import summarize
+
     quote = raw
     extra: dict[str, Any] = {"platform": "tdx"}
     if is_azure_envelope(raw):
@@ -369,6 +375,10 @@ def simulate(
         fail("--platform must be tdx or azure-tdx", EXIT_USAGE, as_json=as_json)
     if platform == "azure-tdx" and event:
         fail("runtime events are not measured on azure-tdx", EXIT_USAGE, as_json=as_json)
+    from umbra.attest.simazure import SimulatedAzureCvm
+    from umbra.attest.simpki import SimulatedPki
+    from umbra.attest.simulator import SimulatedTdx
+
     try:
         pki = SimulatedPki.load_or_create(pki_dir)
         files = ["quote", "collateral.json", "root.der", "release.yaml"]

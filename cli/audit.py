@@ -8,16 +8,17 @@ with `umbra console audit-verify` against the database.
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
-import httpx
 import typer
 from rich.table import Table
 
-from umbra.cli.auth import api_failure, open_client, resolve_team
+from umbra.cli.auth import api_errors, api_failure, open_client, resolve_team
 from umbra.cli.output import EXIT_FINDINGS, console, fail, print_json
-from umbra.console.client import ConsoleApiError, ConsoleClient
-from umbra.console.schemas import AuditEntryOut
+
+if TYPE_CHECKING:  # for annotations: the client and schemas load when a command runs
+    from umbra.console.client import ConsoleClient
+    from umbra.console.schemas import AuditEntryOut
 
 app = typer.Typer(help="The Console's hash-chained audit log (admins).", no_args_is_help=True)
 
@@ -48,7 +49,7 @@ def list_entries(
         with client:
             team_name = resolve_team(client, login, team, as_json)
             entries = _entries(client, team_name, None)[-limit:]
-    except (ConsoleApiError, httpx.HTTPError) as exc:
+    except api_errors() as exc:
         api_failure(exc, as_json)
     if as_json:
         print_json([entry.model_dump(mode="json") for entry in entries])
@@ -77,7 +78,7 @@ def verify(team: TeamOption = None, as_json: JsonFlag = False) -> None:
         with client:
             team_name = resolve_team(client, login, team, as_json)
             entries = _entries(client, team_name, None)
-    except (ConsoleApiError, httpx.HTTPError) as exc:
+    except api_errors() as exc:
         api_failure(exc, as_json)
     previous = 0
     for entry in entries:

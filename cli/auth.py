@@ -15,9 +15,8 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Annotated, Any, NoReturn
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
-import httpx
 import typer
 
 from umbra.cli.credentials import (
@@ -30,8 +29,10 @@ from umbra.cli.credentials import (
     save_login,
 )
 from umbra.cli.output import EXIT_FINDINGS, EXIT_USAGE, console, fail, print_json
-from umbra.console.client import ConsoleApiError, ConsoleClient
 from umbra.contracts.console_url import ConsoleUrlError, check_console_url
+
+if TYPE_CHECKING:
+    from umbra.console.client import ConsoleClient
 
 __all__ = ["Login", "config_dir", "login_path", "save_login"]
 
@@ -49,12 +50,29 @@ def load_login(as_json: bool = False) -> Login:
 
 
 def open_client(as_json: bool = False) -> tuple[ConsoleClient, Login]:
+    from umbra.console.client import ConsoleClient
+
     login = load_login(as_json)
     return ConsoleClient(login.url, login.token), login
 
 
+def api_errors() -> tuple[type[Exception], ...]:
+    """What a Console call raises: its refusal, or the transport failing. For `except api_errors()`:
+    an except clause is evaluated only when something is raised, so httpx and the client (and the
+    policy package their schemas use) load when a command runs, never for `--help`."""
+    import httpx
+
+    from umbra.console.client import ConsoleApiError
+
+    return (ConsoleApiError, httpx.HTTPError)
+
+
 def api_failure(exc: Exception, as_json: bool) -> NoReturn:
     """Console refusals exit 1 with its precise detail; an unreachable Console exits 2."""
+    import httpx
+
+    from umbra.console.client import ConsoleApiError
+
     if isinstance(exc, ConsoleApiError):
         fail(f"console answered {exc.status}: {exc.detail}", EXIT_FINDINGS, as_json=as_json)
     if isinstance(exc, httpx.HTTPError):
@@ -70,7 +88,7 @@ def resolve_team(client: ConsoleClient, login: Login, team: str | None, as_json:
         return login.team
     try:
         teams = sorted(client.me().roles)
-    except (ConsoleApiError, httpx.HTTPError) as exc:
+    except api_errors() as exc:
         api_failure(exc, as_json)
     if len(teams) != 1:
         fail(
@@ -84,6 +102,8 @@ def resolve_team(client: ConsoleClient, login: Login, team: str | None, as_json:
 def _device_flow(issuer: str, client_id: str, scope: str) -> dict[str, Any] | None:
     """The issuer's device flow (the token response plus `token_endpoint`), or None when it
     does not offer one."""
+    import httpx
+
     with httpx.Client(timeout=30, follow_redirects=False) as http:
         discovery = http.get(issuer.rstrip("/") + "/.well-known/openid-configuration")
         discovery.raise_for_status()
@@ -126,6 +146,8 @@ def _device_flow(issuer: str, client_id: str, scope: str) -> dict[str, Any] | No
 
 def _console_issuer(url: str) -> tuple[str | None, str | None]:
     """The issuer and CLI client id the Console advertises; (None, None) if it says nothing."""
+    import httpx
+
     try:
         answer = httpx.get(url.rstrip("/") + "/api/v1/auth/oidc", timeout=20)
         if answer.status_code != 200:
@@ -173,6 +195,10 @@ def login(
     as_json: JsonFlag = False,
 ) -> None:
     """Store the Console URL and a bearer token (never printed) for the other commands."""
+    import httpx
+
+    from umbra.console.client import ConsoleClient
+
     try:
         check_console_url(url)
     except ConsoleUrlError as exc:
@@ -201,7 +227,7 @@ def login(
     try:
         with ConsoleClient(url, token) as client:
             me = client.me()
-    except (ConsoleApiError, httpx.HTTPError) as exc:
+    except api_errors() as exc:
         api_failure(exc, as_json)
     expires_in = grant.get("expires_in") if grant else None
     refresh = grant.get("refresh_token") if grant else None
@@ -241,7 +267,7 @@ def status(as_json: JsonFlag = False) -> None:
     try:
         with client:
             me = client.me()
-    except (ConsoleApiError, httpx.HTTPError) as exc:
+    except api_errors() as exc:
         api_failure(exc, as_json)
     if as_json:
         print_json(

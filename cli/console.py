@@ -102,7 +102,8 @@ def audit_verify(
     engine = db.make_engine(settings.database_url)
     try:
         with Session(engine) as session:
-            report = audit.verify_database(session, expect_head.lower() if expect_head else None)
+            # The whole chain; its result becomes the checkpoint the audit page continues from.
+            report = audit.verify_full(session, expect_head.lower() if expect_head else None)
     finally:
         engine.dispose()
     if not report.ok:

@@ -8,17 +8,18 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
-import httpx
 import typer
 from rich.table import Table
 
-from umbra.cli.auth import api_failure, open_client, resolve_team
+from umbra.cli.auth import api_errors, api_failure, open_client, resolve_team
 from umbra.cli.output import EXIT_FINDINGS, EXIT_USAGE, console, fail, print_json, stderr
-from umbra.console.client import ConsoleApiError, ConsoleClient
-from umbra.console.schemas import CvmInfo
 from umbra.contracts.enrollment import security_token_key
+
+if TYPE_CHECKING:  # for annotations: the client and schemas load when a command runs
+    from umbra.console.client import ConsoleClient
+    from umbra.console.schemas import CvmInfo
 
 app = typer.Typer(help="Launch, list, update and destroy CVMs.", no_args_is_help=True)
 
@@ -135,7 +136,7 @@ def launch(
                 size=size,
             )
             cvm: CvmInfo = _wait(client, created) if wait else created
-    except (ConsoleApiError, httpx.HTTPError) as exc:
+    except api_errors() as exc:
         api_failure(exc, as_json)
     _show(cvm, as_json)
 
@@ -152,7 +153,7 @@ def list_cvms(
         with client:
             team_name = resolve_team(client, login, team, as_json)
             rows = client.list_cvms(team_name, include_destroyed=all_)
-    except (ConsoleApiError, httpx.HTTPError) as exc:
+    except api_errors() as exc:
         api_failure(exc, as_json)
     if as_json:
         print_json([row.model_dump(mode="json") for row in rows])
@@ -204,7 +205,7 @@ def update(
                 cvm_id, state=state, security_cvm_id=security_cvm, ssh_keys=keys, size=size
             )
             cvm = _wait(client, cvm) if wait else cvm
-    except (ConsoleApiError, httpx.HTTPError) as exc:
+    except api_errors() as exc:
         api_failure(exc, as_json)
     _show(cvm, as_json)
 
@@ -222,7 +223,7 @@ def enrollment_token(
     try:
         with client:
             minted = client.enrollment_token(cvm_id)
-    except (ConsoleApiError, httpx.HTTPError) as exc:
+    except api_errors() as exc:
         api_failure(exc, as_json)
     if as_json:
         print_json(minted.model_dump(mode="json"))
@@ -257,7 +258,7 @@ def security_replica(
         with client:
             team_name = resolve_team(client, login, team, as_json)
             minted = client.security_replica_token(team_name, replica)
-    except (ConsoleApiError, httpx.HTTPError) as exc:
+    except api_errors() as exc:
         api_failure(exc, as_json)
     if as_json:
         print_json(minted.model_dump(mode="json"))
@@ -303,6 +304,6 @@ def destroy(
         with client:
             cvm = client.destroy_cvm(cvm_id)
             cvm = _wait(client, cvm) if wait else cvm
-    except (ConsoleApiError, httpx.HTTPError) as exc:
+    except api_errors() as exc:
         api_failure(exc, as_json)
     _show(cvm, as_json)

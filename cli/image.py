@@ -5,35 +5,21 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 import yaml
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from pydantic import ValidationError
 from rich.table import Table
 
 from umbra.attest.measurement import canonical_ssh_key
 from umbra.cli.output import EXIT_USAGE, console, fail, print_json
-from umbra.contracts.keys import KeyFileError, write_key_pair
 from umbra.images.definition import DefinitionError, load_definition
 from umbra.images.image_store import IMAGES_DIR
-from umbra.images.manifest import BootEntry, boot_entry, build_manifest
-from umbra.images.measure import (
-    BOOT_EVENTS,
-    boot_events,
-    expected_rtmr3,
-    instance_events,
-    measure,
-)
-from umbra.images.signing import (
-    SignatureError,
-    load_private_key,
-    load_public_key,
-    sign_manifest,
-    verify_signed_manifest,
-)
 from umbra.sandbox.validate import ComposeError
+
+if TYPE_CHECKING:  # measuring and signing load attestation and templates: not for --help
+    from umbra.images.manifest import BootEntry
 
 app = typer.Typer(
     help="Measure CVM releases: compose hash, RTMR3 events, signed manifests.",
@@ -65,6 +51,8 @@ def _write(path: Path, data: str, mode: int = 0o644) -> None:
 
 
 def _boot_entry(path: Path) -> BootEntry:
+    from umbra.images.manifest import boot_entry
+
     try:
         doc = json.loads(path.read_text())
         if not isinstance(doc, dict):
@@ -119,7 +107,16 @@ def measure_cmd(
     as_json: JsonFlag = False,
 ) -> None:
     """Render the release's compose file and print its golden values."""
+    from umbra.images.manifest import build_manifest
+    from umbra.images.measure import (
+        BOOT_EVENTS,
+        boot_events,
+        expected_rtmr3,
+        instance_events,
+        measure,
+    )
     from umbra.images.provenance import ProvenanceError, provenance_index
+    from umbra.images.signing import SignatureError, load_private_key, sign_manifest
 
     keys = _ssh_keys(ssh_key or [], ssh_keys_file, as_json)
     try:
@@ -243,6 +240,8 @@ def verify_manifest_cmd(
     as_json: JsonFlag = False,
 ) -> None:
     """Check a signed measurement manifest against pinned release keys."""
+    from umbra.images.signing import SignatureError, load_public_key, verify_signed_manifest
+
     try:
         keys = [load_public_key(k) for k in key]
         manifest = verify_signed_manifest(signed.read_bytes(), keys)
@@ -265,6 +264,10 @@ def keygen_cmd(
     out: Annotated[Path, typer.Argument(help="Private key path; the public key goes to OUT.pub.")],
 ) -> None:
     """Create an Ed25519 release signing key (private key mode 0600)."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from umbra.contracts.keys import KeyFileError, write_key_pair
+
     try:
         public = write_key_pair(Ed25519PrivateKey.generate(), out)
     except (KeyFileError, OSError) as exc:
@@ -305,6 +308,7 @@ def build_cmd(
     from umbra.images.build import BuildError, build_rootfs
     from umbra.images.provenance import sign_statement, statement
     from umbra.images.recipes import Rootfs
+    from umbra.images.signing import SignatureError, load_private_key
     from umbra.sandbox.render import canonical_json
 
     try:
@@ -371,6 +375,7 @@ def verify_cmd(
     import hashlib
 
     from umbra.images.provenance import ProvenanceError, verify_release_images
+    from umbra.images.signing import SignatureError, load_public_key, verify_signed_manifest
 
     try:
         keys = [load_public_key(k) for k in key]

@@ -11,16 +11,16 @@ import re
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
-import httpx
 import typer
 from rich.table import Table
 
-from umbra.cli.auth import api_failure, open_client, resolve_team
+from umbra.cli.auth import api_errors, api_failure, open_client, resolve_team
 from umbra.cli.output import EXIT_USAGE, console, fail, print_json
-from umbra.console.client import ConsoleApiError
-from umbra.console.schemas import QuarantinedRecord, TrafficRecordOut
+
+if TYPE_CHECKING:  # for annotations: the client and schemas load when a command runs
+    from umbra.console.schemas import QuarantinedRecord, TrafficRecordOut
 
 # One command: the options live on the group's callback, so it is `umbra logs --cvm ...`
 # (app.py's lazy loader mounts every sub-app with `typer.main.get_group`).
@@ -108,7 +108,7 @@ def logs(
                 _table(records, wide)
                 return
             _follow(page, records, wide, as_json)
-    except (ConsoleApiError, httpx.HTTPError) as exc:
+    except api_errors() as exc:
         api_failure(exc, as_json)
 
 

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import typer
 from rich.console import Console
 
-from umbra.proxy.policy.errors import PolicyIssue
+if TYPE_CHECKING:  # importing it loads the whole policy package (cryptography): not for --help
+    from umbra.proxy.policy.errors import PolicyIssue
 
 EXIT_FINDINGS = 1
 EXIT_USAGE = 2

@@ -6,16 +6,16 @@ Console attaches to every Dev CVM launched from then on (any provider)."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
-import httpx
 import typer
 from rich.table import Table
 
-from umbra.cli.auth import api_failure, open_client, resolve_team
+from umbra.cli.auth import api_errors, api_failure, open_client, resolve_team
 from umbra.cli.output import EXIT_USAGE, console, fail, print_json
-from umbra.console.client import ConsoleApiError
-from umbra.console.schemas import CvmInfo, TeamDefaultProfiles, profiles_etag
+
+if TYPE_CHECKING:  # for annotations: the client and schemas load when a command runs
+    from umbra.console.schemas import CvmInfo, TeamDefaultProfiles
 
 app = typer.Typer(
     help="Attach policy profiles to Dev CVMs and set team defaults (admins).",
@@ -53,7 +53,7 @@ def list_profiles(
             team_name = resolve_team(client, login, team, as_json)
             bundles = client.list_bundles(team_name)
             cvms = [cvm for cvm in client.list_cvms(team_name) if cvm.kind == "dev"]
-    except (ConsoleApiError, httpx.HTTPError) as exc:
+    except api_errors() as exc:
         api_failure(exc, as_json)
     offered = bundles[0].profiles if bundles else []
     if as_json:
@@ -79,6 +79,8 @@ def list_profiles(
 
 
 def _change(cvm_id: str, add: list[str], remove: list[str], as_json: bool) -> CvmInfo:
+    from umbra.console.schemas import profiles_etag
+
     client, _login = open_client(as_json)
     try:
         with client:
@@ -86,7 +88,7 @@ def _change(cvm_id: str, add: list[str], remove: list[str], as_json: bool) -> Cv
             wanted = sorted((set(current.profiles) | set(add)) - set(remove))
             # If another admin changed them meanwhile the Console answers 412: nothing is lost.
             return client.attach_profiles(cvm_id, wanted, if_match=profiles_etag(current.profiles))
-    except (ConsoleApiError, httpx.HTTPError) as exc:
+    except api_errors() as exc:
         api_failure(exc, as_json)
 
 
@@ -102,7 +104,7 @@ def _defaults(
                 return current
             wanted = sorted((set(current.profiles) | set(add)) - set(remove))
             return client.set_default_profiles(team_name, wanted, if_match=current.etag)
-    except (ConsoleApiError, httpx.HTTPError) as exc:
+    except api_errors() as exc:
         api_failure(exc, as_json)
 
 

@@ -11,11 +11,6 @@ from typing import Annotated
 import typer
 
 from umbra.cli.output import EXIT_USAGE, console, fail
-from umbra.images.definition import DefinitionError, DevCvmDefinition, load_definition
-from umbra.sandbox.forwarder_config import ForwarderConfigError, load_forwarder_config
-from umbra.sandbox.forwarder_enroll import ensure_tunnel_credential
-from umbra.sandbox.forwarder_setup import build_forwarder
-from umbra.sandbox.render import render_dev_cvm, render_security_cvm
 from umbra.sandbox.sessions import (
     SessionError,
     attach_argv,
@@ -23,7 +18,8 @@ from umbra.sandbox.sessions import (
     request_session,
     serve_launcher,
 )
-from umbra.sandbox.validate import ComposeError, validate_dev_compose, validate_security_compose
+
+# Each command imports what it runs (templates, attestation, httpx) so `--help` stays light.
 
 app = typer.Typer(help="Dev CVM sandbox: compose files and agent sessions.", no_args_is_help=True)
 forwarder_app = typer.Typer(help="The Dev CVM's attested egress forwarder.", no_args_is_help=True)
@@ -37,6 +33,10 @@ def render(
     out: Annotated[Path | None, typer.Option("--out", "-o", help="Write here, not stdout.")] = None,
 ) -> None:
     """Render and validate a CVM's docker-compose.yaml."""
+    from umbra.images.definition import DefinitionError, DevCvmDefinition, load_definition
+    from umbra.sandbox.render import render_dev_cvm, render_security_cvm
+    from umbra.sandbox.validate import ComposeError
+
     try:
         d = load_definition(definition)
         rendered = (
@@ -59,6 +59,8 @@ def check(
     role: Annotated[str, typer.Option(help="dev-cvm or security-cvm")] = "dev-cvm",
 ) -> None:
     """Check a compose file against the isolation rules (exit 1 with every violation)."""
+    from umbra.sandbox.validate import ComposeError, validate_dev_compose, validate_security_compose
+
     try:
         text = compose.read_text()
     except OSError as exc:
@@ -101,6 +103,10 @@ def serve(
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> None:
     """Relay sandbox TCP to the attested Security CVM; refuse everything else."""
+    from umbra.sandbox.forwarder_config import ForwarderConfigError, load_forwarder_config
+    from umbra.sandbox.forwarder_enroll import ensure_tunnel_credential
+    from umbra.sandbox.forwarder_setup import build_forwarder
+
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING)
     try:
         cfg = load_forwarder_config(config)
@@ -119,6 +125,9 @@ def enroll(
     config: Annotated[Path, typer.Option("--config", "-c", help="forwarder.json")],
 ) -> None:
     """Trade the launch data's one-time token for the tunnel credential (attested), once."""
+    from umbra.sandbox.forwarder_config import ForwarderConfigError, load_forwarder_config
+    from umbra.sandbox.forwarder_enroll import ensure_tunnel_credential
+
     try:
         enrolled = ensure_tunnel_credential(load_forwarder_config(config))
     except ForwarderConfigError as exc:

@@ -7,16 +7,16 @@ printed: the Console answers with metadata only.
 from __future__ import annotations
 
 import sys
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
-import httpx
 import typer
 from rich.table import Table
 
-from umbra.cli.auth import api_failure, open_client, resolve_team
+from umbra.cli.auth import api_errors, api_failure, open_client, resolve_team
 from umbra.cli.output import EXIT_USAGE, console, fail, print_json
-from umbra.console.client import ConsoleApiError
-from umbra.console.schemas import SecretInfo
+
+if TYPE_CHECKING:  # for annotations: the client and schemas load when a command runs
+    from umbra.console.schemas import SecretInfo
 
 app = typer.Typer(
     help="Write-only secrets, bound to the hosts they may be sent to.", no_args_is_help=True
@@ -66,7 +66,7 @@ def set_secret(
                 info = client.set_personal_secret(team_name, name, value, host)
             else:
                 info = client.set_team_secret(team_name, name, value, host)
-    except (ConsoleApiError, httpx.HTTPError) as exc:
+    except api_errors() as exc:
         api_failure(exc, as_json)
     if as_json:
         print_json(info.model_dump(mode="json"))
@@ -87,7 +87,7 @@ def list_secrets(team: TeamOption = None, as_json: JsonFlag = False) -> None:
                 *client.list_secrets(team_name),
                 *client.list_secrets(team_name, personal=True),
             ]
-    except (ConsoleApiError, httpx.HTTPError) as exc:
+    except api_errors() as exc:
         api_failure(exc, as_json)
     if as_json:
         print_json([row.model_dump(mode="json") for row in rows])
@@ -119,7 +119,7 @@ def delete_secret(
         with client:
             team_name = resolve_team(client, login, team, as_json)
             client.delete_secret(team_name, name, personal=personal)
-    except (ConsoleApiError, httpx.HTTPError) as exc:
+    except api_errors() as exc:
         api_failure(exc, as_json)
     ref = f"{'personal' if personal else 'team'}/{name}"
     if as_json:
@@ -137,6 +137,8 @@ def rotate_secret(
 ) -> None:
     """Replace an existing secret's value, keeping its hosts; the value comes from stdin or a
     hidden prompt."""
+    from umbra.console.client import ConsoleApiError
+
     client, login = open_client(as_json)
     try:
         with client:
@@ -161,16 +163,14 @@ def rotate_secret(
                 info = client.set_team_secret(
                     team_name, name, value, read.hosts, if_version=read.version
                 )
-    except ConsoleApiError as exc:
-        if exc.status == 412:
+    except api_errors() as exc:
+        if isinstance(exc, ConsoleApiError) and exc.status == 412:
             fail(
                 f"{read.ref} changed since it was read (version {read.version}): someone else "
                 "rotated, re-set or deleted it meanwhile; your value was NOT stored. Check "
                 "`umbra secret list` and rotate again if it is still needed.",
                 as_json=as_json,
             )
-        api_failure(exc, as_json)
-    except httpx.HTTPError as exc:
         api_failure(exc, as_json)
     if as_json:
         print_json(info.model_dump(mode="json"))

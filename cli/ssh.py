@@ -14,12 +14,11 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Annotated, NoReturn
+from typing import TYPE_CHECKING, Annotated, NoReturn
 
-import httpx
 import typer
 
-from umbra.cli.auth import api_failure, open_client, resolve_team
+from umbra.cli.auth import api_errors, api_failure, open_client, resolve_team
 from umbra.cli.output import EXIT_USAGE, console, fail, print_json
 from umbra.cli.ssh_config import (
     SshConfigError,
@@ -28,9 +27,10 @@ from umbra.cli.ssh_config import (
     replace_atomically,
     ssh_argv,
 )
-from umbra.console.client import ConsoleApiError
-from umbra.console.schemas import CvmInfo
 from umbra.sandbox.sessions import AGENTS, DEFAULT_NAME, DTACH_OPTS, SessionError, check_request
+
+if TYPE_CHECKING:  # for annotations: the client and schemas load when a command runs
+    from umbra.console.schemas import CvmInfo
 
 JsonFlag = Annotated[bool, typer.Option("--json", help="Machine-readable output on stdout.")]
 CvmArg = Annotated[
@@ -59,7 +59,7 @@ def _dev_cvms(team: str | None, as_json: bool) -> list[CvmInfo]:
         with client:
             team_ = resolve_team(client, login, team, as_json)
             return [c for c in client.list_cvms(team_) if c.kind == "dev"]
-    except (ConsoleApiError, httpx.HTTPError) as exc:
+    except api_errors() as exc:
         api_failure(exc, as_json)
 
 

@@ -12,7 +12,6 @@ import tempfile
 from pathlib import Path
 
 from umbra.cli.credentials import embedded_client, host_alias, known_hosts_path
-from umbra.contracts.session import LOGIN_USER
 
 BEGIN = "# >>> umbra config-ssh: managed block, replaced by `umbra config-ssh` >>>"
 END = "# <<< umbra config-ssh <<<"
@@ -44,6 +43,10 @@ def proxy_command(cvm_id: str) -> str:
 
 
 def options(cvm_id: str, *, reuse: bool = True) -> list[tuple[str, str]]:
+    # Here, not at the top: the session contract pulls in attestation (cryptography, dcap-qvl),
+    # which `umbra ssh --help` does not need.
+    from umbra.contracts.session import LOGIN_USER
+
     opts = [
         ("User", LOGIN_USER),
         ("ProxyCommand", proxy_command(cvm_id)),

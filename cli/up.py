@@ -5,6 +5,7 @@ The machinery is `up_stack.py`; the walkthrough (`--check`) is `up_check.py`.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import subprocess
@@ -85,12 +86,18 @@ def up(
     def step(text: str) -> None:
         if not quiet:
             console.print(f"[bold cyan]▸[/] {text}")
+        # Also with --json: where a slow or stuck run stands is in logs/up.log.
+        with contextlib.suppress(OSError):
+            stack.p("logs").mkdir(parents=True, exist_ok=True)
+            with stack.p("logs", "up.log").open("a") as log:
+                log.write(f"{time.strftime('%H:%M:%S')} [{os.getpid()}] {text}\n")
 
     stack.progress = step
     started = time.monotonic()
     summary: dict[str, Any] = {}
     try:
         with stack.locked():
+            step("Checking root, system packages and ports")
             s.preflight(stack)
             prefix = os.environ.get("UMBRA_UP_NAME_PREFIX")
             if prefix:

@@ -5,7 +5,7 @@
       state.json         ports, ids of the team's Security CVM and Dev CVM
       run/NAME.pid       one per component; each process carries UMBRA_UP_STATE=<dir> in its
                          environment, so a recycled pid is never mistaken for ours
-      logs/NAME.log      stdout+stderr of each component
+      logs/NAME.log      stdout+stderr of each component; logs/up.log: each run's steps, timestamped
       keys/, pki/, ...   development keys, the simulated TEE's PKI, the demo origin's CA
       cvms/ID/           local Dev CVMs (sandbox/local_cvm.py)
 

@@ -219,3 +219,20 @@ class AuditEntry(SQLModel, table=True):
     details: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
     prev_hash: str = Field(max_length=64, unique=True)
     hash: str = Field(max_length=64)
+
+
+class AuditCheckpoint(SQLModel, table=True):
+    """How far the audit chain is known good (one row, id 1): the audit page verifies only the
+    entries after it. A full verification (`umbra console audit-verify`) rewrites it, and records
+    a broken chain here too, so every view says BROKEN until a full verification passes again."""
+
+    __tablename__ = "audit_checkpoint"
+
+    id: int = Field(default=1, primary_key=True, sa_column_kwargs={"autoincrement": False})
+    seq: int  # the last verified entry (0: none)
+    hash: str = Field(max_length=64)  # its hash (GENESIS for seq 0)
+    ok: bool = True
+    problem: str | None = Field(default=None, max_length=255)
+    bad_seq: int | None = None
+    full_at: datetime | None = Field(default=None, sa_type=DateTime(timezone=True))
+    updated_at: datetime = Field(sa_type=DateTime(timezone=True))

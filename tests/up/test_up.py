@@ -7,6 +7,7 @@ state directory with its own ports, so it runs beside other users of the machine
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -73,14 +74,35 @@ class Up:
     env: dict[str, str]
 
     def run(self, *args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [str(UMBRA), *args, "--state-dir", str(self.state), "--port-base", str(self.base)],
-            capture_output=True,
-            text=True,
-            env=self.env,
-            cwd=ROOT,
-            timeout=timeout,
+        try:
+            return subprocess.run(
+                [str(UMBRA), *args, "--state-dir", str(self.state), "--port-base", str(self.base)],
+                capture_output=True,
+                text=True,
+                env=self.env,
+                cwd=ROOT,
+                timeout=timeout,
+            )
+        except subprocess.TimeoutExpired as exc:
+            # Say where it stood: its output so far and what each component logged.
+            out = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else ""
+            raise AssertionError(
+                f"umbra {' '.join(args)} ran over {timeout:.0f}s; output so far: {out[-1500:]!r}"
+                f"\n{self.logs()}"
+            ) from None
+
+    def logs(self, chars: int = 1500) -> str:
+        """The tails of every component's log (the Console's, the proxy's, each Dev CVM's
+        forwarder and ingress): why a connection was refused is logged there."""
+        files = sorted((self.state / "logs").glob("*.log")) + sorted(
+            (self.state / "cvms").glob("*/*.log")
         )
+        tails = []
+        for path in files:
+            with contextlib.suppress(OSError):
+                text = path.read_text(errors="replace")[-chars:]
+                tails.append(f"--- {path.relative_to(self.state)}\n{text}")
+        return "\n".join(tails)
 
     def json(self, *args: str) -> dict[str, Any]:
         done = self.run(*args, "--json")
@@ -462,11 +484,17 @@ def test_kill_9_is_reported_restarted_and_no_record_is_lost(up: Up) -> None:
         "--cacert", "/umbra/proxy-ca.pem", "--proxy", f"http://{plan.forwarder_addr}:3128",
         f"https://api.demo.test:{stack.port('origin')}{stamp}",
     )  # fmt: skip
-    assert done.stdout == "200", done
+    assert done.stdout == "200", f"{done}\n{up.logs()}"
     os.killpg(forwarder_pid, signal.SIGKILL)
     proxy_pid = stack.pid("proxy")
     assert proxy_pid
-    time.sleep(0.5)  # the record reaches the spool on disk
+    # The spool promises a record on disk within a flush interval of its decision, not before
+    # the response: wait until it is there (a fixed sleep lost it on a loaded machine), then kill.
+    spool = up.state / "security-cvm" / "spool"
+    end = time.monotonic() + 15
+    while not any(stamp in seg.read_text(errors="replace") for seg in spool.glob("*.jsonl")):
+        assert time.monotonic() < end, f"the record never reached the spool\n{up.logs()}"
+        time.sleep(0.05)
     os.killpg(proxy_pid, signal.SIGKILL)
     time.sleep(0.3)
     report = up.json("status")

@@ -85,6 +85,7 @@ def test_pages_render_seeded_data(seeded: Seed, issuer: LocalIssuer) -> None:
         assert "team/bot" in secrets.text and "initial-value" not in secrets.text
         audit = client.get(f"/ui/teams/{team}/audit")
         assert "Chain verified" in audit.text and "policy.upload" in audit.text
+        assert "This view verified the entries after #" in audit.text
 
 
 def test_filters_narrow_the_rows(seeded: Seed, issuer: LocalIssuer) -> None:
