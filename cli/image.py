@@ -556,11 +556,12 @@ def disks_cmd(
     ] = 0,
     as_json: JsonFlag = False,
 ) -> None:
-    """Pack the OS image as bootable cloud disks (ESP with a UKI + root): GCP disk.raw in a
-    .tar.gz, Azure fixed VHD. Prints the UKI's digests: its Authenticode hash is what the
-    firmware measures into RTMR1."""
+    """Pack the OS image as bootable cloud disks (ESP with a UKI + root + the root's dm-verity
+    hash tree): GCP disk.raw in a .tar.gz, Azure fixed VHD. Prints the UKI's digests (its
+    Authenticode hash is what the firmware measures into RTMR1) and the verity root hash its
+    command line carries."""
     from umbra.images.disk_formats import DiskFormatError
-    from umbra.images.uki import CMDLINE, pack_os_image
+    from umbra.images.uki import kernel_cmdline, pack_os_image
 
     try:
         uki, disks = pack_os_image(os_dir, out, source_date_epoch)
@@ -577,7 +578,8 @@ def disks_cmd(
         "uki_sha256": uki.sha256,
         "uki_authenticode_sha384": uki.authenticode_sha384,
         "uki_authenticode_sha256": uki.authenticode_sha256,
-        "cmdline": CMDLINE,
+        "cmdline": kernel_cmdline(disks.verity_root_hash),
+        "verity_root_hash": disks.verity_root_hash,
     }
     if as_json:
         print_json(result)

@@ -1,9 +1,10 @@
 """Cloud disk formats from the OS image (images.os_image): its root file system (`rootfs.ext4`)
 and the Unified Kernel Image built from its kernel, initrd and stub (images.uki).
 
-- `disk.raw`: a GPT disk (1 MiB aligned, fixed GUIDs) with two partitions: the EFI system
+- `disk.raw`: a GPT disk (1 MiB aligned, fixed GUIDs) with three partitions: the EFI system
   partition (FAT32, the UKI at the removable-media path `/EFI/BOOT/BOOTX64.EFI`, which UEFI
-  firmware boots without any boot entry) and the root file system. Size rounded up to whole GiB
+  firmware boots without any boot entry), the root file system, and its dm-verity hash tree
+  (images.verity; the root hash is in the UKI's command line). Size rounded up to whole GiB
   (GCP wants whole-GiB disks; Azure 1 MiB multiples). The same `rootfs.ext4` and UKI give the
   same bytes: the GPT's GUIDs and the FAT's volume id are fixed, the FAT is written by mtools
   (no mount) with SOURCE_DATE_EPOCH timestamps, and the copy keeps holes (the result is sparse).
@@ -24,6 +25,10 @@ import os
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from umbra.images.verity import VerityTree
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -31,6 +36,10 @@ GIB = 1 << 30
 DISK_GUID = "6a2f4c1e-3b7d-4e8a-9c05-1d2e3f405162"
 ROOT_PART_GUID = "0fc63daf-8483-4772-8e79-3d69d8477de4"  # GPT partition type: Linux filesystem
 ROOT_PART_UUID = "3e1b7a90-5c2d-4f68-8b14-7a9c0d2e6f31"
+# The root's dm-verity hash tree (images.verity): the Discoverable Partitions type for an x86-64
+# root verity partition.
+VERITY_PART_GUID = "2c7357ed-ebd2-46d9-aec1-23d437ec2bf5"
+VERITY_PART_UUID = "7d4c2e1a-9b3f-4a60-8e57-1c2b3d4e5f60"
 ESP_TYPE_GUID = "c12a7328-f81f-11d2-ba4b-00a0c93ec93b"  # GPT partition type: EFI system
 ESP_PART_UUID = "5a3e1b7a-0c4d-4e2f-9a61-3b7c8d9e0f12"
 ESP_VOLUME_ID = "5A3E1B7A"
@@ -47,6 +56,7 @@ class CloudDisks:
     raw_sha256: str
     gcp_tar_gz: Path
     azure_vhd: Path
+    verity_root_hash: str  # in the UKI's command line (images.uki)
 
 
 def _run(
@@ -72,27 +82,31 @@ def esp_image(uki: Path, out: Path, epoch: int) -> Path:
     return out
 
 
-def raw_disk(rootfs: Path, esp: Path, out: Path) -> Path:
-    size, esp_size = rootfs.stat().st_size, esp.stat().st_size
-    for part, n in ((rootfs, size), (esp, esp_size)):
+def raw_disk(rootfs: Path, esp: Path, out: Path, verity: Path) -> Path:
+    size, esp_size, hash_size = rootfs.stat().st_size, esp.stat().st_size, verity.stat().st_size
+    for part, n in ((rootfs, size), (esp, esp_size), (verity, hash_size)):
         if n % MIB:
             raise DiskFormatError(f"{part}: {n} bytes is not a whole number of MiB")
     # 1 MiB before the partitions (protective MBR + GPT), 1 MiB after (backup GPT), whole GiB.
-    total = -(-(esp_size + size + 2 * MIB) // GIB) * GIB
+    total = -(-(esp_size + size + hash_size + 2 * MIB) // GIB) * GIB
     out.unlink(missing_ok=True)
     with out.open("wb") as f:
         f.truncate(total)
     root_start = 2048 + esp_size // 512
+    hash_start = root_start + size // 512
     script = (
         f"label: gpt\nlabel-id: {DISK_GUID}\nunit: sectors\nfirst-lba: 2048\n"
         f"start=2048, size={esp_size // 512}, type={ESP_TYPE_GUID}, uuid={ESP_PART_UUID}, "
         'name="umbra-esp"\n'
         f"start={root_start}, size={size // 512}, type={ROOT_PART_GUID}, uuid={ROOT_PART_UUID}, "
         'name="umbra-root"\n'
+        f"start={hash_start}, size={hash_size // 512}, type={VERITY_PART_GUID}, "
+        f'uuid={VERITY_PART_UUID}, name="umbra-root-verity"\n'
     )
     _run(["sfdisk", "--quiet", "--no-reread", "--no-tell-kernel", str(out)], "sfdisk", script)
     _copy_sparse(esp, out, MIB)
     _copy_sparse(rootfs, out, root_start * 512)
+    _copy_sparse(verity, out, hash_start * 512)
     return out
 
 
@@ -147,13 +161,15 @@ def azure_vhd(raw: Path, out: Path) -> Path:
     return out
 
 
-def build_cloud_disks(rootfs: Path, uki: Path, out: Path, epoch: int) -> CloudDisks:
+def build_cloud_disks(
+    rootfs: Path, verity: VerityTree, uki: Path, out: Path, epoch: int
+) -> CloudDisks:
     out.mkdir(parents=True, exist_ok=True)
     esp = esp_image(uki, out / "esp.img", epoch)
-    raw = raw_disk(rootfs, esp, out / "disk.raw")
+    raw = raw_disk(rootfs, esp, out / "disk.raw", verity.hash_tree)
     esp.unlink()
     digest = sha256_file(raw)
     tgz = gcp_tarball(raw, out / "umbra-gcp.tar.gz", epoch)
     vhd = azure_vhd(raw, out / "umbra-azure.vhd")
     os.sync()
-    return CloudDisks(raw, digest, tgz, vhd)
+    return CloudDisks(raw, digest, tgz, vhd, verity.root_hash)

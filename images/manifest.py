@@ -49,6 +49,7 @@ class BootEntry(_Strict):
     uki_authenticode_sha384: Annotated[str, Field(pattern=r"^[0-9a-f]{96}$")]
     uki_authenticode_sha256: Sha256Hex
     cmdline: str = Field(min_length=1)
+    verity_root_hash: Sha256Hex  # the root file system's, in cmdline (so under RTMR1)
     raw_sha256: Sha256Hex  # disk.raw
 
 

@@ -26,7 +26,7 @@ from umbra.images.build import (
     install_wheel,
     normalize,
 )
-from umbra.images.disk_formats import ROOT_PART_UUID
+from umbra.images.disk_formats import ROOT_PART_UUID, VERITY_PART_UUID
 from umbra.images.image_store import ARCHIVE_SUFFIX, IMAGES_DIR
 from umbra.images.recipes import MIRRORS, PY_LIBS, SUITE
 
@@ -38,6 +38,23 @@ INGRESS_UNIT = OS_DIR / "umbra-ingress.service"
 # Debian's own sshd units: the only sshd on a CVM is the ingress's per-connection `sshd -i`.
 MASKED_UNITS = ("ssh.service", "ssh.socket")
 STUB_PATH = "usr/lib/systemd/boot/efi/linuxx64.efi.stub"
+# The initramfs's dm-verity root and tmpfs overlays (images/os/initramfs): installed under
+# /etc/initramfs-tools, then the initrd is made again; the build checks it carries them.
+INITRAMFS_DIR = OS_DIR / "initramfs"
+INITRAMFS_FILES = {
+    "hook": "etc/initramfs-tools/hooks/umbra-verity",
+    "local-top": "etc/initramfs-tools/scripts/local-top/umbra-verity",
+    "init-bottom": "etc/initramfs-tools/scripts/init-bottom/umbra-overlay",
+}
+INITRD_MUST_HAVE = ("usr/sbin/veritysetup", "usr/sbin/umbra-mount", "dm-verity.ko", "overlay.ko")
+# The root is read-only (dm-verity; no fstab entry, so nothing remounts it). /etc and /var are
+# overlays made by the initramfs; these are plain tmpfs: /tmp, and docker's data-root (overlay2
+# cannot sit on the /var overlay).
+FSTAB = (
+    "# / is /dev/mapper/umbra-root (dm-verity, read-only), opened and mounted by the initramfs.\n"
+    "tmpfs /tmp tmpfs mode=1777,nosuid,nodev 0 0\n"
+    "tmpfs /var/lib/docker tmpfs mode=0710 0 0\n"
+)
 
 
 class LaunchAgentConfig(BaseModel):
@@ -112,10 +129,8 @@ def build_os_image(
                 "--mode=root",
                 "--variant=minbase",
                 "--format=directory",
-                "--include="
-                + ",".join(
-                    [d.kernel, "initramfs-tools", "systemd-boot-efi", *PY_LIBS, *d.packages]
-                ),
+                "--include=" + ",".join(_packages(d)),
+                *_initramfs_hooks(work),
                 SUITE,
                 str(root),
                 *MIRRORS,
@@ -147,8 +162,7 @@ def build_os_image(
             (unit_dir / target / name).symlink_to(f"/lib/systemd/system/{name}")
         net = root / "etc/systemd/network/20-dhcp.network"
         net.write_text("[Match]\nName=en* eth*\n\n[Network]\nDHCP=ipv4\n")
-        # The root partition by its fixed GPT id: /dev/vda under QEMU, NVMe or SCSI on the clouds.
-        (root / "etc/fstab").write_text(f"PARTUUID={ROOT_PART_UUID} / ext4 defaults 0 1\n")
+        (root / "etc/fstab").write_text(FSTAB)
         (root / "etc/hostname").write_text("umbra-cvm\n")
         for rel, content in (extra_files or {}).items():
             path = root / rel.lstrip("/")
@@ -177,6 +191,37 @@ def build_os_image(
             env=env,
         )  # fmt: skip
     return OsImage(image, out / "vmlinuz", out / "initrd.img", out / "linuxx64.efi.stub")
+
+
+def _packages(d: OsDefinition) -> list[str]:
+    # cryptsetup-bin: veritysetup, which the initramfs hook copies into the initrd.
+    base = [d.kernel, "initramfs-tools", "systemd-boot-efi", "cryptsetup-bin"]
+    return [*base, *PY_LIBS, *d.packages]
+
+
+def _initramfs_hooks(work: Path) -> list[str]:
+    """mmdebstrap customize hooks (run with /proc, /sys, /dev mounted): install the initramfs
+    files with the partitions' fixed GPT ids filled in, make the initrd again, and fail the
+    build if it lacks what the boot needs (a missing file would only warn in mkinitramfs)."""
+    staged = work / "initramfs"
+    for name, rel in INITRAMFS_FILES.items():
+        text = (INITRAMFS_DIR / name).read_text()
+        text = text.replace("@ROOT_PART_UUID@", ROOT_PART_UUID)
+        text = text.replace("@VERITY_PART_UUID@", VERITY_PART_UUID)
+        target = staged / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(text)
+        target.chmod(0o755)
+    check = " && ".join(
+        f"lsinitramfs /boot/initrd.img-* | grep -q '{f}' "
+        f"|| {{ echo 'initrd lacks {f}' >&2; exit 1; }}"
+        for f in INITRD_MUST_HAVE
+    )
+    return [
+        f'--customize-hook=cp -a {staged}/etc/. "$1/etc/"',
+        '--customize-hook=chroot "$1" update-initramfs -u -k all',
+        f'--customize-hook=chroot "$1" sh -c "{check}"',
+    ]
 
 
 def install_image_archives(root: Path, archives: Sequence[Path]) -> list[Path]:

@@ -4,7 +4,9 @@ kernel and the initrd added as PE sections by `objcopy`.
 
 One PE file holds the whole boot payload, so the firmware's measurement of it (the Authenticode
 hash, images.pe) covers kernel, initrd and command line together. The command line is fixed:
-the root partition by its fixed GPT id, the serial console the clouds and the CI boot read.
+the root file system's dm-verity root hash (images.verity; the initramfs opens the root only
+through it, read-only), `panic=` (a failed boot reboots, it never opens a shell on the console
+the host can type into), the serial console the clouds and the CI boot read.
 The same four inputs give the same bytes (the PE timestamp is the stub's, the section
 addresses follow from the inputs' sizes only).
 """
@@ -18,15 +20,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from umbra.images.disk_formats import (
-    ROOT_PART_UUID,
     CloudDisks,
     DiskFormatError,
     build_cloud_disks,
     sha256_file,
 )
 from umbra.images.pe import PeError, authenticode_digest, parse, with_timestamp
+from umbra.images.verity import format_verity
 
-CMDLINE = f"root=PARTUUID={ROOT_PART_UUID} rw console=ttyS0 quiet systemd.show_status=1"
+VERITY_DEVICE = "/dev/mapper/umbra-root"  # made by images/os/initramfs/local-top
 OS_RELEASE = 'ID=debian\nVERSION_ID="12"\nPRETTY_NAME="Umbra CVM (Debian 12 bookworm)"\n'
 PAGE = 0x1000
 UKI_NAME = "umbra-uki.efi"
@@ -40,11 +42,18 @@ class Uki:
     authenticode_sha256: str  # what a TPM firmware logs for it (PCR 4, SHA-256 bank)
 
 
+def kernel_cmdline(root_hash: str) -> str:
+    return (
+        f"root={VERITY_DEVICE} ro umbra.verity={root_hash} fsck.mode=skip panic=10 "
+        "console=ttyS0 quiet systemd.show_status=1"
+    )
+
+
 def _align(n: int) -> int:
     return -(-n // PAGE) * PAGE
 
 
-def build_uki(kernel: Path, initrd: Path, stub: Path, out: Path) -> Uki:
+def build_uki(kernel: Path, initrd: Path, stub: Path, out: Path, cmdline_text: str) -> Uki:
     try:
         stub_bytes = stub.read_bytes()
         layout = parse(stub_bytes)
@@ -53,7 +62,7 @@ def build_uki(kernel: Path, initrd: Path, stub: Path, out: Path) -> Uki:
     with tempfile.TemporaryDirectory(prefix="umbra-uki-") as tmp:
         osrel, cmdline = Path(tmp) / "os-release", Path(tmp) / "cmdline"
         osrel.write_text(OS_RELEASE)
-        cmdline.write_text(CMDLINE)
+        cmdline.write_text(cmdline_text)
         # Each section at the next page after the previous one, starting after the stub's image.
         vma = layout.image_base + _align(layout.size_of_image)
         args: list[str] = []
@@ -89,12 +98,16 @@ def describe_uki(path: Path) -> Uki:
 
 
 def pack_os_image(os_dir: Path, out: Path, epoch: int) -> tuple[Uki, CloudDisks]:
-    """images.os_image's output directory → the UKI, then the bootable cloud disks."""
+    """images.os_image's output directory → the root's dm-verity hash tree, the UKI whose
+    command line carries its root hash, then the bootable cloud disks."""
     files = {n: os_dir / n for n in ("rootfs.ext4", "vmlinuz", "initrd.img", "linuxx64.efi.stub")}
     missing = [str(p) for p in files.values() if not p.is_file()]
     if missing:
         raise DiskFormatError(f"{os_dir}: not an OS image directory, missing {', '.join(missing)}")
     out.mkdir(parents=True, exist_ok=True)
+    tree = format_verity(files["rootfs.ext4"], out / "rootfs.verity")
     uki = build_uki(files["vmlinuz"], files["initrd.img"], files["linuxx64.efi.stub"],
-                    out / UKI_NAME)  # fmt: skip
-    return uki, build_cloud_disks(files["rootfs.ext4"], uki.path, out, epoch)
+                    out / UKI_NAME, kernel_cmdline(tree.root_hash))  # fmt: skip
+    disks = build_cloud_disks(files["rootfs.ext4"], tree, uki.path, out, epoch)
+    tree.hash_tree.unlink()  # inside disk.raw now
+    return uki, disks

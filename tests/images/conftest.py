@@ -124,6 +124,9 @@ def qemu_os_image(
     and once more by the disk-format test (reproducibility)."""
     from .test_qemu_boot import STUB
 
+    if PREBUILT and (Path(PREBUILT) / "os-qemu").is_dir():
+        d = Path(PREBUILT) / "os-qemu"
+        return OsImage(d / "rootfs.ext4", d / "vmlinuz", d / "initrd.img", d / "linuxx64.efi.stub")
     wheel, req = build_inputs
     return build_os_image(
         load_os_definition(OS_DIR / "qemu.yaml"),

@@ -183,7 +183,8 @@ def test_the_manifest_names_the_boot_payload_from_image_disks(tmp_path: Path) ->
         "uki_sha256": "b" * 64,
         "uki_authenticode_sha384": "c" * 96,
         "uki_authenticode_sha256": "d" * 64,
-        "cmdline": "root=PARTUUID=x rw console=ttyS0",
+        "cmdline": f"root=/dev/mapper/umbra-root ro umbra.verity={'e' * 64} console=ttyS0",
+        "verity_root_hash": "e" * 64,
     }
     boot = tmp_path / "disks.json"
     boot.write_text(json.dumps(disks))

@@ -23,12 +23,14 @@ from umbra.images.disk_formats import (
     MIB,
     ROOT_PART_GUID,
     ROOT_PART_UUID,
+    VERITY_PART_GUID,
+    VERITY_PART_UUID,
     CloudDisks,
     DiskFormatError,
     raw_disk,
 )
 from umbra.images.os_image import OsImage
-from umbra.images.uki import CMDLINE, Uki
+from umbra.images.uki import Uki, kernel_cmdline
 
 from .conftest import EPOCH, need_root_and
 
@@ -56,17 +58,20 @@ def test_gcp_and_azure_formats_from_the_os_image(
         second["uki_sha256"],
         second["uki_authenticode_sha384"],
     )
-    assert second["cmdline"] == CMDLINE
+    assert second["verity_root_hash"] == first.verity_root_hash
+    assert second["cmdline"] == kernel_cmdline(first.verity_root_hash)
     assert first.raw_sha256 == second["raw_sha256"]
     assert first.gcp_tar_gz.read_bytes() == Path(second["gcp"]).read_bytes()
     assert size % GIB == 0
-    # The GPT: the ESP (EFI system type) first, the UKI at the removable-media path, then root.
+    # The GPT: the ESP (EFI system type) first, the UKI at the removable-media path, then root,
+    # then root's dm-verity hash tree.
     table = json.loads(
         subprocess.run(["sfdisk", "--json", str(first.raw)], capture_output=True, check=True).stdout
     )["partitiontable"]["partitions"]
     assert [(p["type"].lower(), p["uuid"].lower()) for p in table] == [
         (ESP_TYPE_GUID, ESP_PART_UUID),
         (ROOT_PART_GUID, ROOT_PART_UUID),
+        (VERITY_PART_GUID, VERITY_PART_UUID),
     ]
     esp = tmp_path / "esp.img"
     with first.raw.open("rb") as f, esp.open("wb") as g:
@@ -103,11 +108,12 @@ def test_gcp_and_azure_formats_from_the_os_image(
 
 
 def test_a_rootfs_not_in_whole_mib_is_refused(tmp_path: Path) -> None:
-    odd, esp = tmp_path / "rootfs.ext4", tmp_path / "esp.img"
+    odd, esp, tree = tmp_path / "rootfs.ext4", tmp_path / "esp.img", tmp_path / "rootfs.verity"
     odd.write_bytes(b"x" * 1000)
     esp.write_bytes(bytes(MIB))
+    tree.write_bytes(bytes(MIB))
     with pytest.raises(DiskFormatError, match="not a whole number of MiB"):
-        raw_disk(odd, esp, tmp_path / "disk.raw")
+        raw_disk(odd, esp, tmp_path / "disk.raw", tree)
 
 
 def test_an_os_image_directory_without_its_boot_files_is_refused(tmp_path: Path) -> None:

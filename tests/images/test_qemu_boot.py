@@ -3,7 +3,9 @@ metadata stand-in, and check that the launch agent runs at boot, measures, and s
 
 The boot is the cloud's: no -kernel, the firmware finds the ESP on the disk and runs the UKI at
 /EFI/BOOT/BOOTX64.EFI (the kernel, initrd and command line inside it), which mounts the root
-partition by its fixed PARTUUID.
+partition by its fixed PARTUUID through dm-verity (the root hash is in the UKI's command line),
+read-only. A second boot from a copy of the disk with one byte of a file flipped on the root
+partition stops in a kernel panic before the launch agent runs.
 
 The guest reaches the stand-in at 10.0.2.100:80 through QEMU's guestfwd. The compose command is a
 stub that prints the compose file's SHA-256 on the serial console (the image has no Docker: the
@@ -26,8 +28,9 @@ from typing import Any
 import pytest
 
 from umbra.components.launch_data import LaunchData
-from umbra.images.disk_formats import CloudDisks
+from umbra.images.disk_formats import ROOT_PART_UUID, CloudDisks
 from umbra.images.measure import measure
+from umbra.images.os_image import OsImage
 from umbra.images.uki import Uki
 
 from ..sandbox.fixtures import dev_definition
@@ -36,8 +39,12 @@ from .conftest import need_root_and
 OVMF = Path("/usr/share/ovmf/OVMF.fd")
 KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIOMqqnkVzrm0SdG6UOoqKLsabgH5C9okWi0dh2l9GKJl alice"
 STUB = """#!/bin/sh
-# CI boot test only: report the compose file the agent handed over, on the serial console.
+# CI boot test only: report the compose file the agent handed over, and what the root is, on the
+# serial console.
 echo "umbra-compose-stub: up $(sha256sum "$2" | cut -d' ' -f1)" > /dev/ttyS0
+echo "umbra-compose-stub: root $(grep ' / ' /proc/mounts | cut -d' ' -f1,3,4)" > /dev/ttyS0
+echo "umbra-compose-stub: verity $(veritysetup status umbra-root | tr -s ' \\n' ' ')" > /dev/ttyS0
+echo "umbra-compose-stub: write $(touch /umbra-probe 2>&1)" > /dev/ttyS0
 """
 pytestmark = pytest.mark.timeout(1500)
 
@@ -77,37 +84,53 @@ def metadata() -> Iterator[tuple[int, LaunchData, list[str]]]:
         server.server_close()
 
 
-def test_os_image_boots_and_the_agent_starts_the_compose(
-    qemu_disks: tuple[Uki, CloudDisks],
-    metadata: tuple[int, LaunchData, list[str]],
-    tmp_path: Path,
-) -> None:
-    need_root_and("qemu-system-x86_64")
-    if not OVMF.exists():
-        pytest.skip(f"needs {OVMF} (Debian ovmf; scripts/system-deps installs it)")
-    port, data, seen = metadata
-    _uki, disks = qemu_disks
-    built = time.monotonic()  # the disks are a session fixture (shared with the disk formats)
-    serial = tmp_path / "serial.log"
-    qemu = subprocess.Popen(
+def _qemu(disk: Path, serial: Path, port: int) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
         ["qemu-system-x86_64", "-machine", "q35", "-accel", "tcg", "-m", "1024", "-smp", "1",
          "-bios", str(OVMF),
          # -snapshot: the boot writes to a temporary overlay; the disk-format test reads the disk.
-         "-drive", f"file={disks.raw},format=raw,if=virtio", "-snapshot",
+         "-drive", f"file={disk},format=raw,if=virtio", "-snapshot",
          "-netdev", f"user,id=n0,guestfwd=tcp:10.0.2.100:80-tcp:127.0.0.1:{port}",
          "-device", "virtio-net-pci,netdev=n0",
          "-display", "none", "-monitor", "none", "-serial", f"file:{serial}", "-no-reboot"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
     )  # fmt: skip
+
+
+def _watch(qemu: subprocess.Popen[bytes], serial: Path, done: re.Pattern[str], limit: float) -> str:
+    """The serial log once `done` matches it, QEMU exits (-no-reboot: a reboot ends it), or
+    `limit` seconds pass."""
+    deadline = time.monotonic() + limit
+    text = ""
+    while time.monotonic() < deadline:
+        exited = qemu.poll() is not None
+        text = serial.read_text(errors="replace") if serial.exists() else ""
+        if done.search(text) or exited:
+            break
+        time.sleep(3)
+    return text
+
+
+def _need_qemu() -> None:
+    need_root_and("qemu-system-x86_64")
+    if not OVMF.exists():
+        pytest.skip(f"needs {OVMF} (Debian ovmf; scripts/system-deps installs it)")
+
+
+def test_os_image_boots_and_the_agent_starts_the_compose(
+    qemu_disks: tuple[Uki, CloudDisks],
+    metadata: tuple[int, LaunchData, list[str]],
+    tmp_path: Path,
+) -> None:
+    _need_qemu()
+    port, data, seen = metadata
+    _uki, disks = qemu_disks
+    built = time.monotonic()  # the disks are a session fixture (shared with the disk formats)
+    serial = tmp_path / "serial.log"
+    qemu = _qemu(disks.raw, serial, port)
     want = f"umbra-compose-stub: up {hashlib.sha256(_compose(data)).hexdigest()}"
     try:
-        deadline = time.monotonic() + 900
-        text = ""
-        while time.monotonic() < deadline and qemu.poll() is None:
-            text = serial.read_text(errors="replace") if serial.exists() else ""
-            if want in text:
-                break
-            time.sleep(3)
+        text = _watch(qemu, serial, re.compile("umbra-compose-stub: write"), 900)
         print(f"boot to compose {time.monotonic() - built:.0f} s")
         assert want in text, f"no compose start on the serial console; tail:\n{text[-3000:]}"
         assert (
@@ -116,9 +139,74 @@ def test_os_image_boots_and_the_agent_starts_the_compose(
         assert any(p.startswith("/computeMetadata/v1/instance/attributes/") for p in seen)
         # OVMF booted the disk (its removable-media path), not a kernel handed to it by QEMU.
         assert re.search(r'BdsDxe: starting Boot[0-9A-F]{4} "UEFI Misc Device"', text)
+        # The root is the dm-verity device, checked against the root hash in the UKI's command
+        # line, mounted read-only: the running system cannot write it either.
+        h = disks.verity_root_hash
+        assert f"dm-verity, root hash {h})" in text
+        assert "umbra-compose-stub: root /dev/mapper/umbra-root ext4 ro," in text
+        verity = re.search(r"umbra-compose-stub: verity (.*)", text)
+        assert verity is not None, text[-3000:]
+        assert "type: VERITY" in verity[1] and "status: verified" in verity[1]
+        assert f"root hash: {h}" in verity[1]
+        assert "umbra-compose-stub: write touch: cannot touch '/umbra-probe': Read-only" in text
     finally:
         qemu.kill()
         qemu.wait(30)
+
+
+# Read by systemd early in the boot, before the agent: a corrupted block there must stop it.
+TAMPERED = "/etc/systemd/system/umbra-launch-agent.service"
+
+
+def test_a_flipped_byte_in_the_root_stops_the_boot_before_the_agent(
+    qemu_os_image: OsImage,
+    qemu_disks: tuple[Uki, CloudDisks],
+    metadata: tuple[int, LaunchData, list[str]],
+    tmp_path: Path,
+) -> None:
+    """What a cloud host could do to the disk before boot: one byte of a file's data on the root
+    partition, in a copy of disk.raw. The UKI (so RTMR1) is unchanged; dm-verity refuses."""
+    _need_qemu()
+    need_root_and("debugfs")
+    port, _data, seen = metadata
+    _uki, disks = qemu_disks
+    block = _first_block(qemu_os_image.rootfs, TAMPERED)
+    table = json.loads(
+        subprocess.run(["sfdisk", "--json", str(disks.raw)], capture_output=True, check=True).stdout
+    )["partitiontable"]["partitions"]
+    (root,) = [p for p in table if p["uuid"].lower() == ROOT_PART_UUID]
+    offset = root["start"] * 512 + block * 4096
+    tampered = tmp_path / "disk.raw"
+    subprocess.run(["cp", "--sparse=always", str(disks.raw), str(tampered)], check=True)
+    with tampered.open("r+b") as f:
+        f.seek(offset)
+        original = f.read(1)
+        f.seek(offset)
+        f.write(bytes([original[0] ^ 0x01]))
+    assert original == b"#"  # the unit file's first byte: the block is the file's
+    serial = tmp_path / "serial.log"
+    qemu = _qemu(tampered, serial, port)
+    try:
+        text = _watch(qemu, serial, re.compile(r"umbra-launch:|Kernel panic"), 600)
+        text = _watch(qemu, serial, re.compile("Rebooting in"), 30)  # the panic's last words
+        assert "umbra-launch:" not in text, text[-3000:]
+        assert not seen, "the tampered CVM asked the metadata server for its launch data"
+        assert re.search(r"device-mapper: verity: .*data block \d+ is corrupted", text), text[
+            -3000:
+        ]
+        assert "Kernel panic - not syncing: dm-verity device corrupted" in text
+    finally:
+        qemu.kill()
+        qemu.wait(30)
+
+
+def _first_block(rootfs: Path, path: str) -> int:
+    """The file's first data block in the ext4 image (debugfs bmap, read-only)."""
+    done = subprocess.run(
+        ["debugfs", "-R", f"bmap {path} 0", str(rootfs)], capture_output=True, text=True
+    )
+    assert done.returncode == 0 and done.stdout.strip().isdigit(), done.stderr
+    return int(done.stdout)
 
 
 def _compose(data: LaunchData) -> bytes:

@@ -12,9 +12,10 @@ import pytest
 
 from umbra.images.disk_formats import ESP_PATH, ESP_VOLUME_ID, DiskFormatError, esp_image
 from umbra.images.pe import authenticode_digest, parse
-from umbra.images.uki import CMDLINE, build_uki
+from umbra.images.uki import build_uki, kernel_cmdline
 
 STUB = Path("/usr/lib/systemd/boot/efi/linuxx64.efi.stub")
+CMDLINE = kernel_cmdline("ab" * 32)
 
 
 def _need(*cmds: str) -> None:
@@ -38,8 +39,8 @@ def test_the_uki_is_reproducible_and_carries_the_boot_payload(
 ) -> None:
     _need("objcopy", "objdump")
     kernel, initrd = payload
-    a = build_uki(kernel, initrd, STUB, tmp_path / "a.efi")
-    b = build_uki(kernel, initrd, STUB, tmp_path / "b.efi")
+    a = build_uki(kernel, initrd, STUB, tmp_path / "a.efi", CMDLINE)
+    b = build_uki(kernel, initrd, STUB, tmp_path / "b.efi", CMDLINE)
     assert a.path.read_bytes() == b.path.read_bytes()
     data = a.path.read_bytes()
     (pe,) = struct.unpack_from("<I", data, 0x3C)
@@ -54,7 +55,7 @@ def test_the_uki_is_reproducible_and_carries_the_boot_payload(
         check=True,
     )
     assert (tmp_path / "c").read_text() == CMDLINE
-    assert "root=PARTUUID=" in CMDLINE and "console=ttyS0" in CMDLINE
+    assert "root=/dev/mapper/umbra-root ro umbra.verity=" in CMDLINE and "console=ttyS0" in CMDLINE
     assert a.authenticode_sha384 == authenticode_digest(data, "sha384")
 
 
@@ -62,7 +63,7 @@ def test_the_authenticode_hash_covers_the_payload_not_the_checksum(
     payload: tuple[Path, Path], tmp_path: Path
 ) -> None:
     _need("objcopy")
-    uki = build_uki(*payload, STUB, tmp_path / "u.efi")
+    uki = build_uki(*payload, STUB, tmp_path / "u.efi", CMDLINE)
     data = bytearray(uki.path.read_bytes())
     layout = parse(bytes(data))
     # The checksum field is outside the hash (firmware does not rely on it) ...
@@ -93,4 +94,4 @@ def test_a_non_pe_stub_is_refused(payload: tuple[Path, Path], tmp_path: Path) ->
     bad = tmp_path / "stub"
     bad.write_bytes(b"not a PE file")
     with pytest.raises(DiskFormatError, match="not a usable UEFI stub"):
-        build_uki(*payload, bad, tmp_path / "u.efi")
+        build_uki(*payload, bad, tmp_path / "u.efi", CMDLINE)
