@@ -50,6 +50,7 @@ def build_inputs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 # Local iteration only (CI never sets it): reuse images `umbra image build` wrote into this
 # directory instead of building them. The reproducibility test then compares a build with itself.
+# An `os-qemu` subdirectory (an OS image build's output) stands in for the `qemu` OS image.
 PREBUILT = os.environ.get("UMBRA_TEST_PREBUILT")
 
 

@@ -45,6 +45,8 @@ echo "umbra-compose-stub: up $(sha256sum "$2" | cut -d' ' -f1)" > /dev/ttyS0
 echo "umbra-compose-stub: root $(grep ' / ' /proc/mounts | cut -d' ' -f1,3,4)" > /dev/ttyS0
 echo "umbra-compose-stub: verity $(veritysetup status umbra-root | tr -s ' \\n' ' ')" > /dev/ttyS0
 echo "umbra-compose-stub: write $(touch /umbra-probe 2>&1)" > /dev/ttyS0
+echo "umbra-compose-stub: rw $(grep -E ' /(etc|var|tmp) ' /proc/mounts | cut -d' ' -f1-3 | tr '\\n' ' ')" > /dev/ttyS0
+echo "umbra-compose-stub: etc $(touch /etc/umbra-probe && echo writable)" > /dev/ttyS0
 """
 pytestmark = pytest.mark.timeout(1500)
 
@@ -130,7 +132,7 @@ def test_os_image_boots_and_the_agent_starts_the_compose(
     qemu = _qemu(disks.raw, serial, port)
     want = f"umbra-compose-stub: up {hashlib.sha256(_compose(data)).hexdigest()}"
     try:
-        text = _watch(qemu, serial, re.compile("umbra-compose-stub: write"), 900)
+        text = _watch(qemu, serial, re.compile("umbra-compose-stub: etc"), 900)
         print(f"boot to compose {time.monotonic() - built:.0f} s")
         assert want in text, f"no compose start on the serial console; tail:\n{text[-3000:]}"
         assert (
@@ -149,6 +151,12 @@ def test_os_image_boots_and_the_agent_starts_the_compose(
         assert "type: VERITY" in verity[1] and "status: verified" in verity[1]
         assert f"root hash: {h}" in verity[1]
         assert "umbra-compose-stub: write touch: cannot touch '/umbra-probe': Read-only" in text
+        # What it writes goes to tmpfs in the TD's memory: overlays on /etc and /var, /tmp.
+        rw = re.search(r"umbra-compose-stub: rw (.*)", text)
+        assert rw is not None, text[-3000:]
+        for mount in ("umbra-etc /etc overlay", "umbra-var /var overlay", "tmpfs /tmp tmpfs"):
+            assert mount in rw[1]
+        assert "umbra-compose-stub: etc writable" in text
     finally:
         qemu.kill()
         qemu.wait(30)
@@ -195,6 +203,9 @@ def test_a_flipped_byte_in_the_root_stops_the_boot_before_the_agent(
             -3000:
         ]
         assert "Kernel panic - not syncing: dm-verity device corrupted" in text
+        # The panic reboots (panic= in the UKI's command line; -no-reboot ends QEMU): the boot
+        # stops there, with no shell on the console.
+        assert qemu.wait(60) is not None
     finally:
         qemu.kill()
         qemu.wait(30)
