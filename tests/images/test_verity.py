@@ -101,3 +101,28 @@ def test_a_rootfs_not_in_whole_blocks_is_refused(tmp_path: Path) -> None:
     data.write_bytes(b"x" * 5000)
     with pytest.raises(DiskFormatError, match="not a whole number of 4096-byte blocks"):
         format_verity(data, tmp_path / "h")
+
+
+def test_a_host_that_rebuilds_the_tree_for_its_edit_is_still_refused(
+    rootfs: Path, tmp_path: Path
+) -> None:
+    """The attacker who edits the rootfs and makes a matching hash tree: the tree is then
+    self-consistent, but its root is not the one the UKI's command line (RTMR1) carries.
+    `veritysetup verify` checks in userspace what the kernel checks at each read."""
+    golden = format_verity(rootfs, tmp_path / "golden.verity")
+
+    def verify(tree: Path, root_hash: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            ["veritysetup", "verify", str(rootfs), str(tree), root_hash],
+            capture_output=True,
+            text=True,
+        )
+
+    assert verify(golden.hash_tree, golden.root_hash).returncode == 0
+    _flip(rootfs, b"ExecStart=/bin/true")
+    assert verify(golden.hash_tree, golden.root_hash).returncode != 0  # the naive edit
+    forged = format_verity(rootfs, tmp_path / "forged.verity")
+    assert verify(forged.hash_tree, forged.root_hash).returncode == 0  # consistent in itself
+    refused = verify(forged.hash_tree, golden.root_hash)
+    assert refused.returncode != 0, refused.stdout
+    assert "Verification of root hash failed" in refused.stderr + refused.stdout
