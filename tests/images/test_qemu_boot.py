@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 
 from umbra.components.launch_data import LaunchData
-from umbra.images.disk_formats import ROOT_PART_UUID, CloudDisks
+from umbra.images.disk_formats import ROOT_PART_UUID, VERITY_PART_UUID, CloudDisks
 from umbra.images.measure import measure
 from umbra.images.os_image import OsImage
 from umbra.images.uki import Uki
@@ -179,10 +179,7 @@ def test_a_flipped_byte_in_the_root_stops_the_boot_before_the_agent(
     port, _data, seen = metadata
     _uki, disks = qemu_disks
     block = _first_block(qemu_os_image.rootfs, TAMPERED)
-    table = json.loads(
-        subprocess.run(["sfdisk", "--json", str(disks.raw)], capture_output=True, check=True).stdout
-    )["partitiontable"]["partitions"]
-    (root,) = [p for p in table if p["uuid"].lower() == ROOT_PART_UUID]
+    (root,) = [p for p in _partitions(disks.raw) if p["uuid"].lower() == ROOT_PART_UUID]
     offset = root["start"] * 512 + block * 4096
     tampered = tmp_path / "disk.raw"
     subprocess.run(["cp", "--sparse=always", str(disks.raw), str(tampered)], check=True)
@@ -209,6 +206,45 @@ def test_a_flipped_byte_in_the_root_stops_the_boot_before_the_agent(
     finally:
         qemu.kill()
         qemu.wait(30)
+
+
+def test_a_wiped_hash_tree_stops_the_boot_in_the_initramfs(
+    qemu_disks: tuple[Uki, CloudDisks],
+    metadata: tuple[int, LaunchData, list[str]],
+    tmp_path: Path,
+) -> None:
+    """The host wipes the verity superblock: `veritysetup open` fails in the initramfs, which
+    says so and reboots (panic=): no shell, no fallback to mounting the raw root partition."""
+    _need_qemu()
+    port, _data, seen = metadata
+    _uki, disks = qemu_disks
+    (part,) = [p for p in _partitions(disks.raw) if p["uuid"].lower() == VERITY_PART_UUID]
+    tampered = tmp_path / "disk.raw"
+    subprocess.run(["cp", "--sparse=always", str(disks.raw), str(tampered)], check=True)
+    with tampered.open("r+b") as f:
+        f.seek(part["start"] * 512)
+        f.write(bytes(4096))
+    serial = tmp_path / "serial.log"
+    qemu = _qemu(tampered, serial, port)
+    try:
+        text = _watch(qemu, serial, re.compile(r"umbra-launch:|Rebooting automatically"), 600)
+        assert "umbra-verity: FAILED: veritysetup open" in text, text[-3000:]
+        assert "Rebooting automatically due to panic= boot argument" in text
+        assert qemu.wait(60) is not None
+        text = serial.read_text(errors="replace")
+        assert "umbra-launch:" not in text and "umbra-verity: root" not in text
+        assert "Welcome to" not in text  # systemd never started: the root was never mounted
+        assert not seen
+    finally:
+        qemu.kill()
+        qemu.wait(30)
+
+
+def _partitions(disk: Path) -> list[dict[str, Any]]:
+    table: list[dict[str, Any]] = json.loads(
+        subprocess.run(["sfdisk", "--json", str(disk)], capture_output=True, check=True).stdout
+    )["partitiontable"]["partitions"]
+    return table
 
 
 def _first_block(rootfs: Path, path: str) -> int:
