@@ -517,6 +517,7 @@ def launch_agent_cmd(
         launch_dir=launch_dir,
         say=say,
         data_disk=disk,
+        workspace_dir=la.WORKSPACE,
         ingress=li.AttestedIngress(li.DockerSandbox(), li.SystemdUnit(), quote_source)
         if ingress
         else None,

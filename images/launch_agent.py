@@ -78,6 +78,7 @@ from umbra.images.measure import boot_events, release_events
 from umbra.images.measure import instance_events as launch_events
 from umbra.sandbox.render import SERVICE_UID, canonical_json
 from umbra.sandbox.validate import (
+    WORKSPACE_DIR,
     ComposeError,
     load_compose,
     validate_dev_compose,
@@ -100,6 +101,8 @@ DATA_DISKS = {
     "azure": Path("/dev/disk/azure/scsi1/lun0"),
 }
 DATA_MOUNT = Path("/var/lib/umbra/data")
+# The workspace directory the Dev compose binds: on the data disk.
+WORKSPACE = Path(WORKSPACE_DIR)
 _REQUIRED = {META_ROLE, META_TEAM, META_CVM_ID, META_APP_COMPOSE, META_COMPOSE_HASH}
 
 
@@ -588,6 +591,9 @@ class Agent:
     firewall: Firewall = field(default_factory=Nft)
     etc_dir: Path = Path("/etc")
     data_disk: DataDisk | None = None  # Dev CVMs: the persistent workspace disk
+    # Dev CVMs: the directory the compose's `workspace` volume binds (WORKSPACE_DIR, on the data
+    # disk), created before the compose starts. None: not created (tests without the compose).
+    workspace_dir: Path | None = None
     # Dev CVMs: the attested SSH ingress, started after the compose. None: no SSH at all.
     ingress: AttestedIngress | None = None
 
@@ -649,6 +655,9 @@ class Agent:
                 write_resolv_conf(self.etc_dir, data.dns_resolvers)
             if self.data_disk is not None and data.role == "dev-cvm":
                 self.say(f"umbra-launch: {self.data_disk.mount()}")
+            if data.role == "dev-cvm" and self.workspace_dir is not None:
+                # The compose's `workspace` volume binds it (on the data disk when there is one).
+                self.workspace_dir.mkdir(parents=True, exist_ok=True, mode=0o755)
         except (HostSetupError, OSError) as exc:
             raise LaunchError(Refusal.HOST_SETUP_FAILED, str(exc)) from None
 

@@ -18,7 +18,7 @@ import jinja2
 
 from umbra.contracts.canonical import canonical_json as _canonical
 from umbra.sandbox.models import DevCvmInputs, SecurityCvmInputs
-from umbra.sandbox.validate import validate_dev_compose, validate_security_compose
+from umbra.sandbox.validate import WORKSPACE_DIR, validate_dev_compose, validate_security_compose
 
 FORWARDER_CONFIG_PATH = "/etc/umbra/forwarder.json"
 LAUNCH_DIR = "/run/umbra/launch"
@@ -135,6 +135,7 @@ def render_dev_cvm(inputs: DevCvmInputs) -> Rendered:
         forwarder_ca_dir=FORWARDER_CA_DIR,
         sandbox_ca_dir=SANDBOX_CA_DIR,
         ca_name=CA_NAME,
+        workspace_dir=WORKSPACE_DIR,
         forwarder_config=canonical_json(forwarder_config(inputs)),
     )
     validate_dev_compose(text)

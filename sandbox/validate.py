@@ -70,6 +70,13 @@ NETWORK_KEYS = {"driver", "internal", "enable_ipv6", "ipam", "driver_opts"}
 # Only the bridge's name may be set: the host firewall (umbra.images.host_firewall) matches on it.
 BRIDGE_NAME_OPT = "com.docker.network.bridge.name"
 LAUNCH_PREFIX = "/run/umbra/launch/"
+# The Dev CVM's workspace lives on its persistent data disk (the launch agent mounts the disk and
+# creates this directory before the compose starts): the one host directory a named volume binds.
+WORKSPACE_DIR = "/var/lib/umbra/data/workspace"
+WORKSPACE_VOLUME = {
+    "driver": "local",
+    "driver_opts": {"type": "none", "o": "bind", "device": WORKSPACE_DIR},
+}
 # The Security CVM's quote interface (configfs-tsm): the one writable host path, and only there.
 TSM_REPORT = "/sys/kernel/config/tsm/report"
 UNSAFE_SECURITY_OPTS = ("unconfined", "label=disable", "label:disable")
@@ -109,6 +116,18 @@ def _common(
     volumes = _mapping(doc.get("volumes"))
     if not services:
         out.append("no services")
+    for name, raw in volumes.items():
+        # A volume definition can bind any host path (driver_opts), around the host-path rule
+        # below: only plain volumes, and the workspace's one bind, are allowed.
+        if raw not in ({}, None) and not (name == "workspace" and raw == WORKSPACE_VOLUME):
+            out.append(
+                f"volume {name}: only a plain volume ({{}}) is allowed"
+                + (
+                    f" (the workspace may bind exactly {WORKSPACE_DIR})"
+                    if name == "workspace"
+                    else ""
+                )
+            )
     for name, raw in networks.items():
         net = _mapping(raw)
         for key in sorted(set(net) - NETWORK_KEYS):

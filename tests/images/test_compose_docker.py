@@ -55,7 +55,13 @@ from umbra.console.release import AttestedReleaseVerifier
 from umbra.images import host_firewall, image_store
 from umbra.images.build import BuildResult
 from umbra.images.compose_runner import ComposeRunError, ComposeRunner, lower
-from umbra.images.launch_agent import Agent, ComposeRunnerStart, LogOnly, SimulatedRtmr
+from umbra.images.launch_agent import (
+    WORKSPACE,
+    Agent,
+    ComposeRunnerStart,
+    LogOnly,
+    SimulatedRtmr,
+)
 from umbra.images.measure import (
     boot_events,
     boot_events_of,
@@ -94,12 +100,15 @@ def _docker(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
 
 @pytest.fixture
 def launch_dir() -> Iterator[Path]:
-    if LAUNCH.exists():
-        pytest.fail(f"{LAUNCH} exists: another Dev CVM (or test) owns it on this machine")
+    # The compose also binds the data disk's workspace directory (an absolute host path).
+    for owned in (LAUNCH, WORKSPACE):
+        if owned.exists():
+            pytest.fail(f"{owned} exists: another Dev CVM (or test) owns it on this machine")
     try:
         yield LAUNCH
     finally:
         shutil.rmtree(LAUNCH, ignore_errors=True)
+        shutil.rmtree(WORKSPACE, ignore_errors=True)
 
 
 def test_rendered_dev_and_security_cvm_compose_run_isolated_under_docker_compose(
@@ -183,9 +192,13 @@ def test_rendered_dev_and_security_cvm_compose_run_isolated_under_docker_compose
                 reporter=None,
                 launch_dir=launch_dir,
                 say=lines.append,
+                workspace_dir=WORKSPACE,
             )
             agent.run()
             _check_the_running_dev_cvm(m, tdx, launch_dir, lines, sandbox, octet, sec.dev_cvm_id)
+            # The user's work lands in the data disk's directory, outside docker's data-root.
+            _sh("echo u12-work > ~/work/note && test -O ~/work")
+            assert (WORKSPACE / "note").read_text() == "u12-work\n"
             probe = _exec(PROBE, gw, str(tcp), str(udp))
             print("from the sandbox:", probe)
             assert probe["gateway_tcp"].startswith("error:")

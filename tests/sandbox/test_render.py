@@ -12,10 +12,12 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from umbra.components.ports import DEV_UPLINK_CIDR
+from umbra.images.launch_agent import DATA_MOUNT, WORKSPACE
 from umbra.sandbox.forwarder_config import ForwarderConfig
 from umbra.sandbox.models import DevCvmInputs, check_image_ref
 from umbra.sandbox.render import render_dev_cvm, render_security_cvm
 from umbra.sandbox.validate import (
+    WORKSPACE_DIR,
     ComposeError,
     service_networks,
     validate_dev_compose,
@@ -117,6 +119,10 @@ def _mutate(text: str, change: Any) -> str:
     doc = yaml.safe_load(text)
     change(doc)
     return yaml.safe_dump(doc, sort_keys=False)
+
+
+def _bind(device: str) -> dict[str, str]:
+    return {"type": "none", "o": "bind", "device": device}
 
 
 def _set(path: list[str], value: Any) -> Any:
@@ -227,6 +233,16 @@ PLAIN_RELAY = {
             "only the forwarder may mount /sys/kernel/config/tsm/report",
         ),
         (lambda d: d["networks"]["uplink"].pop("ipam"), "network uplink: ipam.config must pin"),
+        # A volume definition could bind any host path around the host-path rule: only plain
+        # volumes, and the workspace's one bind onto the data disk.
+        (
+            _set(["volumes", "sessions"], {"driver": "local", "driver_opts": _bind("/etc")}),
+            "volume sessions: only a plain volume",
+        ),
+        (
+            _set(["volumes", "workspace"], {"driver": "local", "driver_opts": _bind("/")}),
+            "the workspace may bind exactly /var/lib/umbra/data/workspace",
+        ),
     ],
 )
 def test_validator_refuses_each_break(change: Any, expected: str | None) -> None:
@@ -264,6 +280,15 @@ def test_the_forwarder_enrolls_at_first_start_and_keeps_its_credential_in_a_volu
     )
     assert cfg.enrollment is not None
     assert str(cfg.enrollment.console_ca) == "/run/umbra/launch/console-ca.pem"
+
+
+def test_the_workspace_is_bound_to_the_data_disk() -> None:
+    """The developer's work is on the persistent data disk the launch agent mounts, not in
+    docker's data-root (a tmpfs on the verity-rooted OS image): it survives a stop."""
+    doc = yaml.safe_load(_dev_text())
+    assert doc["volumes"]["workspace"] == {"driver": "local", "driver_opts": _bind(WORKSPACE_DIR)}
+    assert "workspace:/home/dev/work" in doc["services"]["sandbox"]["volumes"]
+    assert WORKSPACE.parent == DATA_MOUNT
 
 
 def test_duplicate_keys_are_refused() -> None:
