@@ -450,6 +450,13 @@ def launch_agent_cmd(
             help="Dev CVMs: the persistent disk (default: the cloud's name for it), or 'none'.",
         ),
     ] = None,
+    workspace_dir: Annotated[
+        Path,
+        typer.Option(
+            "--workspace-dir",
+            help="Dev CVMs: the directory the compose's workspace volume binds (created).",
+        ),
+    ] = Path("/var/lib/umbra/data/workspace"),
     ingress: Annotated[
         bool,
         typer.Option(
@@ -517,7 +524,7 @@ def launch_agent_cmd(
         launch_dir=launch_dir,
         say=say,
         data_disk=disk,
-        workspace_dir=la.WORKSPACE,
+        workspace_dir=workspace_dir,
         ingress=li.AttestedIngress(li.DockerSandbox(), li.SystemdUnit(), quote_source)
         if ingress
         else None,

@@ -104,11 +104,15 @@ def launch_dir() -> Iterator[Path]:
     for owned in (LAUNCH, WORKSPACE):
         if owned.exists():
             pytest.fail(f"{owned} exists: another Dev CVM (or test) owns it on this machine")
+    # The agent creates the workspace with its parents: remove the topmost one it created.
+    created = WORKSPACE
+    while not created.parent.exists():
+        created = created.parent
     try:
         yield LAUNCH
     finally:
         shutil.rmtree(LAUNCH, ignore_errors=True)
-        shutil.rmtree(WORKSPACE, ignore_errors=True)
+        shutil.rmtree(created, ignore_errors=True)
 
 
 def test_rendered_dev_and_security_cvm_compose_run_isolated_under_docker_compose(

@@ -333,7 +333,8 @@ def test_cli_agent_runs_the_compose_command_or_refuses_on_the_console(
     script.chmod(0o755)
     base = ["image", "launch-agent", "--cloud", "gcp", "--tee", "simulated", "--no-ingress",
             "--metadata-url", standin.url, "--launch-dir", str(tmp_path / "launch"),
-            "--data-disk", "none", "--console", str(serial), "--compose", str(script)]  # fmt: skip
+            "--data-disk", "none", "--workspace-dir", str(tmp_path / "workspace"),
+            "--console", str(serial), "--compose", str(script)]  # fmt: skip
     # The simulated TEE's ingress signs with a simulated PKI: say which, or start no ingress.
     usage = runner.invoke(app, [a for a in base if a != "--no-ingress"])
     assert usage.exit_code == 2 and "--simulated-pki" in usage.output
@@ -346,7 +347,7 @@ def test_cli_agent_runs_the_compose_command_or_refuses_on_the_console(
     assert "started" in serial.read_text()
     standin.attributes = data.gcp_metadata() | {"umbra-compose-hash": "f" * 64}
     marker.unlink()
-    refused = runner.invoke(app, [*base[:-8], "--launch-dir", str(tmp_path / "l2"),
+    refused = runner.invoke(app, [*base[:-10], "--launch-dir", str(tmp_path / "l2"),
                                   "--console", str(serial), "--compose", str(script)])  # fmt: skip
     assert refused.exit_code == 1
     assert "REFUSED, nothing started: copy_mismatch" in serial.read_text()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 from typing import Any
 
@@ -11,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
+from umbra.cli.image import launch_agent_cmd
 from umbra.components.ports import DEV_UPLINK_CIDR
 from umbra.images.launch_agent import DATA_MOUNT, WORKSPACE
 from umbra.sandbox.forwarder_config import ForwarderConfig
@@ -289,6 +291,9 @@ def test_the_workspace_is_bound_to_the_data_disk() -> None:
     assert doc["volumes"]["workspace"] == {"driver": "local", "driver_opts": _bind(WORKSPACE_DIR)}
     assert "workspace:/home/dev/work" in doc["services"]["sandbox"]["volumes"]
     assert WORKSPACE.parent == DATA_MOUNT
+    # The launch agent's CLI creates the same directory by default.
+    default = inspect.signature(launch_agent_cmd).parameters["workspace_dir"].default
+    assert default == WORKSPACE
 
 
 def test_duplicate_keys_are_refused() -> None:
