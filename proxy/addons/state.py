@@ -60,6 +60,9 @@ class FlowState:
     query_keys: list[str] = field(default_factory=list)
     stream_response: bool = False
     response_bytes: int = 0
+    # WebSocket control frames seen after the first of their (kind, from client): [count, bytes],
+    # recorded as one summary when the connection ends.
+    ws_control_later: dict[tuple[str, bool], list[int]] = field(default_factory=dict)
 
     @property
     def denied(self) -> bool:

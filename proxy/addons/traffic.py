@@ -232,8 +232,7 @@ class TrafficLog:
         # A keep-alive pings every few seconds for hours: the first frame of each kind and side is
         # recorded at once, the rest are counted into one summary record at the end (the log stays
         # bounded per connection, however many frames a client sends).
-        later: dict[tuple[ControlKind, bool], list[int]] = {}
-        flow.metadata[_CONTROL_LATER] = later
+        later = flow_state(flow).ws_control_later
 
         def control(kind: ControlKind, from_client: bool, size: int) -> None:
             counted = later.get((kind, from_client))
@@ -247,8 +246,7 @@ class TrafficLog:
         flow.metadata[WS_CONTROL] = control
 
     def websocket_end(self, flow: http.HTTPFlow) -> None:
-        later: dict[tuple[ControlKind, bool], list[int]] = flow.metadata.get(_CONTROL_LATER, {})
-        for (kind, from_client), (count, size) in later.items():
+        for (kind, from_client), (count, size) in flow_state(flow).ws_control_later.items():
             if count:
                 self._control_record(flow, kind, from_client, size, more=count)
         reason = flow.websocket.close_reason if flow.websocket is not None else None
@@ -287,7 +285,6 @@ class TrafficLog:
         self.flow_record(flow, decision, reason, message[:200])
 
 
-_CONTROL_LATER = "umbra.ws_control_later"
 # What became of a control frame's payload instead of being relayed (close: the reason is emptied).
 _CONTROL_FATE: dict[str, str] = {
     ControlKind.PING: "payload answered by the proxy, not relayed",
