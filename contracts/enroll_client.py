@@ -15,7 +15,6 @@ import binascii
 import contextlib
 import hashlib
 import ipaddress
-import os
 import ssl
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from umbra.attest.eventlog import Event, dump_dstack_event_log
 from umbra.contracts.enrollment import hpke_info, report_data
+from umbra.contracts.files import write_atomic
 from umbra.contracts.release import SUITE
 
 # report_data -> (quote, event log to send or None)
@@ -65,12 +65,7 @@ def read_credential(path: Path) -> str | None:
 
 def _write_root_only(path: Path, data: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    temp.unlink(missing_ok=True)
-    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as handle:
-        handle.write(data + "\n")
-    os.replace(temp, path)
+    write_atomic(path, data + "\n", 0o600)
 
 
 def ensure_credential(

@@ -30,6 +30,7 @@ from typing import Any, Protocol
 from pydantic import ValidationError
 
 from umbra.components.ports import DEV_ATTESTED_SSH_PORT
+from umbra.contracts.files import write_atomic
 from umbra.sandbox.ingress_config import IngressConfig
 from umbra.sandbox.render import canonical_json
 from umbra.sandbox.sandbox_locator import (
@@ -138,16 +139,7 @@ class AttestedIngress:
             config = IngressConfig.model_validate(doc)
         except ValidationError as exc:
             raise IngressStartError(f"ingress config: {exc}") from None
-        _write(pid_file, f"{pid}\n")
-        _write(self.config_dir / CONFIG_NAME, canonical_json(doc) + "\n")
+        write_atomic(pid_file, f"{pid}\n", 0o600)
+        write_atomic(self.config_dir / CONFIG_NAME, canonical_json(doc) + "\n", 0o600)
         self.starter.start()
         return config
-
-
-def _write(path: Path, text: str) -> None:
-    temp = path.with_name(path.name + ".tmp")
-    temp.unlink(missing_ok=True)
-    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as handle:
-        handle.write(text)
-    os.replace(temp, path)

@@ -15,13 +15,13 @@ import os
 import re
 import stat
 import subprocess
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 from cryptography.exceptions import UnsupportedAlgorithm
 
 from umbra.attest.measurement import canonical_ssh_key
+from umbra.contracts.files import write_atomic
 from umbra.contracts.session import LOGIN_USER
 from umbra.sandbox.ingress_config import IngressConfig, IngressConfigError
 from umbra.sandbox.sandbox_locator import DockerSandbox, SandboxLocateError
@@ -103,8 +103,8 @@ def adopt_host_key(state_dir: Path, source: Path) -> None:
         serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH
     )
     key = state_dir / HOST_KEY
-    _write(key, data.decode(), 0o600)
-    _write(key.with_suffix(".pub"), canonical_ssh_key(public.decode()) + "\n", 0o644)
+    write_atomic(key, data.decode(), 0o600)
+    write_atomic(key.with_suffix(".pub"), canonical_ssh_key(public.decode()) + "\n", 0o644)
 
 
 BOUND_KEYS = "bound-host-keys"
@@ -134,21 +134,8 @@ def snapshot_host_key(state_dir: Path) -> str:
     path = bound_key_path(state_dir, line)
     if not path.exists():  # concurrent first connections: unique temp names, atomic rename
         path.parent.mkdir(mode=0o700, exist_ok=True)
-        temp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-        os.replace(temp, path)
+        write_atomic(path, data, 0o600)
     return line
-
-
-def _write(path: Path, text: str, mode: int) -> None:
-    temp = path.with_name(path.name + ".tmp")
-    temp.unlink(missing_ok=True)
-    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
-    with os.fdopen(fd, "w") as handle:
-        handle.write(text)
-    os.replace(temp, path)
 
 
 def sandbox_pid(config: IngressConfig) -> int | None:
@@ -176,12 +163,8 @@ def sandbox_pid(config: IngressConfig) -> int | None:
 
 def _write_pid(path: Path, pid: int) -> None:
     # Connections run concurrently: each writes its own temp file, the rename is atomic.
-    temp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as handle:
-            handle.write(f"{pid}\n")
-        os.replace(temp, path)
+        write_atomic(path, f"{pid}\n", 0o600)
     except OSError as exc:
         raise IngressConfigError(f"{path}: cannot record the sandbox pid: {exc.strerror}") from None
 
@@ -292,9 +275,11 @@ def prepare(config: IngressConfig, launch: LaunchData) -> str:
     if config.host_key_file is not None:
         adopt_host_key(config.state_dir, config.host_key_file)
     host_key = ensure_host_key(config.state_dir)
-    _write(config.state_dir / "authorized_keys", "\n".join(launch.authorized_keys) + "\n", 0o600)
-    _write(config.state_dir / "enter", enter_script(config), 0o700)
-    _write(config.state_dir / "sshd_config", sshd_config(config), 0o600)
+    write_atomic(
+        config.state_dir / "authorized_keys", "\n".join(launch.authorized_keys) + "\n", 0o600
+    )
+    write_atomic(config.state_dir / "enter", enter_script(config), 0o700)
+    write_atomic(config.state_dir / "sshd_config", sshd_config(config), 0o600)
     PRIVSEP_DIR.mkdir(mode=0o755, exist_ok=True)
     done = subprocess.run(
         [

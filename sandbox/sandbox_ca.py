@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
+
+from umbra.contracts.files import write_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -86,15 +87,8 @@ class CaBundle:
         return b"".join(c.public_bytes(serialization.Encoding.PEM) for c in self.certs)
 
     def _write(self) -> None:
-        temp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-        temp.unlink(missing_ok=True)
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(self.pem())
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(temp, 0o644)  # the sandbox's root reads it through a read-only mount
-        os.replace(temp, self.path)
+        # 0644: the sandbox's root reads it through a read-only mount.
+        write_atomic(self.path, self.pem(), 0o644, sync=True)
 
 
 async def keep_ca_fresh(
