@@ -52,9 +52,9 @@ from umbra.attest.simpki import SimulatedPki  # noqa: E402
 from umbra.attest.simulator import SimulatedTdx  # noqa: E402
 from umbra.attest.verify import Verifier  # noqa: E402
 from umbra.console.release import AttestedReleaseVerifier  # noqa: E402
+from umbra.policy.bundle import generate_key, payload_document, sign_bundle  # noqa: E402
+from umbra.policy.loader import load_policy_dir  # noqa: E402
 from umbra.proxy.identity import hash_credential  # noqa: E402
-from umbra.proxy.policy.bundle import generate_key, payload_document, sign_bundle  # noqa: E402
-from umbra.proxy.policy.loader import load_policy_dir  # noqa: E402
 
 CVM_TOKEN = "bench-cvm-credential-3e9b"  # noqa: S105 - a test identity, not a secret
 TIMEOUT = 10.0

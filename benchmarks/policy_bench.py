@@ -11,9 +11,9 @@ import random
 import time
 from typing import Any
 
-from umbra.proxy.policy.compiled import compile_profile
-from umbra.proxy.policy.compose import EffectivePolicy
-from umbra.proxy.policy.model import Profile
+from umbra.policy.compiled import compile_profile
+from umbra.policy.compose import EffectivePolicy
+from umbra.policy.model import Profile
 
 METHODS = ["GET", "POST", "PUT"]
 

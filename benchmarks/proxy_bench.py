@@ -33,7 +33,7 @@ from benchmarks._proxy_setup import (
     status_of,
     stock_ca,
 )
-from umbra.proxy.policy import deny_all
+from umbra.policy import deny_all
 from umbra.proxy.scanner import Scanner
 from umbra.proxy.secrets import SecretValue
 

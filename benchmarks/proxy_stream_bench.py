@@ -37,7 +37,7 @@ from benchmarks._proxy_setup import (
     start_umbra,
     stock_ca,
 )
-from umbra.proxy.policy import deny_all
+from umbra.policy import deny_all
 from umbra.proxy.scanner import Scanner
 from umbra.proxy.secrets import SecretValue
 

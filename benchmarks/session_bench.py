@@ -33,7 +33,7 @@ from tests.console.helpers import start_server, unique  # noqa: E402
 from tests.console.oidc_issuer import LocalIssuer  # noqa: E402
 from tests.session import harness  # noqa: E402
 from tests.session.conftest import make_developer  # noqa: E402
-from umbra.proxy.policy.bundle import generate_key  # noqa: E402
+from umbra.policy.bundle import generate_key  # noqa: E402
 
 PHASES = """
 import time, sys

@@ -36,7 +36,7 @@ from tests.console.oidc_issuer import LocalIssuer  # noqa: E402
 from tests.console.postgres import PostgresServer, find_bindir  # noqa: E402
 from umbra.console.models import Cvm  # noqa: E402
 from umbra.console.web.session import SESSION_COOKIE, new_session  # noqa: E402
-from umbra.proxy.policy.bundle import generate_key  # noqa: E402
+from umbra.policy.bundle import generate_key  # noqa: E402
 
 TEAM = "bench"
 ADMIN = "bench-admin"

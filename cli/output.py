@@ -14,7 +14,7 @@ import typer
 from rich.console import Console
 
 if TYPE_CHECKING:  # importing it loads the whole policy package (cryptography): not for --help
-    from umbra.proxy.policy.errors import PolicyIssue
+    from umbra.policy.errors import PolicyIssue
 
 EXIT_FINDINGS = 1
 EXIT_USAGE = 2

@@ -12,7 +12,7 @@ from rich.table import Table
 
 from umbra.cli.output import EXIT_FINDINGS, EXIT_USAGE, console, fail, print_issues, print_json
 from umbra.contracts.keys import KeyFileError, write_key_pair
-from umbra.proxy.policy.bundle import (
+from umbra.policy.bundle import (
     BundleError,
     BundlePayload,
     SignedBundle,
@@ -23,12 +23,12 @@ from umbra.proxy.policy.bundle import (
     sign_bundle,
     verify_bundle,
 )
-from umbra.proxy.policy.diff import PolicyDiff, diff_policy_sets, load_at_revision
-from umbra.proxy.policy.errors import PolicyError
-from umbra.proxy.policy.loader import PolicySet, load_policy_dir
-from umbra.proxy.policy.model import Profile
-from umbra.proxy.policy.runner import run_suites
-from umbra.proxy.policy.suite import CaseResult, Suite, parse_request
+from umbra.policy.diff import PolicyDiff, diff_policy_sets, load_at_revision
+from umbra.policy.errors import PolicyError
+from umbra.policy.loader import PolicySet, load_policy_dir
+from umbra.policy.model import Profile
+from umbra.policy.runner import run_suites
+from umbra.policy.suite import CaseResult, Suite, parse_request
 
 app = typer.Typer(help="Lint, test, diff, build and verify egress policy.", no_args_is_help=True)
 

@@ -359,7 +359,7 @@ def prepare_material(stack: Stack) -> None:
     from umbra.attest.simulator import SimulatedTdx
     from umbra.contracts.keys import write_key_pair
     from umbra.contracts.session import CVM_ID_EVENT
-    from umbra.proxy.policy.bundle import generate_key
+    from umbra.policy.bundle import generate_key
 
     keys = stack.p("keys")
     keys.mkdir(exist_ok=True, mode=0o700)
@@ -700,8 +700,8 @@ def _expect(response: httpx.Response, *ok: int) -> Any:
 
 
 def publish_bundle(stack: Stack, client: httpx.Client, policies: Path) -> int:
-    from umbra.proxy.policy.bundle import load_private_key, payload_document, sign_bundle
-    from umbra.proxy.policy.loader import load_policy_dir
+    from umbra.policy.bundle import load_private_key, payload_document, sign_bundle
+    from umbra.policy.loader import load_policy_dir
 
     work = stack.p("policy-build")
     shutil.rmtree(work, ignore_errors=True)

@@ -45,7 +45,7 @@ from umbra.console.routes import (
 from umbra.console.state import Console
 from umbra.console.web import mount as mount_web
 from umbra.contracts.traffic import TrafficBatch
-from umbra.proxy.policy.bundle import BundleError, load_public_key
+from umbra.policy.bundle import BundleError, load_public_key
 
 log = logging.getLogger("umbra.console")
 API_VERSION = "1.0.0"

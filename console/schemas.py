@@ -15,7 +15,7 @@ from pydantic import (
     field_validator,
 )
 
-from umbra.proxy.policy.normalize import NormalizationError, normalize_host
+from umbra.policy.normalize import NormalizationError, normalize_host
 
 NAME_PATTERN = r"^[a-z0-9](?:[a-z0-9-]{0,62}[a-z0-9])?$"
 SECRET_NAME_PATTERN = r"^[a-z0-9](?:[a-z0-9._-]{0,126}[a-z0-9])?$"  # noqa: S105 (a pattern)

@@ -22,7 +22,7 @@ from umbra.console.notify import ChangeNotifier
 from umbra.console.oidc import OidcValidator
 from umbra.console.providers import CvmProvider
 from umbra.console.release import AttestedReleaseVerifier, SecretReleaseVerifier
-from umbra.proxy.policy.bundle import VerifiedBundle, verify_bundle
+from umbra.policy.bundle import VerifiedBundle, verify_bundle
 
 
 def lock_key(name: str) -> int:

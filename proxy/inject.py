@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 
-from umbra.proxy.policy import CompiledInject
+from umbra.policy import CompiledInject
 from umbra.proxy.secrets import SecretStore
 
 

@@ -27,8 +27,8 @@ import httpx
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from pydantic import ValidationError
 
+from umbra.policy import BundleError, VerifiedBundle, verify_bundle
 from umbra.proxy.identity import AttachmentsDocument, StaticIdentities
-from umbra.proxy.policy import BundleError, VerifiedBundle, verify_bundle
 from umbra.proxy.state import PolicyState
 
 logger = logging.getLogger(__name__)

@@ -22,12 +22,12 @@ from pathlib import Path
 
 import httpx
 
+from umbra.policy import BundleError, PolicyError
+from umbra.policy.bundle import load_public_key
+from umbra.policy.loader import load_policy_dir
 from umbra.proxy.config import ProxyConfig
 from umbra.proxy.identity import StaticIdentities
 from umbra.proxy.netcheck import AddressPolicy, IPAddress, IPNetwork
-from umbra.proxy.policy import BundleError, PolicyError
-from umbra.proxy.policy.bundle import load_public_key
-from umbra.proxy.policy.loader import load_policy_dir
 from umbra.proxy.resolver import Resolver, StaticResolver, SystemResolver
 from umbra.proxy.secrets import SecretStore
 from umbra.proxy.spool import Shipper, Spool

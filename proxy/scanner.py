@@ -20,6 +20,7 @@ from urllib.parse import quote
 
 import hyperscan
 
+from umbra.policy import CompiledScan
 from umbra.proxy.decode import (
     DENSE,
     MAX_DEPTH,
@@ -37,7 +38,6 @@ from umbra.proxy.decode import (
     multipart_parts,
     run_end,
 )
-from umbra.proxy.policy import CompiledScan
 from umbra.proxy.secrets import PLACEHOLDER_PATTERN, SecretValue
 
 MIN_SECRET_LENGTH = 8

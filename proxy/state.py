@@ -13,9 +13,9 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from umbra.policy import BundleError, EffectivePolicy, PolicyError, VerifiedBundle, deny_all
+from umbra.policy.loader import PolicySet
 from umbra.proxy.identity import CvmIdentity
-from umbra.proxy.policy import BundleError, EffectivePolicy, PolicyError, VerifiedBundle, deny_all
-from umbra.proxy.policy.loader import PolicySet
 from umbra.proxy.scanner import Scanner
 from umbra.proxy.secrets import SecretStore
 

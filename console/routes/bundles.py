@@ -14,7 +14,7 @@ from umbra.console.models import Cvm, PolicyBundle
 from umbra.console.routes.common import TeamPath, current_bundle, policy_lock
 from umbra.console.schemas import BundleInfo
 from umbra.console.state import Console
-from umbra.proxy.policy.bundle import BundleError, VerifiedBundle, verify_bundle
+from umbra.policy.bundle import BundleError, VerifiedBundle, verify_bundle
 
 router = APIRouter(prefix="/api/v1/teams/{team}/bundles", tags=["bundles"])
 MAX_SERIAL = (1 << 63) - 1

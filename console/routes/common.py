@@ -13,7 +13,7 @@ from umbra.console.deps import User
 from umbra.console.models import Cvm, PolicyBundle
 from umbra.console.schemas import CVM_ID_PATTERN, NAME_PATTERN, CvmInfo
 from umbra.console.state import Console
-from umbra.proxy.policy.bundle import BundleError
+from umbra.policy.bundle import BundleError
 
 TeamPath = Annotated[str, Path(pattern=NAME_PATTERN, description="Team name.")]
 CvmIdPath = Annotated[str, Path(pattern=CVM_ID_PATTERN, description="CVM id.")]

@@ -6,11 +6,11 @@ import ipaddress
 
 from mitmproxy.proxy import server_hooks
 
+from umbra.policy import normalize_host
 from umbra.proxy.addons.base import UmbraAddon, guard
 from umbra.proxy.addons.reasons import Reason
 from umbra.proxy.mitm_compat import DIALLED_FOR
 from umbra.proxy.netcheck import AddressVerdict, IPAddress, parse_ip
-from umbra.proxy.policy import normalize_host
 from umbra.proxy.resolver import ResolutionError
 
 

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 from mitmproxy import connection, http
 
+from umbra.policy import NormalizationError, normalize_host
 from umbra.proxy.addons.base import Denied, UmbraAddon, deny, guard
 from umbra.proxy.addons.reasons import Reason
 from umbra.proxy.addons.state import ConnState, flow_state
 from umbra.proxy.identity import CvmIdentity
-from umbra.proxy.policy import NormalizationError, normalize_host
 
 _STRIP_REQUEST = ("proxy-authorization", "proxy-connection")
 

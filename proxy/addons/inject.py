@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from mitmproxy import http
 
+from umbra.policy import normalize_host
 from umbra.proxy.addons.base import Denied, UmbraAddon, deny, guard
 from umbra.proxy.addons.reasons import Reason
 from umbra.proxy.addons.state import FlowState, Stage, flow_state
 from umbra.proxy.inject import InjectionError, apply_injections, render_injections
 from umbra.proxy.mitm_compat import STREAM_RESPONSE
-from umbra.proxy.policy import normalize_host
 
 
 class Inject(UmbraAddon):

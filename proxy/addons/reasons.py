@@ -1,7 +1,7 @@
 """Every reason the proxy gives for a decision, each carrying the HTTP status it answers with.
 
 The strings are stable: they are what traffic-log records, the Console and tests see. Policy
-decisions keep the matcher's own reasons (`umbra.proxy.policy.Reason`), mirrored here so a record
+decisions keep the matcher's own reasons (`umbra.policy.Reason`), mirrored here so a record
 always carries a member of this one enum.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-from umbra.proxy.policy import Reason as PolicyReason
+from umbra.policy import Reason as PolicyReason
 
 
 class Reason(StrEnum):

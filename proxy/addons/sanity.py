@@ -7,12 +7,12 @@ import ipaddress
 
 from mitmproxy import http
 
+from umbra.policy import NormalizationError, normalize_host
+from umbra.policy.model import METHODS
 from umbra.proxy.addons.base import Denied, UmbraAddon, deny, guard
 from umbra.proxy.addons.reasons import Reason
 from umbra.proxy.addons.state import ConnState, flow_state
 from umbra.proxy.netcheck import parse_ip
-from umbra.proxy.policy import NormalizationError, normalize_host
-from umbra.proxy.policy.model import METHODS
 
 _ALLOWED_METHODS = frozenset(METHODS)
 # Frameworks that honour these run the named method instead of the request's: a GET-only rule

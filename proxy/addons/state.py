@@ -13,8 +13,8 @@ from enum import Enum
 
 from mitmproxy import connection, http, tcp
 
+from umbra.policy import Decision
 from umbra.proxy.identity import CvmIdentity
-from umbra.proxy.policy import Decision
 from umbra.proxy.state import Effective
 
 _FLOW_KEY = "umbra.flow"

@@ -13,7 +13,7 @@ import pytest
 from tests.console.helpers import CaptureHandler, Server, Team, new_team, start_server
 from tests.console.oidc_issuer import LocalIssuer
 from tests.console.postgres import PostgresServer
-from umbra.proxy.policy.bundle import generate_key
+from umbra.policy.bundle import generate_key
 
 BACKENDS = ["sqlite", "postgresql"]
 CAPTURED_LOGGERS = (

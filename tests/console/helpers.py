@@ -25,9 +25,9 @@ from umbra.console.app import create_app
 from umbra.console.config import Settings
 from umbra.console.serve import listening_socket
 from umbra.console.state import Console
-from umbra.proxy.policy.bundle import payload_document, sign_bundle
-from umbra.proxy.policy.compiled import compile_profile
-from umbra.proxy.policy.model import Profile
+from umbra.policy.bundle import payload_document, sign_bundle
+from umbra.policy.compiled import compile_profile
+from umbra.policy.model import Profile
 
 
 def profile(name: str, *, hosts: Iterable[str] = (), inject_host: str | None = None) -> Any:

@@ -19,7 +19,7 @@ from joserfc.jwk import RSAKey
 from tests.console.conftest import new_database
 from tests.console.helpers import Server, new_team, start_server, traffic_record
 from tests.console.oidc_issuer import LocalIssuer
-from umbra.proxy.policy.bundle import generate_key
+from umbra.policy.bundle import generate_key
 
 ANONYMOUS_CLIENTS = 60
 

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from tests.console.helpers import Team, make_bundle, profile, standard_bundle
-from umbra.proxy.policy.bundle import generate_key
+from umbra.policy.bundle import generate_key
 
 
 def test_upload_refuses_unsigned_untrusted_and_garbage(team: Team) -> None:

@@ -9,7 +9,7 @@ from cryptography.hazmat.primitives import serialization
 
 from umbra.console.app import build_console
 from umbra.console.config import ConfigError, Settings, settings_from_env
-from umbra.proxy.policy.bundle import generate_key
+from umbra.policy.bundle import generate_key
 
 
 def test_bundle_keys_as_pem_text_or_path(tmp_path: Path) -> None:

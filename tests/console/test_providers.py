@@ -23,7 +23,7 @@ from tests.console.helpers import Server, Team, new_team, start_server, unique
 from tests.console.oidc_issuer import LocalIssuer
 from umbra.console.config import ConfigError, settings_from_env
 from umbra.console.providers_pulumi import developer_slug
-from umbra.proxy.policy.bundle import generate_key
+from umbra.policy.bundle import generate_key
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 

@@ -27,7 +27,7 @@ from tests.console.postgres import PostgresServer, free_port
 from umbra.console import db
 from umbra.console.models import Cvm
 from umbra.console.provisioning import _job_key
-from umbra.proxy.policy.bundle import generate_key
+from umbra.policy.bundle import generate_key
 
 UMBRA = str(Path(sys.executable).parent / "umbra")
 

@@ -69,8 +69,8 @@ from umbra.images.measure import (
     instance_events,
     measure,
 )
-from umbra.proxy.policy.bundle import generate_key, payload_document, sign_bundle
-from umbra.proxy.policy.loader import load_policy_dir
+from umbra.policy.bundle import generate_key, payload_document, sign_bundle
+from umbra.policy.loader import load_policy_dir
 
 from ..proxy.harness import TestCA as OriginCA
 from ..sandbox.fixtures import dev_definition, security_definition

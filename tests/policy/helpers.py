@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from umbra.proxy.policy.compiled import CompiledProfile, compile_profile
-from umbra.proxy.policy.compose import EffectivePolicy
-from umbra.proxy.policy.model import Profile
+from umbra.policy.compiled import CompiledProfile, compile_profile
+from umbra.policy.compose import EffectivePolicy
+from umbra.policy.model import Profile
 
 
 def profile(

@@ -10,7 +10,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from tests.policy.helpers import profile
 from umbra.contracts.canonical import canonical_json
-from umbra.proxy.policy.bundle import (
+from umbra.policy.bundle import (
     MAX_BUNDLE_BYTES,
     SIGNING_CONTEXT,
     BundleError,

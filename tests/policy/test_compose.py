@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from tests.policy.helpers import policy, profile
-from umbra.proxy.policy.builtin_scan import BUILTIN_SCAN_RULES
-from umbra.proxy.policy.compose import CompositionError, deny_all
-from umbra.proxy.policy.matcher import Reason
+from umbra.policy.builtin_scan import BUILTIN_SCAN_RULES
+from umbra.policy.compose import CompositionError, deny_all
+from umbra.policy.matcher import Reason
 
 AUTH = {
     "header": "Authorization",

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from umbra.proxy.policy.errors import PolicyError
-from umbra.proxy.policy.loader import load_policy_dir
+from umbra.policy.errors import PolicyError
+from umbra.policy.loader import load_policy_dir
 
 HEADER = "apiVersion: umbra/v1\nkind: Profile\n"
 

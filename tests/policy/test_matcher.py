@@ -10,10 +10,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.policy.helpers import policy, profile
-from umbra.proxy.policy.compiled import CompiledHttpRule
-from umbra.proxy.policy.compose import EffectivePolicy, deny_all
-from umbra.proxy.policy.matcher import Reason, Verdict
-from umbra.proxy.policy.normalize import is_ip_literal, normalize_host, normalize_path
+from umbra.policy.compiled import CompiledHttpRule
+from umbra.policy.compose import EffectivePolicy, deny_all
+from umbra.policy.matcher import Reason, Verdict
+from umbra.policy.normalize import is_ip_literal, normalize_host, normalize_path
 
 
 def allow(**match: Any) -> dict[str, Any]:

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from umbra.proxy.policy.normalize import NormalizationError, normalize_host, normalize_path
+from umbra.policy.normalize import NormalizationError, normalize_host, normalize_path
 
 
 @pytest.mark.parametrize(

@@ -15,13 +15,13 @@ from mitmproxy import http, websocket
 from mitmproxy.proxy import server_hooks
 from mitmproxy.test import taddons, tflow, tutils
 
+from umbra.policy.loader import load_policy_dir
 from umbra.proxy.addons import AddonConfig, Reason, Shared, build_addons
 from umbra.proxy.addons.identity import Identity
 from umbra.proxy.addons.response_guard import ResponseGuard
 from umbra.proxy.addons.state import flow_state
 from umbra.proxy.identity import CvmIdentity
 from umbra.proxy.netcheck import AddressPolicy
-from umbra.proxy.policy.loader import load_policy_dir
 from umbra.proxy.reflection import ReflectionGuard
 from umbra.proxy.resolver import StaticResolver
 from umbra.proxy.secrets import SecretStore

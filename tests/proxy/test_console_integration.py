@@ -33,9 +33,9 @@ from umbra.attest.simpki import SimulatedPki
 from umbra.attest.simulator import SimulatedTdx
 from umbra.attest.verify import Verifier
 from umbra.console.release import AttestedReleaseVerifier
+from umbra.policy.bundle import generate_key, payload_document, sign_bundle
+from umbra.policy.loader import load_policy_dir
 from umbra.proxy.identity import hash_credential
-from umbra.proxy.policy.bundle import generate_key, payload_document, sign_bundle
-from umbra.proxy.policy.loader import load_policy_dir
 
 CVM_TOKEN = "integration-cvm-credential-7f3a"
 

@@ -27,8 +27,8 @@ from tests.proxy.harness import (
     start_proxy,
     status_of,
 )
-from umbra.proxy.policy.bundle import generate_key, payload_document, sign_bundle
-from umbra.proxy.policy.loader import load_policy_dir
+from umbra.policy.bundle import generate_key, payload_document, sign_bundle
+from umbra.policy.loader import load_policy_dir
 
 SECURITY_CVM = "sec-1"
 CONSOLE_CREDENTIAL = "scvm-credential-0123456789abcdef"

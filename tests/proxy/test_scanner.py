@@ -13,8 +13,8 @@ from urllib.parse import quote
 
 import pytest
 
+from umbra.policy import deny_all
 from umbra.proxy.decode import _JSON_ESCAPE, DENSE, _json_unescape, _unescape
-from umbra.proxy.policy import deny_all
 from umbra.proxy.scanner import Scanner
 from umbra.proxy.secrets import SecretValue
 

@@ -17,7 +17,7 @@ from tests.console.helpers import Server, start_server, unique
 from tests.console.oidc_issuer import LocalIssuer
 from tests.session import harness
 from umbra.console.models import Cvm
-from umbra.proxy.policy.bundle import generate_key
+from umbra.policy.bundle import generate_key
 
 
 @pytest.fixture(scope="session")

@@ -30,8 +30,8 @@ from umbra.console.enrollment import hpke_info, report_data
 from umbra.contracts.enroll_client import EnrollError, ensure_credential
 from umbra.contracts.release import SUITE
 from umbra.contracts.session import CVM_ID_EVENT
+from umbra.policy.bundle import generate_key
 from umbra.proxy.identity import hash_credential
-from umbra.proxy.policy.bundle import generate_key
 from umbra.sandbox.forwarder_config import ForwarderConfig, ForwarderConfigError
 from umbra.sandbox.forwarder_enroll import ensure_tunnel_credential
 from umbra.sandbox.render import render_dev_cvm

@@ -19,7 +19,7 @@ from umbra.attest.simulator import SimulatedTdx
 from umbra.console.providers import CvmSpec, ProviderError
 from umbra.console.providers_local import LocalCvmProvider, LocalCvmSettings
 from umbra.contracts.session import CVM_ID_EVENT
-from umbra.proxy.policy.bundle import generate_key
+from umbra.policy.bundle import generate_key
 
 
 def _need_root() -> None:

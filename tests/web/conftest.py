@@ -18,7 +18,7 @@ from tests.console.oidc_issuer import LocalIssuer
 from tests.console.postgres import PostgresServer
 from umbra.console import audit
 from umbra.console.models import TrafficRecord
-from umbra.proxy.policy.bundle import generate_key
+from umbra.policy.bundle import generate_key
 
 ARTIFACTS = Path(__file__).parent / "artifacts"
 HOSTILE_HOST = '<script>window.__pwned=1</script>"><img src=x onerror="window.__pwned=2">'

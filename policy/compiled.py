@@ -13,7 +13,7 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, Field
 
-from umbra.proxy.policy.model import (
+from umbra.policy.model import (
     PLACEHOLDER,
     SCHEME_DEFAULT_PORTS,
     ExactHost,

@@ -9,8 +9,8 @@ from urllib.parse import urlsplit
 
 from pydantic import AfterValidator, Field, model_validator
 
-from umbra.proxy.policy.matcher import Decision
-from umbra.proxy.policy.model import SCHEME_DEFAULT_PORTS, HeaderName, Name, StrictModel
+from umbra.policy.matcher import Decision
+from umbra.policy.model import SCHEME_DEFAULT_PORTS, HeaderName, Name, StrictModel
 
 _REQUEST = re.compile(r"^([A-Z]{1,20}) (\S+)$")
 _TUNNEL = re.compile(r"^(\S+):([0-9]{1,5})$")

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from fnmatch import translate
 
-from umbra.proxy.policy.compiled import CompiledHttpRule, CompiledTunnel
-from umbra.proxy.policy.model import ANY_HOST, METHODS
-from umbra.proxy.policy.normalize import (
+from umbra.policy.compiled import CompiledHttpRule, CompiledTunnel
+from umbra.policy.model import ANY_HOST, METHODS
+from umbra.policy.normalize import (
     NormalizationError,
     is_ip_literal,
     normalize_host,

@@ -16,10 +16,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from umbra.proxy.policy.compiled import CompiledProfile
-from umbra.proxy.policy.errors import PolicyError
-from umbra.proxy.policy.loader import PolicySet, load_policy_dir
-from umbra.proxy.policy.suite import HttpProbe, TunnelProbe
+from umbra.policy.compiled import CompiledProfile
+from umbra.policy.errors import PolicyError
+from umbra.policy.loader import PolicySet, load_policy_dir
+from umbra.policy.suite import HttpProbe, TunnelProbe
 
 Grant = tuple[str, ...]
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from umbra.proxy.policy.loader import LoadedSuite, PolicySet
-from umbra.proxy.policy.matcher import Decision
-from umbra.proxy.policy.suite import Case, CaseResult, HttpProbe
+from umbra.policy.loader import LoadedSuite, PolicySet
+from umbra.policy.matcher import Decision
+from umbra.policy.suite import Case, CaseResult, HttpProbe
 
 
 def run_suites(policy_set: PolicySet) -> list[CaseResult]:

@@ -11,7 +11,7 @@ from typing import Annotated, Literal, Self
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
-from umbra.proxy.policy.normalize import (
+from umbra.policy.normalize import (
     NormalizationError,
     is_ip_literal,
     normalize_host,

@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from umbra.proxy.policy.errors import PolicyError
+from umbra.policy.errors import PolicyError
 
 MAX_POLICY_FILE_BYTES = 1 << 20
 

@@ -13,12 +13,12 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from umbra.proxy.policy.compiled import CompiledProfile, DuplicateRuleId, compile_profile
-from umbra.proxy.policy.compose import CompositionError, EffectivePolicy
-from umbra.proxy.policy.errors import PolicyError, PolicyIssue
-from umbra.proxy.policy.model import API_VERSION, Profile
-from umbra.proxy.policy.source import LocatedDict, field_path, line_of, load_yaml
-from umbra.proxy.policy.suite import Suite
+from umbra.policy.compiled import CompiledProfile, DuplicateRuleId, compile_profile
+from umbra.policy.compose import CompositionError, EffectivePolicy
+from umbra.policy.errors import PolicyError, PolicyIssue
+from umbra.policy.model import API_VERSION, Profile
+from umbra.policy.source import LocatedDict, field_path, line_of, load_yaml
+from umbra.policy.suite import Suite
 
 POLICY_SUFFIXES = (".yaml", ".yml")
 _KINDS: Mapping[str, type[BaseModel]] = {"Profile": Profile, "PolicyTest": Suite}

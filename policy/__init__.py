@@ -3,12 +3,12 @@
 This is the one policy model; the CLI, the Console and the proxy all use it.
 """
 
-from umbra.proxy.policy.bundle import BundleError, VerifiedBundle, verify_bundle
-from umbra.proxy.policy.compiled import CompiledInject, CompiledProfile, CompiledScan
-from umbra.proxy.policy.compose import CompositionError, EffectivePolicy, deny_all
-from umbra.proxy.policy.errors import PolicyError, PolicyIssue
-from umbra.proxy.policy.matcher import Decision, Reason, Verdict
-from umbra.proxy.policy.normalize import NormalizationError, normalize_host, normalize_path
+from umbra.policy.bundle import BundleError, VerifiedBundle, verify_bundle
+from umbra.policy.compiled import CompiledInject, CompiledProfile, CompiledScan
+from umbra.policy.compose import CompositionError, EffectivePolicy, deny_all
+from umbra.policy.errors import PolicyError, PolicyIssue
+from umbra.policy.matcher import Decision, Reason, Verdict
+from umbra.policy.normalize import NormalizationError, normalize_host, normalize_path
 
 __all__ = [
     "BundleError",

@@ -13,11 +13,11 @@ from functools import cached_property
 from typing import Any
 
 from umbra.contracts.canonical import content_hash
-from umbra.proxy.policy.builtin_scan import BUILTIN_SCAN_RULES
-from umbra.proxy.policy.compiled import CompiledInject, CompiledProfile, CompiledScan
-from umbra.proxy.policy.matcher import Decision, Matcher, Reason, Verdict
-from umbra.proxy.policy.model import API_VERSION
-from umbra.proxy.policy.normalize import NormalizationError, normalize_host
+from umbra.policy.builtin_scan import BUILTIN_SCAN_RULES
+from umbra.policy.compiled import CompiledInject, CompiledProfile, CompiledScan
+from umbra.policy.matcher import Decision, Matcher, Reason, Verdict
+from umbra.policy.model import API_VERSION
+from umbra.policy.normalize import NormalizationError, normalize_host
 
 BUILTIN_SCAN = tuple(
     CompiledScan(id=rule_id, regex=regex) for rule_id, regex in BUILTIN_SCAN_RULES.items()

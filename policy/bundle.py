@@ -24,9 +24,9 @@ from pydantic import Field, ValidationError, model_validator
 from umbra.contracts import keys
 from umbra.contracts.canonical import canonical_json
 from umbra.contracts.keys import key_id
-from umbra.proxy.policy.compiled import CompiledProfile
-from umbra.proxy.policy.compose import CompositionError, EffectivePolicy
-from umbra.proxy.policy.model import StrictModel
+from umbra.policy.compiled import CompiledProfile
+from umbra.policy.compose import CompositionError, EffectivePolicy
+from umbra.policy.model import StrictModel
 
 SIGNING_CONTEXT = b"umbra-policy-bundle-v1\x00"
 MAX_BUNDLE_BYTES = 16 << 20
