@@ -1,13 +1,16 @@
 """Event logs (dstack JSON and the binary CCEL), digest recomputation and RTMR replay.
 
+RTMR3 is the runtime register: it accepts runtime events (dstack type 0x08000001) and nothing
+else, so no event there can step out of the named-event checks by carrying another type (a
+re-typed runtime event would otherwise replay its logged digest and vanish from every check).
+
 Digests are recomputed, never taken from the log, wherever the TCG or dstack rules define them
-from the event's own bytes: runtime events (dstack type 0x08000001), EV_SEPARATOR, EV_EFI_ACTION
-and EV_EFI_VARIABLE_DRIVER_CONFIG. Other firmware events measure data that is not in the log
-(e.g. a PE image's Authenticode hash); their logged digest is replayed as is, which is safe only
-because RTMR0-2 are pinned to golden values by the measurement policy and no named-event check
-ever reads those events. For the same reason a boot event (RTMR0-2) whose payload was stripped
-(dstack's current log format keeps only digests) replays its logged digest; events on RTMR3 are
-always recomputed from their payload.
+from the event's own bytes: runtime events, EV_SEPARATOR, EV_EFI_ACTION and
+EV_EFI_VARIABLE_DRIVER_CONFIG. Other firmware events (RTMR0-2 only) measure data that is not in
+the log (e.g. a PE image's Authenticode hash); their logged digest is replayed as is, which is
+safe only because RTMR0-2 are pinned to golden values by the measurement policy and no
+named-event check ever reads those events. For the same reason a boot event whose payload was
+stripped (dstack's current log format keeps only digests) replays its logged digest.
 
 Parsing is linear in the log's size and bounded: at most MAX_LOG_BYTES and MAX_EVENTS records.
 """
@@ -66,9 +69,11 @@ def extend(mr: bytes, digest: bytes) -> bytes:
 def make_event(imr: int, event_type: int, name: str, payload: bytes, logged: bytes) -> Event:
     if not 0 <= imr < RTMR_COUNT:
         raise EventLogError(f"event {name or hex(event_type)}: IMR {imr} is not an RTMR (0-3)")
+    if imr == RUNTIME_IMR and event_type != RUNTIME_EVENT_TYPE:
+        raise EventLogError(not_runtime(event_type))
     if event_type == RUNTIME_EVENT_TYPE:
         digest, recomputed = runtime_event_digest(name, payload), True
-    elif event_type in _HASH_OF_DATA_TYPES and (payload or imr == RUNTIME_IMR or not logged):
+    elif event_type in _HASH_OF_DATA_TYPES and (payload or not logged):
         digest, recomputed = hashlib.sha384(payload).digest(), True
     else:
         if len(logged) != DIGEST_LEN:
@@ -88,6 +93,14 @@ def make_event(imr: int, event_type: int, name: str, payload: bytes, logged: byt
         name if event_type == RUNTIME_EVENT_TYPE else "",
         payload,
         recomputed,
+    )
+
+
+def not_runtime(event_type: int) -> str:
+    """The one refusal for a non-runtime event on RTMR3 (parsers and the verifier say it)."""
+    return (
+        f"event of type {event_type:#x} on RTMR3: RTMR3 accepts only runtime events "
+        f"(type {RUNTIME_EVENT_TYPE:#010x})"
     )
 
 
@@ -154,7 +167,8 @@ def parse_ccel(data: bytes) -> list[Event]:
     """Parse a TCG2 crypto-agile log as exposed by the ACPI CCEL table.
 
     CCEL MR index 0 is MRTD (not extendable at runtime, so refused here); 1-4 are RTMR0-3.
-    EV_NO_ACTION events are informational and not extended. The log ends at the data's end
+    EV_NO_ACTION events are informational and not extended (index 0-3 only: index 4 is RTMR3,
+    which accepts runtime events only). The log ends at the data's end
     or at padding (0xFF.. or 0x00.. after the last event).
     """
     _check_size(len(data))
@@ -213,9 +227,13 @@ def parse_ccel(data: bytes) -> list[Event]:
         if size > MAX_PAYLOAD:
             raise EventLogError(f"CCEL event payload of {size} bytes is too large")
         payload = take(size, "event.data")
+        if not 0 <= index <= RTMR_COUNT:
+            raise EventLogError(f"CCEL event for MR index {index}: not a measurement register")
+        if index == RUNTIME_IMR + 1 and event_type != RUNTIME_EVENT_TYPE:
+            raise EventLogError(not_runtime(event_type))  # EV_NO_ACTION too: no hiding there
         if event_type == EV_NO_ACTION:
             continue
-        if not 1 <= index <= RTMR_COUNT:
+        if index == 0:
             raise EventLogError(f"CCEL event for MR index {index}: only RTMRs (1-4) extend")
         if TPM_ALG_SHA384 not in digests:
             raise EventLogError("CCEL event lacks a SHA-384 digest")

@@ -10,7 +10,15 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from umbra.attest.errors import PolicyFileError
 from umbra.attest.tcb import TcbPolicy, TdPolicy
@@ -51,8 +59,17 @@ class ExpectedEvent(_Strict):
     """
 
     name: str = Field(min_length=1)
-    imr: int = Field(default=3, ge=0, le=3)
+    imr: int = 3
     payloads: list[HexAny] | None = Field(default=None, min_length=1)
+
+    @field_validator("imr")
+    @classmethod
+    def _runtime_register(cls, v: int) -> int:
+        # RTMR3 is the one runtime register (it accepts runtime events only); RTMR0-2 are
+        # pinned whole by rtmr0-2, so a named event there could only restate the golden value.
+        if v != 3:
+            raise ValueError("named events are runtime events, extended into RTMR3 (imr: 3) only")
+        return v
 
 
 class ReleaseManifest(_Strict):

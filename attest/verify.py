@@ -27,7 +27,14 @@ from umbra.attest.azure import (
 from umbra.attest.collateral import Collateral, CollateralSource, StaticCollateral
 from umbra.attest.dcap import verify_dcap
 from umbra.attest.errors import AttestError, QuoteParseError
-from umbra.attest.eventlog import RUNTIME_EVENT_TYPE, Event, replay
+from umbra.attest.eventlog import (
+    RUNTIME_EVENT_TYPE,
+    RUNTIME_IMR,
+    Event,
+    not_runtime,
+    replay,
+    runtime_event_digest,
+)
 from umbra.attest.intel_root import INTEL_SGX_ROOT_CA_DER
 from umbra.attest.measurement import MeasurementPolicy
 from umbra.attest.quote import Quote, parse_quote
@@ -41,6 +48,9 @@ class Step(StrEnum):
     POLICY = "policy"  # the caller's settings refuse this kind of evidence (simulated, platform)
     COLLATERAL = "collateral"
     QUOTE_SIGNATURE = "quote_signature"  # PCK chain, QE report, quote signature (DCAP)
+    FMSPC = "fmspc"  # the collateral's TCB info is for another platform than the PCK's FMSPC
+    QE_IDENTITY = "qe_identity"  # the QE identity collateral is not one for this quote's QE
+    DEBUG = "debug"  # a debug TD (TDATTRIBUTES.DEBUG): never accepted
     TCB = "tcb"
     MEASUREMENT = "measurement"  # MRTD, RTMR0-2, MRSEAM, PCRs, TD attributes, XFAM
     EVENT_LOG = "event_log"
@@ -245,6 +255,8 @@ class Verifier:
         dcap = verify_dcap(raw_quote, collateral, now, self.policy.release.tcb, root_ca_der=root)
         for reason in dcap.reasons:
             add(_dcap_step(reason, dcap.status), reason)
+        if q.td_report.debug:
+            add(Step.DEBUG, DEBUG_TD)
         add(Step.MEASUREMENT, *td_reasons(q, self.policy))
         pcrs: dict[int, str] = {}
         if azure is not None and hcl is not None:
@@ -270,11 +282,22 @@ class Verifier:
         )
 
 
+# dcap-qvl's texts for failures that are neither a signature nor stale collateral.
+_DCAP_STEPS = (
+    ("Fmspc mismatch", Step.FMSPC),
+    ("Unsupported QE Identity", Step.QE_IDENTITY),
+    ("Debug mode", Step.DEBUG),
+)
+
+
 def _dcap_step(reason: str, status: str | None) -> Step:
     """Which step a DCAP reason belongs to. With a TCB status, the chain verified and our TCB
     policy refused; without one, dcap-qvl stopped early, and its text says where."""
     if status is not None or "TCB level" in reason:
         return Step.TCB
+    for needle, step in _DCAP_STEPS:
+        if needle in reason:
+            return step
     if any(w in reason for w in ("Crl", "CRL", "expired", "issue date", "TCBInfo", "QEIdentity")):
         return Step.COLLATERAL
     return Step.QUOTE_SIGNATURE
@@ -349,12 +372,13 @@ def _azure_checks(
     return values
 
 
+DEBUG_TD = "the TD is a debug TD (TDATTRIBUTES.DEBUG set): never accepted"
+
+
 def td_reasons(q: Quote, policy: MeasurementPolicy) -> list[str]:
     td = q.td_report
     rel = policy.release
-    out: list[str] = []
-    if td.debug:
-        out.append("the TD is a debug TD (TDATTRIBUTES.DEBUG set): never accepted")
+    out: list[str] = []  # DEBUG is refused on its own step (DEBUG_TD), whatever the policy
     if not rel.td.attributes.matches(td.td_attributes_int):
         out.append(
             f"TD attributes {td.td_attributes_int:016x} & mask {rel.td.attributes.mask:016x} "
@@ -392,6 +416,22 @@ def event_reasons(
             # Something was extended into RTMR3 and nobody showed us what: fail closed.
             reasons.append("RTMR3 holds runtime events but no event log accounts for them")
         return []
+    # The parsers already refuse these; Events built in code get the same rule here: a
+    # non-runtime event on RTMR3 would replay yet escape every named-event check.
+    forged = [
+        not_runtime(e.event_type)
+        for e in log
+        if e.imr == RUNTIME_IMR and e.event_type != RUNTIME_EVENT_TYPE
+    ]
+    forged += [
+        f"runtime event {e.name!r} (RTMR{e.imr}): digest does not match its name and payload"
+        for e in log
+        if e.event_type == RUNTIME_EVENT_TYPE
+        and e.digest != runtime_event_digest(e.name, e.payload)
+    ]
+    if forged:
+        reasons.extend(forged)
+        return []
     replayed = replay(log)
     mismatched = [i for i in range(4) if replayed[i] != q.td_report.rtmrs[i]]
     for i in mismatched:
@@ -402,7 +442,7 @@ def event_reasons(
     if mismatched:
         return []  # an event log that does not replay says nothing about any event
     runtime = [e for e in log if e.event_type == RUNTIME_EVENT_TYPE]
-    wanted = {e.name for e in expected}
+    wanted = {(e.name, e.imr) for e in expected}
     checked: list[str] = []
     for exp in expected:
         hits = [e for e in runtime if e.name == exp.name and e.imr == exp.imr]
@@ -418,7 +458,7 @@ def event_reasons(
         else:
             checked.append(exp.name)
     if policy.release.other_runtime_events == "refuse":
-        others = sorted({e.name for e in runtime if e.name not in wanted})
+        others = sorted({e.name for e in runtime if (e.name, e.imr) not in wanted})
         if others:
             reasons.append("runtime events not in the policy: " + ", ".join(others))
     return checked

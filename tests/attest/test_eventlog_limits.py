@@ -46,9 +46,12 @@ def test_stripped_runtime_payloads_are_refused(dstack_report: dict[str, Any]) ->
 
 
 def test_stripped_rtmr3_action_event_is_refused() -> None:
-    logged = make_event(3, EV_EFI_ACTION, "", b"real", b"").digest
-    with pytest.raises(EventLogError, match="logged digest does not match"):
+    logged = make_event(1, EV_EFI_ACTION, "", b"real", b"").digest
+    # RTMR3 takes runtime events only, stripped or not (test_retyped_events has the attack).
+    with pytest.raises(EventLogError, match="RTMR3 accepts only runtime events"):
         make_event(3, EV_EFI_ACTION, "", b"", logged)
+    with pytest.raises(EventLogError, match="logged digest does not match"):
+        make_event(1, EV_EFI_ACTION, "", b"other", logged)
     assert not make_event(1, EV_EFI_ACTION, "", b"", logged).recomputed
 
 
