@@ -1,15 +1,19 @@
 """DCAP verification through dcap-qvl, then our TCB policy on its claims.
 
-dcap-qvl runs twice: first with its `claims_only` policy, which does every cryptographic and
-validity-window check and hands back the claims, so that we can list *every* policy reason;
-then, when our own checks pass, with a dcap-qvl policy configured from ours, as a second gate
-that fails closed should our reading of the claims ever diverge from dcap-qvl's.
+Two gates must both accept: dcap-qvl's own policy, configured from ours (strict + allowed
+statuses + grace + PCK flags), and our rules evaluated on the claims that run returns, so that a
+misreading of the claims on either side fails closed. On the accepting path dcap-qvl runs once:
+a policy-gated run returns the same claims as a `claims_only` one. Only when dcap-qvl's gate
+refuses does it run again with `claims_only`, to tell a broken chain or signature from a policy
+refusal and to list *every* policy reason.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any
 
 import dcap_qvl
@@ -59,25 +63,74 @@ def verify_dcap(
     `root_ca_der` None means Intel's SGX root CA built into dcap-qvl.
     """
     verifier = dcap_qvl.QuoteVerifier(root_ca_der)
+    gate_refusal: str | None = None
     try:
         claims_obj = verifier.verify_with_policy(
-            raw_quote, collateral.qvl, now, dcap_qvl.QuotePolicy.claims_only(now)
+            raw_quote, collateral.qvl, now, _qvl_policy(policy, now)
         )
     except BaseException as exc:  # a Rust panic surfaces as BaseException: still "not verified"
         _reraise_control(exc)
-        return DcapResult(reasons=[f"DCAP verification failed: {_clean(exc)}"])
+        gate_refusal = _clean(exc)
+        try:
+            claims_obj = verifier.verify_with_policy(
+                raw_quote, collateral.qvl, now, dcap_qvl.QuotePolicy.claims_only(now)
+            )
+        except BaseException as exc:
+            _reraise_control(exc)
+            cause = _with_cause(_clean(exc), raw_quote, collateral, now, root_ca_der)
+            return DcapResult(reasons=[f"DCAP verification failed: {cause}"])
     claims: dict[str, Any] = json.loads(claims_obj.to_json())
     tcb = claims.get("tcb", {})
     status = str(tcb.get("status", ""))
     advisories = [str(a) for a in tcb.get("advisory_ids", [])]
     reasons = _policy_reasons(claims, status, advisories, collateral, now, policy)
-    if not reasons:
-        try:
-            verifier.verify_with_policy(raw_quote, collateral.qvl, now, _qvl_policy(policy, now))
-        except BaseException as exc:
-            _reraise_control(exc)
-            reasons.append(f"dcap-qvl policy rejected the quote: {_clean(exc)}")
+    if not reasons and gate_refusal is not None:
+        reasons.append(f"dcap-qvl policy rejected the quote: {gate_refusal}")
     return DcapResult(reasons=reasons, status=status, advisory_ids=advisories, claims=claims)
+
+
+def _with_cause(
+    text: str, raw_quote: bytes, collateral: Collateral, now: int, root_ca_der: bytes | None
+) -> str:
+    """`verify_with_policy` drops the library's cause ("Failed to verify certificate chain",
+    not why); the one-shot `verify` keeps it. Asked only on this failure path."""
+    try:
+        if root_ca_der is None:
+            dcap_qvl.verify(raw_quote, collateral.qvl, now)
+        else:
+            dcap_qvl.verify_with_root_ca(raw_quote, collateral.qvl, root_ca_der, now)
+    except BaseException as exc:
+        _reraise_control(exc)
+        head, sep, cause = _clean(exc).partition("Caused by:")
+        if sep and head.strip() == text:
+            lines = [_CAUSE_INDEX.sub("", ln.strip()) for ln in cause.strip().splitlines()]
+            return f"{text}: {_plain('; '.join(ln for ln in lines if ln))}"
+    return text
+
+
+_CAUSE_INDEX = re.compile(r"^\d+: ")
+_UNIX_TIME = re.compile(r"UnixTime\((\d+)\)")
+_PLAIN = {
+    "CertNotValidYet": "a certificate is not valid yet",
+    "CertExpired": "a certificate has expired",
+}
+
+
+def _plain(cause: str) -> str:
+    """webpki's Debug text in plain words: `CertNotValidYet { time: UnixTime(1752919234),
+    not_before: UnixTime(1757989695) }` -> `a certificate is not valid yet (time:
+    2025-07-19T09:20:34Z, not_before: 2025-09-16T02:28:15Z)`."""
+    cause = _UNIX_TIME.sub(lambda m: _iso(int(m.group(1))), cause)
+    for name, words in _PLAIN.items():
+        cause = re.sub(rf"\b{name} \{{ (.*?) \}}", rf"{words} (\1)", cause)
+    return cause
+
+
+def _iso(ts: int) -> str:
+    try:
+        return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    except (OverflowError, ValueError, OSError):
+        return str(ts)
 
 
 def _policy_reasons(

@@ -253,3 +253,20 @@ def test_pinned_intel_root_is_the_root_dcap_qvl_trusts(
         dcap_qvl.QuoteVerifier(pki.root_der).verify_with_policy(
             real_quote, real_collateral.qvl, T_INSIDE, policy
         )
+
+
+def test_the_library_s_cause_is_kept(
+    dstack_report: dict[str, object], real_collateral: Collateral
+) -> None:
+    """The dstack 0.6 quote's PCK certificate dates from 2025-09-16, after T_INSIDE: dcap-qvl's
+    policy API says only "Failed to verify certificate chain"; the verdict says why (issue 24)."""
+    raw = bytes.fromhex(str(dstack_report["quote"]))
+    v = verify_quote(
+        raw, policy=MeasurementPolicy(release=release_for(raw, other_runtime_events="allow")), collateral=real_collateral,
+        now=T_INSIDE,
+    )  # fmt: skip
+    assert v.failed_steps == [Step.QUOTE_SIGNATURE]
+    assert v.reasons == [
+        "DCAP verification failed: Failed to verify certificate chain: a certificate is not "
+        "valid yet (time: 2025-07-19T10:00:34Z, not_before: 2025-09-16T02:28:15Z)"
+    ]

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
+
 from umbra.attest.collateral import Collateral
 from umbra.attest.measurement import MeasurementPolicy
-from umbra.attest.simpki import SimulatedPki
+from umbra.attest.simpki import SimulatedPki, raw_signature
 from umbra.attest.simulator import SimulatedTdx
-from umbra.attest.verify import Step, Verdict, verify_quote
+from umbra.attest.verify import DEBUG_TD, Step, Verdict, verify_quote
 
 from .conftest import T_SIM
 
@@ -45,3 +47,35 @@ def test_each_failure_names_its_step(
     doc = v.to_json()
     assert doc["failures"] == [{"step": "tcb", "reason": v.reasons[0]}]
     assert doc["failed_steps"] == ["tcb"]
+
+
+def _resigned(
+    pki: SimulatedPki, collateral: Collateral, part: str, **changes: object
+) -> Collateral:
+    """The simulated collateral with `part` (tcb_info / qe_identity) edited and signed again by
+    the TCB-signing key: genuine-looking collateral that does not fit the quote."""
+    doc = json.loads(collateral.json_text)
+    inner = json.loads(doc[part]) | changes
+    doc[part] = json.dumps(inner, separators=(",", ":"))
+    doc[f"{part}_signature"] = raw_signature(pki.tcb_signing_key, doc[part].encode()).hex()
+    return Collateral.from_json(json.dumps(doc))
+
+
+def test_fmspc_qe_identity_and_debug_have_their_own_steps(
+    pki: SimulatedPki, sim_collateral: Collateral, tdx: SimulatedTdx
+) -> None:
+    """They used to land in quote_signature, as if a signature were broken (issue 24)."""
+    good = tdx.quote(b"\1" * 64)
+    other_fmspc = _resigned(pki, sim_collateral, "tcb_info", fmspc="00906ED50000")
+    v = _verify(pki, other_fmspc, good)
+    assert v.failed_steps == [Step.FMSPC], v.failures
+    assert "Fmspc mismatch" in v.reasons[0]
+    sgx_qe = _resigned(pki, sim_collateral, "qe_identity", id="QE")
+    v = _verify(pki, sgx_qe, good)
+    assert v.failed_steps == [Step.QE_IDENTITY], v.failures
+    assert "Unsupported QE Identity" in v.reasons[0]
+    debug = SimulatedTdx(pki, debug=True).quote(b"\1" * 64)
+    v = _verify(pki, sim_collateral, debug, td={"attributes": {"value": 0, "mask": 0}})
+    assert v.failed_steps == [Step.DEBUG], v.failures
+    assert [f.reason for f in v.failures][-1] == DEBUG_TD  # ours, beside dcap-qvl's
+    assert any("Debug mode" in r for r in v.reasons)
