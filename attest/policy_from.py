@@ -36,5 +36,10 @@ def release_from_evidence(
     else:
         td = parse_quote(raw).td_report
         doc.update({f"rtmr{i}": [td.rtmrs[i].hex()] for i in range(3)})
+        if any(td.rtmrs[3]):
+            # Runtime events were extended and the quote alone cannot name them: a policy that
+            # refused unnamed ones would refuse the very quote it was made from. Name them
+            # under `events:` (from the verified log) and drop this to pin them.
+            doc["other_runtime_events"] = "allow"
     doc["mrtd"] = [td.mr_td.hex()]
     return ReleaseManifest.model_validate(doc)

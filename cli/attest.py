@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 import yaml
+from pydantic import ValidationError
 from rich.markup import escape
 from rich.panel import Panel
 from rich.table import Table
@@ -37,24 +38,44 @@ EXPIRED_HINT = " (use fresh collateral, or --at for old vectors)"
 
 
 def _read_quote(path: Path, as_json: bool) -> bytes:
-    """Raw bytes, hex (0x, whitespace) or base64 of a quote or Azure evidence; else one line."""
+    """Raw bytes, hex (0x, whitespace) or base64 of a quote or Azure evidence that parses;
+    else one line and EXIT_USAGE, the one exit code of every command for "not a quote"."""
     try:
         data = path.read_bytes()
     except OSError as exc:
         fail(f"cannot read {path}: {exc.strerror}", EXIT_USAGE, as_json=as_json)
     try:
-        return decode_evidence(data)
+        raw = decode_evidence(data)
+        _parse_evidence(raw)
     except AttestError as exc:
         fail(f"{path}: {exc}", EXIT_USAGE, as_json=as_json)
+    return raw
+
+
+def _parse_evidence(raw: bytes) -> None:
+    """Raises QuoteParseError naming the field and offset where `raw` stops being evidence."""
+    if is_azure_envelope(raw):
+        envelope = decode_envelope(raw)
+        parse_hcl_report(envelope.hcl_report)
+        raw = envelope.td_quote
+    parse_quote(raw)
 
 
 def _hex_arg(value: str | None, what: str, as_json: bool) -> bytes | None:
+    """Hex as quotes take it: an optional 0x, any whitespace."""
     if value is None:
         return None
+    text = "".join(value.split())
     try:
-        return bytes.fromhex(value)
+        return bytes.fromhex(text[2:] if text[:2] in ("0x", "0X") else text)
     except ValueError:
         fail(f"{what} must be hex", EXIT_USAGE, as_json=as_json)
+
+
+def _at_arg(at: int | None, as_json: bool) -> None:
+    # Checked here, not by typer's min=0, so that --json still gets one JSON line.
+    if at is not None and at < 0:
+        fail(f"--at must be a Unix time (seconds, >= 0), not {at}", EXIT_USAGE, as_json=as_json)
 
 
 @app.command()
@@ -96,7 +117,7 @@ def verify(
     ] = None,
     at: Annotated[
         int | None,
-        typer.Option("--at", min=0, help="Verify as of this Unix time (default: now)."),
+        typer.Option("--at", help="Verify as of this Unix time (default: now)."),
     ] = None,
     allow_simulated: Annotated[
         bool,
@@ -108,6 +129,7 @@ def verify(
     as_json: JsonFlag = False,
 ) -> None:
     """Verify QUOTE_FILE and print the verdict with every reason it failed."""
+    _at_arg(at, as_json)
     raw = _read_quote(quote_file, as_json)
     expected_rd = _hex_arg(report_data, "--report-data", as_json)
     if expected_rd is not None and len(expected_rd) != 64:
@@ -313,7 +335,7 @@ def parse(
     try:
         summary = _describe(raw)
     except AttestError as exc:
-        fail(str(exc), EXIT_FINDINGS, as_json=as_json)
+        fail(str(exc), EXIT_USAGE, as_json=as_json)
     if as_json:
         print_json(summary)
         return
@@ -340,7 +362,7 @@ def policy_from(
     try:
         release = release_from_evidence(raw, name=name, tee="simulated" if simulated else "tdx")
     except AttestError as exc:
-        fail(str(exc), EXIT_FINDINGS, as_json=as_json)
+        fail(str(exc), EXIT_USAGE, as_json=as_json)
     if as_json:
         print_json(_policy_doc(release))
         return
@@ -370,6 +392,7 @@ def simulate(
     as_json: JsonFlag = False,
 ) -> None:
     """Emit a SIMULATED quote plus its collateral, event log, release manifest and root CA."""
+    _at_arg(at, as_json)
     rd = _hex_arg(report_data, "--report-data", as_json) or b""
     if platform not in ("tdx", "azure-tdx"):
         fail("--platform must be tdx or azure-tdx", EXIT_USAGE, as_json=as_json)
@@ -396,6 +419,10 @@ def simulate(
                 name, sep, payload = spec.partition("=")
                 if not sep or not name:
                     raise AttestError(f"--event {spec!r}: expected NAME=HEXPAYLOAD")
+                if any(n["name"] == name for n in names):
+                    raise AttestError(
+                        f"--event {name} given twice: a named event appears exactly once"
+                    )
                 value = _hex_arg(payload, f"--event {name}", as_json) or b""
                 tdx.extend_runtime_event(name, value)
                 names.append({"name": name, "payloads": [value.hex()]})
@@ -410,6 +437,8 @@ def simulate(
         (out_dir / "release.yaml").write_text(yaml.safe_dump(manifest, sort_keys=False))
     except (AttestError, OSError) as exc:
         fail(str(exc), EXIT_USAGE, as_json=as_json)
+    except ValidationError as exc:  # a release manifest the events cannot make: say which field
+        fail("; ".join(str(e["msg"]) for e in exc.errors()), EXIT_USAGE, as_json=as_json)
     if as_json:
         print_json({"ok": True, "simulated": True, "files": [str(out_dir / f) for f in files]})
         return

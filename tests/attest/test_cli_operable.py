@@ -17,7 +17,7 @@ from umbra.attest.simpccs import SimulatedPccs
 from umbra.attest.simpki import SimulatedPki
 from umbra.cli.app import app
 
-from .conftest import DATA, T_INSIDE, T_SIM
+from .conftest import DATA, T_INSIDE, T_SIM, release_for
 
 runner = CliRunner()
 COLLATERAL = str(DATA / "tdx_quote_collateral.json")
@@ -204,3 +204,88 @@ def test_simulate_azure_then_verify(tmp_path: Path) -> None:
         app, ["attest", "simulate", str(out), "--platform", "azure-tdx", "--event", "a=00"]
     )
     assert refused.exit_code == 2
+
+
+# --- issue 24: the rough edges -------------------------------------------------------------
+
+
+def test_a_quote_that_does_not_parse_is_exit_2_everywhere(
+    tmp_path: Path, real_quote: bytes
+) -> None:
+    """ "This is not a quote" had three exit codes: 1 from verify -p, 2 without, 1 from parse."""
+    path = _write(tmp_path, "q", real_quote[:700])
+    policy = _write(tmp_path, "p.json", json.dumps(release_for(real_quote).model_dump()).encode())
+    for cmd in (
+        ["parse"],
+        ["policy-from"],
+        ["verify", "-c", COLLATERAL, "--at", str(T_INSIDE)],
+        ["verify", "-c", COLLATERAL, "--at", str(T_INSIDE), "-p", policy],
+    ):
+        res = runner.invoke(app, ["attest", cmd[0], path, *cmd[1:], "--json"])
+        assert res.exit_code == 2, (cmd, res.output)
+        doc = json.loads(res.stdout)
+        assert doc["ok"] is False and "signature_data.size" in doc["error"], doc
+
+
+def test_negative_at_under_json_is_one_json_line() -> None:
+    for cmd in (["verify", str(DATA / "tdx_quote"), "-c", COLLATERAL], ["simulate", "out"]):
+        res = runner.invoke(app, ["attest", *cmd, "--at", "-1", "--json"])
+        assert res.exit_code == 2, res.output
+        assert json.loads(res.stdout) == {
+            "ok": False,
+            "error": "--at must be a Unix time (seconds, >= 0), not -1",
+        }
+
+
+def _simulated(tmp_path: Path, *extra: str) -> tuple[Path, list[str]]:
+    out = tmp_path / "sim"
+    made = runner.invoke(
+        app,
+        ["attest", "simulate", str(out), "--pki", str(tmp_path / "pki"), "--at", str(T_SIM),
+         *extra],
+    )  # fmt: skip
+    assert made.exit_code == 0, made.output
+    sim = ["-c", str(out / "collateral.json"), "--at", str(T_SIM), "--allow-simulated",
+           "--simulated-root", str(out / "root.der")]  # fmt: skip
+    return out, sim
+
+
+def test_report_data_takes_0x_like_quotes_do(tmp_path: Path) -> None:
+    out, sim = _simulated(tmp_path, "--report-data", "0x" + "AB" * 64)
+    quote = str(out / "quote")
+    for rd in ("0x" + "ab" * 64, "0X" + "AB" * 64, "ab" * 64):
+        res = runner.invoke(app, ["attest", "verify", quote, *sim, "--report-data", rd, "--json"])
+        assert res.exit_code == 0, (rd, res.output)
+    res = runner.invoke(app, ["attest", "verify", quote, *sim, "--report-data", "0x" + "cd" * 64])
+    assert res.exit_code == 1
+
+
+def test_simulate_refuses_an_event_named_twice(tmp_path: Path) -> None:
+    res = runner.invoke(
+        app,
+        ["attest", "simulate", str(tmp_path / "o"), "--pki", str(tmp_path / "pki"),
+         "--event", "compose-hash=aa", "--event", "compose-hash=bb"],
+    )  # fmt: skip
+    assert res.exit_code == 2, res.output
+    assert res.exception is None or isinstance(res.exception, SystemExit)
+    assert "--event compose-hash given twice" in res.output
+
+
+def test_the_printed_policy_verifies_a_quote_with_runtime_events_and_no_log(
+    tmp_path: Path,
+) -> None:
+    """RTMR3 != 0 and no log: the policy policy-from (or verify without -p) printed refused the
+    very quote it was made from ("RTMR3 holds runtime events but no event log ...")."""
+    out, sim = _simulated(tmp_path, "--event", "compose-hash=aa")
+    quote = str(out / "quote")
+    made = runner.invoke(app, ["attest", "policy-from", quote, "--simulated"])
+    assert made.exit_code == 0, made.output
+    assert yaml.safe_load(made.stdout)["other_runtime_events"] == "allow"
+    policy = _write(tmp_path, "release.yaml", made.stdout.encode())
+    res = runner.invoke(app, ["attest", "verify", quote, *sim, "-p", policy, "--json"])
+    assert res.exit_code == 0, res.output
+    printed = runner.invoke(app, ["attest", "verify", quote, *sim, "--json"])
+    assert printed.exit_code == 0, printed.output
+    policy = _write(tmp_path, "r2.json", json.dumps(json.loads(printed.stdout)["policy"]).encode())
+    res = runner.invoke(app, ["attest", "verify", quote, *sim, "-p", policy, "--json"])
+    assert res.exit_code == 0, res.output
