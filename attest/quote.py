@@ -7,6 +7,7 @@ zero padding, and the embedded PEM chain must be canonical. Bytes that no signat
 
 from __future__ import annotations
 
+import functools
 import struct
 import warnings
 from dataclasses import dataclass
@@ -15,7 +16,7 @@ from enum import StrEnum
 from cryptography import x509
 from cryptography.hazmat.primitives.serialization import Encoding
 
-from umbra.attest.errors import QuoteParseError
+from umbra.attest.errors import AttestError, QuoteParseError
 
 TEE_TYPE_TDX = 0x81
 ATT_KEY_ECDSA_P256 = 2
@@ -111,6 +112,7 @@ class Quote:
     qe_auth_data: bytes
     pck_chain_pem: bytes
     padding: int  # trailing zero bytes after the signature data
+    pck_root_der: bytes = b""  # the chain's last certificate, DER: read once, while parsing
 
     @property
     def pck_chain(self) -> list[x509.Certificate]:
@@ -235,7 +237,7 @@ def parse_quote(raw: bytes) -> Quote:
     chain_off = s.pos
     chain = s.take(chain_len, "pck_cert_data.chain")
     s.expect_end("signature_data")
-    _check_chain(chain, chain_off)
+    root_der = _check_chain(chain, chain_off)
     r.take(sig_len, "signature_data")
     padding = raw[r.pos :]
     if padding.strip(b"\x00"):
@@ -256,6 +258,7 @@ def parse_quote(raw: bytes) -> Quote:
         qe_auth_data=auth,
         pck_chain_pem=chain,
         padding=len(padding),
+        pck_root_der=root_der,
     )
 
 
@@ -348,31 +351,41 @@ def _parse_qe_report(raw: bytes) -> QeReport:
     return QeReport(raw, cpu_svn, misc, attributes, mr_enclave, mr_signer, prod, svn, report_data)
 
 
-def _check_chain(chain: bytes, offset: int) -> None:
-    """Demand a canonical PEM chain (one optional NUL terminator, as Intel's QE writes).
+def _check_chain(chain: bytes, offset: int) -> bytes:
+    """Demand a canonical PEM chain (one optional NUL terminator, as Intel's QE writes); return
+    the DER of its last certificate (the root the verifier compares with its anchor).
 
     A lenient PEM reader ignores whitespace and the spare bits of the last base64 group, so
     without this check some bit flips in the chain would leave the quote valid.
     """
     body = chain[:-1] if chain.endswith(b"\x00") else chain
     try:
+        return _canonical_chain_root(body)
+    except _ChainError as exc:
+        raise QuoteParseError(str(exc), field="pck_cert_data.chain", offset=offset) from None
+
+
+class _ChainError(AttestError):
+    pass
+
+
+@functools.lru_cache(maxsize=64)
+def _canonical_chain_root(body: bytes) -> bytes:
+    """A pure function of the chain's exact bytes, so kept per chain: every quote from one
+    platform carries the same chain, and reading it is a fifth of a verification. Only
+    accepted chains are kept (an exception is never cached)."""
+    try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # hostile input may trip deprecation warnings
             certs = x509.load_pem_x509_certificates(body)
         canonical = b"".join(c.public_bytes(Encoding.PEM) for c in certs)
+        root_der = certs[-1].public_bytes(Encoding.DER) if certs else b""
     except (ValueError, TypeError, x509.InvalidVersion) as exc:
-        raise QuoteParseError(
-            f"PCK certificate chain is not valid PEM: {exc}",
-            field="pck_cert_data.chain",
-            offset=offset,
-        ) from None
+        raise _ChainError(f"PCK certificate chain is not valid PEM: {exc}") from None
     if canonical != body:
-        raise QuoteParseError(
-            "PCK certificate chain is not canonical PEM", field="pck_cert_data.chain", offset=offset
-        )
+        raise _ChainError("PCK certificate chain is not canonical PEM")
     if len(certs) < 2:
-        raise QuoteParseError(
-            f"PCK certificate chain has {len(certs)} certificate(s), expected at least 2",
-            field="pck_cert_data.chain",
-            offset=offset,
+        raise _ChainError(
+            f"PCK certificate chain has {len(certs)} certificate(s), expected at least 2"
         )
+    return root_der

@@ -14,8 +14,6 @@ from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any
 
-from cryptography.hazmat.primitives.serialization import Encoding
-
 from umbra.attest.azure import (
     AzureEvidence,
     HclReport,
@@ -231,11 +229,7 @@ class Verifier:
             root = self.simulated_root_der
 
         anchor = root if root is not None else INTEL_SGX_ROOT_CA_DER
-        try:
-            chain_root = q.pck_chain[-1].public_bytes(Encoding.DER)
-        except (ValueError, TypeError):
-            chain_root = b""
-        if not hmac.compare_digest(chain_root, anchor):
+        if not hmac.compare_digest(q.pck_root_der, anchor):
             add(
                 Step.QUOTE_SIGNATURE,
                 "the quote's PCK chain does not end in the "
