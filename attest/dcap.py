@@ -104,10 +104,11 @@ def _with_cause(
         head, sep, cause = _clean(exc).partition("Caused by:")
         if sep and head.strip() == text:
             lines = [_CAUSE_INDEX.sub("", ln.strip()) for ln in cause.strip().splitlines()]
-            return f"{text}: {_plain('; '.join(ln for ln in lines if ln))}"
+            return f"{text}{CAUSE}{_plain('; '.join(ln for ln in lines if ln))})"
     return text
 
 
+CAUSE = " (cause: "  # what the library says went wrong; the step follows the text before it
 _CAUSE_INDEX = re.compile(r"^\d+: ")
 _UNIX_TIME = re.compile(r"UnixTime\((\d+)\)")
 _PLAIN = {

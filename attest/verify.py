@@ -23,7 +23,7 @@ from umbra.attest.azure import (
     tpm_nonce_for,
 )
 from umbra.attest.collateral import Collateral, CollateralSource, StaticCollateral
-from umbra.attest.dcap import verify_dcap
+from umbra.attest.dcap import CAUSE, verify_dcap
 from umbra.attest.errors import AttestError, QuoteParseError
 from umbra.attest.eventlog import (
     RUNTIME_EVENT_TYPE,
@@ -286,7 +286,9 @@ _DCAP_STEPS = (
 
 def _dcap_step(reason: str, status: str | None) -> Step:
     """Which step a DCAP reason belongs to. With a TCB status, the chain verified and our TCB
-    policy refused; without one, dcap-qvl stopped early, and its text says where."""
+    policy refused; without one, dcap-qvl stopped early, and its text says where (not the
+    cause appended to it: an expired PCK certificate is still the quote's chain)."""
+    reason = reason.partition(CAUSE)[0]
     if status is not None or "TCB level" in reason:
         return Step.TCB
     for needle, step in _DCAP_STEPS:

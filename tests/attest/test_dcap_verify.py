@@ -267,6 +267,6 @@ def test_the_library_s_cause_is_kept(
     )  # fmt: skip
     assert v.failed_steps == [Step.QUOTE_SIGNATURE]
     assert v.reasons == [
-        "DCAP verification failed: Failed to verify certificate chain: a certificate is not "
-        "valid yet (time: 2025-07-19T10:00:34Z, not_before: 2025-09-16T02:28:15Z)"
+        "DCAP verification failed: Failed to verify certificate chain (cause: a certificate is "
+        "not valid yet (time: 2025-07-19T10:00:34Z, not_before: 2025-09-16T02:28:15Z))"
     ]

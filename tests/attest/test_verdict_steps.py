@@ -79,3 +79,12 @@ def test_fmspc_qe_identity_and_debug_have_their_own_steps(
     assert v.failed_steps == [Step.DEBUG], v.failures
     assert [f.reason for f in v.failures][-1] == DEBUG_TD  # ours, beside dcap-qvl's
     assert any("Debug mode" in r for r in v.reasons)
+
+
+def test_the_step_follows_dcap_qvl_s_text_not_the_cause_appended_to_it() -> None:
+    from umbra.attest.verify import _dcap_step
+
+    chain = "DCAP verification failed: Failed to verify certificate chain"
+    expired = chain + " (cause: a certificate has expired (time: …, not_after: …))"
+    assert _dcap_step(expired, None) is Step.QUOTE_SIGNATURE  # "expired" is the cause's word
+    assert _dcap_step("DCAP verification failed: TCBInfo expired", None) is Step.COLLATERAL
