@@ -14,6 +14,7 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator, Field
 
 from umbra.policy.model import (
+    INJECT_DEFAULT_PORT,
     PLACEHOLDER,
     SCHEME_DEFAULT_PORTS,
     ExactHost,
@@ -83,6 +84,7 @@ class CompiledInject(StrictModel):
     format: InjectFormat
     secret: SecretRef
     hosts: list[ExactHost] = Field(min_length=1)
+    ports: list[Port] = Field(min_length=1)
 
     def render(self, secret: str) -> str:
         """The header value: `{secret}` is the value itself, `{basic:USER}` is base64(USER:value)."""
@@ -169,6 +171,7 @@ def compile_profile(profile: Profile) -> tuple[CompiledProfile, dict[str, tuple[
             format=rule.format,
             secret=rule.secret,
             hosts=sorted(set(rule.hosts)),
+            ports=sorted(set(rule.ports or [INJECT_DEFAULT_PORT])),
         )
         for index, rule in enumerate(profile.inject)
     ]

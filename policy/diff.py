@@ -88,9 +88,9 @@ def grants(profile: CompiledProfile) -> Iterator[GrantChange]:
                 yield GrantChange("tunnel", ("tunnel", f"{host}:{port}"), tunnel.id)
     for inject in profile.inject:
         for host in inject.hosts:
-            yield GrantChange(
-                "inject", ("inject", inject.header, "for", host, "from", inject.secret), inject.id
-            )
+            for port in inject.ports:
+                grant = ("inject", inject.header, "for", f"{host}:{port}", "from", inject.secret)
+                yield GrantChange("inject", grant, inject.id)
     for scan in profile.scan:
         yield GrantChange("scan", ("scan", scan.id, scan.regex), scan.id)
 

@@ -150,20 +150,23 @@ class Matcher:
                     trie.insert(path[1:].split("/"), entry)
         # host key -> ports some allow rule grants there: lets a proxy refuse a CONNECT up front.
         self._allow_ports: dict[str, set[int]] = {}
+        self._https_ports: dict[str, set[int]] = {}
         for rule in rules:
             if rule.action == "allow":
                 ports = {int(endpoint.split(":")[1]) for endpoint in rule.endpoints}
+                https = {int(e.split(":")[1]) for e in rule.endpoints if e.startswith("https:")}
                 for host in rule.hosts:
                     self._allow_ports.setdefault(host, set()).update(ports)
+                    self._https_ports.setdefault(host, set()).update(https)
         self._tunnels: dict[tuple[str, int], str] = {}
         for tunnel in tunnels:
             for host in tunnel.hosts:
                 for port in tunnel.ports:
                     self._tunnels.setdefault((host, port), tunnel.id)
 
-    def has_allow_rule_for(self, host: str) -> bool:
-        """Whether some allow rule names this normalized host (exactly, by wildcard or by '*')."""
-        return any(key in self._allow_ports for key in host_keys(host))
+    def has_https_allow_for(self, host: str, port: int) -> bool:
+        """Whether some allow rule names this normalized host with HTTPS on this port."""
+        return any(port in self._https_ports.get(key, ()) for key in host_keys(host))
 
     def decide(self, method: str, scheme: str, host: str, port: int, path: str) -> Decision:
         # A rule without `methods` means every method a rule could name, never TRACE, CONNECT,

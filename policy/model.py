@@ -21,6 +21,8 @@ from umbra.policy.normalize import (
 API_VERSION = "umbra/v1"
 METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
 SCHEME_DEFAULT_PORTS = {"https": 443, "http": 80}
+# Injections are made over TLS only, so their ports are HTTPS ports.
+INJECT_DEFAULT_PORT = SCHEME_DEFAULT_PORTS["https"]
 ANY_HOST = "*"
 MAX_SCAN_REGEX_LENGTH = 1024
 
@@ -204,13 +206,19 @@ class ScanRule(StrictModel):
 
 
 class InjectRule(StrictModel):
-    """Set `header` to `format` with the secret filled in, for requests to `hosts` only."""
+    """Set `header` to `format` with the secret filled in, for HTTPS requests to `hosts` on
+    `ports` only (another service on the same host never gets the credential)."""
 
     id: Name | None = None
     header: HeaderName
     format: InjectFormat
     secret: SecretRef
     hosts: list[ExactHost] = Field(min_length=1)
+    ports: list[Port] | None = Field(
+        default=None,
+        min_length=1,
+        description="Default: 443 (credentials are injected over HTTPS only).",
+    )
 
 
 def _check_profile_name(value: str) -> str:

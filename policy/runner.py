@@ -19,7 +19,7 @@ def run_suites(policy_set: PolicySet) -> list[CaseResult]:
                     probe.method, probe.scheme, probe.host, probe.port, probe.path
                 )
                 injected = (
-                    sorted(rule.header for rule in policy.injections_for(probe.host))
+                    sorted(rule.header for rule in policy.injections_for(probe.host, probe.port))
                     if decision.allowed
                     else []
                 )

@@ -171,6 +171,16 @@ def test_scan_rule_errors(tmp_path: Path, rule: str, field: str, fragment: str) 
             "inject[0].hosts[0]",
             "exact host",
         ),
+        (
+            "{header: X-Key, format: '{secret}', secret: team/x, hosts: [x.com], ports: []}",
+            "inject[0].ports",
+            "at least 1",
+        ),
+        (
+            "{header: X-Key, format: '{secret}', secret: team/x, hosts: [x.com], ports: ['443']}",
+            "inject[0].ports[0]",
+            "integer",
+        ),
     ],
 )
 def test_inject_rule_errors(tmp_path: Path, rule: str, field: str, fragment: str) -> None:
@@ -238,3 +248,20 @@ def test_a_valid_directory_loads_profiles_and_suites(tmp_path: Path) -> None:
     assert sorted(loaded.profiles) == ["p"]
     assert [s.suite.name for s in loaded.suites] == ["t"]
     assert loaded.suites[0].case_lines == [6]
+
+
+def test_an_injection_for_a_port_no_rule_allows_points_at_the_rule(tmp_path: Path) -> None:
+    """The old demo profile: an allow on port 7443 and an injection without ports (443)."""
+    write(
+        tmp_path,
+        "demo.yaml",
+        HEADER
+        + "name: demo\negress:\n  - allow: {hosts: [api.demo.test], ports: [7443]}\n"
+        + "inject:\n  - id: token\n    header: Authorization\n    format: 'Bearer {secret}'\n"
+        + "    secret: team/demo\n    hosts: [api.demo.test]\n",
+    )
+    with pytest.raises(PolicyError) as excinfo:
+        load_policy_dir(tmp_path).compose_all()
+    [issue] = excinfo.value.issues
+    assert (Path(issue.file).name, issue.line, issue.field) == ("demo.yaml", 7, "demo:token")
+    assert "on port 443, which no HTTPS allow rule reaches" in issue.message
