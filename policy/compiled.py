@@ -26,6 +26,7 @@ from umbra.policy.model import (
     PathPattern,
     Port,
     Profile,
+    RefPattern,
     ScanRegex,
     SecretRef,
     StrictModel,
@@ -65,6 +66,7 @@ class CompiledHttpRule(StrictModel):
     methods: list[Method] | None
     endpoints: list[Endpoint] = Field(min_length=1)
     paths: list[PathPattern] | None
+    push_refs: list[RefPattern] | None
 
 
 class CompiledTunnel(StrictModel):
@@ -158,6 +160,7 @@ def compile_profile(profile: Profile) -> tuple[CompiledProfile, dict[str, tuple[
                 methods=sorted(set(match.methods)) if match.methods else None,
                 endpoints=_endpoints(list(match.schemes), match.ports),
                 paths=sorted(set(match.paths)) if match.paths else None,
+                push_refs=sorted(set(entry.push_refs)) if entry.push_refs else None,
             )
         )
     scan = [

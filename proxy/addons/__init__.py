@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from umbra.proxy.addons.base import AddonConfig, Denied, Shared
 from umbra.proxy.addons.dial import DialGuard
+from umbra.proxy.addons.git import GitPush
 from umbra.proxy.addons.handshake import Handshake
 from umbra.proxy.addons.identity import Identity
 from umbra.proxy.addons.inject import Inject
@@ -29,6 +30,7 @@ def build_addons(shared: Shared) -> list[object]:
         Layers(shared),
         RequestSanity(shared),
         PolicyDecision(shared),
+        GitPush(shared),
         Scan(shared),
         Inject(shared),
         ResponseGuard(shared),

@@ -47,6 +47,8 @@ class Reason(StrEnum):
     INVALID_METHOD = "invalid_method", 403
     INVALID_SCHEME = "invalid_scheme", 403
     INVALID_PORT = "invalid_port", 403
+    PUSH_REF_DENIED = "push_ref_denied", 403
+    MALFORMED_PUSH = "malformed_push", 400
     # scanning and injection
     SECRET_DETECTED = "secret_detected", 403
     PLACEHOLDER_UNBOUND = "placeholder_unbound", 403

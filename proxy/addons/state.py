@@ -59,6 +59,8 @@ class FlowState:
     injected_headers: list[str] = field(default_factory=list)
     injected_values: list[str] = field(default_factory=list)
     query_keys: list[str] = field(default_factory=list)
+    # What the proxy read from an allowed request worth its record (e.g. the refs a push changes).
+    note: str = ""
     stream_response: bool = False
     response_bytes: int = 0
     # WebSocket control frames seen after the first of their (kind, from client): [count, bytes],

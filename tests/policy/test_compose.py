@@ -148,3 +148,24 @@ def test_a_secret_with_a_line_break_is_never_rendered_into_a_header() -> None:
     with pytest.raises(ValueError, match="control character") as excinfo:
         rule.render("abc\r\nX-Evil: 1")
     assert "abc" not in str(excinfo.value)
+
+
+def test_push_refs_limit_the_refs_a_git_push_may_change() -> None:
+    from umbra.policy import decide_push
+
+    push = {"allow": {"hosts": ["git.x.com"], "methods": ["POST"]}}
+    limited = policy(profile("g", [{**push, "push_refs": ["refs/heads/agent/**"]}]))
+    decision = limited.decide("POST", "https", "git.x.com", 443, "/r.git/git-receive-pack")
+    assert decision.push_refs == ("refs/heads/agent/**",)
+    assert decide_push(decision, ["refs/heads/agent/a", "refs/heads/agent/b/c"]).allowed
+    refused = decide_push(decision, ["refs/heads/agent/a", "refs/heads/main"])
+    assert (refused.reason, refused.rule_id) == (Reason.PUSH_REF_DENIED, "g:egress-0")
+    assert not decide_push(decision, ["refs/tags/v1"]).allowed
+    # allows are a union: another matching allow without limits allows any ref
+    both = policy(
+        profile("g", [{**push, "push_refs": ["refs/heads/agent/**"]}]),
+        profile("h", [{"allow": {"hosts": ["git.x.com"]}}]),
+    )
+    open_decision = both.decide("POST", "https", "git.x.com", 443, "/r.git/git-receive-pack")
+    assert open_decision.push_refs is None
+    assert decide_push(open_decision, ["refs/heads/main"]).allowed

@@ -265,3 +265,46 @@ def test_an_injection_for_a_port_no_rule_allows_points_at_the_rule(tmp_path: Pat
     [issue] = excinfo.value.issues
     assert (Path(issue.file).name, issue.line, issue.field) == ("demo.yaml", 7, "demo:token")
     assert "on port 443, which no HTTPS allow rule reaches" in issue.message
+
+
+@pytest.mark.parametrize(
+    ("entry", "field", "fragment"),
+    [
+        ("{deny: {hosts: [x.com]}, push_refs: ['refs/heads/**']}", "egress[0]", "allow"),
+        ("{allow: {hosts: [x.com]}, push_refs: ['heads/main']}", "egress[0].push_refs[0]", "refs/"),
+        (
+            "{allow: {hosts: [x.com]}, push_refs: ['refs/heads/a**']}",
+            "egress[0].push_refs[0]",
+            "whole",
+        ),
+        ("{allow: {hosts: [x.com]}, push_refs: ['refs/../x']}", "egress[0].push_refs[0]", ".."),
+    ],
+)
+def test_push_ref_errors(tmp_path: Path, entry: str, field: str, fragment: str) -> None:
+    write(tmp_path, "p.yaml", HEADER + f"name: p\negress:\n  - {entry}\n")
+    [(_, line, actual_field, message)] = issues_of(tmp_path)
+    assert (line, actual_field) == (5, field)
+    assert fragment in message
+
+
+def test_policy_test_cases_check_pushes_by_ref(tmp_path: Path) -> None:
+    from umbra.policy.runner import run_suites
+
+    write(
+        tmp_path,
+        "p.yaml",
+        HEADER
+        + "name: p\negress:\n  - id: push\n    allow: {hosts: [git.x.com], methods: [POST]}\n"
+        + "    push_refs: ['refs/heads/agent/**']\n",
+    )
+    write(
+        tmp_path,
+        "t.yaml",
+        "apiVersion: umbra/v1\nkind: PolicyTest\nname: t\nprofiles: [p]\ncases:\n"
+        + "  - {request: POST https://git.x.com/r.git/git-receive-pack, push: [refs/heads/agent/1],"
+        + " expect: allow}\n"
+        + "  - {request: POST https://git.x.com/r.git/git-receive-pack, push: [refs/heads/main],"
+        + " expect: deny, reason: push_ref_denied, rule: 'p:push'}\n",
+    )
+    results = run_suites(load_policy_dir(tmp_path))
+    assert [result.passed for result in results] == [True, True], results

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import socket
 import ssl
 import subprocess
@@ -21,6 +22,7 @@ import pytest
 import wsproto
 import wsproto.events
 
+from tests.proxy.git_origin import GitOrigin
 from tests.proxy.harness import (
     TEAM_SECRET,
     OriginHandler,
@@ -145,6 +147,7 @@ class Env23:
     origin: OriginServer
     other: OriginServer
     hello: HelloRecorder
+    git: GitOrigin
     ws: SplitWsOrigin
     runner: ProxyThread
     port: int
@@ -166,6 +169,11 @@ egress:
     allow: {{hosts: [hello.test], ports: [{hello}]}}
   - id: ws
     allow: {{hosts: [ws.test], ports: [{ws}]}}
+  - id: git-read
+    allow: {{hosts: [git.test], ports: [{git}], methods: [GET]}}
+  - id: git-push
+    allow: {{hosts: [git.test], ports: [{git}], methods: [POST], paths: ["/repo.git/git-receive-pack"]}}
+    push_refs: ["refs/heads/agent/**"]
 inject:
   - {{id: api-bearer, header: Authorization, format: "Bearer {{secret}}", secret: team/github-bot, hosts: [api.test], ports: [{origin}]}}
   - {{id: ws-bearer, header: Authorization, format: "Bearer {{secret}}", secret: team/github-bot, hosts: [ws.test], ports: [{ws}]}}
@@ -176,7 +184,7 @@ inject:
 def env23(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env23]:
     workdir = tmp_path_factory.mktemp("proxy23")
     ca = TestCA(workdir)
-    cert, key = ca.issue(["api.test", "ws.test", "hello.test"])
+    cert, key = ca.issue(["api.test", "ws.test", "hello.test", "git.test"])
     tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     tls.load_cert_chain(cert, key)
     recorder = Recorder()
@@ -184,15 +192,20 @@ def env23(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env23]:
     other = OriginServer(recorder, tls).start()
     hello = HelloRecorder()
     ws = SplitWsOrigin(tls)
+    (workdir / "git").mkdir()
+    git = GitOrigin(workdir / "git", tls)
+    git.bare("repo.git")
     origin.routes["api.test"] = _sse_routes
     policy_dir = workdir / "policies"
     policy_dir.mkdir()
     (policy_dir / "testing.yaml").write_text(
-        POLICY.format(origin=origin.port, other=other.port, hello=hello.port, ws=ws.port)
+        POLICY.format(
+            origin=origin.port, other=other.port, hello=hello.port, ws=ws.port, git=git.port
+        )
     )
     resolver = workdir / "resolver.json"
     resolver.write_text(
-        json.dumps({n: ["127.0.0.1"] for n in ("api.test", "ws.test", "hello.test")})
+        json.dumps({n: ["127.0.0.1"] for n in ("api.test", "ws.test", "hello.test", "git.test")})
     )
     identities = workdir / "identities.json"
     write_identities(identities)
@@ -214,11 +227,21 @@ def env23(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env23]:
     runner = ProxyThread(config)
     port = runner.start()
     yield Env23(
-        workdir, recorder, origin, other, hello, ws, runner, port, TrafficLog(workdir / "spool")
+        workdir,
+        recorder,
+        origin,
+        other,
+        hello,
+        git,
+        ws,
+        runner,
+        port,
+        TrafficLog(workdir / "spool"),
     )
     runner.stop()
     origin.shutdown()
     other.shutdown()
+    git.shutdown()
     spool = b"".join(p.read_bytes() for p in (workdir / "spool").glob("*.jsonl"))
     assert TEAM_SECRET.encode() not in spool
 
@@ -528,3 +551,116 @@ def test_a_secret_split_between_a_header_and_the_body_is_refused(
     assert result.stdout == b"403", case
     assert not any(s.path == path for s in env23.recorder.snapshot())
     env23.log.wait_for(mark, lambda r: r["reason"] == "secret_detected")
+
+
+# ------------------------------------------------------------------ 6. git push limits by ref
+
+
+def _git(env: Env23, cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    home = env.workdir / "git-home"
+    home.mkdir(exist_ok=True)
+    return subprocess.run(
+        [
+            "git",
+            "-c",
+            f"http.proxy=http://cvm-alice:alice-tunnel-credential-1@127.0.0.1:{env.port}",
+            "-c",
+            f"http.sslCAInfo={env.ca}",
+            "-c",
+            "user.name=agent",
+            "-c",
+            "user.email=agent@example.test",
+            *args,
+        ],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env={"PATH": os.environ["PATH"], "HOME": str(home), "GIT_CONFIG_NOSYSTEM": "1"},
+    )
+
+
+@pytest.fixture(scope="module")
+def work(env23: Env23) -> Path:
+    work = env23.workdir / "work"
+    work.mkdir()
+    assert _git(env23, work, "init", "-q", "-b", "main").returncode == 0
+    (work / "notes.txt").write_text("agent work\n")
+    assert _git(env23, work, "add", "notes.txt").returncode == 0
+    assert _git(env23, work, "commit", "-qm", "work").returncode == 0
+    return work
+
+
+def _remote(env: Env23) -> str:
+    return f"https://git.test:{env.git.port}/repo.git"
+
+
+def test_git_push_to_an_allowed_ref_goes_through_and_its_refs_are_recorded(
+    env23: Env23, work: Path
+) -> None:
+    mark = env23.log.mark()
+    result = _git(env23, work, "push", _remote(env23), "HEAD:refs/heads/agent/one")
+    assert result.returncode == 0, result.stderr
+    assert "refs/heads/agent/one" in env23.git.refs("repo.git")
+    record = env23.log.wait_for(
+        mark, lambda r: r["decision"] == "allow" and "agent/one" in (r["detail"] or "")
+    )
+    assert record["detail"] == "push create refs/heads/agent/one"
+    assert record["rule_id"] == "testing:git-push"
+
+
+@pytest.mark.parametrize(
+    "refspecs",
+    [
+        ["HEAD:refs/heads/main"],
+        ["HEAD:refs/tags/v1"],
+        ["HEAD:refs/heads/agent/two", "HEAD:refs/heads/main"],  # one bad ref refuses the push
+    ],
+)
+def test_git_push_to_any_other_ref_is_refused_and_recorded(
+    env23: Env23, work: Path, refspecs: list[str]
+) -> None:
+    """Fails on the old code: an allowed receive-pack could change any ref."""
+    mark = env23.log.mark()
+    before = env23.git.refs("repo.git")
+    result = _git(env23, work, "push", "--atomic", _remote(env23), *refspecs)
+    assert result.returncode != 0
+    assert env23.git.refs("repo.git") == before
+    record = env23.log.wait_for(mark, lambda r: r["reason"] == "push_ref_denied")
+    assert "refs/heads/main" in record["detail"] or "refs/tags/v1" in record["detail"]
+
+
+def test_git_push_deleting_another_ref_is_refused(env23: Env23, work: Path) -> None:
+    oid = _git(env23, work, "rev-parse", "HEAD").stdout.strip()
+    repo = env23.git.root / "repo.git"
+    subprocess.run(["git", "-C", str(repo), "update-ref", "refs/heads/keep", oid], check=True)
+    mark = env23.log.mark()
+    result = _git(env23, work, "push", _remote(env23), ":refs/heads/keep")
+    assert result.returncode != 0
+    assert "refs/heads/keep" in env23.git.refs("repo.git")
+    record = env23.log.wait_for(mark, lambda r: r["reason"] == "push_ref_denied")
+    assert record["detail"] == "push delete refs/heads/keep"
+
+
+@pytest.mark.parametrize(
+    ("body", "what"),
+    [
+        (b"0032" + b"0" * 40, "truncated pkt-line"),
+        (b"zzzz", "not hexadecimal"),
+        (b"0000PACK", "no command"),
+        (b"003fpush-cert\0 report-status\n" + b"x" * 30 + b"0000", "push certificate"),
+    ],
+)
+def test_a_malformed_push_is_refused_with_its_reason(env23: Env23, body: bytes, what: str) -> None:
+    mark = env23.log.mark()
+    target = f"git.test:{env23.git.port}"
+    sock = _tunnel(env23, target, "git.test")
+    sock.sendall(
+        f"POST /repo.git/git-receive-pack HTTP/1.1\r\nHost: {target}\r\n"
+        f"Content-Type: application/x-git-receive-pack-request\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    assert status_of(read_response(sock)) == 400, what
+    env23.log.wait_for(mark, lambda r: r["reason"] == "malformed_push")
