@@ -54,6 +54,9 @@ class Reason(StrEnum):
     PLACEHOLDER_UNBOUND = "placeholder_unbound", 403
     UNDECODABLE_CONTENT = "undecodable_content", 400
     SCAN_LIMIT = "scan_limit", 413
+    MALFORMED_PACKFILE = "malformed_packfile", 400
+    MALFORMED_ARCHIVE = "malformed_archive", 400
+    MALFORMED_GRPC = "malformed_grpc", 400
     INJECTION_REQUIRES_TLS = "injection_requires_tls", 403
     SECRET_UNAVAILABLE = "secret_unavailable", 403
     # flow bookkeeping

@@ -131,7 +131,12 @@ class Scan(UmbraAddon):
         joined = joined_fields(request_fields(request, decoded, content_type), decoded)
         try:
             result = fstate.effective.scanner.scan_request(
-                head, decoded, content_type, max_body, joined
+                head,
+                decoded,
+                content_type,
+                max_body,
+                joined,
+                ",".join(request.headers.get_all("grpc-encoding")),
             )
         except ScanError as exc:
             raise Denied(Reason(exc.reason), str(exc)) from None

@@ -6,13 +6,19 @@ real addons) in front of real loopback origins; real clients."""
 from __future__ import annotations
 
 import base64
+import bz2
+import io
 import json
+import lzma
 import os
 import socket
 import ssl
 import subprocess
+import tarfile
 import threading
 import time
+import zipfile
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -664,3 +670,155 @@ def test_a_malformed_push_is_refused_with_its_reason(env23: Env23, body: bytes, 
     )
     assert status_of(read_response(sock)) == 400, what
     env23.log.wait_for(mark, lambda r: r["reason"] == "malformed_push")
+
+
+# ------------------------------------------------------------------ 7. what a client sends unsaid
+
+AWS_PAIR = (
+    "aws_access_key_id = AKIAIOSFODNN7EXAMPLE\n"
+    "aws_secret_access_key = wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY\n"
+)
+
+
+def test_git_push_of_a_commit_holding_an_aws_key_pair_is_refused(env23: Env23, work: Path) -> None:
+    """Fails on the old code: the packfile's objects are zlib streams the scanner never opened,
+    so the push succeeded."""
+    keys = env23.workdir / "keys"
+    assert _git(env23, work, "clone", "-q", str(work), str(keys)).returncode == 0
+    (keys / "credentials").write_text(AWS_PAIR)
+    assert _git(env23, keys, "add", "credentials").returncode == 0
+    assert _git(env23, keys, "commit", "-qm", "add credentials").returncode == 0
+    mark = env23.log.mark()
+    result = _git(env23, keys, "push", _remote(env23), "HEAD:refs/heads/agent/keys")
+    assert result.returncode != 0
+    assert "refs/heads/agent/keys" not in env23.git.refs("repo.git")
+    record = env23.log.wait_for(mark, lambda r: r["reason"] == "secret_detected")
+    assert "builtin:aws-secret-access-key" in record["scan_rule_ids"]
+
+
+def _post(env: Env23, body: bytes, content_type: str, *headers: str) -> tuple[int, str]:
+    target = f"api.test:{env.other.port}"
+    sock = _tunnel(env, target, "api.test")
+    extra = "".join(f"{header}\r\n" for header in headers)
+    path = f"/unsaid-{time.monotonic_ns()}"
+    sock.sendall(
+        f"POST {path} HTTP/1.1\r\nHost: {target}\r\nContent-Type: {content_type}\r\n{extra}"
+        f"Content-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    return status_of(read_response(sock)), path
+
+
+def _zip(name: str, data: bytes, method: int = zipfile.ZIP_DEFLATED) -> bytes:
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", method) as archive:
+        archive.writestr(name, data)
+    return buffer.getvalue()
+
+
+def _raw_deflate(data: bytes) -> bytes:
+    compressor = zlib.compressobj(wbits=-zlib.MAX_WBITS)
+    return compressor.compress(data) + compressor.flush()
+
+
+def _grpc(message: bytes, compressed: bool) -> bytes:
+    return bytes([int(compressed)]) + len(message).to_bytes(4, "big") + message
+
+
+def _tar_gz(name: str, data: bytes) -> bytes:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as archive:
+        info = tarfile.TarInfo(name)
+        info.size = len(data)
+        archive.addfile(info, io.BytesIO(data))
+    return buffer.getvalue()
+
+
+UNSAID = {
+    "zip (deflate)": (_zip("creds.txt", AWS_PAIR.encode()), "application/zip", ()),
+    "tar.gz": (_tar_gz("creds.txt", AWS_PAIR.encode()), "application/octet-stream", ()),
+    "zlib without Content-Encoding": (zlib.compress(AWS_PAIR.encode()), "text/plain", ()),
+    "raw deflate without Content-Encoding": (_raw_deflate(AWS_PAIR.encode()), "text/plain", ()),
+    "bzip2": (bz2.compress(AWS_PAIR.encode()), "application/octet-stream", ()),
+    "xz": (lzma.compress(AWS_PAIR.encode()), "application/octet-stream", ()),
+    "grpc deflate": (
+        _grpc(zlib.compress(AWS_PAIR.encode()), True),
+        "application/grpc",
+        ("grpc-encoding: deflate",),
+    ),
+    "UTF-16 as text/plain": (AWS_PAIR.encode("utf-16-le"), "text/plain", ()),
+    "UTF-32 with BOM": (AWS_PAIR.encode("utf-32"), "text/plain", ()),
+    "hex character references": (
+        "".join(f"&#x{ord(c):x};" for c in AWS_PAIR).encode(),
+        "text/html",
+        (),
+    ),
+    "decimal character references": (
+        "".join(f"&#{ord(c)};" for c in AWS_PAIR).encode(),
+        "application/xml",
+        (),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(UNSAID))
+def test_a_key_pair_in_content_the_client_does_not_declare_is_refused(
+    env23: Env23, case: str
+) -> None:
+    """Fails on the old code: each of these passed (the issue's black-box round)."""
+    body, content_type, headers = UNSAID[case]
+    mark = env23.log.mark()
+    status, path = _post(env23, body, content_type, *headers)
+    assert status == 403, case
+    assert not any(s.path == path for s in env23.recorder.snapshot())
+    env23.log.wait_for(mark, lambda r: r["reason"] == "secret_detected")
+
+
+def _nested_zip(depth: int) -> bytes:
+    data = b"plain text"
+    for index in range(depth):
+        data = _zip(f"level-{index}", data)
+    return data
+
+
+MALFORMED = {
+    "truncated packfile": (
+        b"0000" + b"PACK\x00\x00\x00\x02\x00\x00\x00\x03" + b"\x33\x78\x9c",
+        "application/x-git-receive-pack-request",
+        (),
+        "malformed_packfile",
+    ),
+    "packfile object of a lying length": (
+        b"PACK\x00\x00\x00\x02\x00\x00\x00\x01\x3f" + zlib.compress(b"short"),
+        "application/octet-stream",
+        (),
+        "malformed_packfile",
+    ),
+    "truncated zip": (_zip("a", b"x" * 4000)[:80], "application/zip", (), "malformed_archive"),
+    "zip bomb": (_zip("bomb", b"\0" * (64 << 20)), "application/zip", (), "scan_limit"),
+    "zip nested 6 deep": (_nested_zip(6), "application/zip", (), "scan_limit"),
+    "gRPC frame of a wrong length": (
+        b"\x00\x00\x00\x03\xe8abc",
+        "application/grpc",
+        (),
+        "malformed_grpc",
+    ),
+    "unknown grpc-encoding": (
+        _grpc(b"abc", True),
+        "application/grpc",
+        ("grpc-encoding: snappy",),
+        "malformed_grpc",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED))
+def test_malformed_or_oversized_containers_are_refused_with_their_reason(
+    env23: Env23, case: str
+) -> None:
+    body, content_type, headers, reason = MALFORMED[case]
+    mark = env23.log.mark()
+    status, path = _post(env23, body, content_type, *headers)
+    assert status in (400, 413), case
+    assert not any(s.path == path for s in env23.recorder.snapshot())
+    env23.log.wait_for(mark, lambda r: r["reason"] == reason)
