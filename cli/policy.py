@@ -393,7 +393,9 @@ def decide(
         _exit_with_issues(exc, as_json)
     decision = policy.decide(probe.method, probe.scheme, probe.host, probe.port, probe.path)
     injected = (
-        [rule.header for rule in policy.injections_for(probe.host)] if decision.allowed else []
+        [rule.header for rule in policy.injections_for(probe.host, probe.port)]
+        if decision.allowed
+        else []
     )
     result = {
         "verdict": str(decision.verdict),

@@ -523,6 +523,7 @@ inject:
     format: "Bearer {{secret}}"
     secret: team/{DEMO_SECRET_NAME}
     hosts: [{DEMO_HOSTS[0]}]
+    ports: [{port}]
 """
 
 

@@ -7,7 +7,7 @@ from umbra.policy.bundle import BundleError, VerifiedBundle, verify_bundle
 from umbra.policy.compiled import CompiledInject, CompiledProfile, CompiledScan
 from umbra.policy.compose import CompositionError, EffectivePolicy, deny_all
 from umbra.policy.errors import PolicyError, PolicyIssue
-from umbra.policy.matcher import Decision, Reason, Verdict
+from umbra.policy.matcher import Decision, Reason, Verdict, decide_push
 from umbra.policy.normalize import NormalizationError, normalize_host, normalize_path
 
 __all__ = [
@@ -24,6 +24,7 @@ __all__ = [
     "Reason",
     "Verdict",
     "VerifiedBundle",
+    "decide_push",
     "deny_all",
     "normalize_host",
     "normalize_path",

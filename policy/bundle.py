@@ -137,6 +137,9 @@ def verify_bundle(raw: bytes, trusted_keys: Sequence[Ed25519PublicKey]) -> Verif
         payload = base64.b64decode(envelope.payload, validate=True)
     except binascii.Error:
         raise BundleError("bundle payload is not valid base64") from None
+    # The decoder ignores the unused low bits of the last character: one payload, one spelling.
+    if base64.b64encode(payload).decode() != envelope.payload:
+        raise BundleError("bundle payload is not canonical base64")
     trusted = {key_id(key): key for key in trusted_keys}
     signer = _find_valid_signature(envelope.signatures, trusted, payload)
     try:
@@ -165,7 +168,10 @@ def _find_valid_signature(
         if key is None:
             continue
         try:
-            key.verify(base64.b64decode(signature.sig, validate=True), SIGNING_CONTEXT + payload)
+            sig = base64.b64decode(signature.sig, validate=True)
+            if base64.b64encode(sig).decode() != signature.sig:
+                raise InvalidSignature("not canonical base64")
+            key.verify(sig, SIGNING_CONTEXT + payload)
         except (InvalidSignature, binascii.Error):
             raise BundleError(
                 f"signature by pinned key {signature.keyid} does not verify"

@@ -14,6 +14,7 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator, Field
 
 from umbra.policy.model import (
+    INJECT_DEFAULT_PORT,
     PLACEHOLDER,
     SCHEME_DEFAULT_PORTS,
     ExactHost,
@@ -25,6 +26,7 @@ from umbra.policy.model import (
     PathPattern,
     Port,
     Profile,
+    RefPattern,
     ScanRegex,
     SecretRef,
     StrictModel,
@@ -64,6 +66,7 @@ class CompiledHttpRule(StrictModel):
     methods: list[Method] | None
     endpoints: list[Endpoint] = Field(min_length=1)
     paths: list[PathPattern] | None
+    push_refs: list[RefPattern] | None
 
 
 class CompiledTunnel(StrictModel):
@@ -83,6 +86,7 @@ class CompiledInject(StrictModel):
     format: InjectFormat
     secret: SecretRef
     hosts: list[ExactHost] = Field(min_length=1)
+    ports: list[Port] = Field(min_length=1)
 
     def render(self, secret: str) -> str:
         """The header value: `{secret}` is the value itself, `{basic:USER}` is base64(USER:value)."""
@@ -156,6 +160,7 @@ def compile_profile(profile: Profile) -> tuple[CompiledProfile, dict[str, tuple[
                 methods=sorted(set(match.methods)) if match.methods else None,
                 endpoints=_endpoints(list(match.schemes), match.ports),
                 paths=sorted(set(match.paths)) if match.paths else None,
+                push_refs=sorted(set(entry.push_refs)) if entry.push_refs else None,
             )
         )
     scan = [
@@ -169,6 +174,7 @@ def compile_profile(profile: Profile) -> tuple[CompiledProfile, dict[str, tuple[
             format=rule.format,
             secret=rule.secret,
             hosts=sorted(set(rule.hosts)),
+            ports=sorted(set(rule.ports or [INJECT_DEFAULT_PORT])),
         )
         for index, rule in enumerate(profile.inject)
     ]

@@ -54,15 +54,20 @@ class EffectivePolicy:
             rule for profile in ordered for rule in profile.inject
         )
         self._matcher = Matcher(self.rules, self.tunnels)
-        self._inject_by_host: dict[str, tuple[CompiledInject, ...]] = {}
+        self._inject_by_target: dict[tuple[str, int], tuple[CompiledInject, ...]] = {}
         for rule in self.injections:
             for host in rule.hosts:
-                self._inject_by_host[host] = (*self._inject_by_host.get(host, ()), rule)
+                for port in rule.ports:
+                    key = (host, port)
+                    self._inject_by_target[key] = (*self._inject_by_target.get(key, ()), rule)
         unreachable = [
-            Conflict(rule.id, f"injects for {host!r}, which no allow rule reaches")
+            Conflict(
+                rule.id, f"injects for {host!r} on port {port}, which no HTTPS allow rule reaches"
+            )
             for rule in self.injections
             for host in rule.hosts
-            if not self._has_allow_for(host)
+            for port in rule.ports
+            if not self._matcher.has_https_allow_for(host, port)
         ]
         if unreachable:
             raise CompositionError(unreachable)
@@ -102,22 +107,20 @@ class EffectivePolicy:
         """False when no rule could admit anything to host:port; see `Matcher.may_connect`."""
         return not self.is_empty and self._matcher.may_connect(host, port)
 
-    def injections_for(self, host: str) -> tuple[CompiledInject, ...]:
-        """Injections bound to this exact host; empty for a host that does not normalize."""
+    def injections_for(self, host: str, port: int) -> tuple[CompiledInject, ...]:
+        """Injections bound to this exact host and port; empty for a host that does not
+        normalize. Injections are made over HTTPS only (the proxy refuses the rest)."""
         try:
-            return self._inject_by_host.get(normalize_host(host), ())
+            return self._inject_by_target.get((normalize_host(host), port), ())
         except NormalizationError:
             return ()
-
-    def _has_allow_for(self, host: str) -> bool:
-        return self._matcher.has_allow_rule_for(host)
 
 
 def _check_conflicts(profiles: Sequence[CompiledProfile]) -> None:
     conflicts: list[Conflict] = []
     seen_names: set[str] = set()
     seen_ids: set[str] = {rule.id for rule in BUILTIN_SCAN}
-    injected: dict[tuple[str, str], str] = {}
+    injected: dict[tuple[str, str, int], str] = {}
     for profile in profiles:
         if profile.name in seen_names:
             conflicts.append(Conflict(f"{profile.name}:*", "profile appears twice"))
@@ -134,15 +137,17 @@ def _check_conflicts(profiles: Sequence[CompiledProfile]) -> None:
             seen_ids.add(rule_id)
         for rule in profile.inject:
             for host in rule.hosts:
-                key = (rule.header.lower(), host)
-                if key in injected:
-                    conflicts.append(
-                        Conflict(
-                            rule.id,
-                            f"injects {rule.header!r} for {host!r}, as {injected[key]} already does",
+                for port in rule.ports:
+                    key = (rule.header.lower(), host, port)
+                    if key in injected:
+                        conflicts.append(
+                            Conflict(
+                                rule.id,
+                                f"injects {rule.header!r} for {host}:{port}, as "
+                                f"{injected[key]} already does",
+                            )
                         )
-                    )
-                injected.setdefault(key, rule.id)
+                    injected.setdefault(key, rule.id)
     if conflicts:
         raise CompositionError(conflicts)
 

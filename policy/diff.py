@@ -77,20 +77,20 @@ def grants(profile: CompiledProfile) -> Iterator[GrantChange]:
                 methods: list[str] = list(rule.methods) if rule.methods else ["*"]
                 for method in methods:
                     for path in rule.paths or ["/**"]:
-                        yield GrantChange(
-                            f"http:{rule.action}",
-                            (rule.action, host, endpoint, method, path),
-                            rule.id,
-                        )
+                        grant: tuple[str, ...] = (rule.action, host, endpoint, method, path)
+                        if rule.push_refs is not None:
+                            # dropping a push limit widens: the grant without it is new
+                            grant += ("push", ",".join(rule.push_refs))
+                        yield GrantChange(f"http:{rule.action}", grant, rule.id)
     for tunnel in profile.tunnels:
         for host in tunnel.hosts:
             for port in tunnel.ports:
                 yield GrantChange("tunnel", ("tunnel", f"{host}:{port}"), tunnel.id)
     for inject in profile.inject:
         for host in inject.hosts:
-            yield GrantChange(
-                "inject", ("inject", inject.header, "for", host, "from", inject.secret), inject.id
-            )
+            for port in inject.ports:
+                grant = ("inject", inject.header, "for", f"{host}:{port}", "from", inject.secret)
+                yield GrantChange("inject", grant, inject.id)
     for scan in profile.scan:
         yield GrantChange("scan", ("scan", scan.id, scan.regex), scan.id)
 

@@ -44,6 +44,7 @@ class Reason(StrEnum):
     INVALID_METHOD = "invalid_method"
     INVALID_SCHEME = "invalid_scheme"
     INVALID_PORT = "invalid_port"
+    PUSH_REF_DENIED = "push_ref_denied"
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +55,8 @@ class Decision:
     host: str | None = None
     path: str | None = None
     detail: str = ""
+    # Refs a git push this allows may change (the union over every matching allow rule); None: any.
+    push_refs: tuple[str, ...] | None = None
 
     @property
     def allowed(self) -> bool:
@@ -150,20 +153,23 @@ class Matcher:
                     trie.insert(path[1:].split("/"), entry)
         # host key -> ports some allow rule grants there: lets a proxy refuse a CONNECT up front.
         self._allow_ports: dict[str, set[int]] = {}
+        self._https_ports: dict[str, set[int]] = {}
         for rule in rules:
             if rule.action == "allow":
                 ports = {int(endpoint.split(":")[1]) for endpoint in rule.endpoints}
+                https = {int(e.split(":")[1]) for e in rule.endpoints if e.startswith("https:")}
                 for host in rule.hosts:
                     self._allow_ports.setdefault(host, set()).update(ports)
+                    self._https_ports.setdefault(host, set()).update(https)
         self._tunnels: dict[tuple[str, int], str] = {}
         for tunnel in tunnels:
             for host in tunnel.hosts:
                 for port in tunnel.ports:
                     self._tunnels.setdefault((host, port), tunnel.id)
 
-    def has_allow_rule_for(self, host: str) -> bool:
-        """Whether some allow rule names this normalized host (exactly, by wildcard or by '*')."""
-        return any(key in self._allow_ports for key in host_keys(host))
+    def has_https_allow_for(self, host: str, port: int) -> bool:
+        """Whether some allow rule names this normalized host with HTTPS on this port."""
+        return any(port in self._https_ports.get(key, ()) for key in host_keys(host))
 
     def decide(self, method: str, scheme: str, host: str, port: int, path: str) -> Decision:
         # A rule without `methods` means every method a rule could name, never TRACE, CONNECT,
@@ -186,6 +192,7 @@ class Matcher:
         segments = path[1:].split("/")
         allow: _Entry | None = None
         deny: _Entry | None = None
+        push_refs: set[str] | None = set()
         for key in host_keys(host):
             trie = self._by_host.get(key)
             if trie is None:
@@ -198,12 +205,19 @@ class Matcher:
                 if entry.rule.action == "deny":
                     if deny is None or entry.order < deny.order:
                         deny = entry
-                elif allow is None or entry.order < allow.order:
-                    allow = entry
+                else:
+                    if allow is None or entry.order < allow.order:
+                        allow = entry
+                    # allows are a union: one matching rule without limits allows any ref
+                    limits = entry.rule.push_refs
+                    push_refs = (
+                        None if push_refs is None or limits is None else push_refs | set(limits)
+                    )
         if deny is not None:
             return Decision(Verdict.DENY, Reason.RULE_DENY, deny.rule.id, host, path)
         if allow is not None:
-            return Decision(Verdict.ALLOW, Reason.RULE_ALLOW, allow.rule.id, host, path)
+            refs = None if push_refs is None else tuple(sorted(push_refs))
+            return Decision(Verdict.ALLOW, Reason.RULE_ALLOW, allow.rule.id, host, path, "", refs)
         return Decision(Verdict.DENY, Reason.NO_MATCHING_RULE, None, host, path)
 
     def may_connect(self, host: str, port: int) -> bool:
@@ -229,3 +243,41 @@ class Matcher:
         if rule_id is None:
             return Decision(Verdict.DENY, Reason.NO_MATCHING_RULE, None, host)
         return Decision(Verdict.ALLOW, Reason.RULE_ALLOW, rule_id, host)
+
+
+@functools.lru_cache(maxsize=1024)
+def _ref_glob(pattern: str) -> re.Pattern[str]:
+    parts = []
+    for index, segment in enumerate(pattern.split("/")):
+        if segment == "**":
+            parts.append("(?:/[^/]+)*" if index else "[^/]+(?:/[^/]+)*")
+        else:
+            text = re.escape(segment).replace(r"\*", "[^/]*")
+            parts.append(("/" if index else "") + text)
+    return re.compile("".join(parts))
+
+
+def ref_allowed(decision: Decision, ref: str) -> bool:
+    """Whether a push the decision allows may change `ref` (`*` within a segment, `**` any
+    number of whole segments)."""
+    if decision.push_refs is None:
+        return True
+    return any(_ref_glob(pattern).fullmatch(ref) for pattern in decision.push_refs)
+
+
+def decide_push(decision: Decision, refs: Sequence[str]) -> Decision:
+    """The decision for a git push of `refs` (create, update or delete) that `decision` allowed."""
+    if not decision.allowed:
+        return decision
+    refused = [ref for ref in refs if not ref_allowed(decision, ref)]
+    if not refused:
+        return decision
+    return Decision(
+        Verdict.DENY,
+        Reason.PUSH_REF_DENIED,
+        decision.rule_id,
+        decision.host,
+        decision.path,
+        f"push to {len(refused)} ref(s) outside {list(decision.push_refs or ())}",
+        decision.push_refs,
+    )

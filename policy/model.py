@@ -21,6 +21,8 @@ from umbra.policy.normalize import (
 API_VERSION = "umbra/v1"
 METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
 SCHEME_DEFAULT_PORTS = {"https": 443, "http": 80}
+# Injections are made over TLS only, so their ports are HTTPS ports.
+INJECT_DEFAULT_PORT = SCHEME_DEFAULT_PORTS["https"]
 ANY_HOST = "*"
 MAX_SCAN_REGEX_LENGTH = 1024
 
@@ -99,6 +101,21 @@ def _check_path_pattern(value: str) -> str:
     return value
 
 
+_REF_PATTERN = re.compile(r"^refs/[A-Za-z0-9._/*-]{1,240}$")
+
+
+def _check_ref_pattern(value: str) -> str:
+    """A git ref glob: `*` within one segment, a `**` segment any number of them."""
+    if not _REF_PATTERN.match(value):
+        raise ValueError("must start with 'refs/' and use letters, digits, '.', '_', '-', '/', '*'")
+    segments = value.split("/")
+    if any(not segment for segment in segments) or ".." in value:
+        raise ValueError("empty segments and '..' are not ref names")
+    if any("**" in segment and segment != "**" for segment in segments):
+        raise ValueError("'**' must be a whole segment")
+    return value
+
+
 def _check_scan_regex(value: str) -> str:
     if not value:
         raise ValueError("regex must not be empty")
@@ -150,6 +167,7 @@ Method = Literal["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
 Scheme = Literal["https", "http"]
 Port = Annotated[int, Field(ge=1, le=65535, strict=True)]
 ScanRegex = Annotated[str, AfterValidator(_check_scan_regex)]
+RefPattern = Annotated[str, AfterValidator(_check_ref_pattern)]
 HeaderName = Annotated[str, AfterValidator(_check_header)]
 InjectFormat = Annotated[str, AfterValidator(_check_format)]
 SecretRef = Annotated[str, AfterValidator(_check_secret_ref)]
@@ -186,12 +204,20 @@ class EgressRule(StrictModel):
     allow: HttpMatch | None = None
     deny: HttpMatch | None = None
     tunnel: TunnelMatch | None = None
+    push_refs: list[RefPattern] | None = Field(
+        default=None,
+        min_length=1,
+        description="allow only: a git push (git-receive-pack) it allows may create, update or "
+        "delete only refs matching these patterns, e.g. 'refs/heads/agent/**'.",
+    )
 
     @model_validator(mode="after")
     def _exactly_one_kind(self) -> Self:
         kinds = [kind for kind in ("allow", "deny", "tunnel") if getattr(self, kind) is not None]
         if len(kinds) != 1:
             raise ValueError("each egress entry needs exactly one of 'allow', 'deny' or 'tunnel'")
+        if self.push_refs is not None and self.allow is None:
+            raise ValueError("'push_refs' limits an 'allow' rule only")
         if self.allow is not None and ANY_HOST in self.allow.hosts:
             raise ValueError("'*' (every host) may appear in deny rules only")
         return self
@@ -204,13 +230,19 @@ class ScanRule(StrictModel):
 
 
 class InjectRule(StrictModel):
-    """Set `header` to `format` with the secret filled in, for requests to `hosts` only."""
+    """Set `header` to `format` with the secret filled in, for HTTPS requests to `hosts` on
+    `ports` only (another service on the same host never gets the credential)."""
 
     id: Name | None = None
     header: HeaderName
     format: InjectFormat
     secret: SecretRef
     hosts: list[ExactHost] = Field(min_length=1)
+    ports: list[Port] | None = Field(
+        default=None,
+        min_length=1,
+        description="Default: 443 (credentials are injected over HTTPS only).",
+    )
 
 
 def _check_profile_name(value: str) -> str:

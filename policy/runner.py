@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from umbra.policy.loader import LoadedSuite, PolicySet
-from umbra.policy.matcher import Decision
+from umbra.policy.matcher import Decision, decide_push
 from umbra.policy.suite import Case, CaseResult, HttpProbe
 
 
@@ -18,8 +18,10 @@ def run_suites(policy_set: PolicySet) -> list[CaseResult]:
                 decision = policy.decide(
                     probe.method, probe.scheme, probe.host, probe.port, probe.path
                 )
+                if case.push is not None:
+                    decision = decide_push(decision, case.push)
                 injected = (
-                    sorted(rule.header for rule in policy.injections_for(probe.host))
+                    sorted(rule.header for rule in policy.injections_for(probe.host, probe.port))
                     if decision.allowed
                     else []
                 )

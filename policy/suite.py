@@ -72,6 +72,14 @@ def _check_request(value: str) -> str:
     return value
 
 
+def _check_ref(value: str) -> str:
+    if not value.startswith("refs/") or any(
+        ord(char) <= 0x20 or ord(char) == 0x7F for char in value
+    ):
+        raise ValueError("a ref is 'refs/...' without spaces or control characters")
+    return value
+
+
 def _check_tunnel(value: str) -> str:
     parse_tunnel(value)
     return value
@@ -87,6 +95,11 @@ class Case(StrictModel):
     inject: list[HeaderName] | None = Field(
         default=None, description="Exact set of header names expected to be injected."
     )
+    push: list[Annotated[str, AfterValidator(_check_ref)]] | None = Field(
+        default=None,
+        min_length=1,
+        description="The request is a git push changing these refs (checked against push_refs).",
+    )
 
     @model_validator(mode="after")
     def _one_probe(self) -> Self:
@@ -94,6 +107,8 @@ class Case(StrictModel):
             raise ValueError("each case needs exactly one of 'request' or 'tunnel'")
         if self.tunnel is not None and self.inject is not None:
             raise ValueError("tunnels are not inspected, so nothing is injected into them")
+        if self.tunnel is not None and self.push is not None:
+            raise ValueError("'push' describes an HTTP request (git-receive-pack), not a tunnel")
         return self
 
     def probe(self) -> HttpProbe | TunnelProbe:

@@ -178,21 +178,26 @@ _MAX_MAGIC_TRIES = 32
 
 
 class Trigger(IntEnum):
+    # the windowed kinds first: the scanner's dense check relies on their ids being the lowest
     PERCENT = 0
     ESCAPE = 1
-    GZIP = 2
-    ZSTD = 3
+    CHARREF = 2
+    GZIP = 3
+    ZSTD = 4
 
 
 TRIGGERS: dict[Trigger, bytes] = {
     Trigger.PERCENT: rb"%[0-9A-Fa-f]{2}",
     Trigger.ESCAPE: rb"\\(?:u[0-9a-fA-F]{4}|[\"\\/bfnrt])",
+    # HTML/XML numeric character references, whatever the content type says
+    Trigger.CHARREF: rb"&#(?:[0-9]{1,7}|[xX][0-9a-fA-F]{1,6})",
     Trigger.GZIP: rb"\x1f\x8b\x08",
     Trigger.ZSTD: rb"\x28\xb5\x2f\xfd",
 }
-# Percent and JSON escapes can be dense (a form post, an LLM prompt full of `\n`): past DENSE of
-# one kind the scanner stops collecting offsets and the whole buffer is decoded for both kinds.
-WINDOWED = (Trigger.PERCENT, Trigger.ESCAPE)
+# Percent and JSON escapes and character references can be dense (a form post, an LLM prompt full
+# of `\n`, an HTML page): past DENSE of one kind the scanner stops collecting offsets and the whole
+# buffer is decoded for every windowed kind present.
+WINDOWED = (Trigger.PERCENT, Trigger.ESCAPE, Trigger.CHARREF)
 # A run of base64 characters (line breaks continue a run: MIME wraps base64 at 76 columns, as
 # `base64` writes). Hex runs lie inside these (hex digits are base64 characters). The scanner runs
 # this alone and stops at its first match, finds the run's end, and resumes after it: one report
@@ -269,12 +274,16 @@ def decode_level(data: bytes, found: Found, budget: Budget) -> bytes:
             add(_unquote(data))
         if Trigger.ESCAPE in found.present:
             add(_json_unescape(data))
+        if Trigger.CHARREF in found.present:
+            add(char_refs(data))
     else:
         if offsets[Trigger.PERCENT]:
             windows = _windows(data, offsets[Trigger.PERCENT], 3)
             add(_unquote(windows))
         if offsets[Trigger.ESCAPE]:
             add(_json_unescape(_windows(data, offsets[Trigger.ESCAPE], 6)))
+        if offsets[Trigger.CHARREF]:
+            add(char_refs(_windows(data, offsets[Trigger.CHARREF], 10)))
     if found.runs:
         add(_b64_runs(data, found.runs))
         add(_hex_runs(data, found.runs))
@@ -341,6 +350,19 @@ def _text_end(data: bytes, end: int) -> int:
         if found >= 0:
             return end + found
     return min(end + _WINDOW, len(data))
+
+
+_CHAR_REF = re.compile(rb"&#(?:([0-9]{1,7})|[xX]([0-9a-fA-F]{1,6}));?")
+
+
+def _char_ref(match: re.Match[bytes]) -> bytes:
+    number = int(match[1]) if match[1] is not None else int(match[2], 16)
+    return chr(number).encode("utf-8", "surrogatepass") if number < 0x110000 else b""
+
+
+def char_refs(data: bytes) -> bytes:
+    """HTML/XML numeric character references (`&#103;`, `&#x67;`) undone."""
+    return _CHAR_REF.sub(_char_ref, data)
 
 
 _PERCENT = re.compile(rb"%([0-9A-Fa-f]{2})")

@@ -23,7 +23,13 @@
    an addon put in `flow.metadata[WS_CONTROL]` (close reasons stay readable on
    `flow.websocket.close_reason` for the `websocket_end` hook).
 4. Worker processes (`--workers`): listeners bind with SO_REUSEPORT (`install(reuse_port=True)`).
-5. The dial guard dials the checked IP literal, so the upstream connection's address is no longer
+5. mitmproxy's WebSocket layer ignores `flow.kill()` (the connection stays open and relays on),
+   and a killed flow cannot be killed again ("Flow is not killable"). The wrapped
+   `WebsocketLayer.relay_messages` and `start` close the connection instead, after any hook,
+   once an addon put a close code in `flow.metadata[CLOSE_WS]` or killed the flow: a close frame
+   to each side that is still open (the code, no reason), both connections closed, the
+   `websocket_end` hook, and nothing relayed after that.
+6. The dial guard dials the checked IP literal, so the upstream connection's address is no longer
    the name the next request on the client connection asks for, and mitmproxy would dial (and
    leave open) a new upstream connection for every request. `install()` wraps
    `GetHttpConnection.connection_spec_matches` so that a connection the dial guard marked as dialled
@@ -36,11 +42,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Generator
 from enum import StrEnum
 from typing import Any
 
 import wsproto.events
+from mitmproxy import flow as flow_module
 from mitmproxy.proxy import commands
 from mitmproxy.proxy.layers import http as http_layers
 from mitmproxy.proxy.layers import websocket as ws_layers
@@ -52,6 +60,10 @@ CUT_STREAM = "umbra.cut_stream"
 # flow.metadata key: called as (kind, from_client, payload size) for each ping/pong payload that was
 # not relayed (a ping's is answered to its sender, a pong's dropped).
 WS_CONTROL = "umbra.ws_control"
+# flow.metadata key: a WebSocket close code; once set (by any hook), both sides are closed.
+CLOSE_WS = "umbra.close_ws"
+WS_POLICY_CLOSE = 1008  # RFC 6455: policy violation
+WS_INTERNAL_ERROR = 1011
 
 
 class ControlKind(StrEnum):
@@ -120,7 +132,16 @@ def install(*, reuse_port: bool = False) -> None:
     original_start: Any = getattr(layer_cls, "start", None)
     original_relay: Any = getattr(layer_cls, "relay_messages", None)
     log_command: Any = getattr(commands, "Log", None)
-    if None in (original_send2, original_start, original_relay, log_command):
+    end_hook: Any = getattr(ws_layers, "WebsocketEndHook", None)
+    killed_message: Any = getattr(getattr(flow_module, "Error", None), "KILLED_MESSAGE", None)
+    if None in (
+        original_send2,
+        original_start,
+        original_relay,
+        log_command,
+        end_hook,
+        killed_message,
+    ):
         raise CompatError("mitmproxy's WebSocket layer internals are missing; refusing to run")
 
     def send2(self: Any, event: Any) -> Any:
@@ -135,7 +156,29 @@ def install(*, reuse_port: bool = False) -> None:
             event = wsproto.events.CloseConnection(code=event.code, reason="")
         return original_send2(self, event)
 
+    def close_code(self: Any) -> int | None:
+        code = self.flow.metadata.get(CLOSE_WS)
+        if code is None and self.flow.error is not None and self.flow.error.msg == killed_message:
+            code = WS_POLICY_CLOSE
+        return int(code) if code is not None else None
+
+    def close_both(self: Any, code: int) -> Generator[Any, Any, None]:
+        for ws in (self.server_ws, self.client_ws):
+            if ws.state in (ConnectionState.OPEN, ConnectionState.REMOTE_CLOSING):
+                yield ws.send2(wsproto.events.CloseConnection(code=code))
+            yield commands.CloseConnection(ws.conn)
+        websocket = self.flow.websocket
+        if websocket is not None and websocket.timestamp_end is None:
+            websocket.timestamp_end = time.time()
+            websocket.close_code = code
+            yield end_hook(self.flow)
+        self.flow.live = False
+        self._handle_event = self.done
+
     def relay_messages(self: Any, event: Any) -> Generator[Any, Any, None]:
+        if (code := close_code(self)) is not None:
+            yield from close_both(self, code)
+            return
         steps = original_relay(self, event)
         reply: Any = None
         # mitmproxy logs each ping/pong with its payload just before relaying it: hold every log
@@ -158,6 +201,11 @@ def install(*, reuse_port: bool = False) -> None:
                 held = command
                 continue
             reply = yield command
+            if (code := close_code(self)) is not None:
+                # A hook asked to close (or killed the flow): relay nothing more.
+                steps.close()
+                yield from close_both(self, code)
+                return
         if held is not None:
             yield held
 
@@ -167,6 +215,8 @@ def install(*, reuse_port: bool = False) -> None:
         self.server_ws.umbra_flow, self.server_ws.umbra_from_client = self.flow, True
         self.client_ws.umbra_flow, self.client_ws.umbra_from_client = self.flow, False
         self.server_ws.umbra_peer, self.client_ws.umbra_peer = self.client_ws, self.server_ws
+        if (code := close_code(self)) is not None:
+            yield from close_both(self, code)
 
     get_connection: Any = getattr(http_layers, "GetHttpConnection", None)
     original_matches = getattr(get_connection, "connection_spec_matches", None)

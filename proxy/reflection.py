@@ -13,6 +13,7 @@ whole while its decoded tail is such a prefix. A hit raises `Reflected`: the cal
 
 from __future__ import annotations
 
+import re
 import threading
 import zlib
 from collections.abc import Callable, Sequence
@@ -22,15 +23,14 @@ import brotli  # type: ignore[import-untyped]
 import hyperscan
 import zstandard
 
+from umbra.proxy.reassembly import Reassembler, Reflected
 from umbra.proxy.scanner import secret_encodings
+
+__all__ = ["BodyStream", "Reflected", "ReflectionGuard", "UnsupportedEncoding"]
 
 # A decoded response may be this many times its encoded size (plus slack) before it is called a bomb.
 _MAX_RATIO = 1024
 _SLACK = 1 << 20
-
-
-class Reflected(Exception):
-    """The response carries an injected credential (in some form)."""
 
 
 class UnsupportedEncoding(Exception):
@@ -166,21 +166,49 @@ def _forms(values: Sequence[str]) -> _Forms:
 
 class ReflectionGuard:
     def __init__(self, values: Sequence[str]) -> None:
+        self._values = list(values)
         self._forms = _forms(values)
 
     def in_headers(self, head: bytes) -> bool:
         return any(form in head for form in self._forms.forms)
 
-    def stream(self, content_encoding: str) -> BodyStream:
-        return BodyStream(self._forms, decoders_for(content_encoding))
+    def stream(self, content_encoding: str, content_type: str = "") -> BodyStream:
+        """A body; server-sent events (whatever else the body is) are also checked event by
+        event for a credential in pieces (`reassembly`)."""
+        events = None
+        if content_type.split(";", 1)[0].strip().lower() == "text/event-stream":
+            events = Reassembler(self._values)
+        return BodyStream(self._forms, decoders_for(content_encoding), events)
+
+    def messages(self) -> Reassembler:
+        """A WebSocket connection's messages from the server, checked for a credential in pieces."""
+        return Reassembler(self._values)
+
+
+_EVENT_END = re.compile(rb"\r\n\r\n|\n\n|\r\r")
+_MAX_EVENT = 1 << 20
+
+
+def event_data(event: bytes) -> bytes:
+    """The data of one server-sent event (its `data:` lines joined by line feeds)."""
+    lines = [line.rstrip(b"\r") for line in event.split(b"\n")]
+    data = [line[5:].removeprefix(b" ") for line in lines if line.startswith(b"data:")]
+    return b"\n".join(data)
 
 
 class BodyStream:
     """One response body: `feed` each chunk, then `finish`; both return bytes safe to pass on."""
 
-    def __init__(self, forms: _Forms, decoders: list[_Decoder]) -> None:
+    def __init__(
+        self, forms: _Forms, decoders: list[_Decoder], events: Reassembler | None = None
+    ) -> None:
         self._forms = forms
         self._decoders = decoders
+        self._events = events
+        self._event_buf = b""  # decoded bytes of the event not yet complete
+        self._event_start = 0  # its offset in the decoded body
+        self._chain_start: int | None = None  # where the events held for a pending start begin
+        self._passed = 0  # encoded bytes passed on
         self._hit = False
         self._closed = False
         self._held = b""  # encoded bytes not yet passed on
@@ -211,14 +239,20 @@ class BodyStream:
             self._tail = (self._tail + decoded)[-self._forms.longest :]
         pending = self._held + chunk
         hold = self._forms.partial_tail(self._tail)
+        if self._chain_start is not None:
+            # events that start a credential wait for the next one (identity: offsets agree)
+            hold = max(hold, self._passed + len(pending) - self._chain_start)
         if not hold:
             self._held = b""
+            self._passed += len(pending)
             return pending
         if self._decoders:
             self._held = pending  # cannot split encoded bytes at a decoded offset: hold it all
             return b""
-        self._held = pending[-hold:]
-        return pending[:-hold]
+        hold = min(hold, len(pending))
+        self._held = pending[len(pending) - hold :]
+        self._passed += len(pending) - hold
+        return pending[: len(pending) - hold]
 
     def finish(self) -> bytes:
         """End of body: whatever the decoders still buffer is checked, then the held bytes (a
@@ -226,9 +260,40 @@ class BodyStream:
         if self._closed:
             raise Reflected("stream already cut")
         self._checked(self._flush)
+        if self._events is not None and self._event_buf:
+            self._checked(self._last_event)
         held = self._held
         self._close()
         return held
+
+    def _last_event(self) -> bytes:
+        # An event without its blank line is not dispatched by clients; checked all the same.
+        assert self._events is not None
+        self._events.add(event_data(self._event_buf))
+        self._event_buf = b""
+        return b""
+
+    def _split_events(self, decoded: bytes) -> None:
+        """Feed each complete event to the reassembler; remember where a pending chain starts."""
+        assert self._events is not None
+        buf = self._event_buf + decoded
+        while True:
+            match = _EVENT_END.search(buf)
+            if match is None:
+                if len(buf) <= _MAX_EVENT:
+                    break
+                end = stop = len(buf)  # an endless event: checked in bounded pieces
+            else:
+                end, stop = match.start(), match.end()
+            start = self._event_start
+            if self._events.add(event_data(buf[:end])):
+                if self._chain_start is None:
+                    self._chain_start = start
+            else:
+                self._chain_start = None
+            buf = buf[stop:]
+            self._event_start += stop
+        self._event_buf = buf
 
     def _flush(self) -> bytes:
         rest = b""
@@ -248,6 +313,10 @@ class BodyStream:
                 self._stream.scan(
                     decoded, scratch=self._forms.scratch(), match_event_handler=self._on_match
                 )
+            if self._hit:
+                raise Reflected("response reflects an injected credential")
+            if decoded and self._events is not None:
+                self._split_events(decoded)
             if self._hit:
                 raise Reflected("response reflects an injected credential")
         except Reflected:

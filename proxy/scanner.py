@@ -21,6 +21,7 @@ from urllib.parse import quote
 import hyperscan
 
 from umbra.policy import CompiledScan
+from umbra.proxy.containers import Limits, Malformed, expand, grpc_messages
 from umbra.proxy.decode import (
     DENSE,
     MAX_DEPTH,
@@ -238,20 +239,31 @@ class Scanner:
         content_type: str,
         limit: int,
         joined: bytes = b"",
+        grpc_encoding: str = "",
     ) -> ScanResult:
         """Scan the request head (line, headers) and its already content-decoded body; `joined`
-        (fields concatenated pairwise) is scanned for secrets only, not for placeholders."""
+        (fields concatenated pairwise) is scanned for secrets only, not for placeholders. What
+        the body holds without saying so (archives, packfiles, compressed streams, gRPC messages,
+        wide text, character references: `containers.expand`) is scanned as more buffers, all
+        under the one budget."""
         budget = Budget(remaining=max(8 * (len(head) + len(body)), 1 << 20) + limit)
         buffers = [head]
         if body:
             buffers.append(body)
-            if content_type.lower().startswith("multipart/"):
-                try:
+            limits = Limits(budget)
+            try:
+                if content_type.lower().startswith("multipart/"):
                     buffers.extend(multipart_parts(body, content_type, limit))
-                except DecodeLimit as exc:
-                    raise ScanError("scan_limit", str(exc)) from None
-                except DecodeError as exc:
-                    raise ScanError("undecodable_content", str(exc)) from None
+                if content_type.lower().startswith("application/grpc"):
+                    buffers.extend(grpc_messages(body, grpc_encoding, limits))
+                for item in buffers[1:]:
+                    buffers.extend(expand(item, limits))
+            except DecodeLimit as exc:
+                raise ScanError("scan_limit", str(exc)) from None
+            except DecodeError as exc:
+                raise ScanError("undecodable_content", str(exc)) from None
+            except Malformed as exc:
+                raise ScanError(str(exc.reason), str(exc)) from None
         result = self.scan_buffers(buffers, budget)
         if joined:
             result.rule_ids |= self.scan_buffers([joined], budget).rule_ids

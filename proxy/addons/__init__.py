@@ -2,7 +2,7 @@
 
 Order for an HTTP request (each failure answers and logs; nothing is forwarded): identity (407) ->
 request sanity and name agreement (400/405/413/421) -> policy decision (403) -> scan (403/400/413)
--> injection (403) -> dial guard (502). Responses pass the response guard (reflection, 502/cut).
+-> injection (403) -> upstream handshake (ALPN, SNI) -> dial guard (502). Responses pass the response guard (reflection, 502/cut).
 The traffic log comes last: it logs what finished; every record is constructed there.
 """
 
@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from umbra.proxy.addons.base import AddonConfig, Denied, Shared
 from umbra.proxy.addons.dial import DialGuard
+from umbra.proxy.addons.git import GitPush
+from umbra.proxy.addons.handshake import Handshake
 from umbra.proxy.addons.identity import Identity
 from umbra.proxy.addons.inject import Inject
 from umbra.proxy.addons.layers import Layers
@@ -28,9 +30,11 @@ def build_addons(shared: Shared) -> list[object]:
         Layers(shared),
         RequestSanity(shared),
         PolicyDecision(shared),
+        GitPush(shared),
         Scan(shared),
         Inject(shared),
         ResponseGuard(shared),
+        Handshake(shared),
         DialGuard(shared),
         shared.traffic,
     ]

@@ -21,6 +21,7 @@ from umbra.proxy.addons.reasons import Reason
 from umbra.proxy.addons.state import ConnTable, Stage, flow_state
 from umbra.proxy.addons.traffic import TrafficLog
 from umbra.proxy.identity import IdentitySource
+from umbra.proxy.mitm_compat import CLOSE_WS, WS_INTERNAL_ERROR
 from umbra.proxy.netcheck import AddressPolicy
 from umbra.proxy.resolver import Resolver
 from umbra.proxy.spool import Spool
@@ -82,6 +83,28 @@ def deny(shared: Shared, flow: http.HTTPFlow, denial: Denied) -> None:
     )
 
 
+def close_websocket(
+    shared: Shared,
+    flow: http.HTTPFlow,
+    reason: Reason,
+    detail: str,
+    code: int,
+    rule_ids: list[str] | None = None,
+) -> None:
+    """Drop the message in hand, close both sides (mitm_compat does it after the hook) and write
+    one record for the connection; never `flow.kill()`, which a WebSocket flow may refuse."""
+    websocket = flow.websocket
+    if websocket is not None and websocket.messages:
+        websocket.messages[-1].drop()
+    flow.metadata.setdefault(CLOSE_WS, code)
+    fstate = flow_state(flow)
+    if not fstate.ws_closed:
+        fstate.ws_closed = True
+        shared.traffic.websocket_record(
+            flow, reason, [str(reason)] if rule_ids is None else rule_ids, detail
+        )
+
+
 class UmbraAddon:
     """Base of every Umbra addon: holds the shared dependencies."""
 
@@ -110,12 +133,17 @@ def guard[F: Callable[..., Any]](method: F) -> F:
     return run  # type: ignore[return-value]
 
 
+_WS_HOOKS = frozenset({"websocket_start", "websocket_message", "websocket_end"})
+
+
 def fail_closed(shared: Shared, target: Any, hook: str, exc: Exception) -> None:
     detail = f"internal error in {hook} ({type(exc).__name__})"
     try:
-        if isinstance(target, http.HTTPFlow):
+        if isinstance(target, http.HTTPFlow) and hook in _WS_HOOKS:
+            close_websocket(shared, target, Reason.INTERNAL_ERROR, detail, WS_INTERNAL_ERROR)
+        elif isinstance(target, http.HTTPFlow):
             fstate = flow_state(target)
-            if hook in ("responseheaders", "response", "websocket_message"):
+            if hook in ("responseheaders", "response"):
                 target.response = http.Response.make(
                     502, b"umbra: denied (internal error)\n", {"content-type": "text/plain"}
                 )

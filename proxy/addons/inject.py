@@ -32,7 +32,9 @@ class Inject(UmbraAddon):
         request = flow.request
         host = state.connect_host or normalize_host(request.host)
         port = request.port if state.connect_port is None else state.connect_port
-        injections = fstate.effective.policy.injections_for(host)
+        # Bound to the connect target's host and port: another service on the same host (another
+        # port) never gets the credential.
+        injections = fstate.effective.policy.injections_for(host, port)
         bound = {rule.secret for rule in injections}
         unbound = sorted(fstate.placeholders - bound)
         if unbound:

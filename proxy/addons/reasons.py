@@ -47,11 +47,16 @@ class Reason(StrEnum):
     INVALID_METHOD = "invalid_method", 403
     INVALID_SCHEME = "invalid_scheme", 403
     INVALID_PORT = "invalid_port", 403
+    PUSH_REF_DENIED = "push_ref_denied", 403
+    MALFORMED_PUSH = "malformed_push", 400
     # scanning and injection
     SECRET_DETECTED = "secret_detected", 403
     PLACEHOLDER_UNBOUND = "placeholder_unbound", 403
     UNDECODABLE_CONTENT = "undecodable_content", 400
     SCAN_LIMIT = "scan_limit", 413
+    MALFORMED_PACKFILE = "malformed_packfile", 400
+    MALFORMED_ARCHIVE = "malformed_archive", 400
+    MALFORMED_GRPC = "malformed_grpc", 400
     INJECTION_REQUIRES_TLS = "injection_requires_tls", 403
     SECRET_UNAVAILABLE = "secret_unavailable", 403
     # flow bookkeeping

@@ -14,10 +14,10 @@ from collections.abc import Callable
 
 from mitmproxy import http
 
-from umbra.proxy.addons.base import Shared, UmbraAddon, guard
+from umbra.proxy.addons.base import Shared, UmbraAddon, close_websocket, guard
 from umbra.proxy.addons.reasons import Reason
 from umbra.proxy.addons.state import FlowState, Stage, flow_state
-from umbra.proxy.mitm_compat import CUT_STREAM
+from umbra.proxy.mitm_compat import CUT_STREAM, WS_POLICY_CLOSE
 from umbra.proxy.reflection import BodyStream, Reflected, ReflectionGuard, UnsupportedEncoding
 
 GuardFactory = Callable[[list[str]], ReflectionGuard]
@@ -57,7 +57,10 @@ class ResponseGuard(UmbraAddon):
             flow.kill()
             return
         try:
-            body = reflection.stream(",".join(response.headers.get_all("content-encoding")))
+            body = reflection.stream(
+                ",".join(response.headers.get_all("content-encoding")),
+                response.headers.get("content-type", ""),
+            )
         except UnsupportedEncoding as exc:
             self._refuse(flow, str(exc))
             flow.kill()
@@ -96,10 +99,23 @@ class ResponseGuard(UmbraAddon):
         fstate = flow_state(flow)
         if message.from_client or not fstate.injected_values:
             return
-        if self._guards(fstate.injected_values).in_headers(message.content):
-            message.drop()
-            self.shared.traffic.websocket_record(flow, Reason.CREDENTIAL_REFLECTED, ["reflection"])
-            flow.kill()
+        if fstate.ws_reassembler is None:
+            fstate.ws_reassembler = self._guards(fstate.injected_values).messages()
+        try:
+            # every form in this message, and a credential in pieces across the connection's
+            # messages (each message is one text, as a client reads it)
+            if self._guards(fstate.injected_values).in_headers(message.content):
+                raise Reflected("message reflects an injected credential")
+            fstate.ws_reassembler.add(message.content)
+        except Reflected as exc:
+            close_websocket(
+                self.shared,
+                flow,
+                Reason.CREDENTIAL_REFLECTED,
+                str(exc),
+                WS_POLICY_CLOSE,
+                ["reflection"],
+            )
 
 
 def _counter(fstate: FlowState) -> Callable[[bytes], bytes]:

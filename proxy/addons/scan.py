@@ -7,20 +7,26 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 from urllib.parse import parse_qsl
 
 from mitmproxy import http
 
-from umbra.proxy.addons.base import Denied, UmbraAddon, deny, guard
+from umbra.proxy.addons.base import Denied, UmbraAddon, close_websocket, deny, guard
 from umbra.proxy.addons.reasons import Reason
 from umbra.proxy.addons.state import FlowState, Stage, flow_state
 from umbra.proxy.decode import DecodeError, DecodeLimit, content_decode
+from umbra.proxy.mitm_compat import WS_POLICY_CLOSE
+from umbra.proxy.reassembly import variants as _variants
 from umbra.proxy.scanner import ScanError
 
 # Bodies larger than this are scanned off the event loop (thread hand-off costs ~50 us).
 OFF_LOOP_BYTES = 64 << 10
 _MAX_PAIR_FIELDS = 24
 _MAX_PAIR_FIELD = 256
+# A body that looks like a form is read as one whatever its content type.
+_FORM = re.compile(rb"[A-Za-z0-9._~%+*\-]+=[^&\s]*(?:&[A-Za-z0-9._~%+*\-]+=[^&\s]*)*")
+_FORM_SNIFF = 64 << 10
 
 
 def request_fields(request: http.Request, body: bytes, content_type: str) -> list[bytes]:
@@ -33,13 +39,17 @@ def request_fields(request: http.Request, body: bytes, content_type: str) -> lis
     for cookie in request.headers.get_all("cookie"):
         for part in cookie.split(";"):
             fields.append(part.partition("=")[2].strip().encode("utf-8", "surrogateescape"))
+    # The body's fields whatever the content type says: the origin parses what it receives.
     kind = content_type.lower()
-    if body and "x-www-form-urlencoded" in kind:
-        text = body.decode("latin-1")
-        fields += [value.encode("latin-1") for _, value in parse_qsl(text)]
-    elif body and "json" in kind:
+    head = body[:64].lstrip()[:1]
+    if body and ("json" in kind or head in (b"{", b"[")):
         with contextlib.suppress(ValueError, RecursionError):
             _json_strings(json.loads(body), fields)
+    if body and ("x-www-form-urlencoded" in kind or _FORM.fullmatch(body[:_FORM_SNIFF])):
+        text = body.decode("latin-1")
+        fields += [value.encode("latin-1") for _, value in parse_qsl(text)]
+    if 0 < len(body) <= _MAX_PAIR_FIELD:
+        fields.append(body)  # a short body is one more field (and decoded like one)
     return fields
 
 
@@ -55,12 +65,20 @@ def _json_strings(value: object, out: list[bytes]) -> None:
 
 
 def joined_fields(fields: list[bytes], body: bytes) -> bytes:
-    """Every ordered pair of short fields, concatenated (so a two-way split in any order is
-    matched), plus each field followed by the start of the body (header + body)."""
+    """One request's headers, query and body as one text for split secrets: every ordered pair
+    of short fields, each also decoded as the scanner would (base64, hex, URL), concatenated (so a
+    two-way split in any order and any mix of encodings is matched), plus each field followed by
+    the start of the body and preceded by its end (header + body, body + header)."""
     short = [field for field in fields if 0 < len(field) <= _MAX_PAIR_FIELD][:_MAX_PAIR_FIELDS]
-    pairs = [a + b for a in short for b in short if a is not b]
+    forms: list[bytes] = []
+    for field in short:
+        for form in _variants(field):
+            if form and form not in forms and len(forms) < 2 * _MAX_PAIR_FIELDS:
+                forms.append(form)
+    pairs = [a + b for a in forms for b in forms if a is not b]
     if body:
-        pairs += [field + body[:_MAX_PAIR_FIELD] for field in short]
+        start, end = body[:_MAX_PAIR_FIELD], body[-_MAX_PAIR_FIELD:]
+        pairs += [form + start for form in forms] + [end + form for form in forms]
     return b"\n".join(pairs)
 
 
@@ -113,7 +131,12 @@ class Scan(UmbraAddon):
         joined = joined_fields(request_fields(request, decoded, content_type), decoded)
         try:
             result = fstate.effective.scanner.scan_request(
-                head, decoded, content_type, max_body, joined
+                head,
+                decoded,
+                content_type,
+                max_body,
+                joined,
+                ",".join(request.headers.get_all("grpc-encoding")),
             )
         except ScanError as exc:
             raise Denied(Reason(exc.reason), str(exc)) from None
@@ -130,8 +153,7 @@ class Scan(UmbraAddon):
             return
         fstate = flow_state(flow)
         if fstate.effective is None:
-            message.drop()
-            flow.kill()
+            close_websocket(self.shared, flow, Reason.NOT_DECIDED, "", WS_POLICY_CLOSE)
             return
         reason: Reason | None = None
         try:
@@ -141,14 +163,15 @@ class Scan(UmbraAddon):
         except ScanError as exc:
             reason, rule_ids = Reason(exc.reason), [exc.reason]
         else:
-            host = self.shared.conns.get(flow.client_conn).connect_host or ""
-            bound = {rule.secret for rule in fstate.effective.policy.injections_for(host)}
+            conn = self.shared.conns.get(flow.client_conn)
+            injections = fstate.effective.policy.injections_for(
+                conn.connect_host or "", conn.connect_port or 0
+            )
+            bound = {rule.secret for rule in injections}
             rule_ids = sorted(result.rule_ids) + [
                 f"placeholder:{ref}" for ref in sorted(result.placeholders - bound)
             ]
             if rule_ids:
                 reason = Reason.SECRET_DETECTED
         if reason is not None:
-            message.drop()
-            self.shared.traffic.websocket_record(flow, reason, rule_ids)
-            flow.kill()
+            close_websocket(self.shared, flow, reason, "", WS_POLICY_CLOSE, rule_ids)

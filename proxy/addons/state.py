@@ -15,6 +15,7 @@ from mitmproxy import connection, http, tcp
 
 from umbra.policy import Decision
 from umbra.proxy.identity import CvmIdentity
+from umbra.proxy.reassembly import Reassembler
 from umbra.proxy.state import Effective
 
 _FLOW_KEY = "umbra.flow"
@@ -58,11 +59,17 @@ class FlowState:
     injected_headers: list[str] = field(default_factory=list)
     injected_values: list[str] = field(default_factory=list)
     query_keys: list[str] = field(default_factory=list)
+    # What the proxy read from an allowed request worth its record (e.g. the refs a push changes).
+    note: str = ""
     stream_response: bool = False
     response_bytes: int = 0
     # WebSocket control frames seen after the first of their (kind, from client): [count, bytes],
     # recorded as one summary when the connection ends.
     ws_control_later: dict[tuple[str, bool], list[int]] = field(default_factory=dict)
+    # The WebSocket connection was closed by the proxy (its one record is written).
+    ws_closed: bool = False
+    # Server messages of a WebSocket that carried an injected credential, checked as one sequence.
+    ws_reassembler: Reassembler | None = None
 
     @property
     def denied(self) -> bool:

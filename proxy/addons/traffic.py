@@ -221,6 +221,7 @@ class TrafficLog:
             flow,
             Decision.ALLOW,
             Reason.RULE_ALLOW,
+            fstate.note,
             status=flow.response.status_code,
             bytes_received=size,
         )

@@ -36,7 +36,7 @@ def test_no_profile_denies_everything() -> None:
     decision = empty.decide("GET", "https", "pypi.org", 443, "/simple/")
     assert not decision.allowed and decision.reason is Reason.NO_POLICY
     assert empty.decide_tunnel("github.com", 22).reason is Reason.NO_POLICY
-    assert empty.injections_for("pypi.org") == ()
+    assert empty.injections_for("pypi.org", 443) == ()
 
 
 def test_builtin_scan_rules_are_always_present() -> None:
@@ -60,10 +60,45 @@ def test_two_injections_of_one_header_for_one_host_do_not_compose() -> None:
 
 
 def test_an_injection_needs_an_allow_rule_that_reaches_its_host() -> None:
-    with pytest.raises(CompositionError, match="no allow rule reaches"):
+    with pytest.raises(CompositionError, match="no HTTPS allow rule reaches"):
         policy(profile("lonely", inject=[AUTH]))
     wildcard = profile("w", [{"allow": {"hosts": ["*.x.com"]}}], inject=[AUTH])
-    assert [rule.id for rule in policy(wildcard).injections_for("API.x.com.")] == ["w:inject-0"]
+    assert [rule.id for rule in policy(wildcard).injections_for("API.x.com.", 443)] == [
+        "w:inject-0"
+    ]
+
+
+def test_injections_are_bound_to_their_ports() -> None:
+    """The demo profile's credential for api.demo.test went to api.demo.test:7095 too: an
+    injection applies on its rule's ports only (default 443), never on another port of the host."""
+    allow = [{"allow": {"hosts": ["api.x.com"], "ports": [443, 7095]}}]
+    default = policy(profile("d", allow, inject=[AUTH]))
+    assert [rule.id for rule in default.injections_for("api.x.com", 443)] == ["d:inject-0"]
+    assert default.injections_for("api.x.com", 7095) == ()
+    bound = policy(profile("b", allow, inject=[{**AUTH, "ports": [7095]}]))
+    assert bound.injections_for("api.x.com", 443) == ()
+    assert [rule.id for rule in bound.injections_for("api.x.com", 7095)] == ["b:inject-0"]
+    [compiled] = bound.profiles
+    assert compiled.inject[0].ports == [7095]
+
+
+def test_an_injection_on_a_port_no_https_rule_reaches_does_not_compose() -> None:
+    """An allow on another port (or plain HTTP only) does not make an injection reachable."""
+    on_other_port = [{"allow": {"hosts": ["api.x.com"], "ports": [7443]}}]
+    with pytest.raises(CompositionError, match="on port 443, which no HTTPS allow rule reaches"):
+        policy(profile("p", on_other_port, inject=[AUTH]))
+    plain_only = [{"allow": {"hosts": ["api.x.com"], "schemes": ["http"], "ports": [8080]}}]
+    with pytest.raises(CompositionError, match="on port 8080"):
+        policy(profile("q", plain_only, inject=[{**AUTH, "ports": [8080]}]))
+
+
+def test_the_same_header_on_different_ports_of_a_host_composes() -> None:
+    allow = [{"allow": {"hosts": ["api.x.com"], "ports": [443, 8443]}}]
+    p = policy(
+        profile("a", allow, inject=[AUTH]),
+        profile("b", inject=[{**AUTH, "secret": "team/other", "ports": [8443]}]),
+    )
+    assert [rule.secret for rule in p.injections_for("api.x.com", 8443)] == ["team/other"]
 
 
 def test_a_profile_twice_is_a_conflict() -> None:
@@ -74,10 +109,10 @@ def test_a_profile_twice_is_a_conflict() -> None:
 
 def test_injections_are_bound_to_their_exact_hosts() -> None:
     p = policy(profile("i", [{"allow": {"hosts": ["*.x.com"]}}], inject=[AUTH]))
-    assert [rule.header for rule in p.injections_for("api.x.com")] == ["Authorization"]
-    assert p.injections_for("other.x.com") == ()
-    assert p.injections_for("evil.api.x.com") == ()
-    assert p.injections_for("not a host") == ()
+    assert [rule.header for rule in p.injections_for("api.x.com", 443)] == ["Authorization"]
+    assert p.injections_for("other.x.com", 443) == ()
+    assert p.injections_for("evil.api.x.com", 443) == ()
+    assert p.injections_for("not a host", 443) == ()
 
 
 def test_the_hash_is_independent_of_order_and_changes_with_content() -> None:
@@ -103,13 +138,34 @@ def test_injected_values_render_from_the_format(fmt: str, expected: str) -> None
     p = policy(
         profile("r", [{"allow": {"hosts": ["api.x.com"]}}], inject=[{**AUTH, "format": fmt}])
     )
-    [rule] = p.injections_for("api.x.com")
+    [rule] = p.injections_for("api.x.com", 443)
     assert rule.render("s3cr3t") == expected
 
 
 def test_a_secret_with_a_line_break_is_never_rendered_into_a_header() -> None:
     p = policy(profile("r", [{"allow": {"hosts": ["api.x.com"]}}], inject=[AUTH]))
-    [rule] = p.injections_for("api.x.com")
+    [rule] = p.injections_for("api.x.com", 443)
     with pytest.raises(ValueError, match="control character") as excinfo:
         rule.render("abc\r\nX-Evil: 1")
     assert "abc" not in str(excinfo.value)
+
+
+def test_push_refs_limit_the_refs_a_git_push_may_change() -> None:
+    from umbra.policy import decide_push
+
+    push = {"allow": {"hosts": ["git.x.com"], "methods": ["POST"]}}
+    limited = policy(profile("g", [{**push, "push_refs": ["refs/heads/agent/**"]}]))
+    decision = limited.decide("POST", "https", "git.x.com", 443, "/r.git/git-receive-pack")
+    assert decision.push_refs == ("refs/heads/agent/**",)
+    assert decide_push(decision, ["refs/heads/agent/a", "refs/heads/agent/b/c"]).allowed
+    refused = decide_push(decision, ["refs/heads/agent/a", "refs/heads/main"])
+    assert (refused.reason, refused.rule_id) == (Reason.PUSH_REF_DENIED, "g:egress-0")
+    assert not decide_push(decision, ["refs/tags/v1"]).allowed
+    # allows are a union: another matching allow without limits allows any ref
+    both = policy(
+        profile("g", [{**push, "push_refs": ["refs/heads/agent/**"]}]),
+        profile("h", [{"allow": {"hosts": ["git.x.com"]}}]),
+    )
+    open_decision = both.decide("POST", "https", "git.x.com", 443, "/r.git/git-receive-pack")
+    assert open_decision.push_refs is None
+    assert decide_push(open_decision, ["refs/heads/main"]).allowed

@@ -171,6 +171,16 @@ def test_scan_rule_errors(tmp_path: Path, rule: str, field: str, fragment: str) 
             "inject[0].hosts[0]",
             "exact host",
         ),
+        (
+            "{header: X-Key, format: '{secret}', secret: team/x, hosts: [x.com], ports: []}",
+            "inject[0].ports",
+            "at least 1",
+        ),
+        (
+            "{header: X-Key, format: '{secret}', secret: team/x, hosts: [x.com], ports: ['443']}",
+            "inject[0].ports[0]",
+            "integer",
+        ),
     ],
 )
 def test_inject_rule_errors(tmp_path: Path, rule: str, field: str, fragment: str) -> None:
@@ -238,3 +248,63 @@ def test_a_valid_directory_loads_profiles_and_suites(tmp_path: Path) -> None:
     assert sorted(loaded.profiles) == ["p"]
     assert [s.suite.name for s in loaded.suites] == ["t"]
     assert loaded.suites[0].case_lines == [6]
+
+
+def test_an_injection_for_a_port_no_rule_allows_points_at_the_rule(tmp_path: Path) -> None:
+    """The old demo profile: an allow on port 7443 and an injection without ports (443)."""
+    write(
+        tmp_path,
+        "demo.yaml",
+        HEADER
+        + "name: demo\negress:\n  - allow: {hosts: [api.demo.test], ports: [7443]}\n"
+        + "inject:\n  - id: token\n    header: Authorization\n    format: 'Bearer {secret}'\n"
+        + "    secret: team/demo\n    hosts: [api.demo.test]\n",
+    )
+    with pytest.raises(PolicyError) as excinfo:
+        load_policy_dir(tmp_path).compose_all()
+    [issue] = excinfo.value.issues
+    assert (Path(issue.file).name, issue.line, issue.field) == ("demo.yaml", 7, "demo:token")
+    assert "on port 443, which no HTTPS allow rule reaches" in issue.message
+
+
+@pytest.mark.parametrize(
+    ("entry", "field", "fragment"),
+    [
+        ("{deny: {hosts: [x.com]}, push_refs: ['refs/heads/**']}", "egress[0]", "allow"),
+        ("{allow: {hosts: [x.com]}, push_refs: ['heads/main']}", "egress[0].push_refs[0]", "refs/"),
+        (
+            "{allow: {hosts: [x.com]}, push_refs: ['refs/heads/a**']}",
+            "egress[0].push_refs[0]",
+            "whole",
+        ),
+        ("{allow: {hosts: [x.com]}, push_refs: ['refs/../x']}", "egress[0].push_refs[0]", ".."),
+    ],
+)
+def test_push_ref_errors(tmp_path: Path, entry: str, field: str, fragment: str) -> None:
+    write(tmp_path, "p.yaml", HEADER + f"name: p\negress:\n  - {entry}\n")
+    [(_, line, actual_field, message)] = issues_of(tmp_path)
+    assert (line, actual_field) == (5, field)
+    assert fragment in message
+
+
+def test_policy_test_cases_check_pushes_by_ref(tmp_path: Path) -> None:
+    from umbra.policy.runner import run_suites
+
+    write(
+        tmp_path,
+        "p.yaml",
+        HEADER
+        + "name: p\negress:\n  - id: push\n    allow: {hosts: [git.x.com], methods: [POST]}\n"
+        + "    push_refs: ['refs/heads/agent/**']\n",
+    )
+    write(
+        tmp_path,
+        "t.yaml",
+        "apiVersion: umbra/v1\nkind: PolicyTest\nname: t\nprofiles: [p]\ncases:\n"
+        + "  - {request: POST https://git.x.com/r.git/git-receive-pack, push: [refs/heads/agent/1],"
+        + " expect: allow}\n"
+        + "  - {request: POST https://git.x.com/r.git/git-receive-pack, push: [refs/heads/main],"
+        + " expect: deny, reason: push_ref_denied, rule: 'p:push'}\n",
+    )
+    results = run_suites(load_policy_dir(tmp_path))
+    assert [result.passed for result in results] == [True, True], results

@@ -62,7 +62,7 @@ egress:
   - id: ro
     allow: {{hosts: [ro.test], ports: [{tls_port}], methods: [GET, HEAD]}}
   - id: plain
-    allow: {{hosts: [plain.test], schemes: [http], ports: [{plain_port}]}}
+    allow: {{hosts: [plain.test], schemes: [http, https], ports: [{plain_port}]}}
   - id: nets
     allow: {{hosts: [rebind.test, private.test, metadata.test, cgnat.test, ula.test, loop2.test, "127.0.0.1", "::ffff:127.0.0.1", "64:ff9b::7f00:1"], ports: [{tls_port}]}}
   - id: self
@@ -74,12 +74,12 @@ egress:
 scan:
   - {{id: acme-token, regex: 'acme_[A-Za-z0-9]{{32}}'}}
 inject:
-  - {{id: api-bearer, header: Authorization, format: "Bearer {{secret}}", secret: team/github-bot, hosts: [api.test]}}
-  - {{id: git-basic, header: Authorization, format: "Basic {{basic:x-access-token}}", secret: team/github-bot, hosts: [git.test]}}
-  - {{id: pypi-basic, header: Authorization, format: "Basic {{basic:pip}}", secret: team/pypi, hosts: [pypi.test]}}
-  - {{id: openai, header: X-Api-Key, format: "{{secret}}", secret: personal/openai, hosts: [ai.test]}}
-  - {{id: fault-inject, header: X-Fault, format: "{{secret}}", secret: team/github-bot, hosts: [fault-response.test]}}
-  - {{id: plain-inject, header: X-Plain-Key, format: "{{secret}}", secret: team/github-bot, hosts: [plain.test]}}
+  - {{id: api-bearer, header: Authorization, format: "Bearer {{secret}}", secret: team/github-bot, hosts: [api.test], ports: [{tls_port}]}}
+  - {{id: git-basic, header: Authorization, format: "Basic {{basic:x-access-token}}", secret: team/github-bot, hosts: [git.test], ports: [{tls_port}]}}
+  - {{id: pypi-basic, header: Authorization, format: "Basic {{basic:pip}}", secret: team/pypi, hosts: [pypi.test], ports: [{tls_port}]}}
+  - {{id: openai, header: X-Api-Key, format: "{{secret}}", secret: personal/openai, hosts: [ai.test], ports: [{tls_port}]}}
+  - {{id: fault-inject, header: X-Fault, format: "{{secret}}", secret: team/github-bot, hosts: [fault-response.test], ports: [{tls_port}]}}
+  - {{id: plain-inject, header: X-Plain-Key, format: "{{secret}}", secret: team/github-bot, hosts: [plain.test], ports: [{plain_port}]}}
 """
 
 

@@ -44,7 +44,7 @@ egress:
   - id: ro
     allow: {hosts: [ro.test], ports: [443], methods: [GET, HEAD]}
 inject:
-  - {id: bearer, header: Authorization, format: "Bearer {secret}", secret: team/tok, hosts: [api.test]}
+  - {id: bearer, header: Authorization, format: "Bearer {secret}", secret: team/tok, hosts: [api.test], ports: [443]}
 """
 
 

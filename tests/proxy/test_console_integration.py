@@ -66,9 +66,9 @@ def _bundle(server: Server, env: Env, tmp: Path) -> bytes:
         f"  - id: apis\n    allow: {{hosts: [api.test, ai.test], ports: [{port}]}}\n"
         "inject:\n"
         "  - {id: bot, header: Authorization, format: 'Bearer {secret}', secret: team/bot,"
-        " hosts: [api.test]}\n"
+        f" hosts: [api.test], ports: [{port}]}}\n"
         "  - {id: misbound, header: X-Key, format: '{secret}', secret: team/misbound,"
-        " hosts: [ai.test]}\n"
+        f" hosts: [ai.test], ports: [{port}]}}\n"
     )
     compiled = [loaded.compiled for loaded in load_policy_dir(directory).profiles.values()]
     return sign_bundle(payload_document(compiled, 1, "integration"), [server.bundle_key])
