@@ -8,7 +8,13 @@ from umbra.policy.compiled import CompiledInject, CompiledProfile, CompiledScan
 from umbra.policy.compose import CompositionError, EffectivePolicy, deny_all
 from umbra.policy.errors import PolicyError, PolicyIssue
 from umbra.policy.matcher import Decision, Reason, Verdict
-from umbra.policy.normalize import NormalizationError, normalize_host, normalize_path
+from umbra.policy.normalize import (
+    NormalizationError,
+    RequestPath,
+    normalize_host,
+    normalize_path,
+    normalize_request_path,
+)
 
 __all__ = [
     "BundleError",
@@ -22,10 +28,12 @@ __all__ = [
     "PolicyError",
     "PolicyIssue",
     "Reason",
+    "RequestPath",
     "Verdict",
     "VerifiedBundle",
     "deny_all",
     "normalize_host",
     "normalize_path",
+    "normalize_request_path",
     "verify_bundle",
 ]

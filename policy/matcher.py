@@ -21,7 +21,7 @@ from umbra.policy.normalize import (
     NormalizationError,
     is_ip_literal,
     normalize_host,
-    normalize_path,
+    normalize_request_path,
 )
 
 _KNOWN_METHODS = frozenset(METHODS)
@@ -179,27 +179,30 @@ class Matcher:
         except NormalizationError as exc:
             return Decision(Verdict.DENY, Reason.INVALID_HOST, detail=str(exc))
         try:
-            path = normalize_path(path.split("?", 1)[0])
+            request_path = normalize_request_path(path.split("?", 1)[0])
         except NormalizationError as exc:
             return Decision(Verdict.DENY, Reason.INVALID_PATH, host=host, detail=str(exc))
+        path = request_path.canonical
         endpoint = f"{scheme}:{port}"
-        segments = path[1:].split("/")
         allow: _Entry | None = None
         deny: _Entry | None = None
-        for key in host_keys(host):
-            trie = self._by_host.get(key)
-            if trie is None:
-                continue
-            for entry in trie.match(segments):
-                if endpoint not in entry.endpoints:
-                    continue
-                if entry.methods is not None and method not in entry.methods:
-                    continue
-                if entry.rule.action == "deny":
-                    if deny is None or entry.order < deny.order:
-                        deny = entry
-                elif allow is None or entry.order < allow.order:
-                    allow = entry
+        tries = [trie for key in host_keys(host) if (trie := self._by_host.get(key)) is not None]
+        # Every rule sees the split reading; an encoded slash's literal reading may only add denials.
+        readings = [(list(request_path.segments), True)]
+        if request_path.literal_segments is not None:
+            readings.append((list(request_path.literal_segments), False))
+        for segments, allows in readings:
+            for trie in tries:
+                for entry in trie.match(segments):
+                    if endpoint not in entry.endpoints:
+                        continue
+                    if entry.methods is not None and method not in entry.methods:
+                        continue
+                    if entry.rule.action == "deny":
+                        if deny is None or entry.order < deny.order:
+                            deny = entry
+                    elif allows and (allow is None or entry.order < allow.order):
+                        allow = entry
         if deny is not None:
             return Decision(Verdict.DENY, Reason.RULE_DENY, deny.rule.id, host, path)
         if allow is not None:
