@@ -15,7 +15,7 @@ from typing import Any
 from umbra.contracts.canonical import content_hash
 from umbra.policy.builtin_scan import BUILTIN_SCAN_RULES
 from umbra.policy.compiled import CompiledInject, CompiledProfile, CompiledScan
-from umbra.policy.matcher import Decision, Matcher, Reason, Verdict
+from umbra.policy.matcher import Decision, Matcher, Reason, Verdict, host_keys
 from umbra.policy.model import API_VERSION
 from umbra.policy.normalize import NormalizationError, normalize_host
 
@@ -58,11 +58,19 @@ class EffectivePolicy:
         for rule in self.injections:
             for host in rule.hosts:
                 self._inject_by_host[host] = (*self._inject_by_host.get(host, ()), rule)
+        # An injection applies only to requests its own profile allows: one whose profile allows
+        # nothing on its host would never apply.
+        allowed_keys = {
+            profile.name: {
+                host for rule in profile.rules if rule.action == "allow" for host in rule.hosts
+            }
+            for profile in ordered
+        }
         unreachable = [
-            Conflict(rule.id, f"injects for {host!r}, which no allow rule reaches")
+            Conflict(rule.id, f"injects for {host!r}, which no allow rule of its profile reaches")
             for rule in self.injections
             for host in rule.hosts
-            if not self._has_allow_for(host)
+            if not any(key in allowed_keys[rule.id.split(":", 1)[0]] for key in host_keys(host))
         ]
         if unreachable:
             raise CompositionError(unreachable)
@@ -102,15 +110,26 @@ class EffectivePolicy:
         """False when no rule could admit anything to host:port; see `Matcher.may_connect`."""
         return not self.is_empty and self._matcher.may_connect(host, port)
 
+    def applicable_injections(self, host: str, decision: Decision) -> tuple[CompiledInject, ...]:
+        """The injections a request carries: bound to its host, of a profile that allows it.
+
+        A profile's credential goes only with the requests that profile's reviewer granted; a
+        request another profile allows carries none of it (and is not denied for its lack).
+        """
+        if not decision.allowed:
+            return ()
+        return tuple(
+            rule
+            for rule in self.injections_for(host)
+            if rule.id.split(":", 1)[0] in decision.allowed_by
+        )
+
     def injections_for(self, host: str) -> tuple[CompiledInject, ...]:
         """Injections bound to this exact host; empty for a host that does not normalize."""
         try:
             return self._inject_by_host.get(normalize_host(host), ())
         except NormalizationError:
             return ()
-
-    def _has_allow_for(self, host: str) -> bool:
-        return self._matcher.has_allow_rule_for(host)
 
 
 def _check_conflicts(profiles: Sequence[CompiledProfile]) -> None:

@@ -54,6 +54,9 @@ class Decision:
     host: str | None = None
     path: str | None = None
     detail: str = ""
+    # Every profile with an allow rule that matches (not only the reported one): an injection
+    # applies to the requests its own profile allows (`EffectivePolicy.applicable_injections`).
+    allowed_by: tuple[str, ...] = ()
 
     @property
     def allowed(self) -> bool:
@@ -161,10 +164,6 @@ class Matcher:
                 for port in tunnel.ports:
                     self._tunnels.setdefault((host, port), tunnel.id)
 
-    def has_allow_rule_for(self, host: str) -> bool:
-        """Whether some allow rule names this normalized host (exactly, by wildcard or by '*')."""
-        return any(key in self._allow_ports for key in host_keys(host))
-
     def decide(self, method: str, scheme: str, host: str, port: int, path: str) -> Decision:
         # A rule without `methods` means every method a rule could name, never TRACE, CONNECT,
         # PRI or an extension method that no reviewer considered.
@@ -186,6 +185,7 @@ class Matcher:
         endpoint = f"{scheme}:{port}"
         allow: _Entry | None = None
         deny: _Entry | None = None
+        allowed_by: set[str] = set()
         tries = [trie for key in host_keys(host) if (trie := self._by_host.get(key)) is not None]
         # Every rule sees the split reading; an encoded slash's literal reading may only add denials.
         readings = [(list(request_path.segments), True)]
@@ -201,12 +201,21 @@ class Matcher:
                     if entry.rule.action == "deny":
                         if deny is None or entry.order < deny.order:
                             deny = entry
-                    elif allows and (allow is None or entry.order < allow.order):
-                        allow = entry
+                    elif allows:
+                        allowed_by.add(entry.rule.id.split(":", 1)[0])
+                        if allow is None or entry.order < allow.order:
+                            allow = entry
         if deny is not None:
             return Decision(Verdict.DENY, Reason.RULE_DENY, deny.rule.id, host, path)
         if allow is not None:
-            return Decision(Verdict.ALLOW, Reason.RULE_ALLOW, allow.rule.id, host, path)
+            return Decision(
+                Verdict.ALLOW,
+                Reason.RULE_ALLOW,
+                allow.rule.id,
+                host,
+                path,
+                allowed_by=tuple(sorted(allowed_by)),
+            )
         return Decision(Verdict.DENY, Reason.NO_MATCHING_RULE, None, host, path)
 
     def may_connect(self, host: str, port: int) -> bool:

@@ -18,10 +18,8 @@ def run_suites(policy_set: PolicySet) -> list[CaseResult]:
                 decision = policy.decide(
                     probe.method, probe.scheme, probe.host, probe.port, probe.path
                 )
-                injected = (
-                    sorted(rule.header for rule in policy.injections_for(probe.host))
-                    if decision.allowed
-                    else []
+                injected = sorted(
+                    rule.header for rule in policy.applicable_injections(probe.host, decision)
                 )
             else:
                 decision = policy.decide_tunnel(probe.host, probe.port)

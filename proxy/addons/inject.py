@@ -32,7 +32,9 @@ class Inject(UmbraAddon):
         request = flow.request
         host = state.connect_host or normalize_host(request.host)
         port = request.port if state.connect_port is None else state.connect_port
-        injections = fstate.effective.policy.injections_for(host)
+        if fstate.decision is None:
+            raise Denied(Reason.NOT_DECIDED, "request was not checked")
+        injections = fstate.effective.policy.applicable_injections(host, fstate.decision)
         bound = {rule.secret for rule in injections}
         unbound = sorted(fstate.placeholders - bound)
         if unbound:
@@ -51,7 +53,9 @@ class Inject(UmbraAddon):
             try:
                 rendered = render_injections(injections, secrets, identity.owner, host)
             except InjectionError as exc:
-                raise Denied(Reason.SECRET_UNAVAILABLE, str(exc), exc.rule_id) from None
+                raise Denied(
+                    Reason.SECRET_UNAVAILABLE, str(exc), exc.rule_id, exc.secret_ref
+                ) from None
             except ValueError:
                 raise Denied(Reason.SECRET_UNAVAILABLE, "secret value cannot be rendered") from None
             injected = apply_injections(request.headers, rendered, secrets, identity.owner, host)

@@ -60,8 +60,12 @@ def test_two_injections_of_one_header_for_one_host_do_not_compose() -> None:
 
 
 def test_an_injection_needs_an_allow_rule_that_reaches_its_host() -> None:
-    with pytest.raises(CompositionError, match="no allow rule reaches"):
+    with pytest.raises(CompositionError, match="no allow rule of its profile reaches"):
         policy(profile("lonely", inject=[AUTH]))
+    # Another profile's allow does not count: an injection applies to its own profile's grants.
+    grants = profile("grants", [{"allow": {"hosts": ["api.x.com"]}}])
+    with pytest.raises(CompositionError, match="lonely:inject-0"):
+        policy(grants, profile("lonely", inject=[AUTH]))
     wildcard = profile("w", [{"allow": {"hosts": ["*.x.com"]}}], inject=[AUTH])
     assert [rule.id for rule in policy(wildcard).injections_for("API.x.com.")] == ["w:inject-0"]
 
@@ -113,3 +117,23 @@ def test_a_secret_with_a_line_break_is_never_rendered_into_a_header() -> None:
     with pytest.raises(ValueError, match="control character") as excinfo:
         rule.render("abc\r\nX-Evil: 1")
     assert "abc" not in str(excinfo.value)
+
+
+def test_an_injection_goes_only_with_the_requests_its_profile_allows() -> None:
+    """Fails on the old code, which injected a profile's credential into every request to the
+    host, whichever profile allowed it (and denied them all when the secret was not set)."""
+    keyed = profile(
+        "keyed",
+        [{"allow": {"hosts": ["api.x.com"], "methods": ["POST"], "paths": ["/v1/**"]}}],
+        inject=[AUTH],
+    )
+    public = profile("public", [{"allow": {"hosts": ["api.x.com"], "paths": ["/public/**"]}}])
+    p = policy(keyed, public)
+    own = p.decide("POST", "https", "api.x.com", 443, "/v1/write")
+    assert own.allowed_by == ("keyed",)
+    assert [rule.id for rule in p.applicable_injections("api.x.com", own)] == ["keyed:inject-0"]
+    other = p.decide("GET", "https", "api.x.com", 443, "/public/readme")
+    assert other.allowed and other.allowed_by == ("public",)
+    assert p.applicable_injections("api.x.com", other) == ()
+    denied = p.decide("DELETE", "https", "api.x.com", 443, "/v1/write")
+    assert p.applicable_injections("api.x.com", denied) == ()
