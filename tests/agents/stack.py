@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import json
 import ssl
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from tests.proxy.harness import (
     ALICE_TOKEN,
@@ -46,9 +47,13 @@ def start_stack(
     names: Iterable[str],
     profiles: dict[str, str],
     attached: list[str],
-    secrets: dict[str, dict[str, str]] | None = None,
+    secrets: dict[str, Any] | None = None,
+    before_proxy: Callable[[Path, Path], dict[str, str]] | None = None,
 ) -> Stack:
-    """`profiles` maps a profile name to its YAML, where `{port}` stands for the origin's port."""
+    """`profiles` maps a profile name to its YAML, where `{port}` stands for the origin's port.
+
+    `before_proxy(cert, key)` may start origins of its own with the names' certificate; it returns
+    more placeholders for the profiles (`{"{llm_port}": "4711"}`)."""
     names = list(names)
     ca = TestCA(workdir)
     cert, key = ca.issue(names)
@@ -56,10 +61,15 @@ def start_stack(
     tls.load_cert_chain(cert, key)
     recorder = Recorder()
     origin = OriginServer(recorder, tls).start()
+    placeholders = {"{port}": str(origin.port)}
+    if before_proxy is not None:
+        placeholders |= before_proxy(cert, key)
     policies = workdir / "policies"
     policies.mkdir()
     for name, text in profiles.items():
-        (policies / f"{name}.yaml").write_text(text.replace("{port}", str(origin.port)))
+        for placeholder, value in placeholders.items():
+            text = text.replace(placeholder, value)
+        (policies / f"{name}.yaml").write_text(text)
     resolver = workdir / "resolver.json"
     resolver.write_text(json.dumps({name: ["127.0.0.1"] for name in names}))
     identities = workdir / "identities.json"
