@@ -75,6 +75,40 @@ class AgentResult:
                 "detail": self.detail}  # fmt: skip
 
 
+def standin_profiles(host: str, port: int) -> dict[str, str]:
+    """The two profiles that let the agents reach the stand-in at `host:port`, each injecting its
+    API's key (the same grants the shipped `anthropic` and `openai` profiles give the real APIs)."""
+    anthropic = f"""apiVersion: umbra/v1
+kind: Profile
+name: anthropic-standin
+description: The stand-in model API (Anthropic Messages) for up --check; the team key injected.
+egress:
+  - id: messages
+    allow: {{hosts: [{host}], methods: [POST], ports: [{port}],
+             paths: ["/v1/messages", "/v1/messages/count_tokens"]}}
+  - id: models
+    allow: {{hosts: [{host}], methods: [GET], ports: [{port}], paths: ["/v1/models", "/v1/models/*"]}}
+inject:
+  - {{id: api-key, header: x-api-key, format: "{{secret}}", secret: {ANTHROPIC_KEY_REF},
+     hosts: [{host}]}}
+"""
+    openai = f"""apiVersion: umbra/v1
+kind: Profile
+name: openai-standin
+description: The stand-in model API (OpenAI Responses) for up --check; the developer's key injected.
+egress:
+  - id: inference
+    allow: {{hosts: [{host}], methods: [POST], ports: [{port}],
+             paths: ["/v1/responses", "/v1/chat/completions"]}}
+  - id: models
+    allow: {{hosts: [{host}], methods: [GET], ports: [{port}], paths: ["/v1/models", "/v1/models/*"]}}
+inject:
+  - {{id: api-key, header: Authorization, format: "Bearer {{secret}}", secret: {OPENAI_KEY_REF},
+     hosts: [{host}]}}
+"""
+    return {"anthropic-standin": anthropic, "openai-standin": openai}
+
+
 def agent_commands(endpoints: Endpoints, prompt: str = PROMPT) -> list[AgentCommand]:
     claude = AgentCommand(
         "claude -p",

@@ -53,7 +53,7 @@ def start_stack(
     """`profiles` maps a profile name to its YAML, where `{port}` stands for the origin's port.
 
     `before_proxy(cert, key)` may start origins of its own with the names' certificate; it returns
-    more placeholders for the profiles (`{"{llm_port}": "4711"}`)."""
+    more profiles (name to YAML) for them."""
     names = list(names)
     ca = TestCA(workdir)
     cert, key = ca.issue(names)
@@ -61,14 +61,12 @@ def start_stack(
     tls.load_cert_chain(cert, key)
     recorder = Recorder()
     origin = OriginServer(recorder, tls).start()
-    placeholders = {"{port}": str(origin.port)}
+    profiles = {name: text.replace("{port}", str(origin.port)) for name, text in profiles.items()}
     if before_proxy is not None:
-        placeholders |= before_proxy(cert, key)
+        profiles |= before_proxy(cert, key)
     policies = workdir / "policies"
     policies.mkdir()
     for name, text in profiles.items():
-        for placeholder, value in placeholders.items():
-            text = text.replace(placeholder, value)
         (policies / f"{name}.yaml").write_text(text)
     resolver = workdir / "resolver.json"
     resolver.write_text(json.dumps({name: ["127.0.0.1"] for name in names}))

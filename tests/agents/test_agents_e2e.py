@@ -29,38 +29,12 @@ from umbra.cli.up_agents import (
     Endpoints,
     SandboxRunner,
     run_agents,
+    standin_profiles,
 )
 
 LLM = "llm.test"
 ANTHROPIC_KEY = "sk-ant-api03-UMBRATESTKEY-" + "a1b2c3d4e5f6a7b8c9d0" * 3 + "-AA"
 OPENAI_KEY = "sk-proj-UMBRATESTKEY" + "f0e1d2c3b4a59687" * 4
-
-PROFILES = {
-    "anthropic-standin": """
-apiVersion: umbra/v1
-kind: Profile
-name: anthropic-standin
-egress:
-  - id: messages
-    allow: {hosts: [llm.test], methods: [POST], ports: [{llm_port}], paths: ["/v1/messages", "/v1/messages/count_tokens"]}
-  - id: models
-    allow: {hosts: [llm.test], methods: [GET], ports: [{llm_port}], paths: ["/v1/models", "/v1/models/*"]}
-inject:
-  - {id: api-key, header: x-api-key, format: "{secret}", secret: team/anthropic-api-key, hosts: [llm.test]}
-""",
-    "openai-standin": """
-apiVersion: umbra/v1
-kind: Profile
-name: openai-standin
-egress:
-  - id: inference
-    allow: {hosts: [llm.test], methods: [POST], ports: [{llm_port}], paths: ["/v1/responses", "/v1/chat/completions"]}
-  - id: models
-    allow: {hosts: [llm.test], methods: [GET], ports: [{llm_port}], paths: ["/v1/models", "/v1/models/*"]}
-inject:
-  - {id: api-key, header: Authorization, format: "Bearer {secret}", secret: personal/openai-api-key, hosts: [llm.test]}
-""",
-}
 
 
 def agent_bin() -> Path:
@@ -109,13 +83,17 @@ def llm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, Origi
         server = serve(config, str(cert), str(key))
         threading.Thread(target=server.serve_forever, daemon=True).start()
         servers.append(server)
-        return {"{llm_port}": str(server.port)}
+        return standin_profiles(LLM, server.port)
 
+    profiles = standin_profiles(LLM, 0)
     stack = start_stack(
         tmp_path_factory.mktemp("agents"),
         [LLM],
-        PROFILES,
-        attached=sorted(PROFILES),
+        {
+            name: text.replace("ports: [0]", "ports: [{llm_port}]")
+            for name, text in profiles.items()
+        },
+        attached=sorted(profiles),
         secrets={
             "team": {"anthropic-api-key": ANTHROPIC_KEY},
             "personal": {"alice": {"openai-api-key": OPENAI_KEY}},
