@@ -324,6 +324,10 @@ class OriginServer(ThreadingHTTPServer):
     def port(self) -> int:
         return int(self.server_address[1])
 
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A client that hangs up mid-stream (an agent killed after its first token) is routine.
+        pass
+
     def finish_request(self, request: Any, client_address: Any) -> None:
         # The TLS handshake runs in the connection's own thread, never in the accept loop.
         if isinstance(request, ssl.SSLSocket):
