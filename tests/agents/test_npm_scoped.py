@@ -143,3 +143,11 @@ def test_an_encoded_slash_does_not_reach_a_denied_path(stack: Stack, tmp_path: P
         )  # fmt: skip
         assert done.stdout in ("403", "400"), (path, done.stdout, done.stderr)
     assert len(stack.recorder.snapshot()) == before, "a denied spelling reached the registry"
+
+
+def test_npm_shows_the_denial_sentence(stack: Stack, tmp_path: Path) -> None:
+    """npm prints a JSON body's `error` after the status: the agent reads why, and what to ask."""
+    result = _npm(stack, tmp_path, "view", "@other-scope/pkg")
+    assert result.returncode != 0
+    assert "umbra: denied (no_matching_rule): GET https://registry.npmjs.org" in result.stderr
+    assert "attached profiles: npm" in result.stderr
