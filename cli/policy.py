@@ -392,11 +392,9 @@ def decide(
     except PolicyError as exc:
         _exit_with_issues(exc, as_json)
     decision = policy.decide(probe.method, probe.scheme, probe.host, probe.port, probe.path)
-    injected = (
-        [rule.header for rule in policy.injections_for(probe.host, probe.port)]
-        if decision.allowed
-        else []
-    )
+    injected = [
+        rule.header for rule in policy.applicable_injections(probe.host, probe.port, decision)
+    ]
     result = {
         "verdict": str(decision.verdict),
         "reason": str(decision.reason),

@@ -25,6 +25,7 @@ from typing import Any
 
 import httpx
 
+from umbra.cli.up_agents import AgentResult, Endpoints, SandboxRunner, run_agents
 from umbra.cli.up_stack import DEMO_HOSTS, TEAM, Stack, UpError, _umbra
 from umbra.sandbox import local_cvm
 
@@ -250,3 +251,21 @@ def run_ssh_check(cvm_id: str) -> dict[str, Any]:
             "see `umbra status` and the CVM's ingress.log",
         )
     return {"ok": True, "detail": f"umbra ssh {cvm_id} -- id -u → {uid} (the sandbox user)"}
+
+
+def run_agent_check(
+    run: SandboxRunner, endpoints: Endpoints, report: Any = None, deadline: float = 120
+) -> list[AgentResult]:
+    """The agent step (`cli/up_agents.py`): the real `claude -p` and `codex exec` in the sandbox
+    against the stand-in model API, the keys injected by the Security CVM. `run` is the sandbox's
+    "argv as the developer with the login environment" (the runtime provides it); a failure is an
+    UpError naming the agent and its last output."""
+    results = run_agents(run, endpoints, deadline)
+    for result in results:
+        if report is not None:
+            report(result)
+    failed = [result.detail for result in results if not result.ok]
+    if failed:
+        raise UpError("the agents did not complete a turn: " + "; ".join(failed),
+                      "see logs/proxy.log and `umbra logs` for what was refused")  # fmt: skip
+    return results

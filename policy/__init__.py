@@ -8,7 +8,13 @@ from umbra.policy.compiled import CompiledInject, CompiledProfile, CompiledScan
 from umbra.policy.compose import CompositionError, EffectivePolicy, deny_all
 from umbra.policy.errors import PolicyError, PolicyIssue
 from umbra.policy.matcher import Decision, Reason, Verdict, decide_push
-from umbra.policy.normalize import NormalizationError, normalize_host, normalize_path
+from umbra.policy.normalize import (
+    NormalizationError,
+    RequestPath,
+    normalize_host,
+    normalize_path,
+    normalize_request_path,
+)
 
 __all__ = [
     "BundleError",
@@ -22,11 +28,13 @@ __all__ = [
     "PolicyError",
     "PolicyIssue",
     "Reason",
+    "RequestPath",
     "Verdict",
     "VerifiedBundle",
     "decide_push",
     "deny_all",
     "normalize_host",
     "normalize_path",
+    "normalize_request_path",
     "verify_bundle",
 ]

@@ -15,7 +15,7 @@ from typing import Any
 from umbra.contracts.canonical import content_hash
 from umbra.policy.builtin_scan import BUILTIN_SCAN_RULES
 from umbra.policy.compiled import CompiledInject, CompiledProfile, CompiledScan
-from umbra.policy.matcher import Decision, Matcher, Reason, Verdict
+from umbra.policy.matcher import Decision, Matcher, Reason, Verdict, host_keys
 from umbra.policy.model import API_VERSION
 from umbra.policy.normalize import NormalizationError, normalize_host
 
@@ -60,14 +60,30 @@ class EffectivePolicy:
                 for port in rule.ports:
                     key = (host, port)
                     self._inject_by_target[key] = (*self._inject_by_target.get(key, ()), rule)
+        # An injection applies only to HTTPS requests its own profile allows on its host and port:
+        # one whose profile allows nothing there would never apply.
+        https_allowed = {
+            profile.name: {
+                (host, int(endpoint.split(":")[1]))
+                for rule in profile.rules
+                if rule.action == "allow"
+                for host in rule.hosts
+                for endpoint in rule.endpoints
+                if endpoint.startswith("https:")
+            }
+            for profile in ordered
+        }
         unreachable = [
             Conflict(
-                rule.id, f"injects for {host!r} on port {port}, which no HTTPS allow rule reaches"
+                rule.id,
+                f"injects for {host!r} on port {port}, which no HTTPS allow rule of its profile reaches",
             )
             for rule in self.injections
             for host in rule.hosts
             for port in rule.ports
-            if not self._matcher.has_https_allow_for(host, port)
+            if not any(
+                (key, port) in https_allowed[rule.id.split(":", 1)[0]] for key in host_keys(host)
+            )
         ]
         if unreachable:
             raise CompositionError(unreachable)
@@ -106,6 +122,23 @@ class EffectivePolicy:
     def may_connect(self, host: str, port: int) -> bool:
         """False when no rule could admit anything to host:port; see `Matcher.may_connect`."""
         return not self.is_empty and self._matcher.may_connect(host, port)
+
+    def applicable_injections(
+        self, host: str, port: int, decision: Decision
+    ) -> tuple[CompiledInject, ...]:
+        """The injections a request carries: bound to its host and port, of a profile that
+        allows it.
+
+        A profile's credential goes only with the requests that profile's reviewer granted; a
+        request another profile allows carries none of it (and is not denied for its lack).
+        """
+        if not decision.allowed:
+            return ()
+        return tuple(
+            rule
+            for rule in self.injections_for(host, port)
+            if rule.id.split(":", 1)[0] in decision.allowed_by
+        )
 
     def injections_for(self, host: str, port: int) -> tuple[CompiledInject, ...]:
         """Injections bound to this exact host and port; empty for a host that does not

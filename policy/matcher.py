@@ -21,7 +21,7 @@ from umbra.policy.normalize import (
     NormalizationError,
     is_ip_literal,
     normalize_host,
-    normalize_path,
+    normalize_request_path,
 )
 
 _KNOWN_METHODS = frozenset(METHODS)
@@ -57,6 +57,9 @@ class Decision:
     detail: str = ""
     # Refs a git push this allows may change (the union over every matching allow rule); None: any.
     push_refs: tuple[str, ...] | None = None
+    # Every profile with an allow rule that matches (not only the reported one): an injection
+    # applies to the requests its own profile allows (`EffectivePolicy.applicable_injections`).
+    allowed_by: tuple[str, ...] = ()
 
     @property
     def allowed(self) -> bool:
@@ -153,23 +156,16 @@ class Matcher:
                     trie.insert(path[1:].split("/"), entry)
         # host key -> ports some allow rule grants there: lets a proxy refuse a CONNECT up front.
         self._allow_ports: dict[str, set[int]] = {}
-        self._https_ports: dict[str, set[int]] = {}
         for rule in rules:
             if rule.action == "allow":
                 ports = {int(endpoint.split(":")[1]) for endpoint in rule.endpoints}
-                https = {int(e.split(":")[1]) for e in rule.endpoints if e.startswith("https:")}
                 for host in rule.hosts:
                     self._allow_ports.setdefault(host, set()).update(ports)
-                    self._https_ports.setdefault(host, set()).update(https)
         self._tunnels: dict[tuple[str, int], str] = {}
         for tunnel in tunnels:
             for host in tunnel.hosts:
                 for port in tunnel.ports:
                     self._tunnels.setdefault((host, port), tunnel.id)
-
-    def has_https_allow_for(self, host: str, port: int) -> bool:
-        """Whether some allow rule names this normalized host with HTTPS on this port."""
-        return any(port in self._https_ports.get(key, ()) for key in host_keys(host))
 
     def decide(self, method: str, scheme: str, host: str, port: int, path: str) -> Decision:
         # A rule without `methods` means every method a rule could name, never TRACE, CONNECT,
@@ -185,39 +181,51 @@ class Matcher:
         except NormalizationError as exc:
             return Decision(Verdict.DENY, Reason.INVALID_HOST, detail=str(exc))
         try:
-            path = normalize_path(path.split("?", 1)[0])
+            request_path = normalize_request_path(path.split("?", 1)[0])
         except NormalizationError as exc:
             return Decision(Verdict.DENY, Reason.INVALID_PATH, host=host, detail=str(exc))
+        path = request_path.canonical
         endpoint = f"{scheme}:{port}"
-        segments = path[1:].split("/")
         allow: _Entry | None = None
         deny: _Entry | None = None
         push_refs: set[str] | None = set()
-        for key in host_keys(host):
-            trie = self._by_host.get(key)
-            if trie is None:
-                continue
-            for entry in trie.match(segments):
-                if endpoint not in entry.endpoints:
-                    continue
-                if entry.methods is not None and method not in entry.methods:
-                    continue
-                if entry.rule.action == "deny":
-                    if deny is None or entry.order < deny.order:
-                        deny = entry
-                else:
-                    if allow is None or entry.order < allow.order:
-                        allow = entry
-                    # allows are a union: one matching rule without limits allows any ref
-                    limits = entry.rule.push_refs
-                    push_refs = (
-                        None if push_refs is None or limits is None else push_refs | set(limits)
-                    )
+        allowed_by: set[str] = set()
+        tries = [trie for key in host_keys(host) if (trie := self._by_host.get(key)) is not None]
+        # Every rule sees the split reading; an encoded slash's literal reading may only add denials.
+        readings = [(list(request_path.segments), True)]
+        if request_path.literal_segments is not None:
+            readings.append((list(request_path.literal_segments), False))
+        for segments, allows in readings:
+            for trie in tries:
+                for entry in trie.match(segments):
+                    if endpoint not in entry.endpoints:
+                        continue
+                    if entry.methods is not None and method not in entry.methods:
+                        continue
+                    if entry.rule.action == "deny":
+                        if deny is None or entry.order < deny.order:
+                            deny = entry
+                    elif allows:
+                        allowed_by.add(entry.rule.id.split(":", 1)[0])
+                        if allow is None or entry.order < allow.order:
+                            allow = entry
+                        # allows are a union: one matching rule without limits allows any ref
+                        limits = entry.rule.push_refs
+                        push_refs = (
+                            None if push_refs is None or limits is None else push_refs | set(limits)
+                        )
         if deny is not None:
             return Decision(Verdict.DENY, Reason.RULE_DENY, deny.rule.id, host, path)
         if allow is not None:
-            refs = None if push_refs is None else tuple(sorted(push_refs))
-            return Decision(Verdict.ALLOW, Reason.RULE_ALLOW, allow.rule.id, host, path, "", refs)
+            return Decision(
+                Verdict.ALLOW,
+                Reason.RULE_ALLOW,
+                allow.rule.id,
+                host,
+                path,
+                push_refs=None if push_refs is None else tuple(sorted(push_refs)),
+                allowed_by=tuple(sorted(allowed_by)),
+            )
         return Decision(Verdict.DENY, Reason.NO_MATCHING_RULE, None, host, path)
 
     def may_connect(self, host: str, port: int) -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import ipaddress
 import re
+from dataclasses import dataclass
 
 import idna
 
@@ -27,6 +28,8 @@ _PCHAR_RAW = _UNRESERVED | frozenset("!$&'()*+,;=:@")
 _HEX = frozenset("0123456789abcdefABCDEF")
 # Encoded bytes whose decoding changes how a path splits or terminates, in any server's reading.
 _AMBIGUOUS_ENCODED = {"2F": "an encoded '/'", "5C": "an encoded '\\'", "00": "an encoded NUL"}
+# The one encoded separator a request may carry (npm's `/@scope%2fname`), see `RequestPath`.
+ENCODED_SLASH = "%2F"
 
 
 class NormalizationError(ValueError):
@@ -129,27 +132,71 @@ def is_ip_literal(host: str) -> bool:
 
 
 def normalize_path(raw: str) -> str:
-    """Return the canonical form of an origin-form request path (no query, no fragment).
+    """Return the canonical form of an origin-form path pattern (no query, no fragment).
 
     Percent-encodings of unreserved characters are decoded and all others upper-cased (RFC 3986
     6.2.2), then dot segments are removed (RFC 3986 5.2.4). Encoded separators, encoded or
     parameter-hidden dot segments, double encodings, empty segments, back-slashes, raw non-ASCII and
-    control characters are refused: servers disagree on what they mean.
+    control characters are refused: servers disagree on what they mean. Rules are written in this
+    form; requests go through `normalize_request_path`, which admits one more spelling.
     """
+    return _normalize(raw, encoded_slash=False)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestPath:
+    """A request path as the policy reads it.
+
+    `canonical` is the logged form; an encoded slash stays in it as `%2F`. A server may read `%2F`
+    as a separator (`/a%2Fb` is `/a/b`) or as a character of one segment (the resource `a/b`), so
+    such a path has two readings: `segments` (split at every `%2F`: what every allow and deny rule
+    is matched against) and `literal_segments` (`%2F` inside its segment; None when the path has no
+    encoded slash: what deny rules are matched against too). Deny wins under either reading.
+    """
+
+    canonical: str
+    segments: tuple[str, ...]
+    literal_segments: tuple[str, ...] | None = None
+
+
+def normalize_request_path(raw: str) -> RequestPath:
+    """`normalize_path` for a request, which may also carry `%2F` inside a segment.
+
+    Between two encoded slashes there must be a real name: never empty (`a%2F%2Fb`, `%2Fa`), never a
+    dot segment (`a%2F..%2Fb`, also behind `;`), and a path with an encoded slash has no dot segment
+    anywhere (removing `..` before or after decoding `%2F` gives different paths).
+    """
+    canonical = _normalize(raw, encoded_slash=True)
+    literal = tuple(canonical[1:].split("/"))
+    if ENCODED_SLASH not in raw.upper():
+        return RequestPath(canonical, literal)
+    # Checked on the request as sent: dot removal may already have dropped the encoded slash.
+    if any(segment in {".", ".."} for segment in raw[1:].split("/")):
+        raise NormalizationError("path has both an encoded '/' and a dot segment")
+    split: list[str] = []
+    for segment in literal:
+        for piece in segment.split(ENCODED_SLASH) if ENCODED_SLASH in segment else [segment]:
+            if segment != piece and (piece == "" or piece.split(";", 1)[0] in {".", ".."}):
+                raise NormalizationError("path has an encoded '/' next to an empty or dot segment")
+            split.append(piece)
+    return RequestPath(canonical, tuple(split), literal)
+
+
+def _normalize(raw: str, *, encoded_slash: bool) -> str:
     if not raw.startswith("/"):
         raise NormalizationError("path must start with '/'")
     if len(raw) > MAX_PATH_LENGTH:
         raise NormalizationError(f"path is longer than {MAX_PATH_LENGTH} characters")
     if "?" in raw or "#" in raw:
         raise NormalizationError("path must not contain a query or fragment")
-    segments = [_normalize_segment(segment) for segment in raw[1:].split("/")]
+    segments = [_normalize_segment(segment, encoded_slash) for segment in raw[1:].split("/")]
     for segment in segments[:-1]:
         if segment == "":
             raise NormalizationError("path has an empty segment ('//')")
     return _remove_dot_segments(segments)
 
 
-def _normalize_segment(segment: str) -> str:
+def _normalize_segment(segment: str, encoded_slash: bool) -> str:
     out: list[str] = []
     i = 0
     while i < len(segment):
@@ -159,6 +206,10 @@ def _normalize_segment(segment: str) -> str:
             if len(hex_digits) != 2 or not set(hex_digits) <= _HEX:
                 raise NormalizationError("path has a malformed percent-encoding")
             hex_digits = hex_digits.upper()
+            if encoded_slash and hex_digits == "2F":
+                out.append(ENCODED_SLASH)
+                i += 3
+                continue
             if hex_digits in _AMBIGUOUS_ENCODED:
                 raise NormalizationError(f"path has {_AMBIGUOUS_ENCODED[hex_digits]}")
             if hex_digits == "25" and set(segment[i + 3 : i + 5]) <= _HEX and len(segment) >= i + 5:

@@ -20,10 +20,9 @@ def run_suites(policy_set: PolicySet) -> list[CaseResult]:
                 )
                 if case.push is not None:
                     decision = decide_push(decision, case.push)
-                injected = (
-                    sorted(rule.header for rule in policy.injections_for(probe.host, probe.port))
-                    if decision.allowed
-                    else []
+                injected = sorted(
+                    rule.header
+                    for rule in policy.applicable_injections(probe.host, probe.port, decision)
                 )
             else:
                 decision = policy.decide_tunnel(probe.host, probe.port)

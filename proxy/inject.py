@@ -17,7 +17,8 @@ from umbra.proxy.secrets import SecretStore
 class InjectionError(Exception):
     def __init__(self, rule_id: str, secret_ref: str) -> None:
         self.rule_id = rule_id
-        super().__init__(f"injection {rule_id} needs secret {secret_ref}, which is not available")
+        self.secret_ref = secret_ref
+        super().__init__(f"injection {rule_id} needs secret {secret_ref}, which is not set")
 
 
 @dataclass

@@ -20,6 +20,7 @@ from mitmproxy.proxy import layer, server_hooks
 from umbra.proxy.addons.reasons import Reason
 from umbra.proxy.addons.state import ConnTable, Stage, flow_state
 from umbra.proxy.addons.traffic import TrafficLog
+from umbra.proxy.denial import Advisor, Refused, render
 from umbra.proxy.identity import IdentitySource
 from umbra.proxy.mitm_compat import CLOSE_WS, WS_INTERNAL_ERROR
 from umbra.proxy.netcheck import AddressPolicy
@@ -52,11 +53,19 @@ class Shared:
         self.max_body = config.max_body
         self.conns = ConnTable()
         self.traffic = TrafficLog(config.state, self.conns, config.spool)
+        self.advisor = Advisor()
 
 
 class Denied(Exception):
-    def __init__(self, reason: Reason, detail: str = "", rule_id: str | None = None) -> None:
+    def __init__(
+        self,
+        reason: Reason,
+        detail: str = "",
+        rule_id: str | None = None,
+        secret: str | None = None,
+    ) -> None:
         self.reason, self.detail, self.rule_id = reason, detail, rule_id
+        self.secret = secret  # the reference (team/NAME) of a secret that is not set, never a value
         super().__init__(f"{reason}: {detail}")
 
     @property
@@ -66,13 +75,18 @@ class Denied(Exception):
 
 def deny(shared: Shared, flow: http.HTTPFlow, denial: Denied) -> None:
     """Answer the flow with the denial and log it; later addons see the flow as denied."""
-    headers = {"content-type": "text/plain", "x-umbra-reason": str(denial.reason)}
+    headers = {"x-umbra-reason": str(denial.reason)}
     if denial.status == 407:
         headers["proxy-authenticate"] = 'Basic realm="umbra"'
-    flow.response = http.Response.make(
-        denial.status, f"umbra: denied ({denial.reason})\n".encode(), headers
-    )
-    flow_state(flow).stage = Stage.DENIED
+    fstate = flow_state(flow)
+    try:
+        body, content_type = _explain(shared, flow, denial)
+    except Exception as exc:  # the answer must still go out, and still say why
+        logger.error("denial text failed (%s)", type(exc).__name__)
+        body, content_type = f"umbra: denied ({denial.reason})\n".encode(), "text/plain"
+    headers["content-type"] = content_type
+    flow.response = http.Response.make(denial.status, body, headers)
+    fstate.stage = Stage.DENIED
     shared.traffic.flow_record(
         flow,
         "deny",
@@ -103,6 +117,45 @@ def close_websocket(
         shared.traffic.websocket_record(
             flow, reason, [str(reason)] if rule_ids is None else rule_ids, detail
         )
+
+
+def _explain(shared: Shared, flow: http.HTTPFlow, denial: Denied) -> tuple[bytes, str]:
+    """The denial's body (`proxy/denial.py`): one sentence first, redacted like a record."""
+    fstate = flow_state(flow)
+    state = shared.conns.get(flow.client_conn)
+    request = flow.request
+    identity = state.identity
+    profiles = tuple(sorted(identity.profiles)) if identity is not None else ()
+    decision = fstate.decision
+    host = (decision.host if decision is not None else None) or state.connect_host
+    host = (host or request.host or "?")[:100]
+    port = state.connect_port or request.port
+    path = (decision.path if decision is not None else None) or request.path.partition("?")[0]
+    scheme = "https" if flow.client_conn.tls_established else request.scheme
+    method = request.method[:20]
+    candidates: tuple[str, ...] = ()
+    if denial.reason in (Reason.NO_MATCHING_RULE, Reason.NO_POLICY):
+        source = shared.state.source
+        available = (
+            source.bundle.profile_names()
+            if source.bundle is not None
+            else sorted(source.policy_set.profiles)
+            if source.policy_set is not None
+            else []
+        )
+        candidates = shared.advisor.candidates(
+            source.generation,
+            available,
+            source.compose,
+            profiles,
+            (method, scheme, host, port, path),
+        )
+    refused = Refused(
+        method, scheme, host, port, path, denial.reason, denial.detail[:200], denial.rule_id,
+        profiles, candidates, denial.secret,
+    )  # fmt: skip
+    wants_json = "json" in request.headers.get("accept", "").lower()
+    return render(refused, wants_json, lambda text: shared.traffic.clean(text, fstate))
 
 
 class UmbraAddon:

@@ -32,9 +32,11 @@ class Inject(UmbraAddon):
         request = flow.request
         host = state.connect_host or normalize_host(request.host)
         port = request.port if state.connect_port is None else state.connect_port
-        # Bound to the connect target's host and port: another service on the same host (another
-        # port) never gets the credential.
-        injections = fstate.effective.policy.injections_for(host, port)
+        # Bound to the connect target's host and port (another service on the same host never gets
+        # the credential), and to the profiles that allow this request.
+        if fstate.decision is None:
+            raise Denied(Reason.NOT_DECIDED, "request was not checked")
+        injections = fstate.effective.policy.applicable_injections(host, port, fstate.decision)
         bound = {rule.secret for rule in injections}
         unbound = sorted(fstate.placeholders - bound)
         if unbound:
@@ -53,7 +55,9 @@ class Inject(UmbraAddon):
             try:
                 rendered = render_injections(injections, secrets, identity.owner, host)
             except InjectionError as exc:
-                raise Denied(Reason.SECRET_UNAVAILABLE, str(exc), exc.rule_id) from None
+                raise Denied(
+                    Reason.SECRET_UNAVAILABLE, str(exc), exc.rule_id, exc.secret_ref
+                ) from None
             except ValueError:
                 raise Denied(Reason.SECRET_UNAVAILABLE, "secret value cannot be rendered") from None
             injected = apply_injections(request.headers, rendered, secrets, identity.owner, host)

@@ -68,6 +68,10 @@ class TrafficLog:
             self._patterns[policy.hash] = patterns
         return patterns
 
+    def clean(self, text: str, fstate: FlowState | None) -> str:
+        """Text for the sandbox (a denial's body), redacted like a record's fields."""
+        return self._current_redactor().clean(_sub_all(self._rule_patterns(fstate), text))
+
     def _redact(self, fields: dict[str, Any], fstate: FlowState | None) -> None:
         """Redact the observed fields in place, before the record is built from them (so a cut
         to the schema's limits can never leave part of a secret behind)."""

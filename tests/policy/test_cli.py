@@ -188,6 +188,22 @@ def test_schema_is_json_schema_for_profiles() -> None:
     assert document["additionalProperties"] is False
 
 
+def test_decide_allows_an_npm_scoped_package() -> None:
+    """The issue's own command: it denied with invalid_path before encoded slashes were read."""
+    code, out, _ = umbra(
+        "policy",
+        "decide",
+        "GET https://registry.npmjs.org/@anthropic-ai%2fclaude-code",
+        str(SHIPPED),
+        "-p",
+        "npm",
+        "--json",
+    )
+    assert code == 0
+    result = json.loads(out)
+    assert (result["verdict"], result["rule"]) == ("allow", "npm:registry-read")
+
+
 def test_decide_explains_one_request() -> None:
     code, out, _ = umbra(
         "policy",

@@ -60,8 +60,12 @@ def test_two_injections_of_one_header_for_one_host_do_not_compose() -> None:
 
 
 def test_an_injection_needs_an_allow_rule_that_reaches_its_host() -> None:
-    with pytest.raises(CompositionError, match="no HTTPS allow rule reaches"):
+    with pytest.raises(CompositionError, match="no HTTPS allow rule of its profile reaches"):
         policy(profile("lonely", inject=[AUTH]))
+    # Another profile's allow does not count: an injection applies to its own profile's grants.
+    grants = profile("grants", [{"allow": {"hosts": ["api.x.com"]}}])
+    with pytest.raises(CompositionError, match="lonely:inject-0"):
+        policy(grants, profile("lonely", inject=[AUTH]))
     wildcard = profile("w", [{"allow": {"hosts": ["*.x.com"]}}], inject=[AUTH])
     assert [rule.id for rule in policy(wildcard).injections_for("API.x.com.", 443)] == [
         "w:inject-0"
@@ -85,7 +89,9 @@ def test_injections_are_bound_to_their_ports() -> None:
 def test_an_injection_on_a_port_no_https_rule_reaches_does_not_compose() -> None:
     """An allow on another port (or plain HTTP only) does not make an injection reachable."""
     on_other_port = [{"allow": {"hosts": ["api.x.com"], "ports": [7443]}}]
-    with pytest.raises(CompositionError, match="on port 443, which no HTTPS allow rule reaches"):
+    with pytest.raises(
+        CompositionError, match="on port 443, which no HTTPS allow rule of its profile reaches"
+    ):
         policy(profile("p", on_other_port, inject=[AUTH]))
     plain_only = [{"allow": {"hosts": ["api.x.com"], "schemes": ["http"], "ports": [8080]}}]
     with pytest.raises(CompositionError, match="on port 8080"):
@@ -96,7 +102,11 @@ def test_the_same_header_on_different_ports_of_a_host_composes() -> None:
     allow = [{"allow": {"hosts": ["api.x.com"], "ports": [443, 8443]}}]
     p = policy(
         profile("a", allow, inject=[AUTH]),
-        profile("b", inject=[{**AUTH, "secret": "team/other", "ports": [8443]}]),
+        profile(
+            "b",
+            [{"allow": {"hosts": ["api.x.com"], "ports": [8443]}}],
+            inject=[{**AUTH, "secret": "team/other", "ports": [8443]}],
+        ),
     )
     assert [rule.secret for rule in p.injections_for("api.x.com", 8443)] == ["team/other"]
 
@@ -169,3 +179,25 @@ def test_push_refs_limit_the_refs_a_git_push_may_change() -> None:
     open_decision = both.decide("POST", "https", "git.x.com", 443, "/r.git/git-receive-pack")
     assert open_decision.push_refs is None
     assert decide_push(open_decision, ["refs/heads/main"]).allowed
+
+
+def test_an_injection_goes_only_with_the_requests_its_profile_allows() -> None:
+    """Fails on the old code, which injected a profile's credential into every request to the
+    host, whichever profile allowed it (and denied them all when the secret was not set)."""
+    keyed = profile(
+        "keyed",
+        [{"allow": {"hosts": ["api.x.com"], "methods": ["POST"], "paths": ["/v1/**"]}}],
+        inject=[AUTH],
+    )
+    public = profile("public", [{"allow": {"hosts": ["api.x.com"], "paths": ["/public/**"]}}])
+    p = policy(keyed, public)
+    own = p.decide("POST", "https", "api.x.com", 443, "/v1/write")
+    assert own.allowed_by == ("keyed",)
+    assert [rule.id for rule in p.applicable_injections("api.x.com", 443, own)] == [
+        "keyed:inject-0"
+    ]
+    other = p.decide("GET", "https", "api.x.com", 443, "/public/readme")
+    assert other.allowed and other.allowed_by == ("public",)
+    assert p.applicable_injections("api.x.com", 443, other) == ()
+    denied = p.decide("DELETE", "https", "api.x.com", 443, "/v1/write")
+    assert p.applicable_injections("api.x.com", 443, denied) == ()

@@ -264,7 +264,7 @@ def test_an_injection_for_a_port_no_rule_allows_points_at_the_rule(tmp_path: Pat
         load_policy_dir(tmp_path).compose_all()
     [issue] = excinfo.value.issues
     assert (Path(issue.file).name, issue.line, issue.field) == ("demo.yaml", 7, "demo:token")
-    assert "on port 443, which no HTTPS allow rule reaches" in issue.message
+    assert "on port 443, which no HTTPS allow rule of its profile reaches" in issue.message
 
 
 @pytest.mark.parametrize(
