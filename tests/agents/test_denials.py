@@ -171,3 +171,22 @@ def test_a_missing_secret_denies_only_what_would_carry_it_and_names_it(stack: St
     assert status == 200
     seen = [s for s in stack.recorder.snapshot() if s.path == "/v1/ok"][-1]
     assert seen.header("x-api-key") == [TEAM_KEY]
+
+
+def test_a_placeholder_is_replaced_only_where_its_injection_applies(stack: Stack) -> None:
+    # keyed.test/public/* is allowed by `public`, which injects nothing: the placeholder for
+    # keyed's secret would go out as it is, so it is refused.
+    status, head, body = _curl(
+        stack, "GET", _url(stack, "keyed.test", "/public/x"),
+        "-H", "authorization: Bearer umbra-placeholder:team/keyed-token",
+    )  # fmt: skip
+    assert status == 403 and "x-umbra-reason: placeholder_unbound" in head
+    assert "team/keyed-token" not in body
+    # On api.test the placeholder of the secret `web` injects is replaced, as before.
+    status, _, _ = _curl(
+        stack, "GET", _url(stack, "api.test", "/v1/ph"),
+        "-H", "x-api-key: umbra-placeholder:team/api-key",
+    )  # fmt: skip
+    assert status == 200
+    seen = [s for s in stack.recorder.snapshot() if s.path == "/v1/ph"][-1]
+    assert seen.header("x-api-key") == [TEAM_KEY]

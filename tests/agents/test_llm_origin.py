@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.proxy.harness import TestCA
+from tests.proxy.harness import TestCA as OriginCA
 from umbra.cli.llm_origin import REPLY, Api, OriginConfig, OriginServer, serve
 
 KEY_A = "sk-ant-test-origin-key-000111222333"
@@ -23,7 +23,7 @@ KEY_O = "sk-openai-test-origin-key-444555666"
 @pytest.fixture(scope="module")
 def origin(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[OriginServer, Path]]:
     workdir = tmp_path_factory.mktemp("llm")
-    ca = TestCA(workdir)
+    ca = OriginCA(workdir)
     cert, key = ca.issue(["llm.test"])
     config = OriginConfig(
         {
