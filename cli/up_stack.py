@@ -480,15 +480,20 @@ def internet_hosts() -> list[str]:
 def _resolve_now(hosts: list[str]) -> tuple[dict[str, list[str]], list[str]]:
     """The daily-work and --internet hosts resolved once, here, only to find a network's own
     mirror (`_allowed_upstreams`); a host that does not resolve is named in --internet's check."""
-    answers, unresolved = {}, []
-    for host in hosts:
+    from concurrent.futures import ThreadPoolExecutor
+
+    def lookup(host: str) -> list[str] | None:
         try:
             infos = socket.getaddrinfo(host, 443, type=socket.SOCK_STREAM)
         except OSError:
-            unresolved.append(host)
-            continue
-        answers[host] = sorted({str(info[4][0]) for info in infos})
-    return answers, unresolved
+            return None
+        return sorted({str(info[4][0]) for info in infos})
+
+    # In parallel: every `up` pays this, and a name that does not resolve can take a while.
+    with ThreadPoolExecutor(max_workers=max(1, len(hosts))) as pool:
+        results = dict(zip(hosts, pool.map(lookup, hosts), strict=True))
+    answers = {host: found for host, found in results.items() if found is not None}
+    return answers, [host for host, found in results.items() if found is None]
 
 
 def _upstream_trust(stack: Stack) -> None:
