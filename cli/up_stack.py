@@ -57,8 +57,16 @@ INTERNET_TARGETS = {
     "git_url": "https://github.com/git/git",
 }
 SYSTEM_CA_BUNDLES = ("/etc/ssl/certs/ca-certificates.crt", "/etc/pki/tls/certs/ca-bundle.crt")
-# Attached to the Dev CVM when the bundle has them (--internet uses github and pypi).
-DEFAULT_PROFILES = ("demo", "github", "pypi")
+# Attached to the Dev CVM when the bundle has them: the walkthrough's origin and daily work
+# (Python, npm, Debian, public git; policies/tests/daily-work.yaml).
+DEFAULT_PROFILES = ("demo", "pypi", "npm", "debian", "git-public")
+# The hosts of those profiles: resolved once at `up` only to find a network's own mirror (a
+# non-public address the proxy would refuse), which this embedded stack then allows, with a
+# warning. The proxy itself resolves every name live with the system resolver.
+DAILY_HOSTS = (
+    "pypi.org", "files.pythonhosted.org", "registry.npmjs.org", "deb.debian.org",
+    "security.debian.org", "github.com", "gitlab.com",
+)  # fmt: skip
 # Offsets from --port-base.
 PORTS = {"issuer": 0, "console": 1, "proxy": 2, "tunnel": 3, "origin": 4}
 REQUIRED_TOOLS = {
@@ -378,13 +386,18 @@ def prepare_material(stack: Stack) -> None:
     stack.p("security-cvm").mkdir(exist_ok=True, mode=0o700)
     stack.p("security-cvm", "release.json").write_text(json.dumps(release_doc, indent=2))
     _demo_ca(stack.p("demo-origin"))
+    # The proxy resolves real names with the system resolver; the stand-in origin's names are
+    # the one static exception (`--test-hosts`).
     resolver: dict[str, list[str]] = {host: ["127.0.0.1"] for host in DEMO_HOSTS}
-    stack.state["internet_unresolved"] = []
-    if stack.state.get("internet"):
-        hosts = [h for h in internet_hosts() if h not in resolver]
-        found, stack.state["internet_unresolved"] = _resolve_now(hosts)
-        resolver |= found
     stack.p("security-cvm", "resolver.json").write_text(json.dumps(resolver))
+    hosts = sorted(set(DAILY_HOSTS) | set(internet_hosts()))
+    found, unresolved = _resolve_now([h for h in hosts if h not in resolver])
+    stack.state["mirrors"] = {
+        host: [a for a in addresses if not ipaddress.ip_address(a).is_global]
+        for host, addresses in found.items()
+        if any(not ipaddress.ip_address(a).is_global for a in addresses)
+    }
+    stack.state["internet_unresolved"] = unresolved
     _upstream_trust(stack)
     dev_release = SimulatedTdx(pki, image=local_cvm.DEV_CVM_IMAGE).release_manifest(
         events=[{"name": CVM_ID_EVENT}]
@@ -465,46 +478,48 @@ def internet_hosts() -> list[str]:
 
 
 def _resolve_now(hosts: list[str]) -> tuple[dict[str, list[str]], list[str]]:
-    """The proxy runs with a static resolver map (for the stand-in origin): with --internet the
-    real hosts the walkthrough uses are resolved once, here, and added to it. A host that does
-    not resolve is left out (the proxy then cannot reach it) and its check says so."""
-    answers, unresolved = {}, []
-    for host in hosts:
+    """The daily-work and --internet hosts resolved once, here, only to find a network's own
+    mirror (`_allowed_upstreams`); a host that does not resolve is named in --internet's check."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def lookup(host: str) -> list[str] | None:
         try:
             infos = socket.getaddrinfo(host, 443, type=socket.SOCK_STREAM)
         except OSError:
-            unresolved.append(host)
-            continue
-        answers[host] = sorted({str(info[4][0]) for info in infos})
-    return answers, unresolved
+            return None
+        return sorted({str(info[4][0]) for info in infos})
+
+    # In parallel: every `up` pays this, and a name that does not resolve can take a while.
+    with ThreadPoolExecutor(max_workers=max(1, len(hosts))) as pool:
+        results = dict(zip(hosts, pool.map(lookup, hosts), strict=True))
+    answers = {host: found for host, found in results.items() if found is not None}
+    return answers, [host for host, found in results.items() if found is None]
 
 
 def _upstream_trust(stack: Stack) -> None:
-    """The CAs the proxy trusts upstream: the stand-in origin's, and with --internet also the
-    system's (the real hosts)."""
+    """The CAs the proxy trusts upstream: the system's (real hosts, or a mirror whose certificate
+    chains to a CA the system trusts) and the stand-in origin's."""
     pem = stack.p("demo-origin", "ca.pem").read_bytes()
-    if stack.state.get("internet"):
-        for bundle in SYSTEM_CA_BUNDLES:
-            if Path(bundle).is_file():
-                pem += b"\n" + Path(bundle).read_bytes()
-                break
+    for bundle in SYSTEM_CA_BUNDLES:
+        if Path(bundle).is_file():
+            pem += b"\n" + Path(bundle).read_bytes()
+            break
     stack.p("security-cvm", "upstream-ca.pem").write_bytes(pem)
 
 
 def _allowed_upstreams(stack: Stack) -> list[str]:
-    """Loopback for the stand-in origin; with --internet, the addresses the real hosts resolved
-    to when they are not public (a network's own mirror): the proxy refuses non-global addresses
-    unless told, and here it is told only for this embedded stack (printed as a warning)."""
+    """Loopback for the stand-in origin, and the non-public addresses the daily-work hosts
+    resolved to (a network's own mirror): the proxy refuses non-global addresses unless told, and
+    here it is told only for this embedded stack, with a warning naming host and address."""
     allowed = ["127.0.0.1/32"]
-    resolver = json.loads(stack.p("security-cvm", "resolver.json").read_text())
-    for host, addresses in sorted(resolver.items()):
-        if host in DEMO_HOSTS:
-            continue
+    for host, addresses in sorted(stack.state.get("mirrors", {}).items()):
         for address in addresses:
             ip = ipaddress.ip_address(address)
-            if not ip.is_global:
-                stack.progress(f"--internet: {host} resolves to {ip}, not a public address")
-                allowed.append(f"{ip}/{ip.max_prefixlen}")
+            stack.progress(
+                f"warning: {host} resolves to {ip}, not a public address: allowed upstream for "
+                "this embedded stack only"
+            )
+            allowed.append(f"{ip}/{ip.max_prefixlen}")
     return sorted(set(allowed))
 
 
@@ -647,11 +662,12 @@ def start_proxy(stack: Stack) -> bool:
         "--quote-source", "simulated",
         "--simulated-pki", str(stack.p("pki")),
         "--simulated-image", SIMULATED_IMAGE,
-        # The stand-in origin lives on loopback with its own CA (embedded mode only); with
-        # --internet the system's CAs too.
+        # The system's CAs and the stand-in origin's (on loopback, embedded mode only).
         "--upstream-ca", str(s / "upstream-ca.pem"),
         *allow,
-        "--test-resolver", str(s / "resolver.json"),
+        # Real names through the system resolver, every address checked; the stand-in origin's
+        # names are the one static exception.
+        "--test-hosts", str(s / "resolver.json"),
     ]  # fmt: skip
     current = _identities_hash(stack, argv)
     if stack.pid("proxy") is not None:

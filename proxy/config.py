@@ -305,6 +305,16 @@ class ProxyConfig(BaseModel):
             metavar="FILE",
         ),
     ] = None
+    test_hosts: Annotated[
+        Path | None,
+        Flag(
+            "TEST ONLY: these names from a JSON map, every other name from DNS (embedded mode).",
+            "**test only**: the names of a JSON map (as `--test-resolver`) resolve from it, every "
+            "other name through the system resolver; every address is checked either way "
+            "(`umbra up`: the stand-in origin is the one static name)",
+            metavar="FILE",
+        ),
+    ] = None
     poll_interval: float = Field(default=0.5, gt=0)
     ship_interval: float = Field(default=1.0, gt=0)
     # Set by the supervisor for each worker it starts; None in a single-process proxy.
@@ -355,6 +365,8 @@ class ProxyConfig(BaseModel):
             raise ValueError("--workers above 1 needs fixed --listen and --tunnel-listen ports")
         for cidr in self.test_allow_upstream:
             ipaddress.ip_network(cidr, strict=True)
+        if self.test_resolver is not None and self.test_hosts is not None:
+            raise ValueError("give at most one of --test-resolver and --test-hosts")
         return self
 
 

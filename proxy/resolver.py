@@ -1,7 +1,9 @@
 """Name resolution done by the proxy itself, so that the addresses it checks are the ones it dials.
 
 `SystemResolver` asks the operating system; `StaticResolver` answers from a fixed map and exists so
-tests control every answer (including answers that change between lookups, to exercise rebinding).
+tests control every answer (including answers that change between lookups, to exercise rebinding);
+`OverlayResolver` answers the names of a static map from it and every other name from the system
+(embedded mode: real names resolve for real, a local stand-in origin is the one exception).
 """
 
 from __future__ import annotations
@@ -79,6 +81,9 @@ class StaticResolver:
             raise ValueError(f"{path}: expected a JSON object of name -> addresses")
         return cls(data)
 
+    def knows(self, host: str) -> bool:
+        return host in self._answers
+
     async def resolve(self, host: str) -> list[IPAddress]:
         entry = self._answers.get(host)
         if entry is None:
@@ -88,3 +93,17 @@ class StaticResolver:
         count = self._lookups.get(host, 0)
         self._lookups[host] = count + 1
         return list(entry[min(count, len(entry) - 1)])
+
+
+class OverlayResolver:
+    """The static map's names from the map, every other name from `fallback`. Every address is
+    still checked by the dial guard, whichever answered."""
+
+    def __init__(self, static: StaticResolver, fallback: Resolver) -> None:
+        self.static = static
+        self.fallback = fallback
+
+    async def resolve(self, host: str) -> list[IPAddress]:
+        if self.static.knows(host):
+            return await self.static.resolve(host)
+        return await self.fallback.resolve(host)

@@ -28,7 +28,7 @@ from umbra.policy.loader import load_policy_dir
 from umbra.proxy.config import ProxyConfig
 from umbra.proxy.identity import StaticIdentities
 from umbra.proxy.netcheck import AddressPolicy, IPAddress, IPNetwork
-from umbra.proxy.resolver import Resolver, StaticResolver, SystemResolver
+from umbra.proxy.resolver import OverlayResolver, Resolver, StaticResolver, SystemResolver
 from umbra.proxy.secrets import SecretStore
 from umbra.proxy.spool import Shipper, Spool
 from umbra.proxy.state import PolicyState
@@ -171,19 +171,20 @@ class UmbraProxy:
             raise StartupError(f"cannot load policy: {exc}") from None
         except Exception as exc:
             raise StartupError(str(exc)) from None
-        resolver: Resolver = (
-            StaticResolver.from_file(config.test_resolver)
-            if config.test_resolver
-            else SystemResolver()
-        )
+        resolver: Resolver = SystemResolver()
+        if config.test_resolver:
+            resolver = StaticResolver.from_file(config.test_resolver)
+        elif config.test_hosts:
+            resolver = OverlayResolver(StaticResolver.from_file(config.test_hosts), resolver)
         allow: list[IPNetwork] = [ipaddress.ip_network(cidr) for cidr in config.test_allow_upstream]
-        if allow or config.test_resolver:
+        if allow or config.test_resolver or config.test_hosts:
             print(
                 "!" * 78
                 + "\nWARNING: TEST-ONLY OPTIONS ACTIVE: "
                 + ", ".join(
                     [f"--test-allow-upstream {net}" for net in allow]
                     + (["--test-resolver"] if config.test_resolver else [])
+                    + (["--test-hosts"] if config.test_hosts else [])
                 )
                 + "\nThis proxy may reach addresses a production proxy refuses. Never deploy this.\n"
                 + "!" * 78,

@@ -6,8 +6,13 @@ identity header, and only then relays bytes. If the Security CVM is down, its qu
 verify, or anything times out, the sandbox connection is closed and not one of its bytes has
 left. Each connection is its own attested session, so a reconnect is always re-verified.
 
-It opens no UDP socket at all. It also fetches the Security CVM's interception CA for the sandbox,
-inside an attested session like any other (`fetch_ca`, sandbox_ca.py).
+Transparent mode (`transparent.py`): on its sandbox-side :443 and :80 it reads the TLS SNI or the
+HTTP `Host` (nothing is sent before attestation), then asks the proxy for `CONNECT name:port` in
+the same attested proxy-mode session and replays what it read, so tools that ignore proxy
+variables get exactly the proxy's checks. Its one UDP socket is the DNS responder on its
+sandbox-side address (`dns_responder.py`), which answers every name with that address and never
+sends a query anywhere. It also fetches the Security CVM's interception CA for the sandbox, inside
+an attested session like any other (`fetch_ca`, sandbox_ca.py).
 """
 
 from __future__ import annotations
@@ -27,14 +32,27 @@ from umbra.contracts.tunnel_header import (
     encode_header,
     read_ca_reply,
 )
+from umbra.sandbox.dns_responder import DnsResponder
 from umbra.sandbox.models import Endpoint, Tunnel
 from umbra.sandbox.sandbox_ca import CaBundle, keep_ca_fresh
+from umbra.sandbox.transparent import (
+    MAX_REQUEST_HEAD,
+    PEEK_TIMEOUT,
+    Refusal,
+    Refused,
+    connect_request,
+    read_client_hello,
+    read_connect_reply,
+    read_request_head,
+)
 
 logger = logging.getLogger(__name__)
 
 HALF_CLOSE_GRACE = 60.0
 Streams = tuple[asyncio.StreamReader, asyncio.StreamWriter]
 Dialer = Callable[[str, int], Awaitable[Streams]]
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+Peek = Callable[[asyncio.StreamReader], Awaitable[tuple[bytes, str]]]
 
 
 async def tcp_dial(host: str, port: int) -> Streams:
@@ -68,6 +86,13 @@ class Forwarder:
     # Where the sandbox's trust in the Security CVM's interception CA comes from (sandbox_ca.py).
     ca_bundle: CaBundle | None = None
     ca_refresh: float = 300.0
+    # Transparent listeners on the sandbox-side address: (TLS port, plain HTTP port), each the
+    # port the name is connected to at the proxy; None: off. And the DNS responder's port.
+    transparent_https: int | None = None
+    transparent_http: int | None = None
+    dns_port: int | None = None
+    dns: DnsResponder | None = None
+    peek_timeout: float = PEEK_TIMEOUT
     dial: Dialer = tcp_dial
     stats: ForwarderStats = field(default_factory=ForwarderStats)
     _servers: list[asyncio.Server] = field(default_factory=list)
@@ -77,17 +102,32 @@ class Forwarder:
         """Bind every listener; raise OSError (and bind nothing) if one cannot be bound."""
         self._slots = asyncio.Semaphore(self.max_connections)
         # Identity headers are fixed per listener at start: nothing from the sandbox goes in.
-        listeners: list[tuple[str, int, Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]]] = [
-            (self.listen_host, self.proxy_port, self._egress(TunnelHeader(self.cvm_id, "proxy", credential=self.credential)))
-        ]  # fmt: skip
+        proxy_header = TunnelHeader(self.cvm_id, "proxy", credential=self.credential)
+        listeners: list[tuple[int, Handler]] = [(self.proxy_port, self._egress(proxy_header))]
         for t in self.tunnels:
             header = TunnelHeader(
                 self.cvm_id, "tunnel", t.name, t.host, t.port, credential=self.credential
             )
-            listeners.append((self.listen_host, t.listen_port, self._egress(header)))
+            listeners.append((t.listen_port, self._egress(header)))
+        # Transparent listeners speak to the proxy as the sandbox would on the proxy port.
+        if self.transparent_https is not None:
+            listeners.append(
+                (self.transparent_https, self._egress(proxy_header, read_client_hello, 443))
+            )
+        if self.transparent_http is not None:
+            listeners.append(
+                (self.transparent_http, self._egress(proxy_header, read_request_head, 80))
+            )
         try:
-            for host, port, handler in listeners:
-                self._servers.append(await asyncio.start_server(handler, host, port))
+            for port, handler in listeners:
+                self._servers.append(
+                    await asyncio.start_server(
+                        handler, self.listen_host, port, limit=MAX_REQUEST_HEAD
+                    )
+                )
+            if self.dns_port is not None:
+                self.dns = DnsResponder(self.listen_host, self.dns_port)
+                await self.dns.start()
         except OSError:
             await self.close()
             raise
@@ -97,6 +137,8 @@ class Forwarder:
         return [int(s.sockets[0].getsockname()[1]) for s in self._servers]
 
     async def close(self) -> None:
+        if self.dns is not None:
+            await self.dns.close()
         for s in self._servers:
             s.close()
         for s in self._servers:
@@ -138,9 +180,7 @@ class Forwarder:
         finally:
             await conn.close()
 
-    def _egress(
-        self, header: TunnelHeader
-    ) -> Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]:
+    def _egress(self, header: TunnelHeader, peek: Peek | None = None, port: int = 0) -> Handler:
         frame = encode_header(header)
 
         async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -152,27 +192,78 @@ class Forwarder:
             async with self._slots:
                 self.stats.active += 1
                 try:
-                    await self._tunnel(reader, writer, frame)
+                    if peek is None:
+                        await self._tunnel(reader, writer, frame)
+                    else:
+                        await self._transparent(reader, writer, frame, peek, port)
                 finally:
                     self.stats.active -= 1
 
         return handle
 
     async def _tunnel(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, frame: bytes
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        frame: bytes,
+        connect: tuple[bytes, bytes] | None = None,
     ) -> None:
+        """Attest, send the identity header, then relay. With `connect` = (CONNECT request, the
+        client's bytes already read), first ask the proxy for the tunnel and replay them."""
         conn = await self._attest(writer)
         if conn is None:
             return
         try:
             await conn.send(frame)
+            if connect is not None:
+                request, replay = connect
+                await conn.send(request)
+                status, head, rest = await asyncio.wait_for(
+                    read_connect_reply(conn.recv), self.handshake_timeout
+                )
+                if status != 200:
+                    # The proxy decided (and recorded) it; say so in the log with its status.
+                    raise Refused(
+                        Refusal.PROXY_REFUSED, head.split(b"\r\n", 1)[0].decode("ascii", "replace")
+                    )
+                await conn.send(replay)
+                if rest:
+                    writer.write(rest)
             self.stats.relayed += 1
             await relay(conn, reader, writer, stream_eof_grace=HALF_CLOSE_GRACE)
-        except (ATLSError, ConnectionError, OSError) as exc:
-            logger.info("tunnel ended: %s", exc)
+        except Refused as refused:
+            self.stats.refuse(refused.reason)
+            logger.warning("transparent connection refused by the proxy: %s", refused)
+        except (ATLSError, ConnectionError, OSError, TimeoutError) as exc:
+            logger.info("tunnel ended: %s", exc or type(exc).__name__)
         finally:
             await conn.close()
             await _close(writer)
+
+    async def _transparent(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        frame: bytes,
+        peek: Peek,
+        port: int,
+    ) -> None:
+        """A connection to a transparent port: the name from its first bytes (read, never sent
+        before attestation), then the proxy-mode session with `CONNECT name:port`."""
+        try:
+            seen, name = await asyncio.wait_for(peek(reader), self.peek_timeout)
+        except (Refused, TimeoutError, ConnectionError, OSError) as exc:
+            reason = exc.reason if isinstance(exc, Refused) else Refusal.TIMEOUT
+            self.stats.refuse(reason)
+            peer = writer.get_extra_info("peername")
+            logger.warning(
+                "refusing transparent connection from %s to port %d: %s (%s)",
+                peer[0] if peer else "?", port, reason, exc or type(exc).__name__,
+            )  # fmt: skip
+            await _abort(writer)
+            return
+        logger.info("transparent %s:%d", name, port)
+        await self._tunnel(reader, writer, frame, (connect_request(name, port), seen))
 
     async def _attest(self, client: asyncio.StreamWriter | None) -> ATLSConnection | None:
         """An attested session to the Security CVM, or None after closing `client` (if any)."""

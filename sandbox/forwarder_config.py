@@ -20,17 +20,38 @@ class ForwarderConfigError(Exception):
     """The forwarder cannot start: the message says which file or field and why."""
 
 
+class Transparent(Strict):
+    """Tools that ignore proxy variables: the forwarder's own :443 (name from the TLS SNI) and :80
+    (name from `Host`), handed to the proxy as `CONNECT name:443` / `name:80` (transparent.py)."""
+
+    https_port: Port = 443
+    http_port: Port = 80
+
+
 class Listen(Strict):
     # The forwarder's address on the sandbox network: never 0.0.0.0, or the uplink side could
     # use this CVM's identity.
     host: Host
     proxy_port: Port
     tunnels: list[Tunnel] = Field(default_factory=list)
+    transparent: Transparent | None = None
+    # The sandbox's resolver (UDP and TCP): every name is this address (dns_responder.py).
+    dns_port: Port | None = None
 
     @model_validator(mode="after")
     def _specific(self) -> Listen:
-        if ipaddress.ip_address(self.host).is_unspecified:
+        address = ipaddress.ip_address(self.host)
+        if address.is_unspecified:
             raise ValueError("listen.host must be the sandbox-network address, not a wildcard")
+        if self.dns_port is not None and address.version != 4:
+            raise ValueError("listen.dns_port needs an IPv4 listen.host (it is the one answer)")
+        tcp = [self.proxy_port, *(t.listen_port for t in self.tunnels)]
+        if self.transparent is not None:
+            tcp += [self.transparent.https_port, self.transparent.http_port]
+        if self.dns_port is not None:
+            tcp.append(self.dns_port)
+        if len(set(tcp)) != len(tcp):
+            raise ValueError("listen ports (proxy, tunnels, transparent, dns) must be distinct")
         return self
 
 

@@ -34,6 +34,12 @@ from pathlib import Path
 from typing import Any
 
 SANDBOX_PROXY_PORT = 3128
+# The forwarder's other sandbox-side listeners: transparent HTTPS/HTTP (name from SNI / Host) and
+# the sandbox's resolver (every name is the forwarder; docs/specs/sandbox.md).
+SANDBOX_TRANSPARENT_HTTPS, SANDBOX_TRANSPARENT_HTTP, SANDBOX_DNS_PORT = 443, 80, 53
+SANDBOX_TCP_PORTS = [
+    SANDBOX_PROXY_PORT, SANDBOX_TRANSPARENT_HTTPS, SANDBOX_TRANSPARENT_HTTP, SANDBOX_DNS_PORT,
+]  # fmt: skip
 # The attested SSH ingress listens on the host end of the CVM's uplink (a per-CVM address, so
 # every local CVM gets the same port without allocating one); the sandbox cannot reach it.
 INGRESS_PORT = 2222
@@ -197,12 +203,23 @@ def all_plans(root: Path) -> list[LocalCvmPlan]:
 
 
 def _nft_rules(plan: LocalCvmPlan, ports: list[int]) -> str:
-    sandbox_if = plan.ifname("b")
-    port_set = ", ".join(str(p) for p in sorted(set(ports)))
+    return forwarder_filter(plan.ifname("b"), plan.forwarder_addr, ports, [SANDBOX_DNS_PORT])
+
+
+def forwarder_filter(
+    sandbox_if: str, forwarder_addr: str, tcp_ports: list[int], udp_ports: list[int]
+) -> str:
+    """The forwarder namespace's nftables: from the sandbox link only the forwarder's own
+    sandbox-side TCP listeners and its DNS responder (UDP 53, which never sends a query on)."""
+    tcp_set = ", ".join(str(p) for p in sorted(set(tcp_ports)))
+    udp_rule = ""
+    if udp_ports:
+        udp_set = ", ".join(str(p) for p in sorted(set(udp_ports)))
+        udp_rule = f'\n    iifname "{sandbox_if}" ip daddr {forwarder_addr} udp dport {{ {udp_set} }} accept'
     return f"""table inet umbra_local {{
   chain input {{
     type filter hook input priority 0; policy accept;
-    iifname "{sandbox_if}" ip daddr {plan.forwarder_addr} tcp dport {{ {port_set} }} ct state new,established accept
+    iifname "{sandbox_if}" ip daddr {forwarder_addr} tcp dport {{ {tcp_set} }} ct state new,established accept{udp_rule}
     iifname "{sandbox_if}" drop
   }}
   chain forward {{
@@ -476,7 +493,7 @@ def ensure_network(plan: LocalCvmPlan) -> bool:
     for role in ("ingress", "forwarder", "sandbox"):
         stop(plan, role)
     delete_network(plan)
-    create_network(plan, [SANDBOX_PROXY_PORT])
+    create_network(plan, SANDBOX_TCP_PORTS)
     return True
 
 
@@ -522,6 +539,11 @@ def create(
             "host": plan.forwarder_addr,
             "proxy_port": SANDBOX_PROXY_PORT,
             "tunnels": [],
+            "transparent": {
+                "https_port": SANDBOX_TRANSPARENT_HTTPS,
+                "http_port": SANDBOX_TRANSPARENT_HTTP,
+            },
+            "dns_port": SANDBOX_DNS_PORT,
         }
         config["security_cvm"] = {**config["security_cvm"], "host": SECURITY_CVM_ADDR}
         config["cvm_id_file"] = str(plan.dir / "cvm-id")
@@ -530,7 +552,7 @@ def create(
         (plan.dir / "forwarder.json").write_text(json.dumps(config, indent=2))
         enroll(plan)
         _make_rootfs(plan)
-        create_network(plan, [SANDBOX_PROXY_PORT])
+        create_network(plan, SANDBOX_TCP_PORTS)
         ensure_running(plan)
         write_launch_dir(plan, authorized_keys)
         if simulated_pki is not None:

@@ -351,7 +351,7 @@ def _security(doc: dict[str, Any], out: list[str]) -> None:
 
 # Only a simulated release may carry these (the proxy warns loudly; production verifiers refuse
 # the simulated root, so such a release never attests as production).
-SIMULATED_ONLY_FLAGS = ("--simulated-pki", "--test-allow-upstream", "--test-resolver",
+SIMULATED_ONLY_FLAGS = ("--simulated-pki", "--test-allow-upstream", "--test-resolver", "--test-hosts",
                         "--upstream-ca", "--policy-dir", "--bundle", "--secrets")  # fmt: skip
 
 

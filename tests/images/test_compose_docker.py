@@ -98,6 +98,26 @@ def _docker(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     return done
 
 
+def bridge_gateway() -> str:
+    """The host's address on Docker's default bridge. Docker 28's client shows no IPAM `Gateway`
+    for a bridge a 20.10 daemon made (and a daemon may leave it unset), so the address is read
+    from the bridge's interface (its `com.docker.network.bridge.name` option, a field both 20.10
+    and 28 show), falling back to the IPAM gateway where one is given."""
+    doc = json.loads(_docker("network", "inspect", "bridge").stdout)[0]
+    ifname = (doc.get("Options") or {}).get("com.docker.network.bridge.name", "docker0")
+    shown = subprocess.run(
+        ["ip", "-4", "-o", "addr", "show", "dev", ifname],
+        capture_output=True, text=True, timeout=20, check=False,
+    ).stdout.split()  # fmt: skip
+    if "inet" in shown:
+        return shown[shown.index("inet") + 1].split("/")[0]
+    gateways = [
+        c["Gateway"] for c in (doc.get("IPAM") or {}).get("Config") or [] if c.get("Gateway")
+    ]
+    assert gateways, f"no address for Docker's default bridge ({ifname}): {doc.get('IPAM')}"
+    return str(gateways[0])
+
+
 @pytest.fixture
 def launch_dir() -> Iterator[Path]:
     # The compose also binds the data disk's workspace directory (an absolute host path).
@@ -138,9 +158,7 @@ def test_rendered_dev_and_security_cvm_compose_run_isolated_under_docker_compose
     pki = enroll.pki()  # the test Console's enrollment verifiers trust this simulated root
     # The host as containers see it on Docker's default bridge: where the Console and the origin
     # listen (the Security CVM reaches them from its own bridge through the host).
-    host_ip = _docker(
-        "network", "inspect", "bridge", "-f", "{{(index .IPAM.Config 0).Gateway}}"
-    ).stdout.strip()
+    host_ip = bridge_gateway()
     octet = 100 + os.getpid() % 100
     lines: list[str] = []
     state = tmp_path / "compose"

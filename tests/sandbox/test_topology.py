@@ -10,6 +10,7 @@ records each identity header and answers as a stand-in proxy, plus plain TCP/UDP
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import json
 import socket
@@ -490,3 +491,45 @@ def test_connection_limit_refuses_the_excess(
         assert one.stats.refused == {"too_many_connections": 1}
     finally:
         topo.fwd_loop.run(one.close())
+
+
+def _client_hello(name: str) -> bytes:
+    import ssl
+
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    tls = ssl.create_default_context().wrap_bio(incoming, outgoing, server_hostname=name)
+    with contextlib.suppress(ssl.SSLWantReadError):
+        tls.do_handshake()
+    return outgoing.read()
+
+
+def test_transparent_ports_send_nothing_before_attestation_and_connect_by_name(
+    topo: Topology, pki: SimulatedPki, sec_measurement: Measurement
+) -> None:
+    """Transparent :443 reads the ClientHello but sends the Security CVM only the identity header
+    and `CONNECT sni:443`, replaying the ClientHello only after the proxy's 200 (this stand-in
+    answers something else, so it never sees it); a Security CVM that fails attestation gets
+    nothing at all."""
+    hello = _client_hello("pypi.org")
+    good = make_forwarder(_verifier(pki, sec_measurement), proxy_port=3132)
+    good.transparent_https, good.transparent_http = 4443, 8080
+    other = measure(security_definition(tunnel_port=9443))
+    bad = make_forwarder(_verifier(pki, other), proxy_port=3133)
+    bad.transparent_https, bad.transparent_http = 4444, 8081
+    for fwd in (good, bad):
+        topo.fwd_loop.run(fwd.start())
+    try:
+        reply = topo.sandbox(lambda: exchange(FWD_IN, 4443, hello))
+        assert reply == b"" or _errno(reply) in (errno.ECONNRESET, errno.EPIPE)
+        assert [h.mode for h in topo.sec.headers] == ["proxy"]
+        assert topo.sec.payloads == [b"CONNECT pypi.org:443 HTTP/1.1\r\nHost: pypi.org:443\r\n\r\n"]
+        assert good.stats.refused == {"transparent_proxy_refused": 1}
+        plain = b"GET /x HTTP/1.1\r\nHost: deb.debian.org\r\n\r\n"
+        for port, data in ((4444, hello), (8081, plain)):
+            reply = topo.sandbox(lambda p=port, d=data: exchange(FWD_IN, p, d))  # type: ignore[misc]
+            assert reply == b"" or _errno(reply) in (errno.ECONNRESET, errno.EPIPE)
+        assert bad.stats.refused == {"attestation_failed": 2}
+        assert len(topo.sec.headers) == 1 and len(topo.sec.payloads) == 1
+    finally:
+        for fwd in (good, bad):
+            topo.fwd_loop.run(fwd.close())

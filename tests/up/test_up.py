@@ -347,6 +347,42 @@ def test_sandbox_root_is_unprivileged_and_reaches_only_the_forwarder(up: Up) -> 
     assert _sandbox(up, "ip", "-6", "addr").stdout.strip() == ""
 
 
+def test_tools_without_proxy_variables_reach_the_proxy_through_the_forwarder(up: Up) -> None:
+    """The local CVM's forwarder answers DNS with its own address and takes :443 by SNI to the
+    Security CVM (sandbox.md "DNS and transparent mode"): a request with no proxy variable is
+    decided and recorded by the proxy for this CVM."""
+    stack = up.stack()
+    plan = local_cvm.load_plan(up.state / "cvms", stack.state["dev_cvm_id"])
+    assert plan is not None
+    probe = (
+        "import socket,struct;s=socket.socket(socket.AF_INET,socket.SOCK_DGRAM);s.settimeout(5);"
+        "q=struct.pack('!HHHHHH',7,256,1,0,0,0)+b'\\x04pypi\\x03org\\x00'+struct.pack('!HH',1,1);"
+        f"s.sendto(q,('{plan.forwarder_addr}',53));r=s.recv(512);print(socket.inet_ntoa(r[-4:]))"
+    )
+    answer = _sandbox(up, "python3", "-c", probe)
+    assert answer.stdout.strip() == plan.forwarder_addr, answer
+    host = up_stack.DEMO_HOSTS[1]
+    done = _sandbox(
+        up, "curl", "-sS", "--max-time", "20", "--cacert", "/umbra/proxy-ca.pem", "--resolve",
+        f"{host}:443:{plan.forwarder_addr}", "-o", "/dev/null", "-w", "%{http_code}",
+        f"https://{host}/transparent-probe",
+    )  # fmt: skip
+    assert done.stdout == "403", done  # the demo profile allows only the origin's own port
+    deadline = time.monotonic() + 20
+    with up_stack.api(stack, up_stack.token(up.env)) as client:
+        while True:
+            page = client.get(
+                f"/api/v1/teams/{up_stack.TEAM}/traffic",
+                params={"cvm_id": stack.state["dev_cvm_id"], "limit": 200},
+            ).json()
+            records = page["records"] if isinstance(page, dict) else page
+            hits = [r for r in records if r.get("path") == "/transparent-probe"]
+            if hits or time.monotonic() > deadline:
+                break
+            time.sleep(0.25)
+    assert hits and hits[0]["decision"] == "deny" and hits[0]["connect_host"] == host, records
+
+
 def test_umbra_ssh_runs_inside_the_sandbox_as_its_user(up: Up) -> None:
     plan = local_cvm.load_plan(up.state / "cvms", up.stack().state["dev_cvm_id"])
     assert plan is not None
