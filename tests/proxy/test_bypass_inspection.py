@@ -822,3 +822,22 @@ def test_malformed_or_oversized_containers_are_refused_with_their_reason(
     assert status in (400, 413), case
     assert not any(s.path == path for s in env23.recorder.snapshot())
     env23.log.wait_for(mark, lambda r: r["reason"] == reason)
+
+
+@pytest.mark.parametrize(
+    "body", [b"x^2 + 1 = y", b"BZh is not bzip2", b"x = 1\n", b"PK but not a zip"]
+)
+def test_text_that_merely_starts_like_a_container_passes(env23: Env23, body: bytes) -> None:
+    status, path = _post(env23, body, "text/plain")
+    assert status == 200
+    assert any(s.path == path for s in env23.recorder.snapshot())
+
+
+def test_a_truncated_zlib_stream_is_scanned_as_far_as_it_inflates(env23: Env23) -> None:
+    """A two-byte zlib header is a weak sign, so a broken stream is no error, but what inflates
+    is scanned (an origin may use that much)."""
+    body = zlib.compress(AWS_PAIR.encode() * 4)[:-8]
+    mark = env23.log.mark()
+    status, _ = _post(env23, body, "application/octet-stream")
+    assert status == 403
+    env23.log.wait_for(mark, lambda r: r["reason"] == "secret_detected")
