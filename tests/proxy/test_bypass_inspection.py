@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import bz2
+import concurrent.futures
 import io
 import json
 import lzma
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 import wsproto
 import wsproto.events
@@ -116,6 +118,25 @@ class SplitWsOrigin:
             conn.close()
 
 
+def _grpc_origin(cert: Path, key: Path) -> tuple[grpc.Server, int, list[bytes]]:
+    """A real gRPC server (grpcio, TLS) whose one method echoes the request bytes it got."""
+    seen: list[bytes] = []
+
+    def say(request: bytes, context: grpc.ServicerContext) -> bytes:
+        seen.append(request)
+        return b"ok:" + request[:16]
+
+    handler = grpc.method_handlers_generic_handler(
+        "echo.Echo", {"Say": grpc.unary_unary_rpc_method_handler(say)}
+    )
+    server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=4))
+    server.add_generic_rpc_handlers((handler,))
+    credentials = grpc.ssl_server_credentials([(key.read_bytes(), cert.read_bytes())])
+    port = server.add_secure_port("127.0.0.1:0", credentials)
+    server.start()
+    return server, port, seen
+
+
 class HelloRecorder:
     """A TCP listener that records the first bytes a client sends (the TLS ClientHello) and
     closes: what the origin would have learnt from the handshake."""
@@ -156,6 +177,8 @@ class Env23:
     other: OriginServer
     hello: HelloRecorder
     git: GitOrigin
+    grpc_port: int
+    grpc_seen: list[bytes]
     ws: SplitWsOrigin
     runner: ProxyThread
     port: int
@@ -177,6 +200,8 @@ egress:
     allow: {{hosts: [hello.test], ports: [{hello}]}}
   - id: ws
     allow: {{hosts: [ws.test], ports: [{ws}]}}
+  - id: grpc
+    allow: {{hosts: [grpc.test], ports: [{grpc}]}}
   - id: git-read
     allow: {{hosts: [git.test], ports: [{git}], methods: [GET]}}
   - id: git-push
@@ -192,7 +217,7 @@ inject:
 def env23(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env23]:
     workdir = tmp_path_factory.mktemp("proxy23")
     ca = TestCA(workdir)
-    cert, key = ca.issue(["api.test", "ws.test", "hello.test", "git.test"])
+    cert, key = ca.issue(["api.test", "ws.test", "hello.test", "git.test", "grpc.test"])
     tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     tls.load_cert_chain(cert, key)
     recorder = Recorder()
@@ -203,17 +228,28 @@ def env23(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env23]:
     (workdir / "git").mkdir()
     git = GitOrigin(workdir / "git", tls)
     git.bare("repo.git")
+    grpc_server, grpc_port, grpc_seen = _grpc_origin(cert, key)
     origin.routes["api.test"] = _sse_routes
     policy_dir = workdir / "policies"
     policy_dir.mkdir()
     (policy_dir / "testing.yaml").write_text(
         POLICY.format(
-            origin=origin.port, other=other.port, hello=hello.port, ws=ws.port, git=git.port
+            origin=origin.port,
+            other=other.port,
+            hello=hello.port,
+            ws=ws.port,
+            git=git.port,
+            grpc=grpc_port,
         )
     )
     resolver = workdir / "resolver.json"
     resolver.write_text(
-        json.dumps({n: ["127.0.0.1"] for n in ("api.test", "ws.test", "hello.test", "git.test")})
+        json.dumps(
+            {
+                n: ["127.0.0.1"]
+                for n in ("api.test", "ws.test", "hello.test", "git.test", "grpc.test")
+            }
+        )
     )
     identities = workdir / "identities.json"
     write_identities(identities)
@@ -241,6 +277,8 @@ def env23(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env23]:
         other,
         hello,
         git,
+        grpc_port,
+        grpc_seen,
         ws,
         runner,
         port,
@@ -250,6 +288,7 @@ def env23(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env23]:
     origin.shutdown()
     other.shutdown()
     git.shutdown()
+    grpc_server.stop(None)
     spool = b"".join(p.read_bytes() for p in (workdir / "spool").glob("*.jsonl"))
     assert TEAM_SECRET.encode() not in spool
 
@@ -850,3 +889,30 @@ def test_websocket_messages_that_only_start_like_a_credential_arrive_in_order(
         ws.receive_data(sock.recv(65536))
         received += [e.data for e in ws.events() if isinstance(e, wsproto.events.TextMessage)]
     assert received == ["say Bearer TE", "next"]
+
+
+def _grpc_call(env: Env23, message: bytes) -> tuple[grpc.StatusCode, bytes]:
+    options = [
+        ("grpc.http_proxy", f"http://cvm-alice:alice-tunnel-credential-1@127.0.0.1:{env.port}"),
+    ]
+    credentials = grpc.ssl_channel_credentials(root_certificates=env.ca.read_bytes())
+    with grpc.secure_channel(f"grpc.test:{env.grpc_port}", credentials, options) as channel:
+        say = channel.unary_unary("/echo.Echo/Say")
+        try:
+            reply = say(message, timeout=20, compression=grpc.Compression.Deflate)
+        except grpc.RpcError as exc:
+            return exc.code(), b""
+        return grpc.StatusCode.OK, reply
+
+
+def test_a_grpcio_client_compressing_with_deflate_cannot_carry_a_key_pair(env23: Env23) -> None:
+    """A real grpcio client (HTTP/2, `grpc-encoding: deflate`) through the proxy: a clean message
+    reaches the server; one holding an AWS key pair is refused (failed on the old code, which
+    honoured identity and gzip only)."""
+    code, reply = _grpc_call(env23, b"hello " * 20)
+    assert (code, reply[:9]) == (grpc.StatusCode.OK, b"ok:hello ")
+    mark = env23.log.mark()
+    code, _ = _grpc_call(env23, AWS_PAIR.encode() * 3)
+    assert code is not grpc.StatusCode.OK
+    assert not any(b"AKIA" in message for message in env23.grpc_seen)
+    env23.log.wait_for(mark, lambda r: r["reason"] == "secret_detected")
