@@ -75,7 +75,7 @@ def start_umbra(
     if inject:
         profile += (
             "inject:\n  - {id: bearer, header: Authorization, format: 'Bearer {secret}',"
-            f" secret: team/github-bot, hosts: [{HOST}]}}\n"
+            f" secret: team/github-bot, hosts: [{HOST}], ports: [{origin.port}]}}\n"
         )
     (policies / "bench.yaml").write_text(profile)
     resolver = workdir / "resolver.json"

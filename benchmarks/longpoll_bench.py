@@ -70,7 +70,7 @@ def _bundle(key: object, origin_port: int, serial: int, allow_other: bool, tmp: 
         f"  - id: apis\n    allow: {{hosts: {hosts}, ports: [{origin_port}]}}\n"
         "inject:\n"
         "  - {id: bot, header: Authorization, format: 'Bearer {secret}', secret: team/bot,"
-        " hosts: [api.test]}\n"
+        f" hosts: [api.test], ports: [{origin_port}]}}\n"
     )
     compiled = [loaded.compiled for loaded in load_policy_dir(directory).profiles.values()]
     return sign_bundle(payload_document(compiled, serial, "bench"), [key])  # type: ignore[list-item]

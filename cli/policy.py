@@ -26,6 +26,7 @@ from umbra.policy.bundle import (
 from umbra.policy.diff import PolicyDiff, diff_policy_sets, load_at_revision
 from umbra.policy.errors import PolicyError
 from umbra.policy.loader import PolicySet, load_policy_dir
+from umbra.policy.matcher import decide_push
 from umbra.policy.model import Profile
 from umbra.policy.runner import run_suites
 from umbra.policy.suite import CaseResult, Suite, parse_request
@@ -379,6 +380,10 @@ def decide(
     profile: Annotated[
         list[str], typer.Option("--profile", "-p", help="Compose these (default: all).")
     ] = [],  # noqa: B006
+    push: Annotated[
+        list[str],
+        typer.Option("--push", help="The request is a git push changing this ref (repeatable)."),
+    ] = [],  # noqa: B006
     as_json: JsonFlag = False,
 ) -> None:
     """Show the decision the composed policy makes for one request."""
@@ -392,6 +397,8 @@ def decide(
     except PolicyError as exc:
         _exit_with_issues(exc, as_json)
     decision = policy.decide(probe.method, probe.scheme, probe.host, probe.port, probe.path)
+    if push:
+        decision = decide_push(decision, push)
     injected = [
         rule.header for rule in policy.applicable_injections(probe.host, probe.port, decision)
     ]

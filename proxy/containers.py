@@ -72,18 +72,29 @@ class Limits:
             raise DecodeLimit("decoding took longer than the scan allows")
 
 
-def _inflate(view: memoryview, wbits: int, limits: Limits) -> tuple[bytes, int]:
-    """Inflate one zlib/deflate stream at the start of `view`: content and bytes consumed."""
+def _inflate(
+    view: memoryview, wbits: int, limits: Limits, partial: bool = False
+) -> tuple[bytes, int]:
+    """Inflate one zlib/deflate stream at the start of `view`: content and bytes consumed. With
+    `partial` (a stream only guessed at), a broken stream yields what it decoded so far: an origin
+    may use that much, so it is scanned; it is not an error."""
     decompressor = zlib.decompressobj(wbits)
     out = bytearray()
     position = 0
     while not decompressor.eof:
         if position >= len(view) and not decompressor.unconsumed_tail:
+            if partial:
+                return bytes(out), position
             raise zlib.error("stream is truncated")
         piece = decompressor.unconsumed_tail or view[position : position + _CHUNK]
         if not decompressor.unconsumed_tail:
             position += len(piece)
-        produced = decompressor.decompress(piece, _CHUNK)
+        try:
+            produced = decompressor.decompress(piece, _CHUNK)
+        except zlib.error:
+            if partial:
+                return bytes(out), position
+            raise
         limits.take(len(produced))
         out += produced
     consumed = position - len(decompressor.unused_data)
@@ -252,7 +263,17 @@ def _binary(data: bytes) -> bool:
 
 
 def _is_zlib(data: bytes) -> bool:
-    return len(data) > 2 and data[0] & 0x0F == 8 and (data[0] << 8 | data[1]) % 31 == 0
+    # deflate, a window the format allows, no preset dictionary, the header checksum
+    return (
+        len(data) > 2
+        and data[0] & 0x0F == 8
+        and data[0] >> 4 <= 7
+        and not data[1] & 0x20
+        and (data[0] << 8 | data[1]) % 31 == 0
+    )
+
+
+_BZIP2 = re.compile(rb"BZh[1-9](?:1AY&SY|\x17rE8P\x90)")
 
 
 GRPC_DECODERS: dict[str, Callable[[bytes, Limits], bytes]] = {
@@ -302,23 +323,24 @@ def expand(data: bytes, limits: Limits, depth: int = 0) -> list[bytes]:
             found += _zip(data, limits)
         elif len(data) > 262 and data[257:262] == b"ustar":
             found += _tar(data, limits)
-        elif head.startswith(b"\x1f\x8b"):
+        elif head.startswith(b"\x1f\x8b\x08"):
             found.append(_inflate(memoryview(data), zlib.MAX_WBITS | 16, limits)[0])
-        elif head.startswith(b"BZh"):
+        elif _BZIP2.match(data, 0, 10):
             found.append(_stream(bz2.BZ2Decompressor, data, limits))
         elif head.startswith(b"\xfd7zXZ\x00"):
             found.append(_stream(lzma.LZMADecompressor, data, limits))
         elif head.startswith(b"\x28\xb5\x2f\xfd"):
             found.append(_zstd(data, limits))
         elif _is_zlib(data):
-            found.append(_inflate(memoryview(data), zlib.MAX_WBITS, limits)[0])
+            # a two-byte header is a weak sign: what inflates is scanned, a failure is no error
+            found.append(_inflate(memoryview(data), zlib.MAX_WBITS, limits, partial=True)[0])
         elif _binary(data):
             # No magic: raw deflate and brotli are tried; binary that is neither is not an error.
-            try:
-                found.append(_inflate(memoryview(data), -zlib.MAX_WBITS, limits)[0])
-            except zlib.error:
-                with contextlib.suppress(brotli.error):
-                    found.append(_brotli(data, limits))
+            inflated = _inflate(memoryview(data), -zlib.MAX_WBITS, limits, partial=True)[0]
+            if inflated:
+                found.append(inflated)
+            with contextlib.suppress(brotli.error):
+                found.append(_brotli(data, limits))
     except (zlib.error, EOFError, OSError, lzma.LZMAError, zstandard.ZstdError) as exc:
         raise Malformed(
             MalformedReason.COMPRESSED, f"compressed content does not decode ({type(exc).__name__})"

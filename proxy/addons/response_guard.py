@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from mitmproxy import http
+from mitmproxy import ctx, http
 
 from umbra.proxy.addons.base import Shared, UmbraAddon, close_websocket, guard
 from umbra.proxy.addons.reasons import Reason
@@ -21,6 +21,7 @@ from umbra.proxy.mitm_compat import CUT_STREAM, WS_POLICY_CLOSE
 from umbra.proxy.reflection import BodyStream, Reflected, ReflectionGuard, UnsupportedEncoding
 
 GuardFactory = Callable[[list[str]], ReflectionGuard]
+_MAX_HELD_MESSAGES = 64
 
 
 class ResponseGuard(UmbraAddon):
@@ -99,6 +100,9 @@ class ResponseGuard(UmbraAddon):
         fstate = flow_state(flow)
         if message.from_client or not fstate.injected_values:
             return
+        if message.injected and fstate.ws_releasing:
+            fstate.ws_releasing -= 1  # a held message released below: checked already
+            return
         if fstate.ws_reassembler is None:
             fstate.ws_reassembler = self._guards(fstate.injected_values).messages()
         try:
@@ -106,7 +110,9 @@ class ResponseGuard(UmbraAddon):
             # messages (each message is one text, as a client reads it)
             if self._guards(fstate.injected_values).in_headers(message.content):
                 raise Reflected("message reflects an injected credential")
-            fstate.ws_reassembler.add(message.content)
+            pending = fstate.ws_reassembler.add(message.content)
+            if pending and len(fstate.ws_held) >= _MAX_HELD_MESSAGES:
+                raise Reflected("too many messages continuing the start of a credential")
         except Reflected as exc:
             close_websocket(
                 self.shared,
@@ -116,6 +122,19 @@ class ResponseGuard(UmbraAddon):
                 WS_POLICY_CLOSE,
                 ["reflection"],
             )
+            return
+        if pending:
+            # a start of a credential: held until the next message shows whether it continues
+            fstate.ws_held.append((message.content, message.is_text))
+            message.drop()
+        elif fstate.ws_held:
+            # the start broke off: pass the held messages on, then this one, in order
+            release = [*fstate.ws_held, (message.content, message.is_text)]
+            fstate.ws_held = []
+            message.drop()
+            for content, is_text in release:
+                fstate.ws_releasing += 1
+                ctx.master.commands.call("inject.websocket", flow, True, content, is_text)
 
 
 def _counter(fstate: FlowState) -> Callable[[bytes], bytes]:

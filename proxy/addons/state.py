@@ -70,6 +70,10 @@ class FlowState:
     ws_closed: bool = False
     # Server messages of a WebSocket that carried an injected credential, checked as one sequence.
     ws_reassembler: Reassembler | None = None
+    # Server messages held while they may start a credential, and how many released ones (sent
+    # again by the proxy) are still to pass the guard unchecked.
+    ws_held: list[tuple[bytes, bool]] = field(default_factory=list)
+    ws_releasing: int = 0
 
     @property
     def denied(self) -> bool:

@@ -229,3 +229,18 @@ def test_decide_explains_one_request() -> None:
         "--json",
     )
     assert json.loads(out)["inject"] == ["Authorization"]
+
+
+def test_decide_checks_a_git_push_by_ref(tmp_path: Path) -> None:
+    (tmp_path / "p.yaml").write_text(
+        "apiVersion: umbra/v1\nkind: Profile\nname: p\negress:\n  - id: push\n"
+        "    allow: {hosts: [git.x.com], methods: [POST]}\n    push_refs: ['refs/heads/agent/**']\n"
+    )
+    url = "POST https://git.x.com/r.git/git-receive-pack"
+    for ref, verdict, reason in (
+        ("refs/heads/agent/a", "allow", "rule_allow"),
+        ("refs/heads/main", "deny", "push_ref_denied"),
+    ):
+        code, out, _ = umbra("policy", "decide", url, str(tmp_path), "--push", ref, "--json")
+        assert code == 0
+        assert (json.loads(out)["verdict"], json.loads(out)["reason"]) == (verdict, reason)
