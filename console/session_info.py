@@ -12,8 +12,9 @@ import logging
 from pydantic import ValidationError
 
 from umbra.attest.measurement import ReleaseManifest
+from umbra.attest.session_info import SessionInfo
 from umbra.console.models import Cvm
-from umbra.contracts.session import HOST_FIREWALL_EVENT, SessionInfo, SessionState, SshIngress
+from umbra.contracts.session import HOST_FIREWALL_EVENT, SessionState, SshIngress
 
 log = logging.getLogger("umbra.console.session")
 INGRESS_KEY = "ssh_ingress"

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from fastapi import APIRouter, HTTPException, status
 
+from umbra.attest.session_info import SessionInfo
 from umbra.console.deps import ConsoleDep, UserDep
 from umbra.console.routes.common import CvmIdPath, visible_cvm
 from umbra.console.session_info import session_info
-from umbra.contracts.session import SessionInfo
 
 router = APIRouter(prefix="/api/v1", tags=["session"])
 
