@@ -28,11 +28,13 @@ from sqlalchemy.orm import Session
 from sqlmodel import col
 
 from umbra.console.db import as_utc
+from umbra.console.enums import AuditAction
 from umbra.console.models import AuditCheckpoint, AuditEntry, utcnow
 
 GENESIS = "0" * 64
 CHECKPOINT_ID = 1
 AUDIT_LOCK_KEY = 0x756D627261  # 'umbra'
+_APPENDED = "umbra.audit.appended"
 
 
 def entry_hash(
@@ -63,7 +65,13 @@ def entry_hash(
 
 
 def append(
-    session: Session, *, actor: str, team: str, action: str, target: str, details: dict[str, Any]
+    session: Session,
+    *,
+    actor: str,
+    team: str,
+    action: AuditAction,
+    target: str,
+    details: dict[str, Any],
 ) -> AuditEntry:
     """Add an entry in the session's transaction, so the action and its record commit together.
 
@@ -93,7 +101,15 @@ def append(
     )
     session.add(entry)
     session.flush()
+    session.info[_APPENDED] = session.info.get(_APPENDED, 0) + 1
     return entry
+
+
+def take_appended(session: Session) -> int:
+    """How many entries `append` added in this session since the last call (the Console counts
+    them once their transaction commits: `umbra_console_audit_entries`)."""
+    count: int = session.info.pop(_APPENDED, 0)
+    return count
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from umbra.console.enums import CvmKind
+
 if TYPE_CHECKING:
     from umbra.console.config import Settings
 
@@ -45,7 +47,7 @@ class CvmSpec:
     id: str
     team: str
     name: str
-    kind: str
+    kind: CvmKind
     owner: str
     ssh_keys: tuple[str, ...] = ()
     size: str | None = None

@@ -15,6 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from umbra.console.enums import CvmKind
 from umbra.console.providers import (
     CvmSpec,
     OnProviderEvent,
@@ -66,7 +67,7 @@ class LocalCvmProvider:
         self.cvms = settings.runtime_dir / "cvms"
 
     def check(self, spec: CvmSpec) -> None:
-        if spec.kind == "dev":
+        if spec.kind == CvmKind.dev:
             try:
                 local_cvm.require_tools()
             except local_cvm.LocalCvmError as exc:
@@ -93,7 +94,7 @@ class LocalCvmProvider:
         }
 
     def launch(self, spec: CvmSpec, on_event: OnProviderEvent) -> Provisioned:
-        if spec.kind == "security":
+        if spec.kind == CvmKind.security:
             # The local Security CVM is the proxy `umbra up` runs; nothing to create here.
             return Provisioned(f"local:security/{spec.id}", {"runtime": "process"})
         if spec.enrollment_token is None or self.settings.simulated_pki is None:
@@ -175,7 +176,7 @@ class LocalCvmProvider:
             raise ProviderError(str(exc)) from None
 
     def destroy(self, spec: CvmSpec, ref: str | None, on_event: OnProviderEvent) -> None:
-        if spec.kind != "dev":
+        if spec.kind != CvmKind.dev:
             return
         plan = local_cvm.load_plan(self.cvms, spec.id)
         if plan is not None:

@@ -15,6 +15,7 @@ from pydantic import (
     field_validator,
 )
 
+from umbra.console.enums import CvmKind, CvmState, Power, Role, Scope
 from umbra.policy.normalize import NormalizationError, normalize_host
 
 NAME_PATTERN = r"^[a-z0-9](?:[a-z0-9-]{0,62}[a-z0-9])?$"
@@ -96,7 +97,7 @@ class Problem(Strict):
 # -- identity -------------------------------------------------------------------------------
 class Me(Strict):
     subject: str
-    roles: dict[str, Literal["admin", "developer"]]
+    roles: dict[str, Role]
 
 
 # -- bundles --------------------------------------------------------------------------------
@@ -112,17 +113,11 @@ class BundleInfo(Strict):
 
 
 # -- CVMs -----------------------------------------------------------------------------------
-CvmKind = Literal["dev", "security"]
-# launching/updating/destroying: a cloud provider is working outside any transaction; a failed
-# run ends in `failed` with `state_reason` (destroy it to clean up what the run left behind).
-CvmState = Literal[
-    "pending", "launching", "updating", "destroying", "running", "stopped", "failed", "destroyed"
-]
 
 
 class CvmCreate(Strict):
     name: Name
-    kind: CvmKind = "dev"
+    kind: CvmKind = CvmKind.dev
     provider: Name = "local"
     owner: Label | None = Field(default=None, description="Defaults to the caller; admins only.")
     security_cvm_id: Annotated[str, Field(pattern=CVM_ID_PATTERN)] | None = Field(
@@ -137,7 +132,7 @@ class CvmCreate(Strict):
 
 
 class CvmUpdate(Strict):
-    state: Literal["running", "stopped"] | None = None
+    state: Power | None = None
     security_cvm_id: Annotated[str, Field(pattern=CVM_ID_PATTERN)] | None = None
     ssh_keys: list[SshKey] | None = Field(default=None, min_length=1, max_length=32)
     size: MachineSize | None = None
@@ -237,7 +232,7 @@ class SecretInfo(Strict):
     """Metadata only: no endpoint ever returns a secret's value."""
 
     team: str
-    scope: Literal["team", "personal"]
+    scope: Scope
     owner: str | None
     name: str
     ref: str
