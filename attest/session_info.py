@@ -8,16 +8,15 @@ attestation type, and `umbra.contracts` imports nothing of Umbra's.
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
 
 from umbra.attest.measurement import ReleaseManifest, canonical_ssh_key
+from umbra.contracts.model import Strict
 from umbra.contracts.session import SessionState, SshIngress
 
 
-class SessionInfo(BaseModel):
+class SessionInfo(Strict):
     """One Dev CVM as the SSH client needs it."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     cvm_id: str = Field(pattern=r"^[A-Za-z0-9._-]{1,128}$")
     name: str

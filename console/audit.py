@@ -16,7 +16,6 @@ included, so that every later view reports the chain BROKEN until a full verific
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from datetime import datetime
@@ -30,6 +29,7 @@ from sqlmodel import col
 from umbra.console.db import as_utc
 from umbra.console.enums import AuditAction
 from umbra.console.models import AuditCheckpoint, AuditEntry, utcnow
+from umbra.contracts.canonical import canonical_json
 
 GENESIS = "0" * 64
 CHECKPOINT_ID = 1
@@ -47,7 +47,7 @@ def entry_hash(
     target: str,
     details: dict[str, Any],
 ) -> str:
-    body = json.dumps(
+    body = canonical_json(
         {
             "seq": seq,
             "time": as_utc(time).isoformat(timespec="microseconds"),
@@ -56,11 +56,8 @@ def entry_hash(
             "action": action,
             "target": target,
             "details": details,
-        },
-        sort_keys=True,
-        separators=(",", ":"),
-        ensure_ascii=False,
-    ).encode()
+        }
+    )
     return hashlib.sha256(bytes.fromhex(prev_hash) + body).hexdigest()
 
 

@@ -17,13 +17,14 @@ from urllib.parse import urlsplit
 from uuid import UUID
 
 from pydantic import (
-    BaseModel,
-    ConfigDict,
     Field,
     ValidationError,
     field_validator,
     model_validator,
 )
+
+from umbra.contracts.model import Strict as _Strict
+from umbra.contracts.validation import location
 
 ENV_PREFIX = "UMBRA_CONSOLE_"
 DEFAULT_DATABASE_URL = "sqlite:///umbra-console.db"
@@ -36,10 +37,6 @@ class ConfigError(Exception):
 _STACK = r"^[A-Za-z0-9_.-]{1,100}/[A-Za-z0-9_.-]{1,100}/[A-Za-z0-9_.-]{1,100}$"
 _TEAM = r"^[a-z][a-z0-9-]{0,14}[a-z0-9]$"  # what the Pulumi provisioner accepts
 TeamStack = Annotated[str, Field(pattern=_STACK, description="org/project/stack of the team stack")]
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 class GcpTeam(_Strict):
@@ -96,9 +93,7 @@ class AzureProvider(_CloudProvider):
     default_size: str = Field(default="Standard_DC4es_v5", pattern=r"^[A-Za-z0-9_]{1,64}$")
 
 
-class Settings(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
+class Settings(_Strict):
     database_url: str = Field(
         default=DEFAULT_DATABASE_URL,
         description="SQLAlchemy URL: sqlite:///PATH (embedded default) or postgresql+psycopg://...",
@@ -287,8 +282,8 @@ def settings_from_env(environ: dict[str, str] | None = None, **overrides: Any) -
     try:
         return Settings.model_validate(data)
     except ValidationError as exc:
-        error = exc.errors()[0]
-        where = ".".join(str(part) for part in error["loc"]) or "providers"
+        error = exc.errors(include_input=False)[0]
+        where = location(error["loc"], "providers")
         raise ConfigError(f"{ENV_PREFIX}{where.upper()}: {error['msg']}") from None
 
 

@@ -34,7 +34,6 @@ from collections.abc import Mapping
 from datetime import datetime, timedelta
 
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PublicKey
-from pydantic import BaseModel, ConfigDict
 from pydantic import Field as PydanticField
 from sqlalchemy import Column, DateTime
 from sqlalchemy.orm import Session
@@ -54,6 +53,7 @@ from umbra.contracts.enrollment import (
     hpke_info,
     report_data,
 )
+from umbra.contracts.model import Strict
 from umbra.contracts.release import SUITE
 
 # Re-exported for the Console's tests and callers.
@@ -110,9 +110,7 @@ class CvmEnrollment(SQLModel, table=True):
     )
 
 
-class EnrollEvidence(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
+class EnrollEvidence(Strict):
     token: str = PydanticField(min_length=8, max_length=128)
     nonce: str = PydanticField(pattern=r"^[A-Za-z0-9_-]{16,64}$")
     quote: str = PydanticField(max_length=64 << 10, description="Base64 TDX quote.")

@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field, ValidationError
 
 from umbra.console.enums import CvmKind
 from umbra.console.providers import (
@@ -24,12 +24,12 @@ from umbra.console.providers import (
     Provisioned,
 )
 from umbra.console.session_info import INGRESS_KEY, RELEASE_KEY
+from umbra.contracts.model import Strict
+from umbra.contracts.validation import first_problem
 from umbra.sandbox import local_cvm
 
 
-class LocalCvmSettings(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
+class LocalCvmSettings(Strict):
     runtime_dir: Path
     name_prefix: str = Field(default="umbra", pattern=r"^[a-z][a-z0-9]{1,8}$")
     security_cvm_port: int = Field(ge=1, le=65535)
@@ -50,9 +50,7 @@ def load_settings(path: Path) -> LocalCvmSettings:
     except OSError as exc:
         raise ProviderError(f"local_cvm_config {path}: {exc.strerror}") from None
     except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise ProviderError(f"local_cvm_config {path}: {where}: {first['msg']}") from None
+        raise ProviderError(f"local_cvm_config {path}: {first_problem(exc)}") from None
 
 
 class LocalCvmProvider:

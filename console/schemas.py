@@ -8,7 +8,6 @@ from typing import Annotated, Any, Literal
 
 from pydantic import (
     AfterValidator,
-    BaseModel,
     ConfigDict,
     Field,
     ValidationInfo,
@@ -16,6 +15,7 @@ from pydantic import (
 )
 
 from umbra.console.enums import CvmKind, CvmState, Power, Role, Scope
+from umbra.contracts import model as contracts_model
 from umbra.policy.normalize import NormalizationError, normalize_host
 
 NAME_PATTERN = r"^[a-z0-9](?:[a-z0-9-]{0,62}[a-z0-9])?$"
@@ -33,11 +33,12 @@ def _has_control(value: object) -> bool:
     return False
 
 
-class Strict(BaseModel):
+class Strict(contracts_model.Strict):
     """Unknown fields are errors; no text field may carry control characters (NUL cannot even be
-    stored by PostgreSQL), except secret values, which are only ever stored encrypted."""
+    stored by PostgreSQL), except secret values, which are only ever stored encrypted. (Request and
+    response bodies are built field by field, so they stay mutable.)"""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(frozen=False)
 
     @field_validator("*", mode="after")
     @classmethod

@@ -11,7 +11,9 @@ from __future__ import annotations
 import enum
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from umbra.contracts.model import Strict
 
 SESSION_API = "/api/v1/cvms/{cvm_id}/session"
 CVM_ID_EVENT = "umbra.cvm-id"
@@ -32,10 +34,8 @@ class SessionState(enum.StrEnum):
     other = "other"
 
 
-class SshIngress(BaseModel):
+class SshIngress(Strict):
     """Where the Dev CVM's attested SSH ingress listens (an address, not a trust anchor)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     host: Annotated[str, Field(pattern=_HOST)]
     port: int = Field(ge=1, le=65535)

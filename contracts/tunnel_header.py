@@ -26,6 +26,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from umbra.contracts.canonical import canonical_json
 from umbra.contracts.names import CVM_ID_PATTERN, check_host
 
 VERSION = 1
@@ -81,7 +82,7 @@ class TunnelHeader:
 
 
 def encode_header(header: TunnelHeader) -> bytes:
-    body = json.dumps(header.to_json(), sort_keys=True, separators=(",", ":")).encode()
+    body = canonical_json(header.to_json(), ascii_only=True)
     if len(body) > MAX_HEADER:
         raise HeaderError(f"header of {len(body)} bytes exceeds {MAX_HEADER}")
     return struct.pack(">I", len(body)) + body

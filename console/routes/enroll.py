@@ -11,7 +11,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, HTTPException, Path, status
 from fastapi.concurrency import run_in_threadpool
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from umbra.console import audit, enrollment, security_pool
 from umbra.console.deps import ConsoleDep, UserDep
@@ -21,24 +21,21 @@ from umbra.console.routes.common import CvmIdPath, TeamPath
 from umbra.console.schemas import EnrollmentToken, SecurityReplicaToken
 from umbra.console.services.access import require_role, visible_cvm
 from umbra.console.state import Console
+from umbra.contracts.model import Strict
 
 router = APIRouter(prefix="/api/v1", tags=["enrollment"])
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class ChallengeRequest(_Strict):
+class ChallengeRequest(Strict):
     token: str = Field(min_length=8, max_length=128)
 
 
-class EnrollChallenge(_Strict):
+class EnrollChallenge(Strict):
     nonce: str
     report_data_rule: str
 
 
-class Enrolled(_Strict):
+class Enrolled(Strict):
     cvm_id: str
     sealed_credential: str = Field(description="Base64 HPKE enc ‖ ciphertext of the credential.")
 

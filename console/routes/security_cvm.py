@@ -37,6 +37,7 @@ from umbra.console.schemas import AttachmentsDoc, ReleaseChallenge, ReleaseRespo
 from umbra.console.security_pool import pool_id
 from umbra.console.services.policy import current_bundle
 from umbra.console.state import Console
+from umbra.contracts.canonical import canonical_json
 from umbra.contracts.release import ReleaseDocument, ReleasedSecret
 
 router = APIRouter(prefix="/api/v1/security-cvms/{cvm_id}", tags=["security-cvm"])
@@ -111,8 +112,7 @@ def attachments_document(console: Console, caller: Cvm) -> dict[str, Any]:
 
 
 def document_etag(document: dict[str, Any]) -> str:
-    body = json.dumps(document, sort_keys=True, separators=(",", ":")).encode()
-    return "sha256:" + hashlib.sha256(body).hexdigest()
+    return "sha256:" + hashlib.sha256(canonical_json(document, ascii_only=True)).hexdigest()
 
 
 @router.get(
