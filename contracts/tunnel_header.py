@@ -42,6 +42,14 @@ class HeaderError(Exception):
     """The identity header is malformed; the tunnel endpoint must drop the connection."""
 
 
+class HeaderClosed(HeaderError):
+    """The peer closed the session before a whole header arrived."""
+
+
+class HeaderTooLarge(HeaderError):
+    """The header's length prefix is outside 2..MAX_HEADER (refused before buffering it)."""
+
+
 @dataclass(frozen=True)
 class TunnelHeader:
     cvm_id: str
@@ -120,20 +128,27 @@ def parse_length(prefix: bytes) -> int:
 
 
 async def read_header(recv: Callable[[int], Awaitable[bytes]]) -> tuple[TunnelHeader, bytes]:
-    """The tunnel endpoint's side: read one header from `recv` (e.g. ATLSConnection.recv).
+    """The tunnel endpoint's side (`proxy/tunnel.py`): read exactly one header from `recv` (e.g.
+    ATLSConnection.recv), never a byte past it, and return it with the bytes that came with it.
 
-    Returns the header and any application bytes that arrived with it.
-    """
+    Raises `HeaderClosed`, `HeaderTooLarge` or (fields) `HeaderError`; a field's message may quote
+    what the peer sent, so the endpoint logs its own words for it."""
     buf = b""
     need = 4
     while len(buf) < need:
         chunk = await recv(max(need - len(buf), 1))
         if not chunk:
-            raise HeaderError("connection closed before the identity header")
+            raise HeaderClosed("connection closed before the identity header")
         buf += chunk
         if need == 4 and len(buf) >= 4:
-            need = 4 + parse_length(buf[:4])
-    return decode_header_body(buf[4:need]), buf[need:]
+            try:
+                need = 4 + parse_length(buf[:4])
+            except HeaderError as exc:
+                raise HeaderTooLarge(str(exc)) from None
+    try:
+        return decode_header_body(buf[4:need]), buf[need:]
+    except (TypeError, ValueError):
+        raise HeaderError("header fields are invalid") from None
 
 
 def encode_ca_reply(pem: bytes) -> bytes:
