@@ -34,10 +34,6 @@ class ProviderError(Exception):
     """The provider refused or failed; the message is safe to show to the caller."""
 
 
-class ProviderNotImplemented(ProviderError):
-    pass
-
-
 class ProviderUnsupported(ProviderError):
     """The request is valid but this provider cannot do it (a 422, not a provider failure)."""
 

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import socket
 from datetime import UTC, datetime
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from pydantic import (
     AfterValidator,
@@ -14,8 +13,9 @@ from pydantic import (
     field_validator,
 )
 
-from umbra.console.enums import CvmKind, CvmState, Power, Role, Scope
+from umbra.console.enums import AuditAction, CvmKind, CvmState, Power, Role, Scope
 from umbra.contracts import model as contracts_model
+from umbra.contracts.traffic import Decision, Kind, QuarantineReason
 from umbra.policy.normalize import NormalizationError, normalize_host
 
 NAME_PATTERN = r"^[a-z0-9](?:[a-z0-9-]{0,62}[a-z0-9])?$"
@@ -55,16 +55,6 @@ def _host(value: str) -> str:
         raise ValueError(str(exc)) from None
 
 
-def _ip(value: str) -> str:
-    """An IPv4 or IPv6 address in canonical text form (inet_pton/inet_ntop: strict and fast)."""
-    for family in (socket.AF_INET, socket.AF_INET6):
-        try:
-            return socket.inet_ntop(family, socket.inet_pton(family, value))
-        except (OSError, ValueError):
-            continue
-    raise ValueError("not an IP address")
-
-
 def to_utc(value: datetime) -> datetime:
     """Normalize to UTC; a time that leaves the representable range is a validation error."""
     try:
@@ -89,10 +79,6 @@ def _ssh_key(value: str) -> str:
 SshKey = Annotated[str, Field(min_length=1, max_length=16384), AfterValidator(_ssh_key)]
 MachineSize = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")]
 ShortToken = Annotated[str, Field(pattern=r"^[A-Za-z0-9._:/-]{1,160}$")]
-
-
-class Problem(Strict):
-    detail: str
 
 
 # -- identity -------------------------------------------------------------------------------
@@ -273,7 +259,7 @@ class TrafficRecordOut(Strict):
     cvm_id: str | None
     owner: str | None
     team: str
-    kind: str
+    kind: Kind
     policy_hash: str | None
     method: str | None
     connect_host: str | None
@@ -283,7 +269,7 @@ class TrafficRecordOut(Strict):
     pinned_ip: str | None
     path: str | None
     query_keys: list[str]
-    decision: str
+    decision: Decision
     rule_id: str | None
     reason: str | None
     status: int | None
@@ -305,7 +291,7 @@ class QuarantinedRecord(Strict):
     id: int
     security_cvm_id: str
     record_id: str | None
-    reason: Literal["invalid", "foreign_team", "unknown_cvm"]
+    reason: QuarantineReason
     detail: str
     excerpt: str
     received_at: datetime
@@ -322,7 +308,7 @@ class AuditEntryOut(Strict):
     time: datetime
     actor: str
     team: str
-    action: str
+    action: AuditAction
     target: str
     details: dict[str, object]
     prev_hash: str
