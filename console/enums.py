@@ -37,6 +37,16 @@ class Power(StrEnum):
     stopped = "stopped"
 
 
+class Operation(StrEnum):
+    """A provider run (`provisioning`); a cloud stop/start shows as `updating` until it settles."""
+
+    launch = "launch"
+    update = "update"
+    destroy = "destroy"
+    start = "start"
+    stop = "stop"
+
+
 class Scope(StrEnum):
     team = "team"
     personal = "personal"

@@ -23,7 +23,7 @@ from sqlalchemy.orm import Session
 from sqlmodel import col
 
 from umbra.console import audit, enrollment
-from umbra.console.enums import AuditAction, CvmKind, CvmState, Power
+from umbra.console.enums import AuditAction, CvmKind, CvmState, Operation, Power
 from umbra.console.models import AuditEntry, Cvm, utcnow
 from umbra.console.providers import (
     CvmProvider,
@@ -39,21 +39,20 @@ from umbra.console.state import Console, lock_key
 log = logging.getLogger("umbra.console.provisioning")
 MAX_EVENTS = 50
 ACTOR = "umbra-console"
-Operation = Literal["launch", "update", "destroy", "start", "stop"]
 # A cloud stop/start shows as `updating` (the provider is changing the machine) until it settles.
 TRANSITIONAL: dict[Operation, CvmState] = {
-    "launch": CvmState.launching,
-    "update": CvmState.updating,
-    "destroy": CvmState.destroying,
-    "start": CvmState.updating,
-    "stop": CvmState.updating,
+    Operation.launch: CvmState.launching,
+    Operation.update: CvmState.updating,
+    Operation.destroy: CvmState.destroying,
+    Operation.start: CvmState.updating,
+    Operation.stop: CvmState.updating,
 }
 SETTLED: dict[Operation, CvmState] = {
-    "launch": CvmState.running,
-    "update": CvmState.running,
-    "destroy": CvmState.destroyed,
-    "start": CvmState.running,
-    "stop": CvmState.stopped,
+    Operation.launch: CvmState.running,
+    Operation.update: CvmState.running,
+    Operation.destroy: CvmState.destroyed,
+    Operation.start: CvmState.running,
+    Operation.stop: CvmState.stopped,
 }
 BUSY_STATES = frozenset(TRANSITIONAL.values())
 
@@ -139,7 +138,7 @@ def interrupted_operation(session: Session, cvm: Cvm) -> Operation:
     """What the interrupted run was doing. `updating` covers an update and a stop/start: the
     `cvm.update` audit entry that put the row there (same transaction) says which."""
     if cvm.state != CvmState.updating:
-        return "launch" if cvm.state == CvmState.launching else "destroy"
+        return Operation.launch if cvm.state == CvmState.launching else Operation.destroy
     details = session.execute(
         select(col(AuditEntry.details))
         .where(col(AuditEntry.target) == cvm.id, col(AuditEntry.action) == AuditAction.cvm_update)
@@ -147,7 +146,9 @@ def interrupted_operation(session: Session, cvm: Cvm) -> Operation:
         .limit(1)
     ).scalar_one_or_none()
     asked = (details or {}).get("state")
-    return "start" if asked == Power.running else "stop" if asked == Power.stopped else "update"
+    if asked == Power.running:
+        return Operation.start
+    return Operation.stop if asked == Power.stopped else Operation.update
 
 
 def reconcile(console: Console) -> list[str]:
@@ -203,7 +204,7 @@ def reconcile(console: Console) -> list[str]:
                 if (
                     resume is not None
                     and cvm.kind == CvmKind.dev
-                    and operation in ("launch", "update")
+                    and operation in (Operation.launch, Operation.update)
                 ):
                     # The resumed run renders launch data again: a fresh one-time token, as a
                     # launch or update gets (the interrupted run's may be lost or spent).
@@ -259,11 +260,11 @@ def run(
         record_event(console, spec.id, event)
 
     calls: dict[Operation, Callable[[OnProviderEvent], Provisioned | None]] = {
-        "launch": lambda emit: provider.launch(spec, emit),
-        "update": lambda emit: provider.update(spec, ref or "", emit),
-        "destroy": lambda emit: provider.destroy(spec, ref, emit),
-        "start": lambda _emit: provider.set_running(ref or "", True),
-        "stop": lambda _emit: provider.set_running(ref or "", False),
+        Operation.launch: lambda emit: provider.launch(spec, emit),
+        Operation.update: lambda emit: provider.update(spec, ref or "", emit),
+        Operation.destroy: lambda emit: provider.destroy(spec, ref, emit),
+        Operation.start: lambda _emit: provider.set_running(ref or "", True),
+        Operation.stop: lambda _emit: provider.set_running(ref or "", False),
     }
 
     def attempt() -> tuple[str | None, Provisioned | None]:

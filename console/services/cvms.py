@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session
 from sqlmodel import col
 
 from umbra.console import audit, enrollment, provisioning, security_pool
-from umbra.console.enums import AuditAction, CvmKind, CvmState, Power, Role
+from umbra.console.enums import AuditAction, CvmKind, CvmState, Operation, Power, Role
 from umbra.console.models import Cvm, utcnow
 from umbra.console.providers import (
     CvmProvider,
@@ -178,7 +178,7 @@ def launch(*, console: Console, user: User, team: str, request: CvmCreate) -> Cv
         info = cvm_info(cvm)
     # Committed: a cloud launch now runs outside the transaction and records its own outcome.
     if provider.background:
-        provisioning.submit(console, provider, "launch", cvm, enrollment_token=token)
+        provisioning.submit(console, provider, Operation.launch, cvm, enrollment_token=token)
     console.notifier.notify()
     return info
 
@@ -226,7 +226,7 @@ def _may_manage(cvm: Cvm, role: Role | None) -> None:
 
 def update(*, console: Console, user: User, cvm_id: str, change: CvmUpdate) -> CvmInfo:
     """Re-route, change launch inputs (SSH keys, size) or start/stop: one of the last two."""
-    background: tuple[CvmProvider, Cvm, provisioning.Operation] | None = None
+    background: tuple[CvmProvider, Cvm, Operation] | None = None
     update_token: str | None = None
     locks = [cvm_lock(cvm_id)]
     if change.security_cvm_id is not None:
@@ -266,7 +266,7 @@ def update(*, console: Console, user: User, cvm_id: str, change: CvmUpdate) -> C
             changes["launch_inputs"] = {"ssh_keys": len(cvm.ssh_keys), "size": cvm.size}
             if provider.background:
                 cvm.state, cvm.state_reason = CvmState.updating, None
-                background = (provider, cvm, "update")
+                background = (provider, cvm, Operation.update)
                 if cvm.kind == CvmKind.dev:
                     # New launch data may replace the VM (Azure custom data): it gets a fresh
                     # one-time token; a VM kept in place holds its credential and ignores it.
@@ -288,7 +288,7 @@ def update(*, console: Console, user: User, cvm_id: str, change: CvmUpdate) -> C
                         "destroy it"
                     )
                 cvm.state, cvm.state_reason = CvmState.updating, None
-                background = (provider, cvm, "start" if running else "stop")
+                background = (provider, cvm, Operation.start if running else Operation.stop)
             else:
                 _call(lambda: provider.set_running(cvm.provider_ref or "", running))
                 cvm.state = asked
@@ -360,7 +360,7 @@ def destroy(*, console: Console, user: User, cvm_id: str) -> CvmInfo:
         session.flush()
         info = cvm_info(cvm)
     if background is not None:
-        provisioning.submit(console, background[0], "destroy", background[1])
+        provisioning.submit(console, background[0], Operation.destroy, background[1])
     console.notifier.notify()
     return info
 
