@@ -39,9 +39,9 @@ def _server(url: str, port: int, token: str, scvm_id: str, dev_id: str, workers:
 
     from umbra.console import db
     from umbra.console.config import Settings
-    from umbra.console.deps import credential_hash
     from umbra.console.models import Cvm
     from umbra.console.serve import serve
+    from umbra.console.services.access import credential_hash
 
     db.upgrade(url)
     engine = db.make_engine(url)

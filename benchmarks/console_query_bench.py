@@ -4,7 +4,7 @@ millions of rows, with revision 0004's team-scoped indexes against the indexes b
 run on the same data, reported as a ratio.
 
 Rows are generated server-side (`generate_series`) across 50 teams, 20 owners and 40 CVMs per
-team and 200 hosts, over 30 days. Each query is the Console's own (`routes.traffic._query`): one
+team and 200 hosts, over 30 days. Each query is the Console's own (`services.traffic.page`, the API's and the web view's): one
 page of 100, newest first, filtered like a developer (`owner`) or the dashboard (`cvm_id`,
 `decision`, `reason`, `rule_id`, `host`, a time range).
 
@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -86,7 +87,8 @@ def run(url: str, rows: int, repeat: int) -> None:
     from umbra.console import db
     from umbra.console.app import build_console
     from umbra.console.config import Settings
-    from umbra.console.routes.traffic import _query
+    from umbra.console.services import traffic
+    from umbra.contracts.traffic import Decision
 
     db.upgrade(url)
     console = build_console(Settings(database_url=url))
@@ -98,44 +100,22 @@ def run(url: str, rows: int, repeat: int) -> None:
     print(f"{rows:,} rows generated in {time.perf_counter() - started:.1f} s")
 
     now = datetime.now(UTC)
+
+    def query(**filters: Any) -> object:
+        return traffic.page(
+            console=console, team="t7", filters=traffic.TrafficFilters(**filters), limit=100
+        )
+
     queries: dict[str, Callable[[], object]] = {
-        "developer: own traffic": lambda: _query(
-            console, "t7", None, "dev3", None, None, None, None, None, None, 100, None
+        "developer: own traffic": lambda: query(owner="dev3"),
+        "dashboard: one CVM, denies": lambda: query(
+            cvm="cvm_" + "0" * 15 + "5", decision=Decision.DENY
         ),
-        "dashboard: one CVM, denies": lambda: _query(
-            console,
-            "t7",
-            "cvm_" + "0" * 15 + "5",
-            None,
-            None,
-            "deny",
-            None,
-            None,
-            None,
-            None,
-            100,
-            None,
+        "dashboard: reason, last day": lambda: query(
+            reason="scan_block", since=now - timedelta(days=1)
         ),
-        "dashboard: reason, last day": lambda: _query(
-            console,
-            "t7",
-            None,
-            None,
-            None,
-            None,
-            "scan_block",
-            None,
-            now - timedelta(days=1),
-            None,
-            100,
-            None,
-        ),
-        "dashboard: rule": lambda: _query(
-            console, "t7", None, None, None, None, None, "p:egress-3", None, None, 100, None
-        ),
-        "dashboard: host": lambda: _query(
-            console, "t7", None, None, "h57.example.com", None, None, None, None, None, 100, None
-        ),
+        "dashboard: rule": lambda: query(rule="p:egress-3"),
+        "dashboard: host": lambda: query(host="h57.example.com"),
     }
 
     def measure() -> dict[str, float]:

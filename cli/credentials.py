@@ -15,6 +15,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from umbra.contracts.files import write_atomic
+
 
 class Login(BaseModel):
     """A Console login. `token`/`refresh_token` live in the OS keyring when one exists (then
@@ -58,12 +60,7 @@ def private_dir(path: Path) -> Path:
 def write_private(path: Path, text: str) -> None:
     """Create-then-rename, mode 0600 from the start: never readable by others, never partial."""
     private_dir(path.parent)
-    temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    temp.unlink(missing_ok=True)
-    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as handle:
-        handle.write(text)
-    os.replace(temp, path)
+    write_atomic(path, text, 0o600)
 
 
 KEYRING_SERVICE = "umbra-console"

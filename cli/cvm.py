@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Literal
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.table import Table
 
 from umbra.cli.auth import api_errors, api_failure, open_client, resolve_team
 from umbra.cli.output import EXIT_FINDINGS, EXIT_USAGE, console, fail, print_json, stderr
+from umbra.console.enums import CvmKind, CvmState, Power
 from umbra.contracts.enrollment import security_token_key
 
 if TYPE_CHECKING:  # for annotations: the client and schemas load when a command runs
@@ -33,7 +34,7 @@ SshKeyOption = Annotated[
 ]
 SizeOption = Annotated[str | None, typer.Option(help="Machine type (provider default if unset).")]
 WaitFlag = Annotated[bool, typer.Option("--wait", help="Follow the CVM until it settles.")]
-TRANSITIONAL = ("launching", "updating", "destroying")
+TRANSITIONAL = (CvmState.launching, CvmState.updating, CvmState.destroying)
 
 
 def _keys(paths: list[Path] | None, as_json: bool) -> list[str] | None:
@@ -81,7 +82,7 @@ def _show(cvm: CvmInfo, as_json: bool, credential: str | None = None) -> None:
             f" private IP {where}",
             highlight=False,
         )
-        if cvm.kind == "dev":
+        if cvm.kind == CvmKind.dev:
             # What governs its egress: the Security CVM and the profiles attached (at launch,
             # the team's defaults).
             console.print(
@@ -100,7 +101,7 @@ def _show(cvm: CvmInfo, as_json: bool, credential: str | None = None) -> None:
         if credential is not None:
             console.print("Security CVM credential (shown once, store it in the CVM now):")
             console.print(credential, highlight=False, soft_wrap=True)
-    if cvm.state == "failed":
+    if cvm.state == CvmState.failed:
         raise typer.Exit(EXIT_FINDINGS)
 
 
@@ -108,7 +109,7 @@ def _show(cvm: CvmInfo, as_json: bool, credential: str | None = None) -> None:
 def launch(
     name: Annotated[str, typer.Argument(help="CVM name, unique in the team.")],
     provider: Annotated[str, typer.Option(help="Provider adapter: local, gcp, azure.")] = "local",
-    kind: Annotated[Literal["dev", "security"], typer.Option(help="dev or security.")] = "dev",
+    kind: Annotated[CvmKind, typer.Option(help="dev or security.")] = CvmKind.dev,
     ssh_key: SshKeyOption = None,
     size: SizeOption = None,
     security_cvm: Annotated[
@@ -179,9 +180,7 @@ def list_cvms(
 @app.command()
 def update(
     cvm_id: Annotated[str, typer.Argument(help="CVM id (cvm_...).")],
-    state: Annotated[
-        Literal["running", "stopped"] | None, typer.Option(help="Start or stop (local).")
-    ] = None,
+    state: Annotated[Power | None, typer.Option(help="Start or stop (local).")] = None,
     ssh_key: SshKeyOption = None,
     size: SizeOption = None,
     security_cvm: Annotated[

@@ -14,6 +14,7 @@ from rich.table import Table
 
 from umbra.attest.measurement import canonical_ssh_key
 from umbra.cli.output import EXIT_USAGE, console, fail, print_json
+from umbra.contracts.validation import first_problem
 from umbra.images.definition import DefinitionError, load_definition
 from umbra.images.image_store import IMAGES_DIR
 from umbra.sandbox.validate import ComposeError
@@ -61,9 +62,7 @@ def _boot_entry(path: Path) -> BootEntry:
     except json.JSONDecodeError as exc:
         raise DefinitionError(f"{path}: line {exc.lineno}: {exc.msg}") from None
     except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise DefinitionError(f"{path}: {where}: {first['msg']}") from None
+        raise DefinitionError(f"{path}: {first_problem(exc)}") from None
 
 
 @app.command("measure")

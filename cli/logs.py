@@ -11,13 +11,14 @@ import re
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING, Annotated, Literal
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.table import Table
 
 from umbra.cli.auth import api_errors, api_failure, open_client, resolve_team
 from umbra.cli.output import EXIT_USAGE, console, fail, print_json
+from umbra.contracts.traffic import Decision
 
 if TYPE_CHECKING:  # for annotations: the client and schemas load when a command runs
     from umbra.console.schemas import QuarantinedRecord, TrafficRecordOut
@@ -55,7 +56,7 @@ def logs(
     owner: Annotated[str | None, typer.Option(help="Only this owner (admins).")] = None,
     host: Annotated[str | None, typer.Option(help="Only this destination host.")] = None,
     decision: Annotated[
-        Literal["allow", "deny"] | None, typer.Option(help="Only allowed or denied requests.")
+        Decision | None, typer.Option(help="Only allowed or denied requests.")
     ] = None,
     reason: Annotated[str | None, typer.Option(help="Only this reason (e.g. no_rule).")] = None,
     rule: Annotated[str | None, typer.Option(help="Only this rule id.")] = None,
@@ -150,7 +151,7 @@ def _cut(text: str, width: int, wide: bool) -> str:
 
 
 def _line(r: TrafficRecordOut, wide: bool) -> str:
-    colour = "green" if r.decision == "allow" else "red"
+    colour = "green" if r.decision == Decision.ALLOW else "red"
     when = r.time.isoformat(timespec="seconds") if wide else r.time.strftime("%H:%M:%S")
     target = (r.host or r.connect_host or r.sni or "-") + (r.path or "")
     return (
@@ -185,7 +186,7 @@ def _table(records: list[TrafficRecordOut], wide: bool) -> None:
     for column, width in _NARROW:
         table.add_column(column, width=width, no_wrap=True, overflow="ellipsis")
     for r in records:
-        colour = "green" if r.decision == "allow" else "red"
+        colour = "green" if r.decision == Decision.ALLOW else "red"
         suffix = " ✂" if r.truncated else ""  # a value was cut to fit the record schema
         table.add_row(
             r.time.strftime("%H:%M:%S"),

@@ -13,6 +13,7 @@ from rich.table import Table
 
 from umbra.cli.auth import api_errors, api_failure, open_client, resolve_team
 from umbra.cli.output import EXIT_USAGE, console, fail, print_json
+from umbra.console.enums import CvmKind
 
 if TYPE_CHECKING:  # for annotations: the client and schemas load when a command runs
     from umbra.console.schemas import CvmInfo, TeamDefaultProfiles
@@ -52,7 +53,7 @@ def list_profiles(
         with client:
             team_name = resolve_team(client, login, team, as_json)
             bundles = client.list_bundles(team_name)
-            cvms = [cvm for cvm in client.list_cvms(team_name) if cvm.kind == "dev"]
+            cvms = [cvm for cvm in client.list_cvms(team_name) if cvm.kind == CvmKind.dev]
     except api_errors() as exc:
         api_failure(exc, as_json)
     offered = bundles[0].profiles if bundles else []

@@ -27,6 +27,7 @@ from umbra.cli.ssh_config import (
     replace_atomically,
     ssh_argv,
 )
+from umbra.console.enums import CvmKind, CvmState
 from umbra.sandbox.sessions import AGENTS, DEFAULT_NAME, DTACH_OPTS, SessionError, check_request
 
 if TYPE_CHECKING:  # for annotations: the client and schemas load when a command runs
@@ -58,7 +59,7 @@ def _dev_cvms(team: str | None, as_json: bool) -> list[CvmInfo]:
     try:
         with client:
             team_ = resolve_team(client, login, team, as_json)
-            return [c for c in client.list_cvms(team_) if c.kind == "dev"]
+            return [c for c in client.list_cvms(team_) if c.kind == CvmKind.dev]
     except api_errors() as exc:
         api_failure(exc, as_json)
 
@@ -71,7 +72,7 @@ def pick_cvm(wanted: str | None, as_json: bool = False) -> CvmInfo:
             if wanted in (cvm.id, cvm.name):
                 return cvm
         fail(f"no Dev CVM {wanted!r} of yours", EXIT_USAGE, as_json=as_json)
-    running = [c for c in cvms if c.state == "running"]
+    running = [c for c in cvms if c.state == CvmState.running]
     if len(running) == 1:
         return running[0]
     choices = ", ".join(f"{c.name} ({c.id}, {c.state})" for c in cvms) or "none"
@@ -217,7 +218,7 @@ def _write_ssh_config(cvms: list[CvmInfo], *, dry_run: bool, quiet: bool = False
     path = ssh_config_path()
     try:
         current = path.read_text() if path.exists() else ""
-        new = render(current, [(c.name, c.id) for c in cvms if c.state != "destroyed"])
+        new = render(current, [(c.name, c.id) for c in cvms if c.state != CvmState.destroyed])
     except (OSError, UnicodeDecodeError, SshConfigError) as exc:
         fail(f"{path}: {exc}", EXIT_USAGE)
     change = diff(current, new, path)

@@ -25,13 +25,13 @@ from umbra.attest.measurement import (
     MeasurementPolicy,
     canonical_ssh_key,
 )
+from umbra.attest.session_info import SessionInfo
 from umbra.attest.verify import Verdict, Verifier
 from umbra.contracts.session import (
     BOOT_ID_EVENT,
     CVM_ID_EVENT,
     HOST_FIREWALL_EVENT,
     SSH_HOST_KEY_EVENT,
-    SessionInfo,
     SessionState,
 )
 

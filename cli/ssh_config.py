@@ -12,6 +12,7 @@ import tempfile
 from pathlib import Path
 
 from umbra.cli.credentials import embedded_client, host_alias, known_hosts_path
+from umbra.contracts.files import write_atomic
 
 BEGIN = "# >>> umbra config-ssh: managed block, replaced by `umbra config-ssh` >>>"
 END = "# <<< umbra config-ssh <<<"
@@ -121,14 +122,4 @@ def diff(old: str, new: str, path: Path) -> str:
 def replace_atomically(path: Path, text: str) -> None:
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     mode = stat.S_IMODE(path.stat().st_mode) if path.exists() else 0o600
-    fd, temp = tempfile.mkstemp(prefix=".config.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(temp, mode)
-        os.replace(temp, path)
-    except BaseException:
-        Path(temp).unlink(missing_ok=True)
-        raise
+    write_atomic(path, text, mode, sync=True)

@@ -17,10 +17,11 @@ from urllib.parse import urlsplit
 
 from pydantic import ValidationError
 
+from umbra.attest.session_info import SessionInfo
 from umbra.cli.credentials import LoginMissing, PinConflict, fresh_login, pin_host_key
 from umbra.cli.ssh_attest import AttestedSession, Check, Refused, connect_attested, fingerprint
 from umbra.contracts.console_url import ConsoleUrlError, check_console_url
-from umbra.contracts.session import SESSION_API, SessionInfo
+from umbra.contracts.session import SESSION_API
 
 EXIT_REFUSED = 1
 CONSOLE_TIMEOUT = 10.0

@@ -27,6 +27,7 @@ import httpx
 
 from umbra.cli.up_agents import AgentResult, Endpoints, SandboxRunner, run_agents
 from umbra.cli.up_stack import DEMO_HOSTS, TEAM, Stack, UpError, _umbra
+from umbra.contracts.traffic import Decision
 from umbra.sandbox import local_cvm
 
 # A fake AWS access key id: the shape the built-in scanner knows, valid for nothing.
@@ -40,17 +41,19 @@ class Probe:
     host: str
     path: str
     expect_status: int
-    expect_decision: str
+    expect_decision: Decision
     body: str | None = None
 
 
 def probes() -> list[Probe]:
     api, evil = DEMO_HOSTS
     return [
-        Probe("allowed, credential injected", "GET", api, "/v1/whoami", 200, "allow"),
-        Probe("host not allowed", "GET", evil, "/", 403, "deny"),
-        Probe("method not allowed", "DELETE", api, "/v1/items/1", 403, "deny"),
-        Probe("exfiltration of a planted secret", "POST", api, "/v1/upload", 403, "deny", "@"),
+        Probe("allowed, credential injected", "GET", api, "/v1/whoami", 200, Decision.ALLOW),
+        Probe("host not allowed", "GET", evil, "/", 403, Decision.DENY),
+        Probe("method not allowed", "DELETE", api, "/v1/items/1", 403, Decision.DENY),
+        Probe(
+            "exfiltration of a planted secret", "POST", api, "/v1/upload", 403, Decision.DENY, "@"
+        ),
     ]
 
 
@@ -109,7 +112,7 @@ def run_check(
             if code == probe.expect_status or time.monotonic() > end:
                 break
             time.sleep(0.5)
-        if probe.expect_decision == "allow" and code == 200 and not injected(plan, secret):
+        if probe.expect_decision == Decision.ALLOW and code == 200 and not injected(plan, secret):
             raise UpError("the allowed request reached the origin without the injected token")
         results.append((probe, code))
         report(probe, code, error)

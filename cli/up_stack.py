@@ -745,7 +745,7 @@ def publish_bundle(stack: Stack, client: httpx.Client, policies: Path) -> int:
 def ensure_security_cvm(stack: Stack, client: httpx.Client) -> str:
     """Register the Security CVM and hand its process a one-time enrollment token (never a
     credential: the proxy enrolls at start, proxy/enroll.py)."""
-    from umbra.contracts.enroll_client import spent_marker
+    from umbra.attest.enroll_client import spent_marker
 
     known = stack.state.get("security_cvm_id")
     credential = stack.p("security-cvm", "console-credential")

@@ -42,6 +42,7 @@ from umbra.console.routes import (
     team_settings,
     traffic,
 )
+from umbra.console.routes import errors as route_errors
 from umbra.console.state import Console
 from umbra.console.web import mount as mount_web
 from umbra.contracts.traffic import TrafficBatch
@@ -168,6 +169,7 @@ def create_app(
         app.include_router(module.router)
     mount_web(app, console.settings.web_session_key)
     _install_error_handlers(app)
+    route_errors.install(app)  # the services' domain errors, mapped to HTTP in one place
     _register_extra_schemas(app, [TrafficBatch])
     app.add_middleware(
         BodyLimitMiddleware,

@@ -16,7 +16,6 @@ included, so that every later view reports the chain BROKEN until a full verific
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from datetime import datetime
@@ -28,11 +27,14 @@ from sqlalchemy.orm import Session
 from sqlmodel import col
 
 from umbra.console.db import as_utc
+from umbra.console.enums import AuditAction
 from umbra.console.models import AuditCheckpoint, AuditEntry, utcnow
+from umbra.contracts.canonical import canonical_json
 
 GENESIS = "0" * 64
 CHECKPOINT_ID = 1
 AUDIT_LOCK_KEY = 0x756D627261  # 'umbra'
+_APPENDED = "umbra.audit.appended"
 
 
 def entry_hash(
@@ -45,7 +47,7 @@ def entry_hash(
     target: str,
     details: dict[str, Any],
 ) -> str:
-    body = json.dumps(
+    body = canonical_json(
         {
             "seq": seq,
             "time": as_utc(time).isoformat(timespec="microseconds"),
@@ -54,16 +56,19 @@ def entry_hash(
             "action": action,
             "target": target,
             "details": details,
-        },
-        sort_keys=True,
-        separators=(",", ":"),
-        ensure_ascii=False,
-    ).encode()
+        }
+    )
     return hashlib.sha256(bytes.fromhex(prev_hash) + body).hexdigest()
 
 
 def append(
-    session: Session, *, actor: str, team: str, action: str, target: str, details: dict[str, Any]
+    session: Session,
+    *,
+    actor: str,
+    team: str,
+    action: AuditAction,
+    target: str,
+    details: dict[str, Any],
 ) -> AuditEntry:
     """Add an entry in the session's transaction, so the action and its record commit together.
 
@@ -93,7 +98,15 @@ def append(
     )
     session.add(entry)
     session.flush()
+    session.info[_APPENDED] = session.info.get(_APPENDED, 0) + 1
     return entry
+
+
+def take_appended(session: Session) -> int:
+    """How many entries `append` added in this session since the last call (the Console counts
+    them once their transaction commits: `umbra_console_audit_entries`)."""
+    count: int = session.info.pop(_APPENDED, 0)
+    return count
 
 
 @dataclass(frozen=True)

@@ -1,30 +1,26 @@
-"""Typed HTTP clients for the Console API: `ConsoleClient` for people (OIDC bearer token; used by
-the `umbra` CLI) and `SecurityCvmClient` for a Security CVM's proxy (its registration credential).
+"""The typed HTTP client for the Console API: `ConsoleClient` for people (OIDC bearer token; used
+by the `umbra` CLI). (A Security CVM's proxy pulls with its own pullers in `umbra.proxy`.)
 
 Errors come back as `ConsoleApiError` with the status code and the server's precise `detail`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Self
 
 import httpx
 from pydantic import BaseModel
 
+from umbra.console.enums import CvmKind, Power
 from umbra.console.schemas import (
-    AttachmentsDoc,
     AuditPage,
     BundleInfo,
     CvmCreated,
     CvmInfo,
     EnrollmentToken,
-    IngestResult,
     Me,
     QuarantinePage,
-    ReleaseChallenge,
-    ReleaseResponse,
     SecretInfo,
     SecurityReplicaToken,
     TeamDefaultProfiles,
@@ -35,7 +31,7 @@ from umbra.contracts.console_url import ConsoleUrlError, check_console_url
 DEFAULT_TIMEOUT = 30.0
 
 
-__all__ = ["ConsoleApiError", "ConsoleClient", "ConsoleUrlError", "SecurityCvmClient"]
+__all__ = ["ConsoleApiError", "ConsoleClient", "ConsoleUrlError"]
 
 
 class ConsoleApiError(Exception):
@@ -151,7 +147,7 @@ class ConsoleClient(_Base):
         team: str,
         name: str,
         *,
-        kind: str = "dev",
+        kind: CvmKind = CvmKind.dev,
         provider: str = "local",
         security_cvm_id: str | None = None,
         owner: str | None = None,
@@ -178,7 +174,7 @@ class ConsoleClient(_Base):
         self,
         cvm_id: str,
         *,
-        state: str | None = None,
+        state: Power | None = None,
         security_cvm_id: str | None = None,
         ssh_keys: list[str] | None = None,
         size: str | None = None,
@@ -293,63 +289,3 @@ class ConsoleClient(_Base):
     def audit(self, team: str, *, after: int = 0, limit: int = 100) -> AuditPage:
         params = {"after": after, "limit": limit}
         return self._model(AuditPage, "GET", f"/api/v1/teams/{team}/audit", params=params)
-
-
-@dataclass(frozen=True)
-class Polled:
-    """A long-poll answer: `changed` False means 304 (keep what you have)."""
-
-    changed: bool
-    etag: str | None
-    body: bytes
-
-
-class SecurityCvmClient(_Base):
-    """For a Security CVM's proxy: pull bundle and attachments, ship traffic, ask for secrets."""
-
-    def __init__(self, base_url: str, token: str, cvm_id: str, **kwargs: Any) -> None:
-        super().__init__(base_url, token, **kwargs)
-        self.cvm_id = cvm_id
-
-    def _poll(self, what: str, etag: str | None, wait: int) -> Polled:
-        headers = {"If-None-Match": f'"{etag}"'} if etag else {}
-        timeout = httpx.Timeout(DEFAULT_TIMEOUT + wait)
-        response = self._request(
-            "GET",
-            f"/api/v1/security-cvms/{self.cvm_id}/{what}",
-            ok=(200, 304),
-            params={"wait": wait},
-            headers=headers,
-            timeout=timeout,
-        )
-        tag = response.headers.get("ETag", "").strip('"') or None
-        return Polled(response.status_code == 200, tag, response.content)
-
-    def bundle(self, etag: str | None = None, wait: int = 0) -> Polled:
-        """The signed bundle bytes (verify them with pinned keys before use)."""
-        return self._poll("bundle", etag, wait)
-
-    def attachments(
-        self, etag: str | None = None, wait: int = 0
-    ) -> tuple[Polled, AttachmentsDoc | None]:
-        polled = self._poll("attachments", etag, wait)
-        doc = AttachmentsDoc.model_validate_json(polled.body) if polled.changed else None
-        return polled, doc
-
-    def ship_traffic(self, records: list[dict[str, Any]]) -> IngestResult:
-        return self._model(
-            IngestResult, "POST", "/api/v1/traffic/batches", json={"records": records}
-        )
-
-    def release_challenge(self) -> ReleaseChallenge:
-        return self._model(
-            ReleaseChallenge, "POST", f"/api/v1/security-cvms/{self.cvm_id}/release-challenge"
-        )
-
-    def release(self, evidence: dict[str, Any]) -> ReleaseResponse:
-        return self._model(
-            ReleaseResponse,
-            "POST",
-            f"/api/v1/security-cvms/{self.cvm_id}/secrets/release",
-            json=evidence,
-        )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import difflib
 import json
 import os
 from pathlib import Path
@@ -16,13 +17,14 @@ from urllib.parse import urlsplit
 from uuid import UUID
 
 from pydantic import (
-    BaseModel,
-    ConfigDict,
     Field,
     ValidationError,
     field_validator,
     model_validator,
 )
+
+from umbra.contracts.model import Strict as _Strict
+from umbra.contracts.validation import location
 
 ENV_PREFIX = "UMBRA_CONSOLE_"
 DEFAULT_DATABASE_URL = "sqlite:///umbra-console.db"
@@ -35,10 +37,6 @@ class ConfigError(Exception):
 _STACK = r"^[A-Za-z0-9_.-]{1,100}/[A-Za-z0-9_.-]{1,100}/[A-Za-z0-9_.-]{1,100}$"
 _TEAM = r"^[a-z][a-z0-9-]{0,14}[a-z0-9]$"  # what the Pulumi provisioner accepts
 TeamStack = Annotated[str, Field(pattern=_STACK, description="org/project/stack of the team stack")]
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 class GcpTeam(_Strict):
@@ -95,9 +93,7 @@ class AzureProvider(_CloudProvider):
     default_size: str = Field(default="Standard_DC4es_v5", pattern=r"^[A-Za-z0-9_]{1,64}$")
 
 
-class Settings(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
+class Settings(_Strict):
     database_url: str = Field(
         default=DEFAULT_DATABASE_URL,
         description="SQLAlchemy URL: sqlite:///PATH (embedded default) or postgresql+psycopg://...",
@@ -258,6 +254,7 @@ def settings_from_env(environ: dict[str, str] | None = None, **overrides: Any) -
     """Build settings from `UMBRA_CONSOLE_<FIELD>` variables; lists are comma separated, `KEK` is
     `id=base64,id2=base64`, and `KEK_FILE` names a file holding that same text."""
     env = dict(os.environ if environ is None else environ)
+    _refuse_unknown(env)
     data: dict[str, Any] = {}
     for name in Settings.model_fields:
         raw = env.get(ENV_PREFIX + name.upper())
@@ -285,9 +282,30 @@ def settings_from_env(environ: dict[str, str] | None = None, **overrides: Any) -
     try:
         return Settings.model_validate(data)
     except ValidationError as exc:
-        error = exc.errors()[0]
-        where = ".".join(str(part) for part in error["loc"]) or "providers"
+        error = exc.errors(include_input=False)[0]
+        where = location(error["loc"], "providers")
         raise ConfigError(f"{ENV_PREFIX}{where.upper()}: {error['msg']}") from None
+
+
+# Read here but not a field; `UMBRA_CONSOLE__*` (two underscores) is the Console's own hand-off to
+# its worker processes (serve.SETTINGS_ENV).
+_NOT_FIELDS = frozenset({"KEK_FILE"})
+
+
+def _refuse_unknown(env: dict[str, str]) -> None:
+    """A misspelt `UMBRA_CONSOLE_*` variable would be silently ignored (and its setting left at
+    the default): refuse it, naming the closest setting."""
+    known = sorted(
+        {ENV_PREFIX + name.upper() for name in Settings.model_fields}
+        | {ENV_PREFIX + name for name in _NOT_FIELDS}
+    )
+    for key in sorted(env):
+        if not key.startswith(ENV_PREFIX) or key.startswith(ENV_PREFIX + "_") or key in known:
+            continue
+        names = [name.removeprefix(ENV_PREFIX) for name in known]
+        close = difflib.get_close_matches(key.removeprefix(ENV_PREFIX), names, n=1, cutoff=0.75)
+        hint = f"; did you mean {ENV_PREFIX}{close[0]}?" if close else ""
+        raise ConfigError(f"{key}: not a Console setting{hint}")
 
 
 def _parse_keks(text: str, setting: str) -> dict[str, str]:

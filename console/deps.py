@@ -7,27 +7,24 @@ authenticate with the credential issued when they were registered (stored only a
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import re
-from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Annotated, Literal
+from typing import Annotated
 
 from fastapi import Depends, HTTPException, Request, status
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy import select
 from sqlmodel import col
 
+from umbra.console.enums import CvmKind, CvmState, Role
 from umbra.console.models import Cvm
 from umbra.console.oidc import IssuerUnavailable, TokenError
+from umbra.console.services.access import CREDENTIAL_PREFIX, User, credential_hash
 from umbra.console.state import Console
 
 log = logging.getLogger(__name__)
 
-Role = Literal["admin", "developer"]
 _ROLE_ENTRY = re.compile(r"^([a-z0-9](?:[a-z0-9-]{0,62}[a-z0-9])?):(admin|developer)$")
-CREDENTIAL_PREFIX = "umbra_scvm_"
 
 user_bearer = HTTPBearer(
     auto_error=False, scheme_name="oidc", description="An OIDC access token from the issuer."
@@ -47,15 +44,6 @@ def get_console(request: Request) -> Console:
 ConsoleDep = Annotated[Console, Depends(get_console)]
 
 
-@dataclass(frozen=True)
-class User:
-    subject: str
-    roles: Mapping[str, Role]
-
-    def role_in(self, team: str) -> Role | None:
-        return self.roles.get(team)
-
-
 def parse_roles(value: object) -> dict[str, Role]:
     roles: dict[str, Role] = {}
     if not isinstance(value, list):
@@ -66,9 +54,9 @@ def parse_roles(value: object) -> dict[str, Role]:
         match = _ROLE_ENTRY.fullmatch(item)  # exact: '$' alone accepts a trailing newline
         if match is None:
             continue
-        team, role = match.group(1), match.group(2)
-        if role == "admin" or team not in roles:
-            roles[team] = "admin" if role == "admin" else "developer"
+        team, role = match.group(1), Role(match.group(2))
+        if role == Role.admin or team not in roles:
+            roles[team] = role
     return roles
 
 
@@ -99,21 +87,6 @@ def current_user(
 UserDep = Annotated[User, Depends(current_user)]
 
 
-def require_role(user: User, team: str, *allowed: Role) -> Role:
-    role = user.role_in(team)
-    if role is None:
-        raise HTTPException(status.HTTP_403_FORBIDDEN, f"not a member of team {team!r}")
-    if role not in allowed:
-        raise HTTPException(
-            status.HTTP_403_FORBIDDEN, f"role {role!r} in team {team!r} may not do this"
-        )
-    return role
-
-
-def credential_hash(token: str) -> str:
-    return hashlib.sha256(token.encode()).hexdigest()
-
-
 def current_security_cvm(
     console: ConsoleDep,
     credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(cvm_bearer)],
@@ -127,7 +100,7 @@ def current_security_cvm(
         cvm = session.execute(
             select(Cvm).where(col(Cvm.credential_hash) == credential_hash(token))
         ).scalar_one_or_none()
-    if cvm is None or cvm.kind != "security" or cvm.state == "destroyed":
+    if cvm is None or cvm.kind != CvmKind.security or cvm.state == CvmState.destroyed:
         raise _unauthorized("unknown or revoked Security CVM credential")
     return cvm
 

@@ -31,6 +31,8 @@ from urllib.parse import parse_qs, urlencode, urlsplit
 from joserfc import jwt
 from joserfc.jwk import RSAKey
 
+from umbra.contracts.files import write_atomic
+
 DEV_ISSUER_MARKER = "umbra_development_issuer"
 AUDIENCE = "umbra-console"
 DEVICE_GRANT = "urn:ietf:params:oauth:grant-type:device_code"
@@ -113,10 +115,7 @@ class DevIssuer:
         path = self._refresh_file()
         known = json.loads(path.read_text()) if path.exists() else {}
         known[hashlib.sha256(token.encode()).hexdigest()] = client_id
-        temp = path.with_suffix(".tmp")
-        temp.write_text(json.dumps(known))
-        temp.chmod(0o600)
-        os.replace(temp, path)
+        write_atomic(path, json.dumps(known), 0o600)
 
     def _take_refresh(self, token: str) -> str | None:
         """Refresh tokens rotate: each is good once."""

@@ -34,7 +34,6 @@ from collections.abc import Mapping
 from datetime import datetime, timedelta
 
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PublicKey
-from pydantic import BaseModel, ConfigDict
 from pydantic import Field as PydanticField
 from sqlalchemy import Column, DateTime
 from sqlalchemy.orm import Session
@@ -43,9 +42,10 @@ from sqlmodel import Field, SQLModel
 from umbra.attest.errors import AttestError
 from umbra.attest.eventlog import load_event_log
 from umbra.console import audit
-from umbra.console.deps import credential_hash
+from umbra.console.enums import AuditAction, CvmKind, CvmState
 from umbra.console.models import Cvm, utcnow
 from umbra.console.release import AttestedReleaseVerifier, seal_release
+from umbra.console.services.access import credential_hash
 from umbra.contracts.enrollment import (
     SECURITY_CVM_CREDENTIAL_PREFIX,
     TOKEN_PREFIX,
@@ -53,13 +53,14 @@ from umbra.contracts.enrollment import (
     hpke_info,
     report_data,
 )
+from umbra.contracts.model import Strict
 from umbra.contracts.release import SUITE
 
 # Re-exported for the Console's tests and callers.
 __all__ = ["TOKEN_PREFIX", "hpke_info", "report_data"]
 CREDENTIAL_PREFIXES = {
-    "security": SECURITY_CVM_CREDENTIAL_PREFIX,
-    "dev": TUNNEL_CREDENTIAL_PREFIX,
+    CvmKind.security: SECURITY_CVM_CREDENTIAL_PREFIX,
+    CvmKind.dev: TUNNEL_CREDENTIAL_PREFIX,
 }
 # Refusals that mean "this CVM, holding its valid token, is not what its release says", and an
 # expired token (a CVM that booted too late, e.g. a team stack's replica whose token waited in
@@ -109,9 +110,7 @@ class CvmEnrollment(SQLModel, table=True):
     )
 
 
-class EnrollEvidence(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
+class EnrollEvidence(Strict):
     token: str = PydanticField(min_length=8, max_length=128)
     nonce: str = PydanticField(pattern=r"^[A-Za-z0-9_-]{16,64}$")
     quote: str = PydanticField(max_length=64 << 10, description="Base64 TDX quote.")
@@ -136,7 +135,7 @@ def issue_token(session: Session, cvm: Cvm, actor: str) -> tuple[str, datetime]:
     )
     session.add(row)
     audit.append(
-        session, actor=actor, team=cvm.team, action="cvm.enrollment_token", target=cvm.id,
+        session, actor=actor, team=cvm.team, action=AuditAction.cvm_enrollment_token, target=cvm.id,
         details={"expires_at": row.expires_at.isoformat()},
     )  # fmt: skip
     return token, row.expires_at
@@ -151,7 +150,7 @@ def _live(session: Session, token: str) -> tuple[CvmEnrollment, Cvm]:
     if _aware(row.expires_at) < utcnow():
         raise EnrollmentRefused(RefusalReason.expired_token)
     cvm = session.get(Cvm, row.cvm_id)
-    if cvm is None or cvm.state == "destroyed":
+    if cvm is None or cvm.state == CvmState.destroyed:
         raise EnrollmentRefused(RefusalReason.cvm_gone)
     return row, cvm
 
@@ -171,9 +170,11 @@ def mark_unprovisionable(session: Session, token: str, reason: RefusalReason) ->
         return False
     row = session.get(CvmEnrollment, token_digest(token))
     cvm = session.get(Cvm, row.cvm_id) if row is not None else None
-    if cvm is None or cvm.credential_hash is not None or cvm.state != "running":
+    if cvm is None or cvm.credential_hash is not None:
         return False
-    cvm.state, cvm.state_reason = "failed", FAILED_PREFIX + reason.value
+    if cvm.state not in (CvmState.running, CvmState.pending):
+        return False
+    cvm.state, cvm.state_reason = CvmState.failed, FAILED_PREFIX + reason.value
     cvm.updated_at = utcnow()
     session.add(cvm)
     return True
@@ -221,14 +222,19 @@ def enroll(
         raise EnrollmentRefused(RefusalReason.attestation_failed, "; ".join(verdict.reasons)[:300])
     credential = CREDENTIAL_PREFIXES[cvm.kind] + secrets.token_urlsafe(32)
     cvm.credential_hash = credential_hash(credential)
-    if cvm.state == "failed" and (cvm.state_reason or "").startswith(FAILED_PREFIX):
-        cvm.state, cvm.state_reason = "running", None  # it failed only for want of enrollment
+    failed_to_enroll = cvm.state == CvmState.failed and (cvm.state_reason or "").startswith(
+        FAILED_PREFIX
+    )
+    if cvm.state == CvmState.pending or failed_to_enroll:
+        # A registered replica runs once it enrolled; one that failed only for want of
+        # enrollment runs again.
+        cvm.state, cvm.state_reason = CvmState.running, None
     cvm.updated_at = utcnow()
     row.used_at = utcnow()
     row.nonce = None
     session.add_all([cvm, row])
     audit.append(
-        session, actor=f"cvm:{cvm.id}", team=cvm.team, action="cvm.enroll", target=cvm.id,
+        session, actor=f"cvm:{cvm.id}", team=cvm.team, action=AuditAction.cvm_enroll, target=cvm.id,
         details={"kind": cvm.kind},
     )  # fmt: skip
     sealed = seal_release(

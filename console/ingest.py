@@ -23,6 +23,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 from sqlmodel import col
 
+from umbra.console.enums import CvmKind
 from umbra.console.models import Cvm, utcnow
 from umbra.console.traffic_store import insert_quarantined, insert_records
 from umbra.contracts.traffic import (
@@ -117,7 +118,7 @@ def ingest(
         known = set(
             session.execute(
                 select(col(Cvm.id)).where(
-                    col(Cvm.id).in_(cvm_ids), col(Cvm.team) == team, col(Cvm.kind) == "dev"
+                    col(Cvm.id).in_(cvm_ids), col(Cvm.team) == team, col(Cvm.kind) == CvmKind.dev
                 )
             ).scalars()
         )

@@ -7,10 +7,33 @@ key, and that data key only wrapped under a key encryption key the database neve
 from __future__ import annotations
 
 from datetime import UTC, datetime
+from enum import StrEnum
 from typing import Any
 
 from sqlalchemy import JSON, BigInteger, Column, DateTime, Index, LargeBinary, UniqueConstraint
-from sqlmodel import Field, SQLModel
+from sqlalchemy.engine import Dialect
+from sqlalchemy.types import TypeDecorator
+from sqlmodel import AutoString, Field, SQLModel
+
+from umbra.console.enums import AuditAction, CvmKind, CvmState, Scope
+
+
+class EnumText[E: StrEnum](TypeDecorator[E]):
+    """A StrEnum stored as its plain string (the column is the VARCHAR it always was, so no
+    migration), read back as the enum."""
+
+    impl = AutoString
+    cache_ok = True
+
+    def __init__(self, enum: type[E], length: int) -> None:
+        super().__init__(length=length)
+        self.enum = enum
+
+    def process_bind_param(self, value: E | str | None, dialect: Dialect) -> str | None:
+        return None if value is None else self.enum(value).value
+
+    def process_result_value(self, value: str | None, dialect: Dialect) -> E | None:
+        return None if value is None else self.enum(value)
 
 
 def utcnow() -> datetime:
@@ -69,11 +92,11 @@ class Cvm(SQLModel, table=True):
     id: str = Field(primary_key=True, max_length=40)
     team: str = Field(index=True, max_length=64)
     name: str = Field(max_length=64)
-    kind: str = Field(max_length=16)  # "dev" | "security"
+    kind: CvmKind = Field(sa_type=EnumText(CvmKind, 16))
     owner: str = Field(index=True, max_length=255)
     provider: str = Field(max_length=32)
     provider_ref: str | None = Field(default=None, max_length=255)
-    state: str = Field(max_length=16)
+    state: CvmState = Field(sa_type=EnumText(CvmState, 16))
     security_cvm_id: str | None = Field(default=None, index=True, max_length=40)
     # Security CVM replicas (revision 0007): each replica is its own CVM with its own enrolled
     # credential; `replica_of` names the pool's first Security CVM, the one Dev CVMs route to
@@ -108,7 +131,7 @@ class Secret(SQLModel, table=True):
 
     id: int | None = Field(default=None, primary_key=True)
     team: str = Field(index=True, max_length=64)
-    scope: str = Field(max_length=16)  # "team" | "personal"
+    scope: Scope = Field(sa_type=EnumText(Scope, 16))
     owner: str = Field(default="", max_length=255)  # "" for team secrets
     name: str = Field(max_length=128)
     hosts: list[str] = Field(default_factory=list, sa_column=Column(JSON, nullable=False))
@@ -214,7 +237,7 @@ class AuditEntry(SQLModel, table=True):
     time: datetime = Field(sa_type=DateTime(timezone=True))
     actor: str = Field(max_length=255)
     team: str = Field(index=True, max_length=64)
-    action: str = Field(max_length=64)
+    action: AuditAction = Field(sa_type=EnumText(AuditAction, 64))
     target: str = Field(max_length=255)
     details: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
     prev_hash: str = Field(max_length=64, unique=True)

@@ -16,6 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from umbra.console.enums import CvmKind
+
 if TYPE_CHECKING:
     from umbra.console.config import Settings
 
@@ -32,10 +34,6 @@ class ProviderError(Exception):
     """The provider refused or failed; the message is safe to show to the caller."""
 
 
-class ProviderNotImplemented(ProviderError):
-    pass
-
-
 class ProviderUnsupported(ProviderError):
     """The request is valid but this provider cannot do it (a 422, not a provider failure)."""
 
@@ -45,7 +43,7 @@ class CvmSpec:
     id: str
     team: str
     name: str
-    kind: str
+    kind: CvmKind
     owner: str
     ssh_keys: tuple[str, ...] = ()
     size: str | None = None

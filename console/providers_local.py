@@ -13,8 +13,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field, ValidationError
 
+from umbra.console.enums import CvmKind
 from umbra.console.providers import (
     CvmSpec,
     OnProviderEvent,
@@ -23,12 +24,12 @@ from umbra.console.providers import (
     Provisioned,
 )
 from umbra.console.session_info import INGRESS_KEY, RELEASE_KEY
+from umbra.contracts.model import Strict
+from umbra.contracts.validation import first_problem
 from umbra.sandbox import local_cvm
 
 
-class LocalCvmSettings(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
+class LocalCvmSettings(Strict):
     runtime_dir: Path
     name_prefix: str = Field(default="umbra", pattern=r"^[a-z][a-z0-9]{1,8}$")
     security_cvm_port: int = Field(ge=1, le=65535)
@@ -49,9 +50,7 @@ def load_settings(path: Path) -> LocalCvmSettings:
     except OSError as exc:
         raise ProviderError(f"local_cvm_config {path}: {exc.strerror}") from None
     except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise ProviderError(f"local_cvm_config {path}: {where}: {first['msg']}") from None
+        raise ProviderError(f"local_cvm_config {path}: {first_problem(exc)}") from None
 
 
 class LocalCvmProvider:
@@ -66,7 +65,7 @@ class LocalCvmProvider:
         self.cvms = settings.runtime_dir / "cvms"
 
     def check(self, spec: CvmSpec) -> None:
-        if spec.kind == "dev":
+        if spec.kind == CvmKind.dev:
             try:
                 local_cvm.require_tools()
             except local_cvm.LocalCvmError as exc:
@@ -93,7 +92,7 @@ class LocalCvmProvider:
         }
 
     def launch(self, spec: CvmSpec, on_event: OnProviderEvent) -> Provisioned:
-        if spec.kind == "security":
+        if spec.kind == CvmKind.security:
             # The local Security CVM is the proxy `umbra up` runs; nothing to create here.
             return Provisioned(f"local:security/{spec.id}", {"runtime": "process"})
         if spec.enrollment_token is None or self.settings.simulated_pki is None:
@@ -175,7 +174,7 @@ class LocalCvmProvider:
             raise ProviderError(str(exc)) from None
 
     def destroy(self, spec: CvmSpec, ref: str | None, on_event: OnProviderEvent) -> None:
-        if spec.kind != "dev":
+        if spec.kind != CvmKind.dev:
             return
         plan = local_cvm.load_plan(self.cvms, spec.id)
         if plan is not None:

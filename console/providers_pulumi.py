@@ -26,6 +26,7 @@ from umbra.components.automation import (
 )
 from umbra.components.config import AzurePlacement, GcpPlacement
 from umbra.console.config import AzureProvider, ConfigError, GcpProvider, Settings
+from umbra.console.enums import CvmKind
 from umbra.console.providers import (
     CvmSpec,
     OnProviderEvent,
@@ -102,7 +103,7 @@ class PulumiCvmProvider:
         return provisioner
 
     def dev_spec(self, spec: CvmSpec) -> DevCvmSpec:
-        if spec.kind != "dev":
+        if spec.kind != CvmKind.dev:
             raise ProviderUnsupported(
                 f"{self.name} launches Dev CVMs; a team's Security CVM is part of its team stack"
             )

@@ -23,6 +23,7 @@ from sqlalchemy.orm import Session
 from sqlmodel import col
 
 from umbra.console import audit, enrollment
+from umbra.console.enums import AuditAction, CvmKind, CvmState, Operation, Power
 from umbra.console.models import AuditEntry, Cvm, utcnow
 from umbra.console.providers import (
     CvmProvider,
@@ -38,21 +39,20 @@ from umbra.console.state import Console, lock_key
 log = logging.getLogger("umbra.console.provisioning")
 MAX_EVENTS = 50
 ACTOR = "umbra-console"
-Operation = Literal["launch", "update", "destroy", "start", "stop"]
 # A cloud stop/start shows as `updating` (the provider is changing the machine) until it settles.
-TRANSITIONAL: dict[Operation, str] = {
-    "launch": "launching",
-    "update": "updating",
-    "destroy": "destroying",
-    "start": "updating",
-    "stop": "updating",
+TRANSITIONAL: dict[Operation, CvmState] = {
+    Operation.launch: CvmState.launching,
+    Operation.update: CvmState.updating,
+    Operation.destroy: CvmState.destroying,
+    Operation.start: CvmState.updating,
+    Operation.stop: CvmState.updating,
 }
-SETTLED: dict[Operation, str] = {
-    "launch": "running",
-    "update": "running",
-    "destroy": "destroyed",
-    "start": "running",
-    "stop": "stopped",
+SETTLED: dict[Operation, CvmState] = {
+    Operation.launch: CvmState.running,
+    Operation.update: CvmState.running,
+    Operation.destroy: CvmState.destroyed,
+    Operation.start: CvmState.running,
+    Operation.stop: CvmState.stopped,
 }
 BUSY_STATES = frozenset(TRANSITIONAL.values())
 
@@ -137,16 +137,18 @@ def _release(console: Console, cvm_id: str, held: Connection | None) -> None:
 def interrupted_operation(session: Session, cvm: Cvm) -> Operation:
     """What the interrupted run was doing. `updating` covers an update and a stop/start: the
     `cvm.update` audit entry that put the row there (same transaction) says which."""
-    if cvm.state != "updating":
-        return "launch" if cvm.state == "launching" else "destroy"
+    if cvm.state != CvmState.updating:
+        return Operation.launch if cvm.state == CvmState.launching else Operation.destroy
     details = session.execute(
         select(col(AuditEntry.details))
-        .where(col(AuditEntry.target) == cvm.id, col(AuditEntry.action) == "cvm.update")
+        .where(col(AuditEntry.target) == cvm.id, col(AuditEntry.action) == AuditAction.cvm_update)
         .order_by(col(AuditEntry.seq).desc())
         .limit(1)
     ).scalar_one_or_none()
     asked = (details or {}).get("state")
-    return "start" if asked == "running" else "stop" if asked == "stopped" else "update"
+    if asked == Power.running:
+        return Operation.start
+    return Operation.stop if asked == Power.stopped else Operation.update
 
 
 def reconcile(console: Console) -> list[str]:
@@ -183,23 +185,27 @@ def reconcile(console: Console) -> list[str]:
                     }
                     cvm.events = [*cvm.events, entry][-MAX_EVENTS:]
                     details: dict[str, object] = {"operation": operation, "state": cvm.state}
-                    action = "cvm.resumed"
+                    action = AuditAction.cvm_resumed
                     resume = (provider, operation, cvm)
                 else:
                     reason = (
                         f"{operation}: interrupted by a Console restart; update or destroy the "
                         "CVM (the provider may have left resources behind)"
                     )
-                    cvm.state, cvm.state_reason = "failed", reason
-                    details = {"operation": operation, "state": "failed", "reason": reason}
-                    action = "cvm.provisioned"
+                    cvm.state, cvm.state_reason = CvmState.failed, reason
+                    details = {"operation": operation, "state": CvmState.failed, "reason": reason}
+                    action = AuditAction.cvm_provisioned
                 cvm.updated_at = utcnow()
                 session.add(cvm)
                 audit.append(
                     session, actor=ACTOR, team=cvm.team, action=action, target=cvm.id,
                     details=details,
                 )  # fmt: skip
-                if resume is not None and cvm.kind == "dev" and operation in ("launch", "update"):
+                if (
+                    resume is not None
+                    and cvm.kind == CvmKind.dev
+                    and operation in (Operation.launch, Operation.update)
+                ):
                     # The resumed run renders launch data again: a fresh one-time token, as a
                     # launch or update gets (the interrupted run's may be lost or spent).
                     token, _expires = enrollment.issue_token(session, cvm, ACTOR)
@@ -233,7 +239,12 @@ def submit(
     except RuntimeError:  # the pool is shutting down: do not leave the row transitional
         _release(console, spec.id, held)
         finish(
-            console, spec, operation, "failed", f"{operation}: the Console is shutting down", None
+            console,
+            spec,
+            operation,
+            CvmState.failed,
+            f"{operation}: the Console is shutting down",
+            None,
         )
 
 
@@ -249,11 +260,11 @@ def run(
         record_event(console, spec.id, event)
 
     calls: dict[Operation, Callable[[OnProviderEvent], Provisioned | None]] = {
-        "launch": lambda emit: provider.launch(spec, emit),
-        "update": lambda emit: provider.update(spec, ref or "", emit),
-        "destroy": lambda emit: provider.destroy(spec, ref, emit),
-        "start": lambda _emit: provider.set_running(ref or "", True),
-        "stop": lambda _emit: provider.set_running(ref or "", False),
+        Operation.launch: lambda emit: provider.launch(spec, emit),
+        Operation.update: lambda emit: provider.update(spec, ref or "", emit),
+        Operation.destroy: lambda emit: provider.destroy(spec, ref, emit),
+        Operation.start: lambda _emit: provider.set_running(ref or "", True),
+        Operation.stop: lambda _emit: provider.set_running(ref or "", False),
     }
 
     def attempt() -> tuple[str | None, Provisioned | None]:
@@ -273,18 +284,18 @@ def run(
             reason, result = attempt()
             # Recorded while the job lock is still held: a `reconcile` starting in another
             # worker meanwhile sees a live run, never a finished run still marked transitional.
-            state = "failed" if reason is not None else SETTLED[operation]
+            state = CvmState.failed if reason is not None else SETTLED[operation]
             finish(console, spec, operation, state, reason, result)
     except Exception as exc:  # the job lock itself failed (database unreachable)
         reason = f"{operation}: could not take the job lock ({type(exc).__name__})"
-        finish(console, spec, operation, "failed", reason, None)
+        finish(console, spec, operation, CvmState.failed, reason, None)
 
 
 def finish(
     console: Console,
     spec: CvmSpec,
     operation: Operation,
-    state: str,
+    state: CvmState,
     reason: str | None,
     result: Provisioned | None,
 ) -> None:
@@ -310,7 +321,7 @@ def finish(
                 session,
                 actor=ACTOR,
                 team=cvm.team,
-                action="cvm.provisioned",
+                action=AuditAction.cvm_provisioned,
                 target=cvm.id,
                 details=details,
             )

@@ -12,6 +12,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 from sqlmodel import col
 
+from umbra.console.enums import CvmKind, CvmState
 from umbra.console.models import Cvm
 
 
@@ -19,8 +20,8 @@ def default_security_cvm(session: Session, team: str) -> str | None:
     rows = session.execute(
         select(col(Cvm.id)).where(
             col(Cvm.team) == team,
-            col(Cvm.kind) == "security",
-            col(Cvm.state) != "destroyed",
+            col(Cvm.kind) == CvmKind.security,
+            col(Cvm.state) != CvmState.destroyed,
             col(Cvm.replica_of).is_(None),
         )
     ).all()

@@ -18,11 +18,12 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PublicKey
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from umbra.attest.errors import AttestError
 from umbra.attest.eventlog import load_event_log
 from umbra.attest.verify import Verifier
+from umbra.contracts.model import Strict
 from umbra.contracts.release import SUITE, expected_report_data, hpke_info
 
 __all__ = ["SUITE", "expected_report_data", "hpke_info"]
@@ -32,9 +33,7 @@ class ReleaseRefused(Exception):
     """The evidence does not entitle anyone to secrets; the message says which check failed."""
 
 
-class ReleaseEvidence(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
+class ReleaseEvidence(Strict):
     nonce: str = Field(pattern=r"^[A-Za-z0-9_-]{16,64}$", description="From release-challenge.")
     quote: str = Field(max_length=64 << 10, description="Base64 TDX quote.")
     event_log: str | None = Field(

@@ -19,6 +19,7 @@ from umbra.attest.errors import AttestError
 from umbra.attest.measurement import load_measurement_policy
 from umbra.attest.verify import Verifier
 from umbra.console.config import ConfigError, Settings
+from umbra.console.enums import CvmKind
 from umbra.console.release import AttestedReleaseVerifier
 
 
@@ -36,9 +37,9 @@ def enrollment_verifiers(
     never checked against the Security CVM image's golden values, nor the other way round."""
     verifiers: dict[str, AttestedReleaseVerifier] = {}
     if security is not None:
-        verifiers["security"] = security
+        verifiers[CvmKind.security] = security
     if settings.dev_cvm_release_policy is not None:
-        verifiers["dev"] = _verifier(settings, settings.dev_cvm_release_policy, None)
+        verifiers[CvmKind.dev] = _verifier(settings, settings.dev_cvm_release_policy, None)
     return verifiers
 
 

@@ -2,19 +2,20 @@
 
 from __future__ import annotations
 
-import socket
 from datetime import UTC, datetime
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from pydantic import (
     AfterValidator,
-    BaseModel,
     ConfigDict,
     Field,
     ValidationInfo,
     field_validator,
 )
 
+from umbra.console.enums import AuditAction, CvmKind, CvmState, Power, Role, Scope
+from umbra.contracts import model as contracts_model
+from umbra.contracts.traffic import Decision, Kind, QuarantineReason
 from umbra.policy.normalize import NormalizationError, normalize_host
 
 NAME_PATTERN = r"^[a-z0-9](?:[a-z0-9-]{0,62}[a-z0-9])?$"
@@ -32,11 +33,12 @@ def _has_control(value: object) -> bool:
     return False
 
 
-class Strict(BaseModel):
+class Strict(contracts_model.Strict):
     """Unknown fields are errors; no text field may carry control characters (NUL cannot even be
-    stored by PostgreSQL), except secret values, which are only ever stored encrypted."""
+    stored by PostgreSQL), except secret values, which are only ever stored encrypted. (Request and
+    response bodies are built field by field, so they stay mutable.)"""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(frozen=False)
 
     @field_validator("*", mode="after")
     @classmethod
@@ -51,16 +53,6 @@ def _host(value: str) -> str:
         return normalize_host(value)
     except NormalizationError as exc:
         raise ValueError(str(exc)) from None
-
-
-def _ip(value: str) -> str:
-    """An IPv4 or IPv6 address in canonical text form (inet_pton/inet_ntop: strict and fast)."""
-    for family in (socket.AF_INET, socket.AF_INET6):
-        try:
-            return socket.inet_ntop(family, socket.inet_pton(family, value))
-        except (OSError, ValueError):
-            continue
-    raise ValueError("not an IP address")
 
 
 def to_utc(value: datetime) -> datetime:
@@ -89,14 +81,10 @@ MachineSize = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 ShortToken = Annotated[str, Field(pattern=r"^[A-Za-z0-9._:/-]{1,160}$")]
 
 
-class Problem(Strict):
-    detail: str
-
-
 # -- identity -------------------------------------------------------------------------------
 class Me(Strict):
     subject: str
-    roles: dict[str, Literal["admin", "developer"]]
+    roles: dict[str, Role]
 
 
 # -- bundles --------------------------------------------------------------------------------
@@ -112,17 +100,11 @@ class BundleInfo(Strict):
 
 
 # -- CVMs -----------------------------------------------------------------------------------
-CvmKind = Literal["dev", "security"]
-# launching/updating/destroying: a cloud provider is working outside any transaction; a failed
-# run ends in `failed` with `state_reason` (destroy it to clean up what the run left behind).
-CvmState = Literal[
-    "pending", "launching", "updating", "destroying", "running", "stopped", "failed", "destroyed"
-]
 
 
 class CvmCreate(Strict):
     name: Name
-    kind: CvmKind = "dev"
+    kind: CvmKind = CvmKind.dev
     provider: Name = "local"
     owner: Label | None = Field(default=None, description="Defaults to the caller; admins only.")
     security_cvm_id: Annotated[str, Field(pattern=CVM_ID_PATTERN)] | None = Field(
@@ -137,7 +119,7 @@ class CvmCreate(Strict):
 
 
 class CvmUpdate(Strict):
-    state: Literal["running", "stopped"] | None = None
+    state: Power | None = None
     security_cvm_id: Annotated[str, Field(pattern=CVM_ID_PATTERN)] | None = None
     ssh_keys: list[SshKey] | None = Field(default=None, min_length=1, max_length=32)
     size: MachineSize | None = None
@@ -237,7 +219,7 @@ class SecretInfo(Strict):
     """Metadata only: no endpoint ever returns a secret's value."""
 
     team: str
-    scope: Literal["team", "personal"]
+    scope: Scope
     owner: str | None
     name: str
     ref: str
@@ -277,7 +259,7 @@ class TrafficRecordOut(Strict):
     cvm_id: str | None
     owner: str | None
     team: str
-    kind: str
+    kind: Kind
     policy_hash: str | None
     method: str | None
     connect_host: str | None
@@ -287,7 +269,7 @@ class TrafficRecordOut(Strict):
     pinned_ip: str | None
     path: str | None
     query_keys: list[str]
-    decision: str
+    decision: Decision
     rule_id: str | None
     reason: str | None
     status: int | None
@@ -309,7 +291,7 @@ class QuarantinedRecord(Strict):
     id: int
     security_cvm_id: str
     record_id: str | None
-    reason: Literal["invalid", "foreign_team", "unknown_cvm"]
+    reason: QuarantineReason
     detail: str
     excerpt: str
     received_at: datetime
@@ -326,7 +308,7 @@ class AuditEntryOut(Strict):
     time: datetime
     actor: str
     team: str
-    action: str
+    action: AuditAction
     target: str
     details: dict[str, object]
     prev_hash: str

@@ -23,6 +23,7 @@ from sqlalchemy.orm import Session
 from sqlmodel import col
 
 from umbra.console import audit, enrollment
+from umbra.console.enums import AuditAction, CvmKind, CvmState
 from umbra.console.models import Cvm
 
 # The provider recorded for CVMs a team stack runs: the Console performs no side effect for
@@ -48,7 +49,9 @@ def live_replicas(session: Session, primary_id: str) -> list[Cvm]:
     """The live replicas of a pool's first Security CVM, itself excluded."""
     return list(
         session.execute(
-            select(Cvm).where(col(Cvm.replica_of) == primary_id, col(Cvm.state) != "destroyed")
+            select(Cvm).where(
+                col(Cvm.replica_of) == primary_id, col(Cvm.state) != CvmState.destroyed
+            )
         ).scalars()
     )
 
@@ -56,9 +59,9 @@ def live_replicas(session: Session, primary_id: str) -> list[Cvm]:
 def _find(session: Session, team: str, index: int, primary: str | None) -> Cvm | None:
     query = select(Cvm).where(
         col(Cvm.team) == team,
-        col(Cvm.kind) == "security",
+        col(Cvm.kind) == CvmKind.security,
         col(Cvm.replica_index) == index,
-        col(Cvm.state) != "destroyed",
+        col(Cvm.state) != CvmState.destroyed,
     )
     query = query.where(
         col(Cvm.replica_of).is_(None) if primary is None else col(Cvm.replica_of) == primary
@@ -82,10 +85,10 @@ def _create(session: Session, team: str, index: int, primary: str | None, actor:
         id="cvm_" + secrets.token_hex(8),
         team=team,
         name=_name(session, team, actor, index),
-        kind="security",
+        kind=CvmKind.security,
         owner=actor,
         provider=TEAM_STACK_PROVIDER,
-        state="running",  # as the stack runs it; `failed` if its enrollment is refused
+        state=CvmState.pending,  # until it enrolls (`running`); `failed` if that is refused
         replica_of=primary,
         replica_index=index,
         created_by=actor,
@@ -93,7 +96,7 @@ def _create(session: Session, team: str, index: int, primary: str | None, actor:
     session.add(cvm)
     session.flush()
     audit.append(
-        session, actor=actor, team=team, action="cvm.register_replica", target=cvm.id,
+        session, actor=actor, team=team, action=AuditAction.cvm_register_replica, target=cvm.id,
         details={"replica": index, "pool": primary or cvm.id, "provider": TEAM_STACK_PROVIDER},
     )  # fmt: skip
     return cvm

@@ -12,8 +12,10 @@ import logging
 from pydantic import ValidationError
 
 from umbra.attest.measurement import ReleaseManifest
+from umbra.attest.session_info import SessionInfo
+from umbra.console.enums import CvmState
 from umbra.console.models import Cvm
-from umbra.contracts.session import HOST_FIREWALL_EVENT, SessionInfo, SessionState, SshIngress
+from umbra.contracts.session import HOST_FIREWALL_EVENT, SessionState, SshIngress
 
 log = logging.getLogger("umbra.console.session")
 INGRESS_KEY = "ssh_ingress"
@@ -23,7 +25,7 @@ EVENTS_KEY = "expected_events"
 
 
 def session_info(cvm: Cvm) -> SessionInfo:
-    state = {"running": SessionState.running, "stopped": SessionState.stopped}.get(
+    state = {CvmState.running: SessionState.running, CvmState.stopped: SessionState.stopped}.get(
         cvm.state, SessionState.other
     )
     ingress: SshIngress | None = None

@@ -14,6 +14,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session
 
+from umbra.console import audit
 from umbra.console.config import Settings
 from umbra.console.db import WriteGate
 from umbra.console.envelope import KeyEncryptionKeys
@@ -66,10 +67,13 @@ class Console:
         the other and each reads what the previous committed: every race has one defined outcome.
         This also covers rows that do not exist yet (a first secret PUT), which row locks cannot.
         On SQLite the write gate already serializes every writer."""
-        with self.write_gate, self.session() as session, session.begin():
-            for key in sorted(set(locks)):
-                self.lock(session, key)
-            yield session
+        with self.write_gate, self.session() as session:
+            with session.begin():
+                for key in sorted(set(locks)):
+                    self.lock(session, key)
+                yield session
+            # Committed: count the audit entries it appended, wherever they were appended.
+            self.metrics.audit_entries.inc(audit.take_appended(session))
 
     def lock(self, session: Session, name: str) -> None:
         """Take one more named lock inside a write transaction (after those it already holds)."""

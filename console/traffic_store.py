@@ -18,12 +18,9 @@ from sqlalchemy.orm import Session
 
 from umbra.contracts.traffic import TrafficRecord
 
-RECORD_COLUMNS = (
-    "id", "time", "kind", "cvm_id", "owner", "team", "policy_hash", "method", "connect_host", "sni",
-    "host", "port", "pinned_ip", "path", "query_keys", "decision", "rule_id", "reason", "status",
-    "bytes_sent", "bytes_received", "duration_ms", "scan_rule_ids", "injected_headers", "detail",
-    "truncated",
-)  # fmt: skip
+# The contract's fields, in its order: one definition (tests/console/test_traffic_fields.py ties
+# the table and the API's response model to it).
+RECORD_COLUMNS = tuple(TrafficRecord.model_fields)
 COLUMNS = (*RECORD_COLUMNS, "security_cvm_id", "received_at")
 JSON_COLUMNS = frozenset({"query_keys", "scan_rule_ids", "injected_headers", "truncated"})
 RECORDS = TypeAdapter(list[TrafficRecord])

@@ -2,7 +2,7 @@
 
 A booted CVM trades the one-time token its launch data carries, plus a quote binding a key it
 generated inside the TEE, for its long-lived credential, HPKE-sealed to that key
-(docs/specs/embedded.md, "Enrollment"). The client side lives in `contracts/enroll_client.py`.
+(docs/specs/embedded.md, "Enrollment"). The client side lives in `attest/enroll_client.py`.
 """
 
 from __future__ import annotations

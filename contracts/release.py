@@ -11,7 +11,9 @@ from __future__ import annotations
 import hashlib
 
 from cryptography.hazmat.primitives import hpke
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from umbra.contracts.model import Strict
 
 REPORT_DATA_CONTEXT = b"umbra-secret-release-v1\x00"
 HPKE_INFO_CONTEXT = b"umbra-secret-release-v1"
@@ -33,8 +35,7 @@ def hpke_info(security_cvm_id: str, nonce: str) -> bytes:
     return HPKE_INFO_CONTEXT + b"\x00" + security_cvm_id.encode() + b"\x00" + nonce.encode()
 
 
-class ReleasedSecret(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class ReleasedSecret(Strict):
     ref: str
     owner: str | None
     hosts: list[str]
@@ -42,10 +43,9 @@ class ReleasedSecret(BaseModel):
     value: str = Field(repr=False, description="Base64 of the secret's bytes.")
 
 
-class ReleaseDocument(BaseModel):
+class ReleaseDocument(Strict):
     """The sealed plaintext."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
     security_cvm_id: str
     nonce: str
     secrets: list[ReleasedSecret]

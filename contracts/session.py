@@ -2,7 +2,8 @@
 
 The Console serves it (`GET /api/v1/cvms/{id}/session`) and `umbra ssh-proxy` parses it; none of
 it is trusted on its own: the client checks every item against the Dev CVM's quote (see
-docs/specs/session.md). Defined once here so both ends agree on fields and limits.
+docs/specs/session.md). Defined once here so both ends agree on fields and limits; the document
+itself, `SessionInfo`, names an attestation type and so lives in `umbra.attest.session_info`.
 """
 
 from __future__ import annotations
@@ -10,9 +11,9 @@ from __future__ import annotations
 import enum
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field
 
-from umbra.attest.measurement import ReleaseManifest, canonical_ssh_key
+from umbra.contracts.model import Strict
 
 SESSION_API = "/api/v1/cvms/{cvm_id}/session"
 CVM_ID_EVENT = "umbra.cvm-id"
@@ -33,31 +34,8 @@ class SessionState(enum.StrEnum):
     other = "other"
 
 
-class SshIngress(BaseModel):
+class SshIngress(Strict):
     """Where the Dev CVM's attested SSH ingress listens (an address, not a trust anchor)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     host: Annotated[str, Field(pattern=_HOST)]
     port: int = Field(ge=1, le=65535)
-
-
-class SessionInfo(BaseModel):
-    """One Dev CVM as the SSH client needs it."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    cvm_id: str = Field(pattern=r"^[A-Za-z0-9._-]{1,128}$")
-    name: str
-    state: SessionState
-    ingress: SshIngress | None
-    release: ReleaseManifest | None
-    ssh_authorized_keys: list[str] = Field(default_factory=list, max_length=32)
-    # A cloud Dev CVM's launch-bound host firewall (LaunchData.expected_events()'s
-    # umbra.host-firewall: SHA-256 of the ruleset, hex); None where none was launched.
-    host_firewall_sha256: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
-
-    @field_validator("ssh_authorized_keys")
-    @classmethod
-    def _keys(cls, keys: list[str]) -> list[str]:
-        return [canonical_ssh_key(k) for k in keys]

@@ -28,6 +28,8 @@ from pydantic import (
     ValidationError,
 )
 
+from umbra.contracts.validation import location
+
 MAX_HOST = 260  # a 253-octet name, ':' and a port, or a bracketed IPv6 literal with a port
 MAX_PATH = 8192
 MAX_METHOD = 32
@@ -242,6 +244,6 @@ def describe(error: ValidationError) -> str:
     """Where and why a record failed, never the submitted values."""
     parts = []
     for item in error.errors(include_input=False, include_url=False)[:8]:
-        where = ".".join(str(part) for part in item["loc"]) or "record"
+        where = location(item["loc"], "record")
         parts.append(f"{where}: {item['type']}")
     return "; ".join(parts)

@@ -26,6 +26,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from umbra.contracts.canonical import canonical_json
 from umbra.contracts.names import CVM_ID_PATTERN, check_host
 
 VERSION = 1
@@ -39,6 +40,14 @@ _TUNNEL = re.compile(r"^[a-z][a-z0-9-]{0,30}$")
 
 class HeaderError(Exception):
     """The identity header is malformed; the tunnel endpoint must drop the connection."""
+
+
+class HeaderClosed(HeaderError):
+    """The peer closed the session before a whole header arrived."""
+
+
+class HeaderTooLarge(HeaderError):
+    """The header's length prefix is outside 2..MAX_HEADER (refused before buffering it)."""
 
 
 @dataclass(frozen=True)
@@ -81,7 +90,7 @@ class TunnelHeader:
 
 
 def encode_header(header: TunnelHeader) -> bytes:
-    body = json.dumps(header.to_json(), sort_keys=True, separators=(",", ":")).encode()
+    body = canonical_json(header.to_json(), ascii_only=True)
     if len(body) > MAX_HEADER:
         raise HeaderError(f"header of {len(body)} bytes exceeds {MAX_HEADER}")
     return struct.pack(">I", len(body)) + body
@@ -119,20 +128,27 @@ def parse_length(prefix: bytes) -> int:
 
 
 async def read_header(recv: Callable[[int], Awaitable[bytes]]) -> tuple[TunnelHeader, bytes]:
-    """The tunnel endpoint's side: read one header from `recv` (e.g. ATLSConnection.recv).
+    """The tunnel endpoint's side (`proxy/tunnel.py`): read exactly one header from `recv` (e.g.
+    ATLSConnection.recv), never a byte past it, and return it with the bytes that came with it.
 
-    Returns the header and any application bytes that arrived with it.
-    """
+    Raises `HeaderClosed`, `HeaderTooLarge` or (fields) `HeaderError`; a field's message may quote
+    what the peer sent, so the endpoint logs its own words for it."""
     buf = b""
     need = 4
     while len(buf) < need:
         chunk = await recv(max(need - len(buf), 1))
         if not chunk:
-            raise HeaderError("connection closed before the identity header")
+            raise HeaderClosed("connection closed before the identity header")
         buf += chunk
         if need == 4 and len(buf) >= 4:
-            need = 4 + parse_length(buf[:4])
-    return decode_header_body(buf[4:need]), buf[need:]
+            try:
+                need = 4 + parse_length(buf[:4])
+            except HeaderError as exc:
+                raise HeaderTooLarge(str(exc)) from None
+    try:
+        return decode_header_body(buf[4:need]), buf[need:]
+    except (TypeError, ValueError):
+        raise HeaderError("header fields are invalid") from None
 
 
 def encode_ca_reply(pem: bytes) -> bytes:

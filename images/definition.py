@@ -10,19 +10,17 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, model_validator
 
 from umbra.attest.errors import PolicyFileError
 from umbra.attest.measurement import Hex48, load_release_manifest
+from umbra.contracts.model import Strict as _Strict
+from umbra.contracts.validation import lines
 from umbra.sandbox.models import DevCvmInputs, SecurityCvmInputs
 
 
 class DefinitionError(Exception):
     """An image definition cannot be used; the message names the file and field."""
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 class BaseMeasurements(_Strict):
@@ -111,10 +109,7 @@ def parse_definition(doc: Any, source: str = "<definition>") -> ImageDefinition:
     try:
         return _check_tee(model.model_validate(doc))
     except ValidationError as exc:
-        msgs = [
-            f"{source}: {'.'.join(str(p) for p in e['loc']) or '(top level)'}: {e['msg']}"
-            for e in exc.errors()
-        ]
+        msgs = [f"{source}: {line}" for line in lines(exc, "(top level)")]
         raise DefinitionError("\n".join(msgs)) from None
 
 

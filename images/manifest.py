@@ -10,18 +10,15 @@ import hashlib
 from collections.abc import Mapping
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from umbra.attest.measurement import ReleaseManifest
+from umbra.contracts.model import Strict as _Strict
 from umbra.contracts.session import BOOT_ID_EVENT, SSH_HOST_KEY_EVENT
 from umbra.images.measure import CVM_ID_EVENT, Measurement
 from umbra.sandbox.render import canonical_json
 
 Sha256Hex = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 class RuntimeEventSpec(_Strict):

@@ -18,6 +18,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from umbra.contracts.validation import first_problem
 from umbra.images.build import (
     BuildError,
     _run,
@@ -92,9 +93,7 @@ def load_os_definition(path: Path) -> OsDefinition:
     except (OSError, yaml.YAMLError) as exc:
         raise BuildError(f"{path}: cannot read: {exc}") from None
     except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise BuildError(f"{path}: {where}: {first['msg']}") from None
+        raise BuildError(f"{path}: {first_problem(exc)}") from None
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,9 @@ from typing import Any
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ConfigDict, Field, ValidationError
 
+from umbra.contracts.model import Strict as _Model
 from umbra.images.build import BuildResult
 from umbra.images.signing import key_id
 from umbra.sandbox.render import canonical_json
@@ -31,10 +32,6 @@ BUILD_TYPE = "https://umbra.dev/image-build/v1"
 
 class ProvenanceError(Exception):
     """A provenance envelope is refused; the message says why."""
-
-
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 class Digest(_Model):

@@ -24,6 +24,7 @@ from pydantic import Field, ValidationError, model_validator
 from umbra.contracts import keys
 from umbra.contracts.canonical import canonical_json
 from umbra.contracts.keys import key_id
+from umbra.contracts.validation import first_problem
 from umbra.policy.compiled import CompiledProfile
 from umbra.policy.compose import CompositionError, EffectivePolicy
 from umbra.policy.model import StrictModel
@@ -181,9 +182,7 @@ def _find_valid_signature(
 
 
 def _first_error(exc: ValidationError) -> str:
-    error = exc.errors()[0]
-    where = ".".join(str(part) for part in error["loc"])
-    return f"{where}: {error['msg']}" if where else error["msg"]
+    return first_problem(exc)
 
 
 def generate_key() -> Ed25519PrivateKey:

@@ -2,15 +2,15 @@
 `--enroll-token-file`, the proxy enrolls (a key generated here, a quote from this TD's quote
 source binding it) and persists the sealed credential it receives to `--console-credential-file`
 (0600). Later starts use the stored credential and never spend the token again
-(contracts/enroll_client.py). Runs once, before any worker starts.
+(attest/enroll_client.py). Runs once, before any worker starts.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+from umbra.attest.enroll_client import EnrollError, ensure_credential
 from umbra.attest.eventlog import Event
-from umbra.contracts.enroll_client import EnrollError, ensure_credential
 from umbra.proxy.runner import ProxyConfig, StartupError, config_evidence, console_verify
 
 

@@ -26,7 +26,9 @@ from pathlib import Path
 from typing import Annotated, Protocol
 
 import yaml
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, Field, ValidationError
+
+from umbra.contracts.model import Strict as _Strict
 
 _SHA256_HEX = 64
 
@@ -67,10 +69,6 @@ def _check_sha256(value: str) -> str:
 
 SourceRange = Annotated[str, AfterValidator(_check_source)]
 Sha256Hex = Annotated[str, AfterValidator(_check_sha256)]
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 class CvmEntry(_Strict):

@@ -109,19 +109,6 @@ class Spool:
             self._written.notify_all()
 
 
-def read_records(directory: Path) -> list[dict[str, object]]:
-    """Every complete record in the spool, oldest first (a torn last line is skipped)."""
-    out: list[dict[str, object]] = []
-    for path in segments(directory):
-        for line in path.read_bytes().split(b"\n"):
-            if line:
-                try:
-                    out.append(json.loads(line))
-                except ValueError:
-                    continue
-    return out
-
-
 class Shipper:
     """Ships spooled records to the Console in order; a non-2xx answer means 'retry later'."""
 

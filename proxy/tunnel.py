@@ -31,25 +31,20 @@ from umbra.attest.eventlog import Event
 from umbra.attest.quote_source import QuoteSource
 from umbra.contracts.traffic import Decision, Kind, TrafficRecord
 from umbra.contracts.tunnel_header import (
+    HeaderClosed,
     HeaderError,
+    HeaderTooLarge,
     TunnelHeader,
-    decode_header_body,
     encode_ca_reply,
-    parse_length,
+    read_header,
 )
+from umbra.proxy.addons.reasons import Reason
 from umbra.proxy.identity import CvmIdentity, StaticIdentities
 from umbra.proxy.tunnel_identities import TunnelIdentities
 
 logger = logging.getLogger(__name__)
 
 MAX_CONNECT_RESPONSE = 8192
-
-
-class Refused(Exception):
-    def __init__(self, reason: str, detail: str = "") -> None:
-        super().__init__(reason)
-        self.reason = reason
-        self.detail = detail
 
 
 @dataclass
@@ -90,7 +85,7 @@ class TunnelEndpoint:
             on_error=self._atls_failed,
         )
 
-    def _refuse(self, reason: str, detail: str, identity: CvmIdentity | None = None) -> None:
+    def _refuse(self, reason: Reason, detail: str, identity: CvmIdentity | None = None) -> None:
         self.stats.refused[reason] = self.stats.refused.get(reason, 0) + 1
         logger.warning("tunnel refused: %s", reason)
         self.emit(
@@ -107,25 +102,28 @@ class TunnelEndpoint:
 
     def _atls_failed(self, exc: ATLSError) -> None:
         # The message may describe the peer's bytes; only say that the handshake failed.
-        self._refuse("tunnel_atls_failed", "aTLS handshake failed or timed out")
+        self._refuse(Reason.TUNNEL_ATLS_FAILED, "aTLS handshake failed or timed out")
 
     async def handle(self, conn: ATLSConnection) -> None:
         try:
-            header, rest = await asyncio.wait_for(_read_header(conn), self.header_timeout)
+            header, rest = await asyncio.wait_for(read_header(conn.recv), self.header_timeout)
         except TimeoutError:
-            return self._refuse("tunnel_header_timeout", "no identity header in time")
-        except Refused as exc:
-            return self._refuse(exc.reason, exc.detail)
-        except (ATLSError, ConnectionError, OSError):
-            return self._refuse("tunnel_closed", "session ended before the identity header")
+            return self._refuse(Reason.TUNNEL_HEADER_TIMEOUT, "no identity header in time")
+        except HeaderTooLarge as exc:
+            return self._refuse(Reason.TUNNEL_HEADER_TOO_LARGE, str(exc))
+        except (HeaderClosed, ATLSError, ConnectionError, OSError):
+            return self._refuse(Reason.TUNNEL_CLOSED, "session ended before the identity header")
+        except HeaderError:
+            # Not the parser's message: it may quote what the client sent.
+            return self._refuse(Reason.TUNNEL_MALFORMED_HEADER, "header fields are invalid")
         claimed = f"claimed cvm_id {header.cvm_id}"
         identity = self.identities.lookup(header.cvm_id)
         if identity is None:
-            return self._refuse("tunnel_unknown_cvm", claimed)
+            return self._refuse(Reason.TUNNEL_UNKNOWN_CVM, claimed)
         if header.credential is None:
-            return self._refuse("tunnel_missing_credential", claimed)
+            return self._refuse(Reason.TUNNEL_MISSING_CREDENTIAL, claimed)
         if not self.identities.credential_matches(header.cvm_id, header.credential):
-            return self._refuse("tunnel_bad_credential", claimed)
+            return self._refuse(Reason.TUNNEL_BAD_CREDENTIAL, claimed)
         try:
             if header.mode == "ca":
                 await self._send_ca(conn, identity)
@@ -140,7 +138,9 @@ class TunnelEndpoint:
                 raise OSError("no CA configured")
             reply = encode_ca_reply(self.ca_file.read_bytes())
         except (OSError, HeaderError):
-            return self._refuse("tunnel_no_ca", "the interception CA cannot be served", identity)
+            return self._refuse(
+                Reason.TUNNEL_NO_CA, "the interception CA cannot be served", identity
+            )
         await conn.send(reply)
         self.stats.ca_served += 1
 
@@ -166,7 +166,7 @@ class TunnelEndpoint:
                 )
                 reader, writer = await asyncio.open_connection(sock=sock)
             except (OSError, TimeoutError, ValueError):
-                return self._refuse("tunnel_proxy_unreachable", "", identity)
+                return self._refuse(Reason.TUNNEL_PROXY_UNREACHABLE, "", identity)
             if header.mode == "tunnel":
                 assert header.host is not None and header.port is not None
                 if not await _connect(reader, writer, header.host, header.port):
@@ -185,30 +185,6 @@ class TunnelEndpoint:
                 sock.close()
             if registered is not None:
                 self.registry.unregister(*registered)
-
-
-async def _exact(conn: ATLSConnection, n: int, buf: bytearray) -> None:
-    while len(buf) < n:
-        chunk = await conn.recv(n - len(buf))
-        if not chunk:
-            raise Refused("tunnel_closed", "session ended before the identity header")
-        buf += chunk
-
-
-async def _read_header(conn: ATLSConnection) -> tuple[TunnelHeader, bytes]:
-    buf = bytearray()
-    await _exact(conn, 4, buf)
-    try:
-        length = parse_length(bytes(buf[:4]))
-    except HeaderError as exc:
-        raise Refused("tunnel_header_too_large", str(exc)) from None
-    await _exact(conn, 4 + length, buf)
-    try:
-        header = decode_header_body(bytes(buf[4 : 4 + length]))
-    except (HeaderError, TypeError, ValueError):
-        # Not the parser's message: it may quote what the client sent.
-        raise Refused("tunnel_malformed_header", "header fields are invalid") from None
-    return header, bytes(buf[4 + length :])
 
 
 async def _connect(

@@ -12,8 +12,10 @@ from typing import Annotated, Literal
 from pydantic import Field, ValidationError, model_validator
 
 from umbra.attest.measurement import ReleaseManifest
+from umbra.contracts.model import Strict
 from umbra.contracts.names import CVM_ID_PATTERN
-from umbra.sandbox.models import Endpoint, Host, Port, Strict, Tunnel
+from umbra.contracts.validation import lines
+from umbra.sandbox.models import Endpoint, Host, Port, Tunnel
 
 
 class ForwarderConfigError(Exception):
@@ -135,10 +137,7 @@ def load_forwarder_config(path: Path) -> ForwarderConfig:
     try:
         return ForwarderConfig.model_validate(doc)
     except ValidationError as exc:
-        msgs = [
-            f"{path}: {'.'.join(str(p) for p in e['loc']) or '(top level)'}: {e['msg']}"
-            for e in exc.errors()
-        ]
+        msgs = [f"{path}: {line}" for line in lines(exc, "(top level)")]
         raise ForwarderConfigError("\n".join(msgs)) from None
 
 

@@ -1,4 +1,4 @@
-"""The Dev CVM's tunnel credential, only after attestation (contracts/enroll_client.py).
+"""The Dev CVM's tunnel credential, only after attestation (attest/enroll_client.py).
 
 The forwarder (or, on one machine, the local provider before it starts the forwarder: the
 Console listens on loopback, which the forwarder's namespace cannot reach) trades the one-time
@@ -14,12 +14,12 @@ import ipaddress
 from collections.abc import Sequence
 from pathlib import Path
 
+from umbra.attest.enroll_client import EnrollError, ensure_credential
 from umbra.attest.errors import AttestError
 from umbra.attest.eventlog import Event, load_event_log
 from umbra.attest.quote_source import ConfigfsTsmSource, QuoteSource, SimulatedSource
 from umbra.attest.simpki import SimulatedPki
 from umbra.attest.simulator import SimulatedTdx
-from umbra.contracts.enroll_client import EnrollError, ensure_credential
 from umbra.contracts.session import CVM_ID_EVENT
 from umbra.sandbox.forwarder_config import (
     Enrollment,

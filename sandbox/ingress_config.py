@@ -9,15 +9,14 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, model_validator
+
+from umbra.contracts.model import Strict as _Strict
+from umbra.contracts.validation import lines
 
 
 class IngressConfigError(Exception):
     """The configuration or a launch file cannot be used; the message says which and why."""
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 class Listen(_Strict):
@@ -118,8 +117,5 @@ def load_ingress_config(path: Path) -> IngressConfig:
     try:
         return IngressConfig.model_validate(doc)
     except ValidationError as exc:
-        msgs = [
-            f"{path}: {'.'.join(str(p) for p in e['loc']) or '(top level)'}: {e['msg']}"
-            for e in exc.errors()
-        ]
+        msgs = [f"{path}: {line}" for line in lines(exc, "(top level)")]
         raise IngressConfigError("\n".join(msgs)) from None

@@ -12,9 +12,10 @@ import ipaddress
 import re
 from typing import Annotated, Final
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, Field, model_validator
 
 from umbra.attest.measurement import ReleaseManifest
+from umbra.contracts.model import Strict
 from umbra.contracts.names import check_host
 
 # name[:tag]@sha256:<64 hex>. A tag is informative only: the digest is what gets pulled.
@@ -37,10 +38,6 @@ def check_image_ref(ref: str) -> str:
 ImageRef = Annotated[str, AfterValidator(check_image_ref)]
 Host = Annotated[str, AfterValidator(check_host)]
 Port = Annotated[int, Field(ge=1, le=65535)]
-
-
-class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 class Endpoint(Strict):

@@ -9,10 +9,12 @@ from sqlalchemy import select
 from sqlmodel import col
 
 from umbra.console.db import as_utc
-from umbra.console.deps import ConsoleDep, UserDep, require_role
+from umbra.console.deps import ConsoleDep, UserDep
+from umbra.console.enums import Role
 from umbra.console.models import AuditEntry
 from umbra.console.routes.common import TeamPath
 from umbra.console.schemas import AuditEntryOut, AuditPage
+from umbra.console.services.access import require_role
 
 router = APIRouter(prefix="/api/v1/teams/{team}/audit", tags=["audit"])
 
@@ -25,7 +27,7 @@ def list_audit(
     after: Annotated[int, Query(ge=0, le=(1 << 31) - 1)] = 0,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
 ) -> AuditPage:
-    require_role(user, team, "admin")
+    require_role(user, team, Role.admin)
     with console.session() as session:
         rows = list(
             session.execute(

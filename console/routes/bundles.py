@@ -8,11 +8,15 @@ from sqlalchemy.orm import Session
 from sqlmodel import col
 from starlette.concurrency import run_in_threadpool
 
-from umbra.console import audit, team_defaults
-from umbra.console.deps import ConsoleDep, User, UserDep, require_role
+from umbra.console import audit
+from umbra.console.deps import ConsoleDep, UserDep
+from umbra.console.enums import AuditAction, CvmKind, CvmState, Role
 from umbra.console.models import Cvm, PolicyBundle
-from umbra.console.routes.common import TeamPath, current_bundle, policy_lock
+from umbra.console.routes.common import TeamPath
 from umbra.console.schemas import BundleInfo
+from umbra.console.services import team_defaults
+from umbra.console.services.access import User, policy_lock, require_role
+from umbra.console.services.policy import current_bundle
 from umbra.console.state import Console
 from umbra.policy.bundle import BundleError, VerifiedBundle, verify_bundle
 
@@ -42,7 +46,7 @@ def bundle_info(row: PolicyBundle) -> BundleInfo:
 async def upload_bundle(
     team: TeamPath, request: Request, response: Response, console: ConsoleDep, user: UserDep
 ) -> BundleInfo:
-    require_role(user, team, "admin")
+    require_role(user, team, Role.admin)
     raw = await request.body()
     return await run_in_threadpool(_store, console, user, team, raw, response)
 
@@ -82,13 +86,12 @@ def _store(console: Console, user: User, team: str, raw: bytes, response: Respon
             session,
             actor=user.subject,
             team=team,
-            action="policy.upload",
+            action=AuditAction.policy_upload,
             target=bundle.hash,
             details={"serial": bundle.serial, "keyid": bundle.keyid, "profiles": row.profiles},
         )
         session.flush()
         info = bundle_info(row)
-    console.metrics.audit_entries.inc()
     console.notifier.notify()
     return info
 
@@ -96,7 +99,9 @@ def _store(console: Console, user: User, team: str, raw: bytes, response: Respon
 def _check_attachments_still_compose(session: Session, team: str, bundle: VerifiedBundle) -> None:
     cvms = session.execute(
         select(Cvm).where(
-            col(Cvm.team) == team, col(Cvm.kind) == "dev", col(Cvm.state) != "destroyed"
+            col(Cvm.team) == team,
+            col(Cvm.kind) == CvmKind.dev,
+            col(Cvm.state) != CvmState.destroyed,
         )
     ).scalars()
     broken = []
@@ -128,7 +133,7 @@ def _check_attachments_still_compose(session: Session, team: str, bundle: Verifi
 
 @router.get("", summary="List the team's bundles, newest first (admin, developer).")
 def list_bundles(team: TeamPath, console: ConsoleDep, user: UserDep) -> list[BundleInfo]:
-    require_role(user, team, "admin", "developer")
+    require_role(user, team, Role.admin, Role.developer)
     with console.session() as session:
         rows = session.execute(
             select(PolicyBundle)

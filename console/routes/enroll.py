@@ -11,32 +11,31 @@ from typing import Annotated
 
 from fastapi import APIRouter, HTTPException, Path, status
 from fastapi.concurrency import run_in_threadpool
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from umbra.console import audit, enrollment, security_pool
-from umbra.console.deps import ConsoleDep, UserDep, require_role
+from umbra.console.deps import ConsoleDep, UserDep
 from umbra.console.enrollment import EnrollEvidence, EnrollmentRefused
-from umbra.console.routes.common import CvmIdPath, TeamPath, visible_cvm
+from umbra.console.enums import AuditAction, CvmState, Role
+from umbra.console.routes.common import CvmIdPath, TeamPath
 from umbra.console.schemas import EnrollmentToken, SecurityReplicaToken
+from umbra.console.services.access import require_role, visible_cvm
 from umbra.console.state import Console
+from umbra.contracts.model import Strict
 
 router = APIRouter(prefix="/api/v1", tags=["enrollment"])
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class ChallengeRequest(_Strict):
+class ChallengeRequest(Strict):
     token: str = Field(min_length=8, max_length=128)
 
 
-class EnrollChallenge(_Strict):
+class EnrollChallenge(Strict):
     nonce: str
     report_data_rule: str
 
 
-class Enrolled(_Strict):
+class Enrolled(Strict):
     cvm_id: str
     sealed_credential: str = Field(description="Base64 HPKE enc ‖ ciphertext of the credential.")
 
@@ -49,8 +48,8 @@ class Enrolled(_Strict):
 def create_token(cvm_id: CvmIdPath, console: ConsoleDep, user: UserDep) -> EnrollmentToken:
     with console.write() as session:
         cvm = visible_cvm(session, user, cvm_id)
-        require_role(user, cvm.team, "admin")
-        if cvm.state == "destroyed":
+        require_role(user, cvm.team, Role.admin)
+        if cvm.state == CvmState.destroyed:
             raise HTTPException(status.HTTP_409_CONFLICT, f"CVM {cvm_id} is destroyed")
         token, expires = enrollment.issue_token(session, cvm, user.subject)
     return EnrollmentToken(cvm_id=cvm_id, token=token, expires_at=expires)
@@ -71,7 +70,7 @@ def replica_token(
 ) -> SecurityReplicaToken:
     """Idempotent per replica: the record is created once, every call mints a fresh one-time
     token (for a replica that booted after its token expired, or a relaunched VM)."""
-    require_role(user, team, "admin")
+    require_role(user, team, Role.admin)
     with console.write(security_pool.pool_lock(team)) as session:
         try:
             cvm, token, expires, created = security_pool.register(
@@ -101,13 +100,13 @@ def _refused(console: Console, token: str, exc: EnrollmentRefused) -> HTTPExcept
             row.nonce = None
             session.add(row)
         audit.append(
-            session, actor=f"cvm:{target}", team=team, action="cvm.enroll_refused",
+            session, actor=f"cvm:{target}", team=team, action=AuditAction.cvm_enroll_refused,
             target=target, details={"reason": exc.reason.value},
         )  # fmt: skip
         if enrollment.mark_unprovisionable(session, token, exc.reason):
             audit.append(
-                session, actor="umbra-console", team=team, action="cvm.provisioned",
-                target=target, details={"operation": "enroll", "state": "failed",
+                session, actor="umbra-console", team=team, action=AuditAction.cvm_provisioned,
+                target=target, details={"operation": "enroll", "state": CvmState.failed,
                                         "reason": enrollment.FAILED_PREFIX + exc.reason.value},
             )  # fmt: skip
     if exc.reason.value in enrollment.PROVISIONING_FAILURES:

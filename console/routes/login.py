@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 from fastapi import APIRouter
-from pydantic import BaseModel, ConfigDict
 
 from umbra.console.deps import ConsoleDep
+from umbra.contracts.model import Strict
 
 router = APIRouter(prefix="/api/v1", tags=["identity"])
 CLI_CLIENT_ID = "umbra-cli"
 
 
-class LoginInfo(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class LoginInfo(Strict):
     issuer: str | None
     audience: str
     client_id: str

@@ -21,6 +21,7 @@ from starlette.concurrency import run_in_threadpool
 
 from umbra.console import audit
 from umbra.console.deps import ConsoleDep, SecurityCvmDep, require_same_cvm
+from umbra.console.enums import AuditAction, CvmKind, CvmState, Scope
 from umbra.console.envelope import EnvelopeError, Sealed, open_sealed, secret_aad
 from umbra.console.longpoll import watch
 from umbra.console.models import Cvm, ReleaseNonce, Secret, utcnow
@@ -31,10 +32,12 @@ from umbra.console.release import (
     hpke_info,
     seal_release,
 )
-from umbra.console.routes.common import CvmIdPath, current_bundle
+from umbra.console.routes.common import CvmIdPath
 from umbra.console.schemas import AttachmentsDoc, ReleaseChallenge, ReleaseResponse
 from umbra.console.security_pool import pool_id
+from umbra.console.services.policy import current_bundle
 from umbra.console.state import Console
+from umbra.contracts.canonical import canonical_json
 from umbra.contracts.release import ReleaseDocument, ReleasedSecret
 
 router = APIRouter(prefix="/api/v1/security-cvms/{cvm_id}", tags=["security-cvm"])
@@ -88,8 +91,8 @@ def attachments_document(console: Console, caller: Cvm) -> dict[str, Any]:
             .where(
                 col(Cvm.security_cvm_id) == pool_id(caller),
                 col(Cvm.team) == caller.team,
-                col(Cvm.kind) == "dev",
-                col(Cvm.state) != "destroyed",
+                col(Cvm.kind) == CvmKind.dev,
+                col(Cvm.state) != CvmState.destroyed,
             )
             .order_by(col(Cvm.id))
         ).scalars()
@@ -109,8 +112,7 @@ def attachments_document(console: Console, caller: Cvm) -> dict[str, Any]:
 
 
 def document_etag(document: dict[str, Any]) -> str:
-    body = json.dumps(document, sort_keys=True, separators=(",", ":")).encode()
-    return "sha256:" + hashlib.sha256(body).hexdigest()
+    return "sha256:" + hashlib.sha256(canonical_json(document, ascii_only=True)).hexdigest()
 
 
 @router.get(
@@ -152,7 +154,7 @@ def secrets_version(console: Console, caller: Cvm) -> str:
                 select(col(Cvm.owner)).where(
                     col(Cvm.security_cvm_id) == pool_id(caller),
                     col(Cvm.team) == caller.team,
-                    col(Cvm.state) != "destroyed",
+                    col(Cvm.state) != CvmState.destroyed,
                 )
             ).scalars()
         )
@@ -169,7 +171,7 @@ def secrets_version(console: Console, caller: Cvm) -> str:
     items = sorted(
         [str(row_id), scope, owner or "", name, int(version), sorted(hosts or [])]
         for row_id, scope, owner, name, version, hosts in rows
-        if scope != "personal" or owner in owners
+        if scope != Scope.personal or owner in owners
     )
     return document_etag({"secrets": items})
 
@@ -293,7 +295,7 @@ def _release(console: Console, caller: Cvm, evidence: ReleaseEvidence) -> Releas
                 select(col(Cvm.owner)).where(
                     col(Cvm.security_cvm_id) == pool_id(caller),
                     col(Cvm.team) == caller.team,
-                    col(Cvm.state) != "destroyed",
+                    col(Cvm.state) != CvmState.destroyed,
                 )
             ).scalars()
         )
@@ -302,7 +304,7 @@ def _release(console: Console, caller: Cvm, evidence: ReleaseEvidence) -> Releas
         )
         released = []
         for row in rows:
-            if row.scope == "personal" and row.owner not in owners:
+            if row.scope == Scope.personal and row.owner not in owners:
                 continue
             aad = secret_aad(row.team, row.scope, row.owner, row.name, row.version)
             try:
@@ -326,7 +328,7 @@ def _release(console: Console, caller: Cvm, evidence: ReleaseEvidence) -> Releas
             session,
             actor=f"security-cvm:{caller.id}",
             team=caller.team,
-            action="secret.release",
+            action=AuditAction.secret_release,
             target=caller.id,
             details={"refs": sorted(f"{item['ref']}@{item['owner'] or ''}" for item in released)},
         )

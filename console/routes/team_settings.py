@@ -6,10 +6,10 @@ from typing import Annotated
 
 from fastapi import APIRouter, Header
 
-from umbra.console import team_defaults
-from umbra.console.deps import ConsoleDep, UserDep, require_role
+from umbra.console.deps import ConsoleDep, UserDep
 from umbra.console.routes.common import TeamPath
 from umbra.console.schemas import ProfilesUpdate, TeamDefaultProfiles
+from umbra.console.services import team_defaults
 
 router = APIRouter(prefix="/api/v1/teams/{team}", tags=["profiles"])
 
@@ -19,8 +19,7 @@ router = APIRouter(prefix="/api/v1/teams/{team}", tags=["profiles"])
     summary="The profiles attached to every Dev CVM launched in the team (admin).",
 )
 def get_default_profiles(team: TeamPath, console: ConsoleDep, user: UserDep) -> TeamDefaultProfiles:
-    require_role(user, team, "admin")
-    return team_defaults.get(console, team)
+    return team_defaults.get(console=console, user=user, team=team)
 
 
 @router.put(
@@ -41,5 +40,6 @@ def put_default_profiles(
         ),
     ] = None,
 ) -> TeamDefaultProfiles:
-    require_role(user, team, "admin")
-    return team_defaults.put(console, user, team, body.profiles, if_match)
+    return team_defaults.put(
+        console=console, user=user, team=team, profiles=body.profiles, if_match=if_match
+    )

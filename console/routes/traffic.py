@@ -2,21 +2,20 @@
 
 from __future__ import annotations
 
-import base64
-import binascii
-import json
+from dataclasses import replace
 from datetime import datetime
-from typing import Annotated, Literal
+from typing import Annotated
 
 from fastapi import APIRouter, HTTPException, Query, Request, status
 from fastapi.exceptions import RequestValidationError
-from sqlalchemy import Table, and_, or_, select
+from sqlalchemy import Table, select
 from starlette.concurrency import run_in_threadpool
 
 from umbra.console import ingest as ingest_service
 from umbra.console.db import as_utc
-from umbra.console.deps import ConsoleDep, SecurityCvmDep, UserDep, require_role
-from umbra.console.models import Cvm, TrafficQuarantine, TrafficRecord
+from umbra.console.deps import ConsoleDep, SecurityCvmDep, UserDep
+from umbra.console.enums import Role
+from umbra.console.models import Cvm, TrafficQuarantine
 from umbra.console.routes.common import TeamPath
 from umbra.console.schemas import (
     CVM_ID_PATTERN,
@@ -27,12 +26,14 @@ from umbra.console.schemas import (
     TrafficRecordOut,
     to_utc,
 )
+from umbra.console.services import traffic
+from umbra.console.services.access import require_role
 from umbra.console.state import Console
+from umbra.contracts.traffic import Decision
 
 router = APIRouter(prefix="/api/v1", tags=["traffic"])
 UNPROCESSABLE = status.HTTP_422_UNPROCESSABLE_CONTENT
 PRINTABLE = r"^[^\x00-\x1f\x7f]+$"
-TABLE: Table = TrafficRecord.__table__  # type: ignore[attr-defined]
 QUARANTINE: Table = TrafficQuarantine.__table__  # type: ignore[attr-defined]
 
 
@@ -86,7 +87,7 @@ def list_quarantine(
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     cursor: Annotated[int | None, Query(ge=1, le=(1 << 31) - 1)] = None,
 ) -> QuarantinePage:
-    require_role(user, team, "admin")
+    require_role(user, team, Role.admin)
     columns = QUARANTINE.c
     query = select(TrafficQuarantine).where(columns.team == team)
     if cursor is not None:
@@ -110,20 +111,6 @@ def list_quarantine(
     )
 
 
-def _encode_cursor(record: TrafficRecord) -> str:
-    raw = json.dumps([as_utc(record.time).isoformat(), record.id]).encode()
-    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
-
-
-def _decode_cursor(cursor: str) -> tuple[datetime, str]:
-    try:
-        raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
-        when, record_id = json.loads(raw)
-        return to_utc(datetime.fromisoformat(when)), str(record_id)
-    except (binascii.Error, ValueError, TypeError, OverflowError):
-        raise HTTPException(UNPROCESSABLE, "cursor: not a cursor this API returned") from None
-
-
 def _utc(value: datetime | None, name: str) -> datetime | None:
     if value is None:
         return None
@@ -144,7 +131,7 @@ def query_traffic(
     cvm_id: Annotated[str | None, Query(pattern=CVM_ID_PATTERN)] = None,
     owner: Annotated[str | None, Query(min_length=1, max_length=255, pattern=PRINTABLE)] = None,
     host: Annotated[str | None, Query(min_length=1, max_length=255, pattern=PRINTABLE)] = None,
-    decision: Literal["allow", "deny"] | None = None,
+    decision: Decision | None = None,
     reason: Annotated[str | None, Query(pattern=r"^[a-z0-9_]{1,64}$")] = None,
     rule_id: Annotated[str | None, Query(pattern=r"^[A-Za-z0-9._:/-]{1,160}$")] = None,
     since: Annotated[datetime | None, Query(description="Inclusive; naive times are UTC.")] = None,
@@ -152,73 +139,21 @@ def query_traffic(
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     cursor: Annotated[str | None, Query(max_length=512)] = None,
 ) -> TrafficPage:
-    role = require_role(user, team, "admin", "developer")
-    if role != "admin":
-        if owner is not None and owner != user.subject:
-            raise HTTPException(
-                status.HTTP_403_FORBIDDEN, "owner: developers see their own traffic"
-            )
-        owner = user.subject
-    return _query(
-        console,
+    filters = traffic.scoped(
+        user,
         team,
-        cvm_id,
-        owner,
-        host,
-        decision,
-        reason,
-        rule_id,
-        _utc(since, "since"),
-        _utc(until, "until"),
-        limit,
-        cursor,
+        traffic.TrafficFilters(
+            cvm=cvm_id, owner=owner, host=host, decision=decision, reason=reason, rule=rule_id
+        ),
     )
-
-
-def _query(
-    console: Console,
-    team: str,
-    cvm_id: str | None,
-    owner: str | None,
-    host: str | None,
-    decision: str | None,
-    reason: str | None,
-    rule_id: str | None,
-    since: datetime | None,
-    until: datetime | None,
-    limit: int,
-    cursor: str | None,
-) -> TrafficPage:
-    columns = TABLE.c
-    query = select(TrafficRecord).where(columns.team == team)
-    for column, value in (
-        (columns.cvm_id, cvm_id),
-        (columns.owner, owner),
-        (columns.host, host),
-        (columns.decision, decision),
-        (columns.reason, reason),
-        (columns.rule_id, rule_id),
-    ):
-        if value is not None:
-            query = query.where(column == value)
-    if since is not None:
-        query = query.where(columns.time >= since)
-    if until is not None:
-        query = query.where(columns.time < until)
-    if cursor is not None:
-        when, record_id = _decode_cursor(cursor)
-        query = query.where(
-            or_(columns.time < when, and_(columns.time == when, columns.id < record_id))
-        )
-    query = query.order_by(columns.time.desc(), columns.id.desc()).limit(limit + 1)
-    with console.session() as session:
-        rows = list(session.execute(query).scalars())
-    more = len(rows) > limit
-    rows = rows[:limit]
+    filters = replace(
+        filters, since=_utc(since, "since"), until=_utc(until, "until"), cursor=cursor
+    )
+    page = traffic.page(console=console, team=team, filters=filters, limit=limit)
     records = [
         TrafficRecordOut.model_validate(
             {**row.model_dump(exclude={"received_at"}), "time": as_utc(row.time)}
         )
-        for row in rows
+        for row in page.rows
     ]
-    return TrafficPage(records=records, next_cursor=_encode_cursor(rows[-1]) if more else None)
+    return TrafficPage(records=records, next_cursor=page.next_cursor)

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
 from datetime import UTC, datetime, timedelta
-from typing import Literal
 
 from umbra.console.schemas import CVM_ID_PATTERN
+from umbra.console.services.traffic import TrafficFilters
+from umbra.contracts.traffic import Decision
 
 MAX_VALUE = 255
 _PRINTABLE = re.compile(r"^[^\x00-\x1f\x7f]+$")
@@ -21,43 +21,10 @@ _CVM_ID = re.compile(CVM_ID_PATTERN)
 _REASON = re.compile(r"^[a-z0-9_]{1,64}$")
 _CURSOR = re.compile(r"^[A-Za-z0-9_-]{1,512}$")
 _RANGES = {"15m": 900, "1h": 3600, "6h": 6 * 3600, "24h": 86400, "7d": 7 * 86400, "30d": 30 * 86400}
-Decision = Literal["allow", "deny"]
 
 
 class FilterError(ValueError):
     """A filter value that is refused; the message names the field."""
-
-
-@dataclass(frozen=True)
-class TrafficFilters:
-    since: datetime | None = None
-    until: datetime | None = None
-    range: str | None = None
-    cvm: str | None = None
-    owner: str | None = None
-    host: str | None = None
-    decision: Decision | None = None
-    reason: str | None = None
-    rule: str | None = None
-    cursor: str | None = None
-
-    def query(self, **overrides: str | None) -> dict[str, str]:
-        """The filters as query parameters (for links), with `overrides` applied."""
-        values: dict[str, str] = {}
-        for item in fields(self):
-            value = getattr(self, item.name)
-            if item.name in ("since", "until") and value is not None and self.range is not None:
-                continue  # a relative range is re-evaluated on each load
-            if isinstance(value, datetime):
-                value = value.strftime("%Y-%m-%dT%H:%M")
-            if value is not None:
-                values[item.name] = str(value)
-        for key, override in overrides.items():
-            if override is None:
-                values.pop(key, None)
-            else:
-                values[key] = override
-        return values
 
 
 def _text(name: str, value: str) -> str:
@@ -103,9 +70,9 @@ def parse_filters(params: Mapping[str, str], now: datetime | None = None) -> Tra
         if name in values:
             out[name] = _text(name, values[name])
     if "decision" in values:
-        if values["decision"] not in ("allow", "deny"):
+        if values["decision"] not in tuple(Decision):
             raise FilterError("decision: allow or deny")
-        out["decision"] = values["decision"]
+        out["decision"] = Decision(values["decision"])
     if "reason" in values:
         if not _REASON.match(values["reason"]):
             raise FilterError("reason: lowercase letters, digits and _ (at most 64)")

@@ -1,5 +1,6 @@
-"""The web view's pages and forms (`/ui`). Handlers parse input and delegate to `queries` (reads)
-and `actions` (the API's own write functions); errors become HTML pages, never tracebacks."""
+"""The web view's pages and forms (`/ui`). Handlers parse input and delegate to the services the
+API uses (`console/services/`: traffic and CVM lists, writes through `actions`) and to `queries`
+(the web view's own reads); errors become HTML pages, never tracebacks."""
 
 from __future__ import annotations
 
@@ -14,12 +15,17 @@ from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Resp
 from fastapi.routing import APIRoute
 from starlette.concurrency import run_in_threadpool
 
-from umbra.console.deps import User
+from umbra.console.enums import Role
 from umbra.console.longpoll import long_poll
+from umbra.console.routes.errors import status_of
 from umbra.console.schemas import NAME_PATTERN
+from umbra.console.services import traffic as traffic_service
+from umbra.console.services.access import User
+from umbra.console.services.errors import ServiceError
 from umbra.console.state import Console
 from umbra.console.web import actions, login, queries
 from umbra.console.web.filters import RANGE_CHOICES, FilterError, parse_filters
+from umbra.console.web.queries import PAGE_SIZE
 from umbra.console.web.render import render, visible
 from umbra.console.web.session import (
     MAX_SESSION_SECONDS,
@@ -70,6 +76,8 @@ class WebRoute(APIRoute):
                 )
             except HTTPException as exc:
                 response = error_page(request, exc.status_code, str(exc.detail))
+            except ServiceError as exc:
+                response = error_page(request, status_of(exc), exc.detail)
             except FilterError as exc:
                 response = error_page(request, 422, str(exc))
             response.headers.update(SECURITY_HEADERS)
@@ -122,7 +130,7 @@ def _page(
         team=team,
         nav=nav,
         flash=flash[:300] if flash else None,
-        is_admin=team is not None and session.roles.get(team) == "admin",
+        is_admin=team is not None and session.roles.get(team) == Role.admin,
         **context,
     )
     return HTMLResponse(body)
@@ -221,9 +229,10 @@ def traffic(request: Request, team: str) -> Response:
     team = _team(team)
     console = _console(request)
     raw = dict(request.query_params)
-    filters = queries.scoped(session.user, team, parse_filters(raw))
-    page = queries.traffic_page(console, team, filters)
-    newest = queries.cursor_of(page.rows[0]) if page.rows and filters.cursor is None else None
+    filters = traffic_service.scoped(session.user, team, parse_filters(raw))
+    page = traffic_service.page(console=console, team=team, filters=filters, limit=PAGE_SIZE)
+    first = page.rows[0] if page.rows and filters.cursor is None else None
+    newest = traffic_service.encode_cursor(first) if first is not None else None
     return _page(
         request,
         session,
@@ -247,12 +256,12 @@ async def traffic_live(request: Request, team: str) -> Response:
     console = _console(request)
     params = dict(request.query_params)
     after = params.pop("after", None)
-    filters = queries.scoped(session.user, team, parse_filters(params))
+    filters = traffic_service.scoped(session.user, team, parse_filters(params))
     if after is not None and (len(after) > 512 or not re.match(r"^[A-Za-z0-9_-]+$", after)):
         raise HTTPException(422, "after: not a cursor this page produced")
     rows = await long_poll(
         console,
-        lambda: queries.traffic_newer(console, team, filters, after),
+        lambda: traffic_service.newer(console=console, team=team, filters=filters, after=after),
         lambda found: not found,
         LIVE_WAIT_SECONDS if after is not None else 0,
     )
@@ -274,7 +283,7 @@ async def traffic_live(request: Request, team: str) -> Response:
         }
         for row in rows
     ]
-    cursor = queries.cursor_of(rows[-1]) if rows else after
+    cursor = traffic_service.encode_cursor(rows[-1]) if rows else after
     return JSONResponse({"records": records, "cursor": cursor})
 
 
@@ -283,7 +292,9 @@ def record(request: Request, team: str, record_id: str) -> Response:
     session = _session(request)
     team = _team(team)
     console = _console(request)
-    row = queries.traffic_record(console, session.user, team, record_id[:64])
+    row = traffic_service.record(
+        console=console, user=session.user, team=team, record_id=record_id[:64]
+    )
     return _page(
         request,
         session,

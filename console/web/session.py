@@ -23,7 +23,9 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from umbra.console.deps import Role, User, parse_roles
+from umbra.console.deps import parse_roles
+from umbra.console.enums import Role
+from umbra.console.services.access import User
 
 SESSION_COOKIE = "umbra_web"
 SECURE_SESSION_COOKIE = "__Host-umbra_web"

@@ -76,6 +76,17 @@ class Reason(StrEnum):
     # dialling (record kind `connection`)
     UNAUTHORIZED_DIAL = "unauthorized_dial", 502
     DNS_FAILURE = "dns_failure", 502
+    # the tunnel endpoint refused a Dev CVM's session (record kind `connection`; no HTTP answer)
+    TUNNEL_ATLS_FAILED = "tunnel_atls_failed", None
+    TUNNEL_HEADER_TIMEOUT = "tunnel_header_timeout", None
+    TUNNEL_CLOSED = "tunnel_closed", None
+    TUNNEL_HEADER_TOO_LARGE = "tunnel_header_too_large", None
+    TUNNEL_MALFORMED_HEADER = "tunnel_malformed_header", None
+    TUNNEL_UNKNOWN_CVM = "tunnel_unknown_cvm", None
+    TUNNEL_MISSING_CREDENTIAL = "tunnel_missing_credential", None
+    TUNNEL_BAD_CREDENTIAL = "tunnel_bad_credential", None
+    TUNNEL_NO_CA = "tunnel_no_ca", None
+    TUNNEL_PROXY_UNREACHABLE = "tunnel_proxy_unreachable", None
 
     @classmethod
     def of_policy(cls, reason: PolicyReason) -> Reason:

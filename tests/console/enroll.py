@@ -2,7 +2,7 @@
 CVM's credential through the real routes (no credential is ever handed out any other way).
 
 `install` gives a test Console one verifier per CVM kind on a shared simulated PKI;
-`security_credential` enrolls a Security CVM as its proxy would (contracts/enroll_client.py).
+`security_credential` enrolls a Security CVM as its proxy would (attest/enroll_client.py).
 """
 
 from __future__ import annotations
@@ -14,13 +14,13 @@ from pathlib import Path
 import httpx
 
 from umbra.attest.collateral import StaticCollateral
+from umbra.attest.enroll_client import ensure_credential
 from umbra.attest.measurement import MeasurementPolicy
 from umbra.attest.simpki import SimulatedPki
 from umbra.attest.simulator import SimulatedTdx
 from umbra.attest.verify import Verifier
 from umbra.console.release import AttestedReleaseVerifier
 from umbra.console.state import Console
-from umbra.contracts.enroll_client import ensure_credential
 
 SECURITY_IMAGE = "umbra-security-cvm"
 DEV_IMAGE = "umbra-dev-cvm"

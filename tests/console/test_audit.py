@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 from tests.console.helpers import Server, Team
 from umbra.cli.app import app as umbra_app
 from umbra.console import audit
+from umbra.console.enums import AuditAction
 from umbra.console.models import AuditEntry
 
 
@@ -145,3 +146,32 @@ def test_concurrent_admin_actions_keep_one_chain(server: Server, team: Team) -> 
         if entry["action"] == "secret.set"
     ]
     assert sorted(targets) == sorted(f"team/c{index}" for index in range(24))
+
+
+def test_every_committed_audit_entry_is_counted_once(server: Server, team: Team) -> None:
+    """`umbra_console_audit_entries` counts every entry `audit.append` adds once its transaction
+    commits, wherever it was appended (it was bumped at 3 of 18 sites: a launch, an attachment or
+    a destroy went uncounted); a rolled-back append is not counted. Fails on the old code."""
+    counter = server.console.metrics.audit_entries
+    before = counter._value.get()
+    with Session(server.console.engine) as session:
+        start = session.query(AuditEntry).count()
+    team.upload(1)
+    cvm = team.dev_cvm()
+    team.admin.put(f"/api/v1/cvms/{cvm}/profiles", json={"profiles": ["github"]})
+    team.admin.put(f"/api/v1/teams/{team.name}/secrets/bot", json={"value": "v"})
+    team.admin.delete(f"/api/v1/cvms/{cvm}")
+    with server.console.write() as session:
+        audit.append(session, actor="t", team=team.name, action=AuditAction.cvm_update,
+                     target=cvm, details={})  # fmt: skip
+    try:
+        with server.console.write() as session:
+            audit.append(session, actor="t", team=team.name, action=AuditAction.cvm_update,
+                         target=cvm, details={})  # fmt: skip
+            raise RuntimeError("roll back")
+    except RuntimeError:
+        pass
+    with Session(server.console.engine) as session:
+        added = session.query(AuditEntry).count() - start
+    assert added >= 6
+    assert counter._value.get() - before == added

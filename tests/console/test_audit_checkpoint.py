@@ -16,8 +16,8 @@ from tests.console.helpers import Server, Team
 from tests.console.test_audit import _verify
 from umbra.console import audit
 from umbra.console.audit import ChainReport
-from umbra.console.deps import User
 from umbra.console.models import AuditCheckpoint
+from umbra.console.services.access import User
 from umbra.console.web import queries
 
 

@@ -11,7 +11,8 @@ import pytest
 from tests.console import enroll
 from tests.console.helpers import Server, Team, standard_bundle, traffic_record
 from tests.console.oidc_issuer import LocalIssuer
-from umbra.console.client import ConsoleApiError, ConsoleClient, SecurityCvmClient
+from tests.console.security_cvm_client import SecurityCvmClient
+from umbra.console.client import ConsoleApiError, ConsoleClient
 
 
 def test_console_and_security_cvm_clients(server: Server, issuer: LocalIssuer, team: Team) -> None:

@@ -69,3 +69,20 @@ def test_web_session_key_is_shared_by_workers_and_never_summarised() -> None:
             ConfigError, match=r"UMBRA_CONSOLE_WEB_SESSION_KEY: .*(base64|32 bytes)"
         ):
             settings_from_env(base | {"UMBRA_CONSOLE_WEB_SESSION_KEY": bad})
+
+
+def test_an_unknown_console_variable_is_refused_with_a_suggestion(tmp_path: Path) -> None:
+    """A misspelt setting used to be dropped silently (its default applied): now startup stops,
+    naming the variable and the closest setting. Fails on the old code."""
+    base = {"UMBRA_CONSOLE_DATABASE_URL": f"sqlite:///{tmp_path}/c.db"}
+    with pytest.raises(ConfigError) as error:
+        settings_from_env(base | {"UMBRA_CONSOLE_OIDC_ISUER": "https://issuer.example"})
+    assert str(error.value) == (
+        "UMBRA_CONSOLE_OIDC_ISUER: not a Console setting; did you mean UMBRA_CONSOLE_OIDC_ISSUER?"
+    )
+    with pytest.raises(
+        ConfigError, match=r"^UMBRA_CONSOLE_NOTHING_LIKE_IT: not a Console setting$"
+    ):
+        settings_from_env(base | {"UMBRA_CONSOLE_NOTHING_LIKE_IT": "1"})
+    # Read but not fields: the KEK file, and the Console's own worker hand-off.
+    settings_from_env(base | {"UMBRA_CONSOLE__WORKER_SETTINGS": "{}", "OTHER": "x"})

@@ -46,6 +46,9 @@ def test_each_replica_enrolls_as_its_own_cvm_and_serves_the_pool(
         "security", "team-stack", pool, 1,
     )  # fmt: skip
     assert "token" not in str(info) and second["token"] not in str(info)
+    # Registered, not booted: `pending` until it enrolls, never `running` (fails on the old code,
+    # which showed every registered replica as running).
+    assert info["state"] == "pending"
 
     creds = {
         r["cvm_id"]: enroll.enroll(
@@ -55,6 +58,8 @@ def test_each_replica_enrolls_as_its_own_cvm_and_serves_the_pool(
         for r in (first, again)
     }  # fmt: skip
     assert len(set(creds.values())) == 2  # one identity per replica
+    for cvm_id in creds:  # enrolled after an attested boot: now it runs
+        assert team.admin.get(f"/api/v1/cvms/{cvm_id}").json()["state"] == "running"
     clients = {cvm_id: team.server.client(c) for cvm_id, c in creds.items()}
     try:
         # Dev CVMs route to the pool, never to one replica.

@@ -19,12 +19,13 @@ from pathlib import Path
 import pytest
 
 from umbra.attest.eventlog import Event, make_runtime_event
+from umbra.attest.session_info import SessionInfo
 from umbra.attest.simpki import SimulatedPki
 from umbra.attest.simulator import SimulatedTdx
 from umbra.cli import ssh_attest
 from umbra.cli.ssh_attest import Check, Refused
 from umbra.components.launch_data import LaunchData
-from umbra.contracts.session import SessionInfo, SessionState, SshIngress
+from umbra.contracts.session import SessionState, SshIngress
 from umbra.images import launch_ingress, os_image
 from umbra.images.launch_agent import Agent, GcpMetadata, LaunchError, Refusal, SimulatedRtmr
 from umbra.images.launch_ingress import AttestedIngress, DockerSandbox, IngressStartError
@@ -380,7 +381,7 @@ PROXY = """
 import asyncio, sys
 from umbra.cli import ssh_proxy
 from umbra.cli.ssh_attest import connect_attested
-from umbra.contracts.session import SessionInfo
+from umbra.attest.session_info import SessionInfo
 info = SessionInfo.model_validate_json(open(sys.argv[1]).read())
 async def main():
     session = await connect_attested(info)

@@ -11,12 +11,13 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.proxy.spool_records import read_records
 from umbra.contracts.traffic import TrafficRecord
 from umbra.proxy.identity import CvmEntry, StaticIdentities, hash_credential, proxy_auth_header
 from umbra.proxy.netcheck import AddressPolicy, AddressVerdict, classify
 from umbra.proxy.resolver import StaticResolver
 from umbra.proxy.secrets import SecretsError, SecretStore
-from umbra.proxy.spool import Shipper, Spool, read_records
+from umbra.proxy.spool import Shipper, Spool
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.proxy.harness import TestCA as OriginCA
-from umbra.contracts.enroll_client import EnrollError, ensure_credential
+from umbra.attest.enroll_client import EnrollError, ensure_credential
 
 seen: list[tuple[str | None, str | None]] = []
 

@@ -24,10 +24,10 @@ from tests.console import enroll
 from tests.console.helpers import Server, new_team, start_server
 from tests.console.oidc_issuer import LocalIssuer
 from tests.sandbox.fixtures import dev_definition
+from umbra.attest.enroll_client import EnrollError, ensure_credential
 from umbra.attest.simpki import SimulatedPki
 from umbra.attest.simulator import SimulatedTdx
 from umbra.console.enrollment import hpke_info, report_data
-from umbra.contracts.enroll_client import EnrollError, ensure_credential
 from umbra.contracts.release import SUITE
 from umbra.contracts.session import CVM_ID_EVENT
 from umbra.policy.bundle import generate_key

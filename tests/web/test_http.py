@@ -12,8 +12,8 @@ from starlette.requests import Request
 
 from tests.console.oidc_issuer import LocalIssuer
 from tests.web.conftest import CONTROL_PATH, HOSTILE_HOST, SECRET_VALUE, Seed, login
-from umbra.console.web import queries
-from umbra.console.web.filters import TrafficFilters
+from umbra.console.services import secrets, traffic
+from umbra.console.services.traffic import TrafficFilters
 from umbra.console.web.render import visible
 from umbra.console.web.session import cookie_names, is_loopback_http
 
@@ -249,10 +249,10 @@ def test_web_rotation_is_conditional_on_the_version_it_read(
     """The form rotates with the version whose hosts it read: a change in between (here the read
     is made stale) gets 412 and stores nothing, never a silent overwrite of newer hosts."""
     team = seeded.team.name
-    fresh = queries.team_secret_state(seeded.server.console, team, "bot")
+    fresh = secrets.team_secret_state(seeded.server.console, team, "bot")
     assert fresh is not None
     hosts, version = fresh
-    monkeypatch.setattr(queries, "team_secret_state", lambda *_: (hosts, version - 1))
+    monkeypatch.setattr(secrets, "team_secret_state", lambda *_: (hosts, version - 1))
     with closing(admin(seeded, issuer)) as client:
         page = client.get(f"/ui/teams/{team}/secrets").text
         token = re.search(r'name="csrf" value="([^"]+)"', page)
@@ -263,7 +263,7 @@ def test_web_rotation_is_conditional_on_the_version_it_read(
         )
         assert stale.status_code == 412 and SECRET_VALUE not in stale.text
     monkeypatch.undo()
-    assert queries.team_secret_state(seeded.server.console, team, "bot") == (hosts, version)
+    assert secrets.team_secret_state(seeded.server.console, team, "bot") == (hosts, version)
 
 
 def test_session_and_login_tampering(seeded: Seed, issuer: LocalIssuer) -> None:
@@ -342,11 +342,13 @@ def test_no_team_and_logout(seeded: Seed, issuer: LocalIssuer) -> None:
 
 def test_keyset_paging_walks_every_record_once(seeded: Seed) -> None:
     console, team = seeded.server.console, seeded.team.name
-    everything = queries.traffic_page(console, team, TrafficFilters(), limit=1000).rows
+    everything = traffic.page(console=console, team=team, filters=TrafficFilters(), limit=1000).rows
     seen: list[str] = []
     cursor = None
     while True:
-        page = queries.traffic_page(console, team, TrafficFilters(cursor=cursor), limit=4)
+        page = traffic.page(
+            console=console, team=team, filters=TrafficFilters(cursor=cursor), limit=4
+        )
         seen.extend(row.id for row in page.rows)
         if page.next_cursor is None:
             break

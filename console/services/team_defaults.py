@@ -2,20 +2,21 @@
 
 The attachment happens in the launch's own transaction, before any provider runs, so it is the
 same for every provider (local or cloud). Setting the defaults and launching both hold the team's
-policy lock (`routes.common.policy_lock`), as do bundle uploads: a launch gets exactly the defaults
+policy lock (`services.access.policy_lock`), as do bundle uploads: a launch gets exactly the defaults
 committed before it, never a mix, and the defaults always compose in the current bundle.
 """
 
 from __future__ import annotations
 
-from fastapi import HTTPException, status
 from sqlalchemy.orm import Session
 
 from umbra.console import audit
-from umbra.console.deps import User
+from umbra.console.enums import AuditAction, Role
 from umbra.console.models import TeamSettings, utcnow
-from umbra.console.routes.common import check_profiles_compose, policy_lock
 from umbra.console.schemas import TeamDefaultProfiles, profiles_etag
+from umbra.console.services.access import User, policy_lock, require_role
+from umbra.console.services.errors import Stale
+from umbra.console.services.policy import check_profiles_compose
 from umbra.console.state import Console
 
 SOURCE = "team-default"  # audit detail: who chose these profiles for a launched CVM
@@ -38,24 +39,25 @@ def default_profiles(session: Session, team: str) -> list[str]:
     return sorted(row.default_profiles) if row is not None else []
 
 
-def get(console: Console, team: str) -> TeamDefaultProfiles:
+def get(*, console: Console, user: User, team: str) -> TeamDefaultProfiles:
+    require_role(user, team, Role.admin)
     with console.session() as session:
         return _info(team, session.get(TeamSettings, team))
 
 
 def put(
-    console: Console, user: User, team: str, profiles: list[str], if_match: str | None
+    *, console: Console, user: User, team: str, profiles: list[str], if_match: str | None
 ) -> TeamDefaultProfiles:
     """Replace the defaults (checked to compose in the current bundle). Already running CVMs keep
     their attachments: defaults apply to launches from now on."""
+    require_role(user, team, Role.admin)
     wanted = sorted(set(profiles))
     with console.write(policy_lock(team)) as session:
         row = session.get(TeamSettings, team)
         current = sorted(row.default_profiles) if row is not None else []
         if if_match is not None and if_match.strip('" ') != profiles_etag(current):
-            raise HTTPException(
-                status.HTTP_412_PRECONDITION_FAILED,
-                f"team {team!r}'s default profiles changed since you read them; read and retry",
+            raise Stale(
+                f"team {team!r}'s default profiles changed since you read them; read and retry"
             )
         check_profiles_compose(console, session, team, wanted)
         if row is None:
@@ -68,14 +70,12 @@ def put(
             session,
             actor=user.subject,
             team=team,
-            action="profiles.defaults",
+            action=AuditAction.profiles_defaults,
             target=team,
             details={"profiles": wanted, "previous": current},
         )
         session.flush()
-        info = _info(team, row)
-    console.metrics.audit_entries.inc()
-    return info
+        return _info(team, row)
 
 
 def audit_attached(
@@ -87,7 +87,7 @@ def audit_attached(
             session,
             actor=actor,
             team=team,
-            action="profiles.attach",
+            action=AuditAction.profiles_attach,
             target=cvm_id,
             details={"profiles": profiles, "source": SOURCE},
         )

@@ -6,6 +6,7 @@ forwarder (`umbra forwarder enroll`). The X25519 key is generated in this proces
 quote that binds it. The credential is persisted root-only (0600, written via a temporary file and
 renamed); the token's SHA-256 is recorded beside it, so a lost credential is never re-enrolled
 with the spent token (the Console would refuse it and audit a reuse): a new token is needed.
+An attested client (it quotes and sends the event log), so it lives in `umbra.attest`.
 """
 
 from __future__ import annotations
