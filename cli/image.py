@@ -415,8 +415,8 @@ def launch_agent_cmd(
     metadata_url: Annotated[
         str | None, typer.Option("--metadata-url", help="Metadata service base URL (tests).")
     ] = None,
-    custom_data_file: Annotated[
-        Path | None, typer.Option("--custom-data-file", help="Azure: read custom data here.")
+    user_data_file: Annotated[
+        Path | None, typer.Option("--user-data-file", help="Azure: read the user data here.")
     ] = None,
     launch_dir: Annotated[Path, typer.Option("--launch-dir")] = Path("/run/umbra/launch"),
     serial: Annotated[Path, typer.Option("--console", help="Serial console device.")] = Path(
@@ -485,7 +485,7 @@ def launch_agent_cmd(
         source = la.GcpMetadata(metadata_url or la.GCP_METADATA)
         reporter = la.GcpGuestAttribute(metadata_url or la.GCP_METADATA)
     elif cloud == "azure":
-        source = la.AzureCustomData(metadata_url or la.AZURE_IMDS, custom_data_file)
+        source = la.AzureUserData(metadata_url or la.AZURE_IMDS, user_data_file)
         reporter = la.AzureWireServer()
     else:
         fail(f"--cloud must be gcp or azure, got {cloud!r}", EXIT_USAGE)
@@ -528,6 +528,7 @@ def launch_agent_cmd(
         ingress=li.AttestedIngress(li.DockerSandbox(), li.SystemdUnit(), quote_source)
         if ingress
         else None,
+        cloud=cloud,
     )
     try:
         agent.run()

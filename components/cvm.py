@@ -1,5 +1,5 @@
 """SecurityCvm and DevCvm: TDX confidential VMs whose launch-bound configuration (compose file,
-SSH keys, measurement manifest reference) is delivered as instance metadata / custom data and
+SSH keys, measurement manifest reference) is delivered as instance metadata / user data and
 measured by the guest. Any change to that configuration replaces the VM: it is a new launch.
 """
 
@@ -156,6 +156,7 @@ def _launch_data(
             console_ca=v[4] or None,
             console_ips=tuple(v[5] or ()),
             enrollment_token=v[6] if len(v) > 6 else None,
+            cloud=args.placement.cloud,
         )
     )
 

@@ -2,7 +2,8 @@
 else Umbra starts.
 
 1. Read the launch data (`umbra-*` keys, see umbra.components.launch_data) from the cloud's
-   metadata service: GCP instance attributes (`Metadata-Flavor: Google`) or Azure custom data.
+   metadata service, by address (a team VPC's DNS answers every name with 0.0.0.0): GCP instance
+   attributes (`Metadata-Flavor: Google`) or Azure IMDS user data.
 2. Validate it strictly: known keys only, canonical app-compose.json whose compose file passes
    the sandbox validator, the copies (compose hash, event list) consistent with what they copy,
    SSH keys exactly when the role is dev-cvm.
@@ -85,8 +86,11 @@ from umbra.sandbox.validate import (
     validate_security_compose,
 )
 
-GCP_METADATA = "http://metadata.google.internal"
+# By address, never by name: the team VPC's DNS response policy answers every name (the
+# metadata server's `metadata.google.internal` too) with 0.0.0.0 (docs/specs/infra.md, "DNS").
+GCP_METADATA = "http://169.254.169.254"
 AZURE_IMDS = "http://169.254.169.254"
+AZURE_WIRE_SERVER = "http://168.63.129.16"
 LAUNCH_DIR = Path("/run/umbra/launch")
 # Linux >= 6.16 exposes TDX RTMRs in sysfs; writing a SHA-384 digest extends the register.
 RTMR3_SYSFS = Path("/sys/class/misc/tdx_guest/measurements/rtmr3:sha384")
@@ -155,9 +159,10 @@ class GcpMetadata:
 
 
 @dataclass(frozen=True)
-class AzureCustomData:
-    """Custom data is base64 of canonical JSON {"umbra": {...}} (components.launch_data). With
-    the VM agent off it is read from IMDS userData or the provisioning medium's file."""
+class AzureUserData:
+    """User data is base64 of canonical JSON {"umbra": {...}} (components.launch_data), read from
+    IMDS (`compute/userData`). Not custom data: IMDS answers custom data with an empty body, and
+    without the VM agent nothing reads the provisioning medium. `file`: a copy (tests)."""
 
     base: str = AZURE_IMDS
     file: Path | None = None
@@ -177,16 +182,14 @@ class AzureCustomData:
                 r.raise_for_status()
                 blob = r.text
         except (OSError, httpx.HTTPError) as exc:
-            raise LaunchError(Refusal.UNREACHABLE, f"Azure custom data: {exc}") from None
+            raise LaunchError(Refusal.UNREACHABLE, f"Azure user data: {exc}") from None
         try:
             doc = json.loads(base64.b64decode(blob.strip(), validate=True))
             meta = doc["umbra"]
         except (ValueError, KeyError, TypeError, binascii.Error):
-            raise LaunchError(
-                Refusal.INVALID, "Azure custom data is not base64 {umbra: …}"
-            ) from None
+            raise LaunchError(Refusal.INVALID, "Azure user data is not base64 {umbra: …}") from None
         if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
-            raise LaunchError(Refusal.INVALID, "Azure custom data's umbra map is not strings")
+            raise LaunchError(Refusal.INVALID, "Azure user data's umbra map is not strings")
         return meta
 
 
@@ -213,7 +216,9 @@ def enrollment_token(meta: dict[str, str]) -> str | None:
     return token
 
 
-def parse_launch_data(meta: dict[str, str]) -> LaunchData:
+def parse_launch_data(meta: dict[str, str], cloud: str | None = None) -> LaunchData:
+    """`cloud`: where this agent runs (its `--cloud`); the host ruleset launch data carries must
+    be the one rendered for it (the ready-report rule names that cloud's endpoint)."""
     unknown = sorted(set(meta) - _KNOWN)
     if unknown:
         raise LaunchError(Refusal.UNKNOWN, f"unknown launch keys {unknown}")
@@ -276,6 +281,7 @@ def parse_launch_data(meta: dict[str, str]) -> LaunchData:
         console_url=meta.get(META_CONSOLE_URL),
         console_ca=meta.get(META_CONSOLE_CA),
         database_ca=meta.get(META_DATABASE_CA),
+        cloud=cloud,
     )
     # The ruleset is a copy of what the addresses render to (components.host_firewall): the host
     # cannot slip other rules in, and what is loaded is measured (umbra.host-firewall).
@@ -553,7 +559,7 @@ _AZURE_READY = (
 class AzureWireServer:
     """With the VM agent off, the guest itself reports Ready to the wire server's goal state."""
 
-    base: str = "http://168.63.129.16"
+    base: str = AZURE_WIRE_SERVER
 
     def ready(self, data: LaunchData) -> None:
         headers = {"x-ms-version": "2012-11-30"}
@@ -596,12 +602,14 @@ class Agent:
     workspace_dir: Path | None = None
     # Dev CVMs: the attested SSH ingress, started after the compose. None: no SSH at all.
     ingress: AttestedIngress | None = None
+    # The cloud this runs on: the host ruleset must admit exactly its ready report.
+    cloud: str | None = None
 
     def run(self) -> LaunchData:
         """Raises LaunchError (after saying why) when it refuses; starts nothing then."""
         try:
             meta = self.source.fetch()
-            data = parse_launch_data(meta)
+            data = parse_launch_data(meta, self.cloud)
             token = enrollment_token(meta)
             events = launch_event_list(data)
             boot = BootIdentity.generate() if data.role == "dev-cvm" else None

@@ -28,7 +28,7 @@ from umbra.cli.app import app
 from umbra.components.launch_data import LaunchData
 from umbra.images.launch_agent import (
     Agent,
-    AzureCustomData,
+    AzureUserData,
     AzureWireServer,
     GcpGuestAttribute,
     GcpMetadata,
@@ -236,16 +236,16 @@ def test_dev_cvm_on_gcp_extends_what_measure_predicts_and_verifies(
 CONSOLE_ID = "cvm_5ec0000000000001"
 
 
-def test_security_cvm_on_azure_custom_data_reports_ready(standin: StandIn, tmp_path: Path) -> None:
+def test_security_cvm_on_azure_user_data_reports_ready(standin: StandIn, tmp_path: Path) -> None:
     # A team stack's replica carries the Console's id for it (`cvm_<hex>`: with an underscore).
     m = measure(security_definition())
     data = LaunchData(
         role="security-cvm", team="team-a", cvm_id=CONSOLE_ID, app_compose=m.app_compose.decode()
     )
-    standin.user_data = data.azure_custom_data()
+    standin.user_data = data.azure_user_data()
     starter = RecordingStarter()
     Agent(
-        source=AzureCustomData(standin.url),
+        source=AzureUserData(standin.url),
         extender=LogOnly(),
         starter=starter,
         reporter=AzureWireServer(standin.url),
@@ -352,3 +352,31 @@ def test_cli_agent_runs_the_compose_command_or_refuses_on_the_console(
     assert refused.exit_code == 1
     assert "REFUSED, nothing started: copy_mismatch" in serial.read_text()
     assert not marker.exists()
+
+
+def test_gcp_launch_data_is_read_and_reported_by_address_not_by_name() -> None:
+    """Fails before the fix: the agent dialled `metadata.google.internal`, which the team VPC's
+    DNS response policy answers with 0.0.0.0."""
+    import ipaddress
+
+    import httpx
+
+    for base in (GcpMetadata().base, GcpGuestAttribute().base):
+        assert ipaddress.IPv4Address(httpx.URL(base).host) == ipaddress.IPv4Address(
+            "169.254.169.254"
+        )
+
+
+def test_a_ruleset_rendered_for_another_cloud_is_refused(standin: StandIn, tmp_path: Path) -> None:
+    # The ready-report rule names one cloud's endpoint: an agent on Azure refuses a GCP ruleset.
+    data, _ = _dev_launch()
+    gcp = LaunchData(**{**data.__dict__, "security_cvm_ips": ("10.20.1.10",), "cloud": "gcp"})
+    standin.user_data = gcp.azure_user_data()
+    lines: list[str] = []
+    agent = Agent(
+        AzureUserData(standin.url), LogOnly(), RecordingStarter(), None, tmp_path / "l",
+        lines.append, cloud="azure",
+    )  # fmt: skip
+    with pytest.raises(LaunchError) as exc:
+        agent.run()
+    assert exc.value.reason is Refusal.MISMATCH and "umbra-host-firewall" in lines[-1]

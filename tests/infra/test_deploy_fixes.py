@@ -75,10 +75,10 @@ def test_gcp_instances_are_deleted_before_their_replacement(acme: Recorder) -> N
         assert opts.replace_on_changes == ["metadata"], inst.name
 
 
-def test_azure_vms_replace_on_custom_data_deleting_first(globex: Recorder) -> None:
+def test_azure_vms_replace_on_user_data_deleting_first(globex: Recorder) -> None:
     for vm in globex.of_type(VM):
         opts = globex.options[(VM, vm.name)]
-        assert opts.replace_on_changes == ["osProfile.customData"], vm.name
+        assert opts.replace_on_changes == ["userData"], vm.name
         assert opts.delete_before_replace is True, vm.name
 
 
@@ -86,7 +86,7 @@ def test_azure_vms_replace_on_custom_data_deleting_first(globex: Recorder) -> No
     ("stack", "vm_type", "disk_type", "launch_field"),
     [
         ("acme-gcp", INSTANCE, GCP_DISK, "metadata"),
-        ("globex-azure", VM, AZ_DISK, "osProfile"),
+        ("globex-azure", VM, AZ_DISK, "userData"),
     ],
 )
 def test_the_developer_disk_survives_a_launch_data_change(

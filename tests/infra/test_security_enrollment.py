@@ -83,11 +83,11 @@ def test_gcp_replicas_each_carry_their_own_id_and_token_as_secrets() -> None:
     assert_no_token_in_plaintext(mocks)
 
 
-def test_azure_replicas_each_carry_their_own_token_in_secret_custom_data() -> None:
+def test_azure_replicas_each_carry_their_own_token_in_secret_user_data() -> None:
     mocks = build(*configured(example_stack("globex-azure"), 2))
     for name, i in (("globex-security", 0), ("globex-security-1", 1)):
         vm = mocks.one(AZURE_VM, name).inputs
-        blob = unwrap_secret(vm["osProfile"])["customData"]
+        blob = unwrap_secret(vm["userData"])
         meta = json.loads(base64.b64decode(blob))["umbra"]
         assert (meta[META_CVM_ID], meta[META_ENROLLMENT_TOKEN]) == (IDS[i], TOKENS[i])
     assert_no_token_in_plaintext(mocks)
