@@ -42,7 +42,7 @@ from sqlmodel import Field, SQLModel
 
 from umbra.attest.errors import AttestError
 from umbra.attest.eventlog import load_event_log
-from umbra.console import audit
+from umbra.console import audit, reenrollment
 from umbra.console.deps import credential_hash
 from umbra.console.models import Cvm, utcnow
 from umbra.console.release import AttestedReleaseVerifier, seal_release
@@ -221,6 +221,8 @@ def enroll(
         raise EnrollmentRefused(RefusalReason.attestation_failed, "; ".join(verdict.reasons)[:300])
     credential = CREDENTIAL_PREFIXES[cvm.kind] + secrets.token_urlsafe(32)
     cvm.credential_hash = credential_hash(credential)
+    # What this launch measured: a later boot of it re-enrolls by a fresh quote (reenrollment).
+    reenrollment.record_binding(session, cvm, events)
     if cvm.state == "failed" and (cvm.state_reason or "").startswith(FAILED_PREFIX):
         cvm.state, cvm.state_reason = "running", None  # it failed only for want of enrollment
     cvm.updated_at = utcnow()

@@ -5,7 +5,8 @@ Console listens on loopback, which the forwarder's namespace cannot reach) trade
 token from launch data for the tunnel credential. The key is generated here and bound into this
 TD's quote with the CVM id; the Console checks the quote against the Dev CVM image's release and
 seals the credential to the key. The credential is kept in `credential_file` (0600); a restart
-uses it and never spends the token again.
+of the forwarder uses it and never spends the token again; a reboot, which loses it (tmpfs),
+re-enrolls by a fresh quote of the same launch (console/reenrollment.py).
 """
 
 from __future__ import annotations
@@ -86,6 +87,8 @@ def ensure_tunnel_credential(cfg: ForwarderConfig) -> bool:
             quoter=lambda report_data: (source.get_quote(report_data), events),
             verify=str(enrollment.console_ca) if enrollment.console_ca else True,
             connect_address=address,
+            # A reboot lost the credential (tmpfs): re-enroll by a fresh quote of this launch.
+            launch_events=events,
         )
     except EnrollError as exc:
         raise ForwarderConfigError(f"enrollment: {exc}") from None
