@@ -447,7 +447,8 @@ def launch_agent_cmd(
         str | None,
         typer.Option(
             "--data-disk",
-            help="Dev CVMs: the persistent disk (default: the cloud's name for it), or 'none'.",
+            help="The persistent disk (default: the one unpartitioned disk, found in sysfs), or "
+            "'none'.",
         ),
     ] = None,
     workspace_dir: Annotated[
@@ -477,7 +478,7 @@ def launch_agent_cmd(
     compose, report ready. Refuses (exit 1, reason on the serial console) on bad launch data."""
     from umbra.images import launch_agent as la
     from umbra.images import launch_ingress as li
-    from umbra.images.launch_host import Ext4DataDisk
+    from umbra.images.launch_host import DataDisk, DiscoveredDataDisk, Ext4DataDisk
 
     source: la.MetadataSource
     reporter: la.Reporter | None
@@ -507,10 +508,13 @@ def launch_agent_cmd(
     elif simulated_pki is not None:
         fail("--simulated-pki is only for --tee simulated", EXIT_USAGE)
     say = la.serial_console(serial)
-    disk: Ext4DataDisk | None = None
-    if data_disk != "none":
-        device = Path(data_disk) if data_disk else la.DATA_DISKS[cloud]
-        disk = Ext4DataDisk(device, la.DATA_MOUNT)
+    disk: DataDisk | None = None
+    if data_disk == "none":
+        disk = None
+    elif data_disk:
+        disk = Ext4DataDisk(Path(data_disk), la.DATA_MOUNT)
+    else:  # found in sysfs: the clouds' udev names need their guest agents' rules
+        disk = DiscoveredDataDisk(la.DATA_MOUNT)
     starter: la.Starter = (
         la.DockerCompose(tuple(compose.split()))
         if compose

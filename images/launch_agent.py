@@ -99,11 +99,6 @@ _CVM_ID = re.compile(CVM_ID_PATTERN)
 _KNOWN = META_KEYS
 # Opaque, short-lived, single use (the Console's enrollment endpoint checks it).
 _TOKEN = re.compile(r"^[A-Za-z0-9._~+/=-]{16,1024}$")
-# GCP names the data disk by its device name; Azure by LUN (the udev rule Azure documents).
-DATA_DISKS = {
-    "gcp": Path("/dev/disk/by-id/google-umbra-data"),
-    "azure": Path("/dev/disk/azure/scsi1/lun0"),
-}
 DATA_MOUNT = Path("/var/lib/umbra/data")
 # The workspace directory the Dev compose binds: on the data disk.
 WORKSPACE = Path(WORKSPACE_DIR)
