@@ -458,6 +458,13 @@ def launch_agent_cmd(
             help="Dev CVMs: the directory the compose's workspace volume binds (created).",
         ),
     ] = Path("/var/lib/umbra/data/workspace"),
+    spool_dir: Annotated[
+        Path,
+        typer.Option(
+            "--spool-dir",
+            help="Security CVMs: the directory the compose's spool volume binds (created).",
+        ),
+    ] = Path("/var/lib/umbra/data/spool"),
     ingress: Annotated[
         bool,
         typer.Option(
@@ -529,6 +536,7 @@ def launch_agent_cmd(
         say=say,
         data_disk=disk,
         workspace_dir=workspace_dir,
+        spool_dir=spool_dir,
         ingress=li.AttestedIngress(li.DockerSandbox(), li.SystemdUnit(), quote_source)
         if ingress
         else None,

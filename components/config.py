@@ -185,7 +185,8 @@ class CvmConfig(_Strict):
     # A TDX-capable image: GCP image self link/family, Azure image id or "publisher:offer:sku:version".
     image: str = Field(min_length=1)
     disk_gb: int = Field(default=50, ge=20, le=2048)
-    # The persistent disk kept across replacement (Dev CVMs; default 100 GB for them).
+    # The persistent disk kept across replacement (default: Dev CVMs 100 GB, the workspace;
+    # Security CVMs 20 GB, the proxy's spool).
     data_disk_gb: int | None = Field(default=None, ge=10, le=65536)
     # Output directory of `umbra image measure DEF --out DIR` (relative to the project root):
     # app-compose.json is delivered, measurement-manifest.json named by its digest.

@@ -19,7 +19,14 @@ from umbra.components.config import (
     TeamStack,
     parse_stack_config,
 )
-from umbra.components.cvm import DevCvm, DevCvmArgs, Placement, SecurityCvm, SecurityCvmArgs
+from umbra.components.cvm import (
+    SECURITY_DATA_DISK_GB,
+    DevCvm,
+    DevCvmArgs,
+    Placement,
+    SecurityCvm,
+    SecurityCvmArgs,
+)
 from umbra.components.launch_data import placeholder_app_compose
 from umbra.components.naming import Owner, dev_cvm_name, security_cvm_name
 from umbra.components.network import (
@@ -195,7 +202,7 @@ def build_team(cfg: TeamStack, root: Path) -> Team:
                 private_ip=security_replica_ip(str(net_cfg.security_cidr), i, replicas),
                 dns_resolvers=tuple(str(a) for a in net_cfg.security_dns_resolvers),
                 labels=labels,
-                data_disk_gb=cfg.security_cvm.data_disk_gb or 0,
+                data_disk_gb=cfg.security_cvm.data_disk_gb or SECURITY_DATA_DISK_GB,
                 # GCP's passthrough LB delivers to the LB address: a local route on the guest.
                 lb_ip=lb_ip if replicas > 1 and cfg.gcp is not None else "",
                 lb_backend_pool=pool,

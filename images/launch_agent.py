@@ -79,6 +79,7 @@ from umbra.images.measure import boot_events, release_events
 from umbra.images.measure import instance_events as launch_events
 from umbra.sandbox.render import SERVICE_UID, canonical_json
 from umbra.sandbox.validate import (
+    SPOOL_DIR,
     WORKSPACE_DIR,
     ComposeError,
     load_compose,
@@ -102,6 +103,7 @@ _TOKEN = re.compile(r"^[A-Za-z0-9._~+/=-]{16,1024}$")
 DATA_MOUNT = Path("/var/lib/umbra/data")
 # The workspace directory the Dev compose binds: on the data disk.
 WORKSPACE = Path(WORKSPACE_DIR)
+SPOOL = Path(SPOOL_DIR)
 _REQUIRED = {META_ROLE, META_TEAM, META_CVM_ID, META_APP_COMPOSE, META_COMPOSE_HASH}
 
 
@@ -595,6 +597,9 @@ class Agent:
     # Dev CVMs: the directory the compose's `workspace` volume binds (WORKSPACE_DIR, on the data
     # disk), created before the compose starts. None: not created (tests without the compose).
     workspace_dir: Path | None = None
+    # Security CVMs: the spool directory the compose's `spool` volume binds (SPOOL_DIR, on the
+    # data disk), created for the proxy's uid. None: not created (tests without the compose).
+    spool_dir: Path | None = None
     # Dev CVMs: the attested SSH ingress, started after the compose. None: no SSH at all.
     ingress: AttestedIngress | None = None
     # The cloud this runs on: the host ruleset must admit exactly its ready report.
@@ -656,8 +661,14 @@ class Agent:
                 write_hosts(self.etc_dir, data.security_cvm_ips)
             if data.dns_resolvers:
                 write_resolv_conf(self.etc_dir, data.dns_resolvers)
-            if self.data_disk is not None and data.role == "dev-cvm":
+            if self.data_disk is not None:
+                # Dev: the workspace. Security: the proxy's spool (unshipped traffic records).
                 self.say(f"umbra-launch: {self.data_disk.mount()}")
+            if data.role == "security-cvm" and self.spool_dir is not None:
+                # The compose's `spool` volume binds it; the proxy (SERVICE_UID) owns it alone.
+                self.spool_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+                os.chown(self.spool_dir, SERVICE_UID, SERVICE_UID)
+                self.spool_dir.chmod(0o700)
             if data.role == "dev-cvm" and self.workspace_dir is not None:
                 # The compose's `workspace` volume binds it (on the data disk when there is one).
                 self.workspace_dir.mkdir(parents=True, exist_ok=True, mode=0o755)

@@ -380,3 +380,37 @@ def test_a_ruleset_rendered_for_another_cloud_is_refused(standin: StandIn, tmp_p
     with pytest.raises(LaunchError) as exc:
         agent.run()
     assert exc.value.reason is Refusal.MISMATCH and "umbra-host-firewall" in lines[-1]
+
+
+def test_a_security_cvm_mounts_its_data_disk_and_makes_the_spool_the_proxys(
+    standin: StandIn, tmp_path: Path
+) -> None:
+    """Fails before the fix: only a Dev CVM mounted its data disk; the proxy's spool was tmpfs."""
+    import os
+
+    from umbra.sandbox.render import SERVICE_UID
+
+    @dataclass
+    class Disk:
+        mounted: int = 0
+
+        def mount(self) -> str:
+            self.mounted += 1
+            return "data disk mounted"
+
+    m = measure(security_definition())
+    data = LaunchData(
+        role="security-cvm", team="team-a", cvm_id=CONSOLE_ID, app_compose=m.app_compose.decode()
+    )
+    standin.user_data = data.azure_user_data()
+    disk, lines = Disk(), []
+    spool = tmp_path / "data/spool"
+    Agent(
+        AzureUserData(standin.url), LogOnly(), RecordingStarter(), None, tmp_path / "launch",
+        lines.append, data_disk=disk, spool_dir=spool,
+    ).run()  # fmt: skip
+    assert disk.mounted == 1 and "umbra-launch: data disk mounted" in lines
+    st = spool.stat()
+    assert st.st_mode & 0o777 == 0o700
+    if os.geteuid() == 0:
+        assert (st.st_uid, st.st_gid) == (SERVICE_UID, SERVICE_UID)

@@ -461,3 +461,16 @@ def test_a_team_stack_reads_the_console_url_and_ca_from_the_console_stack() -> N
     both = example_stack("acme-gcp") | {"console_stack": "umbra-org/umbra/console-gcp"}
     with pytest.raises(ConfigError, match="exactly one of console_url and console_stack"):
         parse_stack_config(raw_of(both), frozenset())
+
+
+@pytest.mark.parametrize(
+    ("stack", "disk_type"), [("acme-gcp", GCP_DISK), ("globex-azure", AZ_DISK)]
+)
+def test_the_security_cvm_has_a_data_disk_for_its_spool(stack: str, disk_type: str) -> None:
+    """Fails before the fix: the Security CVM had no data disk, its spool lived on tmpfs."""
+    from umbra.components.cvm import SECURITY_DATA_DISK_GB
+
+    run = team(example_stack(stack))
+    name = f"{example_stack(stack)['team']}-security-data"
+    disk = run.one(disk_type, name).inputs
+    assert disk.get("size", disk.get("diskSizeGB")) == SECURITY_DATA_DISK_GB
