@@ -461,6 +461,9 @@ def write_launch_dir(
         _write(service / "event-log.json", log)
         if data.console_ips:
             _write(service / "console-ips", "\n".join(data.console_ips) + "\n")
+        if data.security_cvm_ips:
+            # The forwarder dials this (no DNS); the measured host ruleset admits exactly it.
+            _write(service / "security-cvm-ips", "\n".join(data.security_cvm_ips) + "\n")
         if data.console_ca:
             _write(service / "console-ca.pem", data.console_ca)
         _write(root / "ssh/authorized_keys", "\n".join(data.ssh_authorized_keys) + "\n")

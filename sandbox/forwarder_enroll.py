@@ -11,7 +11,6 @@ re-enrolls by a fresh quote of the same launch (console/reenrollment.py).
 
 from __future__ import annotations
 
-import ipaddress
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from umbra.sandbox.forwarder_config import (
     ForwarderConfig,
     ForwarderConfigError,
     read_cvm_id,
+    read_first_ipv4,
 )
 
 
@@ -53,16 +53,7 @@ def _quoter(enrollment: Enrollment, cvm_id: str) -> tuple[QuoteSource, Sequence[
 
 def read_console_address(path: Path) -> str:
     """The first IPv4 address of the launch agent's console-ips file (space/line separated)."""
-    try:
-        words = path.read_text().split()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ForwarderConfigError(f"{path}: cannot read the Console address: {exc}") from None
-    if not words:
-        raise ForwarderConfigError(f"{path}: no Console address")
-    try:
-        return str(ipaddress.IPv4Address(words[0]))
-    except ValueError:
-        raise ForwarderConfigError(f"{path}: {words[0][:40]!r} is not an IPv4 address") from None
+    return read_first_ipv4(path, "Console")
 
 
 def ensure_tunnel_credential(cfg: ForwarderConfig) -> bool:

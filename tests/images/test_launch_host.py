@@ -115,6 +115,9 @@ def test_console_addresses_reach_the_forwarder_only_through_the_measured_ruleset
     boot = launch_agent.BootIdentity.generate()
     launch_agent.write_launch_dir(tmp_path, parsed, [], boot=boot)
     assert (tmp_path / "forwarder/console-ips").read_text() == "10.9.0.5\n"
+    # The Security CVM too, by address: the forwarder's container resolves nothing.
+    sec = "\n".join(parsed.security_cvm_ips) + "\n"
+    assert parsed.security_cvm_ips and (tmp_path / "forwarder/security-cvm-ips").read_text() == sec
     tampered = meta | {launch_data.META_HOST_FIREWALL: base.host_firewall or ""}
     with pytest.raises(LaunchError) as mismatch:
         launch_agent.parse_launch_data(tampered)
