@@ -458,6 +458,13 @@ def launch_agent_cmd(
             help="Dev CVMs: the directory the compose's workspace volume binds (created).",
         ),
     ] = Path("/var/lib/umbra/data/workspace"),
+    idle_stop: Annotated[
+        bool,
+        typer.Option(
+            "--idle-stop/--no-idle-stop",
+            help="Dev CVMs: arm the image's idle auto-stop timer (umbra-idle.timer).",
+        ),
+    ] = True,
     spool_dir: Annotated[
         Path,
         typer.Option(
@@ -541,6 +548,7 @@ def launch_agent_cmd(
         if ingress
         else None,
         cloud=cloud,
+        idle_stop=la.SystemdIdleStop() if idle_stop else None,
     )
     try:
         agent.run()

@@ -31,7 +31,7 @@ import re
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from pathlib import Path
 from typing import Protocol
@@ -43,6 +43,9 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from umbra.attest.eventlog import Event, dump_dstack_event_log
 from umbra.attest.measurement import canonical_ssh_key
 from umbra.attest.simulator import SimulatedTdx
+from umbra.components.idle_stop import CONFIG_PATH as IDLE_CONFIG_PATH
+from umbra.components.idle_stop import TIMER as IDLE_TIMER
+from umbra.components.idle_stop import IdleConfig, dev_cvm_config
 from umbra.components.launch_data import (
     META_APP_COMPOSE,
     META_COMPOSE_HASH,
@@ -65,6 +68,7 @@ from umbra.components.launch_data import (
     PLACEHOLDER_MARK,
     LaunchData,
 )
+from umbra.components.ports import DEV_ATTESTED_SSH_PORT
 from umbra.contracts.names import CVM_ID_PATTERN
 from umbra.images.launch_host import (
     DataDisk,
@@ -530,6 +534,31 @@ class ComposeRunnerStart:
             raise LaunchError(Refusal.START_FAILED, str(exc)) from None
 
 
+class IdleStop(Protocol):
+    def start(self, config: IdleConfig) -> None: ...
+
+
+@dataclass(frozen=True)
+class SystemdIdleStop:
+    """Arms the image's idle auto-stop on a Dev CVM: the config for this boot (tmpfs), then the
+    timer, which the image installs but does not enable (a Security CVM must never stop)."""
+
+    config_path: Path = Path(IDLE_CONFIG_PATH)
+    argv: tuple[str, ...] = ("systemctl", "start", "--no-block", IDLE_TIMER)
+
+    def start(self, config: IdleConfig) -> None:
+        _write(self.config_path, json.dumps(asdict(config), sort_keys=True) + "\n")
+        try:
+            done = subprocess.run(
+                list(self.argv), capture_output=True, text=True, check=False, timeout=60
+            )
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise OSError(f"{self.argv[0]}: {exc}") from None
+        if done.returncode != 0:
+            tail = " / ".join((done.stderr or done.stdout).strip().splitlines()[-2:])
+            raise OSError(f"{' '.join(self.argv)} failed (exit {done.returncode}): {tail}")
+
+
 class Reporter(Protocol):
     def ready(self, data: LaunchData) -> None: ...
 
@@ -605,6 +634,8 @@ class Agent:
     spool_dir: Path | None = None
     # Dev CVMs: the attested SSH ingress, started after the compose. None: no SSH at all.
     ingress: AttestedIngress | None = None
+    # Dev CVMs: arms the idle auto-stop timer after the compose and the ingress. None: off.
+    idle_stop: IdleStop | None = None
     # The cloud this runs on: the host ruleset must admit exactly its ready report.
     cloud: str | None = None
 
@@ -641,6 +672,8 @@ class Agent:
                 f"umbra-launch: attested SSH ingress started on port {config.listen.port} "
                 f"(sandbox pid file {config.sandbox.pid_file})"
             )
+        if self.idle_stop is not None and data.role == "dev-cvm" and not data.is_placeholder:
+            self._arm_idle_stop(data)
         self.say(
             f"umbra-launch: {data.role} {data.cvm_id} started, compose-hash {data.compose_sha256}"
         )
@@ -650,6 +683,18 @@ class Agent:
             except (httpx.HTTPError, LaunchError) as exc:
                 self.say(f"umbra-launch: could not report ready: {exc}")
         return data
+
+    def _arm_idle_stop(self, data: LaunchData) -> None:
+        """Not fatal: idle auto-stop saves cost, it guards nothing. Said loudly when it fails."""
+        assert self.idle_stop is not None
+        compose = load_compose(json.loads(data.app_compose)["docker_compose_file"])
+        config = dev_cvm_config(str(compose.get("name", "")), DEV_ATTESTED_SSH_PORT)
+        try:
+            self.idle_stop.start(config)
+        except OSError as exc:
+            self.say(f"umbra-launch: WARNING idle auto-stop NOT armed: {exc}")
+            return
+        self.say(f"umbra-launch: idle auto-stop armed ({config.idle_minutes} min)")
 
     def _host(self, data: LaunchData) -> None:
         """Host configuration, before any container: firewall, names, the data disk."""

@@ -332,6 +332,7 @@ def test_cli_agent_runs_the_compose_command_or_refuses_on_the_console(
     script.write_text(f'#!/bin/sh\necho "$@" > {marker}\n')
     script.chmod(0o755)
     base = ["image", "launch-agent", "--cloud", "gcp", "--tee", "simulated", "--no-ingress",
+            "--no-idle-stop",
             "--metadata-url", standin.url, "--launch-dir", str(tmp_path / "launch"),
             "--data-disk", "none", "--workspace-dir", str(tmp_path / "workspace"),
             "--console", str(serial), "--compose", str(script)]  # fmt: skip
@@ -414,3 +415,62 @@ def test_a_security_cvm_mounts_its_data_disk_and_makes_the_spool_the_proxys(
     assert st.st_mode & 0o777 == 0o700
     if os.geteuid() == 0:
         assert (st.st_uid, st.st_gid) == (SERVICE_UID, SERVICE_UID)
+
+
+def test_a_dev_cvm_arms_idle_stop_and_a_security_cvm_never_does(
+    standin: StandIn, pki: SimulatedPki, tmp_path: Path
+) -> None:
+    """Fails before the fix: nothing started the idle timer (and its config named the forwarder's
+    old SSH port and a sessions path the host does not have)."""
+    from umbra.components.idle_stop import IdleConfig
+
+    @dataclass
+    class Recorder:
+        configs: list[IdleConfig] = field(default_factory=list)
+        fail: bool = False
+
+        def start(self, config: IdleConfig) -> None:
+            if self.fail:
+                raise OSError("systemctl start --no-block umbra-idle.timer failed (exit 5)")
+            self.configs.append(config)
+
+    data, _ = _dev_launch()
+    standin.attributes = data.gcp_metadata()
+    armed, lines = Recorder(), []
+    Agent(
+        GcpMetadata(standin.url), SimulatedRtmr(SimulatedTdx(pki, image="umbra-dev-cvm")),
+        RecordingStarter(), None, tmp_path / "a", lines.append, idle_stop=armed,
+    ).run()  # fmt: skip
+    (config,) = armed.configs
+    assert config.ssh_port == 8022  # the attested ingress, a host process
+    assert config.sessions_dir == "/var/lib/docker/volumes/umbra-dev_sessions/_data"
+    assert "umbra-launch: idle auto-stop armed (60 min)" in lines
+    # A failure to arm is said, and starts nothing less (it saves cost, it guards nothing).
+    lines.clear()
+    Agent(
+        GcpMetadata(standin.url), SimulatedRtmr(SimulatedTdx(pki, image="umbra-dev-cvm")),
+        RecordingStarter(), None, tmp_path / "b", lines.append, idle_stop=Recorder(fail=True),
+    ).run()  # fmt: skip
+    assert any("WARNING idle auto-stop NOT armed" in ln for ln in lines)
+    m = measure(security_definition())
+    sec = LaunchData(
+        role="security-cvm", team="team-a", cvm_id=CONSOLE_ID, app_compose=m.app_compose.decode()
+    )
+    standin.attributes = sec.gcp_metadata()
+    never = Recorder()
+    Agent(
+        GcpMetadata(standin.url), LogOnly(), RecordingStarter(), None, tmp_path / "c",
+        lambda _l: None, idle_stop=never,
+    ).run()  # fmt: skip
+    assert never.configs == []
+
+
+def test_the_image_gets_the_idle_script_and_units_not_enabled(tmp_path: Path) -> None:
+    from umbra.components.idle_stop import SCRIPT_PATH, install_files
+
+    written = install_files(tmp_path)
+    script = tmp_path / SCRIPT_PATH.lstrip("/")
+    assert script in written and b"import umbra" not in script.read_bytes()  # stdlib only
+    service = (tmp_path / "etc/systemd/system/umbra-idle.service").read_text()
+    assert f"ExecStart=/usr/bin/python3 {SCRIPT_PATH} --config /run/umbra/idle.json" in service
+    assert not list(tmp_path.rglob("*.wants"))  # not enabled: the launch agent starts it
