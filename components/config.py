@@ -138,13 +138,26 @@ class NetworkConfig(_Strict):
     )
     # Log denied flows: off by default (a hostile agent can make many, each one billed).
     log_denied: bool = False
-    # How a developer's machine reaches the Dev CVM's attested SSH port (8022):
-    #   public: from ssh_ingress_cidrs only;  iap (GCP): IAP TCP forwarding, with
+    # How a developer's machine reaches the Dev CVM's attested SSH port (8022). No Dev CVM has a
+    # public address, so every mode reaches its private one:
+    #   private: from ssh_ingress_cidrs only, over a network that routes to the team VPC/VNet
+    #   (VPN, Interconnect/ExpressRoute, peering);  iap (GCP): IAP TCP forwarding, with
     #   roles/iap.tunnelResourceAccessor (port 8022 only) granted to iap_members;
     #   bastion (Azure): an Azure Bastion (Standard, native-client tunnelling) in bastion_cidr.
-    reachability: Literal["public", "iap", "bastion"] = "public"
+    reachability: Literal["private", "iap", "bastion"] = "private"
     iap_members: list[IapMember] = Field(default_factory=list)
     bastion_cidr: ipaddress.IPv4Network | None = None
+
+    @field_validator("reachability", mode="before")
+    @classmethod
+    def _no_public(cls, value: object) -> object:
+        if value == "public":
+            raise ValueError(
+                "reachability 'public' is gone: no Dev CVM has a public address, so it reached "
+                "nothing; use 'private' (8022 from ssh_ingress_cidrs to the private address, over "
+                "your VPN or interconnect), 'iap' (GCP) or 'bastion' (Azure)"
+            )
+        return value
 
     @model_validator(mode="after")
     def _reachability(self) -> NetworkConfig:

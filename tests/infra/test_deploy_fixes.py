@@ -474,3 +474,16 @@ def test_the_security_cvm_has_a_data_disk_for_its_spool(stack: str, disk_type: s
     name = f"{example_stack(stack)['team']}-security-data"
     disk = run.one(disk_type, name).inputs
     assert disk.get("size", disk.get("diskSizeGB")) == SECURITY_DATA_DISK_GB
+
+
+def test_reachability_public_is_refused_with_the_reason() -> None:
+    """Fails before the fix: `public` was the default and opened 8022 to an address the VM does
+    not have (no Dev CVM has a public IP). `private` says what it reaches."""
+    from umbra.components.config import NetworkConfig
+
+    stack = copy.deepcopy(example_stack("globex-azure"))
+    assert parse_stack_config(raw_of(stack), frozenset()).network.reachability == "private"  # type: ignore[union-attr]
+    stack["network"] |= {"reachability": "public"}
+    with pytest.raises(Exception, match="reachability 'public' is gone: no Dev CVM has a public"):
+        parse_stack_config(raw_of(stack), frozenset())
+    assert "private" in str(NetworkConfig.model_fields["reachability"].annotation)
