@@ -238,6 +238,13 @@ def build_team(cfg: TeamStack, root: Path) -> Team:
     )
     console_ips = [str(ip) for ip in cfg.console_ips]
     dev_files = read_launch_files(root, cfg.dev_cvm, ROLE_DEV, "dev_cvm")
+    unenrolled = [f"{d.name}/{c}" for d in cfg.developers for c in d.cvms if c not in d.cvm_ids]
+    if unenrolled:
+        pulumi.log.warn(
+            f"developers[].cvm_ids has no Console id for {', '.join(unenrolled)}: those Dev "
+            "CVMs get no enrollment token and their forwarder cannot get a tunnel credential "
+            "(register each at the Console and set cvm_ids and umbra:devEnrollmentToken-<dev>-<cvm>)"
+        )
     for dev in cfg.developers:
         for cvm in dev.cvms:
             team.dev_cvms.setdefault(dev.name, {})[cvm] = DevCvm(
@@ -254,6 +261,9 @@ def build_team(cfg: TeamStack, root: Path) -> Team:
                     app_compose=dev_files.app_compose,
                     measurement_manifest=dev_files.measurement_manifest,
                     developer=dev.name,
+                    # The Console's id (measured as umbra.cvm-id) and one-time token, when set.
+                    cvm_id=dev.cvm_ids.get(cvm, ""),
+                    enrollment_token=cfg.dev_enrollment_token(dev.name, cvm),
                     ssh_authorized_keys=dev.ssh_keys,
                     security_cvm_ips=network.security_cvm_ip.apply(lambda ip: [ip]),
                     console_url=console_url,

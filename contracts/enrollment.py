@@ -32,6 +32,15 @@ def security_token_key(replica: int) -> str:
     return SECURITY_REPLICA_TOKEN_KEY.format(replica=replica)
 
 
+# A team stack's Dev CVM `developers[d].cvms[c]`: its Console CVM id is
+# `developers[d].cvm_ids[c]` and its one-time token this Pulumi secret config key.
+DEV_CVM_TOKEN_KEY = "umbra:devEnrollmentToken-{developer}-{cvm}"  # noqa: S105 -- a key name
+
+
+def dev_token_key(developer: str, cvm: str) -> str:
+    return DEV_CVM_TOKEN_KEY.format(developer=developer, cvm=cvm)
+
+
 REPORT_DATA_CONTEXT = b"umbra-enroll-v1\x00"
 HPKE_INFO_CONTEXT = b"umbra-enroll-credential-v1"
 
