@@ -51,8 +51,10 @@ def build_verifier(cfg: ForwarderConfig, cache_dir: Path | None = None) -> Verif
 
 def security_endpoint(cfg: ForwarderConfig) -> Endpoint:
     """Where to dial the Security CVM: the launch agent's address when the config names the
-    file (a cloud Dev CVM resolves nothing), else the configured host."""
-    if cfg.security_cvm_ips_file is None:
+    file and launch data gave one (a cloud Dev CVM resolves nothing), else the configured host
+    (launch data without Security CVM addresses: there is no host ruleset either, and a name
+    that resolves nowhere fails closed at the dial). Never trusted: the peer must attest."""
+    if cfg.security_cvm_ips_file is None or not cfg.security_cvm_ips_file.exists():
         return cfg.security_cvm
     address = read_first_ipv4(cfg.security_cvm_ips_file, "Security CVM")
     return Endpoint(host=address, port=cfg.security_cvm.port)

@@ -497,3 +497,24 @@ def test_connection_limit_refuses_the_excess(
         assert one.stats.refused == {"too_many_connections": 1}
     finally:
         topo.fwd_loop.run(one.close())
+
+
+def test_the_security_endpoint_is_the_launch_agents_address_else_the_configured_host(
+    tmp_path: Path,
+) -> None:
+    from umbra.sandbox.forwarder_config import ForwarderConfig, ForwarderConfigError
+    from umbra.sandbox.forwarder_setup import security_endpoint
+
+    d = dev_definition(security_cvm={"host": "security-cvm.umbra.internal", "port": 8443})
+    doc = json.loads(
+        yaml.safe_load(render_dev_cvm(d.compose).text)["configs"]["forwarder"]["content"]
+    )
+    doc["security_cvm_ips_file"] = str(tmp_path / "security-cvm-ips")
+    cfg = ForwarderConfig.model_validate(doc)
+    # No addresses in launch data (no file): the configured host, which must still attest.
+    assert security_endpoint(cfg).host == "security-cvm.umbra.internal"
+    (tmp_path / "security-cvm-ips").write_text("10.20.1.10 10.20.1.11\n")
+    assert (security_endpoint(cfg).host, security_endpoint(cfg).port) == ("10.20.1.10", 8443)
+    (tmp_path / "security-cvm-ips").write_text("security-cvm.evil.example\n")
+    with pytest.raises(ForwarderConfigError, match="is not an IPv4 address"):
+        security_endpoint(cfg)
