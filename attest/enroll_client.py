@@ -5,8 +5,14 @@ forwarder (`umbra forwarder enroll`). The X25519 key is generated in this proces
 (simulated) TEE, and never leaves it; the Console seals the credential to it after verifying the
 quote that binds it. The credential is persisted root-only (0600, written via a temporary file and
 renamed); the token's SHA-256 is recorded beside it, so a lost credential is never re-enrolled
-with the spent token (the Console would refuse it and audit a reuse): a new token is needed.
+with the spent token (the Console would refuse it and audit a reuse).
 An attested client (it quotes and sends the event log), so it lives in `umbra.attest`.
+
+A CVM that enrolled before and lost its credential (it lives on tmpfs: a reboot, a stop/start, a
+re-create) **re-enrolls by a fresh quote** when given its launch events: it asks
+`/enroll/renew/challenge` with its CVM id and the digest of its launch-bound events, quotes the
+renewal binding and receives a new credential (console/reenrollment.py). A 409 there means "not
+enrolled, or another launch": then the token path runs as at first boot.
 """
 
 from __future__ import annotations
@@ -20,13 +26,21 @@ import ssl
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import overload
 
 import httpx
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from umbra.attest.eventlog import Event, dump_dstack_event_log
-from umbra.contracts.enrollment import hpke_info, report_data
+from umbra.attest.launch_binding import LaunchBindingError, launch_binding
+from umbra.contracts.enrollment import (
+    hpke_info,
+    launch_binding_sha256,
+    renew_hpke_info,
+    renew_report_data,
+    report_data,
+)
 from umbra.contracts.files import write_atomic
 from umbra.contracts.release import SUITE
 
@@ -79,15 +93,25 @@ def ensure_credential(
     verify: ssl.SSLContext | str | bool = True,
     timeout: float = 30.0,
     connect_address: str | None = None,
+    launch_events: Sequence[Event] | None = None,
 ) -> tuple[str, bool]:
     """The persisted credential, enrolling first when there is none. Returns (credential,
     enrolled now). Raises EnrollError, never with the token or the credential in its text.
 
     `connect_address`: dial this IP instead of resolving the URL's host (a cloud Dev CVM has no
-    DNS); TLS still verifies the certificate for the URL's host name (SNI and Host too)."""
+    DNS); TLS still verifies the certificate for the URL's host name (SNI and Host too).
+    `launch_events`: this TD's event log; with it, a CVM that enrolled before re-enrolls by a
+    fresh quote (no token), and the token is spent only when the Console has no such launch."""
     stored = read_credential(credential_file)
     if stored is not None:
         return stored, False
+    if launch_events is not None:
+        renewed = _renew(
+            console_url, cvm_id, quoter, verify, timeout, connect_address, launch_events
+        )
+        if renewed is not None:
+            _write_root_only(credential_file, renewed)
+            return renewed, True
     if token_file is None:
         raise EnrollError(f"{credential_file}: no credential yet and no enrollment token given")
     token = _read_token(token_file)
@@ -136,6 +160,56 @@ def ensure_credential(
     return credential, True
 
 
+def _renew(
+    console_url: str,
+    cvm_id: str,
+    quoter: Quoter,
+    verify: ssl.SSLContext | str | bool,
+    timeout: float,
+    connect_address: str | None,
+    launch_events: Sequence[Event],
+) -> str | None:
+    """A fresh credential by quote, or None when the Console has no enrollment of this launch."""
+    try:
+        binding = launch_binding(launch_events)
+    except LaunchBindingError:
+        return None  # no measured launch to show: only a token can enroll this CVM
+    key = X25519PrivateKey.generate()
+    public = key.public_key().public_bytes(
+        serialization.Encoding.Raw, serialization.PublicFormat.Raw
+    )
+    base, route = _route(console_url, connect_address)
+    with httpx.Client(timeout=timeout, verify=verify) as client:
+        hint = {"cvm_id": cvm_id, "launch_sha256": launch_binding_sha256(binding)}
+        challenge = _post(client, f"{base}/enroll/renew/challenge", hint, route, conflict=True)
+        if challenge is None:
+            return None
+        nonce = str(challenge.get("nonce", ""))
+        if not nonce:
+            raise EnrollError("the Console's renewal challenge has no nonce")
+        try:
+            quote, events = quoter(renew_report_data(nonce, cvm_id, public))
+        except Exception as exc:  # the TEE's own failure, named
+            raise EnrollError(f"cannot quote: {type(exc).__name__}: {exc}") from None
+        evidence = {
+            "cvm_id": cvm_id,
+            "nonce": nonce,
+            "quote": base64.b64encode(quote).decode(),
+            "public_key": base64.b64encode(public).decode(),
+            "event_log": base64.b64encode(
+                dump_dstack_event_log(events or launch_events).encode()
+            ).decode(),
+        }
+        answer = _post(client, f"{base}/enroll/renew", evidence, route)
+    if answer is None or answer.get("cvm_id") != cvm_id:
+        raise EnrollError("the Console renewed another CVM than this one")
+    try:
+        sealed = base64.b64decode(str(answer.get("sealed_credential", "")), validate=True)
+        return SUITE.decrypt(sealed, key, info=renew_hpke_info(cvm_id, nonce)).decode("ascii")
+    except (binascii.Error, ValueError, UnicodeDecodeError):
+        raise EnrollError("the sealed credential does not open") from None
+
+
 @dataclass(frozen=True)
 class _Route:
     host_header: str | None = None
@@ -156,13 +230,24 @@ def _route(console_url: str, connect_address: str | None) -> tuple[str, _Route]:
     return str(url.copy_with(host=str(ip))), _Route(host_header=netloc, sni_hostname=host)
 
 
-def _post(client: httpx.Client, url: str, body: object, route: _Route) -> dict[str, object]:
+@overload
+def _post(client: httpx.Client, url: str, body: object, route: _Route) -> dict[str, object]: ...
+@overload
+def _post(
+    client: httpx.Client, url: str, body: object, route: _Route, conflict: bool
+) -> dict[str, object] | None: ...
+def _post(
+    client: httpx.Client, url: str, body: object, route: _Route, conflict: bool = False
+) -> dict[str, object] | None:
+    """The JSON answer; None for a 409 when `conflict` (renewal: not enrolled)."""
     headers = {"Host": route.host_header} if route.host_header else None
     extensions = {"sni_hostname": route.sni_hostname} if route.sni_hostname else None
     try:
         response = client.post(url, json=body, headers=headers, extensions=extensions)
     except httpx.HTTPError as exc:
         raise EnrollError(f"Console unreachable at {url} ({type(exc).__name__})") from None
+    if conflict and response.status_code == 409:
+        return None
     if response.status_code != 200:
         try:
             detail = str(response.json().get("detail", ""))[:300]

@@ -414,8 +414,8 @@ def launch_agent_cmd(
     metadata_url: Annotated[
         str | None, typer.Option("--metadata-url", help="Metadata service base URL (tests).")
     ] = None,
-    custom_data_file: Annotated[
-        Path | None, typer.Option("--custom-data-file", help="Azure: read custom data here.")
+    user_data_file: Annotated[
+        Path | None, typer.Option("--user-data-file", help="Azure: read the user data here.")
     ] = None,
     launch_dir: Annotated[Path, typer.Option("--launch-dir")] = Path("/run/umbra/launch"),
     serial: Annotated[Path, typer.Option("--console", help="Serial console device.")] = Path(
@@ -446,7 +446,8 @@ def launch_agent_cmd(
         str | None,
         typer.Option(
             "--data-disk",
-            help="Dev CVMs: the persistent disk (default: the cloud's name for it), or 'none'.",
+            help="The persistent disk (default: the one unpartitioned disk, found in sysfs), or "
+            "'none'.",
         ),
     ] = None,
     workspace_dir: Annotated[
@@ -456,6 +457,20 @@ def launch_agent_cmd(
             help="Dev CVMs: the directory the compose's workspace volume binds (created).",
         ),
     ] = Path("/var/lib/umbra/data/workspace"),
+    idle_stop: Annotated[
+        bool,
+        typer.Option(
+            "--idle-stop/--no-idle-stop",
+            help="Dev CVMs: arm the image's idle auto-stop timer (umbra-idle.timer).",
+        ),
+    ] = True,
+    spool_dir: Annotated[
+        Path,
+        typer.Option(
+            "--spool-dir",
+            help="Security CVMs: the directory the compose's spool volume binds (created).",
+        ),
+    ] = Path("/var/lib/umbra/data/spool"),
     ingress: Annotated[
         bool,
         typer.Option(
@@ -476,7 +491,7 @@ def launch_agent_cmd(
     compose, report ready. Refuses (exit 1, reason on the serial console) on bad launch data."""
     from umbra.images import launch_agent as la
     from umbra.images import launch_ingress as li
-    from umbra.images.launch_host import Ext4DataDisk
+    from umbra.images.launch_host import DataDisk, DiscoveredDataDisk, Ext4DataDisk
 
     source: la.MetadataSource
     reporter: la.Reporter | None
@@ -484,7 +499,7 @@ def launch_agent_cmd(
         source = la.GcpMetadata(metadata_url or la.GCP_METADATA)
         reporter = la.GcpGuestAttribute(metadata_url or la.GCP_METADATA)
     elif cloud == "azure":
-        source = la.AzureCustomData(metadata_url or la.AZURE_IMDS, custom_data_file)
+        source = la.AzureUserData(metadata_url or la.AZURE_IMDS, user_data_file)
         reporter = la.AzureWireServer()
     else:
         fail(f"--cloud must be gcp or azure, got {cloud!r}", EXIT_USAGE)
@@ -506,10 +521,13 @@ def launch_agent_cmd(
     elif simulated_pki is not None:
         fail("--simulated-pki is only for --tee simulated", EXIT_USAGE)
     say = la.serial_console(serial)
-    disk: Ext4DataDisk | None = None
-    if data_disk != "none":
-        device = Path(data_disk) if data_disk else la.DATA_DISKS[cloud]
-        disk = Ext4DataDisk(device, la.DATA_MOUNT)
+    disk: DataDisk | None = None
+    if data_disk == "none":
+        disk = None
+    elif data_disk:
+        disk = Ext4DataDisk(Path(data_disk), la.DATA_MOUNT)
+    else:  # found in sysfs: the clouds' udev names need their guest agents' rules
+        disk = DiscoveredDataDisk(la.DATA_MOUNT)
     starter: la.Starter = (
         la.DockerCompose(tuple(compose.split()))
         if compose
@@ -524,9 +542,12 @@ def launch_agent_cmd(
         say=say,
         data_disk=disk,
         workspace_dir=workspace_dir,
+        spool_dir=spool_dir,
         ingress=li.AttestedIngress(li.DockerSandbox(), li.SystemdUnit(), quote_source)
         if ingress
         else None,
+        cloud=cloud,
+        idle_stop=la.SystemdIdleStop() if idle_stop else None,
     )
     try:
         agent.run()

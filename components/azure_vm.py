@@ -1,10 +1,10 @@
 """Azure confidential VM on TDX (DCesv5/ECesv5): security type ConfidentialVM, UEFI secure boot and
-vTPM, OS disk encrypted with the VM guest state (keys bound to the vTPM), launch data in custom
-data. Under Azure's paravisor the guest measures this into the vTPM, not RTMR3: see
+vTPM, OS disk encrypted with the VM guest state (keys bound to the vTPM), launch data in the VM's
+user data (`userData`: IMDS serves it to the guest; it answers custom data with an empty body). Under Azure's paravisor the guest measures this into the vTPM, not RTMR3: see
 docs/specs/infra.md.
 
-Custom data cannot change on an existing VM, so a launch-data change replaces the VM
-(`replace_on_changes` on it), deleting the old one first (its name, NIC and address are fixed).
+User data can be edited on a running VM, but launch data is measured at boot: a change is a new
+launch, so it replaces the VM (`replace_on_changes` on it), deleting the old one first (its name, NIC and address are fixed).
 The developer's work is on a separate managed data disk that is only detached and re-attached.
 Stopping removes the VM and keeps its disk and NIC: Azure bills a deallocated VM's disks only,
 and the same launch data relaunches it.
@@ -21,7 +21,7 @@ from umbra.components.cvm import VmParts, VmSpec
 from umbra.components.naming import labels as make_labels
 
 ADMIN_USER = "umbra"
-CUSTOM_DATA_PATH = "osProfile.customData"
+USER_DATA_PATH = "userData"
 
 
 def image_reference(image: str) -> azure.compute.ImageReferenceArgs:
@@ -152,7 +152,6 @@ def build_azure_vm(name: str, spec: VmSpec, opts: pulumi.ResourceOptions) -> VmP
         os_profile=azure.compute.OSProfileArgs(
             computer_name=args.vm_name,
             admin_username=ADMIN_USER,
-            custom_data=spec.launch.apply(lambda d: d.azure_custom_data()),
             allow_extension_operations=False,
             linux_configuration=azure.compute.LinuxConfigurationArgs(
                 disable_password_authentication=True,
@@ -173,6 +172,7 @@ def build_azure_vm(name: str, spec: VmSpec, opts: pulumi.ResourceOptions) -> VmP
         )
         if args.api_access
         else None,
+        user_data=spec.launch.apply(lambda d: d.azure_user_data()),
         network_profile=azure.compute.NetworkProfileArgs(
             network_interfaces=[
                 azure.compute.NetworkInterfaceReferenceArgs(id=nic.id, primary=True)
@@ -182,10 +182,10 @@ def build_azure_vm(name: str, spec: VmSpec, opts: pulumi.ResourceOptions) -> VmP
         opts=pulumi.ResourceOptions.merge(
             opts,
             pulumi.ResourceOptions(
-                # Custom data is immutable on Azure: a change is a new launch.
-                replace_on_changes=[CUSTOM_DATA_PATH],
+                # Launch data is measured at boot: a change is a new launch, never an edit.
+                replace_on_changes=[USER_DATA_PATH],
                 delete_before_replace=True,
-                # The throwaway key is new on every run; only the measured custom data counts.
+                # The throwaway key is new on every run; only the measured user data counts.
                 ignore_changes=[] if spec.ssh_keys else ["osProfile.linuxConfiguration.ssh"],
             ),
         ),

@@ -22,7 +22,12 @@ from pydantic import (
 )
 
 from umbra.attest.measurement import canonical_ssh_key
-from umbra.contracts.enrollment import SECURITY_REPLICA_TOKEN_KEY, TOKEN_PREFIX, security_token_key
+from umbra.contracts.enrollment import (
+    SECURITY_REPLICA_TOKEN_KEY,
+    TOKEN_PREFIX,
+    dev_token_key,
+    security_token_key,
+)
 
 NAMESPACE = "umbra"
 STACK_KEY = f"{NAMESPACE}:stack"
@@ -32,6 +37,9 @@ KNOWN_KEYS = frozenset({STACK_KEY, CONSOLE_DB_PASSWORD_KEY})
 SECURITY_TOKEN_KEY_RE = re.compile(
     "^" + re.escape(SECURITY_REPLICA_TOKEN_KEY).replace(r"\{replica\}", "([0-7])") + "$"
 )
+# Team stacks: a Dev CVM's one-time enrollment token, a Pulumi secret (`umbra cvm
+# enrollment-token ID --token-only`), keyed by developer and CVM name.
+DEV_TOKEN_KEY_RE = re.compile(r"^umbra:devEnrollmentToken-[a-z0-9-]+$")
 _TOKEN_SHAPE = re.compile("^" + re.escape(TOKEN_PREFIX) + r"[A-Za-z0-9_-]{16,124}$")
 # A Console CVM id as the launch agent accepts it for `umbra-cvm-id` (images/launch_agent.py).
 ConsoleCvmId = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9_-]{0,62}$")]
@@ -138,13 +146,26 @@ class NetworkConfig(_Strict):
     )
     # Log denied flows: off by default (a hostile agent can make many, each one billed).
     log_denied: bool = False
-    # How a developer's machine reaches the Dev CVM's attested SSH port (8022):
-    #   public: from ssh_ingress_cidrs only;  iap (GCP): IAP TCP forwarding, with
+    # How a developer's machine reaches the Dev CVM's attested SSH port (8022). No Dev CVM has a
+    # public address, so every mode reaches its private one:
+    #   private: from ssh_ingress_cidrs only, over a network that routes to the team VPC/VNet
+    #   (VPN, Interconnect/ExpressRoute, peering);  iap (GCP): IAP TCP forwarding, with
     #   roles/iap.tunnelResourceAccessor (port 8022 only) granted to iap_members;
     #   bastion (Azure): an Azure Bastion (Standard, native-client tunnelling) in bastion_cidr.
-    reachability: Literal["public", "iap", "bastion"] = "public"
+    reachability: Literal["private", "iap", "bastion"] = "private"
     iap_members: list[IapMember] = Field(default_factory=list)
     bastion_cidr: ipaddress.IPv4Network | None = None
+
+    @field_validator("reachability", mode="before")
+    @classmethod
+    def _no_public(cls, value: object) -> object:
+        if value == "public":
+            raise ValueError(
+                "reachability 'public' is gone: no Dev CVM has a public address, so it reached "
+                "nothing; use 'private' (8022 from ssh_ingress_cidrs to the private address, over "
+                "your VPN or interconnect), 'iap' (GCP) or 'bastion' (Azure)"
+            )
+        return value
 
     @model_validator(mode="after")
     def _reachability(self) -> NetworkConfig:
@@ -185,7 +206,8 @@ class CvmConfig(_Strict):
     # A TDX-capable image: GCP image self link/family, Azure image id or "publisher:offer:sku:version".
     image: str = Field(min_length=1)
     disk_gb: int = Field(default=50, ge=20, le=2048)
-    # The persistent disk kept across replacement (Dev CVMs; default 100 GB for them).
+    # The persistent disk kept across replacement (default: Dev CVMs 100 GB, the workspace;
+    # Security CVMs 20 GB, the proxy's spool).
     data_disk_gb: int | None = Field(default=None, ge=10, le=65536)
     # Output directory of `umbra image measure DEF --out DIR` (relative to the project root):
     # app-compose.json is delivered, measurement-manifest.json named by its digest.
@@ -213,6 +235,9 @@ class Developer(_Strict):
     ssh_keys: list[SshKey] = Field(min_length=1)
     cvms: list[Name] = Field(default_factory=lambda: ["main"], min_length=1)
     size: str | None = None
+    # The Console's CVM id of each CVM (by name), registered before `pulumi up`: measured as
+    # `umbra.cvm-id` and bound into its enrollment; its token is the secret `dev_token_key`.
+    cvm_ids: dict[Name, ConsoleCvmId] = Field(default_factory=dict)
 
     @field_validator("cvms")
     @classmethod
@@ -220,6 +245,13 @@ class Developer(_Strict):
         if len(set(v)) != len(v):
             raise ValueError("CVM names must be distinct")
         return v
+
+    @model_validator(mode="after")
+    def _ids_name_cvms(self) -> Developer:
+        unknown = sorted(set(self.cvm_ids) - set(self.cvms))
+        if unknown:
+            raise ValueError(f"cvm_ids names CVMs this developer does not have: {unknown}")
+        return self
 
 
 class TeamStack(_Strict):
@@ -246,6 +278,15 @@ class TeamStack(_Strict):
     cost_centre: Annotated[str, Field(pattern=r"^[a-z0-9_-]{1,63}$")] | None = None
     # Per replica, from Pulumi secret config only (parse_stack_config): no document sets it.
     _security_tokens: tuple[str, ...] = PrivateAttr(default=())
+    # Per Dev CVM (developer, cvm) -> token, from Pulumi secret config only.
+    _dev_tokens: dict[tuple[str, str], str] = PrivateAttr(default_factory=dict)
+
+    def dev_enrollment_token(self, developer: str, cvm: str) -> str | None:
+        return self._dev_tokens.get((developer, cvm))
+
+    def with_dev_tokens(self, tokens: dict[tuple[str, str], str]) -> TeamStack:
+        self._dev_tokens = tokens
+        return self
 
     def security_enrollment_tokens(self) -> tuple[str, ...]:
         """Replica i's one-time enrollment token at index i (empty: none configured)."""
@@ -427,6 +468,7 @@ def parse_stack_config(raw: Mapping[str, str], secret_keys: frozenset[str]) -> S
         if k.startswith(NAMESPACE + ":")
         and k not in KNOWN_KEYS
         and not SECURITY_TOKEN_KEY_RE.match(k)
+        and not DEV_TOKEN_KEY_RE.match(k)
     )
     if unknown:
         raise ConfigError(
@@ -458,10 +500,39 @@ def parse_stack_config(raw: Mapping[str, str], secret_keys: frozenset[str]) -> S
             )
         if len(raw[CONSOLE_DB_PASSWORD_KEY]) < 16:
             raise ConfigError(f"{CONSOLE_DB_PASSWORD_KEY}: must be at least 16 characters")
-        if any(SECURITY_TOKEN_KEY_RE.match(k) for k in raw):
-            raise ConfigError("securityEnrollmentToken keys belong to team stacks")
+        if any(SECURITY_TOKEN_KEY_RE.match(k) or DEV_TOKEN_KEY_RE.match(k) for k in raw):
+            raise ConfigError("enrollment token keys belong to team stacks")
         return stack
-    return stack.with_security_tokens(_security_tokens(stack, raw, secret_keys))
+    stack = stack.with_security_tokens(_security_tokens(stack, raw, secret_keys))
+    return stack.with_dev_tokens(_dev_tokens(stack, raw, secret_keys))
+
+
+def _dev_tokens(
+    stack: TeamStack, raw: Mapping[str, str], secret_keys: frozenset[str]
+) -> dict[tuple[str, str], str]:
+    """Each team-stack Dev CVM's token: required exactly for the CVMs with a Console id, a
+    secret, token-shaped; every problem named by key, never by value."""
+    expected = {dev_token_key(d.name, c): (d.name, c) for d in stack.developers for c in d.cvm_ids}
+    problems: list[str] = []
+    for key in sorted(k for k in raw if DEV_TOKEN_KEY_RE.match(k)):
+        if key not in expected:
+            problems.append(f"{key}: no developers[].cvm_ids entry for this developer and CVM")
+        elif key not in secret_keys:
+            problems.append(
+                f"{key}: stored in plain text; set it with `pulumi config set --secret`"
+            )
+        elif not _TOKEN_SHAPE.match(raw[key].strip()):
+            problems.append(
+                f"{key}: not an enrollment token (`umbra cvm enrollment-token ID --token-only`)"
+            )
+    for key in sorted(set(expected) - set(raw)):
+        problems.append(
+            f"{key}: required key is missing (the CVM has a Console id: `umbra cvm "
+            f"enrollment-token ID --token-only | pulumi config set --secret {key.split(':', 1)[1]}`)"
+        )
+    if problems:
+        raise ConfigError("\n".join(problems))
+    return {pair: raw[key].strip() for key, pair in expected.items()}
 
 
 def _security_tokens(

@@ -1,5 +1,5 @@
 """SecurityCvm and DevCvm: TDX confidential VMs whose launch-bound configuration (compose file,
-SSH keys, measurement manifest reference) is delivered as instance metadata / custom data and
+SSH keys, measurement manifest reference) is delivered as instance metadata / user data and
 measured by the guest. Any change to that configuration replaces the VM: it is a new launch.
 """
 
@@ -58,6 +58,10 @@ class CvmArgs:
     enrollment_token: str | None = field(default=None, repr=False)
 
 
+# The Security CVM's data disk: its proxy's spool of unshipped traffic records (a reboot keeps it).
+SECURITY_DATA_DISK_GB = 20
+
+
 @dataclass(frozen=True)
 class SecurityCvmArgs(CvmArgs):
     # The fixed address Dev CVM egress rules name (TeamNetwork.security_cvm_ip).
@@ -72,6 +76,7 @@ class SecurityCvmArgs(CvmArgs):
     # The Console the proxy reports to (from config or the Console stack) and its TLS CA.
     console_url: pulumi.Input[str] | None = None
     console_ca: pulumi.Input[str] | None = None
+    data_disk_gb: int = SECURITY_DATA_DISK_GB
 
 
 @dataclass(frozen=True)
@@ -156,6 +161,7 @@ def _launch_data(
             console_ca=v[4] or None,
             console_ips=tuple(v[5] or ()),
             enrollment_token=v[6] if len(v) > 6 else None,
+            cloud=args.placement.cloud,
         )
     )
 

@@ -9,8 +9,6 @@ re-attached to the new instance.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import pulumi
 import pulumi_gcp as gcp
 
@@ -47,12 +45,30 @@ def build_gcp_vm(name: str, spec: VmSpec, opts: pulumi.ResourceOptions) -> VmPar
             )
         )
     # Team CVMs have no access config (the Security CVM egresses through the team's Cloud NAT);
-    # only the Console, which serves HTTPS to the internet, asks for an external address.
+    # only the Console, which serves HTTPS to the internet, asks for an external address: a
+    # reserved static one, its own resource, so a release that replaces the VM keeps it (team
+    # stacks pin it as `console_ips`, and the policy pack as declared Console addresses).
+    address = None
+    if spec.public_ip:
+        address = gcp.compute.Address(
+            f"{name}-ip",
+            name=f"{args.vm_name}-ip",
+            project=place.project,
+            region=_region(place.zone),
+            address_type="EXTERNAL",
+            network_tier="PREMIUM",
+            labels=labels,
+            opts=opts,
+        )
     ni = gcp.compute.InstanceNetworkInterfaceArgs(
         subnetwork=args.subnet_id,
         network_ip=spec.private_ip,
-        access_configs=[gcp.compute.InstanceNetworkInterfaceAccessConfigArgs()]
-        if spec.public_ip
+        access_configs=[
+            gcp.compute.InstanceNetworkInterfaceAccessConfigArgs(
+                nat_ip=address.address, network_tier="PREMIUM"
+            )
+        ]
+        if address is not None
         else None,
     )
     vm = gcp.compute.Instance(
@@ -100,7 +116,7 @@ def build_gcp_vm(name: str, spec: VmSpec, opts: pulumi.ResourceOptions) -> VmPar
         ),
     )
     private_ip = vm.network_interfaces.apply(lambda nis: nis[0].network_ip or "")
-    public_ip = vm.network_interfaces.apply(_nat_ip) if spec.public_ip else None
+    public_ip = address.address if address is not None else None
     return VmParts(
         instance_id=vm.instance_id,
         private_ip=private_ip,
@@ -109,6 +125,8 @@ def build_gcp_vm(name: str, spec: VmSpec, opts: pulumi.ResourceOptions) -> VmPar
     )
 
 
-def _nat_ip(nis: Sequence[gcp.compute.outputs.InstanceNetworkInterface]) -> str:
-    configs = nis[0].access_configs or []
-    return (configs[0].nat_ip or "") if configs else ""
+def _region(zone: str | None) -> str:
+    """`us-central1-a` -> `us-central1`: a static external address is regional."""
+    if not zone or zone.count("-") < 2:
+        raise ValueError(f"GCP zone {zone!r} is not <region>-<letter>")
+    return zone.rsplit("-", 1)[0]

@@ -8,8 +8,10 @@ The ruleset (one `inet` table, replaced atomically with `nft -f`):
   tunnel port and (for its one enrollment at first start) the Console's HTTPS port; the compose's
   internal networks talk among themselves; replies of allowed flows pass; everything else, DNS
   first, is dropped. Nothing is forwarded *into* a container: no compose service publishes a port.
-- output (the host's own processes): loopback, replies, DHCP, and optionally NTP and an IMDS
-  HTTP allowance for named uids (Azure's TD quote comes from IMDS); never DNS, never anything else.
+- output (the host's own processes): loopback, replies, DHCP, root's HTTP to the cloud's ready
+  report endpoint (the launch agent's report after the compose started: Azure's wire server,
+  GCP's metadata server), and optionally NTP and an IMDS HTTP allowance for named uids (Azure's
+  TD quote comes from IMDS); never DNS, never anything else.
 - input: loopback, replies, DHCP replies, and the attested SSH ingress's port (`umbra sandbox
   ingress`, a host process the launch agent starts), but never from the compose's internal
   networks: the sandbox does not reach the gateway that decides who logs into it.
@@ -30,6 +32,8 @@ from umbra.components.ports import (
     DEV_INTERNAL_CIDRS,
     DEV_UPLINK_CIDR,
     METADATA_ADDRESSES,
+    READY_REPORT_ADDRESSES,
+    READY_REPORT_PORT,
     SECURITY_TUNNEL_PORT,
 )
 
@@ -52,10 +56,15 @@ class HostFirewall:
     ntp_servers: Sequence[str] = ()
     # uids allowed HTTP to the metadata address (Azure: the attestation agent fetching TD quotes).
     imds_http_uids: Sequence[int] = field(default_factory=tuple)
+    # The cloud whose ready-report endpoint root may reach on HTTP (READY_REPORT_ADDRESSES);
+    # None: no report path (the launch agent's report is then dropped, and says so).
+    cloud: str | None = None
 
     def __post_init__(self) -> None:
         if not self.security_cvm_ips:
             raise ValueError("HostFirewall: no Security CVM address")
+        if self.cloud is not None and self.cloud not in READY_REPORT_ADDRESSES:
+            raise ValueError(f"HostFirewall: no ready-report endpoint for cloud {self.cloud!r}")
         for ip in [
             *self.security_cvm_ips,
             *self.console_ips,
@@ -132,6 +141,12 @@ def render_host_ruleset(fw: HostFirewall) -> str:
         "    jump dns_out",
         "    udp sport 68 udp dport 67 accept",
     ]
+    if fw.cloud is not None:
+        # Exactly the launch agent's ready report: root, TCP to the one platform address, port 80.
+        lines.append(
+            f"    ip daddr {READY_REPORT_ADDRESSES[fw.cloud]} tcp dport {READY_REPORT_PORT} "
+            "meta skuid 0 ct state new accept"
+        )
     if fw.ntp_servers:
         lines.append(f"    ip daddr {_set(fw.ntp_servers)} udp dport 123 accept")
     if fw.imds_http_uids:

@@ -113,9 +113,47 @@ def check(cfg: IdleConfig, now: float | None = None) -> tuple[bool, dict[str, in
     return stop, counts
 
 
-def render_units(
-    config_path: str = "/etc/umbra/idle.json", script: str = "/usr/local/lib/umbra/idle_stop.py"
-) -> dict[str, str]:
+# Where the image installs this file, and where the launch agent writes a Dev CVM's config (per
+# boot, on tmpfs: the timer runs only where the agent started it, never on a Security CVM).
+SCRIPT_PATH = "/usr/local/lib/umbra/idle_stop.py"
+CONFIG_PATH = "/run/umbra/idle.json"
+TIMER = "umbra-idle.timer"
+DOCKER_VOLUMES = "/var/lib/docker/volumes"
+
+
+def dev_cvm_config(project: str, ssh_port: int, idle_minutes: int = 60) -> IdleConfig:
+    """A Dev CVM's activity, as the host sees it: the dtach sockets in the compose's `sessions`
+    volume (docker-compose 1.29 names it `<project>_sessions`) and ESTABLISHED connections on the
+    attested SSH ingress, a host process (the host's own /proc/net/tcp tables)."""
+    return IdleConfig(
+        sessions_dir=f"{DOCKER_VOLUMES}/{project}_sessions/_data",
+        tcp_tables=("/proc/net/tcp", "/proc/net/tcp6"),
+        ssh_port=ssh_port,
+        idle_minutes=idle_minutes,
+        state_file="/var/lib/umbra/idle-since",
+    )
+
+
+def install_files(root: Path) -> list[Path]:
+    """What an OS image build puts into its rootfs `root`: this script (stdlib only, run by the
+    host's python3) and the two units, **not enabled** (the launch agent starts the timer on a
+    Dev CVM only). Returns the paths written."""
+    written = []
+    script = root / SCRIPT_PATH.lstrip("/")
+    script.parent.mkdir(parents=True, exist_ok=True)
+    script.write_bytes(Path(__file__).read_bytes())
+    script.chmod(0o644)
+    written.append(script)
+    units = root / "etc/systemd/system"
+    units.mkdir(parents=True, exist_ok=True)
+    for name, text in render_units().items():
+        (units / name).write_text(text)
+        (units / name).chmod(0o644)
+        written.append(units / name)
+    return written
+
+
+def render_units(config_path: str = CONFIG_PATH, script: str = SCRIPT_PATH) -> dict[str, str]:
     """systemd units the image installs: a oneshot check every five minutes."""
     return {
         "umbra-idle.service": (

@@ -1,5 +1,5 @@
 """Launch-bound configuration: what a CVM's measured boot reads from instance metadata (GCP) or
-custom data (Azure). The host can rewrite these bytes, so the guest never trusts them as given:
+user data (Azure IMDS). The host can rewrite these bytes, so the guest never trusts them as given:
 its launch agent hashes app-compose.json, the CVM id and the SSH keys and extends them into RTMR3
 (`compose-hash`, `umbra.cvm-id`, `umbra.ssh-authorized-keys`) before starting anything, and the CLI/Console
 refuse a quote whose replayed events differ from the release manifest and instance binding.
@@ -75,8 +75,8 @@ META_KEYS = frozenset(
 CVM_ID_EVENT = "umbra.cvm-id"
 HOST_FIREWALL_EVENT = "umbra.host-firewall"
 
-# Azure limits custom data to 64 KiB after base64.
-AZURE_CUSTOM_DATA_MAX = 65536
+# Azure limits user data to 64 KiB after base64.
+AZURE_USER_DATA_MAX = 65536
 
 PLACEHOLDER_MARK = "# UMBRA PLACEHOLDER COMPOSE: not a release, do not attest against it"
 
@@ -123,6 +123,9 @@ class LaunchData:
     console_ips: Sequence[str] = field(default_factory=tuple)
     database_ca: str | None = None
     enrollment_token: str | None = field(default=None, repr=False)
+    # The cloud the VM runs on ("gcp" | "azure"): the host ruleset admits root's ready report to
+    # that cloud's endpoint. Not a launch key: the launch agent knows its cloud (`--cloud`).
+    cloud: str | None = None
 
     @property
     def host_firewall(self) -> str | None:
@@ -130,7 +133,9 @@ class LaunchData:
             return None
         return render_host_ruleset(
             HostFirewall(
-                security_cvm_ips=tuple(self.security_cvm_ips), console_ips=tuple(self.console_ips)
+                security_cvm_ips=tuple(self.security_cvm_ips),
+                console_ips=tuple(self.console_ips),
+                cloud=self.cloud,
             )
         )
 
@@ -209,12 +214,13 @@ class LaunchData:
             "serial-port-enable": "FALSE",
         }
 
-    def azure_custom_data(self) -> str:
+    def azure_user_data(self) -> str:
+        """The VM's `userData` (IMDS serves it to the guest; custom data it does not)."""
         blob = canonical_json({"umbra": self.as_metadata()})
         encoded = base64.b64encode(blob.encode()).decode()
-        if len(encoded) > AZURE_CUSTOM_DATA_MAX:
+        if len(encoded) > AZURE_USER_DATA_MAX:
             raise ValueError(
                 f"{self.role} launch data is {len(encoded)} bytes after base64; "
-                f"Azure custom data holds at most {AZURE_CUSTOM_DATA_MAX}"
+                f"Azure user data holds at most {AZURE_USER_DATA_MAX}"
             )
         return encoded

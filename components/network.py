@@ -55,7 +55,7 @@ class TeamNetworkArgs:
     # Log denied flows (firewall deny rules, NAT errors): off by default, it costs per packet.
     log_denied: bool = False
     # public | iap (GCP) | bastion (Azure): see components.config.NetworkConfig.
-    reachability: str = "public"
+    reachability: str = "private"
     iap_members: Sequence[str] = ()
     bastion_cidr: str | None = None
     # Security CVM replicas (> 1: GCP health-check ingress for the internal load balancer).

@@ -35,3 +35,8 @@ DEV_UPLINK_CIDR: Final = "172.30.2.0/29"
 DEV_INTERNAL_CIDRS: Final = ("172.30.0.0/24",)
 # Cloud metadata / platform DNS addresses a guest reaches whatever the VPC firewall says.
 METADATA_ADDRESSES: Final = ("169.254.169.254", "168.63.129.16")
+# Where the launch agent (root) reports the VM ready, over HTTP port 80, per cloud: GCP's
+# metadata server (guest attribute `umbra/ready`), Azure's wire server (the goal state's health
+# report; with the VM agent off, a VM that never reports Ready fails its provisioning).
+READY_REPORT_ADDRESSES: Final = {"gcp": "169.254.169.254", "azure": "168.63.129.16"}
+READY_REPORT_PORT: Final = 80

@@ -19,7 +19,14 @@ from umbra.components.config import (
     TeamStack,
     parse_stack_config,
 )
-from umbra.components.cvm import DevCvm, DevCvmArgs, Placement, SecurityCvm, SecurityCvmArgs
+from umbra.components.cvm import (
+    SECURITY_DATA_DISK_GB,
+    DevCvm,
+    DevCvmArgs,
+    Placement,
+    SecurityCvm,
+    SecurityCvmArgs,
+)
 from umbra.components.launch_data import placeholder_app_compose
 from umbra.components.naming import Owner, dev_cvm_name, security_cvm_name
 from umbra.components.network import (
@@ -195,7 +202,7 @@ def build_team(cfg: TeamStack, root: Path) -> Team:
                 private_ip=security_replica_ip(str(net_cfg.security_cidr), i, replicas),
                 dns_resolvers=tuple(str(a) for a in net_cfg.security_dns_resolvers),
                 labels=labels,
-                data_disk_gb=cfg.security_cvm.data_disk_gb or 0,
+                data_disk_gb=cfg.security_cvm.data_disk_gb or SECURITY_DATA_DISK_GB,
                 # GCP's passthrough LB delivers to the LB address: a local route on the guest.
                 lb_ip=lb_ip if replicas > 1 and cfg.gcp is not None else "",
                 lb_backend_pool=pool,
@@ -231,6 +238,13 @@ def build_team(cfg: TeamStack, root: Path) -> Team:
     )
     console_ips = [str(ip) for ip in cfg.console_ips]
     dev_files = read_launch_files(root, cfg.dev_cvm, ROLE_DEV, "dev_cvm")
+    unenrolled = [f"{d.name}/{c}" for d in cfg.developers for c in d.cvms if c not in d.cvm_ids]
+    if unenrolled:
+        pulumi.log.warn(
+            f"developers[].cvm_ids has no Console id for {', '.join(unenrolled)}: those Dev "
+            "CVMs get no enrollment token and their forwarder cannot get a tunnel credential "
+            "(register each at the Console and set cvm_ids and umbra:devEnrollmentToken-<dev>-<cvm>)"
+        )
     for dev in cfg.developers:
         for cvm in dev.cvms:
             team.dev_cvms.setdefault(dev.name, {})[cvm] = DevCvm(
@@ -247,6 +261,9 @@ def build_team(cfg: TeamStack, root: Path) -> Team:
                     app_compose=dev_files.app_compose,
                     measurement_manifest=dev_files.measurement_manifest,
                     developer=dev.name,
+                    # The Console's id (measured as umbra.cvm-id) and one-time token, when set.
+                    cvm_id=dev.cvm_ids.get(cvm, ""),
+                    enrollment_token=cfg.dev_enrollment_token(dev.name, cvm),
                     ssh_authorized_keys=dev.ssh_keys,
                     security_cvm_ips=network.security_cvm_ip.apply(lambda ip: [ip]),
                     console_url=console_url,

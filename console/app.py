@@ -36,6 +36,7 @@ from umbra.console.routes import (
     enroll,
     login,
     meta,
+    reenroll,
     secrets,
     security_cvm,
     session,
@@ -165,6 +166,7 @@ def create_app(
         traffic,
         audit,
         enroll,
+        reenroll,
     ):
         app.include_router(module.router)
     mount_web(app, console.settings.web_session_key)

@@ -41,7 +41,7 @@ from sqlmodel import Field, SQLModel
 
 from umbra.attest.errors import AttestError
 from umbra.attest.eventlog import load_event_log
-from umbra.console import audit
+from umbra.console import audit, reenrollment
 from umbra.console.enums import AuditAction, CvmKind, CvmState
 from umbra.console.models import Cvm, utcnow
 from umbra.console.release import AttestedReleaseVerifier, seal_release
@@ -222,6 +222,8 @@ def enroll(
         raise EnrollmentRefused(RefusalReason.attestation_failed, "; ".join(verdict.reasons)[:300])
     credential = CREDENTIAL_PREFIXES[cvm.kind] + secrets.token_urlsafe(32)
     cvm.credential_hash = credential_hash(credential)
+    # What this launch measured: a later boot of it re-enrolls by a fresh quote (reenrollment).
+    reenrollment.record_binding(session, cvm, events)
     failed_to_enroll = cvm.state == CvmState.failed and (cvm.state_reason or "").startswith(
         FAILED_PREFIX
     )

@@ -64,6 +64,8 @@ class AuditAction(StrEnum):
     cvm_credential = "cvm.credential"
     cvm_enroll = "cvm.enroll"
     cvm_enroll_refused = "cvm.enroll_refused"
+    cvm_reenroll = "cvm.reenroll"
+    cvm_reenroll_refused = "cvm.reenroll_refused"
     cvm_enrollment_token = "cvm.enrollment_token"
     cvm_provisioned = "cvm.provisioned"
     cvm_resumed = "cvm.resumed"

@@ -16,7 +16,10 @@ from typing import Any, Literal
 
 from pulumi import automation as auto
 
+from umbra.attest.errors import AttestError
+from umbra.attest.measurement import load_measurement_policy
 from umbra.components.automation import (
+    DevCvmOutputs,
     DevCvmSpec,
     ProvisionerError,
     ProvisionEvent,
@@ -25,6 +28,7 @@ from umbra.components.automation import (
     TeamTarget,
 )
 from umbra.components.config import AzurePlacement, GcpPlacement
+from umbra.components.ports import DEV_ATTESTED_SSH_PORT
 from umbra.console.config import AzureProvider, ConfigError, GcpProvider, Settings
 from umbra.console.enums import CvmKind
 from umbra.console.providers import (
@@ -36,6 +40,7 @@ from umbra.console.providers import (
     Provisioned,
     one_line,
 )
+from umbra.console.session_info import INGRESS_KEY, RELEASE_KEY
 
 # Pulumi's failure text is long and its cause is rarely on the last line: keep most of it.
 REASON_LIMIT = 4000
@@ -61,9 +66,13 @@ class PulumiCvmProvider:
         *,
         env: dict[str, str] | None = None,
         stack_factory: StackFactory | None = None,
+        release: dict[str, Any] | None = None,
     ) -> None:
         self.name: str = name
         self.config = config
+        # The Dev CVM release (the one enrollments are verified against): what `umbra ssh`
+        # checks this cloud's Dev CVMs' quotes against. None: not served, the client refuses.
+        self.release = release
         self.app_compose = config.app_compose.read_text()
         self._provisioners = {
             team: PulumiDevCvmProvisioner(
@@ -77,20 +86,30 @@ class PulumiCvmProvider:
         cls, settings: Settings, name: str, *, stack_factory: StackFactory | None = None
     ) -> PulumiCvmProvider:
         targets: dict[str, TeamTarget] = {}
+        release = dev_release(settings)
         try:
             if name == "gcp":
                 assert settings.gcp is not None  # Settings refuses `gcp` without its settings
                 for team, g in settings.gcp.teams.items():
                     placement = GcpPlacement(project=g.project, region=g.region, zone=g.zone)
                     targets[team] = TeamTarget(team, "gcp", g.team_stack, gcp=placement)
-                return cls("gcp", settings.gcp, targets, stack_factory=stack_factory)
+                return cls(
+                    "gcp", settings.gcp, targets, stack_factory=stack_factory, release=release
+                )
             assert name == "azure" and settings.azure is not None
             for team, a in settings.azure.teams.items():
                 placement_az = AzurePlacement(location=a.location, zone=a.zone)
                 targets[team] = TeamTarget(team, "azure", a.team_stack, azure=placement_az)
             # The azure-native provider reads the subscription from the environment.
             env = {"ARM_SUBSCRIPTION_ID": str(settings.azure.subscription_id)}
-            return cls("azure", settings.azure, targets, env=env, stack_factory=stack_factory)
+            return cls(
+                "azure",
+                settings.azure,
+                targets,
+                env=env,
+                stack_factory=stack_factory,
+                release=release,
+            )
         except (ProvisionerError, ValueError) as exc:
             raise ConfigError(f"{name}: {one_line(str(exc))}") from None
 
@@ -135,7 +154,7 @@ class PulumiCvmProvider:
             outputs = provisioner.launch(dev, _relay(on_event))
         except ProvisionerError as exc:
             raise ProviderError(one_line(str(exc), REASON_LIMIT)) from None
-        return Provisioned(outputs.stack, _jsonable(asdict(outputs)))
+        return Provisioned(outputs.stack, self._state(outputs))
 
     def update(self, spec: CvmSpec, ref: str, on_event: OnProviderEvent) -> Provisioned:
         provisioner, dev = self._provisioner(spec.team), self.dev_spec(spec)
@@ -143,7 +162,18 @@ class PulumiCvmProvider:
             outputs = provisioner.update(dev, _relay(on_event))
         except ProvisionerError as exc:
             raise ProviderError(one_line(str(exc), REASON_LIMIT)) from None
-        return Provisioned(outputs.stack, _jsonable(asdict(outputs)))
+        return Provisioned(outputs.stack, self._state(outputs))
+
+    def _state(self, outputs: DevCvmOutputs) -> dict[str, Any]:
+        """`provider_state`: the run's outputs, and what `GET /cvms/{id}/session` serves the SSH
+        client (checked by it against the quote, never trusted on its own): the attested
+        ingress on the VM's private address (no Dev CVM has a public one) and the release."""
+        state: dict[str, Any] = _jsonable(asdict(outputs))
+        if outputs.private_ip:
+            state[INGRESS_KEY] = {"host": outputs.private_ip, "port": DEV_ATTESTED_SSH_PORT}
+        if self.release is not None:
+            state[RELEASE_KEY] = self.release
+        return state
 
     def set_running(self, ref: str, running: bool) -> None:
         """Stop/start by the stack ref alone: the stack's config holds the whole request, so any
@@ -178,3 +208,15 @@ def _relay(on_event: OnProviderEvent) -> Any:
 def _jsonable(value: dict[str, Any]) -> dict[str, Any]:
     value["expected_events"] = dict(value["expected_events"])
     return value
+
+
+def dev_release(settings: Settings) -> dict[str, Any] | None:
+    """The Dev CVM release manifest from `dev_cvm_release_policy` (None when unset)."""
+    path = settings.dev_cvm_release_policy
+    if path is None:
+        return None
+    try:
+        release = load_measurement_policy(path, None).release
+    except (AttestError, OSError, ValueError) as exc:
+        raise ConfigError(f"dev_cvm_release_policy {path}: {one_line(str(exc))}") from None
+    return release.model_dump(mode="json", exclude_none=True)

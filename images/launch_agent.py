@@ -2,7 +2,8 @@
 else Umbra starts.
 
 1. Read the launch data (`umbra-*` keys, see umbra.components.launch_data) from the cloud's
-   metadata service: GCP instance attributes (`Metadata-Flavor: Google`) or Azure custom data.
+   metadata service, by address (a team VPC's DNS answers every name with 0.0.0.0): GCP instance
+   attributes (`Metadata-Flavor: Google`) or Azure IMDS user data.
 2. Validate it strictly: known keys only, canonical app-compose.json whose compose file passes
    the sandbox validator, the copies (compose hash, event list) consistent with what they copy,
    SSH keys exactly when the role is dev-cvm.
@@ -30,7 +31,7 @@ import re
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from pathlib import Path
 from typing import Protocol
@@ -42,6 +43,9 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from umbra.attest.eventlog import Event, dump_dstack_event_log
 from umbra.attest.measurement import canonical_ssh_key
 from umbra.attest.simulator import SimulatedTdx
+from umbra.components.idle_stop import CONFIG_PATH as IDLE_CONFIG_PATH
+from umbra.components.idle_stop import TIMER as IDLE_TIMER
+from umbra.components.idle_stop import IdleConfig, dev_cvm_config
 from umbra.components.launch_data import (
     META_APP_COMPOSE,
     META_COMPOSE_HASH,
@@ -64,6 +68,7 @@ from umbra.components.launch_data import (
     PLACEHOLDER_MARK,
     LaunchData,
 )
+from umbra.components.ports import DEV_ATTESTED_SSH_PORT
 from umbra.contracts.names import CVM_ID_PATTERN
 from umbra.images.launch_host import (
     DataDisk,
@@ -78,6 +83,7 @@ from umbra.images.measure import boot_events, release_events
 from umbra.images.measure import instance_events as launch_events
 from umbra.sandbox.render import SERVICE_UID, canonical_json
 from umbra.sandbox.validate import (
+    SPOOL_DIR,
     WORKSPACE_DIR,
     ComposeError,
     load_compose,
@@ -85,8 +91,11 @@ from umbra.sandbox.validate import (
     validate_security_compose,
 )
 
-GCP_METADATA = "http://metadata.google.internal"
+# By address, never by name: the team VPC's DNS response policy answers every name (the
+# metadata server's `metadata.google.internal` too) with 0.0.0.0 (docs/specs/infra.md, "DNS").
+GCP_METADATA = "http://169.254.169.254"
 AZURE_IMDS = "http://169.254.169.254"
+AZURE_WIRE_SERVER = "http://168.63.129.16"
 LAUNCH_DIR = Path("/run/umbra/launch")
 # Linux >= 6.16 exposes TDX RTMRs in sysfs; writing a SHA-384 digest extends the register.
 RTMR3_SYSFS = Path("/sys/class/misc/tdx_guest/measurements/rtmr3:sha384")
@@ -95,14 +104,10 @@ _CVM_ID = re.compile(CVM_ID_PATTERN)
 _KNOWN = META_KEYS
 # Opaque, short-lived, single use (the Console's enrollment endpoint checks it).
 _TOKEN = re.compile(r"^[A-Za-z0-9._~+/=-]{16,1024}$")
-# GCP names the data disk by its device name; Azure by LUN (the udev rule Azure documents).
-DATA_DISKS = {
-    "gcp": Path("/dev/disk/by-id/google-umbra-data"),
-    "azure": Path("/dev/disk/azure/scsi1/lun0"),
-}
 DATA_MOUNT = Path("/var/lib/umbra/data")
 # The workspace directory the Dev compose binds: on the data disk.
 WORKSPACE = Path(WORKSPACE_DIR)
+SPOOL = Path(SPOOL_DIR)
 _REQUIRED = {META_ROLE, META_TEAM, META_CVM_ID, META_APP_COMPOSE, META_COMPOSE_HASH}
 
 
@@ -155,9 +160,10 @@ class GcpMetadata:
 
 
 @dataclass(frozen=True)
-class AzureCustomData:
-    """Custom data is base64 of canonical JSON {"umbra": {...}} (components.launch_data). With
-    the VM agent off it is read from IMDS userData or the provisioning medium's file."""
+class AzureUserData:
+    """User data is base64 of canonical JSON {"umbra": {...}} (components.launch_data), read from
+    IMDS (`compute/userData`). Not custom data: IMDS answers custom data with an empty body, and
+    without the VM agent nothing reads the provisioning medium. `file`: a copy (tests)."""
 
     base: str = AZURE_IMDS
     file: Path | None = None
@@ -177,16 +183,14 @@ class AzureCustomData:
                 r.raise_for_status()
                 blob = r.text
         except (OSError, httpx.HTTPError) as exc:
-            raise LaunchError(Refusal.UNREACHABLE, f"Azure custom data: {exc}") from None
+            raise LaunchError(Refusal.UNREACHABLE, f"Azure user data: {exc}") from None
         try:
             doc = json.loads(base64.b64decode(blob.strip(), validate=True))
             meta = doc["umbra"]
         except (ValueError, KeyError, TypeError, binascii.Error):
-            raise LaunchError(
-                Refusal.INVALID, "Azure custom data is not base64 {umbra: …}"
-            ) from None
+            raise LaunchError(Refusal.INVALID, "Azure user data is not base64 {umbra: …}") from None
         if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
-            raise LaunchError(Refusal.INVALID, "Azure custom data's umbra map is not strings")
+            raise LaunchError(Refusal.INVALID, "Azure user data's umbra map is not strings")
         return meta
 
 
@@ -213,7 +217,9 @@ def enrollment_token(meta: dict[str, str]) -> str | None:
     return token
 
 
-def parse_launch_data(meta: dict[str, str]) -> LaunchData:
+def parse_launch_data(meta: dict[str, str], cloud: str | None = None) -> LaunchData:
+    """`cloud`: where this agent runs (its `--cloud`); the host ruleset launch data carries must
+    be the one rendered for it (the ready-report rule names that cloud's endpoint)."""
     unknown = sorted(set(meta) - _KNOWN)
     if unknown:
         raise LaunchError(Refusal.UNKNOWN, f"unknown launch keys {unknown}")
@@ -276,6 +282,7 @@ def parse_launch_data(meta: dict[str, str]) -> LaunchData:
         console_url=meta.get(META_CONSOLE_URL),
         console_ca=meta.get(META_CONSOLE_CA),
         database_ca=meta.get(META_DATABASE_CA),
+        cloud=cloud,
     )
     # The ruleset is a copy of what the addresses render to (components.host_firewall): the host
     # cannot slip other rules in, and what is loaded is measured (umbra.host-firewall).
@@ -458,6 +465,9 @@ def write_launch_dir(
         _write(service / "event-log.json", log)
         if data.console_ips:
             _write(service / "console-ips", "\n".join(data.console_ips) + "\n")
+        if data.security_cvm_ips:
+            # The forwarder dials this (no DNS); the measured host ruleset admits exactly it.
+            _write(service / "security-cvm-ips", "\n".join(data.security_cvm_ips) + "\n")
         if data.console_ca:
             _write(service / "console-ca.pem", data.console_ca)
         _write(root / "ssh/authorized_keys", "\n".join(data.ssh_authorized_keys) + "\n")
@@ -524,6 +534,31 @@ class ComposeRunnerStart:
             raise LaunchError(Refusal.START_FAILED, str(exc)) from None
 
 
+class IdleStop(Protocol):
+    def start(self, config: IdleConfig) -> None: ...
+
+
+@dataclass(frozen=True)
+class SystemdIdleStop:
+    """Arms the image's idle auto-stop on a Dev CVM: the config for this boot (tmpfs), then the
+    timer, which the image installs but does not enable (a Security CVM must never stop)."""
+
+    config_path: Path = Path(IDLE_CONFIG_PATH)
+    argv: tuple[str, ...] = ("systemctl", "start", "--no-block", IDLE_TIMER)
+
+    def start(self, config: IdleConfig) -> None:
+        _write(self.config_path, json.dumps(asdict(config), sort_keys=True) + "\n")
+        try:
+            done = subprocess.run(
+                list(self.argv), capture_output=True, text=True, check=False, timeout=60
+            )
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise OSError(f"{self.argv[0]}: {exc}") from None
+        if done.returncode != 0:
+            tail = " / ".join((done.stderr or done.stdout).strip().splitlines()[-2:])
+            raise OSError(f"{' '.join(self.argv)} failed (exit {done.returncode}): {tail}")
+
+
 class Reporter(Protocol):
     def ready(self, data: LaunchData) -> None: ...
 
@@ -553,7 +588,7 @@ _AZURE_READY = (
 class AzureWireServer:
     """With the VM agent off, the guest itself reports Ready to the wire server's goal state."""
 
-    base: str = "http://168.63.129.16"
+    base: str = AZURE_WIRE_SERVER
 
     def ready(self, data: LaunchData) -> None:
         headers = {"x-ms-version": "2012-11-30"}
@@ -594,14 +629,21 @@ class Agent:
     # Dev CVMs: the directory the compose's `workspace` volume binds (WORKSPACE_DIR, on the data
     # disk), created before the compose starts. None: not created (tests without the compose).
     workspace_dir: Path | None = None
+    # Security CVMs: the spool directory the compose's `spool` volume binds (SPOOL_DIR, on the
+    # data disk), created for the proxy's uid. None: not created (tests without the compose).
+    spool_dir: Path | None = None
     # Dev CVMs: the attested SSH ingress, started after the compose. None: no SSH at all.
     ingress: AttestedIngress | None = None
+    # Dev CVMs: arms the idle auto-stop timer after the compose and the ingress. None: off.
+    idle_stop: IdleStop | None = None
+    # The cloud this runs on: the host ruleset must admit exactly its ready report.
+    cloud: str | None = None
 
     def run(self) -> LaunchData:
         """Raises LaunchError (after saying why) when it refuses; starts nothing then."""
         try:
             meta = self.source.fetch()
-            data = parse_launch_data(meta)
+            data = parse_launch_data(meta, self.cloud)
             token = enrollment_token(meta)
             events = launch_event_list(data)
             boot = BootIdentity.generate() if data.role == "dev-cvm" else None
@@ -630,6 +672,8 @@ class Agent:
                 f"umbra-launch: attested SSH ingress started on port {config.listen.port} "
                 f"(sandbox pid file {config.sandbox.pid_file})"
             )
+        if self.idle_stop is not None and data.role == "dev-cvm" and not data.is_placeholder:
+            self._arm_idle_stop(data)
         self.say(
             f"umbra-launch: {data.role} {data.cvm_id} started, compose-hash {data.compose_sha256}"
         )
@@ -639,6 +683,18 @@ class Agent:
             except (httpx.HTTPError, LaunchError) as exc:
                 self.say(f"umbra-launch: could not report ready: {exc}")
         return data
+
+    def _arm_idle_stop(self, data: LaunchData) -> None:
+        """Not fatal: idle auto-stop saves cost, it guards nothing. Said loudly when it fails."""
+        assert self.idle_stop is not None
+        compose = load_compose(json.loads(data.app_compose)["docker_compose_file"])
+        config = dev_cvm_config(str(compose.get("name", "")), DEV_ATTESTED_SSH_PORT)
+        try:
+            self.idle_stop.start(config)
+        except OSError as exc:
+            self.say(f"umbra-launch: WARNING idle auto-stop NOT armed: {exc}")
+            return
+        self.say(f"umbra-launch: idle auto-stop armed ({config.idle_minutes} min)")
 
     def _host(self, data: LaunchData) -> None:
         """Host configuration, before any container: firewall, names, the data disk."""
@@ -653,8 +709,14 @@ class Agent:
                 write_hosts(self.etc_dir, data.security_cvm_ips)
             if data.dns_resolvers:
                 write_resolv_conf(self.etc_dir, data.dns_resolvers)
-            if self.data_disk is not None and data.role == "dev-cvm":
+            if self.data_disk is not None:
+                # Dev: the workspace. Security: the proxy's spool (unshipped traffic records).
                 self.say(f"umbra-launch: {self.data_disk.mount()}")
+            if data.role == "security-cvm" and self.spool_dir is not None:
+                # The compose's `spool` volume binds it; the proxy (SERVICE_UID) owns it alone.
+                self.spool_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+                os.chown(self.spool_dir, SERVICE_UID, SERVICE_UID)
+                self.spool_dir.chmod(0o700)
             if data.role == "dev-cvm" and self.workspace_dir is not None:
                 # The compose's `workspace` volume binds it (on the data disk when there is one).
                 self.workspace_dir.mkdir(parents=True, exist_ok=True, mode=0o755)

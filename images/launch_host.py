@@ -108,3 +108,93 @@ class Ext4DataDisk:
         if not os.path.ismount(self.mountpoint):
             _run(["mount", "-o", "nodev,nosuid", dev, str(self.mountpoint)], f"mount {dev}")
         return f"data disk {self.device} {what} at {self.mountpoint}"
+
+
+# ---- finding the data disk without the clouds' udev rules ------------------------------------
+# Google's guest rules (by-id/google-<device name>) and waagent's (disk/azure/scsi1/lunN) are
+# not in the image, so those names never exist. The disk is found from sysfs: a whole disk that
+# is not virtual, not removable, not read-only, has no partitions and no holders (the boot disk
+# has the ESP, root and verity partitions; an Azure resource disk is partitioned NTFS). Exactly
+# one such disk must be labelled `umbra-data` (a later boot) or, with none labelled, exactly one
+# must exist (the first boot, blank): anything else is ambiguous and refused.
+VIRTUAL_PREFIXES = ("loop", "ram", "zram", "dm-", "sr", "md", "nbd", "fd", "zd")
+
+
+class Probe(Protocol):
+    def __call__(self, device: Path) -> tuple[str, str]: ...
+
+
+def blkid_probe(device: Path) -> tuple[str, str]:
+    """(TYPE, LABEL) of a device's signature, ("", "") when it has none (blkid -p exit 2)."""
+    done = subprocess.run(
+        ["blkid", "-p", "-o", "export", str(device)], capture_output=True, text=True, check=False
+    )
+    if done.returncode == 2:
+        return "", ""
+    if done.returncode != 0:
+        raise HostSetupError(f"blkid -p {device} failed (exit {done.returncode})")
+    tags = dict(ln.split("=", 1) for ln in done.stdout.splitlines() if "=" in ln)
+    return tags.get("TYPE", ""), tags.get("LABEL", "")
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return ""
+
+
+def data_disk_candidates(sys_block: Path) -> list[str]:
+    """Whole disks that could be the data disk, by name, sorted."""
+    out = []
+    for entry in sorted(sys_block.iterdir()) if sys_block.is_dir() else []:
+        name = entry.name
+        if name.startswith(VIRTUAL_PREFIXES):
+            continue
+        if _read(entry / "removable") == "1" or _read(entry / "ro") == "1":
+            continue
+        if _read(entry / "size") in ("", "0"):
+            continue
+        if any((child / "partition").exists() for child in entry.iterdir() if child.is_dir()):
+            continue  # partitioned: the boot disk (or a disk we did not make)
+        holders = entry / "holders"
+        if holders.is_dir() and any(holders.iterdir()):
+            continue  # in use by device-mapper or md
+        out.append(name)
+    return out
+
+
+def find_data_disk(
+    sys_block: Path = Path("/sys/block"),
+    dev_dir: Path = Path("/dev"),
+    probe: Probe = blkid_probe,
+    label: str = "umbra-data",
+) -> Path:
+    names = data_disk_candidates(sys_block)
+    if not names:
+        raise HostSetupError("no data disk: no unpartitioned, writable, non-removable disk")
+    found = {name: probe(dev_dir / name) for name in names}
+    labelled = [n for n, (kind, lab) in found.items() if kind == "ext4" and lab == label]
+    if len(labelled) == 1:
+        return dev_dir / labelled[0]
+    if len(labelled) > 1:
+        raise HostSetupError(f"data disk ambiguous: {', '.join(labelled)} are all {label!r}")
+    if len(names) > 1:
+        described = ", ".join(f"{n} ({found[n][0] or 'blank'})" for n in names)
+        raise HostSetupError(f"data disk ambiguous: none labelled {label!r} among {described}")
+    return dev_dir / names[0]
+
+
+@dataclass(frozen=True)
+class DiscoveredDataDisk:
+    """The data disk found in sysfs at mount time (find_data_disk), then Ext4DataDisk's rules:
+    formatted (label `umbra-data`) only when blank, refused when it holds anything else."""
+
+    mountpoint: Path
+    sys_block: Path = Path("/sys/block")
+    dev_dir: Path = Path("/dev")
+    probe: Probe = blkid_probe
+
+    def mount(self) -> str:
+        device = find_data_disk(self.sys_block, self.dev_dir, self.probe)
+        return Ext4DataDisk(device, self.mountpoint).mount()

@@ -2,7 +2,8 @@
 `--enroll-token-file`, the proxy enrolls (a key generated here, a quote from this TD's quote
 source binding it) and persists the sealed credential it receives to `--console-credential-file`
 (0600). Later starts use the stored credential and never spend the token again
-(attest/enroll_client.py). Runs once, before any worker starts.
+(attest/enroll_client.py); a reboot, which loses it, re-enrolls by a fresh quote of the same
+launch (console/reenrollment.py). Runs once, before any worker starts.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ def ensure_console_credential(config: ProxyConfig) -> bool:
             credential_file=config.console_credential_file,
             quoter=quoter,
             verify=console_verify(config),
+            # A reboot lost the credential (tmpfs): re-enroll by a fresh quote of this launch.
+            launch_events=events() if events is not None else None,
         )
     except EnrollError as exc:
         raise StartupError(f"enrollment: {exc}") from None

@@ -114,6 +114,12 @@ class ForwarderConfig(Strict):
     credential_file: Path | None = None
     enrollment: Enrollment | None = None
     sandbox_ca: SandboxCa | None = None
+    # A cloud Dev CVM has no DNS (its host ruleset drops it, Docker's embedded DNS forwards to
+    # nothing): the launch agent writes the Security CVM address(es) of launch data
+    # (`umbra-security-cvm-ips`, from which the measured host ruleset is rendered) here, and the
+    # forwarder dials the first one instead of resolving `security_cvm.host`. The address is not
+    # a trust anchor: whoever answers must pass attestation against the Security release.
+    security_cvm_ips_file: Path | None = None
     connect_timeout: Annotated[float, Field(gt=0, le=120)] = 10.0
     handshake_timeout: Annotated[float, Field(gt=0, le=120)] = 30.0
     max_connections: Annotated[int, Field(ge=1, le=65536)] = 256
@@ -139,6 +145,20 @@ def load_forwarder_config(path: Path) -> ForwarderConfig:
     except ValidationError as exc:
         msgs = [f"{path}: {line}" for line in lines(exc, "(top level)")]
         raise ForwarderConfigError("\n".join(msgs)) from None
+
+
+def read_first_ipv4(path: Path, what: str) -> str:
+    """The first IPv4 address of a launch-agent file (space/line separated)."""
+    try:
+        words = path.read_text().split()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ForwarderConfigError(f"{path}: cannot read the {what} address: {exc}") from None
+    if not words:
+        raise ForwarderConfigError(f"{path}: no {what} address")
+    try:
+        return str(ipaddress.IPv4Address(words[0]))
+    except ValueError:
+        raise ForwarderConfigError(f"{path}: {words[0][:40]!r} is not an IPv4 address") from None
 
 
 _CVM_ID = re.compile(CVM_ID_PATTERN)

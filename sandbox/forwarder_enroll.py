@@ -5,12 +5,12 @@ Console listens on loopback, which the forwarder's namespace cannot reach) trade
 token from launch data for the tunnel credential. The key is generated here and bound into this
 TD's quote with the CVM id; the Console checks the quote against the Dev CVM image's release and
 seals the credential to the key. The credential is kept in `credential_file` (0600); a restart
-uses it and never spends the token again.
+of the forwarder uses it and never spends the token again; a reboot, which loses it (tmpfs),
+re-enrolls by a fresh quote of the same launch (console/reenrollment.py).
 """
 
 from __future__ import annotations
 
-import ipaddress
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -26,6 +26,7 @@ from umbra.sandbox.forwarder_config import (
     ForwarderConfig,
     ForwarderConfigError,
     read_cvm_id,
+    read_first_ipv4,
 )
 
 
@@ -52,16 +53,7 @@ def _quoter(enrollment: Enrollment, cvm_id: str) -> tuple[QuoteSource, Sequence[
 
 def read_console_address(path: Path) -> str:
     """The first IPv4 address of the launch agent's console-ips file (space/line separated)."""
-    try:
-        words = path.read_text().split()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ForwarderConfigError(f"{path}: cannot read the Console address: {exc}") from None
-    if not words:
-        raise ForwarderConfigError(f"{path}: no Console address")
-    try:
-        return str(ipaddress.IPv4Address(words[0]))
-    except ValueError:
-        raise ForwarderConfigError(f"{path}: {words[0][:40]!r} is not an IPv4 address") from None
+    return read_first_ipv4(path, "Console")
 
 
 def ensure_tunnel_credential(cfg: ForwarderConfig) -> bool:
@@ -86,6 +78,8 @@ def ensure_tunnel_credential(cfg: ForwarderConfig) -> bool:
             quoter=lambda report_data: (source.get_quote(report_data), events),
             verify=str(enrollment.console_ca) if enrollment.console_ca else True,
             connect_address=address,
+            # A reboot lost the credential (tmpfs): re-enroll by a fresh quote of this launch.
+            launch_events=events,
         )
     except EnrollError as exc:
         raise ForwarderConfigError(f"enrollment: {exc}") from None

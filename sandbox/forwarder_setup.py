@@ -20,7 +20,9 @@ from umbra.sandbox.forwarder_config import (
     ForwarderConfigError,
     read_credential,
     read_cvm_id,
+    read_first_ipv4,
 )
+from umbra.sandbox.models import Endpoint
 from umbra.sandbox.sandbox_ca import CaBundle
 
 
@@ -47,11 +49,22 @@ def build_verifier(cfg: ForwarderConfig, cache_dir: Path | None = None) -> Verif
     )
 
 
+def security_endpoint(cfg: ForwarderConfig) -> Endpoint:
+    """Where to dial the Security CVM: the launch agent's address when the config names the
+    file and launch data gave one (a cloud Dev CVM resolves nothing), else the configured host
+    (launch data without Security CVM addresses: there is no host ruleset either, and a name
+    that resolves nowhere fails closed at the dial). Never trusted: the peer must attest."""
+    if cfg.security_cvm_ips_file is None or not cfg.security_cvm_ips_file.exists():
+        return cfg.security_cvm
+    address = read_first_ipv4(cfg.security_cvm_ips_file, "Security CVM")
+    return Endpoint(host=address, port=cfg.security_cvm.port)
+
+
 def build_forwarder(cfg: ForwarderConfig) -> Forwarder:
     return Forwarder(
         cvm_id=read_cvm_id(cfg.cvm_id_file),
         credential=read_credential(cfg.credential_file) if cfg.credential_file else None,
-        security_cvm=cfg.security_cvm,
+        security_cvm=security_endpoint(cfg),
         verifier=build_verifier(cfg),
         listen_host=cfg.listen.host,
         proxy_port=cfg.listen.proxy_port,

@@ -104,6 +104,8 @@ def forwarder_config(inputs: DevCvmInputs) -> dict[str, Any]:
         "cvm_id_file": f"{LAUNCH_DIR}/cvm-id",
         "credential_file": f"{FORWARDER_STATE_DIR}/tunnel-credential",
         "sandbox_ca": {"file": f"{FORWARDER_CA_DIR}/{CA_NAME}"},
+        # The Dev CVM resolves nothing: the launch agent's Security CVM address(es), by file.
+        "security_cvm_ips_file": f"{LAUNCH_DIR}/security-cvm-ips",
         # Launch-bound files the launch agent writes into the forwarder's launch directory.
         "enrollment": {
             "console_url": inputs.console_url,

@@ -77,6 +77,13 @@ WORKSPACE_VOLUME = {
     "driver": "local",
     "driver_opts": {"type": "none", "o": "bind", "device": WORKSPACE_DIR},
 }
+# The Security CVM's unshipped traffic records live on its data disk (the launch agent mounts it
+# and creates this directory, owned by the proxy's uid): a reboot keeps them for the shipper.
+SPOOL_DIR = "/var/lib/umbra/data/spool"
+SPOOL_VOLUME = {
+    "driver": "local",
+    "driver_opts": {"type": "none", "o": "bind", "device": SPOOL_DIR},
+}
 # The Security CVM's quote interface (configfs-tsm): the one writable host path, and only there.
 TSM_REPORT = "/sys/kernel/config/tsm/report"
 UNSAFE_SECURITY_OPTS = ("unconfined", "label=disable", "label:disable")
@@ -108,7 +115,9 @@ def _common(
     caps: dict[str, set[str]],
     out: list[str],
     host_paths: frozenset[str] = frozenset(),
+    binds: tuple[str, dict[str, Any]] = ("workspace", WORKSPACE_VOLUME),
 ) -> None:
+    """`binds`: the one named volume this role may bind to its data disk, and exactly how."""
     for key in sorted(set(doc) - TOP_KEYS):
         out.append(f"top-level key {key!r} is not allowed")
     services = _mapping(doc.get("services"))
@@ -119,14 +128,12 @@ def _common(
     for name, raw in volumes.items():
         # A volume definition can bind any host path (driver_opts), around the host-path rule
         # below: only plain volumes, and the workspace's one bind, are allowed.
-        if raw not in ({}, None) and not (name == "workspace" and raw == WORKSPACE_VOLUME):
+        bind_name, bind = binds
+        if raw not in ({}, None) and not (name == bind_name and raw == bind):
+            device = bind["driver_opts"]["device"]
             out.append(
                 f"volume {name}: only a plain volume ({{}}) is allowed"
-                + (
-                    f" (the workspace may bind exactly {WORKSPACE_DIR})"
-                    if name == "workspace"
-                    else ""
-                )
+                + (f" (the {name} may bind exactly {device})" if name == bind_name else "")
             )
     for name, raw in networks.items():
         net = _mapping(raw)
@@ -172,7 +179,9 @@ def _check_volume(
     volumes: dict[str, Any],
     out: list[str],
     host_paths: frozenset[str] = frozenset(),
+    binds: tuple[str, dict[str, Any]] = ("workspace", WORKSPACE_VOLUME),
 ) -> None:
+    """`binds`: the one named volume this role may bind to its data disk, and exactly how."""
     if not isinstance(vol, str):
         out.append(f"{where}: volume {vol!r} must use the short string form")
         return
@@ -317,7 +326,10 @@ def _flag(command: list[str], flag: str) -> str | None:
 
 
 def _security(doc: dict[str, Any], out: list[str]) -> None:
-    _common(doc, {}, out, frozenset({TSM_REPORT}))
+    _common(doc, {}, out, frozenset({TSM_REPORT}), ("spool", SPOOL_VOLUME))
+    if _mapping(doc.get("volumes")).get("spool") != SPOOL_VOLUME:
+        # Unshipped traffic records on tmpfs would be lost by every reboot.
+        out.append(f"volume spool must bind the data disk's {SPOOL_DIR} (exactly)")
     services = _mapping(doc.get("services"))
     networks = _mapping(doc.get("networks"))
     _exact("services", services, {"proxy"}, out)

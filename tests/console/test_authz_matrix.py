@@ -339,6 +339,8 @@ PUBLIC = {
 }
 # Authenticated by a one-time enrollment token and a quote, not a principal (tests/up/).
 PUBLIC |= {("POST", "/api/v1/enroll/challenge"), ("POST", "/api/v1/enroll")}
+# Authenticated by a fresh quote of the CVM's measured launch (tests/console/test_reenrollment.py).
+PUBLIC |= {("POST", "/api/v1/enroll/renew/challenge"), ("POST", "/api/v1/enroll/renew")}
 
 USER_CASES = [(route, who) for route in USER_MATRIX for who in USERS]
 MACHINE_CASES = [(route, who) for route in MACHINE_MATRIX for who in MACHINES]

@@ -355,3 +355,42 @@ def test_provider_cli_launch_waits_and_reports(cloud: Cloud, tmp_path: Path) -> 
     assert "failed" in bad.output and "ZONE_RESOURCE_POOL_EXHAUSTED" in bad.output
     listed = runner.invoke(app, ["cvm", "list"], env=env)
     assert "waited" in listed.output and "10.20.0." in listed.output
+
+
+def test_a_cloud_dev_cvm_records_its_ingress_and_release_for_umbra_ssh(
+    tmp_path: Path,
+) -> None:
+    """Fails before the fix: provider_state had neither `ssh_ingress` nor `release_manifest`, so
+    `GET /cvms/{id}/session` served nothing and `umbra ssh` refused every cloud Dev CVM."""
+    from tests.console import enroll
+    from umbra.attest.simulator import SimulatedTdx
+    from umbra.components.automation import TeamTarget
+    from umbra.components.config import GcpPlacement
+    from umbra.console.config import GcpProvider
+    from umbra.console.models import Cvm
+    from umbra.console.providers import CvmSpec
+    from umbra.console.providers_pulumi import PulumiCvmProvider
+    from umbra.console.session_info import session_info
+
+    compose = tmp_path / "app-compose.json"
+    compose.write_text(json.dumps(APP_COMPOSE))
+    config = GcpProvider.model_validate(gcp_settings(compose, "acme"))
+    placement = GcpPlacement(project="acme-umbra", region="us-central1", zone="us-central1-a")
+    target = TeamTarget("acme", "gcp", "acme-org/umbra/acme-gcp", gcp=placement)
+    release = SimulatedTdx(enroll.pki(), image=enroll.DEV_IMAGE).release_manifest()
+    provider = PulumiCvmProvider(
+        "gcp", config, {"acme": target}, stack_factory=FakeClouds().factory,
+        release=release.model_dump(mode="json", exclude_none=True),
+    )  # fmt: skip
+    spec = CvmSpec(id="cvm_0123456789abcdef", team="acme", name="main", kind="dev",
+                   owner="alice", ssh_keys=(KEY,))  # fmt: skip
+    done = provider.launch(spec, lambda _e: None)
+    ingress = done.state["ssh_ingress"]
+    assert ingress == {"host": done.state["private_ip"], "port": 8022}
+    row = Cvm(
+        id=spec.id, team="acme", name="main", kind="dev", owner="alice", provider="gcp",
+        state="running", ssh_keys=[KEY], provider_state=done.state, created_by="alice",
+    )  # fmt: skip
+    info = session_info(row)
+    assert info.ingress is not None and info.ingress.host == done.state["private_ip"]
+    assert info.release == release

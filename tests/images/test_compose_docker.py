@@ -56,6 +56,7 @@ from umbra.images import host_firewall, image_store
 from umbra.images.build import BuildResult
 from umbra.images.compose_runner import ComposeRunError, ComposeRunner, lower
 from umbra.images.launch_agent import (
+    SPOOL,
     WORKSPACE,
     Agent,
     ComposeRunnerStart,
@@ -121,7 +122,8 @@ def bridge_gateway() -> str:
 @pytest.fixture
 def launch_dir() -> Iterator[Path]:
     # The compose also binds the data disk's workspace directory (an absolute host path).
-    for owned in (LAUNCH, WORKSPACE):
+    # The Security compose binds the data disk's spool directory likewise.
+    for owned in (LAUNCH, WORKSPACE, SPOOL):
         if owned.exists():
             pytest.fail(f"{owned} exists: another Dev CVM (or test) owns it on this machine")
     # The agent creates the workspace with its parents: remove the topmost one it created.
@@ -132,6 +134,7 @@ def launch_dir() -> Iterator[Path]:
         yield LAUNCH
     finally:
         shutil.rmtree(LAUNCH, ignore_errors=True)
+        shutil.rmtree(SPOOL, ignore_errors=True)
         shutil.rmtree(created, ignore_errors=True)
 
 
@@ -519,6 +522,7 @@ class SecurityCvm:
             launch_dir=launch_dir,
             say=said.append,
             etc_dir=self.d,
+            spool_dir=SPOOL,
         ).run()
         print("\n".join(said))
         assert any("security-cvm" in line and "started" in line for line in said)

@@ -28,7 +28,7 @@ from umbra.cli.app import app
 from umbra.components.launch_data import LaunchData
 from umbra.images.launch_agent import (
     Agent,
-    AzureCustomData,
+    AzureUserData,
     AzureWireServer,
     GcpGuestAttribute,
     GcpMetadata,
@@ -236,16 +236,16 @@ def test_dev_cvm_on_gcp_extends_what_measure_predicts_and_verifies(
 CONSOLE_ID = "cvm_5ec0000000000001"
 
 
-def test_security_cvm_on_azure_custom_data_reports_ready(standin: StandIn, tmp_path: Path) -> None:
+def test_security_cvm_on_azure_user_data_reports_ready(standin: StandIn, tmp_path: Path) -> None:
     # A team stack's replica carries the Console's id for it (`cvm_<hex>`: with an underscore).
     m = measure(security_definition())
     data = LaunchData(
         role="security-cvm", team="team-a", cvm_id=CONSOLE_ID, app_compose=m.app_compose.decode()
     )
-    standin.user_data = data.azure_custom_data()
+    standin.user_data = data.azure_user_data()
     starter = RecordingStarter()
     Agent(
-        source=AzureCustomData(standin.url),
+        source=AzureUserData(standin.url),
         extender=LogOnly(),
         starter=starter,
         reporter=AzureWireServer(standin.url),
@@ -332,6 +332,7 @@ def test_cli_agent_runs_the_compose_command_or_refuses_on_the_console(
     script.write_text(f'#!/bin/sh\necho "$@" > {marker}\n')
     script.chmod(0o755)
     base = ["image", "launch-agent", "--cloud", "gcp", "--tee", "simulated", "--no-ingress",
+            "--no-idle-stop",
             "--metadata-url", standin.url, "--launch-dir", str(tmp_path / "launch"),
             "--data-disk", "none", "--workspace-dir", str(tmp_path / "workspace"),
             "--console", str(serial), "--compose", str(script)]  # fmt: skip
@@ -352,3 +353,124 @@ def test_cli_agent_runs_the_compose_command_or_refuses_on_the_console(
     assert refused.exit_code == 1
     assert "REFUSED, nothing started: copy_mismatch" in serial.read_text()
     assert not marker.exists()
+
+
+def test_gcp_launch_data_is_read_and_reported_by_address_not_by_name() -> None:
+    """Fails before the fix: the agent dialled `metadata.google.internal`, which the team VPC's
+    DNS response policy answers with 0.0.0.0."""
+    import ipaddress
+
+    import httpx
+
+    for base in (GcpMetadata().base, GcpGuestAttribute().base):
+        assert ipaddress.IPv4Address(httpx.URL(base).host) == ipaddress.IPv4Address(
+            "169.254.169.254"
+        )
+
+
+def test_a_ruleset_rendered_for_another_cloud_is_refused(standin: StandIn, tmp_path: Path) -> None:
+    # The ready-report rule names one cloud's endpoint: an agent on Azure refuses a GCP ruleset.
+    data, _ = _dev_launch()
+    gcp = LaunchData(**{**data.__dict__, "security_cvm_ips": ("10.20.1.10",), "cloud": "gcp"})
+    standin.user_data = gcp.azure_user_data()
+    lines: list[str] = []
+    agent = Agent(
+        AzureUserData(standin.url), LogOnly(), RecordingStarter(), None, tmp_path / "l",
+        lines.append, cloud="azure",
+    )  # fmt: skip
+    with pytest.raises(LaunchError) as exc:
+        agent.run()
+    assert exc.value.reason is Refusal.MISMATCH and "umbra-host-firewall" in lines[-1]
+
+
+def test_a_security_cvm_mounts_its_data_disk_and_makes_the_spool_the_proxys(
+    standin: StandIn, tmp_path: Path
+) -> None:
+    """Fails before the fix: only a Dev CVM mounted its data disk; the proxy's spool was tmpfs."""
+    import os
+
+    from umbra.sandbox.render import SERVICE_UID
+
+    @dataclass
+    class Disk:
+        mounted: int = 0
+
+        def mount(self) -> str:
+            self.mounted += 1
+            return "data disk mounted"
+
+    m = measure(security_definition())
+    data = LaunchData(
+        role="security-cvm", team="team-a", cvm_id=CONSOLE_ID, app_compose=m.app_compose.decode()
+    )
+    standin.user_data = data.azure_user_data()
+    disk, lines = Disk(), []
+    spool = tmp_path / "data/spool"
+    Agent(
+        AzureUserData(standin.url), LogOnly(), RecordingStarter(), None, tmp_path / "launch",
+        lines.append, data_disk=disk, spool_dir=spool,
+    ).run()  # fmt: skip
+    assert disk.mounted == 1 and "umbra-launch: data disk mounted" in lines
+    st = spool.stat()
+    assert st.st_mode & 0o777 == 0o700
+    if os.geteuid() == 0:
+        assert (st.st_uid, st.st_gid) == (SERVICE_UID, SERVICE_UID)
+
+
+def test_a_dev_cvm_arms_idle_stop_and_a_security_cvm_never_does(
+    standin: StandIn, pki: SimulatedPki, tmp_path: Path
+) -> None:
+    """Fails before the fix: nothing started the idle timer (and its config named the forwarder's
+    old SSH port and a sessions path the host does not have)."""
+    from umbra.components.idle_stop import IdleConfig
+
+    @dataclass
+    class Recorder:
+        configs: list[IdleConfig] = field(default_factory=list)
+        fail: bool = False
+
+        def start(self, config: IdleConfig) -> None:
+            if self.fail:
+                raise OSError("systemctl start --no-block umbra-idle.timer failed (exit 5)")
+            self.configs.append(config)
+
+    data, _ = _dev_launch()
+    standin.attributes = data.gcp_metadata()
+    armed, lines = Recorder(), []
+    Agent(
+        GcpMetadata(standin.url), SimulatedRtmr(SimulatedTdx(pki, image="umbra-dev-cvm")),
+        RecordingStarter(), None, tmp_path / "a", lines.append, idle_stop=armed,
+    ).run()  # fmt: skip
+    (config,) = armed.configs
+    assert config.ssh_port == 8022  # the attested ingress, a host process
+    assert config.sessions_dir == "/var/lib/docker/volumes/umbra-dev_sessions/_data"
+    assert "umbra-launch: idle auto-stop armed (60 min)" in lines
+    # A failure to arm is said, and starts nothing less (it saves cost, it guards nothing).
+    lines.clear()
+    Agent(
+        GcpMetadata(standin.url), SimulatedRtmr(SimulatedTdx(pki, image="umbra-dev-cvm")),
+        RecordingStarter(), None, tmp_path / "b", lines.append, idle_stop=Recorder(fail=True),
+    ).run()  # fmt: skip
+    assert any("WARNING idle auto-stop NOT armed" in ln for ln in lines)
+    m = measure(security_definition())
+    sec = LaunchData(
+        role="security-cvm", team="team-a", cvm_id=CONSOLE_ID, app_compose=m.app_compose.decode()
+    )
+    standin.attributes = sec.gcp_metadata()
+    never = Recorder()
+    Agent(
+        GcpMetadata(standin.url), LogOnly(), RecordingStarter(), None, tmp_path / "c",
+        lambda _l: None, idle_stop=never,
+    ).run()  # fmt: skip
+    assert never.configs == []
+
+
+def test_the_image_gets_the_idle_script_and_units_not_enabled(tmp_path: Path) -> None:
+    from umbra.components.idle_stop import SCRIPT_PATH, install_files
+
+    written = install_files(tmp_path)
+    script = tmp_path / SCRIPT_PATH.lstrip("/")
+    assert script in written and b"import umbra" not in script.read_bytes()  # stdlib only
+    service = (tmp_path / "etc/systemd/system/umbra-idle.service").read_text()
+    assert f"ExecStart=/usr/bin/python3 {SCRIPT_PATH} --config /run/umbra/idle.json" in service
+    assert not list(tmp_path.rglob("*.wants"))  # not enabled: the launch agent starts it

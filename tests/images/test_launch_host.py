@@ -10,7 +10,7 @@ import json
 import os
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,7 +29,14 @@ from umbra.components.launch_data import LaunchData
 from umbra.images import launch_agent
 from umbra.images import measure as measure_mod
 from umbra.images.launch_agent import Agent, LaunchError, Refusal, SimulatedRtmr
-from umbra.images.launch_host import Ext4DataDisk, HostSetupError, Nft
+from umbra.images.launch_host import (
+    DiscoveredDataDisk,
+    Ext4DataDisk,
+    HostSetupError,
+    Nft,
+    blkid_probe,
+    find_data_disk,
+)
 from umbra.images.measure import measure
 from umbra.sandbox.render import SERVICE_UID
 
@@ -108,6 +115,9 @@ def test_console_addresses_reach_the_forwarder_only_through_the_measured_ruleset
     boot = launch_agent.BootIdentity.generate()
     launch_agent.write_launch_dir(tmp_path, parsed, [], boot=boot)
     assert (tmp_path / "forwarder/console-ips").read_text() == "10.9.0.5\n"
+    # The Security CVM too, by address: the forwarder's container resolves nothing.
+    sec = "\n".join(parsed.security_cvm_ips) + "\n"
+    assert parsed.security_cvm_ips and (tmp_path / "forwarder/security-cvm-ips").read_text() == sec
     tampered = meta | {launch_data.META_HOST_FIREWALL: base.host_firewall or ""}
     with pytest.raises(LaunchError) as mismatch:
         launch_agent.parse_launch_data(tampered)
@@ -322,3 +332,79 @@ def test_data_disk_is_formatted_only_when_empty(loop_disk: Path, tmp_path: Path)
         disk.mount()
     with pytest.raises(HostSetupError, match="not attached"):
         Ext4DataDisk(tmp_path / "absent", mnt).mount()
+
+
+# ---- the data disk, found in sysfs (no google-*/azure udev names) ---------------------------
+
+
+def _sysfs(root: Path, disks: dict[str, dict[str, object]]) -> Path:
+    """A /sys/block stand-in: per disk its size, removable, ro, partitions and holders."""
+    block = root / "sys-block"
+    for name, spec in disks.items():
+        d = block / name
+        (d / "holders").mkdir(parents=True)
+        (d / "size").write_text(f"{spec.get('size', 209715200)}\n")
+        (d / "removable").write_text(f"{spec.get('removable', 0)}\n")
+        (d / "ro").write_text(f"{spec.get('ro', 0)}\n")
+        for part in spec.get("parts", []):  # type: ignore[attr-defined]
+            (d / part).mkdir()
+            (d / part / "partition").write_text("1\n")
+        for holder in spec.get("holders", []):  # type: ignore[attr-defined]
+            (d / "holders" / holder).touch()
+    return block
+
+
+def _probe(table: dict[str, tuple[str, str]]) -> Callable[[Path], tuple[str, str]]:
+    return lambda device: table.get(device.name, ("", ""))
+
+
+BOOT = {"parts": ["nvme0n1p1", "nvme0n1p2", "nvme0n1p3"]}
+
+
+@pytest.mark.parametrize(
+    ("cloud", "disks", "expect"),
+    [
+        # GCP C3: NVMe namespaces, the boot disk partitioned, the data disk blank.
+        ("gcp", {"nvme0n1": BOOT, "nvme0n2": {}, "loop0": {}}, "nvme0n2"),
+        # Azure: SCSI, OS disk partitioned, the resource disk partitioned NTFS, a DVD.
+        ("azure", {"sda": {"parts": ["sda1", "sda15"]}, "sdb": {"parts": ["sdb1"]},
+                   "sdc": {}, "sr0": {"removable": 1}}, "sdc"),
+    ],
+)  # fmt: skip
+def test_the_data_disk_is_found_in_sysfs_on_both_clouds(
+    tmp_path: Path, cloud: str, disks: dict[str, dict[str, object]], expect: str
+) -> None:
+    """Fails before the fix: the agent looked for /dev/disk/by-id/google-umbra-data and
+    /dev/disk/azure/scsi1/lun0, which only Google's and waagent's udev rules create."""
+    assert (
+        find_data_disk(_sysfs(tmp_path, disks), Path("/dev"), _probe({})) == Path("/dev") / expect
+    )
+
+
+def test_a_labelled_data_disk_wins_and_ambiguity_is_refused(tmp_path: Path) -> None:
+    block = _sysfs(tmp_path, {"vda": BOOT, "vdb": {}, "vdc": {}})
+    labelled = _probe({"vdc": ("ext4", "umbra-data")})
+    assert find_data_disk(block, Path("/dev"), labelled) == Path("/dev/vdc")  # a later boot
+    with pytest.raises(HostSetupError, match=r"ambiguous: none labelled 'umbra-data' among vdb"):
+        find_data_disk(block, Path("/dev"), _probe({}))
+    both = _probe({"vdb": ("ext4", "umbra-data"), "vdc": ("ext4", "umbra-data")})
+    with pytest.raises(HostSetupError, match="ambiguous: vdb, vdc"):
+        find_data_disk(block, Path("/dev"), both)
+    for spec in ({"ro": 1}, {"size": 0}, {"holders": ["dm-0"]}, {"removable": 1}):
+        bare = _sysfs(tmp_path / str(len(str(spec))) / str(id(spec)), {"vda": BOOT, "vdb": spec})
+        with pytest.raises(HostSetupError, match="no data disk"):
+            find_data_disk(bare, Path("/dev"), _probe({}))
+
+
+def test_the_discovered_disk_is_formatted_once_and_kept(loop_disk: Path, tmp_path: Path) -> None:
+    # A real block device under a fake sysfs name (loop devices are skipped as virtual).
+    block = _sysfs(tmp_path, {"vda": BOOT, "vdb": {}})
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    (dev / "vdb").symlink_to(loop_disk)
+    mnt = tmp_path / "mnt"
+    disk = DiscoveredDataDisk(mnt, block, dev)
+    assert "formatted (it was empty)" in disk.mount()
+    subprocess.run(["umount", str(mnt)], check=True)
+    assert blkid_probe(dev / "vdb") == ("ext4", "umbra-data")
+    assert "(it was empty)" not in disk.mount()

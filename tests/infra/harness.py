@@ -55,6 +55,8 @@ class Recorder(Mocks):
         if args.typ == "gcp:sql/databaseInstance:DatabaseInstance":
             out["serverCaCerts"] = [{"cert": FAKE_DB_CA}]
             out["privateIpAddress"] = "10.10.128.5"
+        if args.typ == "gcp:compute/address:Address":
+            out["address"] = "198.51.100.7"  # what GCP reserves (documentation range here)
         if args.typ == "gcp:compute/disk:Disk":
             out["selfLink"] = f"zones/{args.inputs.get('zone')}/disks/{args.inputs['name']}"
         if args.typ == "azure-native:compute:VirtualMachine":

@@ -47,9 +47,12 @@ def test_every_vm_is_a_tdx_confidential_vm(globex: Recorder) -> None:
         assert linux["provisionVMAgent"] is False
 
 
-def test_custom_data_carries_the_launch_data(globex: Recorder) -> None:
+def test_user_data_carries_the_launch_data_and_custom_data_none(globex: Recorder) -> None:
+    """Fails before the fix: the launch data went to customData, which IMDS answers empty, while
+    the launch agent reads IMDS userData."""
     vm = globex.one(VM, "globex-carol-main")
-    data = json.loads(base64.b64decode(vm.inputs["osProfile"]["customData"]))["umbra"]
+    assert "customData" not in vm.inputs["osProfile"]
+    data = json.loads(base64.b64decode(vm.inputs["userData"]))["umbra"]
     assert data["umbra-role"] == "dev-cvm"
     assert data["umbra-ssh-authorized-keys"].startswith("ssh-ed25519 ")
     assert SSH_KEYS_EVENT in json.loads(data["umbra-rtmr3-events"])

@@ -195,3 +195,21 @@ def test_on_azure_the_console_identity_holds_exactly_the_provisioner_roles() -> 
             "9980e02c-c2be-4d73-94e8-173b1dc7cf3c",
         ),
     ]
+
+
+def test_the_gcp_console_has_a_reserved_static_address() -> None:
+    """Fails before the fix: an ephemeral external address, which any replacement of the Console
+    VM (a release) changed, invalidating every team stack's `console_ips`."""
+    mocks, exported = _console({})
+    (address,) = mocks.of_type("gcp:compute/address:Address")
+    assert exported["console_public_ip"] == "198.51.100.7"  # the reserved address
+    assert address.inputs["addressType"] == "EXTERNAL"
+    assert address.inputs["region"] == "us-central1"
+    (vm,) = mocks.of_type("gcp:compute/instance:Instance")
+    (access,) = vm.inputs["networkInterfaces"][0]["accessConfigs"]
+    assert access["natIp"] == address.outputs["address"]
+    # A separate resource: replacing the VM (its metadata changed) does not touch it.
+    assert mocks.options[("gcp:compute/address:Address", address.name)].replace_on_changes in (
+        None,
+        [],
+    )

@@ -75,10 +75,10 @@ def test_gcp_instances_are_deleted_before_their_replacement(acme: Recorder) -> N
         assert opts.replace_on_changes == ["metadata"], inst.name
 
 
-def test_azure_vms_replace_on_custom_data_deleting_first(globex: Recorder) -> None:
+def test_azure_vms_replace_on_user_data_deleting_first(globex: Recorder) -> None:
     for vm in globex.of_type(VM):
         opts = globex.options[(VM, vm.name)]
-        assert opts.replace_on_changes == ["osProfile.customData"], vm.name
+        assert opts.replace_on_changes == ["userData"], vm.name
         assert opts.delete_before_replace is True, vm.name
 
 
@@ -86,7 +86,7 @@ def test_azure_vms_replace_on_custom_data_deleting_first(globex: Recorder) -> No
     ("stack", "vm_type", "disk_type", "launch_field"),
     [
         ("acme-gcp", INSTANCE, GCP_DISK, "metadata"),
-        ("globex-azure", VM, AZ_DISK, "osProfile"),
+        ("globex-azure", VM, AZ_DISK, "userData"),
     ],
 )
 def test_the_developer_disk_survives_a_launch_data_change(
@@ -461,3 +461,29 @@ def test_a_team_stack_reads_the_console_url_and_ca_from_the_console_stack() -> N
     both = example_stack("acme-gcp") | {"console_stack": "umbra-org/umbra/console-gcp"}
     with pytest.raises(ConfigError, match="exactly one of console_url and console_stack"):
         parse_stack_config(raw_of(both), frozenset())
+
+
+@pytest.mark.parametrize(
+    ("stack", "disk_type"), [("acme-gcp", GCP_DISK), ("globex-azure", AZ_DISK)]
+)
+def test_the_security_cvm_has_a_data_disk_for_its_spool(stack: str, disk_type: str) -> None:
+    """Fails before the fix: the Security CVM had no data disk, its spool lived on tmpfs."""
+    from umbra.components.cvm import SECURITY_DATA_DISK_GB
+
+    run = team(example_stack(stack))
+    name = f"{example_stack(stack)['team']}-security-data"
+    disk = run.one(disk_type, name).inputs
+    assert disk.get("size", disk.get("diskSizeGB")) == SECURITY_DATA_DISK_GB
+
+
+def test_reachability_public_is_refused_with_the_reason() -> None:
+    """Fails before the fix: `public` was the default and opened 8022 to an address the VM does
+    not have (no Dev CVM has a public IP). `private` says what it reaches."""
+    from umbra.components.config import NetworkConfig
+
+    stack = copy.deepcopy(example_stack("globex-azure"))
+    assert parse_stack_config(raw_of(stack), frozenset()).network.reachability == "private"  # type: ignore[union-attr]
+    stack["network"] |= {"reachability": "public"}
+    with pytest.raises(Exception, match="reachability 'public' is gone: no Dev CVM has a public"):
+        parse_stack_config(raw_of(stack), frozenset())
+    assert "private" in str(NetworkConfig.model_fields["reachability"].annotation)

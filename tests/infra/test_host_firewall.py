@@ -18,8 +18,10 @@ from pathlib import Path
 import pytest
 
 from umbra.components.host_firewall import TABLE, HostFirewall, render_host_ruleset
+from umbra.components.launch_data import LaunchData
 
 SEC, OTHER, WEB, META = "10.20.1.10", "10.20.1.11", "203.0.113.5", "169.254.169.254"
+WIRE = "168.63.129.16"  # Azure's wire server: the launch agent's Ready report
 CON = "10.20.1.20"
 VM_IP, FWD_IP, SBX_IP = "10.20.0.5", "172.30.2.2", "172.30.0.3"
 
@@ -108,7 +110,7 @@ class Lab:
         self.link("v", "n", f"{VM_IP}/24", "10.20.0.1/24")
         self.link("v", "f", "172.30.2.1/29", f"{FWD_IP}/29")
         self.link("v", "s", "172.30.0.1/24", f"{SBX_IP}/24")
-        for addr in (SEC, OTHER, WEB, META, CON):
+        for addr in (SEC, OTHER, WEB, META, CON, WIRE):
             self.ex("n", "ip", "addr", "add", f"{addr}/32", "dev", "lo")
         self.ex("n", "ip", "route", "add", "172.30.0.0/16", "via", VM_IP)
         self.ex("v", "ip", "route", "add", "default", "via", "10.20.0.1")
@@ -127,6 +129,8 @@ class Lab:
             f"tcp:{META}:80",
             f"tcp:{CON}:443",
             f"tcp:{CON}:8443",
+            f"tcp:{WIRE}:80",
+            f"tcp:{WIRE}:32526",
         )
         self.serve("f", f"tcp:{FWD_IP}:2222")
         # The attested SSH ingress: a host process on every address of the VM (and port 22,
@@ -142,8 +146,11 @@ class Lab:
         self.procs.append(proc)
         assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
 
-    def probe(self, ns: str, *specs: str) -> dict[str, bool]:
-        return dict(json.loads(self.ex(ns, sys.executable, "-c", PROBE, *specs)))
+    def probe(self, ns: str, *specs: str, uid: int = 0) -> dict[str, bool]:
+        # Another uid cannot read the test's interpreter (under /root): the system python3.
+        drop = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups"] if uid else []
+        python = "/usr/bin/python3" if uid else sys.executable
+        return dict(json.loads(self.ex(ns, *drop, python, "-c", PROBE, *specs)))
 
     def down(self) -> None:
         for proc in self.procs:
@@ -158,7 +165,17 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
     lab = Lab(f"uin{os.getpid() % 100000}")
     try:
         lab.up()
-        ruleset = render_host_ruleset(HostFirewall(security_cvm_ips=[SEC], console_ips=[CON]))
+        # An Azure Dev CVM's ruleset, as its launch data renders it (the Ready report's rule).
+        ruleset = LaunchData(
+            role="dev-cvm",
+            team="t",
+            cvm_id="c",
+            app_compose="{}",
+            security_cvm_ips=(SEC,),
+            console_ips=(CON,),
+            cloud="azure",
+        ).host_firewall
+        assert ruleset is not None
         path = Path(tmp_path_factory.mktemp("uin")) / "host.nft"
         path.write_text(ruleset)
         lab.ex("v", "nft", "-f", str(path))
@@ -200,6 +217,34 @@ def test_only_the_forwarder_reaches_the_console_and_only_its_https_port(lab: Lab
             f"tcp:{CON}:443": False,
             f"tcp:{CON}:8443": False,
         }
+
+
+def test_only_root_on_the_host_reaches_the_wire_server_and_only_for_the_ready_report(
+    lab: Lab,
+) -> None:
+    """Fails before the fix: the output chain dropped the launch agent's Ready report, so an Azure
+    VM with the VM agent off never left provisioning."""
+    assert lab.probe("v", f"tcp:{WIRE}:80", f"tcp:{WIRE}:32526", f"tcp:{META}:80") == {
+        f"tcp:{WIRE}:80": True,
+        f"tcp:{WIRE}:32526": False,  # the wire server's other port (the VM agent's): closed
+        f"tcp:{META}:80": False,
+    }
+    # Not another host process, not a container.
+    assert lab.probe("v", f"tcp:{WIRE}:80", uid=65534) == {f"tcp:{WIRE}:80": False}
+    for ns in ("f", "s"):
+        assert lab.probe(ns, f"tcp:{WIRE}:80") == {f"tcp:{WIRE}:80": False}
+
+
+def test_the_ready_report_rule_names_only_the_clouds_own_endpoint() -> None:
+    def rules(cloud: str | None) -> list[str]:
+        text = render_host_ruleset(HostFirewall(security_cvm_ips=[SEC], cloud=cloud))
+        return [ln.strip() for ln in text.splitlines() if "skuid 0" in ln]
+
+    assert rules(None) == []
+    assert rules("gcp") == [f"ip daddr {META} tcp dport 80 meta skuid 0 ct state new accept"]
+    assert rules("azure") == [f"ip daddr {WIRE} tcp dport 80 meta skuid 0 ct state new accept"]
+    with pytest.raises(ValueError, match="ready-report"):
+        HostFirewall(security_cvm_ips=[SEC], cloud="aws")
 
 
 def test_without_console_addresses_there_is_no_console_path() -> None:

@@ -95,4 +95,4 @@ def test_the_cli_reports_and_refuses_bad_config(
     assert "idle_minuts" in capsys.readouterr().err
     units = render_units()
     assert "OnUnitActiveSec=5min" in units["umbra-idle.timer"]
-    assert "--config /etc/umbra/idle.json" in units["umbra-idle.service"]
+    assert "--config /run/umbra/idle.json" in units["umbra-idle.service"]

@@ -83,11 +83,11 @@ def test_gcp_replicas_each_carry_their_own_id_and_token_as_secrets() -> None:
     assert_no_token_in_plaintext(mocks)
 
 
-def test_azure_replicas_each_carry_their_own_token_in_secret_custom_data() -> None:
+def test_azure_replicas_each_carry_their_own_token_in_secret_user_data() -> None:
     mocks = build(*configured(example_stack("globex-azure"), 2))
     for name, i in (("globex-security", 0), ("globex-security-1", 1)):
         vm = mocks.one(AZURE_VM, name).inputs
-        blob = unwrap_secret(vm["osProfile"])["customData"]
+        blob = unwrap_secret(vm["userData"])
         meta = json.loads(base64.b64decode(blob))["umbra"]
         assert (meta[META_CVM_ID], meta[META_ENROLLMENT_TOKEN]) == (IDS[i], TOKENS[i])
     assert_no_token_in_plaintext(mocks)
@@ -143,3 +143,39 @@ def test_each_replica_needs_its_token_and_the_ids_match_the_replicas() -> None:
     raw, secret = configured(example_stack("acme-gcp"), 1)
     raw[security_token_key(0)] = "not-a-token"
     assert "securityEnrollmentToken0: not an enrollment token" in _error(raw, secret)
+
+
+# --- team-stack Dev CVMs: a Console id and a one-time token each ---------------------------------
+
+DEV_ID = "cvm_dede000000000001"
+DEV_TOKEN = "enr_devcvm-" + "y" * 32
+
+
+def test_a_team_stack_dev_cvm_carries_its_console_id_and_token_as_a_secret() -> None:
+    """Fails before the fix: team-stack Dev CVMs got no token and their VM name as CVM id, so
+    their forwarder could never get a tunnel credential."""
+    from umbra.contracts.enrollment import dev_token_key
+
+    stack = example_stack("acme-gcp")
+    dev = stack["developers"][0]
+    dev["cvm_ids"] = {dev["cvms"][0] if "cvms" in dev else "main": DEV_ID}
+    cvm = next(iter(dev["cvm_ids"]))
+    key = dev_token_key(dev["name"], cvm)
+    raw = raw_of(stack) | {key: DEV_TOKEN + "\n"}
+    mocks = build(raw, frozenset({key}))
+    instance = next(r for r in mocks.of_type(INSTANCE) if r.name == f"acme-{dev['name']}-{cvm}")
+    meta = unwrap_secret(instance.inputs["metadata"])
+    assert (meta[META_CVM_ID], meta[META_ENROLLMENT_TOKEN]) == (DEV_ID, DEV_TOKEN)
+    assert json.loads(meta["umbra-rtmr3-events"])[CVM_ID_EVENT] == DEV_ID.encode().hex()
+    for res in mocks.resources:
+        assert all(DEV_TOKEN not in text for text in plaintext(dict(res.inputs))), res.name
+    # Problems name the key, never the token.
+    for bad_raw, secret, message in [
+        (raw, frozenset(), "stored in plain text"),
+        (raw_of(stack), frozenset(), "required key is missing"),
+        (raw | {key: "not-a-token"}, frozenset({key}), "not an enrollment token"),
+        (raw | {dev_token_key(dev["name"], "nope"): DEV_TOKEN}, frozenset({key}), "no developers"),
+    ]:
+        with pytest.raises(ConfigError, match=message) as exc:
+            parse_stack_config(bad_raw, secret)
+        assert DEV_TOKEN not in str(exc.value)

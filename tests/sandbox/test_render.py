@@ -384,3 +384,30 @@ def test_any_mangled_compose_is_refused_or_valid_never_a_crash(path: list[str], 
 
 
 _DEV_TEXT = render_dev_cvm(dev_definition().compose).text
+
+
+def test_the_security_spool_binds_the_data_disk_and_nothing_else() -> None:
+    """Fails before the fix: the spool was a plain Docker volume on tmpfs, lost by every reboot."""
+    from umbra.sandbox.validate import SPOOL_DIR, SPOOL_VOLUME
+
+    text = render_security_cvm(security_definition().compose).text
+    assert yaml.safe_load(text)["volumes"]["spool"] == SPOOL_VOLUME
+    assert SPOOL_DIR == "/var/lib/umbra/data/spool"
+
+    def tmpfs(doc: Any) -> None:
+        doc["volumes"]["spool"] = {}
+
+    with pytest.raises(ComposeError, match="volume spool must bind the data disk"):
+        validate_security_compose(_mutate(text, tmpfs))
+
+    def elsewhere(doc: Any) -> None:
+        doc["volumes"]["spool"]["driver_opts"]["device"] = "/etc"
+
+    with pytest.raises(ComposeError, match="the spool may bind exactly /var/lib/umbra/data/spool"):
+        validate_security_compose(_mutate(text, elsewhere))
+
+    def policy_bind(doc: Any) -> None:
+        doc["volumes"]["policy"] = SPOOL_VOLUME
+
+    with pytest.raises(ComposeError, match="volume policy: only a plain volume"):
+        validate_security_compose(_mutate(text, policy_bind))

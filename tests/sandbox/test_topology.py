@@ -373,8 +373,12 @@ def test_cli_forwarder_runs_from_its_rendered_config(
     """`umbra forwarder serve` as its own process in the forwarder namespace, configured by the
     forwarder.json embedded in a rendered Dev CVM compose file."""
     release = sec_measurement.release.model_dump(mode="json", exclude_none=True)
+    # The rendered name, which nothing in the forwarder's namespace resolves (a cloud Dev CVM has
+    # no DNS): the forwarder dials the launch agent's address file (fails on the code before).
     d = dev_definition(
-        security_cvm={"host": SEC, "port": 8443}, security_cvm_release=release, allow_simulated=True
+        security_cvm={"host": "security-cvm.umbra.internal", "port": 8443},
+        security_cvm_release=release,
+        allow_simulated=True,
     )
     compose = yaml.safe_load(render_dev_cvm(d.compose).text)
     cfg = json.loads(compose["configs"]["forwarder"]["content"])
@@ -386,7 +390,10 @@ def test_cli_forwarder_runs_from_its_rendered_config(
     (tmp_path / "root.der").write_bytes(pki.root_der)
     (tmp_path / "cvm-id").write_text("dev-bob-7\n")
     (tmp_path / "credential").write_text(CREDENTIAL + "\n")
+    (tmp_path / "security-cvm-ips").write_text(SEC + "\n")
+    assert cfg["security_cvm_ips_file"] == "/run/umbra/launch/security-cvm-ips"
     cfg.update(
+        security_cvm_ips_file=str(tmp_path / "security-cvm-ips"),
         collateral={"file": str(tmp_path / "collateral.json")},
         simulated_root=str(tmp_path / "root.der"),
         cvm_id_file=str(tmp_path / "cvm-id"),
@@ -533,3 +540,24 @@ def test_transparent_ports_send_nothing_before_attestation_and_connect_by_name(
     finally:
         for fwd in (good, bad):
             topo.fwd_loop.run(fwd.close())
+
+
+def test_the_security_endpoint_is_the_launch_agents_address_else_the_configured_host(
+    tmp_path: Path,
+) -> None:
+    from umbra.sandbox.forwarder_config import ForwarderConfig, ForwarderConfigError
+    from umbra.sandbox.forwarder_setup import security_endpoint
+
+    d = dev_definition(security_cvm={"host": "security-cvm.umbra.internal", "port": 8443})
+    doc = json.loads(
+        yaml.safe_load(render_dev_cvm(d.compose).text)["configs"]["forwarder"]["content"]
+    )
+    doc["security_cvm_ips_file"] = str(tmp_path / "security-cvm-ips")
+    cfg = ForwarderConfig.model_validate(doc)
+    # No addresses in launch data (no file): the configured host, which must still attest.
+    assert security_endpoint(cfg).host == "security-cvm.umbra.internal"
+    (tmp_path / "security-cvm-ips").write_text("10.20.1.10 10.20.1.11\n")
+    assert (security_endpoint(cfg).host, security_endpoint(cfg).port) == ("10.20.1.10", 8443)
+    (tmp_path / "security-cvm-ips").write_text("security-cvm.evil.example\n")
+    with pytest.raises(ForwarderConfigError, match="is not an IPv4 address"):
+        security_endpoint(cfg)

@@ -32,7 +32,7 @@ from umbra.contracts.release import SUITE
 from umbra.contracts.session import CVM_ID_EVENT
 from umbra.policy.bundle import generate_key
 from umbra.proxy.identity import hash_credential
-from umbra.sandbox.forwarder_config import ForwarderConfig, ForwarderConfigError
+from umbra.sandbox.forwarder_config import ForwarderConfig
 from umbra.sandbox.forwarder_enroll import ensure_tunnel_credential
 from umbra.sandbox.render import render_dev_cvm
 
@@ -306,10 +306,16 @@ def test_the_rendered_dev_cvm_forwarder_enrolls_by_address_once_and_keeps_its_cr
         (launch / "enrollment-token").write_text(token + "\n")
         audited = len(_audit_actions(team))
         assert ensure_tunnel_credential(cfg) is False
-        (state / "tunnel-credential").unlink()
-        with pytest.raises(ForwarderConfigError, match="already spent"):
-            ensure_tunnel_credential(cfg)
         assert len(_audit_actions(team)) == audited
+        # A reboot loses the credential (tmpfs): the forwarder re-enrolls by a fresh quote of the
+        # same launch, never presenting the spent token (console/reenrollment.py).
+        (state / "tunnel-credential").unlink()
+        assert ensure_tunnel_credential(cfg) is True
+        renewed = (state / "tunnel-credential").read_text().strip()
+        assert renewed.startswith("umbra_tun_") and renewed != credential
+        after = team.scvm.get(f"/api/v1/security-cvms/{team.scvm_id}/attachments").json()
+        assert after["cvms"][dev_cvm]["credential_sha256"] == hash_credential(renewed)
+        assert [a for a, _ in _audit_actions(team)[audited:]] == ["cvm.reenroll"]
         assert not any(token in p.read_text() for p in state.iterdir())
     finally:
         verifiers["dev"] = plain
