@@ -57,7 +57,7 @@ echo "umbra-compose-stub: verity $(veritysetup status umbra-root | tr -s ' \\n' 
 echo "umbra-compose-stub: write $(touch /umbra-probe 2>&1)" > /dev/ttyS0
 echo "umbra-compose-stub: rw $(grep -E ' /(etc|var|tmp) ' /proc/mounts | cut -d' ' -f1-3 | tr '\\n' ' ')" > /dev/ttyS0
 echo "umbra-compose-stub: etc $(touch /etc/umbra-probe && echo writable)" > /dev/ttyS0
-echo "umbra-compose-stub: secureboot $(od -An -tu1 /sys/firmware/efi/efivars/SecureBoot-8be4df61-93ca-11d0-aa3c-00a0c93ec93b | tr -s ' ' | cut -d' ' -f6) lockdown $(cat /sys/kernel/security/lockdown)" > /dev/ttyS0
+echo "umbra-compose-stub: secureboot $(dmesg | grep -o -m1 'Secure boot [a-z]*') lockdown $(cat /sys/kernel/security/lockdown)" > /dev/ttyS0
 echo "umbra-compose-stub: kernel $(uname -r) tsm $(ls -d /sys/kernel/config/tsm/report) modules $(cut -d' ' -f1 /proc/modules | grep -E '^(tsm_report|tdx_guest|dm_verity|configfs)$' | sort | tr '\n' ' ')" > /dev/ttyS0
 """
 pytestmark = pytest.mark.timeout(1500)
@@ -206,9 +206,13 @@ def test_os_image_boots_and_the_agent_starts_the_compose(
         for mount in ("umbra-etc /etc overlay", "umbra-var /var overlay", "tmpfs /tmp tmpfs"):
             assert mount in rw[1]
         assert "umbra-compose-stub: etc writable" in text
-        # Secure Boot was on (the efivar), so Debian's kernel locked itself down; the kernel is
-        # trixie-backports' TDX guest kernel with configfs-tsm; no TDX here, so no tdx_guest.
-        assert "umbra-compose-stub: secureboot 1 lockdown none [integrity] confidentiality" in text
+        # The kernel saw Secure Boot on (boot_params) and so Debian's kernel locked itself down
+        # (lockdown is off otherwise: LOCK_DOWN_KERNEL_FORCE_NONE); the kernel is trixie-
+        # backports' TDX guest kernel with configfs-tsm; no TDX here, so no tdx_guest.
+        assert (
+            "umbra-compose-stub: secureboot Secure boot enabled "
+            "lockdown none [integrity] confidentiality" in text
+        )
         kernel = re.search(r"umbra-compose-stub: kernel (\S+) tsm (\S*) modules (.*)", text)
         assert kernel is not None, text[-3000:]
         assert kernel[1].endswith("-cloud-amd64") and kernel[1].startswith("7.")
