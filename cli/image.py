@@ -569,6 +569,53 @@ def host_firewall_cmd(
     console.print(("removed" if remove else "applied") + " the sandbox bridge rules")
 
 
+@app.command("os-build")
+def os_build_cmd(
+    definition: Annotated[Path, typer.Argument(help="images/os/gcp.yaml | azure.yaml | qemu.yaml")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="The OS image directory to write.")],
+    wheel: Annotated[Path, typer.Option("--wheel", help="The umbra wheel (uv build --wheel).")],
+    requirements: Annotated[
+        Path, typer.Option("--requirements", help="uv export --frozen --no-dev (with hashes).")
+    ],
+    epoch: Annotated[
+        int | None, typer.Option("--source-date-epoch", help="Default: $SOURCE_DATE_EPOCH.")
+    ] = None,
+    image_archive: Annotated[
+        list[Path] | None,
+        typer.Option("--image-archive", help="A release image archive to ship (repeatable)."),
+    ] = None,
+    as_json: JsonFlag = False,
+) -> None:
+    """Build the CVM OS image of one definition (Debian 13 + the backports TDX guest kernel):
+    rootfs.ext4, vmlinuz, initrd.img and the UEFI stub, which `umbra image disks` packs."""
+    import sys
+
+    from umbra.images.build import BuildError
+    from umbra.images.os_image import build_os_image, load_os_definition
+
+    when = epoch if epoch is not None else int(os.environ.get("SOURCE_DATE_EPOCH", "0") or 0)
+    if when <= 0:
+        fail("give --source-date-epoch or SOURCE_DATE_EPOCH (e.g. the commit time)", EXIT_USAGE)
+    try:
+        image = build_os_image(
+            load_os_definition(definition),
+            out,
+            wheel=wheel,
+            requirements=requirements,
+            host_python_prefix=Path(sys.base_prefix),
+            epoch=when,
+            image_archives=image_archive or (),
+        )
+    except BuildError as exc:
+        fail(str(exc), as_json=as_json)
+    result = {k: str(getattr(image, k)) for k in ("rootfs", "kernel", "initrd", "stub")}
+    if as_json:
+        print_json(result)
+        return
+    for k, v in result.items():
+        console.print(f"{k}: {v}")
+
+
 @app.command("disks")
 def disks_cmd(
     os_dir: Annotated[
@@ -582,17 +629,35 @@ def disks_cmd(
     source_date_epoch: Annotated[
         int, typer.Option("--source-date-epoch", help="Timestamps in the ESP and GCP tarball.")
     ] = 0,
+    sb_key: Annotated[
+        Path | None,
+        typer.Option("--sb-key", help="The release's Secure Boot key (PEM, RSA-2048)."),
+    ] = None,
+    sb_cert: Annotated[
+        Path | None,
+        typer.Option("--sb-cert", help="Its certificate (PEM): the image's Secure Boot db."),
+    ] = None,
     as_json: JsonFlag = False,
 ) -> None:
     """Pack the OS image as bootable cloud disks (ESP with a UKI + root + the root's dm-verity
     hash tree): GCP disk.raw in a .tar.gz, Azure fixed VHD. Prints the UKI's digests (its
     Authenticode hash is what the firmware measures into RTMR1) and the verity root hash its
-    command line carries."""
+    command line carries. With --sb-key/--sb-cert the UKI is signed for Secure Boot and
+    secure-boot-db.json holds the certificate as GCP's and Azure's image Secure Boot state."""
+    from umbra.contracts.files import write_atomic
     from umbra.images.disk_formats import DiskFormatError
-    from umbra.images.uki import kernel_cmdline, pack_os_image
+    from umbra.images.secure_boot import SECURE_BOOT_DB_NAME, secure_boot_db
+    from umbra.images.uki import UkiSigner, kernel_cmdline, pack_os_image
 
+    if (sb_key is None) != (sb_cert is None):
+        fail("--sb-key and --sb-cert go together", EXIT_USAGE, as_json=as_json)
+    signer = UkiSigner(sb_key, sb_cert) if sb_key is not None and sb_cert is not None else None
     try:
-        uki, disks = pack_os_image(os_dir, out, source_date_epoch)
+        db = secure_boot_db(signer.cert) if signer is not None else None
+        uki, disks = pack_os_image(os_dir, out, source_date_epoch, signer)
+        if db is not None:
+            text = json.dumps(db.document(), indent=2, sort_keys=True) + "\n"
+            write_atomic(out / SECURE_BOOT_DB_NAME, text, 0o644)
     except DiskFormatError as exc:
         fail(str(exc), EXIT_USAGE, as_json=as_json)
     except OSError as exc:
@@ -608,6 +673,7 @@ def disks_cmd(
         "uki_authenticode_sha256": uki.authenticode_sha256,
         "cmdline": kernel_cmdline(disks.verity_root_hash),
         "verity_root_hash": disks.verity_root_hash,
+        "secure_boot_cert_sha256": db.cert_sha256 if db is not None else None,
     }
     if as_json:
         print_json(result)

@@ -1,4 +1,5 @@
-"""The CVM OS image: Debian bookworm with the cloud kernel, systemd, Docker, CPython 3.12 + the
+"""The CVM OS image: Debian 13 (trixie) with trixie-backports' cloud kernel (a TDX guest: Linux
+7.x with configfs-tsm quotes and TSM measurement registers), systemd, Docker, CPython 3.12 + the
 umbra wheel, and the launch agent unit, from one definition per cloud (images/os/*.yaml).
 
 Output: `rootfs.ext4` (the root file system, built with `mke2fs -d`: no loop mounts), and beside
@@ -29,9 +30,24 @@ from umbra.images.build import (
 )
 from umbra.images.disk_formats import ROOT_PART_UUID, VERITY_PART_UUID
 from umbra.images.image_store import ARCHIVE_SUFFIX, IMAGES_DIR
-from umbra.images.recipes import MIRRORS, PY_LIBS, SUITE
 
 OS_DIR = Path(__file__).parent / "os"
+# The OS image's suite, not the container images' (recipes.SUITE): bookworm's 6.1 kernel has no
+# TDX guest support (`# CONFIG_INTEL_TDX_GUEST is not set`), trixie's 6.12 lacks
+# TSM_MEASUREMENTS (the RTMR3 sysfs files the launch agent writes). The kernel comes from
+# trixie-backports, named by exact version in each definition; everything else from trixie.
+OS_SUITE = "trixie"
+OS_MIRRORS = (
+    "deb http://deb.debian.org/debian trixie main",
+    "deb http://deb.debian.org/debian trixie-updates main",
+    "deb http://deb.debian.org/debian-security trixie-security main",
+    "deb http://deb.debian.org/debian trixie-backports main",
+)
+# What the host's CPython 3.12 links (recipes.PY_LIBS, under trixie's 64-bit time_t names).
+OS_PY_LIBS = (
+    "libssl3t64", "libffi8", "libsqlite3-0", "zlib1g", "libbz2-1.0", "liblzma5", "libexpat1",
+    "libncursesw6", "libreadline8t64", "libtirpc3t64", "ca-certificates",
+)  # fmt: skip
 UNIT = OS_DIR / "umbra-launch-agent.service"
 FIREWALL_UNIT = OS_DIR / "umbra-host-firewall.service"
 # Installed, never enabled: the launch agent starts it on a Dev CVM (images/launch_ingress.py).
@@ -44,10 +60,16 @@ STUB_PATH = "usr/lib/systemd/boot/efi/linuxx64.efi.stub"
 INITRAMFS_DIR = OS_DIR / "initramfs"
 INITRAMFS_FILES = {
     "hook": "etc/initramfs-tools/hooks/umbra-verity",
+    "tee": "etc/initramfs-tools/scripts/init-top/umbra-tee",
     "local-top": "etc/initramfs-tools/scripts/local-top/umbra-verity",
     "init-bottom": "etc/initramfs-tools/scripts/init-bottom/umbra-overlay",
 }
-INITRD_MUST_HAVE = ("usr/sbin/veritysetup", "usr/sbin/umbra-mount", "dm-verity.ko", "overlay.ko")
+# tdx-guest (the RTMR sysfs files, TSM_MEASUREMENTS), tsm_report (configfs-tsm quotes) and
+# configfs: loaded by the initramfs (local-top) so they are there before the launch agent.
+INITRD_MUST_HAVE = (
+    "usr/sbin/veritysetup", "usr/sbin/umbra-mount", "dm-verity.ko", "overlay.ko",
+    "tdx-guest.ko", "tsm_report.ko", "configfs.ko",
+)  # fmt: skip
 # The root is read-only (dm-verity; no fstab entry, so nothing remounts it). /etc and /var are
 # overlays made by the initramfs; these are plain tmpfs: /tmp, and docker's data-root (overlay2
 # cannot sit on the /var overlay).
@@ -130,9 +152,9 @@ def build_os_image(
                 "--format=directory",
                 "--include=" + ",".join(_packages(d)),
                 *_initramfs_hooks(work),
-                SUITE,
+                OS_SUITE,
                 str(root),
-                *MIRRORS,
+                *OS_MIRRORS,
             ],
             "mmdebstrap (OS image)",
             env=env,
@@ -170,12 +192,9 @@ def build_os_image(
             if rel.startswith(("/usr/local/bin/", "usr/local/bin/")):
                 path.chmod(0o755)
         install_image_archives(root, image_archives)
-        kernel = sorted((root / "boot").glob("vmlinuz-*"))
-        initrd = sorted((root / "boot").glob("initrd.img-*"))
-        if not kernel or not initrd:
-            raise BuildError(f"{d.kernel}: no kernel/initrd under /boot")
-        shutil.copyfile(kernel[-1], out / "vmlinuz")
-        shutil.copyfile(initrd[-1], out / "initrd.img")
+        kernel, initrd = _kernel_and_initrd(root, d.kernel)
+        shutil.copyfile(kernel, out / "vmlinuz")
+        shutil.copyfile(initrd, out / "initrd.img")
         stub = root / STUB_PATH
         if not stub.is_file():
             raise BuildError(f"systemd-boot-efi: no {STUB_PATH} in the rootfs")
@@ -194,8 +213,28 @@ def build_os_image(
 
 def _packages(d: OsDefinition) -> list[str]:
     # cryptsetup-bin: veritysetup, which the initramfs hook copies into the initrd.
-    base = [d.kernel, "initramfs-tools", "systemd-boot-efi", "cryptsetup-bin"]
-    return [*base, *PY_LIBS, *d.packages]
+    # linux-base/trixie-backports: the backports kernel pre-depends on linux-base >= 4.17
+    # (trixie has 4.12), and apt takes a backports package only when asked by release.
+    base = [d.kernel, "linux-base/trixie-backports", "initramfs-tools", "systemd-boot-efi",
+            "cryptsetup-bin"]  # fmt: skip
+    return [*base, *OS_PY_LIBS, *d.packages]
+
+
+def _kernel_and_initrd(root: Path, package: str) -> tuple[Path, Path]:
+    """The one installed kernel (backports' 7.x ships it under /usr/lib/modules/VERSION/ and
+    links it into /boot) and its initrd; two kernels would make the UKI's choice ambiguous."""
+    versions = sorted(p.parent.name for p in (root / "usr/lib/modules").glob("*/modules.order"))
+    if len(versions) != 1:
+        raise BuildError(f"{package}: expected one installed kernel, found {versions or 'none'}")
+    (v,) = versions
+    kernel = next(
+        (p for p in (root / f"boot/vmlinuz-{v}", root / f"usr/lib/modules/{v}/vmlinuz")
+         if p.is_file()), None,
+    )  # fmt: skip
+    initrd = root / f"boot/initrd.img-{v}"
+    if kernel is None or not initrd.is_file():
+        raise BuildError(f"{package}: no kernel or initrd for {v} in the rootfs")
+    return kernel, initrd
 
 
 def _initramfs_hooks(work: Path) -> list[str]:

@@ -1,6 +1,7 @@
-"""The Unified Kernel Image the CVM disk boots: systemd's UEFI stub (Debian's systemd-boot-efi;
-bookworm's systemd 252 has no ukify) with the os-release, the fixed kernel command line, the
-kernel and the initrd added as PE sections by `objcopy`.
+"""The Unified Kernel Image the CVM disk boots: systemd's UEFI stub (Debian's systemd-boot-efi,
+taken from the image, trixie's 257) with the os-release, the fixed kernel command line, the
+kernel and the initrd added as PE sections by `objcopy` (the same layout code as on bookworm,
+whose 252 had no ukify). For Secure Boot it is then signed (images.secure_boot).
 
 One PE file holds the whole boot payload, so the firmware's measurement of it (the Authenticode
 hash, images.pe) covers kernel, initrd and command line together. The command line is fixed:
@@ -29,9 +30,10 @@ from umbra.images.pe import PeError, authenticode_digest, parse, with_timestamp
 from umbra.images.verity import format_verity
 
 VERITY_DEVICE = "/dev/mapper/umbra-root"  # made by images/os/initramfs/local-top
-OS_RELEASE = 'ID=debian\nVERSION_ID="12"\nPRETTY_NAME="Umbra CVM (Debian 12 bookworm)"\n'
+OS_RELEASE = 'ID=debian\nVERSION_ID="13"\nPRETTY_NAME="Umbra CVM (Debian 13 trixie)"\n'
 PAGE = 0x1000
 UKI_NAME = "umbra-uki.efi"
+UNSIGNED_UKI_NAME = "umbra-uki.unsigned.efi"
 
 
 @dataclass(frozen=True)
@@ -80,7 +82,11 @@ def build_uki(kernel: Path, initrd: Path, stub: Path, out: Path, cmdline_text: s
     # it in binutils 2.40): put back the stub's own stamp (0 in Debian's).
     (pe,) = struct.unpack_from("<I", stub_bytes, 0x3C)
     (stamp,) = struct.unpack_from("<I", stub_bytes, pe + 8)
-    out.write_bytes(with_timestamp(out.read_bytes(), stamp))
+    # Whole 8-byte units: a signature's certificate table starts 8-aligned at the end of the file
+    # and signers pad up to it; padded here, the signed UKI's Authenticode hash (the RTMR1
+    # event) equals the unsigned one's.
+    data = out.read_bytes()
+    out.write_bytes(with_timestamp(data + bytes(-len(data) % 8), stamp))
     return describe_uki(out)
 
 
@@ -97,17 +103,34 @@ def describe_uki(path: Path) -> Uki:
         raise DiskFormatError(f"{path}: {exc}") from None
 
 
-def pack_os_image(os_dir: Path, out: Path, epoch: int) -> tuple[Uki, CloudDisks]:
+@dataclass(frozen=True)
+class UkiSigner:
+    """The release's Secure Boot key (PEM, RSA-2048) and certificate (images.secure_boot)."""
+
+    key: Path
+    cert: Path
+
+
+def pack_os_image(
+    os_dir: Path, out: Path, epoch: int, signer: UkiSigner | None = None
+) -> tuple[Uki, CloudDisks]:
     """images.os_image's output directory → the root's dm-verity hash tree, the UKI whose
-    command line carries its root hash, then the bootable cloud disks."""
+    command line carries its root hash (signed for Secure Boot when `signer` is given), then the
+    bootable cloud disks."""
     files = {n: os_dir / n for n in ("rootfs.ext4", "vmlinuz", "initrd.img", "linuxx64.efi.stub")}
     missing = [str(p) for p in files.values() if not p.is_file()]
     if missing:
         raise DiskFormatError(f"{os_dir}: not an OS image directory, missing {', '.join(missing)}")
     out.mkdir(parents=True, exist_ok=True)
     tree = format_verity(files["rootfs.ext4"], out / "rootfs.verity")
+    unsigned = out / (UKI_NAME if signer is None else UNSIGNED_UKI_NAME)
     uki = build_uki(files["vmlinuz"], files["initrd.img"], files["linuxx64.efi.stub"],
-                    out / UKI_NAME, kernel_cmdline(tree.root_hash))  # fmt: skip
+                    unsigned, kernel_cmdline(tree.root_hash))  # fmt: skip
+    if signer is not None:
+        from umbra.images.secure_boot import sign_uki  # it builds on this module
+
+        uki = sign_uki(unsigned, signer.key, signer.cert, out / UKI_NAME, epoch)
+        unsigned.unlink()
     disks = build_cloud_disks(files["rootfs.ext4"], tree, uki.path, out, epoch)
     tree.hash_tree.unlink()  # inside disk.raw now
     return uki, disks

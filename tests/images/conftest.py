@@ -19,7 +19,9 @@ from umbra.images.disk_formats import CloudDisks
 from umbra.images.oci import BuiltImage
 from umbra.images.os_image import OS_DIR, OsImage, build_os_image, load_os_definition
 from umbra.images.recipes import Rootfs
-from umbra.images.uki import Uki, pack_os_image
+from umbra.images.uki import Uki, UkiSigner, pack_os_image
+
+from .sb_keys import make_signer
 
 ROOT = Path(__file__).resolve().parents[2]
 EPOCH = "1700000000"
@@ -141,11 +143,19 @@ def qemu_os_image(
 
 
 @pytest.fixture(scope="session")
+def sb_signer(tmp_path_factory: pytest.TempPathFactory) -> UkiSigner:
+    """This run's throwaway Secure Boot release key and certificate."""
+    return make_signer(tmp_path_factory.mktemp("uim-sb"))
+
+
+@pytest.fixture(scope="session")
 def qemu_disks(
-    qemu_os_image: OsImage, tmp_path_factory: pytest.TempPathFactory
+    qemu_os_image: OsImage, sb_signer: UkiSigner, tmp_path_factory: pytest.TempPathFactory
 ) -> tuple[Uki, CloudDisks]:
-    """The `qemu` OS image packed as bootable disks (ESP with the UKI + root), once."""
+    """The `qemu` OS image packed as bootable disks (ESP with the UKI, signed with this run's
+    Secure Boot key, + root), once."""
     need_root_and("sfdisk")
+    need_root_and("osslsigncode")
     return pack_os_image(
-        qemu_os_image.rootfs.parent, tmp_path_factory.mktemp("uim-disks"), int(EPOCH)
+        qemu_os_image.rootfs.parent, tmp_path_factory.mktemp("uim-disks"), int(EPOCH), sb_signer
     )

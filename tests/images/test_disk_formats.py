@@ -30,7 +30,8 @@ from umbra.images.disk_formats import (
     raw_disk,
 )
 from umbra.images.os_image import OsImage
-from umbra.images.uki import Uki, kernel_cmdline
+from umbra.images.secure_boot import SECURE_BOOT_DB_NAME, secure_boot_db
+from umbra.images.uki import Uki, UkiSigner, kernel_cmdline
 
 from .conftest import EPOCH, need_root_and
 
@@ -38,22 +39,32 @@ pytestmark = pytest.mark.timeout(1500)
 
 
 def test_gcp_and_azure_formats_from_the_os_image(
-    qemu_os_image: OsImage, qemu_disks: tuple[Uki, CloudDisks], tmp_path: Path
+    qemu_os_image: OsImage,
+    qemu_disks: tuple[Uki, CloudDisks],
+    sb_signer: UkiSigner,
+    tmp_path: Path,
 ) -> None:
     need_root_and("qemu-img")
     uki, first = qemu_disks
-    # The second pack through the CLI the release workflow calls.
+    # The second pack through the CLI the release workflow calls, signed with the same key.
     done = CliRunner().invoke(
         app,
         ["image", "disks", str(qemu_os_image.rootfs.parent), "--out", str(tmp_path / "b"),
-         "--source-date-epoch", EPOCH, "--json"],
+         "--source-date-epoch", EPOCH, "--sb-key", str(sb_signer.key),
+         "--sb-cert", str(sb_signer.cert), "--json"],
     )  # fmt: skip
     assert done.exit_code == 0, done.output
     second = json.loads(done.stdout)
+    # The image's Secure Boot db for the clouds: the release certificate, nothing else.
+    db = json.loads((tmp_path / "b" / SECURE_BOOT_DB_NAME).read_text())
+    assert db["cert_sha256"] == second["secure_boot_cert_sha256"]
+    assert db == secure_boot_db(sb_signer.cert).document()
+    assert not (tmp_path / "b" / "umbra-uki.unsigned.efi").exists()
     size = first.raw.stat().st_size
     print(f"disk.raw {size >> 20} MiB, sha256 {first.raw_sha256}")
     print(f"UKI sha256 {uki.sha256}, Authenticode sha384 {uki.authenticode_sha384}")
-    # Reproducible: the same OS image packs to the same UKI, raw bytes and tarball.
+    # Reproducible: the same OS image and key pack to the same signed UKI (signing time = the
+    # epoch), raw bytes and tarball.
     assert (uki.sha256, uki.authenticode_sha384) == (
         second["uki_sha256"],
         second["uki_authenticode_sha384"],

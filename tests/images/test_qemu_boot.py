@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import shutil
 import subprocess
 import threading
 import time
@@ -28,13 +29,22 @@ from typing import Any
 import pytest
 
 from umbra.components.launch_data import LaunchData
-from umbra.images.disk_formats import ROOT_PART_UUID, VERITY_PART_UUID, CloudDisks
+from umbra.images.disk_formats import ROOT_PART_UUID, VERITY_PART_UUID, CloudDisks, esp_image
 from umbra.images.measure import measure
 from umbra.images.os_image import OsImage
-from umbra.images.uki import Uki
+from umbra.images.secure_boot import (
+    OVMF_SECBOOT_CODE,
+    OVMF_VARS_TEMPLATE,
+    SecureBootError,
+    ovmf_vars,
+    sign_uki,
+    verify_signature,
+)
+from umbra.images.uki import Uki, UkiSigner
 
 from ..sandbox.fixtures import dev_definition
 from .conftest import need_root_and
+from .sb_keys import make_signer
 
 OVMF = Path("/usr/share/ovmf/OVMF.fd")
 KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIOMqqnkVzrm0SdG6UOoqKLsabgH5C9okWi0dh2l9GKJl alice"
@@ -47,6 +57,8 @@ echo "umbra-compose-stub: verity $(veritysetup status umbra-root | tr -s ' \\n' 
 echo "umbra-compose-stub: write $(touch /umbra-probe 2>&1)" > /dev/ttyS0
 echo "umbra-compose-stub: rw $(grep -E ' /(etc|var|tmp) ' /proc/mounts | cut -d' ' -f1-3 | tr '\\n' ' ')" > /dev/ttyS0
 echo "umbra-compose-stub: etc $(touch /etc/umbra-probe && echo writable)" > /dev/ttyS0
+echo "umbra-compose-stub: secureboot $(dmesg | grep -o -m1 'Secure boot [a-z]*') lockdown $(cat /sys/kernel/security/lockdown)" > /dev/ttyS0
+echo "umbra-compose-stub: kernel $(uname -r) tsm $(ls -d /sys/kernel/config/tsm/report) modules $(cut -d' ' -f1 /proc/modules | grep -E '^(tsm_report|tdx_guest|dm_verity|configfs)$' | sort | tr '\n' ' ')" > /dev/ttyS0
 """
 pytestmark = pytest.mark.timeout(1500)
 
@@ -86,14 +98,33 @@ def metadata() -> Iterator[tuple[int, LaunchData, list[str]]]:
         server.server_close()
 
 
-def _qemu(disk: Path, serial: Path, port: int) -> subprocess.Popen[bytes]:
+def _qemu(
+    disk: Path, serial: Path, port: int | None, secure_vars: Path | None = None
+) -> subprocess.Popen[bytes]:
+    """QEMU + OVMF booting `disk`. With `secure_vars` (a copy of the variable store with our
+    PK/KEK/db, Secure Boot on), OVMF's Secure Boot build, which needs SMM and secure pflash.
+    Without `port`, no NIC (a boot the firmware refuses never gets to PXE)."""
+    if secure_vars is None:
+        firmware = ["-machine", "q35", "-bios", str(OVMF)]
+    else:
+        firmware = [
+            "-machine", "q35,smm=on", "-global", "driver=cfi.pflash01,property=secure,value=on",
+            "-drive", f"if=pflash,format=raw,unit=0,readonly=on,file={OVMF_SECBOOT_CODE}",
+            "-drive", f"if=pflash,format=raw,unit=1,file={secure_vars}",
+        ]  # fmt: skip
+    net = (
+        ["-netdev", f"user,id=n0,guestfwd=tcp:10.0.2.100:80-tcp:127.0.0.1:{port}",
+         "-device", "virtio-net-pci,netdev=n0"]
+        if port is not None else ["-net", "none"]
+    )  # fmt: skip
     return subprocess.Popen(
-        ["qemu-system-x86_64", "-machine", "q35", "-accel", "tcg", "-m", "1024", "-smp", "1",
-         "-bios", str(OVMF),
-         # -snapshot: the boot writes to a temporary overlay; the disk-format test reads the disk.
-         "-drive", f"file={disk},format=raw,if=virtio", "-snapshot",
-         "-netdev", f"user,id=n0,guestfwd=tcp:10.0.2.100:80-tcp:127.0.0.1:{port}",
-         "-device", "virtio-net-pci,netdev=n0",
+        # -cpu max: RDRAND, as a TD's CPU has, which seeds the kernel's CRNG at once. TCG's
+        # default qemu64 has none, and under 7.3 the CRNG then stayed uninitialized for minutes:
+        # getrandom() blocked and the agent's Python with it.
+        ["qemu-system-x86_64", *firmware, "-accel", "tcg", "-cpu", "max", "-m", "1024",
+         "-smp", "1",
+         # snapshot: the boot writes to a temporary overlay; the disk-format test reads the disk.
+         "-drive", f"file={disk},format=raw,if=virtio,snapshot=on", *net,
          "-display", "none", "-monitor", "none", "-serial", f"file:{serial}", "-no-reboot"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
     )  # fmt: skip
@@ -115,24 +146,42 @@ def _watch(qemu: subprocess.Popen[bytes], serial: Path, done: re.Pattern[str], l
 
 def _need_qemu() -> None:
     need_root_and("qemu-system-x86_64")
-    if not OVMF.exists():
-        pytest.skip(f"needs {OVMF} (Debian ovmf; scripts/system-deps installs it)")
+    for firmware in (OVMF, OVMF_SECBOOT_CODE, OVMF_VARS_TEMPLATE):
+        if not firmware.exists():
+            pytest.skip(f"needs {firmware} (Debian ovmf; scripts/system-deps installs it)")
+
+
+@pytest.fixture(scope="module")
+def secure_vars_template(sb_signer: UkiSigner, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """OVMF's variable store with this run's release certificate as PK, KEK and db, Secure Boot
+    on: what the image's secure-boot-db.json asks GCP and Azure to enroll."""
+    return ovmf_vars(sb_signer.cert, tmp_path_factory.mktemp("uim-vars") / "vars.fd")
+
+
+def _vars(template: Path, tmp_path: Path) -> Path:
+    copy = tmp_path / "vars.fd"  # the firmware writes its store: one copy per boot
+    shutil.copyfile(template, copy)
+    return copy
 
 
 def test_os_image_boots_and_the_agent_starts_the_compose(
     qemu_disks: tuple[Uki, CloudDisks],
+    secure_vars_template: Path,
     metadata: tuple[int, LaunchData, list[str]],
     tmp_path: Path,
 ) -> None:
+    """The signed disk under OVMF's Secure Boot firmware with our db enrolled (as a cloud with
+    the image's Secure Boot db would boot it) all the way to the compose."""
     _need_qemu()
     port, data, seen = metadata
     _uki, disks = qemu_disks
     built = time.monotonic()  # the disks are a session fixture (shared with the disk formats)
     serial = tmp_path / "serial.log"
-    qemu = _qemu(disks.raw, serial, port)
+    qemu = _qemu(disks.raw, serial, port, _vars(secure_vars_template, tmp_path))
     want = f"umbra-compose-stub: up {hashlib.sha256(_compose(data)).hexdigest()}"
     try:
-        text = _watch(qemu, serial, re.compile("umbra-compose-stub: etc"), 900)
+        # The agent's last line comes after the stub (the compose command) has returned.
+        text = _watch(qemu, serial, re.compile(r"umbra-launch: .*(started|REFUSED)"), 900)
         print(f"boot to compose {time.monotonic() - built:.0f} s")
         assert want in text, f"no compose start on the serial console; tail:\n{text[-3000:]}"
         assert (
@@ -157,6 +206,19 @@ def test_os_image_boots_and_the_agent_starts_the_compose(
         for mount in ("umbra-etc /etc overlay", "umbra-var /var overlay", "tmpfs /tmp tmpfs"):
             assert mount in rw[1]
         assert "umbra-compose-stub: etc writable" in text
+        # The kernel saw Secure Boot on (boot_params) and so Debian's kernel locked itself down
+        # (lockdown is off otherwise: LOCK_DOWN_KERNEL_FORCE_NONE); the kernel is trixie-
+        # backports' TDX guest kernel with configfs-tsm; no TDX here, so no tdx_guest.
+        assert (
+            "umbra-compose-stub: secureboot Secure boot enabled "
+            "lockdown none [integrity] confidentiality" in text
+        )
+        kernel = re.search(r"umbra-compose-stub: kernel (\S+) tsm (\S*) modules (.*)", text)
+        assert kernel is not None, text[-3000:]
+        assert kernel[1].endswith("-cloud-amd64") and kernel[1].startswith("7.")
+        assert kernel[2] == "/sys/kernel/config/tsm/report"
+        assert kernel[3].split() == ["configfs", "dm_verity", "tsm_report"]
+        assert "umbra-tee: not a TDX guest (tdx-guest did not load); tsm_report loaded" in text
     finally:
         qemu.kill()
         qemu.wait(30)
@@ -259,3 +321,59 @@ def _first_block(rootfs: Path, path: str) -> int:
 def _compose(data: LaunchData) -> bytes:
     compose: str = json.loads(data.app_compose)["docker_compose_file"]
     return compose.encode()
+
+
+def test_secure_boot_runs_only_the_uki_the_release_key_signed(
+    qemu_disks: tuple[Uki, CloudDisks],
+    sb_signer: UkiSigner,
+    secure_vars_template: Path,
+    tmp_path: Path,
+) -> None:
+    """Under the same firmware and db: the signed UKI starts (its initramfs's first line is
+    enough, the full boot is the test above), and an unsigned UKI, the signed one with one byte
+    of its command line changed, and one signed by another key are refused by the firmware
+    before any of it runs. Each refused boot is an ESP alone on a disk: it never gets further."""
+    _need_qemu()
+    uki, _disks = qemu_disks
+    signed = uki.path.read_bytes()
+    unsigned = tmp_path / "unsigned.efi"
+    subprocess.run(["sbattach", "--remove", str(_copy(uki.path, unsigned))], check=True)
+    altered = tmp_path / "altered.efi"
+    at = signed.index(b"panic=10")
+    altered.write_bytes(signed[: at + 6] + b"9" + signed[at + 7 :])  # panic=90
+    foreign = tmp_path / "foreign.efi"
+    other = make_signer(tmp_path / "other", "not the release key")
+    sign_uki(unsigned, other.key, other.cert, foreign, 1700000000)
+    for bad in (unsigned, altered, foreign):
+        with pytest.raises(SecureBootError):
+            verify_signature(bad, sb_signer.cert)
+    cases = [("signed", uki.path, True), ("unsigned", unsigned, False),
+             ("altered", altered, False), ("foreign", foreign, False)]  # fmt: skip
+    for name, efi, runs in cases:
+        d = tmp_path / name
+        d.mkdir()
+        esp = esp_image(efi, d / "esp.img", 1700000000)
+        serial = d / "serial.log"
+        start = time.monotonic()
+        qemu = _qemu(esp, serial, None, _vars(secure_vars_template, d))
+        try:
+            text = _watch(qemu, serial, re.compile(r"umbra-tee:|Access Denied|Violation"), 600)
+        finally:
+            qemu.kill()
+            qemu.wait(30)
+        print(f"secure boot, {name} UKI: {time.monotonic() - start:.0f} s")
+        started = re.search(r'BdsDxe: starting Boot[0-9A-F]{4} "UEFI Non-Block Boot Device"', text)
+        if runs:
+            assert started and "umbra-tee:" in text, text[-3000:]
+        else:
+            assert re.search(
+                r'BdsDxe: failed to load Boot[0-9A-F]{4} "UEFI Non-Block Boot Device".*: '
+                r"Access Denied",
+                text,
+            ), f"{name}: {text[-3000:]}"
+            assert not started and "umbra-tee:" not in text
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copyfile(src, dst)
+    return dst

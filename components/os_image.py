@@ -1,0 +1,167 @@
+"""Publishing the CVM OS image as code: the disks `umbra image disks` wrote, uploaded by the
+release workflow, become a GCP image and an Azure Compute Gallery image version, each carrying
+the image's Secure Boot db (images.secure_boot: the release certificate as PK, KEK and db).
+
+- GCP: `compute.Image` from the `disk.raw` tarball's GCS URL, with the OS definition's guest OS
+  features (images/os/gcp.yaml: UEFI_COMPATIBLE, TDX_CAPABLE, GVNIC, …) and
+  `shielded_instance_initial_state` = the db document's GCP shape.
+- Azure: a gallery image definition (Linux, generalized, Gen2, security type ConfidentialVM as
+  images/os/azure.yaml says) and an image version from the fixed VHD's page blob URI, with
+  `security_profile.uefi_settings` = the db document's Azure shape (no Microsoft template).
+
+The uploads are not resources here: azure-native's `storage.Blob` makes only block and append
+blobs, and a gallery image version needs a page blob, so the workflow uploads both disks and
+passes their URIs. Nothing here has been applied to a cloud (no Pulumi CLI, no credentials):
+the arguments are tested with `pulumi.runtime.set_mocks`.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pulumi
+import pulumi_azure_native as azure
+import pulumi_gcp as gcp
+from pydantic import BaseModel, ConfigDict, Field
+
+from umbra.images.os_image import OS_DIR, load_os_definition
+from umbra.images.secure_boot import SecureBootDb
+
+COMPONENT_TYPE = "umbra:images:OsImage"
+# Azure gallery image versions are Major.Minor.Patch (each a 32-bit integer).
+_VERSION = re.compile(r"^(0|[1-9][0-9]{0,8})\.(0|[1-9][0-9]{0,8})\.(0|[1-9][0-9]{0,8})$")
+_SHA256 = r"^[0-9a-f]{64}$"
+
+
+class GcpTarget(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    project: str = Field(min_length=1)
+    tarball_url: str = Field(pattern=r"^https://storage\.googleapis\.com/[^/]+/.+\.tar\.gz$")
+    family: str = Field(default="umbra-cvm", pattern=r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
+
+
+class AzureTarget(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    resource_group: str = Field(min_length=1)
+    location: str = Field(min_length=1)
+    gallery: str = Field(min_length=1)
+    storage_account_id: str = Field(pattern=r"^/subscriptions/.+/storageAccounts/[^/]+$")
+    vhd_url: str = Field(pattern=r"^https://[a-z0-9]+\.blob\.core\.windows\.net/.+\.vhd$")
+    image_definition: str = Field(default="umbra-cvm", min_length=1)
+
+
+class OsImageRelease(BaseModel):
+    """One built OS image: its version, the raw disk's digest and its Secure Boot db."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    version: str = Field(pattern=_VERSION.pattern)
+    raw_sha256: str = Field(pattern=_SHA256)
+    secure_boot: SecureBootDb
+    gcp: GcpTarget | None = None
+    azure: AzureTarget | None = None
+
+
+def gcp_initial_state(db: SecureBootDb) -> gcp.compute.ImageShieldedInstanceInitialStateArgs:
+    shape = db.gcp_initial_state()
+
+    def buf(b: dict[str, str]) -> dict[str, str]:
+        return {"content": b["content"], "file_type": b["fileType"]}
+
+    return gcp.compute.ImageShieldedInstanceInitialStateArgs(
+        pk=gcp.compute.ImageShieldedInstanceInitialStatePkArgs(**buf(shape["pk"])),
+        keks=[
+            gcp.compute.ImageShieldedInstanceInitialStateKekArgs(**buf(k)) for k in shape["keks"]
+        ],
+        dbs=[gcp.compute.ImageShieldedInstanceInitialStateDbArgs(**buf(d)) for d in shape["dbs"]],
+        dbxs=[],
+    )
+
+
+def azure_uefi_settings(db: SecureBootDb) -> azure.compute.GalleryImageVersionUefiSettingsArgs:
+    shape: dict[str, Any] = db.azure_uefi_settings()
+    sigs = shape["additionalSignatures"]
+
+    def key(k: dict[str, Any]) -> azure.compute.UefiKeyArgs:
+        return azure.compute.UefiKeyArgs(type=k["type"], value=list(k["value"]))
+
+    return azure.compute.GalleryImageVersionUefiSettingsArgs(
+        signature_template_names=list(shape["signatureTemplateNames"]),
+        additional_signatures=azure.compute.UefiKeySignaturesArgs(
+            pk=key(sigs["pk"]), kek=[key(k) for k in sigs["kek"]], db=[key(d) for d in sigs["db"]]
+        ),
+    )
+
+
+class OsImage(pulumi.ComponentResource):
+    """The OS image release published to the targets it names."""
+
+    gcp_image: gcp.compute.Image | None
+    azure_version: azure.compute.GalleryImageVersion | None
+
+    def __init__(
+        self, name: str, release: OsImageRelease, opts: pulumi.ResourceOptions | None = None
+    ) -> None:
+        super().__init__(COMPONENT_TYPE, name, None, opts)
+        child = pulumi.ResourceOptions(parent=self)
+        dashed = release.version.replace(".", "-")
+        labels = {"umbra-os-image": dashed, "umbra-raw-sha256": release.raw_sha256[:63]}
+        self.gcp_image = None
+        self.azure_version = None
+        if release.gcp is not None:
+            features = load_os_definition(OS_DIR / "gcp.yaml").guest_os_features
+            self.gcp_image = gcp.compute.Image(
+                f"{name}-gcp",
+                name=f"umbra-cvm-{dashed}",
+                project=release.gcp.project,
+                family=release.gcp.family,
+                raw_disk=gcp.compute.ImageRawDiskArgs(source=release.gcp.tarball_url),
+                guest_os_features=[gcp.compute.ImageGuestOsFeatureArgs(type=f) for f in features],
+                shielded_instance_initial_state=gcp_initial_state(release.secure_boot),
+                labels=labels,
+                opts=child,
+            )
+        if release.azure is not None:
+            a = release.azure
+            definition = load_os_definition(OS_DIR / "azure.yaml")
+            image = azure.compute.GalleryImage(
+                f"{name}-azure-definition",
+                resource_group_name=a.resource_group,
+                location=a.location,
+                gallery_name=a.gallery,
+                gallery_image_name=a.image_definition,
+                os_type=azure.compute.OperatingSystemTypes.LINUX,
+                os_state=azure.compute.OperatingSystemStateTypes.GENERALIZED,
+                hyper_v_generation=definition.hyper_v_generation or "V2",
+                architecture="x64",
+                identifier=azure.compute.GalleryImageIdentifierArgs(
+                    publisher="umbra", offer="umbra-cvm", sku="tdx"
+                ),
+                features=[
+                    azure.compute.GalleryImageFeatureArgs(
+                        name="SecurityType", value=definition.security_type or "ConfidentialVM"
+                    )
+                ],
+                opts=child,
+            )
+            self.azure_version = azure.compute.GalleryImageVersion(
+                f"{name}-azure",
+                resource_group_name=a.resource_group,
+                location=a.location,
+                gallery_name=a.gallery,
+                gallery_image_name=image.name,
+                gallery_image_version_name=release.version,
+                storage_profile=azure.compute.GalleryImageVersionStorageProfileArgs(
+                    os_disk_image=azure.compute.GalleryOSDiskImageArgs(
+                        source=azure.compute.GalleryDiskImageSourceArgs(
+                            storage_account_id=a.storage_account_id, uri=a.vhd_url
+                        )
+                    )
+                ),
+                security_profile=azure.compute.ImageVersionSecurityProfileArgs(
+                    uefi_settings=azure_uefi_settings(release.secure_boot)
+                ),
+                tags=labels,
+                opts=child,
+            )
+        self.register_outputs({})
