@@ -393,7 +393,9 @@ def decide(
         _exit_with_issues(exc, as_json)
     decision = policy.decide(probe.method, probe.scheme, probe.host, probe.port, probe.path)
     injected = [
-        rule.header for rule in policy.applicable_injections(probe.host, probe.port, decision)
+        placement
+        for rule in policy.applicable_injections(probe.host, probe.port, decision)
+        for placement in rule.placements
     ]
     result = {
         "verdict": str(decision.verdict),

@@ -89,8 +89,13 @@ def grants(profile: CompiledProfile) -> Iterator[GrantChange]:
     for inject in profile.inject:
         for host in inject.hosts:
             for port in inject.ports:
-                grant = ("inject", inject.header, "for", f"{host}:{port}", "from", inject.secret)
-                yield GrantChange("inject", grant, inject.id)
+                for placement in inject.placements:
+                    # a narrower path list is a different grant: dropping it shows as widening
+                    grant = ("inject", placement, "for", f"{host}:{port}", "from", inject.secret)
+                    grant += ("paths", ",".join(inject.paths or ["/**"]))
+                    if inject.user_secret is not None:
+                        grant += ("user", inject.user_secret)
+                    yield GrantChange("inject", grant, inject.id)
     for scan in profile.scan:
         yield GrantChange("scan", ("scan", scan.id, scan.regex), scan.id)
 

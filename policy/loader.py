@@ -63,17 +63,21 @@ class PolicySet:
             return EffectivePolicy(selected)
         except CompositionError as exc:
             raise PolicyError(
-                [self._locate(conflict.rule_id, conflict.message) for conflict in exc.conflicts]
+                [
+                    self._locate(conflict.rule_id, conflict.message, conflict.field)
+                    for conflict in exc.conflicts
+                ]
             ) from None
 
     def compose_all(self) -> EffectivePolicy:
         return self.compose(sorted(self.profiles))
 
-    def _locate(self, rule_id: str, message: str) -> PolicyIssue:
+    def _locate(self, rule_id: str, message: str, field: str = "") -> PolicyIssue:
+        where = f"{rule_id}.{field}" if field else rule_id
         loaded = self.profiles.get(rule_id.split(":", 1)[0])
         if loaded is None:
-            return PolicyIssue(str(self.root), None, rule_id, message)
-        return PolicyIssue(loaded.file, loaded.rule_lines.get(rule_id), rule_id, message)
+            return PolicyIssue(str(self.root), None, where, message)
+        return PolicyIssue(loaded.file, loaded.rule_lines.get(rule_id), where, message)
 
 
 def policy_files(root: Path) -> list[Path]:

@@ -21,8 +21,9 @@ def run_suites(policy_set: PolicySet) -> list[CaseResult]:
                 if case.push is not None:
                     decision = decide_push(decision, case.push)
                 injected = sorted(
-                    rule.header
+                    placement
                     for rule in policy.applicable_injections(probe.host, probe.port, decision)
+                    for placement in rule.placements
                 )
             else:
                 decision = policy.decide_tunnel(probe.host, probe.port)
@@ -44,7 +45,7 @@ def _judge(
     if case.inject is not None:
         expected = sorted(header.lower() for header in case.inject)
         if expected != sorted(header.lower() for header in injected):
-            problems.append(f"expected injected headers {case.inject}, got {injected}")
+            problems.append(f"expected injected placements {case.inject}, got {injected}")
     return CaseResult(
         file=loaded.file,
         line=loaded.case_lines[index],

@@ -119,7 +119,7 @@ def test_a_profile_twice_is_a_conflict() -> None:
 
 def test_injections_are_bound_to_their_exact_hosts() -> None:
     p = policy(profile("i", [{"allow": {"hosts": ["*.x.com"]}}], inject=[AUTH]))
-    assert [rule.header for rule in p.injections_for("api.x.com", 443)] == ["Authorization"]
+    assert [rule.placements for rule in p.injections_for("api.x.com", 443)] == [["Authorization"]]
     assert p.injections_for("other.x.com", 443) == ()
     assert p.injections_for("evil.api.x.com", 443) == ()
     assert p.injections_for("not a host", 443) == ()
@@ -149,7 +149,7 @@ def test_injected_values_render_from_the_format(fmt: str, expected: str) -> None
         profile("r", [{"allow": {"hosts": ["api.x.com"]}}], inject=[{**AUTH, "format": fmt}])
     )
     [rule] = p.injections_for("api.x.com", 443)
-    assert rule.render("s3cr3t") == expected
+    assert rule.render("s3cr3t") == [("Authorization", expected)]
 
 
 def test_a_secret_with_a_line_break_is_never_rendered_into_a_header() -> None:
