@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Literal, Self
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from umbra.policy.normalize import (
     NormalizationError,
@@ -297,13 +297,24 @@ class InjectRule(StrictModel):
             raise ValueError("needs exactly one of 'header', 'headers', 'query' or 'basic'")
         if (self.header is None) != (self.format is None):
             raise ValueError("'header' and 'format' go together")
-        formats = [self.format] if self.format else [h.format for h in self.headers or []]
-        if any("{basic}" in value for value in formats):
-            raise ValueError("'{basic}' is written 'basic: {user_secret: ...}'")
-        names = [h.header.lower() for h in self.headers or []]
-        if len(set(names)) != len(names):
-            raise ValueError("'headers' names one header twice (case-insensitive)")
         return self
+
+    @field_validator("format")
+    @classmethod
+    def _no_bare_basic(cls, value: str | None) -> str | None:
+        if value is not None and "{basic}" in value:
+            raise ValueError("'{basic}' is written 'basic: {user_secret: ...}'")
+        return value
+
+    @field_validator("headers")
+    @classmethod
+    def _distinct_headers(cls, value: list[HeaderPlacement] | None) -> list[HeaderPlacement] | None:
+        for placement in value or []:
+            cls._no_bare_basic(placement.format)
+        names = [placement.header.lower() for placement in value or []]
+        if len(set(names)) != len(names):
+            raise ValueError("names one header twice (case-insensitive)")
+        return value
 
 
 def _check_profile_name(value: str) -> str:

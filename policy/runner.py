@@ -43,8 +43,8 @@ def _judge(
     if case.reason is not None and decision.reason != case.reason:
         problems.append(f"expected reason {case.reason}, got {decision.reason}")
     if case.inject is not None:
-        expected = sorted(header.lower() for header in case.inject)
-        if expected != sorted(header.lower() for header in injected):
+        expected = sorted(map(_placement_key, case.inject))
+        if expected != sorted(map(_placement_key, injected)):
             problems.append(f"expected injected placements {case.inject}, got {injected}")
     return CaseResult(
         file=loaded.file,
@@ -56,3 +56,8 @@ def _judge(
         actual=decision,
         problems=tuple(problems),
     )
+
+
+def _placement_key(placement: str) -> str:
+    # Header names compare case-insensitively, query parameter names (`?name`) exactly.
+    return placement if placement.startswith("?") else placement.lower()

@@ -6,7 +6,7 @@ import pytest
 
 from tests.policy.helpers import policy, profile
 from umbra.policy.builtin_scan import BUILTIN_SCAN_RULES
-from umbra.policy.compose import CompositionError, deny_all
+from umbra.policy.compose import CompositionError, EffectivePolicy, deny_all
 from umbra.policy.matcher import Reason
 
 AUTH = {
@@ -201,3 +201,103 @@ def test_an_injection_goes_only_with_the_requests_its_profile_allows() -> None:
     assert p.applicable_injections("api.x.com", 443, other) == ()
     denied = p.decide("DELETE", "https", "api.x.com", 443, "/v1/write")
     assert p.applicable_injections("api.x.com", 443, denied) == ()
+
+
+def _paths_policy() -> EffectivePolicy:
+    return policy(
+        profile(
+            "p",
+            [{"allow": {"hosts": ["api.x.com"]}}],
+            inject=[
+                {**AUTH, "paths": ["/v1/**"]},
+                {"query": "key", "secret": "team/q", "hosts": ["api.x.com"], "paths": ["/q/*"]},
+            ],
+        )
+    )
+
+
+@pytest.mark.parametrize(
+    ("path", "expected"),
+    [
+        ("/v1", ["Authorization"]),
+        ("/v1/models?x=1", ["Authorization"]),
+        ("/v1/a%2Fb", ["Authorization"]),  # both readings stay under /v1/**
+        ("/v1x", []),
+        ("/v2/v1", []),
+        ("/q/a", ["?key"]),
+        ("/q/a/b", []),
+        # the split reading /q/a/b is outside /q/*: not injected, though the literal one is inside
+        ("/q/a%2Fb", []),
+        ("/", []),
+    ],
+)
+def test_an_injection_bound_to_paths_applies_on_those_paths_only(
+    path: str, expected: list[str]
+) -> None:
+    p = _paths_policy()
+    decision = p.decide("GET", "https", "api.x.com", 443, path)
+    assert decision.allowed
+    placements = [
+        x for rule in p.applicable_injections("api.x.com", 443, decision) for x in rule.placements
+    ]
+    assert placements == expected
+
+
+def test_basic_placements_render_with_a_given_user_or_a_user_secret() -> None:
+    p = policy(
+        profile(
+            "b",
+            [{"allow": {"hosts": ["a.x.com", "b.x.com"]}}],
+            inject=[
+                {"basic": {"user": "bot"}, "secret": "team/p", "hosts": ["a.x.com"]},
+                {"basic": {"user_secret": "team/u"}, "secret": "team/p", "hosts": ["b.x.com"]},
+            ],
+        )
+    )
+    [given] = p.injections_for("a.x.com", 443)
+    [paired] = p.injections_for("b.x.com", 443)
+    assert given.render("s3cr3t") == [("Authorization", "Basic Ym90OnMzY3IzdA==")]
+    assert paired.refs == ["team/p", "team/u"]
+    assert paired.render("s3cr3t", "bot") == [("Authorization", "Basic Ym90OnMzY3IzdA==")]
+    # a user value that cannot be a Basic user (':' would move the split) is never rendered
+    with pytest.raises(ValueError, match="not a Basic user name"):
+        paired.render("s3cr3t", "a:b")
+
+
+def test_several_headers_and_rules_compose_on_one_request_without_conflict() -> None:
+    p = policy(
+        profile(
+            "m",
+            [{"allow": {"hosts": ["api.x.com"]}}],
+            inject=[
+                {
+                    "headers": [
+                        {"header": "X-Key", "format": "{secret}"},
+                        {"header": "X-Sig", "format": "k={secret}"},
+                    ],
+                    "secret": "team/a",
+                    "hosts": ["api.x.com"],
+                },
+                {**AUTH, "secret": "team/b"},
+                {"query": "key", "secret": "team/c", "hosts": ["api.x.com"]},
+            ],
+        )
+    )
+    decision = p.decide("GET", "https", "api.x.com", 443, "/")
+    placements = [
+        x for rule in p.applicable_injections("api.x.com", 443, decision) for x in rule.placements
+    ]
+    assert placements == ["X-Key", "X-Sig", "Authorization", "?key"]
+
+
+def test_a_basic_placement_conflicts_with_an_authorization_header() -> None:
+    with pytest.raises(
+        CompositionError, match=r"injects header 'Authorization' for api\.x\.com:443"
+    ):
+        policy(
+            profile(
+                "c",
+                [{"allow": {"hosts": ["api.x.com"]}}],
+                inject=[AUTH, {"basic": {"user": "u"}, "secret": "team/p", "hosts": ["api.x.com"]}],
+            )
+        )
