@@ -35,7 +35,7 @@ BASIC_USER = "svc-robot-71c3"
 MULTI_A = "MULTI-A-SECRET-8d2f61b0c4e9a7"
 MULTI_B = "MULTI-B-SECRET-3a7e90c1d52f48"
 PATH_SECRET = "PATHSECRET-5e1b7c9d3f2a8e06b4"
-HOSTS = ["q.test", "basic.test", "pair.test", "multi.test", "paths.test", "echo.test"]
+HOSTS = ["q.test", "basic.test", "pair.test", "multi.test", "paths.test", "echo.test", "qdial.test"]
 
 
 def forms() -> dict[str, bytes]:
@@ -77,6 +77,7 @@ inject:
     ports: [{port}]
   - {{id: multi-b, header: X-Other-Key, format: "{{secret}}", secret: team/multi-b, {target % "multi.test"}}}
   - {{id: v1-only, header: Authorization, format: "Bearer {{secret}}", secret: team/path-key, paths: ["/v1/**"], {target % "paths.test"}}}
+  - {{id: dial-query, query: api_key, secret: team/query-key, {target % "qdial.test"}}}
   - {{id: echo-query, query: key, secret: team/query-key, {target % "echo.test"}}}
   - {{id: echo-basic, basic: {{user: bot}}, secret: team/basic-pass, {target % "echo.test"}}}
 """
@@ -114,7 +115,9 @@ def penv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PlacementEnv]:
     policy_dir.mkdir()
     (policy_dir / "testing.yaml").write_text(policy(origin.port))
     resolver = workdir / "resolver.json"
-    resolver.write_text(json.dumps({name: ["127.0.0.1"] for name in HOSTS}))
+    # qdial.test resolves to a private address: the dial is refused after the injection.
+    answers = {name: ["127.0.0.1"] for name in HOSTS} | {"qdial.test": ["10.0.0.9"]}
+    resolver.write_text(json.dumps(answers))
     identities = workdir / "identities.json"
     write_identities(identities)
     secrets = workdir / "secrets.json"
@@ -279,3 +282,16 @@ def test_a_sandbox_sending_a_real_placed_form_is_refused(
     assert any(rule.startswith("secret:team/") for rule in record["scan_rule_ids"])
     path = args[0].split("?")[0]
     assert not any(seen.path.split("?")[0] == path for seen in penv.recorder.snapshot())
+
+
+def test_a_refused_dial_after_a_query_placement_leaks_nothing(penv: PlacementEnv) -> None:
+    """The query is placed before the dial (proxy.md, check order); the 502, its record and the
+    proxy's output (checked at teardown) carry no form of the secret."""
+    mark = penv.proxy.log.mark()
+    result = curl(
+        penv.proxy, url(penv, "qdial.test", "/dial?api_key=umbra-placeholder:team/query-key")
+    )
+    assert curl_status(result) == 502
+    assert_no_secret_in(result.stdout)
+    record = penv.proxy.log.wait_for(mark, lambda r: r["reason"] == "address_private")
+    assert_no_secret_in(json.dumps(record))
