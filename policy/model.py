@@ -161,8 +161,8 @@ def check_query_name(value: str) -> str:
 
 def _check_basic_user(value: str) -> str:
     # The user is the part before the first ':' of the decoded credentials (RFC 7617).
-    if not value or ":" in value or any(ord(c) < 0x20 or ord(c) == 0x7F for c in value):
-        raise ValueError("a non-empty user without ':' or control characters")
+    if not value or any(c in ":{}" or ord(c) < 0x20 or ord(c) == 0x7F for c in value):
+        raise ValueError("a non-empty user without ':', braces or control characters")
     return value
 
 

@@ -196,6 +196,7 @@ def test_scan_rule_errors(tmp_path: Path, rule: str, field: str, fragment: str) 
             "exactly one of 'user' or 'user_secret'",
         ),
         ("{basic: {user: 'a:b'}, secret: team/x, hosts: [x.com]}", "inject[0].basic.user", "':'"),
+        ("{basic: {user: 'a}b'}, secret: team/x, hosts: [x.com]}", "inject[0].basic.user", "brace"),
         (
             "{basic: {user_secret: x}, secret: team/x, hosts: [x.com]}",
             "inject[0].basic.user_secret",
