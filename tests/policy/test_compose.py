@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from tests.policy.helpers import policy, profile
@@ -301,3 +303,34 @@ def test_a_basic_placement_conflicts_with_an_authorization_header() -> None:
                 inject=[AUTH, {"basic": {"user": "u"}, "secret": "team/p", "hosts": ["api.x.com"]}],
             )
         )
+
+
+def test_widening_an_injections_paths_or_adding_a_placement_shows_in_the_diff(
+    tmp_path: Path,
+) -> None:
+    from umbra.policy.diff import diff_policy_sets
+    from umbra.policy.loader import load_policy_dir
+
+    def version(name: str, inject: str) -> Path:
+        root = tmp_path / name
+        root.mkdir()
+        (root / "p.yaml").write_text(
+            "apiVersion: umbra/v1\nkind: Profile\nname: p\n"
+            "egress:\n  - allow: {hosts: [x.com]}\ninject:\n" + inject
+        )
+        return root
+
+    narrow = version(
+        "a", "  - {id: k, query: key, secret: team/k, hosts: [x.com], paths: ['/v1/**']}\n"
+    )
+    wide = version("b", "  - {id: k, query: key, secret: team/k, hosts: [x.com]}\n")
+    more = version(
+        "c",
+        "  - {id: k, headers: [{header: X-K, format: '{secret}'}, {header: X-L, format: '{secret}'}],"
+        " secret: team/k, hosts: [x.com]}\n",
+    )
+    widened = diff_policy_sets(load_policy_dir(narrow), load_policy_dir(wide))
+    assert widened.widens
+    assert [change.grant[1:5] for change in widened.added] == [("?key", "for", "x.com:443", "/**")]
+    placements = diff_policy_sets(load_policy_dir(wide), load_policy_dir(more))
+    assert sorted(change.grant[1] for change in placements.added) == ["X-K", "X-L"]
