@@ -295,3 +295,10 @@ def test_a_refused_dial_after_a_query_placement_leaks_nothing(penv: PlacementEnv
     assert_no_secret_in(result.stdout)
     record = penv.proxy.log.wait_for(mark, lambda r: r["reason"] == "address_private")
     assert_no_secret_in(json.dumps(record))
+
+
+def test_query_placement_over_http2_from_the_sandbox(penv: PlacementEnv) -> None:
+    result = curl(penv.proxy, url(penv, "q.test", "/h2?api_key=x"), "--http2", "-v")
+    assert curl_status(result) == 200
+    assert "using HTTP/2" in result.stderr or "HTTP/2 200" in result.stderr
+    assert last(penv, "/h2").path == f"/h2?api_key={quote(QUERY_SECRET, safe='')}"
