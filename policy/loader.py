@@ -73,10 +73,16 @@ class PolicySet:
         return self.compose(sorted(self.profiles))
 
     def _locate(self, rule_id: str, message: str, field: str = "") -> PolicyIssue:
-        where = f"{rule_id}.{field}" if field else rule_id
         loaded = self.profiles.get(rule_id.split(":", 1)[0])
         if loaded is None:
-            return PolicyIssue(str(self.root), None, where, message)
+            return PolicyIssue(str(self.root), None, rule_id, message)
+        where = rule_id
+        index = next((i for i, r in enumerate(loaded.compiled.inject) if r.id == rule_id), None)
+        if field and index is not None:
+            # Name the field as written: `basic` and `header` compile to headers too.
+            rule = loaded.profile.inject[index]
+            written = {"headers": "basic" if rule.basic else "header" if rule.header else field}
+            where = f"{rule_id}: inject[{index}].{written.get(field, field)}"
         return PolicyIssue(loaded.file, loaded.rule_lines.get(rule_id), where, message)
 
 

@@ -369,7 +369,9 @@ def test_conflicting_placements_name_file_line_and_field(tmp_path: Path) -> None
         + "  - {id: b, query: key, secret: team/b, hosts: [x.com], paths: ['/v2/**']}\n"
         + "  - {id: c, basic: {user: u}, secret: team/c, hosts: [x.com]}\n"
         + "  - id: d\n    headers: [{header: authorization, format: 'Bearer {secret}'}]\n"
-        + "    secret: team/d\n    hosts: [x.com]\n",
+        + "    secret: team/d\n    hosts: [x.com]\n"
+        + "  - {id: e, header: X-K, format: '{secret}', secret: team/e, hosts: [x.com]}\n"
+        + "  - {id: f, basic: {user: v}, secret: team/f, hosts: [x.com]}\n",
     )
     policy_set = load_policy_dir(tmp_path)
     with pytest.raises(PolicyError) as excinfo:
@@ -379,13 +381,19 @@ def test_conflicting_placements_name_file_line_and_field(tmp_path: Path) -> None
         (
             "p.yaml",
             8,
-            "p:b.query",
+            "p:b: inject[1].query",
             "injects query parameter 'key' for x.com:443, as p:a already does",
         ),
         (
             "p.yaml",
             10,
-            "p:d.headers",
+            "p:d: inject[3].headers",
             "injects header 'authorization' for x.com:443, as p:c already does",
+        ),
+        (
+            "p.yaml",
+            15,
+            "p:f: inject[5].basic",
+            "injects header 'Authorization' for x.com:443, as p:c already does",
         ),
     ]
