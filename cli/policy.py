@@ -400,7 +400,9 @@ def decide(
     if push:
         decision = decide_push(decision, push)
     injected = [
-        rule.header for rule in policy.applicable_injections(probe.host, probe.port, decision)
+        placement
+        for rule in policy.applicable_injections(probe.host, probe.port, decision)
+        for placement in rule.placements
     ]
     result = {
         "verdict": str(decision.verdict),

@@ -25,8 +25,7 @@ import pulumi_azure_native as azure
 import pulumi_gcp as gcp
 from pydantic import BaseModel, ConfigDict, Field
 
-from umbra.images.os_image import OS_DIR, load_os_definition
-from umbra.images.secure_boot import SecureBootDb
+from umbra.contracts.secure_boot import SecureBootDb
 
 COMPONENT_TYPE = "umbra:images:OsImage"
 # Azure gallery image versions are Major.Minor.Patch (each a 32-bit integer).
@@ -39,6 +38,8 @@ class GcpTarget(BaseModel):
     project: str = Field(min_length=1)
     tarball_url: str = Field(pattern=r"^https://storage\.googleapis\.com/[^/]+/.+\.tar\.gz$")
     family: str = Field(default="umbra-cvm", pattern=r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
+    # images/os/gcp.yaml's guest_os_features (the workflow passes them: components sit below images)
+    guest_os_features: list[str] = Field(min_length=1)
 
 
 class AzureTarget(BaseModel):
@@ -49,6 +50,9 @@ class AzureTarget(BaseModel):
     storage_account_id: str = Field(pattern=r"^/subscriptions/.+/storageAccounts/[^/]+$")
     vhd_url: str = Field(pattern=r"^https://[a-z0-9]+\.blob\.core\.windows\.net/.+\.vhd$")
     image_definition: str = Field(default="umbra-cvm", min_length=1)
+    # images/os/azure.yaml's security type and Hyper-V generation
+    security_type: str = "ConfidentialVM"
+    hyper_v_generation: str = "V2"
 
 
 class OsImageRelease(BaseModel):
@@ -109,7 +113,7 @@ class OsImage(pulumi.ComponentResource):
         self.gcp_image = None
         self.azure_version = None
         if release.gcp is not None:
-            features = load_os_definition(OS_DIR / "gcp.yaml").guest_os_features
+            features = release.gcp.guest_os_features
             self.gcp_image = gcp.compute.Image(
                 f"{name}-gcp",
                 name=f"umbra-cvm-{dashed}",
@@ -123,7 +127,6 @@ class OsImage(pulumi.ComponentResource):
             )
         if release.azure is not None:
             a = release.azure
-            definition = load_os_definition(OS_DIR / "azure.yaml")
             image = azure.compute.GalleryImage(
                 f"{name}-azure-definition",
                 resource_group_name=a.resource_group,
@@ -132,14 +135,14 @@ class OsImage(pulumi.ComponentResource):
                 gallery_image_name=a.image_definition,
                 os_type=azure.compute.OperatingSystemTypes.LINUX,
                 os_state=azure.compute.OperatingSystemStateTypes.GENERALIZED,
-                hyper_v_generation=definition.hyper_v_generation or "V2",
+                hyper_v_generation=a.hyper_v_generation,
                 architecture="x64",
                 identifier=azure.compute.GalleryImageIdentifierArgs(
                     publisher="umbra", offer="umbra-cvm", sku="tdx"
                 ),
                 features=[
                     azure.compute.GalleryImageFeatureArgs(
-                        name="SecurityType", value=definition.security_type or "ConfidentialVM"
+                        name="SecurityType", value=a.security_type
                     )
                 ],
                 opts=child,

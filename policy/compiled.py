@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import base64
 import re
-from typing import Annotated, Literal
+from typing import Annotated, Literal, Self
 
-from pydantic import AfterValidator, Field
+from pydantic import AfterValidator, Field, model_validator
 
 from umbra.policy.model import (
     INJECT_DEFAULT_PORT,
@@ -21,11 +21,13 @@ from umbra.policy.model import (
     HeaderName,
     HostPattern,
     InjectFormat,
+    InjectRule,
     Method,
     Name,
     PathPattern,
     Port,
     Profile,
+    QueryName,
     RefPattern,
     ScanRegex,
     SecretRef,
@@ -80,27 +82,66 @@ class CompiledScan(StrictModel):
     regex: ScanRegex
 
 
-class CompiledInject(StrictModel):
-    id: RuleId
-    header: HeaderName
+class CompiledHeader(StrictModel):
+    name: HeaderName
     format: InjectFormat
+
+
+class CompiledInject(StrictModel):
+    """Where one secret goes: `headers` (each set once) and/or a `query` parameter, for HTTPS
+    requests to `hosts` on `ports` and, when `paths` is given, on those paths only. With
+    `user_secret`, the `{basic}` placeholder is base64(user_secret value:secret value)."""
+
+    id: RuleId
     secret: SecretRef
     hosts: list[ExactHost] = Field(min_length=1)
     ports: list[Port] = Field(min_length=1)
+    paths: list[PathPattern] | None = None
+    headers: list[CompiledHeader] = Field(default_factory=list)
+    query: QueryName | None = None
+    user_secret: SecretRef | None = None
 
-    def render(self, secret: str) -> str:
-        """The header value: `{secret}` is the value itself, `{basic:USER}` is base64(USER:value)."""
-        if any(ord(char) < 0x20 or ord(char) == 0x7F for char in secret):
-            raise ValueError(f"secret {self.secret} contains a control character")
-        match = PLACEHOLDER.search(self.format)
-        assert match is not None  # InjectFormat guarantees exactly one placeholder
-        placeholder = match.group(1)
-        if placeholder == "secret":
-            value = secret
-        else:
-            user = placeholder.removeprefix("basic:")
-            value = base64.b64encode(f"{user}:{secret}".encode()).decode("ascii")
-        return self.format[: match.start()] + value + self.format[match.end() :]
+    @model_validator(mode="after")
+    def _placed(self) -> Self:
+        if not self.headers and self.query is None:
+            raise ValueError("an injection needs a header or a query parameter")
+        basic = any("{basic}" in header.format for header in self.headers)
+        if basic != (self.user_secret is not None):
+            raise ValueError("'{basic}' and 'user_secret' go together")
+        return self
+
+    @property
+    def placements(self) -> list[str]:
+        """What the injection sets: header names, and `?name` for the query parameter."""
+        return [header.name for header in self.headers] + (
+            [f"?{self.query}"] if self.query is not None else []
+        )
+
+    @property
+    def refs(self) -> list[str]:
+        return [self.secret] + ([self.user_secret] if self.user_secret is not None else [])
+
+    def render(self, secret: str, user: str | None = None) -> list[tuple[str, str]]:
+        """(header name, value) for each header: `{secret}` is the value itself, `{basic:USER}`
+        base64(USER:value), `{basic}` base64(user:value) with `user` the user_secret's value."""
+        for value in (secret, user or ""):
+            if any(ord(char) < 0x20 or ord(char) == 0x7F for char in value):
+                raise ValueError(f"secret for {self.id} contains a control character")
+        if self.user_secret is not None and (user is None or ":" in user or not user):
+            raise ValueError(f"user secret {self.user_secret} is not a Basic user name")
+        rendered: list[tuple[str, str]] = []
+        for header in self.headers:
+            match = PLACEHOLDER.search(header.format)
+            assert match is not None  # InjectFormat guarantees exactly one placeholder
+            placeholder = match.group(1)
+            if placeholder == "secret":
+                value = secret
+            else:
+                name = user if placeholder == "basic" else placeholder.removeprefix("basic:")
+                value = base64.b64encode(f"{name}:{secret}".encode()).decode("ascii")
+            fmt = header.format
+            rendered.append((header.name, fmt[: match.start()] + value + fmt[match.end() :]))
+        return rendered
 
 
 class CompiledProfile(StrictModel):
@@ -168,14 +209,7 @@ def compile_profile(profile: Profile) -> tuple[CompiledProfile, dict[str, tuple[
         for index, rule in enumerate(profile.scan)
     ]
     inject = [
-        CompiledInject(
-            id=qualify(rule.id, f"inject-{index}", "inject", index),
-            header=rule.header,
-            format=rule.format,
-            secret=rule.secret,
-            hosts=sorted(set(rule.hosts)),
-            ports=sorted(set(rule.ports or [INJECT_DEFAULT_PORT])),
-        )
+        _compile_inject(rule, qualify(rule.id, f"inject-{index}", "inject", index))
         for index, rule in enumerate(profile.inject)
     ]
     compiled = CompiledProfile(
@@ -187,6 +221,29 @@ def compile_profile(profile: Profile) -> tuple[CompiledProfile, dict[str, tuple[
         inject=inject,
     )
     return compiled, origins
+
+
+def _compile_inject(rule: InjectRule, rule_id: str) -> CompiledInject:
+    if rule.basic is not None:
+        user = rule.basic.user
+        fmt = "Basic {basic}" if user is None else f"Basic {{basic:{user}}}"
+        headers = [CompiledHeader(name="Authorization", format=fmt)]
+    elif rule.headers is not None:
+        headers = [CompiledHeader(name=h.header, format=h.format) for h in rule.headers]
+    elif rule.header is not None and rule.format is not None:
+        headers = [CompiledHeader(name=rule.header, format=rule.format)]
+    else:
+        headers = []
+    return CompiledInject(
+        id=rule_id,
+        secret=rule.secret,
+        hosts=sorted(set(rule.hosts)),
+        ports=sorted(set(rule.ports or [INJECT_DEFAULT_PORT])),
+        paths=sorted(set(rule.paths)) if rule.paths else None,
+        headers=headers,
+        query=rule.query,
+        user_secret=rule.basic.user_secret if rule.basic is not None else None,
+    )
 
 
 class DuplicateRuleId(ValueError):

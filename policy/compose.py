@@ -15,7 +15,7 @@ from typing import Any
 from umbra.contracts.canonical import content_hash
 from umbra.policy.builtin_scan import BUILTIN_SCAN_RULES
 from umbra.policy.compiled import CompiledInject, CompiledProfile, CompiledScan
-from umbra.policy.matcher import Decision, Matcher, Reason, Verdict, host_keys
+from umbra.policy.matcher import Decision, Matcher, Reason, Verdict, host_keys, path_within
 from umbra.policy.model import API_VERSION
 from umbra.policy.normalize import NormalizationError, normalize_host
 
@@ -30,6 +30,7 @@ class Conflict:
 
     rule_id: str
     message: str
+    field: str = ""  # the rule's field at fault, when there is one
 
 
 class CompositionError(Exception):
@@ -126,8 +127,8 @@ class EffectivePolicy:
     def applicable_injections(
         self, host: str, port: int, decision: Decision
     ) -> tuple[CompiledInject, ...]:
-        """The injections a request carries: bound to its host and port, of a profile that
-        allows it.
+        """The injections a request carries: bound to its host and port (and path, when the
+        injection names paths), of a profile that allows it.
 
         A profile's credential goes only with the requests that profile's reviewer granted; a
         request another profile allows carries none of it (and is not denied for its lack).
@@ -138,6 +139,7 @@ class EffectivePolicy:
             rule
             for rule in self.injections_for(host, port)
             if rule.id.split(":", 1)[0] in decision.allowed_by
+            and (rule.paths is None or path_within(rule.paths, decision.path or ""))
         )
 
     def injections_for(self, host: str, port: int) -> tuple[CompiledInject, ...]:
@@ -169,18 +171,26 @@ def _check_conflicts(profiles: Sequence[CompiledProfile]) -> None:
                 conflicts.append(Conflict(rule_id, "rule id is used twice"))
             seen_ids.add(rule_id)
         for rule in profile.inject:
+            # Two placements of one header or query parameter on one host and port conflict
+            # whatever their paths: which credential a request carries must not depend on which
+            # of two overlapping path lists a reviewer meant.
+            targets = [("headers", "header", h.name.lower(), h.name) for h in rule.headers]
+            if rule.query is not None:
+                targets.append(("query", "query parameter", rule.query, rule.query))
             for host in rule.hosts:
                 for port in rule.ports:
-                    key = (rule.header.lower(), host, port)
-                    if key in injected:
-                        conflicts.append(
-                            Conflict(
-                                rule.id,
-                                f"injects {rule.header!r} for {host}:{port}, as "
-                                f"{injected[key]} already does",
+                    for field_name, kind, key_name, shown in targets:
+                        key = (f"{field_name}:{key_name}", host, port)
+                        if key in injected:
+                            conflicts.append(
+                                Conflict(
+                                    rule.id,
+                                    f"injects {kind} {shown!r} for {host}:{port}, as "
+                                    f"{injected[key]} already does",
+                                    field_name,
+                                )
                             )
-                        )
-                    injected.setdefault(key, rule.id)
+                        injected.setdefault(key, rule.id)
     if conflicts:
         raise CompositionError(conflicts)
 

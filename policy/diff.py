@@ -89,8 +89,14 @@ def grants(profile: CompiledProfile) -> Iterator[GrantChange]:
     for inject in profile.inject:
         for host in inject.hosts:
             for port in inject.ports:
-                grant = ("inject", inject.header, "for", f"{host}:{port}", "from", inject.secret)
-                yield GrantChange("inject", grant, inject.id)
+                # one grant per placement and path, as allow rules expand per path
+                for placement in inject.placements:
+                    for path in inject.paths or ["/**"]:
+                        grant = ("inject", placement, "for", f"{host}:{port}", path)
+                        grant += ("from", inject.secret)
+                        if inject.user_secret is not None:
+                            grant += ("user", inject.user_secret)
+                        yield GrantChange("inject", grant, inject.id)
     for scan in profile.scan:
         yield GrantChange("scan", ("scan", scan.id, scan.regex), scan.id)
 

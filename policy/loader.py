@@ -63,17 +63,27 @@ class PolicySet:
             return EffectivePolicy(selected)
         except CompositionError as exc:
             raise PolicyError(
-                [self._locate(conflict.rule_id, conflict.message) for conflict in exc.conflicts]
+                [
+                    self._locate(conflict.rule_id, conflict.message, conflict.field)
+                    for conflict in exc.conflicts
+                ]
             ) from None
 
     def compose_all(self) -> EffectivePolicy:
         return self.compose(sorted(self.profiles))
 
-    def _locate(self, rule_id: str, message: str) -> PolicyIssue:
+    def _locate(self, rule_id: str, message: str, field: str = "") -> PolicyIssue:
         loaded = self.profiles.get(rule_id.split(":", 1)[0])
         if loaded is None:
             return PolicyIssue(str(self.root), None, rule_id, message)
-        return PolicyIssue(loaded.file, loaded.rule_lines.get(rule_id), rule_id, message)
+        where = rule_id
+        index = next((i for i, r in enumerate(loaded.compiled.inject) if r.id == rule_id), None)
+        if field and index is not None:
+            # Name the field as written: `basic` and `header` compile to headers too.
+            rule = loaded.profile.inject[index]
+            written = {"headers": "basic" if rule.basic else "header" if rule.header else field}
+            where = f"{rule_id}: inject[{index}].{written.get(field, field)}"
+        return PolicyIssue(loaded.file, loaded.rule_lines.get(rule_id), where, message)
 
 
 def policy_files(root: Path) -> list[Path]:

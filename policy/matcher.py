@@ -80,34 +80,34 @@ def _glob(segment: str) -> re.Pattern[str]:
 
 
 @dataclass(slots=True)
-class _PathTrie:
-    literal: dict[str, _PathTrie] = field(default_factory=dict)
-    globs: list[tuple[re.Pattern[str], _PathTrie]] = field(default_factory=list)
-    globstar: _PathTrie | None = None
-    entries: list[_Entry] = field(default_factory=list)
+class _PathTrie[T]:
+    literal: dict[str, _PathTrie[T]] = field(default_factory=dict)
+    globs: list[tuple[re.Pattern[str], _PathTrie[T]]] = field(default_factory=list)
+    globstar: _PathTrie[T] | None = None
+    entries: list[T] = field(default_factory=list)
 
-    def insert(self, segments: list[str], entry: _Entry) -> None:
+    def insert(self, segments: list[str], entry: T) -> None:
         node = self
         for segment in segments:
             if segment == "**":
-                node.globstar = node.globstar or _PathTrie()
+                node.globstar = node.globstar or _PathTrie[T]()
                 node = node.globstar
             elif "*" in segment:
                 pattern = _glob(segment)
                 existing = next((child for p, child in node.globs if p is pattern), None)
                 if existing is None:
-                    existing = _PathTrie()
+                    existing = _PathTrie[T]()
                     node.globs.append((pattern, existing))
                 node = existing
             else:
-                node = node.literal.setdefault(segment, _PathTrie())
+                node = node.literal.setdefault(segment, _PathTrie[T]())
         node.entries.append(entry)
 
-    def match(self, segments: list[str]) -> Iterator[_Entry]:
+    def match(self, segments: list[str]) -> Iterator[T]:
         # Depth-first walk; (node, position) pairs are visited once, which bounds the work of '**'
         # to nodes x segments however the patterns nest.
         seen: set[tuple[int, int]] = set()
-        stack: list[tuple[_PathTrie, int]] = [(self, 0)]
+        stack: list[tuple[_PathTrie[T], int]] = [(self, 0)]
         while stack:
             node, position = stack.pop()
             if (id(node), position) in seen:
@@ -128,6 +128,31 @@ class _PathTrie:
                     stack.append((glob_child, position + 1))
 
 
+@functools.lru_cache(maxsize=1024)
+def _patterns_trie(patterns: tuple[str, ...]) -> _PathTrie[bool]:
+    trie = _PathTrie[bool]()
+    for pattern in patterns:
+        trie.insert(pattern[1:].split("/"), True)
+    return trie
+
+
+def path_within(patterns: Sequence[str], path: str) -> bool:
+    """True when every reading of the request path (`normalize_request_path`) matches one of the
+    path patterns: what is granted something (an injected credential) only on some paths must
+    not get it through a reading the patterns did not cover. An unreadable path is within none."""
+    try:
+        request_path = normalize_request_path(path.split("?", 1)[0])
+    except NormalizationError:
+        return False
+    trie = _patterns_trie(tuple(patterns))
+    readings = [request_path.segments, request_path.literal_segments]
+    return all(
+        any(True for _ in trie.match(list(segments)))
+        for segments in readings
+        if segments is not None
+    )
+
+
 def host_keys(host: str) -> Iterator[str]:
     """The index keys under which rules for a normalized host can live, most specific first."""
     yield host
@@ -142,7 +167,7 @@ class Matcher:
     def __init__(
         self, rules: Sequence[CompiledHttpRule], tunnels: Iterable[CompiledTunnel]
     ) -> None:
-        self._by_host: dict[str, _PathTrie] = {}
+        self._by_host: dict[str, _PathTrie[_Entry]] = {}
         for order, rule in enumerate(rules):
             entry = _Entry(
                 order=order,
@@ -151,7 +176,7 @@ class Matcher:
                 endpoints=frozenset(rule.endpoints),
             )
             for host in rule.hosts:
-                trie = self._by_host.setdefault(host, _PathTrie())
+                trie = self._by_host.setdefault(host, _PathTrie[_Entry]())
                 for path in rule.paths or ["/**"]:
                     trie.insert(path[1:].split("/"), entry)
         # host key -> ports some allow rule grants there: lets a proxy refuse a CONNECT up front.

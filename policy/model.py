@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Literal, Self
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from umbra.policy.normalize import (
     NormalizationError,
@@ -52,7 +52,9 @@ RESERVED_PROFILE_NAMES = frozenset({"builtin"})
 _NAME = re.compile(r"^[a-z0-9](?:[a-z0-9-]{0,62}[a-z0-9])?$")
 _HEADER_TOKEN = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]{1,128}$")
 _SECRET_REF = re.compile(r"^(team|personal)/([a-z0-9](?:[a-z0-9._-]{0,126}[a-z0-9])?)$")
-PLACEHOLDER = re.compile(r"\{(secret|basic:[^{}]+)\}")
+PLACEHOLDER = re.compile(r"\{(secret|basic|basic:[^{}]+)\}")
+# A query parameter name the proxy sets: unreserved characters only, so its spelling is unique.
+_QUERY_NAME = re.compile(r"^[A-Za-z0-9._~-]{1,128}$")
 # Constructs Hyperscan and RE2 do not implement; refusing them here keeps one engine for all rules.
 _UNSUPPORTED_REGEX = re.compile(r"\(\?<?[=!]|\(\?P=|\(\?\(|\\[1-9]|\\[gk]<")
 
@@ -132,7 +134,7 @@ def _check_scan_regex(value: str) -> str:
     return value
 
 
-def _check_header(value: str) -> str:
+def check_header_name(value: str) -> str:
     if not _HEADER_TOKEN.match(value):
         raise ValueError("not a valid HTTP header name")
     if value.lower() in FORBIDDEN_INJECT_HEADERS:
@@ -148,6 +150,19 @@ def _check_format(value: str) -> str:
         raise ValueError("has a brace outside its placeholder")
     if any(ord(char) < 0x20 or ord(char) == 0x7F for char in value):
         raise ValueError("contains a control character")
+    return value
+
+
+def check_query_name(value: str) -> str:
+    if not _QUERY_NAME.match(value):
+        raise ValueError("a query parameter name of letters, digits, '.', '_', '~', '-'")
+    return value
+
+
+def _check_basic_user(value: str) -> str:
+    # The user is the part before the first ':' of the decoded credentials (RFC 7617).
+    if not value or any(c in ":{}" or ord(c) < 0x20 or ord(c) == 0x7F for c in value):
+        raise ValueError("a non-empty user without ':', braces or control characters")
     return value
 
 
@@ -168,9 +183,11 @@ Scheme = Literal["https", "http"]
 Port = Annotated[int, Field(ge=1, le=65535, strict=True)]
 ScanRegex = Annotated[str, AfterValidator(_check_scan_regex)]
 RefPattern = Annotated[str, AfterValidator(_check_ref_pattern)]
-HeaderName = Annotated[str, AfterValidator(_check_header)]
+HeaderName = Annotated[str, AfterValidator(check_header_name)]
 InjectFormat = Annotated[str, AfterValidator(_check_format)]
 SecretRef = Annotated[str, AfterValidator(_check_secret_ref)]
+QueryName = Annotated[str, AfterValidator(check_query_name)]
+BasicUser = Annotated[str, AfterValidator(_check_basic_user)]
 
 
 class StrictModel(BaseModel):
@@ -229,13 +246,39 @@ class ScanRule(StrictModel):
     description: str | None = None
 
 
-class InjectRule(StrictModel):
-    """Set `header` to `format` with the secret filled in, for HTTPS requests to `hosts` on
-    `ports` only (another service on the same host never gets the credential)."""
+class HeaderPlacement(StrictModel):
+    """One header an injection sets: `format` with its placeholder filled in."""
 
-    id: Name | None = None
     header: HeaderName
     format: InjectFormat
+
+
+class BasicPlacement(StrictModel):
+    """`Authorization: Basic base64(user:secret)`, the user given or itself a secret."""
+
+    user: BasicUser | None = None
+    user_secret: SecretRef | None = None
+
+    @model_validator(mode="after")
+    def _one_user(self) -> Self:
+        if (self.user is None) == (self.user_secret is None):
+            raise ValueError("needs exactly one of 'user' or 'user_secret'")
+        return self
+
+
+class InjectRule(StrictModel):
+    """Place `secret` in HTTPS requests to `hosts` on `ports` (and `paths`, when given) only:
+    another service on the same host, or another path, never gets the credential.
+
+    The placement is exactly one of: `header` + `format` (one header), `headers` (several),
+    `query` (a query parameter set to the URL-encoded value) or `basic` (HTTP Basic)."""
+
+    id: Name | None = None
+    header: HeaderName | None = None
+    format: InjectFormat | None = None
+    headers: list[HeaderPlacement] | None = Field(default=None, min_length=1)
+    query: QueryName | None = None
+    basic: BasicPlacement | None = None
     secret: SecretRef
     hosts: list[ExactHost] = Field(min_length=1)
     ports: list[Port] | None = Field(
@@ -243,6 +286,35 @@ class InjectRule(StrictModel):
         min_length=1,
         description="Default: 443 (credentials are injected over HTTPS only).",
     )
+    paths: list[PathPattern] | None = Field(
+        default=None, min_length=1, description="Default: every path (as in allow rules)."
+    )
+
+    @model_validator(mode="after")
+    def _one_placement(self) -> Self:
+        given = [name for name in ("header", "headers", "query", "basic") if getattr(self, name)]
+        if len(given) != 1:
+            raise ValueError("needs exactly one of 'header', 'headers', 'query' or 'basic'")
+        if (self.header is None) != (self.format is None):
+            raise ValueError("'header' and 'format' go together")
+        return self
+
+    @field_validator("format")
+    @classmethod
+    def _no_bare_basic(cls, value: str | None) -> str | None:
+        if value is not None and "{basic}" in value:
+            raise ValueError("'{basic}' is written 'basic: {user_secret: ...}'")
+        return value
+
+    @field_validator("headers")
+    @classmethod
+    def _distinct_headers(cls, value: list[HeaderPlacement] | None) -> list[HeaderPlacement] | None:
+        for placement in value or []:
+            cls._no_bare_basic(placement.format)
+        names = [placement.header.lower() for placement in value or []]
+        if len(set(names)) != len(names):
+            raise ValueError("names one header twice (case-insensitive)")
+        return value
 
 
 def _check_profile_name(value: str) -> str:

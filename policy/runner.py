@@ -21,8 +21,9 @@ def run_suites(policy_set: PolicySet) -> list[CaseResult]:
                 if case.push is not None:
                     decision = decide_push(decision, case.push)
                 injected = sorted(
-                    rule.header
+                    placement
                     for rule in policy.applicable_injections(probe.host, probe.port, decision)
+                    for placement in rule.placements
                 )
             else:
                 decision = policy.decide_tunnel(probe.host, probe.port)
@@ -42,9 +43,9 @@ def _judge(
     if case.reason is not None and decision.reason != case.reason:
         problems.append(f"expected reason {case.reason}, got {decision.reason}")
     if case.inject is not None:
-        expected = sorted(header.lower() for header in case.inject)
-        if expected != sorted(header.lower() for header in injected):
-            problems.append(f"expected injected headers {case.inject}, got {injected}")
+        expected = sorted(map(_placement_key, case.inject))
+        if expected != sorted(map(_placement_key, injected)):
+            problems.append(f"expected injected placements {case.inject}, got {injected}")
     return CaseResult(
         file=loaded.file,
         line=loaded.case_lines[index],
@@ -55,3 +56,8 @@ def _judge(
         actual=decision,
         problems=tuple(problems),
     )
+
+
+def _placement_key(placement: str) -> str:
+    # Header names compare case-insensitively, query parameter names (`?name`) exactly.
+    return placement if placement.startswith("?") else placement.lower()

@@ -10,7 +10,13 @@ from urllib.parse import urlsplit
 from pydantic import AfterValidator, Field, model_validator
 
 from umbra.policy.matcher import Decision
-from umbra.policy.model import SCHEME_DEFAULT_PORTS, HeaderName, Name, StrictModel
+from umbra.policy.model import (
+    SCHEME_DEFAULT_PORTS,
+    Name,
+    StrictModel,
+    check_header_name,
+    check_query_name,
+)
 
 _REQUEST = re.compile(r"^([A-Z]{1,20}) (\S+)$")
 _TUNNEL = re.compile(r"^(\S+):([0-9]{1,5})$")
@@ -85,6 +91,13 @@ def _check_tunnel(value: str) -> str:
     return value
 
 
+def _check_placement(value: str) -> str:
+    """A header name, or `?name` for a query parameter (as `CompiledInject.placements`)."""
+    if value.startswith("?"):
+        return "?" + check_query_name(value[1:])
+    return check_header_name(value)
+
+
 class Case(StrictModel):
     name: str | None = None
     request: Annotated[str, AfterValidator(_check_request)] | None = None
@@ -92,8 +105,10 @@ class Case(StrictModel):
     expect: Literal["allow", "deny"]
     rule: str | None = Field(default=None, description="Expected rule id, e.g. 'github:git-read'.")
     reason: str | None = Field(default=None, description="Expected reason code, e.g. 'rule_deny'.")
-    inject: list[HeaderName] | None = Field(
-        default=None, description="Exact set of header names expected to be injected."
+    inject: list[Annotated[str, AfterValidator(_check_placement)]] | None = Field(
+        default=None,
+        description="Exact set of placements expected: header names, '?name' for a query "
+        "parameter.",
     )
     push: list[Annotated[str, AfterValidator(_check_ref)]] | None = Field(
         default=None,

@@ -37,7 +37,7 @@ class Inject(UmbraAddon):
         if fstate.decision is None:
             raise Denied(Reason.NOT_DECIDED, "request was not checked")
         injections = fstate.effective.policy.applicable_injections(host, port, fstate.decision)
-        bound = {rule.secret for rule in injections}
+        bound = {ref for rule in injections for ref in rule.refs}
         unbound = sorted(fstate.placeholders - bound)
         if unbound:
             fstate.scan_rule_ids = [f"placeholder:{ref}" for ref in unbound]
@@ -60,7 +60,8 @@ class Inject(UmbraAddon):
                 ) from None
             except ValueError:
                 raise Denied(Reason.SECRET_UNAVAILABLE, "secret value cannot be rendered") from None
-            injected = apply_injections(request.headers, rendered, secrets, identity.owner, host)
+            # The query placement changes only the query: the path the policy decided on stays.
+            request.path, injected = apply_injections(request.headers, request.path, rendered)
             fstate.injected_headers = injected.header_names
             fstate.injected_values = injected.values
         state.authorized.add((host, port))

@@ -167,7 +167,7 @@ class Scan(UmbraAddon):
             injections = fstate.effective.policy.injections_for(
                 conn.connect_host or "", conn.connect_port or 0
             )
-            bound = {rule.secret for rule in injections}
+            bound = {ref for rule in injections for ref in rule.refs}
             rule_ids = sorted(result.rule_ids) + [
                 f"placeholder:{ref}" for ref in sorted(result.placeholders - bound)
             ]

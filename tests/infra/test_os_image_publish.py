@@ -9,6 +9,7 @@ import pytest
 from pydantic import ValidationError
 
 from umbra.components.os_image import AzureTarget, GcpTarget, OsImage, OsImageRelease
+from umbra.images.os_image import OS_DIR, load_os_definition
 from umbra.images.secure_boot import secure_boot_db
 
 from ..images.sb_keys import make_signer
@@ -27,6 +28,7 @@ def _release(tmp_path: Path, **targets: object) -> OsImageRelease:
 GCP = GcpTarget(
     project="acme-umbra",
     tarball_url="https://storage.googleapis.com/acme-umbra-images/1.4.0/umbra-gcp.tar.gz",
+    guest_os_features=list(load_os_definition(OS_DIR / "gcp.yaml").guest_os_features),
 )
 AZURE = AzureTarget(
     resource_group="umbra-images",

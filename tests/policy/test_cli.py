@@ -67,6 +67,39 @@ def test_a_failing_case_fails_the_run_with_its_location(tmp_path: Path) -> None:
     assert "1 failed" in out
 
 
+def test_policy_test_shows_which_placements_a_request_gets(tmp_path: Path) -> None:
+    policies = policy_copy(tmp_path)
+    suite = policies / "tests" / "gemini.yaml"
+    suite.write_text(suite.read_text().replace('inject: ["?key"]', "inject: [X-Goog-Api-Key]", 1))
+    code, out, _ = umbra("policy", "test", str(policies))
+    assert code == 1
+    assert "expected injected placements ['X-Goog-Api-Key'], got ['?key']" in " ".join(out.split())
+    code, out, _ = umbra(
+        "policy",
+        "decide",
+        "GET https://acme.atlassian.net/rest/api/3/myself",
+        str(SHIPPED),
+        "-p",
+        "atlassian",
+        "--json",
+    )
+    assert code == 0 and json.loads(out)["inject"] == ["Authorization"]
+
+
+def test_check_refuses_a_bad_placement_with_file_line_and_field(tmp_path: Path) -> None:
+    policies = policy_copy(tmp_path)
+    profile = policies / "profiles" / "gemini.yaml"
+    profile.write_text(profile.read_text().replace("query: key", "query: 'key&x'"))
+    code, out, _ = umbra("policy", "check", str(policies), "--json")
+    assert code == 1
+    [issue] = json.loads(out)["issues"]
+    assert (Path(issue["file"]).name, issue["line"], issue["field"]) == (
+        "gemini.yaml",
+        17,
+        "inject[0].query",
+    )
+
+
 def test_build_then_verify(tmp_path: Path) -> None:
     key = tmp_path / "release.pem"
     assert umbra("policy", "keygen", str(key))[0] == 0

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from tests.policy.helpers import policy, profile
 from umbra.policy.builtin_scan import BUILTIN_SCAN_RULES
-from umbra.policy.compose import CompositionError, deny_all
+from umbra.policy.compose import CompositionError, EffectivePolicy, deny_all
 from umbra.policy.matcher import Reason
 
 AUTH = {
@@ -119,7 +121,7 @@ def test_a_profile_twice_is_a_conflict() -> None:
 
 def test_injections_are_bound_to_their_exact_hosts() -> None:
     p = policy(profile("i", [{"allow": {"hosts": ["*.x.com"]}}], inject=[AUTH]))
-    assert [rule.header for rule in p.injections_for("api.x.com", 443)] == ["Authorization"]
+    assert [rule.placements for rule in p.injections_for("api.x.com", 443)] == [["Authorization"]]
     assert p.injections_for("other.x.com", 443) == ()
     assert p.injections_for("evil.api.x.com", 443) == ()
     assert p.injections_for("not a host", 443) == ()
@@ -149,7 +151,7 @@ def test_injected_values_render_from_the_format(fmt: str, expected: str) -> None
         profile("r", [{"allow": {"hosts": ["api.x.com"]}}], inject=[{**AUTH, "format": fmt}])
     )
     [rule] = p.injections_for("api.x.com", 443)
-    assert rule.render("s3cr3t") == expected
+    assert rule.render("s3cr3t") == [("Authorization", expected)]
 
 
 def test_a_secret_with_a_line_break_is_never_rendered_into_a_header() -> None:
@@ -201,3 +203,134 @@ def test_an_injection_goes_only_with_the_requests_its_profile_allows() -> None:
     assert p.applicable_injections("api.x.com", 443, other) == ()
     denied = p.decide("DELETE", "https", "api.x.com", 443, "/v1/write")
     assert p.applicable_injections("api.x.com", 443, denied) == ()
+
+
+def _paths_policy() -> EffectivePolicy:
+    return policy(
+        profile(
+            "p",
+            [{"allow": {"hosts": ["api.x.com"]}}],
+            inject=[
+                {**AUTH, "paths": ["/v1/**"]},
+                {"query": "key", "secret": "team/q", "hosts": ["api.x.com"], "paths": ["/q/*"]},
+            ],
+        )
+    )
+
+
+@pytest.mark.parametrize(
+    ("path", "expected"),
+    [
+        ("/v1", ["Authorization"]),
+        ("/v1/models?x=1", ["Authorization"]),
+        ("/v1/a%2Fb", ["Authorization"]),  # both readings stay under /v1/**
+        ("/v1x", []),
+        ("/v2/v1", []),
+        ("/q/a", ["?key"]),
+        ("/q/a/b", []),
+        # the split reading /q/a/b is outside /q/*: not injected, though the literal one is inside
+        ("/q/a%2Fb", []),
+        ("/", []),
+    ],
+)
+def test_an_injection_bound_to_paths_applies_on_those_paths_only(
+    path: str, expected: list[str]
+) -> None:
+    p = _paths_policy()
+    decision = p.decide("GET", "https", "api.x.com", 443, path)
+    assert decision.allowed
+    placements = [
+        x for rule in p.applicable_injections("api.x.com", 443, decision) for x in rule.placements
+    ]
+    assert placements == expected
+
+
+def test_basic_placements_render_with_a_given_user_or_a_user_secret() -> None:
+    p = policy(
+        profile(
+            "b",
+            [{"allow": {"hosts": ["a.x.com", "b.x.com"]}}],
+            inject=[
+                {"basic": {"user": "bot"}, "secret": "team/p", "hosts": ["a.x.com"]},
+                {"basic": {"user_secret": "team/u"}, "secret": "team/p", "hosts": ["b.x.com"]},
+            ],
+        )
+    )
+    [given] = p.injections_for("a.x.com", 443)
+    [paired] = p.injections_for("b.x.com", 443)
+    assert given.render("s3cr3t") == [("Authorization", "Basic Ym90OnMzY3IzdA==")]
+    assert paired.refs == ["team/p", "team/u"]
+    assert paired.render("s3cr3t", "bot") == [("Authorization", "Basic Ym90OnMzY3IzdA==")]
+    # a user value that cannot be a Basic user (':' would move the split) is never rendered
+    with pytest.raises(ValueError, match="not a Basic user name"):
+        paired.render("s3cr3t", "a:b")
+
+
+def test_several_headers_and_rules_compose_on_one_request_without_conflict() -> None:
+    p = policy(
+        profile(
+            "m",
+            [{"allow": {"hosts": ["api.x.com"]}}],
+            inject=[
+                {
+                    "headers": [
+                        {"header": "X-Key", "format": "{secret}"},
+                        {"header": "X-Sig", "format": "k={secret}"},
+                    ],
+                    "secret": "team/a",
+                    "hosts": ["api.x.com"],
+                },
+                {**AUTH, "secret": "team/b"},
+                {"query": "key", "secret": "team/c", "hosts": ["api.x.com"]},
+            ],
+        )
+    )
+    decision = p.decide("GET", "https", "api.x.com", 443, "/")
+    placements = [
+        x for rule in p.applicable_injections("api.x.com", 443, decision) for x in rule.placements
+    ]
+    assert placements == ["X-Key", "X-Sig", "Authorization", "?key"]
+
+
+def test_a_basic_placement_conflicts_with_an_authorization_header() -> None:
+    with pytest.raises(
+        CompositionError, match=r"injects header 'Authorization' for api\.x\.com:443"
+    ):
+        policy(
+            profile(
+                "c",
+                [{"allow": {"hosts": ["api.x.com"]}}],
+                inject=[AUTH, {"basic": {"user": "u"}, "secret": "team/p", "hosts": ["api.x.com"]}],
+            )
+        )
+
+
+def test_widening_an_injections_paths_or_adding_a_placement_shows_in_the_diff(
+    tmp_path: Path,
+) -> None:
+    from umbra.policy.diff import diff_policy_sets
+    from umbra.policy.loader import load_policy_dir
+
+    def version(name: str, inject: str) -> Path:
+        root = tmp_path / name
+        root.mkdir()
+        (root / "p.yaml").write_text(
+            "apiVersion: umbra/v1\nkind: Profile\nname: p\n"
+            "egress:\n  - allow: {hosts: [x.com]}\ninject:\n" + inject
+        )
+        return root
+
+    narrow = version(
+        "a", "  - {id: k, query: key, secret: team/k, hosts: [x.com], paths: ['/v1/**']}\n"
+    )
+    wide = version("b", "  - {id: k, query: key, secret: team/k, hosts: [x.com]}\n")
+    more = version(
+        "c",
+        "  - {id: k, headers: [{header: X-K, format: '{secret}'}, {header: X-L, format: '{secret}'}],"
+        " secret: team/k, hosts: [x.com]}\n",
+    )
+    widened = diff_policy_sets(load_policy_dir(narrow), load_policy_dir(wide))
+    assert widened.widens
+    assert [change.grant[1:5] for change in widened.added] == [("?key", "for", "x.com:443", "/**")]
+    placements = diff_policy_sets(load_policy_dir(wide), load_policy_dir(more))
+    assert sorted(change.grant[1] for change in placements.added) == ["X-K", "X-L"]

@@ -181,6 +181,53 @@ def test_scan_rule_errors(tmp_path: Path, rule: str, field: str, fragment: str) 
             "inject[0].ports[0]",
             "integer",
         ),
+        (
+            "{header: X-Key, format: '{secret}', query: key, secret: team/x, hosts: [x.com]}",
+            "inject[0]",
+            "exactly one of 'header', 'headers', 'query' or 'basic'",
+        ),
+        ("{secret: team/x, hosts: [x.com]}", "inject[0]", "exactly one of"),
+        ("{header: X-Key, secret: team/x, hosts: [x.com]}", "inject[0]", "go together"),
+        ("{query: 'api key', secret: team/x, hosts: [x.com]}", "inject[0].query", "query"),
+        ("{query: 'k&x=1', secret: team/x, hosts: [x.com]}", "inject[0].query", "query"),
+        (
+            "{basic: {user: a, user_secret: team/u}, secret: team/x, hosts: [x.com]}",
+            "inject[0].basic",
+            "exactly one of 'user' or 'user_secret'",
+        ),
+        ("{basic: {user: 'a:b'}, secret: team/x, hosts: [x.com]}", "inject[0].basic.user", "':'"),
+        ("{basic: {user: 'a}b'}, secret: team/x, hosts: [x.com]}", "inject[0].basic.user", "brace"),
+        (
+            "{basic: {user_secret: x}, secret: team/x, hosts: [x.com]}",
+            "inject[0].basic.user_secret",
+            "team/NAME",
+        ),
+        (
+            "{headers: [{header: X-A, format: '{secret}'}, {header: x-a, format: 'k={secret}'}],"
+            " secret: team/x, hosts: [x.com]}",
+            "inject[0].headers",
+            "one header twice",
+        ),
+        (
+            "{headers: [{header: Host, format: '{secret}'}], secret: team/x, hosts: [x.com]}",
+            "inject[0].headers[0].header",
+            "hop-by-hop",
+        ),
+        (
+            "{header: Authorization, format: 'Basic {basic}', secret: team/x, hosts: [x.com]}",
+            "inject[0].format",
+            "user_secret",
+        ),
+        (
+            "{query: key, secret: team/x, hosts: [x.com], paths: ['/a/../b']}",
+            "inject[0].paths[0]",
+            "canonical",
+        ),
+        (
+            "{query: key, secret: team/x, hosts: [x.com], paths: []}",
+            "inject[0].paths",
+            "at least 1",
+        ),
     ],
 )
 def test_inject_rule_errors(tmp_path: Path, rule: str, field: str, fragment: str) -> None:
@@ -308,3 +355,45 @@ def test_policy_test_cases_check_pushes_by_ref(tmp_path: Path) -> None:
     )
     results = run_suites(load_policy_dir(tmp_path))
     assert [result.passed for result in results] == [True, True], results
+
+
+def test_conflicting_placements_name_file_line_and_field(tmp_path: Path) -> None:
+    """Two rules placing the same query parameter (or header, any case) on one host and port
+    do not compose, whatever their paths; `umbra policy check` reports the second rule."""
+    write(
+        tmp_path,
+        "p.yaml",
+        HEADER
+        + "name: p\negress:\n  - allow: {hosts: [x.com]}\ninject:\n"
+        + "  - {id: a, query: key, secret: team/a, hosts: [x.com], paths: ['/v1/**']}\n"
+        + "  - {id: b, query: key, secret: team/b, hosts: [x.com], paths: ['/v2/**']}\n"
+        + "  - {id: c, basic: {user: u}, secret: team/c, hosts: [x.com]}\n"
+        + "  - id: d\n    headers: [{header: authorization, format: 'Bearer {secret}'}]\n"
+        + "    secret: team/d\n    hosts: [x.com]\n"
+        + "  - {id: e, header: X-K, format: '{secret}', secret: team/e, hosts: [x.com]}\n"
+        + "  - {id: f, basic: {user: v}, secret: team/f, hosts: [x.com]}\n",
+    )
+    policy_set = load_policy_dir(tmp_path)
+    with pytest.raises(PolicyError) as excinfo:
+        policy_set.compose(["p"])
+    found = [(Path(i.file).name, i.line, i.field, i.message) for i in excinfo.value.issues]
+    assert found == [
+        (
+            "p.yaml",
+            8,
+            "p:b: inject[1].query",
+            "injects query parameter 'key' for x.com:443, as p:a already does",
+        ),
+        (
+            "p.yaml",
+            10,
+            "p:d: inject[3].headers",
+            "injects header 'authorization' for x.com:443, as p:c already does",
+        ),
+        (
+            "p.yaml",
+            15,
+            "p:f: inject[5].basic",
+            "injects header 'Authorization' for x.com:443, as p:c already does",
+        ),
+    ]
