@@ -144,6 +144,14 @@ def _leftovers(up: Up) -> list[str]:
             found.append(f"process {proc.name}")
     mounts = Path("/proc/self/mountinfo").read_text()
     found += [line for line in mounts.splitlines() if str(up.state) in line]
+    for plan in local_cvm.all_plans(up.state / "cvms"):
+        found += [
+            line for line in mounts.splitlines() if f"/run/umbra-sandbox/{plan.cvm_id}" in line
+        ]
+        if (Path("/run/umbra-sandbox") / plan.cvm_id).exists():
+            found.append(f"runtime dir of {plan.cvm_id}")
+        if any((plan.dir / "runc").glob("*/state.json")):
+            found.append(f"runc container {plan.cvm_id}")
     return found
 
 
@@ -206,7 +214,8 @@ def test_up_check_from_clean_state_shows_the_four_records(up: Up) -> None:
         assert token not in path.read_bytes(), path
     plan = local_cvm.load_plan(up.state / "cvms", cvm)
     assert plan is not None
-    for path in plan.rootfs.rglob("*"):
+    # Every file the sandbox wrote is in its overlay's upper directory (the image is read-only).
+    for path in (plan.dir / "upper").rglob("*"):
         if path.is_file() and not path.is_symlink() and path.stat().st_size < 1 << 20:
             assert token not in path.read_bytes(), path
 
@@ -293,7 +302,7 @@ def test_status_reports_every_component_and_the_runtime(up: Up) -> None:
     report = up.json("status")
     assert report["healthy"], report
     assert set(report["components"]) == {"issuer", "console", "origin", "proxy"}
-    assert [c["runtime"] for c in report["dev_cvms"]] == ["namespaces"]
+    assert [c["runtime"] for c in report["dev_cvms"]] == ["runc"]
 
 
 def _sandbox(up: Up, *command: str) -> subprocess.CompletedProcess[str]:
@@ -311,7 +320,12 @@ def test_sandbox_root_is_unprivileged_and_reaches_only_the_forwarder(up: Up) -> 
     assert plan is not None
     uid_map = _sandbox(up, "cat", "/proc/self/uid_map").stdout.split()
     assert uid_map[:2] == ["0", str(plan.uid)] and plan.uid >= local_cvm.UID_BASE
-    assert _sandbox(up, "sh", "-c", "touch /usr/umbra-x").returncode != 0  # read-only userland
+    # Its root may change its own userland; the write lands in its overlay, never in the image.
+    assert _sandbox(up, "sh", "-c", "touch /usr/umbra-x").returncode == 0
+    assert (plan.dir / "upper" / "usr" / "umbra-x").exists()
+    assert not any(
+        (layer / "usr" / "umbra-x").exists() for layer in local_cvm.sandbox_spec(plan).image
+    )
     for ns in (plan.sandbox_ns, plan.forwarder_ns):
         forward = subprocess.run(
             ["ip", "netns", "exec", ns, "cat", "/proc/sys/net/ipv4/ip_forward"],
@@ -481,7 +495,7 @@ def test_kill_9_is_reported_restarted_and_no_record_is_lost(up: Up) -> None:
     stamp = f"/v1/while-console-down-{int(started)}"
     done = _sandbox(
         up, "curl", "-sS", "-o", "/dev/null", "-w", "%{http_code}", "--max-time", "20",
-        "--cacert", "/umbra/proxy-ca.pem", "--proxy", f"http://{plan.forwarder_addr}:3128",
+        "--cacert", "/etc/ssl/certs/ca-certificates.crt", "--proxy", plan.proxy_url,
         f"https://api.demo.test:{stack.port('origin')}{stamp}",
     )  # fmt: skip
     assert done.stdout == "200", f"{done}\n{up.logs()}"
