@@ -375,6 +375,30 @@ def test_umbra_ssh_runs_inside_the_sandbox_as_its_user(up: Up) -> None:
     assert "ssh_host_ed25519_key" not in gateway.stdout
 
 
+def test_sessions_have_the_sandbox_environment_and_find_the_agents(up: Up) -> None:
+    """`umbra ssh -- cmd` (and so `umbra claude`, which runs `dtach -A … claude` the same way)
+    gets the sandbox's login environment: the agents, the proxy, the CA variables, sudo, and a
+    binary the user installed under ~/.local/bin."""
+    plan = local_cvm.load_plan(up.state / "cvms", up.stack().state["dev_cvm_id"])
+    assert plan is not None
+    install = "mkdir -p ~/.local/bin && printf '#!/bin/sh\\necho mine\\n' > ~/.local/bin/mytool"
+    assert (
+        up.client(
+            "ssh", "--no-reuse", "--", install + " && chmod +x ~/.local/bin/mytool"
+        ).returncode
+        == 0
+    )
+    done = up.client(
+        "ssh", "--no-reuse", "--",
+        "mytool; command -v claude codex; echo $HTTPS_PROXY $NODE_EXTRA_CA_CERTS; sudo -n id -u",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.split()
+    assert lines[0] == "mine"
+    assert lines[1:3] == ["/usr/local/bin/claude", "/usr/local/bin/codex"]
+    assert lines[3:] == [plan.proxy_url, "/etc/ssl/certs/ca-certificates.crt", "0"]
+
+
 def test_umbra_ssh_refuses_a_quote_that_is_not_the_recorded_release(up: Up) -> None:
     stack = up.stack()
     cvm = stack.state["dev_cvm_id"]
