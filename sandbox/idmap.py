@@ -13,7 +13,8 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
-import signal
+import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -53,33 +54,35 @@ def _check(result: int, what: str) -> int:
 
 @contextlib.contextmanager
 def _userns(base: int, count: int) -> Iterator[int]:
-    """An fd of a user namespace mapping 0..count-1 to base..base+count-1 (a parked child's)."""
-    ready_r, ready_w = os.pipe()
-    child = os.fork()
-    if child == 0:  # pragma: no cover -- the child only parks in its namespace
-        try:
-            os.unshare(os.CLONE_NEWUSER)
-            os.write(ready_w, b"1")
-            signal.pause()
-        finally:
-            os._exit(0)
-    os.close(ready_w)
+    """An fd of a user namespace mapping 0..count-1 to base..base+count-1: a parked `unshare -U`
+    child's (a spawned program, not a fork: the caller may be a multi-threaded server)."""
+    ours = os.readlink("/proc/self/ns/user")
+    child = subprocess.Popen(
+        ["unshare", "--user", "--", "sleep", "60"],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
-        if os.read(ready_r, 1) != b"1":
-            raise IdmapError("could not create a user namespace for the idmapped mount")
-        Path(f"/proc/{child}/uid_map").write_text(f"0 {base} {count}\n")
-        Path(f"/proc/{child}/setgroups").write_text("deny\n")
-        Path(f"/proc/{child}/gid_map").write_text(f"0 {base} {count}\n")
-        fd = os.open(f"/proc/{child}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
+        end = time.monotonic() + 10
+        while True:
+            with contextlib.suppress(OSError):
+                if os.readlink(f"/proc/{child.pid}/ns/user") != ours:
+                    break
+            if child.poll() is not None or time.monotonic() > end:
+                raise IdmapError("could not create a user namespace for the idmapped mount")
+            time.sleep(0.005)
+        Path(f"/proc/{child.pid}/uid_map").write_text(f"0 {base} {count}\n")
+        Path(f"/proc/{child.pid}/setgroups").write_text("deny\n")
+        Path(f"/proc/{child.pid}/gid_map").write_text(f"0 {base} {count}\n")
+        fd = os.open(f"/proc/{child.pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
         try:
             yield fd
         finally:
             os.close(fd)
     finally:
-        os.close(ready_r)
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(child, signal.SIGKILL)
-        os.waitpid(child, 0)
+        child.kill()
+        child.wait()
 
 
 def mount_idmapped(source: Path, target: Path, base: int, count: int) -> None:

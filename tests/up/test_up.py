@@ -31,7 +31,7 @@ import pytest
 from tests.session.harness import simulated_pki, stop_agents
 from umbra.attest.simulator import simulated_boot_values
 from umbra.cli import up_stack
-from umbra.sandbox import local_cvm
+from umbra.sandbox import image, local_cvm
 
 ROOT = Path(__file__).resolve().parents[2]
 UMBRA = ROOT / ".venv" / "bin" / "umbra"
@@ -158,6 +158,9 @@ def _leftovers(up: Up) -> list[str]:
 @pytest.fixture(scope="module")
 def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
     _require_root()
+    # The sandbox image, built once per machine (minutes on a fresh one), outside `umbra up`'s
+    # per-command timeout; every later `up` here and in tests/sandbox/ reuses the cache.
+    image.ensure_image()
     tmp = tmp_path_factory.mktemp("up")
     prefix = f"uup{os.getpid() % 100000}"
     (tmp / "home").mkdir()  # no ~/.ssh: `umbra up` makes a dedicated key under its state dir
