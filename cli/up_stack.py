@@ -39,6 +39,7 @@ from typing import Any
 import httpx
 
 from umbra.sandbox import local_cvm
+from umbra.sandbox.render import CA_NAME
 
 TEAM = "local"
 SUBJECT = "developer@umbra.local"
@@ -850,10 +851,19 @@ def wait_sandbox_ca(stack: Stack, cvm_id: str, timeout: float = 60) -> None:
     if plan is None:
         return
     installed = plan.rootfs / local_cvm.CA_INSTALLED.lstrip("/")
-    end = time.monotonic() + timeout
+    fetched = plan.dir / "sandbox-ca" / CA_NAME
+    started = time.monotonic()
+    end = started + timeout
+    restarted = False
     while time.monotonic() < end:
         if installed.exists():
             return
+        if not restarted and not fetched.exists() and time.monotonic() - started > 1:
+            # The forwarder started before the Security CVM and is backing off (up to 30 s):
+            # a fresh one fetches at once, inside its own attested session as always.
+            local_cvm.stop(plan, "forwarder")
+            local_cvm.ensure_running(plan)
+            restarted = True
         time.sleep(0.2)
     raise UpError(
         f"the sandbox of {cvm_id} did not install the Security CVM's CA within {timeout:.0f} s",
