@@ -400,9 +400,17 @@ def start_sandbox(plan: LocalCvmPlan) -> int:
     spec = sandbox_spec(plan)
     _prepare_sandbox_dirs(plan)
     try:
-        return runtime.start(spec, _pid_file(plan, "sandbox"))
+        pid = runtime.start(spec, _pid_file(plan, "sandbox"))
     except (runtime.RuntimeError_, OSError) as exc:
         raise LocalCvmError(f"the sandbox of {plan.cvm_id} did not start: {exc}") from None
+    # `runc start` returns before its init has exec'd tini (and shows our marker).
+    end = time.monotonic() + 10
+    while running_pid(plan, "sandbox") is None:
+        if time.monotonic() > end:
+            log = (plan.dir / "runc" / "init.log").read_text(errors="replace")[-500:]
+            raise LocalCvmError(f"the sandbox of {plan.cvm_id} exited at start: {log.strip()}")
+        time.sleep(0.01)
+    return pid
 
 
 def stop_sandbox(plan: LocalCvmPlan) -> None:
