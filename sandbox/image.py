@@ -84,7 +84,7 @@ CA_VARS = (
 )
 PROXY_VARS = ("HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY", "http_proxy", "https_proxy", "no_proxy")
 INIT = Path(__file__).resolve().parents[1] / "images" / "sandbox" / "umbra-sandbox-init"
-ESTIMATE = "about 6 minutes on 2 cores"
+ESTIMATE = "about 5 minutes on 2 cores"
 DEFAULT_CACHE = Path("/var/cache/umbra/sandbox-image")
 
 Progress = Callable[[str], None]
