@@ -480,6 +480,25 @@ def test_a_dropped_session_reattaches_the_same_process(up: Up) -> None:
     assert {"agent": "shell", "name": "t1"} in json.loads(listed.stdout)["sessions"]
 
 
+def test_umbra_claude_starts_the_real_agent_under_dtach(up: Up) -> None:
+    """The issue's symptom was `dtach: could not execute claude`. Now the real Claude Code runs
+    in the sandbox under dtach with the sandbox's proxy: with no Anthropic profile attached here
+    (the stand-in origin is the agents part of #21) it says it cannot reach api.anthropic.com
+    through the configured https_proxy, which only a running agent can say."""
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(
+        [str(UMBRA), "claude", "--name", "t3", "--no-reuse"],
+        stdin=slave, stdout=slave, stderr=slave, env=up.env, start_new_session=True,
+    )  # fmt: skip
+    os.close(slave)
+    try:
+        _read_until(master, rb"api\.anthropic\.com", timeout=90)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        os.close(master)
+
+
 def test_the_next_up_binds_a_key_the_developer_made_since(up: Up) -> None:
     ssh_dir = Path(up.env["HOME"]) / ".ssh"
     ssh_dir.mkdir(mode=0o700)
