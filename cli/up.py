@@ -169,13 +169,15 @@ def _bring_up(stack: Any, policies: Path, step: Any, summary: dict[str, Any]) ->
         s.ensure_demo_secret(client, secret.read_text().strip())
         step("Stand-in origin for the walkthrough (its own CA)")
         s.start_origin(stack)
-        step("Launching the Dev CVM through the Console (local provider: namespaces)")
+        step("Sandbox image: Debian trixie, Claude Code, Codex, Docker (built once, cached)")
+        summary["sandbox_image"] = [str(p) for p in s.ensure_sandbox_image(stack)]
+        step("Launching the Dev CVM through the Console (local provider: runc)")
         summary["dev_cvm_id"] = s.ensure_dev_cvm(
             stack, client, summary["security_cvm_id"], [public_key]
         )
         step("Security CVM: egress proxy + aTLS tunnel endpoint on the simulated TEE")
         s.start_proxy(stack)
-        s.install_proxy_ca(stack, summary["dev_cvm_id"])
+        s.wait_sandbox_ca(stack, summary["dev_cvm_id"])
     summary["console_url"] = stack.console_url
     summary["dashboard_url"] = stack.console_url + "/ui/"
 

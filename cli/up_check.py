@@ -32,6 +32,9 @@ from umbra.sandbox import local_cvm
 
 # A fake AWS access key id: the shape the built-in scanner knows, valid for nothing.
 PLANTED = "AKIA" + "UMBRADEMOPLANTED"
+# In the sandbox user's home: the checks run as that user, with its login environment.
+CREDENTIALS = "/home/dev/.aws/credentials"
+BODY = "/home/dev/umbra-check-body"
 
 
 @dataclass(frozen=True)
@@ -58,36 +61,32 @@ def probes() -> list[Probe]:
 
 
 def _curl(stack: Stack, plan: local_cvm.LocalCvmPlan, probe: Probe) -> tuple[int, str]:
+    """curl as the sandbox's user with the sandbox's own environment: its proxy variables and
+    its system CA store (no --proxy, no --cacert), as an agent's tools run."""
     url = f"https://{probe.host}:{stack.port('origin')}{probe.path}"
     argv = [
-        "curl", "-sS", "--max-time", "20", "-o", "/root/umbra-check-body", "-w", "%{http_code}",
-        "--cacert", "/umbra/proxy-ca.pem",
-        "--proxy", f"http://{plan.forwarder_addr}:{local_cvm.SANDBOX_PROXY_PORT}",
-        "-X", probe.method,
+        "curl", "-sS", "--max-time", "20", "-o", BODY, "-w", "%{http_code}", "-X", probe.method,
     ]  # fmt: skip
     if probe.body is not None:
-        argv += ["--data-binary", "@/root/.aws/credentials"]
-    done = subprocess.run(
-        local_cvm.exec_argv(plan, [*argv, url]), capture_output=True, text=True, timeout=60
-    )
+        argv += ["--data-binary", f"@{CREDENTIALS}"]
+    done = local_cvm.run_in_sandbox(plan, [*argv, url], timeout=60)
     code = int(done.stdout.strip() or 0) if done.stdout.strip().isdigit() else 0
     return code, done.stderr.strip()[:200]
 
 
 def plant_secret(plan: local_cvm.LocalCvmPlan) -> None:
     script = (
-        "mkdir -p /root/.aws && printf '[default]\\naws_access_key_id = %s\\n' "
-        f"{PLANTED} > /root/.aws/credentials"
+        f"mkdir -p {CREDENTIALS.rsplit('/', 1)[0]} && "
+        f"printf '[default]\\naws_access_key_id = %s\\n' {PLANTED} > {CREDENTIALS}"
     )
-    subprocess.run(local_cvm.exec_argv(plan, ["sh", "-c", script]), check=True, timeout=30)
+    done = local_cvm.run_in_sandbox(plan, ["sh", "-c", script], timeout=30)
+    if done.returncode != 0:
+        raise UpError(f"could not plant the test secret in the sandbox: {done.stderr.strip()}")
 
 
 def injected(plan: local_cvm.LocalCvmPlan, secret: str) -> bool:
     """Did the origin receive `Bearer <secret>`? It answers with the header's hash only."""
-    done = subprocess.run(
-        local_cvm.exec_argv(plan, ["cat", "/root/umbra-check-body"]),
-        capture_output=True, text=True, timeout=30,
-    )  # fmt: skip
+    done = local_cvm.run_in_sandbox(plan, ["cat", BODY], timeout=30)
     try:
         seen = json.loads(done.stdout).get("authorization_sha256")
     except ValueError:
@@ -165,9 +164,9 @@ class InternetResult:
 
 def internet_commands(proxy: str, targets: dict[str, str]) -> dict[str, tuple[str, list[str]]]:
     """name -> (host, argv run in the sandbox). Isolated from the host's tool configuration (the
-    sandbox binds the host's /etc): only the proxy, its CA and the target are used, and each tool
+    sandbox's own settings): only the proxy, its CA and the target are used, and each tool
     gives up on its own before the deadline."""
-    ca = "/umbra/proxy-ca.pem"
+    ca = "/etc/ssl/certs/ca-certificates.crt"  # the sandbox's system store: it holds the CA
     # A clean environment: nothing of the caller's (its CA bundles, proxies, tokens) leaks in.
     clean = ["env", "-i", "PATH=/usr/local/bin:/usr/bin:/bin", "HOME=/root", "LANG=C.UTF-8"]
     pip = [

@@ -39,6 +39,7 @@ from typing import Any
 import httpx
 
 from umbra.sandbox import local_cvm
+from umbra.sandbox.render import CA_NAME
 
 TEAM = "local"
 SUBJECT = "developer@umbra.local"
@@ -79,6 +80,10 @@ REQUIRED_TOOLS = {
     "ssh": "openssh-client",
     "ssh-keygen": "openssh-client",
     "dtach": "dtach",
+    # The sandbox: its runtime, and what builds its image once (sandbox/image.py).
+    "runc": "runc",
+    "mmdebstrap": "mmdebstrap",
+    "npm": "npm",
 }
 
 
@@ -845,18 +850,42 @@ def _wait_settled(client: httpx.Client, cvm_id: str, transitional: str) -> None:
         raise UpError(f"the Dev CVM did not start: {info.get('state_reason') or info}")
 
 
-def install_proxy_ca(stack: Stack, cvm_id: str) -> None:
-    """The sandbox trusts the Security CVM's interception CA (as the Dev CVM image does)."""
+def ensure_sandbox_image(stack: Stack) -> tuple[Path, ...]:
+    """The sandbox image, built once per machine (minutes, with progress) and then cached."""
+    from umbra.sandbox import image
+
+    try:
+        return image.ensure_image(progress=stack.progress)
+    except image.ImageError as exc:
+        raise UpError(str(exc), "see the line above; then run `umbra up` again") from None
+
+
+def wait_sandbox_ca(stack: Stack, cvm_id: str, timeout: float = 60) -> None:
+    """The sandbox trusts the Security CVM's interception CA once its forwarder has fetched it
+    inside an attested session and the sandbox's init has put it in the system store (as in the
+    cloud: sandbox_ca.py, umbra-sandbox-init)."""
     plan = local_cvm.load_plan(stack.p("cvms"), cvm_id)
     if plan is None:
         return
-    src = stack.p("security-cvm", "mitm-ca", "mitmproxy-ca-cert.pem")
-    end = time.monotonic() + 30
-    while not src.exists() and time.monotonic() < end:
-        time.sleep(0.1)
-    dest = plan.rootfs / "umbra" / "proxy-ca.pem"
-    shutil.copyfile(src, dest)
-    dest.chmod(0o644)
+    installed = plan.rootfs / local_cvm.CA_INSTALLED.lstrip("/")
+    fetched = plan.dir / "sandbox-ca" / CA_NAME
+    started = time.monotonic()
+    end = started + timeout
+    restarted = False
+    while time.monotonic() < end:
+        if installed.exists():
+            return
+        if not restarted and not fetched.exists() and time.monotonic() - started > 1:
+            # The forwarder started before the Security CVM and is backing off (up to 30 s):
+            # a fresh one fetches at once, inside its own attested session as always.
+            local_cvm.stop(plan, "forwarder")
+            local_cvm.ensure_running(plan)
+            restarted = True
+        time.sleep(0.2)
+    raise UpError(
+        f"the sandbox of {cvm_id} did not install the Security CVM's CA within {timeout:.0f} s",
+        f"see {plan.dir / 'forwarder.log'}",
+    )
 
 
 # ---------------------------------------------------------------------- down and status

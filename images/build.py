@@ -24,8 +24,8 @@ from umbra.images.recipes import (
     SUITE,
     Recipe,
     Rootfs,
-    npm_name,
 )
+from umbra.sandbox.image import npm_name
 from umbra.sandbox.render import SERVICE_UID
 
 LOCK_FILE = Path(__file__).parent / "packages.lock"

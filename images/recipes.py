@@ -39,15 +39,6 @@ NPM_AGENTS = (
 )
 
 
-def npm_name(spec: str) -> str:
-    """`@scope/name@1.2.3` → `@scope/name`."""
-    scoped = spec.startswith("@")
-    head = (spec[1:] if scoped else spec).rpartition("@")[0]
-    if not head:
-        return spec
-    return ("@" + head) if scoped else head
-
-
 class Rootfs(StrEnum):
     RUNTIME = "runtime"
     SANDBOX_CI = "sandbox-ci"

@@ -224,10 +224,13 @@ def enter_script(config: IngressConfig) -> str:
         )
     return f"""#!/bin/sh
 # Written by `umbra sandbox ingress`: sshd's ForceCommand. Runs the session in the sandbox as
-# its user: an interactive login shell, or the requested command (exec, sftp) via the shell.
+# its user: an interactive login shell, or the requested command (exec, sftp) via a login shell,
+# so every session has the environment the sandbox defines (/etc/profile, profile.d); the
+# configured PATH is appended to the login one, never in front of the user's ~/.local/bin.
 set -eu
 {find}if [ -z "${{SSH_ORIGINAL_COMMAND:-}}" ]; then set -- {entry.shell} -l
-else set -- {entry.shell} -c "$SSH_ORIGINAL_COMMAND"; fi
+else set -- {entry.shell} -lc 'PATH="$PATH:{entry.path}"; export PATH; eval "$1"' \
+  umbra-session "$SSH_ORIGINAL_COMMAND"; fi
 exec /usr/bin/env -i {env} TERM="${{TERM:-dumb}}" SSH_CONNECTION="${{SSH_CONNECTION:-}}" \\
   {join} "$@"
 """

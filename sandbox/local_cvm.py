@@ -3,8 +3,9 @@
     sandbox netns  {a}  ──veth──  {b}  forwarder netns  {c}  ──veth──  {d}  host
     10.231.N.2/30                 10.231.N.1/30         10.232.N.2/30        10.232.N.1/30
 
-- The sandbox process runs in its own network, user (root maps to an unprivileged host uid range),
-  mount, PID, UTS and IPC namespaces, chrooted into its own tree under the CVM's directory.
+- The sandbox is the production sandbox image (sandbox/image.py) run by the production runtime
+  (runc, sandbox/runtime.py): its own user (root maps to an unprivileged host uid range), mount,
+  PID, UTS, IPC and cgroup namespaces; it joins the sandbox network namespace made here.
 - Its only route is the /30 to the forwarder; no default route, no IPv6, ip_forward=0.
 - The forwarder namespace has ip_forward=0 and an nftables filter: from the sandbox link only the
   forwarder's own sandbox-side listeners are reachable (not its uplink address, not anything else),
@@ -33,6 +34,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from umbra.sandbox import image, runtime
+from umbra.sandbox.render import CA_NAME
+
 SANDBOX_PROXY_PORT = 3128
 # The forwarder's other sandbox-side listeners: transparent HTTPS/HTTP (name from SNI / Host) and
 # the sandbox's resolver (every name is the forwarder; docs/specs/sandbox.md).
@@ -55,8 +59,10 @@ SECURITY_CVM_ADDR = "10.232.0.1"
 UID_BASE = 200_000
 UID_COUNT = 65_536
 MAX_CVMS = 250
-# Read-only views of the host's userland inside the sandbox tree (the local stand-in for an image).
-HOST_DIRS = ("usr", "bin", "sbin", "lib", "lib64", "etc")
+# Where sessions and checks find their way: the proxy, NO_PROXY, every tool's CA variable.
+NO_PROXY = "localhost,127.0.0.1,::1"
+# Written by umbra-sandbox-init once the Security CVM's CA is in the system store.
+CA_INSTALLED = "/run/umbra/ca-installed"
 
 
 class LocalCvmError(Exception):
@@ -110,7 +116,12 @@ class LocalCvmPlan:
 
     @property
     def rootfs(self) -> Path:
-        return self.dir / "rootfs"
+        """The sandbox's tree as the host sees it (the mounted overlay, while it runs)."""
+        return runtime.RUN_ROOT / self.cvm_id / "rootfs"
+
+    @property
+    def proxy_url(self) -> str:
+        return f"http://{self.forwarder_addr}:{SANDBOX_PROXY_PORT}"
 
     @property
     def launch_dir(self) -> Path:
@@ -149,6 +160,10 @@ def require_tools() -> None:
         raise LocalCvmError(
             f"missing commands: {', '.join(missing)}; run ./scripts/system-deps as root"
         )
+    try:
+        runtime.require_runtime()
+    except runtime.RuntimeError_ as exc:
+        raise LocalCvmError(str(exc)) from None
 
 
 # ----------------------------------------------------------------------------- plan
@@ -336,21 +351,92 @@ def start_forwarder(plan: LocalCvmPlan) -> int:
     )  # fmt: skip
 
 
-def start_sandbox(plan: LocalCvmPlan) -> int:
-    """The sandbox's PID 1 (in its own namespaces); its host pid is what `nsenter` targets."""
-    _spawn(
-        plan,
-        "sandbox-launcher",
-        [sys.executable, "-m", "umbra.sandbox.local_init", str(plan.dir / "plan.json")],
+def sandbox_env(plan: LocalCvmPlan) -> str:
+    """`/etc/umbra/sandbox.env`: what every session of this CVM's sandbox gets (KEY=VALUE)."""
+    pairs = [
+        (k, plan.proxy_url) for k in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy")
+    ]
+    pairs += [("NO_PROXY", NO_PROXY), ("no_proxy", NO_PROXY)]
+    pairs += [(k, image.CA_BUNDLE) for k in image.CA_VARS]
+    return "".join(f"{k}={v}\n" for k, v in pairs)
+
+
+def resolv_conf(plan: LocalCvmPlan) -> str:
+    """The sandbox's resolver: the forwarder's sandbox-side address, the only one it can reach
+    (its DNS responder is the sandbox-egress part of #21; until it listens, lookups fail fast)."""
+    return f"nameserver {plan.forwarder_addr}\noptions timeout:2 attempts:1\n"
+
+
+def sandbox_spec(plan: LocalCvmPlan, layers: tuple[Path, ...] | None = None) -> runtime.SandboxSpec:
+    """The runtime's view of this CVM's sandbox (`layers`: the cached image; looked up if None)."""
+    if layers is None:
+        layers = image.cached_layers()
+        if layers is None:
+            raise LocalCvmError(
+                "the sandbox image is not built: `umbra up` builds it (once per machine)"
+            )
+    init = [
+        "/usr/bin/tini", "--", "/usr/local/bin/umbra-sandbox-init",
+        "--sessions", SANDBOX_SESSIONS, "--ca", f"{image.CA_DIR}/{CA_NAME}", "--ca-wait", "0",
+        "--env-dir", image.ENV_DIR,
+    ]  # fmt: skip
+    return runtime.SandboxSpec(
+        name=plan.cvm_id,
+        base_uid=plan.uid,
+        netns=Path("/run/netns", plan.sandbox_ns),
+        image=layers,
+        upper=plan.dir / "upper",
+        work=plan.dir / "overlay-work",
+        state=plan.dir / "runc",
+        args=tuple(init),
+        env=(f"UMBRA_LOCAL_CVM={plan.cvm_id}",),
+        binds=(
+            runtime.Bind(plan.dir / "docker", "/var/lib/docker", read_only=False),
+            runtime.Bind(plan.dir / "sandbox-ca", image.CA_DIR),
+            runtime.Bind(plan.dir / "sandbox-etc", image.ENV_DIR),
+        ),
     )
-    end = time.monotonic() + 15
-    while time.monotonic() < end:
-        pid = running_pid(plan, "sandbox")
-        if pid is not None:
-            return pid
-        time.sleep(0.05)
-    log = (plan.dir / "sandbox-launcher.log").read_text(errors="replace")[-500:]
-    raise LocalCvmError(f"the sandbox of {plan.cvm_id} did not start: {log.strip()}")
+
+
+def _prepare_sandbox_dirs(plan: LocalCvmPlan) -> None:
+    """The host-side directories bound into the sandbox (made at every start: idempotent)."""
+    docker = plan.dir / "docker"  # ext4 under the CVM's directory: overlay2 needs it
+    docker.mkdir(mode=0o710, exist_ok=True)
+    os.chown(docker, plan.uid, plan.uid)
+    (plan.dir / "sandbox-ca").mkdir(mode=0o755, exist_ok=True)
+    etc = plan.dir / "sandbox-etc"
+    etc.mkdir(mode=0o755, exist_ok=True)
+    (etc / "sandbox.env").write_text(sandbox_env(plan))
+    (etc / "resolv.conf").write_text(resolv_conf(plan))
+    for name in ("sandbox.env", "resolv.conf"):
+        (etc / name).chmod(0o644)
+
+
+def start_sandbox(plan: LocalCvmPlan) -> int:
+    """The sandbox container; its init's host pid (tini's) is what `nsenter` targets."""
+    spec = sandbox_spec(plan)
+    _prepare_sandbox_dirs(plan)
+    try:
+        pid = runtime.start(spec, _pid_file(plan, "sandbox"))
+    except (runtime.RuntimeError_, OSError) as exc:
+        raise LocalCvmError(f"the sandbox of {plan.cvm_id} did not start: {exc}") from None
+    # `runc start` returns before its init has exec'd tini (and shows our marker).
+    end = time.monotonic() + 10
+    while running_pid(plan, "sandbox") is None:
+        if time.monotonic() > end:
+            log = (plan.dir / "runc" / "init.log").read_text(errors="replace")[-500:]
+            raise LocalCvmError(f"the sandbox of {plan.cvm_id} exited at start: {log.strip()}")
+        time.sleep(0.01)
+    return pid
+
+
+def stop_sandbox(plan: LocalCvmPlan) -> None:
+    """Kill the container (every process in it) and unmount its tree; its files stay."""
+    spec = sandbox_spec(plan, layers=())
+    if (plan.dir / "runc").exists():
+        with contextlib.suppress(runtime.RuntimeError_):
+            runtime.delete(spec)
+    runtime.unmount_rootfs(spec)
 
 
 def wait_listening(ns: str | None, host: str, port: int, timeout: float = 60) -> None:
@@ -373,6 +459,9 @@ def wait_listening(ns: str | None, host: str, port: int, timeout: float = 60) ->
 
 
 def stop(plan: LocalCvmPlan, role: str) -> None:
+    if role == "sandbox":
+        stop_sandbox(plan)
+        return
     pid = running_pid(plan, role)
     if pid is None:
         return
@@ -499,7 +588,7 @@ def ensure_network(plan: LocalCvmPlan) -> bool:
 
 def shut_down(plan: LocalCvmPlan) -> None:
     """Stop the CVM's processes and remove its namespaces and veths; keep its files."""
-    for role in ("ingress", "forwarder", "sandbox", "sandbox-launcher"):
+    for role in ("ingress", "forwarder", "sandbox"):
         stop(plan, role)
     delete_network(plan)
 
@@ -549,9 +638,11 @@ def create(
         config["cvm_id_file"] = str(plan.dir / "cvm-id")
         config["credential_file"] = str(plan.dir / "credential")
         config["enrollment"] = {**config["enrollment"], "token_file": str(token_path)}
+        # The interception CA, fetched by the forwarder inside its attested session and bound
+        # read-only into the sandbox, as in the cloud (sandbox_ca.py, umbra-sandbox-init).
+        config["sandbox_ca"] = {"file": str(plan.dir / "sandbox-ca" / CA_NAME)}
         (plan.dir / "forwarder.json").write_text(json.dumps(config, indent=2))
         enroll(plan)
-        _make_rootfs(plan)
         create_network(plan, SANDBOX_TCP_PORTS)
         ensure_running(plan)
         write_launch_dir(plan, authorized_keys)
@@ -581,20 +672,6 @@ def enroll(plan: LocalCvmPlan) -> None:
         raise LocalCvmError(f"enrollment failed: {reason[-400:]}")
 
 
-def _make_rootfs(plan: LocalCvmPlan) -> None:
-    root = plan.rootfs
-    for sub in (*HOST_DIRS, "proc", "dev", "tmp", "root", "home", "run", "umbra"):
-        (root / sub).mkdir(parents=True, exist_ok=True)
-    for sub in ("tmp", "root", "home", "run"):
-        os.chown(root / sub, plan.uid, plan.uid)
-    (root / "tmp").chmod(0o1777)
-    # The login user's home and its dtach sockets (`umbra claude` runs `dtach -A` there).
-    user = plan.uid + SANDBOX_USER_UID
-    for sub in (SANDBOX_HOME, SANDBOX_SESSIONS):
-        (root / sub.lstrip("/")).mkdir(parents=True, exist_ok=True, mode=0o700)
-        os.chown(root / sub.lstrip("/"), user, user)
-
-
 def destroy(plan: LocalCvmPlan) -> None:
     shut_down(plan)
     shutil.rmtree(plan.dir, ignore_errors=True)
@@ -603,7 +680,7 @@ def destroy(plan: LocalCvmPlan) -> None:
 def status(plan: LocalCvmPlan) -> dict[str, Any]:
     return {
         "cvm_id": plan.cvm_id,
-        "runtime": "namespaces",
+        "runtime": "runc",
         "sandbox_pid": running_pid(plan, "sandbox"),
         "forwarder_pid": running_pid(plan, "forwarder"),
         "ingress_pid": running_pid(plan, "ingress"),
@@ -619,18 +696,59 @@ def exec_argv(plan: LocalCvmPlan, command: list[str]) -> list[str]:
     pid = running_pid(plan, "sandbox")
     if pid is None:
         raise LocalCvmError(f"the sandbox of {plan.cvm_id} is not running")
+    return ["nsenter", "-t", str(pid), "-U", "-m", "-n", "-p", "-i", "-u", "-C", "-r", "-w", "--",
+            *command]  # fmt: skip
+
+
+def _passwd_entry(plan: LocalCvmPlan, user: str) -> tuple[int, int, str]:
+    """(uid, gid, home) of `user` in the sandbox's own /etc/passwd."""
+    try:
+        lines = (plan.rootfs / "etc/passwd").read_text().splitlines()
+    except OSError as exc:
+        raise LocalCvmError(f"cannot read the sandbox's /etc/passwd: {exc.strerror}") from None
+    for line in lines:
+        fields = line.split(":")
+        if len(fields) >= 7 and fields[0] == user and fields[2].isdigit() and fields[3].isdigit():
+            return int(fields[2]), int(fields[3]), fields[5]
+    raise LocalCvmError(f"the sandbox has no user {user!r}")
+
+
+def run_argv(plan: LocalCvmPlan, argv: list[str], user: str = "dev") -> list[str]:
+    """The host argv that runs `argv` in the sandbox as `user` in a login shell's environment
+    (/etc/profile, profile.d: the proxy, the CA variables, ~/.local/bin), as a session does."""
+    uid, gid, home = _passwd_entry(plan, user)
+    pid = running_pid(plan, "sandbox")
+    if pid is None:
+        raise LocalCvmError(f"the sandbox of {plan.cvm_id} is not running")
     return [
-        "nsenter",
-        "-t",
-        str(pid),
-        "-U",
-        "-m",
-        "-n",
-        "-p",
-        "-i",
-        "-u",
-        "-r",
-        "-w",
-        "--",
-        *command,
-    ]
+        "nsenter", "-t", str(pid), "-U", "-m", "-n", "-p", "-i", "-u", "-C", "-r",
+        f"--wdns={home}", "--setuid", str(uid), "--setgid", str(gid), "--",
+        "/usr/bin/env", "-i", f"HOME={home}", f"USER={user}", f"LOGNAME={user}",
+        "SHELL=/bin/bash", "LANG=C.UTF-8", "TERM=dumb",
+        "PATH=/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin:/sbin",
+        "/bin/bash", "-lc", 'exec "$@"', "umbra-run", *argv,
+    ]  # fmt: skip
+
+
+def run_in_sandbox(
+    plan: LocalCvmPlan,
+    argv: list[str],
+    user: str = "dev",
+    timeout: float = 60,
+    input: str | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """Run `argv` in the sandbox as `user` with the login environment; a timeout is an error
+    naming the command (its process group is killed)."""
+    try:
+        return subprocess.run(
+            run_argv(plan, argv, user),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            input=input,
+            stdin=None if input is not None else subprocess.DEVNULL,
+        )
+    except subprocess.TimeoutExpired:
+        raise LocalCvmError(
+            f"`{' '.join(argv)}` in the sandbox of {plan.cvm_id} ran over {timeout:.0f} s"
+        ) from None

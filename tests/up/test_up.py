@@ -31,7 +31,7 @@ import pytest
 from tests.session.harness import simulated_pki, stop_agents
 from umbra.attest.simulator import simulated_boot_values
 from umbra.cli import up_stack
-from umbra.sandbox import local_cvm
+from umbra.sandbox import image, local_cvm
 
 ROOT = Path(__file__).resolve().parents[2]
 UMBRA = ROOT / ".venv" / "bin" / "umbra"
@@ -144,12 +144,23 @@ def _leftovers(up: Up) -> list[str]:
             found.append(f"process {proc.name}")
     mounts = Path("/proc/self/mountinfo").read_text()
     found += [line for line in mounts.splitlines() if str(up.state) in line]
+    for plan in local_cvm.all_plans(up.state / "cvms"):
+        found += [
+            line for line in mounts.splitlines() if f"/run/umbra-sandbox/{plan.cvm_id}" in line
+        ]
+        if (Path("/run/umbra-sandbox") / plan.cvm_id).exists():
+            found.append(f"runtime dir of {plan.cvm_id}")
+        if any((plan.dir / "runc").glob("*/state.json")):
+            found.append(f"runc container {plan.cvm_id}")
     return found
 
 
 @pytest.fixture(scope="module")
 def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
     _require_root()
+    # The sandbox image, built once per machine (minutes on a fresh one), outside `umbra up`'s
+    # per-command timeout; every later `up` here and in tests/sandbox/ reuses the cache.
+    image.ensure_image()
     tmp = tmp_path_factory.mktemp("up")
     prefix = f"uup{os.getpid() % 100000}"
     (tmp / "home").mkdir()  # no ~/.ssh: `umbra up` makes a dedicated key under its state dir
@@ -206,7 +217,8 @@ def test_up_check_from_clean_state_shows_the_four_records(up: Up) -> None:
         assert token not in path.read_bytes(), path
     plan = local_cvm.load_plan(up.state / "cvms", cvm)
     assert plan is not None
-    for path in plan.rootfs.rglob("*"):
+    # Every file the sandbox wrote is in its overlay's upper directory (the image is read-only).
+    for path in (plan.dir / "upper").rglob("*"):
         if path.is_file() and not path.is_symlink() and path.stat().st_size < 1 << 20:
             assert token not in path.read_bytes(), path
 
@@ -293,7 +305,7 @@ def test_status_reports_every_component_and_the_runtime(up: Up) -> None:
     report = up.json("status")
     assert report["healthy"], report
     assert set(report["components"]) == {"issuer", "console", "origin", "proxy"}
-    assert [c["runtime"] for c in report["dev_cvms"]] == ["namespaces"]
+    assert [c["runtime"] for c in report["dev_cvms"]] == ["runc"]
 
 
 def _sandbox(up: Up, *command: str) -> subprocess.CompletedProcess[str]:
@@ -311,7 +323,12 @@ def test_sandbox_root_is_unprivileged_and_reaches_only_the_forwarder(up: Up) -> 
     assert plan is not None
     uid_map = _sandbox(up, "cat", "/proc/self/uid_map").stdout.split()
     assert uid_map[:2] == ["0", str(plan.uid)] and plan.uid >= local_cvm.UID_BASE
-    assert _sandbox(up, "sh", "-c", "touch /usr/umbra-x").returncode != 0  # read-only userland
+    # Its root may change its own userland; the write lands in its overlay, never in the image.
+    assert _sandbox(up, "sh", "-c", "touch /usr/umbra-x").returncode == 0
+    assert (plan.dir / "upper" / "usr" / "umbra-x").exists()
+    assert not any(
+        (layer / "usr" / "umbra-x").exists() for layer in local_cvm.sandbox_spec(plan).image
+    )
     for ns in (plan.sandbox_ns, plan.forwarder_ns):
         forward = subprocess.run(
             ["ip", "netns", "exec", ns, "cat", "/proc/sys/net/ipv4/ip_forward"],
@@ -397,6 +414,30 @@ def test_umbra_ssh_runs_inside_the_sandbox_as_its_user(up: Up) -> None:
     assert "ssh_host_ed25519_key" not in gateway.stdout
 
 
+def test_sessions_have_the_sandbox_environment_and_find_the_agents(up: Up) -> None:
+    """`umbra ssh -- cmd` (and so `umbra claude`, which runs `dtach -A … claude` the same way)
+    gets the sandbox's login environment: the agents, the proxy, the CA variables, sudo, and a
+    binary the user installed under ~/.local/bin."""
+    plan = local_cvm.load_plan(up.state / "cvms", up.stack().state["dev_cvm_id"])
+    assert plan is not None
+    install = "mkdir -p ~/.local/bin && printf '#!/bin/sh\\necho mine\\n' > ~/.local/bin/mytool"
+    assert (
+        up.client(
+            "ssh", "--no-reuse", "--", install + " && chmod +x ~/.local/bin/mytool"
+        ).returncode
+        == 0
+    )
+    done = up.client(
+        "ssh", "--no-reuse", "--",
+        "mytool; command -v claude codex; echo $HTTPS_PROXY $NODE_EXTRA_CA_CERTS; sudo -n id -u",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.split()
+    assert lines[0] == "mine"
+    assert lines[1:3] == ["/usr/local/bin/claude", "/usr/local/bin/codex"]
+    assert lines[3:] == [plan.proxy_url, "/etc/ssl/certs/ca-certificates.crt", "0"]
+
+
 def test_umbra_ssh_refuses_a_quote_that_is_not_the_recorded_release(up: Up) -> None:
     stack = up.stack()
     cvm = stack.state["dev_cvm_id"]
@@ -475,6 +516,25 @@ def test_a_dropped_session_reattaches_the_same_process(up: Up) -> None:
     assert {"agent": "shell", "name": "t1"} in json.loads(listed.stdout)["sessions"]
 
 
+def test_umbra_claude_starts_the_real_agent_under_dtach(up: Up) -> None:
+    """The issue's symptom was `dtach: could not execute claude`. Now the real Claude Code runs
+    in the sandbox under dtach with the sandbox's proxy: with no Anthropic profile attached here
+    (the stand-in origin is the agents part of #21) it says it cannot reach api.anthropic.com
+    through the configured https_proxy, which only a running agent can say."""
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(
+        [str(UMBRA), "claude", "--name", "t3", "--no-reuse"],
+        stdin=slave, stdout=slave, stderr=slave, env=up.env, start_new_session=True,
+    )  # fmt: skip
+    os.close(slave)
+    try:
+        _read_until(master, rb"api\.anthropic\.com", timeout=90)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        os.close(master)
+
+
 def test_the_next_up_binds_a_key_the_developer_made_since(up: Up) -> None:
     ssh_dir = Path(up.env["HOME"]) / ".ssh"
     ssh_dir.mkdir(mode=0o700)
@@ -517,7 +577,7 @@ def test_kill_9_is_reported_restarted_and_no_record_is_lost(up: Up) -> None:
     stamp = f"/v1/while-console-down-{int(started)}"
     done = _sandbox(
         up, "curl", "-sS", "-o", "/dev/null", "-w", "%{http_code}", "--max-time", "20",
-        "--cacert", "/umbra/proxy-ca.pem", "--proxy", f"http://{plan.forwarder_addr}:3128",
+        "--cacert", "/etc/ssl/certs/ca-certificates.crt", "--proxy", plan.proxy_url,
         f"https://api.demo.test:{stack.port('origin')}{stamp}",
     )  # fmt: skip
     assert done.stdout == "200", f"{done}\n{up.logs()}"
