@@ -82,7 +82,8 @@ echo "killed $name$pids"
 """
 
 
-def _run(cvm: str | None, reuse: bool, remote: str, as_json: bool) -> tuple[str, str]:
+def _run(cvm: str | None, reuse: bool, remote: str, as_json: bool) -> tuple[str, str, str]:
+    """(CVM id, CVM name, the script's stdout)."""
     from umbra.cli.ssh import pick_cvm  # the Console client loads when a command runs
 
     target = pick_cvm(cvm, as_json)
@@ -92,7 +93,7 @@ def _run(cvm: str | None, reuse: bool, remote: str, as_json: bool) -> tuple[str,
     if done.returncode != 0:
         last = done.stderr.strip().splitlines()[-1:] or ["ssh failed"]
         fail(last[0], as_json=as_json)
-    return target.name, done.stdout
+    return target.id, target.name, done.stdout
 
 
 def _session(socket_name: str) -> dict[str, str] | None:
@@ -103,10 +104,10 @@ def _session(socket_name: str) -> dict[str, str] | None:
 @app.command("list")
 def list_(cvm: CvmArg = None, reuse: ReuseOpt = True, as_json: JsonFlag = False) -> None:
     """List the agent sessions in your sandbox."""
-    cvm_name, out = _run(cvm, reuse, LIST_SESSIONS, as_json)
+    cvm_id, cvm_name, out = _run(cvm, reuse, LIST_SESSIONS, as_json)
     rows = [row for row in map(_session, out.split()) if row is not None]
     if as_json:
-        print_json({"cvm": cvm_name, "sessions": rows})
+        print_json({"cvm": cvm_id, "sessions": rows})
         return
     if not rows:
         console.print(f"No sessions in {cvm_name}.", markup=False)
@@ -133,7 +134,7 @@ def kill(
         fail(str(exc), EXIT_USAGE, as_json=as_json)
     candidates = [f"{each}-{name}.dtach" for each in agents]
     remote = "sh -c " + shlex.quote(KILL_SESSION) + " umbra-kill " + shlex.join(candidates)
-    cvm_name, out = _run(cvm, reuse, remote, as_json)
+    cvm_id, cvm_name, out = _run(cvm, reuse, remote, as_json)
     words = out.split()
     matches = [
         _session(w) for verb, w in zip(words[::2], words[1::2], strict=False) if verb == "match"
@@ -147,7 +148,7 @@ def kill(
             fail(f"{which} match {name!r}: pass --agent", EXIT_USAGE, as_json=as_json)
         fail(f"no session {name!r} in {cvm_name}; `umbra sessions` lists them", EXIT_FINDINGS,
              as_json=as_json)  # fmt: skip
-    result: dict[str, Any] = {"cvm": cvm_name, **(_session(words[1]) or {}), "state": words[0]}
+    result: dict[str, Any] = {"cvm": cvm_id, **(_session(words[1]) or {}), "state": words[0]}
     if as_json:
         print_json({"ok": True, **result})
         return
