@@ -6,7 +6,6 @@ report (a test searches its output for the token bytes)."""
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Annotated, Any
@@ -15,6 +14,7 @@ import typer
 
 from umbra.cli.credentials import (
     NO_KEYRING_ENV,
+    Login,
     config_dir,
     embedded_client,
     embedded_client_path,
@@ -37,26 +37,23 @@ def _login() -> dict[str, Any]:
     """The stored login's non-secret fields, or why there is none."""
     path = login_path()
     try:
-        raw = json.loads(path.read_text())
+        login = Login.model_validate_json(path.read_text())
     except FileNotFoundError:
         return {"logged_in": False, "hint": "run `umbra auth login URL`"}
-    except (OSError, ValueError) as exc:
-        return {"logged_in": False, "hint": f"{path} is unreadable ({type(exc).__name__}): "
-                "run `umbra auth login URL` again"}  # fmt: skip
-    if not isinstance(raw, dict) or not isinstance(raw.get("url"), str):
-        return {"logged_in": False, "hint": f"{path} names no Console: run `umbra auth login URL`"}
-    keyring = raw.get("keyring") is True
+    except (OSError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
+        hint = f"{path} is unreadable ({type(exc).__name__}): run `umbra auth login URL` again"
+        return {"logged_in": False, "hint": hint}
     return {
         "logged_in": True,
-        "console_url": raw["url"],
-        "team": raw.get("team") if isinstance(raw.get("team"), str) else None,
+        "console_url": login.url,
+        "team": login.team,
         "tokens": (
-            f"OS keyring ({raw.get('keyring_backend') or 'default backend'})"
-            if keyring
+            f"OS keyring ({login.keyring_backend or 'default backend'})"
+            if login.keyring
             else f"{path} (0600)"
         ),
-        "refreshes": isinstance(raw.get("refresh_token"), str)
-        or (keyring and isinstance(raw.get("token_endpoint"), str)),
+        "refreshes": login.refresh_token is not None
+        or (login.keyring and login.token_endpoint is not None),
     }
 
 

@@ -140,3 +140,17 @@ def test_completion_scripts_for_each_shell(env: dict[str, str]) -> None:
         done = umbra(env, "--show-completion", shell)
         assert done.returncode == 0, done.stderr
         assert "_UMBRA_COMPLETE" in done.stdout
+
+
+def test_config_show_with_a_broken_login_file_says_what_to_run(env: dict[str, str]) -> None:
+    config = Path(env["XDG_CONFIG_HOME"]) / "umbra"
+    config.mkdir(parents=True)
+    (config / "console.json").write_text('{"url": "https://c.example", "token": "' + TOKEN)
+    done = umbra(env, "config", "show", "--json")
+    assert done.returncode == 0, done.stderr
+    info = json.loads(done.stdout)
+    assert info["logged_in"] is False
+    assert info["hint"].endswith(
+        "is unreadable (ValidationError): run `umbra auth login URL` again"
+    )
+    assert TOKEN not in done.stdout + done.stderr
