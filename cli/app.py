@@ -21,6 +21,7 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "attest": ("umbra.cli.attest", "app", "Verify TDX attestation quotes; simulate a TEE."),
     "audit": ("umbra.cli.audit", "app", "The Console's hash-chained audit log (admins)."),
     "auth": ("umbra.cli.auth", "app", "Log in to an Umbra Console."),
+    "config": ("umbra.cli.config", "app", "The umbra client's configuration."),
     "console": (
         "umbra.cli.console",
         "app",
@@ -48,6 +49,7 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
         "app",
         "Write-only secrets, bound to the hosts they may be sent to.",
     ),
+    "sessions": ("umbra.cli.sessions", "app", "Your sandbox's agent sessions."),
     "status": ("umbra.cli.up", "status_app", "What `umbra up` started, and whether it is healthy."),
     "up": ("umbra.cli.up", "up_app", "Start Umbra on this machine (embedded defaults)."),
 }
@@ -79,11 +81,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "cursor_app",
         "Open Cursor on your sandbox via Remote-SSH (writes the ~/.ssh/config block first).",
     ),
-    "sessions": (
-        "umbra.cli.ssh",
-        "sessions_app",
-        "List the agent sessions in your sandbox.",
-    ),
+    "version": ("umbra.cli.version", "app", "Print umbra's version and the Python running it."),
     "shell": (
         "umbra.cli.ssh",
         "shell_app",

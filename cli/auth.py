@@ -76,8 +76,27 @@ def api_failure(exc: Exception, as_json: bool) -> NoReturn:
     if isinstance(exc, ConsoleApiError):
         fail(f"console answered {exc.status}: {exc.detail}", EXIT_FINDINGS, as_json=as_json)
     if isinstance(exc, httpx.HTTPError):
-        fail(f"cannot reach the Console ({type(exc).__name__})", EXIT_USAGE, as_json=as_json)
+        fail(unreachable(exc), EXIT_USAGE, as_json=as_json)
     raise exc
+
+
+def unreachable(exc: Exception) -> str:
+    """What to run when the Console does not answer: `umbra up` when the stored login is for the
+    Console `umbra up` started (its embedded.json names that URL), else where it was tried."""
+    from umbra.cli.credentials import embedded_client
+
+    local = embedded_client()
+    if local is not None:
+        return f"the local Console does not answer at {local.console_url}; run `umbra up`"
+    try:
+        url = exc.request.url  # type: ignore[attr-defined]
+        where = f" at {url.scheme}://{url.netloc.decode()}"
+    except (AttributeError, RuntimeError):  # no request attached
+        where = ""
+    return (
+        f"cannot reach the Console{where} ({type(exc).__name__}); check the URL and network, "
+        "or run `umbra auth login URL` for another Console"
+    )
 
 
 def resolve_team(client: ConsoleClient, login: Login, team: str | None, as_json: bool) -> str:

@@ -56,6 +56,33 @@ def _keys(paths: list[Path] | None, as_json: bool) -> list[str] | None:
     return keys
 
 
+def _default_key(as_json: bool) -> list[str] | None:
+    """No --ssh-key: the key the session commands will offer. Not for the `umbra up` Console,
+    whose Dev CVMs take the key `umbra up` gave them, nor with UMBRA_SSH_IDENTITY set."""
+    import os
+
+    from umbra.cli.credentials import embedded_client
+    from umbra.cli.ssh_config import IDENTITY_ENV
+    from umbra.cli.ssh_key import SshKeyError, default_public_key
+
+    if os.environ.get(IDENTITY_ENV) or embedded_client() is not None:
+        return None
+    try:
+        pub, created = default_public_key()
+    except SshKeyError as exc:
+        fail(str(exc), EXIT_USAGE, as_json=as_json)
+    # One line on stderr, so `--json` stdout stays one document.
+    if created:
+        stderr.print(
+            f"Created SSH key {pub} (no --ssh-key given, none in ~/.ssh)",
+            markup=False,
+            soft_wrap=True,
+        )
+    else:
+        stderr.print(f"Using SSH key {pub} (no --ssh-key given)", markup=False, soft_wrap=True)
+    return _keys([pub], as_json)
+
+
 def _wait(client: ConsoleClient, cvm: CvmInfo, timeout: float = 1800) -> CvmInfo:
     deadline = time.monotonic() + timeout
     shown = len(cvm.events)
@@ -120,8 +147,10 @@ def launch(
     wait: WaitFlag = False,
     as_json: JsonFlag = False,
 ) -> None:
-    """Launch a CVM."""
+    """Launch a CVM (a Dev CVM without --ssh-key: your ~/.ssh key, else one umbra makes)."""
     keys = _keys(ssh_key, as_json)
+    if keys is None and kind == "dev":
+        keys = _default_key(as_json)
     client, login = open_client(as_json)
     try:
         with client:

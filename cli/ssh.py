@@ -1,5 +1,6 @@
-"""`umbra ssh`, `umbra claude|codex|shell`, `umbra sessions`, `umbra code|cursor`,
-`umbra config-ssh`, `umbra ssh-proxy`: the developer's session path over attested SSH.
+"""`umbra ssh`, `umbra claude|codex|shell`, `umbra code|cursor`,
+`umbra config-ssh`, `umbra ssh-proxy`: the developer's session path over attested SSH
+(`umbra sessions` is `cli/sessions.py`).
 
 Every connection goes through `umbra ssh-proxy` (the ProxyCommand), which verifies the Dev CVM's
 quote before one SSH byte flows; ssh itself then checks the server's host key against the one the
@@ -11,7 +12,6 @@ from __future__ import annotations
 import os
 import shlex
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, NoReturn
@@ -48,7 +48,6 @@ proxy_app = typer.Typer(add_completion=False)
 claude_app = typer.Typer(add_completion=False)
 codex_app = typer.Typer(add_completion=False)
 shell_app = typer.Typer(add_completion=False)
-sessions_app = typer.Typer(add_completion=False)
 code_app = typer.Typer(add_completion=False)
 cursor_app = typer.Typer(add_completion=False)
 config_ssh_app = typer.Typer(add_completion=False)
@@ -147,35 +146,6 @@ def codex(cvm: CvmArg = None, name: NameOpt = DEFAULT_NAME, reuse: ReuseOpt = Tr
 def shell(cvm: CvmArg = None, name: NameOpt = DEFAULT_NAME, reuse: ReuseOpt = True) -> None:
     """Attach to (or start) a persistent shell session in your sandbox."""
     _agent("shell", cvm, name, reuse)
-
-
-LIST_SESSIONS = (
-    'cd "$UMBRA_SESSIONS" 2>/dev/null || exit 0; '
-    'for s in *.dtach; do [ -S "$s" ] && printf "%s\\n" "$s"; done; exit 0'
-)
-
-
-@sessions_app.command("sessions")
-def sessions(cvm: CvmArg = None, reuse: ReuseOpt = True, as_json: JsonFlag = False) -> None:
-    """List the agent sessions in your sandbox."""
-    target = pick_cvm(cvm, as_json)
-    done = subprocess.run(
-        [*ssh_argv(target.id, reuse=reuse), LIST_SESSIONS], capture_output=True, text=True
-    )
-    if done.returncode != 0:
-        fail(done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "ssh failed")
-    rows = []
-    for line in done.stdout.split():
-        agent, _, name = line.removesuffix(".dtach").partition("-")
-        if agent in AGENTS and name:
-            rows.append({"agent": agent, "name": name})
-    if as_json:
-        print_json({"cvm": target.id, "sessions": rows})
-        return
-    if not rows:
-        console.print(f"No sessions in {target.name}.")
-    for row in rows:
-        console.print(f"{row['agent']:8} {row['name']}")
 
 
 def _ide(binary: str, cvm: str | None, path: str, dry_run: bool) -> None:

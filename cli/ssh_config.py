@@ -12,6 +12,7 @@ import tempfile
 from pathlib import Path
 
 from umbra.cli.credentials import embedded_client, host_alias, known_hosts_path
+from umbra.cli.ssh_key import SSH_DEFAULTS, generated_key
 from umbra.contracts.files import write_atomic
 
 BEGIN = "# >>> umbra config-ssh: managed block, replaced by `umbra config-ssh` >>>"
@@ -67,6 +68,13 @@ def options(cvm_id: str, *, reuse: bool = True) -> list[tuple[str, str]]:
         identity = local.ssh_identity if local is not None else None
     if identity:
         opts += [("IdentityFile", identity), ("IdentitiesOnly", "yes")]
+    elif generated_key().is_file():
+        # Made by `umbra cvm launch`. Naming one IdentityFile drops ssh's defaults: name those
+        # that exist too, so keys made later in ~/.ssh keep working.
+        defaults = [Path.home() / ".ssh" / name for name in SSH_DEFAULTS]
+        opts += [
+            ("IdentityFile", str(path)) for path in (generated_key(), *defaults) if path.is_file()
+        ]
     if reuse:
         opts += [
             ("ControlMaster", "auto"),

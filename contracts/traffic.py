@@ -3,7 +3,8 @@
 Sandbox code controls several fields (Host header, CONNECT target, path, method, query keys), so
 the limits here are what the proxy can actually produce, and the proxy builds records with
 `TrafficRecord.build`, which never fails: a value over a limit is cut, a control character is
-replaced, and the field's name is listed in `truncated` so readers know the value is not verbatim.
+replaced, a lone surrogate is written as its `\\uXXXX` escape, and the field's name is listed in
+`truncated` so readers know the value is not verbatim.
 The Console validates each record of a batch on its own with the same model; one it still cannot
 accept (an old or foreign shipper) is quarantined with the reason, never blocking the batch.
 
@@ -45,6 +46,9 @@ MAX_BATCH_RECORDS = 10_000
 
 _PRINTABLE = r"^[^\x00-\x1f\x7f]*$"
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+# A lone surrogate (mitmproxy decodes raw non-UTF-8 bytes with surrogateescape) cannot be encoded
+# as UTF-8, so it could be neither validated nor spooled: it is written as its `\uXXXX` escape.
+_SURROGATE = re.compile(r"[\ud800-\udfff]")
 _METHOD_SYNTAX = r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$"  # RFC 9110 token: what a raw method may be
 _TOKEN_CHARS = re.compile(r"[^!#$%&'*+.^_`|~0-9A-Za-z-]")
 _RULE = r"^[A-Za-z0-9._:/-]{1,160}$"
@@ -73,6 +77,10 @@ def _utc(value: datetime) -> datetime:
         return value.astimezone(UTC)
     except OverflowError:
         raise ValueError("time is out of range once converted to UTC") from None
+
+
+def _escape_surrogates(value: str) -> str:
+    return _SURROGATE.sub(lambda match: f"\\u{ord(match[0]):04x}", value)
 
 
 def _printable(limit: int) -> Any:
@@ -156,7 +164,7 @@ class TrafficRecord(BaseModel):
                 continue
             if not isinstance(value, str):
                 raise TypeError(f"{name}: expected text, got {type(value).__name__}")
-            fixed = _CONTROL.sub("\ufffd", value)[:limit]
+            fixed = _CONTROL.sub("\ufffd", _escape_surrogates(value))[:limit]
             if name == "method":
                 fixed = _TOKEN_CHARS.sub("_", fixed)
             elif name == "reason":
@@ -171,7 +179,9 @@ class TrafficRecord(BaseModel):
             if not items:
                 continue
             fixed_items = [
-                chars.sub("_" if chars is not _CONTROL else "\ufffd", str(item))[:item_limit]
+                chars.sub(
+                    "_" if chars is not _CONTROL else "\ufffd", _escape_surrogates(str(item))
+                )[:item_limit]
                 for item in items[:limit]
             ]
             fixed_items = [item for item in fixed_items if item]

@@ -33,7 +33,10 @@ ENCODED_SLASH = "%2F"
 
 
 class NormalizationError(ValueError):
-    """A host or path that has no single canonical reading."""
+    """A host or path that has no single canonical reading.
+
+    The message says what is wrong, never quoting the input: it is sandbox- or caller-controlled
+    and reaches denial bodies, the Console's 422 answers and logs (console.md, proxy.md)."""
 
 
 @functools.lru_cache(maxsize=8192)  # pure, and hosts repeat on every request of a session
@@ -50,14 +53,14 @@ def normalize_host(raw: str) -> str:
         raise NormalizationError("host has surrounding white space")
     if host.startswith("[") or host.endswith("]"):
         if not (host.startswith("[") and host.endswith("]")):
-            raise NormalizationError(f"unbalanced brackets in host {raw!r}")
-        return _normalize_ipv6_literal(host[1:-1], raw)
+            raise NormalizationError("host has unbalanced brackets")
+        return _normalize_ipv6_literal(host[1:-1])
     if ":" in host:
-        return _normalize_ipv6_literal(host, raw)
+        return _normalize_ipv6_literal(host)
     if host.endswith("."):
         host = host[:-1]
     if not host or host.endswith("."):
-        raise NormalizationError(f"host {raw!r} has an empty label")
+        raise NormalizationError("host has an empty label")
     try:
         return str(ipaddress.IPv4Address(host))
     except ValueError:
@@ -66,16 +69,12 @@ def normalize_host(raw: str) -> str:
         try:
             encoded = idna.encode(host, uts46=True).decode("ascii")
             round_trip = idna.decode(encoded)
-        except idna.IDNAError as exc:
-            raise NormalizationError(
-                f"host {raw!r} is not a valid internationalized name: {exc}"
-            ) from None
+        except idna.IDNAError:
+            raise NormalizationError("host is not a valid internationalized name") from None
         # UTS 46 mapping silently drops or folds some characters (zero-width joiners, full-width
         # dots); a name that only reaches its ASCII form through such mapping has two spellings.
         if round_trip != host.lower():
-            raise NormalizationError(
-                f"host {raw!r} is not in canonical Unicode form ({round_trip!r})"
-            )
+            raise NormalizationError("host is not in canonical Unicode form")
         host = encoded
     host = host.lower()
     if len(host) > MAX_HOST_LENGTH:
@@ -83,42 +82,38 @@ def normalize_host(raw: str) -> str:
     labels = host.split(".")
     for label in labels:
         if not label:
-            raise NormalizationError(f"host {raw!r} has an empty label")
+            raise NormalizationError("host has an empty label")
         if len(label) > MAX_LABEL_LENGTH:
-            raise NormalizationError(f"a label of host {raw!r} is longer than {MAX_LABEL_LENGTH}")
+            raise NormalizationError(f"a label of the host is longer than {MAX_LABEL_LENGTH}")
         if not _LABEL.match(label):
-            raise NormalizationError(
-                f"host {raw!r} has a character outside letters, digits, '-', '_'"
-            )
+            raise NormalizationError("host has a character outside letters, digits, '-', '_'")
         if label.startswith("xn--"):
-            _check_punycode_label(label, raw)
+            _check_punycode_label(label)
     if all(_NUMERIC_LABEL.match(label) for label in labels):
-        raise NormalizationError(f"host {raw!r} is a non-canonical IPv4 address form")
+        raise NormalizationError("host is a non-canonical IPv4 address form")
     if _NUMERIC_LABEL.match(labels[-1]):
-        raise NormalizationError(
-            f"host {raw!r} ends in a numeric label, which URL parsers read as IPv4"
-        )
+        raise NormalizationError("host ends in a numeric label, which URL parsers read as IPv4")
     return host
 
 
-def _normalize_ipv6_literal(text: str, raw: str) -> str:
+def _normalize_ipv6_literal(text: str) -> str:
     if "%" in text:
-        raise NormalizationError(f"host {raw!r} carries an IPv6 zone id")
+        raise NormalizationError("host carries an IPv6 zone id")
     try:
         return str(ipaddress.IPv6Address(text))
     except ValueError:
-        raise NormalizationError(f"host {raw!r} is not a valid IP literal") from None
+        raise NormalizationError("host is not a valid IP literal") from None
 
 
-def _check_punycode_label(label: str, raw: str) -> None:
+def _check_punycode_label(label: str) -> None:
     # An xn-- label that does not decode, or decodes to something that would not encode back to
     # itself, is a second spelling of some other name.
     try:
         unicode = idna.decode(label)
         if idna.encode(unicode, uts46=True).decode("ascii") != label:
-            raise NormalizationError(f"host {raw!r} has a non-canonical punycode label")
+            raise NormalizationError("host has a non-canonical punycode label")
     except idna.IDNAError:
-        raise NormalizationError(f"host {raw!r} has an invalid punycode label {label!r}") from None
+        raise NormalizationError("host has an invalid punycode label") from None
 
 
 @functools.lru_cache(maxsize=8192)

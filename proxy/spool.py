@@ -7,6 +7,11 @@ limit. The shipper reads records after a persisted cursor and POSTs them as
 2xx advances the cursor, so a
 Console that is down, or a proxy that restarts, loses nothing (records carry ids: the Console
 de-duplicates a batch it sees twice). Fully shipped segments other than the current one are deleted.
+
+A line that can never be sent (not JSON, or JSON holding a lone-surrogate escape such as `\\udcff`,
+which no UTF-8 request body can carry) is moved aside rather than retried: it is appended with its
+segment, offset and fault to `quarantine.ndjson` in the spool directory, a warning is logged, and
+shipping continues after it. Before this, one such line stopped shipping for good (issue #27).
 """
 
 from __future__ import annotations
@@ -16,7 +21,10 @@ import json
 import logging
 import os
 import queue
+import re
 import threading
+from datetime import UTC, datetime
+from enum import StrEnum
 from pathlib import Path
 
 import httpx
@@ -28,6 +36,29 @@ logger = logging.getLogger(__name__)
 SEGMENT_BYTES = 8 << 20
 FLUSH_INTERVAL = 0.05
 _CURSOR = "cursor.json"
+QUARANTINE = "quarantine.ndjson"  # not *.jsonl: never read back as a segment
+# A `\uD800`-`\uDFFF` escape: the cheap pre-check before the exact one (it also matches an
+# escaped backslash followed by such text, which the exact check then lets through).
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+class Fault(StrEnum):
+    CORRUPT = "corrupt"  # not JSON
+    LONE_SURROGATE = "lone_surrogate"  # JSON, but not encodable as UTF-8
+
+
+def _fault(line: bytes) -> tuple[object, Fault | None]:
+    """The parsed line, or why it can never be shipped."""
+    try:
+        record: object = json.loads(line)
+    except ValueError:
+        return None, Fault.CORRUPT
+    if _SURROGATE_ESCAPE.search(line):
+        try:
+            json.dumps(record, ensure_ascii=False).encode()
+        except UnicodeEncodeError:
+            return None, Fault.LONE_SURROGATE
+    return record, None
 
 
 def _segment_number(path: Path) -> int:
@@ -92,9 +123,13 @@ class Spool:
                 return
 
     def _write(self, records: list[TrafficRecord]) -> None:
-        data = b"".join(
-            record.model_dump_json(by_alias=False).encode() + b"\n" for record in records
-        )
+        lines = []
+        for record in records:
+            try:
+                lines.append(record.model_dump_json(by_alias=False).encode() + b"\n")
+            except ValueError:  # not built with `build`; must not end the writer thread
+                logger.exception("traffic record %s cannot be serialized; dropped", record.id)
+        data = b"".join(lines)
         try:
             os.write(self._file, data)
             os.fsync(self._file)
@@ -127,6 +162,7 @@ class Shipper:
         self.interval = interval
         self._client = client or httpx.AsyncClient(timeout=10)
         self.shipped = 0
+        self.quarantined = 0
 
     def _cursor(self) -> tuple[int, int]:
         try:
@@ -145,7 +181,32 @@ class Shipper:
             os.close(fd)
         os.replace(tmp, self.directory / _CURSOR)
 
-    def _next_batch(self) -> tuple[list[dict[str, object]], int, int]:
+    def _quarantine(self, path: Path, offset: int, line: bytes, fault: Fault) -> None:
+        """Keep a line that can never be shipped, with where it was and why; never its content in
+        the log. The cursor moves past it only after this is on disk."""
+        entry = {
+            "time": datetime.now(UTC).isoformat(),
+            "segment": path.name,
+            "offset": offset,
+            "fault": str(fault),
+            "line": line.decode("utf-8", "backslashreplace"),
+        }
+        fd = os.open(self.directory / QUARANTINE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        try:
+            os.write(fd, json.dumps(entry).encode() + b"\n")  # ensure_ascii: always writable
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        self.quarantined += 1
+        logger.warning(
+            "quarantined an unshippable spool line (%s) at %s offset %d into %s",
+            fault,
+            path.name,
+            offset,
+            QUARANTINE,
+        )
+
+    def _next_batch(self) -> tuple[list[object], int, int]:
         segment, offset = self._cursor()
         for path in segments(self.directory):
             number = _segment_number(path)
@@ -155,21 +216,22 @@ class Shipper:
             with path.open("rb") as handle:
                 handle.seek(start)
                 data = handle.read(4 << 20)
-            records: list[dict[str, object]] = []
+            records: list[object] = []
             consumed = 0
             for line in data.split(b"\n")[:-1]:  # only complete lines
-                consumed += len(line) + 1
                 if line:
-                    try:
-                        records.append(json.loads(line))
-                    except ValueError:
-                        logger.warning("skipping a corrupt spool line in %s", path.name)
+                    record, fault = _fault(line)
+                    if fault is None:
+                        records.append(record)
+                    else:
+                        self._quarantine(path, start + consumed, line, fault)
+                consumed += len(line) + 1
                 if len(records) >= self.batch_size:
                     break
             if records:
                 return records, number, start + consumed
             if consumed:
-                return [], number, start + consumed  # only corrupt lines: move past them
+                return [], number, start + consumed  # only quarantined lines: move past them
             newer = [p for p in segments(self.directory) if _segment_number(p) > number]
             if newer:
                 # Nothing complete is left here and nothing more will be written to it: what

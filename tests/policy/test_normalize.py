@@ -176,3 +176,26 @@ def test_path_normalization_is_idempotent_and_dot_free(raw: str) -> None:
 def test_path_normalization_never_crashes(raw: str) -> None:
     with contextlib.suppress(NormalizationError):
         normalize_path("/" + raw)
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        "[::1" + "<script>" * 2000,
+        "x<script>alert(1)</script>..com",
+        "evil" + "\u202e" + "moc.elgoog..com",
+        "[fe80::1%<b>]",
+        "xn--zz<b>.example",
+        "EXA\u200bMPLE.com",
+        "1.2.3.<b>4",
+    ],
+)
+def test_refusals_never_quote_the_host(raw: str) -> None:
+    # The message reaches denial bodies, Console 422 answers and logs; the input is the
+    # caller's. Fails on the old code, which quoted `raw` (unbounded for bracket errors).
+    with pytest.raises(NormalizationError) as refused:
+        normalize_host(raw)
+    message = str(refused.value)
+    assert len(message) < 120
+    for fragment in ("<script>", "<b>", "\u202e", "moc.elgoog", "EXA", "zz"):
+        assert fragment not in message

@@ -110,7 +110,7 @@ def sandbox() -> Iterator[Sandbox]:
             (root / sub).mkdir(mode=0o755)
             os.chown(root / sub, base + SANDBOX_UID, base + SANDBOX_UID)
         proc = subprocess.Popen(
-            ["unshare", "--user", "--net", "--mount", "--pid", "--fork", "--kill-child",
+            ["unshare", "--user", "--net", "--mount", "--pid", "--fork", "--mount-proc", "--kill-child",
              "--", "sleep", "infinity"],
             start_new_session=True,
         )  # fmt: skip

@@ -104,11 +104,13 @@ def _read_until(fd: int, needle: bytes, timeout: float = 20) -> bytes:
     return out
 
 
-def _attach(developer: Developer, cvm_id: str) -> tuple[subprocess.Popen[bytes], int]:
+def _attach(
+    developer: Developer, cvm_id: str, name: str = "t1"
+) -> tuple[subprocess.Popen[bytes], int]:
     master, slave = pty.openpty()
     exe = str(Path(sys.executable).parent / "umbra")
     proc = subprocess.Popen(
-        [exe, "claude", cvm_id, "--name", "t1", "--no-reuse"],
+        [exe, "claude", cvm_id, "--name", name, "--no-reuse"],
         stdin=slave, stdout=slave, stderr=slave, env=developer.env, start_new_session=True,
     )  # fmt: skip
     os.close(slave)
@@ -261,3 +263,45 @@ def test_config_ssh_round_trip(developer: Developer) -> None:
     again = developer.umbra("config-ssh", "--dry-run")
     assert again.stdout == ""  # idempotent: nothing to change
     assert config.read_text() == text
+
+
+def test_sessions_kill_ends_the_agent_and_the_name_can_start_again(
+    developer: Developer, cvm: tuple[str, harness.IngressProc], box: harness.Sandbox
+) -> None:
+    cvm_id, _ = cvm
+    fake = box.bin / "claude"
+    fake.write_text(
+        '#!/bin/sh\necho "agent pid $$ flags $*"\n'
+        'while read -r line; do echo "pid $$ got $line"; done\n'
+    )
+    fake.chmod(0o755)
+
+    def start() -> str:
+        proc, master = _attach(developer, cvm_id, "k1")
+        try:
+            text = _read_until(master, b"flags --dangerously-skip-permissions").decode()
+        finally:
+            os.killpg(proc.pid, signal.SIGKILL)  # detach: the agent keeps running
+            proc.wait(timeout=10)
+            os.close(master)
+        return text.split("agent pid ")[1].split()[0]
+
+    first = start()
+    alive = developer.umbra("ssh", cvm_id, "--no-reuse", "--", f"kill -0 {first} && echo alive")
+    assert alive.stdout.strip() == "alive", alive.stderr
+    missing = developer.umbra("sessions", "kill", "nope", "--cvm", cvm_id, "--no-reuse")
+    assert missing.returncode == 1
+    assert "no session 'nope'" in missing.stderr and "umbra sessions" in missing.stderr
+    killed = developer.umbra("sessions", "kill", "k1", "--cvm", cvm_id, "--no-reuse", "--json")
+    assert killed.returncode == 0, killed.stderr
+    assert '"agent": "claude"' in killed.stdout and '"state": "killed"' in killed.stdout
+    # Gone, or a zombie: the test sandbox's pid 1 does not reap (a real CVM's init does).
+    state = f"s=$(cut -d' ' -f3 /proc/{first}/stat 2>/dev/null); [ \"${{s:-Z}}\" = Z ] && echo gone"
+    gone = developer.umbra("ssh", cvm_id, "--no-reuse", "--", state)
+    assert gone.stdout.strip() == "gone", (killed.stdout, gone.stdout, gone.stderr)
+    listed = developer.umbra("sessions", cvm_id, "--no-reuse", "--json")  # `sessions CVM` lists
+    assert listed.returncode == 0, listed.stderr
+    assert '"name": "k1"' not in listed.stdout
+    # Reattach by name still works: the same name starts a fresh agent.
+    assert start() != first
+    developer.umbra("sessions", "kill", "k1", "--agent", "claude", "--cvm", cvm_id, "--no-reuse")
