@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
+from tests.proxy.proxy_thread import ProxyThread
 from umbra.attest.atls import atls_connect
 from umbra.attest.collateral import StaticCollateral
 from umbra.attest.eventlog import dump_dstack_event_log
@@ -31,8 +32,9 @@ from umbra.attest.measurement import MeasurementPolicy, ReleaseManifest
 from umbra.attest.simpki import SimulatedPki
 from umbra.attest.simulator import SimulatedTdx
 from umbra.attest.verify import Verifier
+from umbra.proxy.config import ProxyConfig
 from umbra.proxy.identity import CvmIdentity
-from umbra.proxy.runner import ProxyConfig, ProxyThread, StartupError
+from umbra.proxy.startup import StartupError
 from umbra.sandbox.forwarder import Forwarder
 from umbra.sandbox.models import Endpoint, Tunnel
 from umbra.sandbox.sandbox_ca import CaBundle
