@@ -98,7 +98,7 @@ class UmbraProxy:
                 loop.add_signal_handler(signum, master.shutdown)
         run_task = asyncio.create_task(master.run())
         try:
-            await self._when_listening(master, run_task, shared, evidence, identities, spool)
+            await self._when_listening(master, run_task, shared, evidence, identities)
             await run_task
         finally:
             if self._tunnel_server is not None:
@@ -115,7 +115,6 @@ class UmbraProxy:
         shared: Shared,
         evidence: Evidence | None,
         identities: StaticIdentities,
-        spool: Spool,
     ) -> None:
         """Waits for the listeners, then tells the dial guard the proxy's own sockets, starts the
         tunnel endpoint on the private port, and announces the proxy."""
@@ -141,7 +140,7 @@ class UmbraProxy:
         shared.addresses = shared.addresses.with_own(own, own_sockets(addrs, ports, own))
         if evidence is not None and config.tunnel_listen_host is not None:
             try:
-                await self._start_tunnel(evidence, identities, spool, private)
+                await self._start_tunnel(evidence, identities, shared, private)
             except StartupError:
                 master.shutdown()
                 with contextlib.suppress(Exception):
@@ -153,7 +152,7 @@ class UmbraProxy:
         self._ready.set()
 
     async def _start_tunnel(
-        self, evidence: Evidence, identities: StaticIdentities, spool: Spool, proxy_port: int
+        self, evidence: Evidence, identities: StaticIdentities, shared: Shared, proxy_port: int
     ) -> None:
         config = self.config
         assert config.tunnel_listen_host is not None
@@ -162,7 +161,7 @@ class UmbraProxy:
             registry=self.tunnel_identities,
             proxy_host=config.listen_host,
             proxy_port=proxy_port,
-            emit=spool.append,
+            emit=shared.traffic.emit,
             header_timeout=config.tunnel_header_timeout,
             ca_file=config.confdir / "mitmproxy-ca-cert.pem",
         )

@@ -41,6 +41,7 @@ from umbra.sandbox.sandbox_ca import CaBundle
 
 from .conftest import Env
 from .harness import (
+    ALICE_SECRET,
     ALICE_TOKEN,
     ALL_SECRETS,
     BOB_TOKEN,
@@ -267,6 +268,17 @@ def test_unauthenticated_forwarders_are_refused(
     assert record["kind"] == "connection" and record["decision"] == "deny"
     assert record["cvm_id"] is None
     assert not tun.env.recorder.contains(needle.encode())
+
+
+def test_a_claimed_cvm_id_is_redacted_like_any_sandbox_text(tun: Tun) -> None:
+    """A refusal's record is built by the traffic log, so a secret claimed as the cvm_id is
+    redacted (fails on the endpoint that built its own records, unredacted)."""
+    port = tun.forwarder(ALICE_SECRET, "tunnel-wrong-credential")[0]
+    mark = tun.proxy.log.mark()
+    assert plain_via(port, tun, f"tunnel-refused-{uuid.uuid4().hex}") == b""
+    record = tun.proxy.log.wait_for(mark, lambda r: r["reason"] == "tunnel_unknown_cvm")
+    assert ALICE_SECRET not in str(record)
+    assert record["detail"] == "claimed cvm_id [redacted]"
 
 
 def _raw_atls(tun: Tun, payload: bytes) -> bytes:
