@@ -22,6 +22,7 @@ import dcap_qvl
 from cryptography import x509
 
 from umbra.attest.errors import CollateralError, QuoteParseError
+from umbra.contracts.files import write_atomic
 
 _FIELDS = (
     "pck_crl_issuer_chain",
@@ -208,11 +209,9 @@ class CollateralCache:
         path = self._path(key)
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text(
-                json.dumps({"expires_at": expires_at, "collateral": collateral.json_text})
-            )
-            tmp.replace(path)
+            # Collateral is Intel's public data: readable by all, like the default it had.
+            document = {"expires_at": expires_at, "collateral": collateral.json_text}
+            write_atomic(path, json.dumps(document), 0o644)
 
     def _load(self, key: tuple[str, str, str]) -> _Entry | None:
         path = self._path(key)

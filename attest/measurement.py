@@ -13,7 +13,6 @@ import yaml
 from pydantic import (
     AfterValidator,
     BaseModel,
-    ConfigDict,
     Field,
     ValidationError,
     field_validator,
@@ -22,6 +21,7 @@ from pydantic import (
 
 from umbra.attest.errors import PolicyFileError
 from umbra.attest.tcb import TcbPolicy, TdPolicy
+from umbra.contracts.model import Strict
 
 API_VERSION = "umbra/v1"
 SSH_KEYS_EVENT = "umbra.ssh-authorized-keys"
@@ -48,11 +48,7 @@ PcrIndex = Annotated[int, Field(ge=0, le=23)]
 HexAny = Annotated[str, _hex_of(0)]
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class ExpectedEvent(_Strict):
+class ExpectedEvent(Strict):
     """A runtime event that must appear exactly once, on `imr`, with one of `payloads`.
 
     `payloads` None means present with any payload (e.g. an instance id).
@@ -72,7 +68,7 @@ class ExpectedEvent(_Strict):
         return v
 
 
-class ReleaseManifest(_Strict):
+class ReleaseManifest(Strict):
     """Golden values of one image release: what the TD must have booted."""
 
     apiVersion: Literal["umbra/v1"]
@@ -112,7 +108,7 @@ class ReleaseManifest(_Strict):
         return self
 
 
-class InstanceBinding(_Strict):
+class InstanceBinding(Strict):
     """What one launch bound into the TD: written by the orchestrator when it starts the CVM."""
 
     apiVersion: Literal["umbra/v1"]
@@ -154,7 +150,7 @@ def ssh_keys_digest(keys: list[str]) -> bytes:
     return hashlib.sha256("\n".join(lines).encode()).digest()
 
 
-class MeasurementPolicy(_Strict):
+class MeasurementPolicy(Strict):
     """A release manifest plus (optionally) the binding of one instance."""
 
     release: ReleaseManifest

@@ -5,7 +5,9 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
+
+from umbra.contracts.model import Strict
 
 THIRTY_DAYS = 30 * 24 * 3600
 
@@ -36,10 +38,9 @@ def _hex64(v: object) -> int:
 Hex64 = Annotated[int, Field(ge=0, lt=1 << 64)]
 
 
-class MaskedValue(BaseModel):
+class MaskedValue(Strict):
     """`(actual & mask) == value`: bits outside the mask are free, bits inside are pinned."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
     value: Hex64
     mask: Hex64
 
@@ -58,10 +59,9 @@ class MaskedValue(BaseModel):
         return actual & self.mask == self.value
 
 
-class TcbPolicy(BaseModel):
+class TcbPolicy(Strict):
     """Which platforms we accept. Defaults are the strict ones."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
     allowed_statuses: list[TcbStatus] = Field(default_factory=lambda: [TcbStatus.UP_TO_DATE])
     allowed_advisories: list[str] = Field(default_factory=list)
     # OutOfDate(ConfigurationNeeded) is accepted only while tcbDate(level) + grace >= now,
@@ -90,9 +90,8 @@ class TcbPolicy(BaseModel):
         return self
 
 
-class TdPolicy(BaseModel):
+class TdPolicy(Strict):
     """TD attributes and XFAM under value/mask. The DEBUG bit is refused regardless."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
     attributes: MaskedValue = MaskedValue(value=0, mask=1)
     xfam: MaskedValue = MaskedValue(value=0, mask=0)

@@ -65,7 +65,9 @@ def _config_values(params: dict[str, Any]) -> dict[str, Any]:
 def serve(**params: Any) -> None:
     """Run the proxy until interrupted."""
     from umbra.proxy.enroll import ensure_console_credential
-    from umbra.proxy.runner import StartupError, UmbraProxy, WorkerSupervisor
+    from umbra.proxy.runner import UmbraProxy
+    from umbra.proxy.startup import StartupError
+    from umbra.proxy.workers import WorkerSupervisor
 
     values = _config_values(params)
     id_file: Path | None = params["security_cvm_id_file"]

@@ -12,8 +12,6 @@ from typing import Annotated, Any, Literal
 
 from pydantic import (
     AfterValidator,
-    BaseModel,
-    ConfigDict,
     Field,
     PrivateAttr,
     ValidationError,
@@ -28,6 +26,7 @@ from umbra.contracts.enrollment import (
     dev_token_key,
     security_token_key,
 )
+from umbra.contracts.model import Strict
 
 NAMESPACE = "umbra"
 STACK_KEY = f"{NAMESPACE}:stack"
@@ -106,11 +105,7 @@ HttpsUrl = Annotated[str, AfterValidator(_https)]
 IngressCidr = Annotated[ipaddress.IPv4Network, AfterValidator(_not_everywhere)]
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class GcpPlacement(_Strict):
+class GcpPlacement(Strict):
     project: Annotated[str, Field(pattern=r"^[a-z][a-z0-9-]{4,28}[a-z0-9]$")]
     region: Annotated[str, Field(pattern=r"^[a-z]+-[a-z]+\d$")]
     zone: Annotated[str, Field(pattern=r"^[a-z]+-[a-z]+\d-[a-z]$")]
@@ -122,13 +117,13 @@ class GcpPlacement(_Strict):
         return self
 
 
-class AzurePlacement(_Strict):
+class AzurePlacement(Strict):
     location: Annotated[str, Field(pattern=r"^[a-z]+[a-z0-9]*$")]
     # Availability zone; DCesv5 is zonal in most regions.
     zone: Literal["1", "2", "3"] | None = None
 
 
-class NetworkConfig(_Strict):
+class NetworkConfig(Strict):
     dev_cidr: ipaddress.IPv4Network
     security_cidr: ipaddress.IPv4Network
     # Who may open the Dev CVM's attested SSH port (e.g. GCP IAP 35.235.240.0/20, a VPN range).
@@ -201,7 +196,7 @@ class NetworkConfig(_Strict):
         return self
 
 
-class CvmConfig(_Strict):
+class CvmConfig(Strict):
     size: str = Field(min_length=1)
     # A TDX-capable image: GCP image self link/family, Azure image id or "publisher:offer:sku:version".
     image: str = Field(min_length=1)
@@ -230,7 +225,7 @@ class SecurityCvmConfig(CvmConfig):
     cvm_ids: list[ConsoleCvmId] | None = Field(default=None, min_length=1, max_length=8)
 
 
-class Developer(_Strict):
+class Developer(Strict):
     name: Name
     ssh_keys: list[SshKey] = Field(min_length=1)
     cvms: list[Name] = Field(default_factory=lambda: ["main"], min_length=1)
@@ -254,7 +249,7 @@ class Developer(_Strict):
         return self
 
 
-class TeamStack(_Strict):
+class TeamStack(Strict):
     kind: Literal["team"]
     team: Name
     cloud: Literal["gcp", "azure"]
@@ -348,7 +343,7 @@ class TeamStack(_Strict):
         return self
 
 
-class ConsoleStack(_Strict):
+class ConsoleStack(Strict):
     kind: Literal["console"]
     name: Name = "console"
     cloud: Literal["gcp", "azure"]
@@ -427,7 +422,7 @@ def _check_image(cloud: str, where: str, image: str) -> None:
         raise ValueError(f"{where} {image!r} is not a GCP image name or self link")
 
 
-class _Stack(_Strict):
+class _Stack(Strict):
     stack: Annotated[TeamStack | ConsoleStack, Field(discriminator="kind")]
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import io
-import json
 import os
 import stat
 import tarfile
@@ -20,15 +19,14 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from umbra.contracts.canonical import canonical_json
+from umbra.contracts.model import Strict
 
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 OCI_CONFIG = "application/vnd.oci.image.config.v1+json"
 OCI_LAYER = "application/vnd.oci.image.layer.v1.tar"
-
-
-def _canonical(doc: Any) -> bytes:
-    return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
 
 
 class _HashingWriter(io.RawIOBase):
@@ -84,10 +82,8 @@ def write_layer(root: Path, out: BinaryIO, epoch: int) -> tuple[str, int]:
     return sink.sha.hexdigest(), sink.size
 
 
-class ImageConfig(BaseModel):
+class ImageConfig(Strict):
     """The runtime defaults an image carries (the OCI config's `config` object)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     Entrypoint: list[str] | None = None
     Cmd: list[str] | None = None
@@ -112,7 +108,7 @@ class BuiltImage:
 
 def image_config(layer_digest: str, cfg: ImageConfig, epoch: int) -> bytes:
     created = datetime.fromtimestamp(epoch, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-    return _canonical(
+    return canonical_json(
         {
             "architecture": "amd64",
             "os": "linux",
@@ -125,7 +121,7 @@ def image_config(layer_digest: str, cfg: ImageConfig, epoch: int) -> bytes:
 
 
 def oci_manifest(config: bytes, layer_digest: str, layer_size: int) -> bytes:
-    return _canonical(
+    return canonical_json(
         {
             "schemaVersion": 2,
             "mediaType": OCI_MANIFEST,
@@ -155,7 +151,7 @@ def write_archive(
     config_hex = hashlib.sha256(config).hexdigest()
     layer_size = layer.stat().st_size
     manifest = oci_manifest(config, layer_digest, layer_size)
-    docker_manifest = _canonical(
+    docker_manifest = canonical_json(
         [
             {
                 "Config": f"{config_hex}.json",

@@ -12,7 +12,8 @@ from collections.abc import Sequence
 
 from umbra.attest.enroll_client import EnrollError, ensure_credential
 from umbra.attest.eventlog import Event
-from umbra.proxy.runner import ProxyConfig, StartupError, config_evidence, console_verify
+from umbra.proxy.config import ProxyConfig
+from umbra.proxy.startup import StartupError, config_evidence, console_verify
 
 
 def ensure_console_credential(config: ProxyConfig) -> bool:

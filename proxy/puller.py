@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
@@ -27,6 +26,7 @@ import httpx
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from pydantic import ValidationError
 
+from umbra.contracts.files import write_atomic
 from umbra.policy import BundleError, VerifiedBundle, verify_bundle
 from umbra.proxy.identity import AttachmentsDocument, StaticIdentities
 from umbra.proxy.state import PolicyState
@@ -111,11 +111,9 @@ class PolicyPuller:
         if path is None:
             return
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_bytes(raw)
-        with tmp.open("rb") as handle:
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
+        # Owner-only: the attachments name credential hashes; synced, as the cache must survive
+        # a crash.
+        write_atomic(path, raw, 0o600, sync=True)
 
     def _save_cache(self, raw: bytes) -> None:
         self._write_atomic(self.cache, raw)

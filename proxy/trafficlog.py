@@ -1,7 +1,7 @@
 """Redaction of traffic-log fields: secret values never reach a record.
 
-The record itself is `umbra.contracts.traffic.TrafficRecord`, built once by the traffic-log addon
-(`proxy/addons/traffic.py`) and the tunnel endpoint with `TrafficRecord.build`.
+The record itself is `umbra.contracts.traffic.TrafficRecord`, built in one place: the traffic-log
+addon's `TrafficLog.emit` (`proxy/addons/traffic.py`), which the tunnel endpoint reports through too.
 """
 
 from __future__ import annotations

@@ -7,6 +7,8 @@ own loopback connection to the proxy, from a source (address, port) it registere
 In `tunnel` mode the endpoint itself sends `CONNECT host:port` for the configured destination, so
 the addon's tunnel-rule decision and logging apply unchanged. Any failure closes the session with
 a traffic-log record (kind `connection`, reason `tunnel_*`); no sandbox byte reaches the proxy.
+Records go through the proxy's one record builder (`emit` is the traffic-log addon's
+`TrafficLog.emit`), so they are redacted like every other record: a claimed cvm_id is sandbox text.
 
 aTLS is one-way (the forwarder verifies us), so the per-CVM credential is what authenticates the
 Dev CVM until mutual attestation exists.
@@ -24,12 +26,13 @@ import socket
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from umbra.attest.atls import ATLSConnection, relay, serve_atls
 from umbra.attest.errors import ATLSError
 from umbra.attest.eventlog import Event
 from umbra.attest.quote_source import QuoteSource
-from umbra.contracts.traffic import Decision, Kind, TrafficRecord
+from umbra.contracts.traffic import Decision, Kind
 from umbra.contracts.tunnel_header import (
     HeaderClosed,
     HeaderError,
@@ -60,7 +63,8 @@ class TunnelEndpoint:
     registry: TunnelIdentities
     proxy_host: str  # the proxy's loopback listener
     proxy_port: int
-    emit: Callable[[TrafficRecord], None]
+    # The traffic log's record builder: redacts the fields, builds the record, spools it.
+    emit: Callable[[dict[str, Any]], None]
     header_timeout: float = 10.0
     connect_timeout: float = 10.0
     # The interception CA's certificate (mitmproxy's `mitmproxy-ca-cert.pem`): never the key.
@@ -89,15 +93,15 @@ class TunnelEndpoint:
         self.stats.refused[reason] = self.stats.refused.get(reason, 0) + 1
         logger.warning("tunnel refused: %s", reason)
         self.emit(
-            TrafficRecord.build(
-                kind=Kind.CONNECTION,
-                cvm_id=identity.cvm_id if identity else None,
-                owner=identity.owner if identity else None,
-                team=identity.team if identity else None,
-                decision=Decision.DENY,
-                reason=reason,
-                detail=detail[:300],
-            )
+            {
+                "kind": Kind.CONNECTION,
+                "cvm_id": identity.cvm_id if identity else None,
+                "owner": identity.owner if identity else None,
+                "team": identity.team if identity else None,
+                "decision": Decision.DENY,
+                "reason": reason,
+                "detail": detail[:300],
+            }
         )
 
     def _atls_failed(self, exc: ATLSError) -> None:

@@ -45,7 +45,8 @@ from tests.proxy.harness import (
     write_identities,
     write_secrets,
 )
-from umbra.proxy.runner import ProxyConfig, ProxyThread
+from tests.proxy.proxy_thread import ProxyThread
+from umbra.proxy.config import ProxyConfig
 
 ALPN_SECRET = "alpnleak-5d1e9a7c3b"
 

@@ -8,7 +8,8 @@ from pathlib import Path
 
 from tests.proxy.conftest import Env
 from tests.proxy.harness import TrafficLog, auth_header, read_response, status_of
-from umbra.proxy.runner import ProxyConfig, ProxyThread
+from tests.proxy.proxy_thread import ProxyThread
+from umbra.proxy.config import ProxyConfig
 
 
 def test_in_process_proxy_refuses_loopback_without_the_test_allowance(

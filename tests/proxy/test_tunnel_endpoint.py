@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
+from tests.proxy.proxy_thread import ProxyThread
 from umbra.attest.atls import atls_connect
 from umbra.attest.collateral import StaticCollateral
 from umbra.attest.eventlog import dump_dstack_event_log
@@ -31,14 +32,16 @@ from umbra.attest.measurement import MeasurementPolicy, ReleaseManifest
 from umbra.attest.simpki import SimulatedPki
 from umbra.attest.simulator import SimulatedTdx
 from umbra.attest.verify import Verifier
+from umbra.proxy.config import ProxyConfig
 from umbra.proxy.identity import CvmIdentity
-from umbra.proxy.runner import ProxyConfig, ProxyThread, StartupError
+from umbra.proxy.startup import StartupError
 from umbra.sandbox.forwarder import Forwarder
 from umbra.sandbox.models import Endpoint, Tunnel
 from umbra.sandbox.sandbox_ca import CaBundle
 
 from .conftest import Env
 from .harness import (
+    ALICE_SECRET,
     ALICE_TOKEN,
     ALL_SECRETS,
     BOB_TOKEN,
@@ -265,6 +268,17 @@ def test_unauthenticated_forwarders_are_refused(
     assert record["kind"] == "connection" and record["decision"] == "deny"
     assert record["cvm_id"] is None
     assert not tun.env.recorder.contains(needle.encode())
+
+
+def test_a_claimed_cvm_id_is_redacted_like_any_sandbox_text(tun: Tun) -> None:
+    """A refusal's record is built by the traffic log, so a secret claimed as the cvm_id is
+    redacted (fails on the endpoint that built its own records, unredacted)."""
+    port = tun.forwarder(ALICE_SECRET, "tunnel-wrong-credential")[0]
+    mark = tun.proxy.log.mark()
+    assert plain_via(port, tun, f"tunnel-refused-{uuid.uuid4().hex}") == b""
+    record = tun.proxy.log.wait_for(mark, lambda r: r["reason"] == "tunnel_unknown_cvm")
+    assert ALICE_SECRET not in str(record)
+    assert record["detail"] == "claimed cvm_id [redacted]"
 
 
 def _raw_atls(tun: Tun, payload: bytes) -> bytes:
