@@ -31,7 +31,7 @@ PortBase = Annotated[
         envvar="UMBRA_UP_PORT_BASE",
         min=1024,
         max=65000,
-        help="First of five loopback ports (issuer, Console, proxy, tunnel, demo origin).",
+        help="First of six loopback ports (issuer, Console, proxy, tunnel, demo origin, model API).",
     ),
 ]
 JsonFlag = Annotated[bool, typer.Option("--json", help="Machine-readable output on stdout.")]
@@ -167,8 +167,10 @@ def _bring_up(stack: Any, policies: Path, step: Any, summary: dict[str, Any]) ->
         if not secret.exists():
             s._write_secret(secret, ("demo_" + secrets.token_urlsafe(24)).encode())
         s.ensure_demo_secret(client, secret.read_text().strip())
-        step("Stand-in origin for the walkthrough (its own CA)")
+        s.ensure_llm_secrets(stack, client)
+        step("Stand-in origin and model API for the walkthrough (their own CA)")
         s.start_origin(stack)
+        s.start_llm_origin(stack)
         step("Sandbox image: Debian trixie, Claude Code, Codex, Docker (built once, cached)")
         summary["sandbox_image"] = [str(p) for p in s.ensure_sandbox_image(stack)]
         step("Launching the Dev CVM through the Console (local provider: runc)")
@@ -216,6 +218,15 @@ def _check(stack: Any, summary: dict[str, Any], internet: bool, step: Any, quiet
     summary["check"]["ssh"] = c.run_ssh_check(cvm)
     if not quiet:
         console.print(f"   [green]✓[/] {summary['check']['ssh']['detail']}")
+    step("The real agents in the sandbox: claude -p and codex exec against the stand-in API")
+
+    def agent_shown(result: Any) -> None:
+        if not quiet:
+            mark = "[green]✓[/]" if result.ok else "[red]✗[/]"
+            console.print(f"   {mark} {result.detail} ({result.seconds} s)", highlight=False)
+
+    agents = c.run_agent_check(c.sandbox_runner(stack, cvm), c.llm_endpoints(stack), agent_shown)
+    summary["check"]["agents"] = {r.name: r.as_json() for r in agents}
     if internet:
         step("--internet: pip download and git ls-remote against the real hosts")
 

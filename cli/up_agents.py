@@ -21,9 +21,6 @@ from typing import Any, Protocol
 
 from umbra.cli.llm_origin import REPLY
 
-# The versions `umbra up` installs into the sandbox image and the tests pin (npm).
-CLAUDE_CODE_VERSION = "2.1.332"
-CODEX_VERSION = "0.171.0"
 ANTHROPIC_KEY_REF = "team/anthropic-api-key"
 OPENAI_KEY_REF = "personal/openai-api-key"
 PROMPT = "say hi"

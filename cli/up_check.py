@@ -18,6 +18,7 @@ import signal
 import subprocess
 import tempfile
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -26,7 +27,7 @@ from typing import Any
 import httpx
 
 from umbra.cli.up_agents import AgentResult, Endpoints, SandboxRunner, run_agents
-from umbra.cli.up_stack import DEMO_HOSTS, TEAM, Stack, UpError, _umbra
+from umbra.cli.up_stack import DEMO_HOSTS, LLM_HOST, TEAM, Stack, UpError, _umbra
 from umbra.contracts.traffic import Decision
 from umbra.sandbox import local_cvm
 
@@ -271,3 +272,27 @@ def run_agent_check(
         raise UpError("the agents did not complete a turn: " + "; ".join(failed),
                       "see logs/proxy.log and `umbra logs` for what was refused")  # fmt: skip
     return results
+
+
+def sandbox_runner(stack: Stack, cvm_id: str) -> SandboxRunner:
+    """The local Dev CVM's runner for the agent step: the argv as the developer with the login
+    environment plus `env` (`env` takes the variables, so no value passes through a shell)."""
+    plan = local_cvm.load_plan(stack.p("cvms"), cvm_id)
+    if plan is None:
+        raise UpError(f"no local Dev CVM {cvm_id} on disk", "run `umbra up` first")
+
+    def run(
+        argv: Sequence[str], env: Mapping[str, str], timeout: float
+    ) -> subprocess.CompletedProcess[str]:
+        command = ["env", *(f"{k}={v}" for k, v in env.items()), *argv]
+        try:
+            return local_cvm.run_in_sandbox(plan, command, user="dev", timeout=timeout)
+        except local_cvm.LocalCvmError:
+            raise subprocess.TimeoutExpired(command, timeout) from None
+
+    return run
+
+
+def llm_endpoints(stack: Stack) -> Endpoints:
+    base = f"https://{LLM_HOST}:{stack.port('llm')}"
+    return Endpoints(anthropic_base_url=base, openai_base_url=base + "/v1")

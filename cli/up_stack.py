@@ -25,6 +25,7 @@ import hashlib
 import ipaddress
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -47,8 +48,10 @@ DEV_CVM_NAME = "dev"
 SECURITY_CVM_NAME = "security"
 DEMO_SECRET_NAME = "demo-token"  # noqa: S105 -- a secret's name, not its value
 DEMO_HOSTS = ("api.demo.test", "evil.demo.test")
+# The stand-in model API that `--check` runs the real agents against (cli/llm_origin.py).
+LLM_HOST = "llm.demo.test"
 SIMULATED_IMAGE = "umbra-security-cvm"
-COMPONENTS = ("issuer", "console", "origin", "proxy")
+COMPONENTS = ("issuer", "console", "origin", "llm", "proxy")
 # `--internet`: what `pip download` and `git ls-remote` use. UMBRA_UP_INTERNET_TARGETS (JSON,
 # the same keys) points them elsewhere: a mirror, or the stand-in origin in the wiring test.
 INTERNET_TARGETS = {
@@ -60,7 +63,9 @@ INTERNET_TARGETS = {
 SYSTEM_CA_BUNDLES = ("/etc/ssl/certs/ca-certificates.crt", "/etc/pki/tls/certs/ca-bundle.crt")
 # Attached to the Dev CVM when the bundle has them: the walkthrough's origin and daily work
 # (Python, npm, Debian, public git; policies/tests/daily-work.yaml).
-DEFAULT_PROFILES = ("demo", "pypi", "npm", "debian", "git-public")
+DEFAULT_PROFILES = (
+    "demo", "pypi", "npm", "debian", "git-public", "anthropic-standin", "openai-standin",
+)  # fmt: skip
 # The hosts of those profiles: resolved once at `up` only to find a network's own mirror (a
 # non-public address the proxy would refuse), which this embedded stack then allows, with a
 # warning. The proxy itself resolves every name live with the system resolver.
@@ -69,7 +74,7 @@ DAILY_HOSTS = (
     "security.debian.org", "github.com", "gitlab.com",
 )  # fmt: skip
 # Offsets from --port-base.
-PORTS = {"issuer": 0, "console": 1, "proxy": 2, "tunnel": 3, "origin": 4}
+PORTS = {"issuer": 0, "console": 1, "proxy": 2, "tunnel": 3, "origin": 4, "llm": 5}
 REQUIRED_TOOLS = {
     "ip": "iproute2",
     "nft": "nftables",
@@ -307,6 +312,21 @@ def _pem_cert(cert: Any) -> bytes:
     return data
 
 
+_ORIGIN_NAMES = frozenset({*DEMO_HOSTS, LLM_HOST})
+
+
+def _names(cert: Path) -> set[str]:
+    """The DNS names a stand-in certificate covers (an older state dir's may lack one)."""
+    from cryptography import x509
+
+    try:
+        parsed = x509.load_pem_x509_certificate(cert.read_bytes())
+        sans = parsed.extensions.get_extension_for_class(x509.SubjectAlternativeName)
+    except (OSError, ValueError, x509.ExtensionNotFound):
+        return set()
+    return set(sans.value.get_values_for_type(x509.DNSName))
+
+
 def _demo_ca(directory: Path) -> None:
     """A CA of its own for the stand-in origin, and the origin's certificate."""
     from cryptography import x509
@@ -314,7 +334,7 @@ def _demo_ca(directory: Path) -> None:
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-    if (directory / "origin.pem").exists():
+    if (directory / "origin.pem").exists() and _names(directory / "origin.pem") >= _ORIGIN_NAMES:
         return
     directory.mkdir(parents=True, exist_ok=True)
     now = datetime.datetime.now(datetime.UTC)
@@ -332,7 +352,7 @@ def _demo_ca(directory: Path) -> None:
         .sign(ca_key, hashes.SHA256())
     )
     key = ec.generate_private_key(ec.SECP256R1())
-    sans: list[x509.GeneralName] = [x509.DNSName(h) for h in DEMO_HOSTS]
+    sans: list[x509.GeneralName] = [x509.DNSName(h) for h in sorted(_ORIGIN_NAMES)]
     sans.append(x509.IPAddress(ipaddress.ip_address("127.0.0.1")))
     cert = (
         x509.CertificateBuilder()
@@ -393,7 +413,7 @@ def prepare_material(stack: Stack) -> None:
     _demo_ca(stack.p("demo-origin"))
     # The proxy resolves real names with the system resolver; the stand-in origin's names are
     # the one static exception (`--test-hosts`).
-    resolver: dict[str, list[str]] = {host: ["127.0.0.1"] for host in DEMO_HOSTS}
+    resolver: dict[str, list[str]] = {host: ["127.0.0.1"] for host in sorted(_ORIGIN_NAMES)}
     stack.p("security-cvm", "resolver.json").write_text(json.dumps(resolver))
     hosts = sorted(set(DAILY_HOSTS) | set(internet_hosts()))
     found, unresolved = _resolve_now([h for h in hosts if h not in resolver])
@@ -616,6 +636,36 @@ def start_origin(stack: Stack) -> bool:
     return True
 
 
+def llm_keys(stack: Stack) -> dict[str, str]:
+    """The stand-in model API's two keys (random, 0600, made once): set as the team's and the
+    developer's secrets, injected by the Security CVM; the sandbox holds placeholders only."""
+    keys = {}
+    for name, prefix in (("anthropic-api-key", "sk-ant-umbra-"), ("openai-api-key", "sk-umbra-")):
+        path = stack.p("keys", name)
+        if not path.exists():
+            _write_secret(path, (prefix + secrets.token_urlsafe(24)).encode())
+        keys[name] = path.read_text().strip()
+    return keys
+
+
+def start_llm_origin(stack: Stack) -> bool:
+    if stack.pid("llm") is not None:
+        return False
+    d, keys = stack.p("demo-origin"), llm_keys(stack)
+    stack.spawn(
+        "llm",
+        [
+            sys.executable, "-m", "umbra.cli.llm_origin", "--cert", str(d / "origin.pem"),
+            "--key", str(d / "origin-key.pem"), "--port", str(stack.port("llm")),
+            # only the keys' digests: no key on a command line
+            "--anthropic-key-sha256", hashlib.sha256(keys["anthropic-api-key"].encode()).hexdigest(),
+            "--openai-key-sha256", hashlib.sha256(keys["openai-api-key"].encode()).hexdigest(),
+        ],
+    )  # fmt: skip
+    stack.wait_tcp("llm", stack.port("llm"), 20)
+    return True
+
+
 def wait_tunnel(stack: Stack, timeout: float) -> None:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
@@ -722,6 +772,7 @@ def _expect(response: httpx.Response, *ok: int) -> Any:
 
 
 def publish_bundle(stack: Stack, client: httpx.Client, policies: Path) -> int:
+    from umbra.cli.up_agents import standin_profiles
     from umbra.policy.bundle import load_private_key, payload_document, sign_bundle
     from umbra.policy.loader import load_policy_dir
 
@@ -729,6 +780,8 @@ def publish_bundle(stack: Stack, client: httpx.Client, policies: Path) -> int:
     shutil.rmtree(work, ignore_errors=True)
     shutil.copytree(policies, work)
     (work / "profiles" / "zz-umbra-up-demo.yaml").write_text(demo_profile(stack.port("origin")))
+    for name, text in standin_profiles(LLM_HOST, stack.port("llm")).items():
+        (work / "profiles" / f"zz-umbra-up-{name}.yaml").write_text(text)
     shutil.rmtree(work / "tests", ignore_errors=True)
     loaded = load_policy_dir(work)
     compiled = [p.compiled for p in loaded.profiles.values()]
@@ -784,14 +837,26 @@ def _mint_token(client: httpx.Client, cvm_id: str, token_file: Path) -> None:
 
 
 def ensure_demo_secret(client: httpx.Client, value: str) -> None:
+    ensure_secret(client, f"team/{DEMO_SECRET_NAME}", value, DEMO_HOSTS[0])
+
+
+def ensure_secret(client: httpx.Client, ref: str, value: str, host: str) -> None:
+    """Set a team (`team/NAME`) or the developer's personal (`personal/NAME`) secret."""
+    scope, name = ref.split("/", 1)
+    path = "secrets" if scope == "team" else "personal-secrets"
     _expect(
-        client.put(
-            f"/api/v1/teams/{TEAM}/secrets/{DEMO_SECRET_NAME}",
-            json={"value": value, "hosts": [DEMO_HOSTS[0]]},
-        ),
+        client.put(f"/api/v1/teams/{TEAM}/{path}/{name}", json={"value": value, "hosts": [host]}),
         200,
         201,
     )
+
+
+def ensure_llm_secrets(stack: Stack, client: httpx.Client) -> None:
+    from umbra.cli.up_agents import ANTHROPIC_KEY_REF, OPENAI_KEY_REF
+
+    keys = llm_keys(stack)
+    ensure_secret(client, ANTHROPIC_KEY_REF, keys["anthropic-api-key"], LLM_HOST)
+    ensure_secret(client, OPENAI_KEY_REF, keys["openai-api-key"], LLM_HOST)
 
 
 def ensure_dev_cvm(stack: Stack, client: httpx.Client, scvm_id: str, ssh_keys: list[str]) -> str:
@@ -905,6 +970,7 @@ def status(stack: Stack) -> dict[str, Any]:
         "issuer": lambda: _http_ok(stack.issuer_url + "/healthz"),
         "console": lambda: _http_ok(stack.console_url + "/healthz"),
         "origin": lambda: _tcp_ok(stack.port("origin")),
+        "llm": lambda: _tcp_ok(stack.port("llm")),
         "proxy": lambda: _tcp_ok(stack.port("tunnel"), local_cvm.SECURITY_CVM_ADDR),
     }
     for name in COMPONENTS:

