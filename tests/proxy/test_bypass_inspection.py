@@ -45,6 +45,7 @@ from tests.proxy.harness import (
     write_identities,
     write_secrets,
 )
+from umbra.proxy.decode import MAX_DEPTH
 from umbra.proxy.runner import ProxyConfig, ProxyThread
 
 ALPN_SECRET = "alpnleak-5d1e9a7c3b"
@@ -769,7 +770,27 @@ def _tar_gz(name: str, data: bytes) -> bytes:
     return buffer.getvalue()
 
 
+def _b64_nested(data: bytes, times: int) -> bytes:
+    for _ in range(times):
+        data = base64.b64encode(data)
+    return data
+
+
+def _b64_hex_json(data: bytes) -> bytes:
+    """base64 8 times, with a hex layer and a JSON string (its `A`s escaped) between."""
+    data = _b64_nested(data, 4).hex().encode()
+    data = json.dumps({"blob": _b64_nested(data, 2).decode()}).replace("A", "\\u0041").encode()
+    return _b64_nested(data, 2)
+
+
 UNSAID = {
+    # the decoder stopped after 3 levels: anything deeper passed unscanned
+    "base64 nested 5 times": (_b64_nested(AWS_PAIR.encode(), 5), "text/plain", ()),
+    "base64 nested 8 times with hex and JSON": (
+        _b64_hex_json(AWS_PAIR.encode()),
+        "application/octet-stream",
+        (),
+    ),
     "zip (deflate)": (_zip("creds.txt", AWS_PAIR.encode()), "application/zip", ()),
     "tar.gz": (_tar_gz("creds.txt", AWS_PAIR.encode()), "application/octet-stream", ()),
     "zlib without Content-Encoding": (zlib.compress(AWS_PAIR.encode()), "text/plain", ()),
@@ -832,6 +853,12 @@ MALFORMED = {
     "truncated zip": (_zip("a", b"x" * 4000)[:80], "application/zip", (), "malformed_archive"),
     "zip bomb": (_zip("bomb", b"\0" * (64 << 20)), "application/zip", (), "scan_limit"),
     "zip nested 6 deep": (_nested_zip(6), "application/zip", (), "scan_limit"),
+    "base64 nested past the decoder's depth": (
+        _b64_nested(b"whatever lies below", MAX_DEPTH + 2),
+        "text/plain",
+        (),
+        "scan_limit",
+    ),
     "gRPC frame of a wrong length": (
         b"\x00\x00\x00\x03\xe8abc",
         "application/grpc",
