@@ -317,6 +317,17 @@ def _sse_routes(handler: OriginHandler, seen: Seen) -> None:
             + "\n\n"
             for i in range(0, len(auth), 3)
         ]
+    elif seen.path.startswith("/sse-as-text"):
+        # server-sent events under a content type that does not say so
+        events = [f"data: {auth[:middle]}\n\n", f"data: {auth[middle:]}\n\n"]
+        sse = {"content-type": "text/plain"}
+    elif seen.path.startswith("/ndjson-deltas"):
+        # a streamed completion as JSON Lines (Ollama-style), three characters per line
+        events = [
+            json.dumps({"message": {"content": auth[i : i + 3]}}) + "\n"
+            for i in range(0, len(auth), 3)
+        ]
+        sse = {"content-type": "application/x-ndjson"}
     elif seen.path.startswith("/sse-clean"):
         events = [f"data: event-{index} Bearer T\n\n" for index in range(3)]
     else:
@@ -483,6 +494,27 @@ def test_a_credential_echoed_across_server_sent_events_is_cut(env23: Env23, path
     )
     for form in (TEAM_SECRET.encode(), TEAM_SECRET.encode()[:8], TEAM_SECRET.encode()[-8:]):
         assert form not in result.stdout and form not in received
+    env23.log.wait_for(mark, lambda r: r["reason"] == "credential_reflected")
+
+
+@pytest.mark.parametrize("path", ["/sse-as-text", "/ndjson-deltas"])
+def test_a_credential_echoed_across_undeclared_events_or_json_lines_is_cut(
+    env23: Env23, path: str
+) -> None:
+    """Fails on the old code: only a declared `text/event-stream` was checked event by event, so
+    events under another content type, and streamed JSON Lines, reached the client in pieces."""
+    mark = env23.log.mark()
+    result = _curl(env23, f"https://api.test:{env23.origin.port}{path}")
+    assert result.returncode != 0  # cut: no complete response
+    joined = b"".join(
+        json.loads(line)["message"]["content"].encode()
+        if path.startswith("/ndjson")
+        else line.removeprefix(b"data: ")
+        for line in result.stdout.replace(b"\n\n", b"\n").splitlines()
+        if line.strip()
+    )
+    for form in (TEAM_SECRET.encode(), TEAM_SECRET.encode()[:8], TEAM_SECRET.encode()[-8:]):
+        assert form not in result.stdout and form not in joined
     env23.log.wait_for(mark, lambda r: r["reason"] == "credential_reflected")
 
 
