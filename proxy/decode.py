@@ -155,9 +155,10 @@ class Budget:
 
     remaining: int
     exhausted: bool = field(default=False)
-    # Base64 runs already decoded: a decoded copy of a text carries its runs to the next level
-    # again, and each would be decoded (at four offsets) once per level.
-    seen_runs: set[bytes] = field(default_factory=set)
+    # Base64 runs already decoded (their hashes: SipHash with a per-process key, so no input can
+    # be made to collide): a decoded copy of a text carries its runs to the next level again, and
+    # each would be decoded (at four offsets) once per level.
+    seen_runs: set[int] = field(default_factory=set)
 
     def take(self, size: int) -> bool:
         if size > self.remaining:
@@ -171,7 +172,7 @@ class Budget:
 # escapes is ~12). Content still holding something to decode at the last level is refused (413
 # `scan_limit`), never forwarded with its lowest layer unscanned. Each level is smaller than the one
 # it came from (every decoding shrinks its input; the misaligned base64 decodings are binary noise
-# without runs), so ordinary bodies settle after 2-4 levels whatever this bound is.
+# without runs), so ordinary bodies settle after 2-8 levels whatever this bound is.
 MAX_DEPTH = 16
 
 # What a layer can be decoded from, located by Hyperscan rather than by Python passes over the
@@ -319,12 +320,12 @@ def decode_level(data: bytes, found: Found, budget: Budget, depth: int = 0) -> b
     return b"\0".join(pieces)
 
 
-def _fresh(data: bytes, runs: list[tuple[int, int]], seen: set[bytes]) -> list[tuple[int, int]]:
+def _fresh(data: bytes, runs: list[tuple[int, int]], seen: set[int]) -> list[tuple[int, int]]:
     fresh: list[tuple[int, int]] = []
     for start, end in runs:
-        run = data[start:end]
-        if run not in seen:
-            seen.add(run)
+        key = hash(data[start:end])
+        if key not in seen:
+            seen.add(key)
             fresh.append((start, end))
     return fresh
 
