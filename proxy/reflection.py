@@ -213,9 +213,10 @@ _LINE_TYPES = {
 }
 # Server-sent events whatever the content type says (a client reading the stream with its own
 # parser does not check it): the body opens with an event field or a comment.
-_SSE_OPENING = re.compile(rb"(?:\xef\xbb\xbf)?(?:(?:data|event|id|retry):|: )")
-_SNIFF = 9  # a BOM and `retry:`
 _BOM = b"\xef\xbb\xbf"
+_SSE_OPENINGS = tuple(
+    bom + field for bom in (b"", _BOM) for field in (b"data:", b"event:", b"id:", b"retry:", b": ")
+)
 _EVENT_END = re.compile(rb"\r\n\r\n|\n\n|\r\r")
 _LINE_END = re.compile(rb"\r\n|\n|\r")
 _MAX_EVENT = 1 << 20
@@ -320,16 +321,19 @@ class BodyStream:
         return event_data(event) if self._framing is Framing.SSE else event
 
     def _sniff(self, decoded: bytes, final: bool = False) -> bytes:
-        """Collect the body's first bytes; once there are enough, decide whether they open
-        server-sent events (then they are split like declared ones) or not (then no more)."""
+        """Decide from the body's first bytes whether they open server-sent events (then they are
+        split like declared ones) or not (then no more); bytes that could still open one wait
+        (any other first byte decides at once, so nothing else is held)."""
         buf = self._event_buf + decoded
-        if len(buf) < _SNIFF and not final:
-            self._event_buf = buf
+        if not final and any(
+            len(buf) < len(opening) and opening.startswith(buf) for opening in _SSE_OPENINGS
+        ):
+            self._event_buf = buf  # could still open an event: held (at most 8 bytes)
             return b""
         self._sniffing = False
         self._event_buf = b""
         self._chain_start = None
-        if self._reassembler is not None and _SSE_OPENING.match(buf):
+        if self._reassembler is not None and buf.startswith(_SSE_OPENINGS):
             self._framing = Framing.SSE
             self._events = self._reassembler()
             self._split_events(buf)

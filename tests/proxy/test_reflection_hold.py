@@ -158,3 +158,14 @@ def test_streams_that_only_start_like_a_credential_pass_whole(
     stream = ReflectionGuard([VALUE]).stream("", content_type)
     out = b"".join(stream.feed(body[i : i + 5]) for i in range(0, len(body), 5))
     assert out + stream.finish() == body
+
+
+def test_a_first_byte_that_opens_no_event_is_passed_at_once() -> None:
+    """Only bytes that could still open an event wait for the next chunk (a heartbeat byte of a
+    long poll is not delayed)."""
+    stream = ReflectionGuard([VALUE]).stream("", "application/json")
+    assert stream.feed(b"{") == b"{"
+    assert stream.feed(b'"a": 1}') == b'"a": 1}'
+    waiting = ReflectionGuard([VALUE]).stream("", "text/plain")
+    assert waiting.feed(b"da") == b""  # could be `data:`
+    assert waiting.feed(b"y 1\n") == b"day 1\n"
