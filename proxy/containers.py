@@ -68,6 +68,9 @@ class Limits:
             raise DecodeLimit("decoded content exceeds the scan budget")
         if self.produced > self.ratio * max(self.consumed, 1) + (1 << 20):
             raise DecodeLimit("content decodes beyond its ratio bound (a bomb)")
+        self.check_time()
+
+    def check_time(self) -> None:
         if time.monotonic() > self.deadline:
             raise DecodeLimit("decoding took longer than the scan allows")
 

@@ -3,8 +3,8 @@
 `content_decode` undoes Content-Encoding chains (gzip, deflate, br, zstd) with a hard output
 limit; `decode_level` turns one buffer into the next level of decodings (URL-decoded,
 JSON-unescaped, base64-decoded at every alignment, hex-decoded, decompressed), from the trigger
-offsets the scanner's Hyperscan pass found in it, within a byte budget; the scanner repeats that up
-to `MAX_DEPTH` levels. `multipart_parts` splits a multipart body. Anything that cannot be decoded within the bounds raises `DecodeLimit` or
+offsets the scanner's Hyperscan pass found in it, within a byte budget; the scanner repeats that
+until nothing is left to decode, and refuses content still encoded after `MAX_DEPTH` levels. `multipart_parts` splits a multipart body. Anything that cannot be decoded within the bounds raises `DecodeLimit` or
 `DecodeError`, and the caller denies: content the proxy cannot read is content it does not forward.
 """
 
@@ -155,6 +155,10 @@ class Budget:
 
     remaining: int
     exhausted: bool = field(default=False)
+    # Base64 runs already decoded (their hashes: SipHash with a per-process key, so no input can
+    # be made to collide): a decoded copy of a text carries its runs to the next level again, and
+    # each would be decoded (at four offsets) once per level.
+    seen_runs: set[int] = field(default_factory=set)
 
     def take(self, size: int) -> bool:
         if size > self.remaining:
@@ -164,7 +168,12 @@ class Budget:
         return True
 
 
-MAX_DEPTH = 3
+# Decoding levels per buffer (base64 nested 8 times and mixed with hex, URL-encoding and JSON
+# escapes is ~12). Content still holding something to decode at the last level is refused (413
+# `scan_limit`), never forwarded with its lowest layer unscanned. Each level is smaller than the one
+# it came from (every decoding shrinks its input; the misaligned base64 decodings are binary noise
+# without runs), so ordinary bodies settle after 2-8 levels whatever this bound is.
+MAX_DEPTH = 16
 
 # What a layer can be decoded from, located by Hyperscan rather than by Python passes over the
 # bytes. The trigger expressions are compiled into the scanner's database next to the rules, so
@@ -256,7 +265,14 @@ def dense_runs(data: bytes, position: int) -> list[tuple[int, int]]:
     return runs
 
 
-def decode_level(data: bytes, found: Found, budget: Budget) -> bytes:
+# Levels below this decode each windowed kind into its own piece (every order of percent, JSON and
+# character-reference decoding is tried); deeper levels compose them into one piece. Separate pieces
+# each carry the other kinds' triggers, so a level of them is up to three times the size of the one
+# before: that growth stops here, and the deep levels stay linear.
+SEPARATE_LEVELS = 1
+
+
+def decode_level(data: bytes, found: Found, budget: Budget, depth: int = 0) -> bytes:
     """Every decoding of `data` worth scanning, as one buffer: decoded pieces joined by NUL bytes
     (which no rule's token contains), so the next level is again one Hyperscan pass."""
     pieces: list[bytes] = []
@@ -269,7 +285,9 @@ def decode_level(data: bytes, found: Found, budget: Budget) -> bytes:
         pieces.append(piece)
 
     offsets = found.offsets
-    if found.dense:
+    if depth >= SEPARATE_LEVELS:
+        add(_composed(data, found))
+    elif found.dense:
         if Trigger.PERCENT in found.present:
             add(_unquote(data))
         if Trigger.ESCAPE in found.present:
@@ -284,9 +302,10 @@ def decode_level(data: bytes, found: Found, budget: Budget) -> bytes:
             add(_json_unescape(_windows(data, offsets[Trigger.ESCAPE], 6)))
         if offsets[Trigger.CHARREF]:
             add(char_refs(_windows(data, offsets[Trigger.CHARREF], 10)))
-    if found.runs:
-        add(_b64_runs(data, found.runs))
-        add(_hex_runs(data, found.runs))
+    runs = _fresh(data, found.runs, budget.seen_runs)
+    if runs:
+        add(_b64_runs(data, runs))
+        add(_hex_runs(data, runs))
     for kind, name in ((Trigger.GZIP, "gzip"), (Trigger.ZSTD, "zstd")):
         consumed = -1
         for end in offsets[kind][:_MAX_MAGIC_TRIES]:
@@ -299,6 +318,35 @@ def decode_level(data: bytes, found: Found, budget: Budget) -> bytes:
                 consumed = start + used
                 add(out)
     return b"\0".join(pieces)
+
+
+def _fresh(data: bytes, runs: list[tuple[int, int]], seen: set[int]) -> list[tuple[int, int]]:
+    fresh: list[tuple[int, int]] = []
+    for start, end in runs:
+        key = hash(data[start:end])
+        if key not in seen:
+            seen.add(key)
+            fresh.append((start, end))
+    return fresh
+
+
+def _composed(data: bytes, found: Found) -> bytes:
+    """The windowed kinds undone one after another in one piece: percent (without `+` as a space,
+    which would split a base64 run inside it), then JSON escapes, then character references; what
+    one order leaves encoded is still a trigger on the next level."""
+    kinds = found.present.intersection(WINDOWED)
+    if not kinds:
+        return b""
+    if not found.dense:
+        ends = sorted(end for kind in kinds for end in found.offsets[kind])
+        data = _windows(data, ends, 3)  # 3: inside every kind's match; the window grows over text
+    if Trigger.PERCENT in kinds:
+        data = _PERCENT.sub(lambda match: _HEX_BYTE[match[1]], data)
+    if Trigger.ESCAPE in kinds:
+        data = _json_unescape(data)
+    if Trigger.CHARREF in kinds:
+        data = char_refs(data)
+    return data
 
 
 # Bytes an encoded (percent, JSON-escaped) token and its neighbours can consist of: printable ASCII,

@@ -17,6 +17,7 @@ import re
 import threading
 import zlib
 from collections.abc import Callable, Sequence
+from enum import StrEnum
 from typing import Protocol
 
 import brotli  # type: ignore[import-untyped]
@@ -173,19 +174,51 @@ class ReflectionGuard:
         return any(form in head for form in self._forms.forms)
 
     def stream(self, content_encoding: str, content_type: str = "") -> BodyStream:
-        """A body; server-sent events (whatever else the body is) are also checked event by
-        event for a credential in pieces (`reassembly`)."""
-        events = None
-        if content_type.split(";", 1)[0].strip().lower() == "text/event-stream":
-            events = Reassembler(self._values)
-        return BodyStream(self._forms, decoders_for(content_encoding), events)
+        """A body; a stream of events (server-sent events, declared or recognised by their first
+        field, or declared JSON Lines) is also checked event by event for a credential in pieces
+        (`reassembly`)."""
+        media = content_type.split(";", 1)[0].strip().lower()
+        framing = (
+            Framing.SSE
+            if media == "text/event-stream"
+            else Framing.LINES
+            if media in _LINE_TYPES
+            else None
+        )
+        values = self._values
+        return BodyStream(
+            self._forms, decoders_for(content_encoding), lambda: Reassembler(values), framing
+        )
 
     def messages(self) -> Reassembler:
         """A WebSocket connection's messages from the server, checked for a credential in pieces."""
         return Reassembler(self._values)
 
 
+class Framing(StrEnum):
+    """How a response body is a sequence of texts a client may join."""
+
+    SSE = "sse"  # events end at a blank line; their `data:` lines are the text
+    LINES = "lines"  # each line is one text (NDJSON, JSON Lines, JSON text sequences)
+
+
+_LINE_TYPES = {
+    "application/x-ndjson",
+    "application/ndjson",
+    "application/jsonl",
+    "application/jsonlines",
+    "application/x-jsonlines",
+    "application/json-seq",
+    "application/stream+json",
+}
+# Server-sent events whatever the content type says (a client reading the stream with its own
+# parser does not check it): the body opens with an event field or a comment.
+_BOM = b"\xef\xbb\xbf"
+_SSE_OPENINGS = tuple(
+    bom + field for bom in (b"", _BOM) for field in (b"data:", b"event:", b"id:", b"retry:", b": ")
+)
 _EVENT_END = re.compile(rb"\r\n\r\n|\n\n|\r\r")
+_LINE_END = re.compile(rb"\r\n|\n|\r")
 _MAX_EVENT = 1 << 20
 
 
@@ -200,14 +233,23 @@ class BodyStream:
     """One response body: `feed` each chunk, then `finish`; both return bytes safe to pass on."""
 
     def __init__(
-        self, forms: _Forms, decoders: list[_Decoder], events: Reassembler | None = None
+        self,
+        forms: _Forms,
+        decoders: list[_Decoder],
+        reassembler: Callable[[], Reassembler] | None = None,
+        framing: Framing | None = None,
     ) -> None:
+        """`framing` None: the body's first bytes decide whether it is server-sent events."""
         self._forms = forms
         self._decoders = decoders
-        self._events = events
+        self._reassembler = reassembler
+        self._framing = framing
+        self._sniffing = reassembler is not None and framing is None
+        self._events = reassembler() if reassembler is not None and framing is not None else None
         self._event_buf = b""  # decoded bytes of the event not yet complete
         self._event_start = 0  # its offset in the decoded body
-        self._chain_start: int | None = None  # where the events held for a pending start begin
+        # where the events held for a pending start begin (0 while the first bytes are sniffed)
+        self._chain_start: int | None = 0 if self._sniffing else None
         self._passed = 0  # encoded bytes passed on
         self._hit = False
         self._closed = False
@@ -260,6 +302,8 @@ class BodyStream:
         if self._closed:
             raise Reflected("stream already cut")
         self._checked(self._flush)
+        if self._sniffing:
+            self._checked(lambda: self._sniff(b"", final=True))
         if self._events is not None and self._event_buf:
             self._checked(self._last_event)
         held = self._held
@@ -269,16 +313,42 @@ class BodyStream:
     def _last_event(self) -> bytes:
         # An event without its blank line is not dispatched by clients; checked all the same.
         assert self._events is not None
-        self._events.add(event_data(self._event_buf))
+        self._events.add(self._event_text(self._event_buf))
         self._event_buf = b""
+        return b""
+
+    def _event_text(self, event: bytes) -> bytes:
+        return event_data(event) if self._framing is Framing.SSE else event
+
+    def _sniff(self, decoded: bytes, final: bool = False) -> bytes:
+        """Decide from the body's first bytes whether they open server-sent events (then they are
+        split like declared ones) or not (then no more); bytes that could still open one wait
+        (any other first byte decides at once, so nothing else is held)."""
+        buf = self._event_buf + decoded
+        if not final and any(
+            len(buf) < len(opening) and opening.startswith(buf) for opening in _SSE_OPENINGS
+        ):
+            self._event_buf = buf  # could still open an event: held (at most 8 bytes)
+            return b""
+        self._sniffing = False
+        self._event_buf = b""
+        self._chain_start = None
+        if self._reassembler is not None and buf.startswith(_SSE_OPENINGS):
+            self._framing = Framing.SSE
+            self._events = self._reassembler()
+            self._split_events(buf)
         return b""
 
     def _split_events(self, decoded: bytes) -> None:
         """Feed each complete event to the reassembler; remember where a pending chain starts."""
         assert self._events is not None
         buf = self._event_buf + decoded
+        ends = _EVENT_END if self._framing is Framing.SSE else _LINE_END
+        if self._event_start == 0 and buf.startswith(_BOM):
+            buf = buf[len(_BOM) :]  # clients drop it: the first field follows
+            self._event_start = len(_BOM)
         while True:
-            match = _EVENT_END.search(buf)
+            match = ends.search(buf)
             if match is None:
                 if len(buf) <= _MAX_EVENT:
                     break
@@ -286,7 +356,7 @@ class BodyStream:
             else:
                 end, stop = match.start(), match.end()
             start = self._event_start
-            if self._events.add(event_data(buf[:end])):
+            if self._events.add(self._event_text(buf[:end])):
                 if self._chain_start is None:
                     self._chain_start = start
             else:
@@ -315,7 +385,9 @@ class BodyStream:
                 )
             if self._hit:
                 raise Reflected("response reflects an injected credential")
-            if decoded and self._events is not None:
+            if decoded and self._sniffing:
+                self._sniff(decoded)
+            elif decoded and self._events is not None:
                 self._split_events(decoded)
             if self._hit:
                 raise Reflected("response reflects an injected credential")

@@ -212,7 +212,10 @@ class Scanner:
         matched |= hits
         return found
 
-    def scan_buffers(self, buffers: Iterable[bytes], budget: Budget) -> ScanResult:
+    def scan_buffers(self, buffers: Iterable[bytes], limits: Limits) -> ScanResult:
+        """Each buffer scanned level by level until nothing is left to decode; content still
+        encoded after MAX_DEPTH levels, or decoding past the request's budget (bytes, time), is
+        refused (`scan_limit`), never passed with its lowest layer unscanned."""
         result = ScanResult()
         matched: set[int] = set()
         try:
@@ -220,9 +223,14 @@ class Scanner:
                 level = buffer
                 for depth in range(MAX_DEPTH + 1):
                     found = self._level(level, matched, result)
-                    if depth == MAX_DEPTH or not (found.present or found.runs):
+                    if not (found.present or found.runs):
                         break
-                    level = decode_level(level, found, budget)
+                    if depth == MAX_DEPTH:
+                        raise DecodeLimit(
+                            f"content still encoded after {MAX_DEPTH} decoding levels"
+                        )
+                    limits.check_time()
+                    level = decode_level(level, found, limits.budget, depth)
                     if not level:
                         break
         except DecodeLimit as exc:
@@ -247,10 +255,10 @@ class Scanner:
         wide text, character references: `containers.expand`) is scanned as more buffers, all
         under the one budget."""
         budget = Budget(remaining=max(8 * (len(head) + len(body)), 1 << 20) + limit)
+        limits = Limits(budget)
         buffers = [head]
         if body:
             buffers.append(body)
-            limits = Limits(budget)
             try:
                 if content_type.lower().startswith("multipart/"):
                     buffers.extend(multipart_parts(body, content_type, limit))
@@ -264,7 +272,7 @@ class Scanner:
                 raise ScanError("undecodable_content", str(exc)) from None
             except Malformed as exc:
                 raise ScanError(str(exc.reason), str(exc)) from None
-        result = self.scan_buffers(buffers, budget)
+        result = self.scan_buffers(buffers, limits)
         if joined:
-            result.rule_ids |= self.scan_buffers([joined], budget).rule_ids
+            result.rule_ids |= self.scan_buffers([joined], limits).rule_ids
         return result

@@ -47,6 +47,7 @@ from tests.proxy.harness import (
 )
 from tests.proxy.proxy_thread import ProxyThread
 from umbra.proxy.config import ProxyConfig
+from umbra.proxy.decode import MAX_DEPTH
 
 ALPN_SECRET = "alpnleak-5d1e9a7c3b"
 
@@ -317,6 +318,17 @@ def _sse_routes(handler: OriginHandler, seen: Seen) -> None:
             + "\n\n"
             for i in range(0, len(auth), 3)
         ]
+    elif seen.path.startswith("/sse-as-text"):
+        # server-sent events under a content type that does not say so
+        events = [f"data: {auth[:middle]}\n\n", f"data: {auth[middle:]}\n\n"]
+        sse = {"content-type": "text/plain"}
+    elif seen.path.startswith("/ndjson-deltas"):
+        # a streamed completion as JSON Lines (Ollama-style), three characters per line
+        events = [
+            json.dumps({"message": {"content": auth[i : i + 3]}}) + "\n"
+            for i in range(0, len(auth), 3)
+        ]
+        sse = {"content-type": "application/x-ndjson"}
     elif seen.path.startswith("/sse-clean"):
         events = [f"data: event-{index} Bearer T\n\n" for index in range(3)]
     else:
@@ -483,6 +495,27 @@ def test_a_credential_echoed_across_server_sent_events_is_cut(env23: Env23, path
     )
     for form in (TEAM_SECRET.encode(), TEAM_SECRET.encode()[:8], TEAM_SECRET.encode()[-8:]):
         assert form not in result.stdout and form not in received
+    env23.log.wait_for(mark, lambda r: r["reason"] == "credential_reflected")
+
+
+@pytest.mark.parametrize("path", ["/sse-as-text", "/ndjson-deltas"])
+def test_a_credential_echoed_across_undeclared_events_or_json_lines_is_cut(
+    env23: Env23, path: str
+) -> None:
+    """Fails on the old code: only a declared `text/event-stream` was checked event by event, so
+    events under another content type, and streamed JSON Lines, reached the client in pieces."""
+    mark = env23.log.mark()
+    result = _curl(env23, f"https://api.test:{env23.origin.port}{path}")
+    assert result.returncode != 0  # cut: no complete response
+    joined = b"".join(
+        json.loads(line)["message"]["content"].encode()
+        if path.startswith("/ndjson")
+        else line.removeprefix(b"data: ")
+        for line in result.stdout.replace(b"\n\n", b"\n").splitlines()
+        if line.strip()
+    )
+    for form in (TEAM_SECRET.encode(), TEAM_SECRET.encode()[:8], TEAM_SECRET.encode()[-8:]):
+        assert form not in result.stdout and form not in joined
     env23.log.wait_for(mark, lambda r: r["reason"] == "credential_reflected")
 
 
@@ -770,7 +803,27 @@ def _tar_gz(name: str, data: bytes) -> bytes:
     return buffer.getvalue()
 
 
+def _b64_nested(data: bytes, times: int) -> bytes:
+    for _ in range(times):
+        data = base64.b64encode(data)
+    return data
+
+
+def _b64_hex_json(data: bytes) -> bytes:
+    """base64 8 times, with a hex layer and a JSON string (its `A`s escaped) between."""
+    data = _b64_nested(data, 4).hex().encode()
+    data = json.dumps({"blob": _b64_nested(data, 2).decode()}).replace("A", "\\u0041").encode()
+    return _b64_nested(data, 2)
+
+
 UNSAID = {
+    # the decoder stopped after 3 levels: anything deeper passed unscanned
+    "base64 nested 5 times": (_b64_nested(AWS_PAIR.encode(), 5), "text/plain", ()),
+    "base64 nested 8 times with hex and JSON": (
+        _b64_hex_json(AWS_PAIR.encode()),
+        "application/octet-stream",
+        (),
+    ),
     "zip (deflate)": (_zip("creds.txt", AWS_PAIR.encode()), "application/zip", ()),
     "tar.gz": (_tar_gz("creds.txt", AWS_PAIR.encode()), "application/octet-stream", ()),
     "zlib without Content-Encoding": (zlib.compress(AWS_PAIR.encode()), "text/plain", ()),
@@ -833,6 +886,12 @@ MALFORMED = {
     "truncated zip": (_zip("a", b"x" * 4000)[:80], "application/zip", (), "malformed_archive"),
     "zip bomb": (_zip("bomb", b"\0" * (64 << 20)), "application/zip", (), "scan_limit"),
     "zip nested 6 deep": (_nested_zip(6), "application/zip", (), "scan_limit"),
+    "base64 nested past the decoder's depth": (
+        _b64_nested(b"whatever lies below", MAX_DEPTH + 2),
+        "text/plain",
+        (),
+        "scan_limit",
+    ),
     "gRPC frame of a wrong length": (
         b"\x00\x00\x00\x03\xe8abc",
         "application/grpc",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import gzip
+import json
 import random
 import zlib
 
@@ -97,3 +98,74 @@ def _encode(data: bytes, encoding: str) -> bytes:
     for name in [part.strip() for part in encoding.split(",") if part.strip()]:
         data = coders[name](data)
     return data
+
+
+def _feed_all(stream: BodyStream, chunks: list[bytes], passed: list[bytes]) -> None:
+    for chunk in chunks:
+        passed.append(stream.feed(chunk))
+
+
+def _split_events(value: str, framing: str) -> list[bytes]:
+    middle = len(value) // 2
+    if framing == "lines":
+        return [
+            json.dumps({"delta": value[i : i + 3]}).encode() + b"\n"
+            for i in range(0, len(value), 3)
+        ]
+    return [f"data: {value[:middle]}\n\n".encode(), f"data: {value[middle:]}\n\n".encode()]
+
+
+@pytest.mark.parametrize(
+    ("content_type", "framing"),
+    [
+        ("text/plain", "sse"),  # server-sent events the content type does not declare
+        ("application/octet-stream", "sse"),
+        ("", "sse"),
+        ("application/x-ndjson", "lines"),  # streamed JSON lines, one delta per line
+        ("application/jsonl; charset=utf-8", "lines"),
+    ],
+)
+def test_a_credential_in_pieces_of_any_event_stream_is_cut(content_type: str, framing: str) -> None:
+    """Fails on the old code: only a declared `text/event-stream` was split into events, so the
+    pieces passed (a client joins them whatever the header says)."""
+    stream = ReflectionGuard([VALUE]).stream("", content_type)
+    passed: list[bytes] = []
+    with pytest.raises(Reflected):
+        _feed_all(stream, _split_events(VALUE, framing), passed)
+    assert VALUE[:4].encode() not in b"".join(passed)  # the pending start was held, not passed
+
+
+@pytest.mark.parametrize("first", [b"d", b"data", b"\xef\xbb\xbfdat"])
+def test_a_stream_opening_in_tiny_chunks_is_still_recognised(first: bytes) -> None:
+    stream = ReflectionGuard([VALUE]).stream("", "text/plain")
+    events = b"".join(_split_events(VALUE, "sse"))
+    body = first + events[len(first.removeprefix(b"\xef\xbb\xbf")) :]
+    with pytest.raises(Reflected):
+        _feed_all(stream, [body[index : index + 3] for index in range(0, len(body), 3)], [])
+
+
+@pytest.mark.parametrize(
+    ("content_type", "body"),
+    [
+        ("text/plain", b"data: Bearer\n\ndata: x\n\n"),
+        ("application/x-ndjson", b'{"d": "Bearer"}\n{"d": "x"}\n'),
+        ("text/plain", b"Bearer tok-7q2w\n" + b"9e8r1t\n"),  # not events: lines are not joined
+    ],
+)
+def test_streams_that_only_start_like_a_credential_pass_whole(
+    content_type: str, body: bytes
+) -> None:
+    stream = ReflectionGuard([VALUE]).stream("", content_type)
+    out = b"".join(stream.feed(body[i : i + 5]) for i in range(0, len(body), 5))
+    assert out + stream.finish() == body
+
+
+def test_a_first_byte_that_opens_no_event_is_passed_at_once() -> None:
+    """Only bytes that could still open an event wait for the next chunk (a heartbeat byte of a
+    long poll is not delayed)."""
+    stream = ReflectionGuard([VALUE]).stream("", "application/json")
+    assert stream.feed(b"{") == b"{"
+    assert stream.feed(b'"a": 1}') == b'"a": 1}'
+    waiting = ReflectionGuard([VALUE]).stream("", "text/plain")
+    assert waiting.feed(b"da") == b""  # could be `data:`
+    assert waiting.feed(b"y 1\n") == b"day 1\n"
