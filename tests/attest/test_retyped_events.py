@@ -152,13 +152,13 @@ def test_the_session_path_refuses_a_retyped_host_key_event(
     on loopback). The TD bound its real host key, then something in it bound a second one; the
     log hides the first by re-typing it, so "exactly one umbra.ssh-host-key" held and the client
     learnt the second key. Now the log is refused before anything in it is believed."""
+    from umbra.attest.session_info import SessionInfo
     from umbra.cli import ssh_attest
     from umbra.cli.ssh_attest import Check, Refused
     from umbra.contracts.session import (
         BOOT_ID_EVENT,
         CVM_ID_EVENT,
         SSH_HOST_KEY_EVENT,
-        SessionInfo,
         SessionState,
         SshIngress,
     )
