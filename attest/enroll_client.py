@@ -23,10 +23,10 @@ import contextlib
 import hashlib
 import ipaddress
 import ssl
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import overload
+from typing import Any, overload
 
 import httpx
 from cryptography.hazmat.primitives import serialization
@@ -122,20 +122,14 @@ def ensure_credential(
                 f"{credential_file} is missing and the enrollment token in {token_file} was "
                 "already spent on it; mint a new token (POST /api/v1/cvms/{id}/enrollment-token)"
             )
-    key = X25519PrivateKey.generate()
-    public = key.public_key().public_bytes(
-        serialization.Encoding.Raw, serialization.PublicFormat.Raw
-    )
+    key, public = _key_pair()
     base, route = _route(console_url, connect_address)
     with httpx.Client(timeout=timeout, verify=verify) as client:
         challenge = _post(client, f"{base}/enroll/challenge", {"token": token}, route)
         nonce = str(challenge.get("nonce", ""))
         if not nonce:
             raise EnrollError("the Console's challenge has no nonce")
-        try:
-            quote, events = quoter(report_data(nonce, cvm_id, public))
-        except Exception as exc:  # the TEE's own failure, named
-            raise EnrollError(f"cannot quote: {type(exc).__name__}: {exc}") from None
+        quote, events = _quote(quoter, report_data(nonce, cvm_id, public))
         evidence = {
             "token": token,
             "nonce": nonce,
@@ -148,11 +142,7 @@ def ensure_credential(
         answer = _post(client, f"{base}/enroll", evidence, route)
     if answer.get("cvm_id") != cvm_id:
         raise EnrollError("the Console enrolled another CVM than this one")
-    try:
-        sealed = base64.b64decode(str(answer.get("sealed_credential", "")), validate=True)
-        credential = SUITE.decrypt(sealed, key, info=hpke_info(cvm_id, nonce)).decode("ascii")
-    except (binascii.Error, ValueError, UnicodeDecodeError):
-        raise EnrollError("the sealed credential does not open") from None
+    credential = _open(answer, key, hpke_info(cvm_id, nonce))
     _write_root_only(credential_file, credential)
     _write_root_only(spent_marker(credential_file), token_sha)
     with contextlib.suppress(OSError):
@@ -174,10 +164,7 @@ def _renew(
         binding = launch_binding(launch_events)
     except LaunchBindingError:
         return None  # no measured launch to show: only a token can enroll this CVM
-    key = X25519PrivateKey.generate()
-    public = key.public_key().public_bytes(
-        serialization.Encoding.Raw, serialization.PublicFormat.Raw
-    )
+    key, public = _key_pair()
     base, route = _route(console_url, connect_address)
     with httpx.Client(timeout=timeout, verify=verify) as client:
         hint = {"cvm_id": cvm_id, "launch_sha256": launch_binding_sha256(binding)}
@@ -187,10 +174,7 @@ def _renew(
         nonce = str(challenge.get("nonce", ""))
         if not nonce:
             raise EnrollError("the Console's renewal challenge has no nonce")
-        try:
-            quote, events = quoter(renew_report_data(nonce, cvm_id, public))
-        except Exception as exc:  # the TEE's own failure, named
-            raise EnrollError(f"cannot quote: {type(exc).__name__}: {exc}") from None
+        quote, events = _quote(quoter, renew_report_data(nonce, cvm_id, public))
         evidence = {
             "cvm_id": cvm_id,
             "nonce": nonce,
@@ -203,9 +187,29 @@ def _renew(
         answer = _post(client, f"{base}/enroll/renew", evidence, route)
     if answer is None or answer.get("cvm_id") != cvm_id:
         raise EnrollError("the Console renewed another CVM than this one")
+    return _open(answer, key, renew_hpke_info(cvm_id, nonce))
+
+
+def _key_pair() -> tuple[X25519PrivateKey, bytes]:
+    """The key the credential is sealed to: generated here, inside the TEE, per enrollment."""
+    key = X25519PrivateKey.generate()
+    return key, key.public_key().public_bytes(
+        serialization.Encoding.Raw, serialization.PublicFormat.Raw
+    )
+
+
+def _quote(quoter: Quoter, report: bytes) -> tuple[bytes, Sequence[Event] | None]:
+    try:
+        return quoter(report)
+    except Exception as exc:  # the TEE's own failure, named
+        raise EnrollError(f"cannot quote: {type(exc).__name__}: {exc}") from None
+
+
+def _open(answer: Mapping[str, Any], key: X25519PrivateKey, info: bytes) -> str:
+    """The credential the Console sealed to `key` (HPKE, `info` binds CVM and nonce)."""
     try:
         sealed = base64.b64decode(str(answer.get("sealed_credential", "")), validate=True)
-        return SUITE.decrypt(sealed, key, info=renew_hpke_info(cvm_id, nonce)).decode("ascii")
+        return SUITE.decrypt(sealed, key, info=info).decode("ascii")
     except (binascii.Error, ValueError, UnicodeDecodeError):
         raise EnrollError("the sealed credential does not open") from None
 
