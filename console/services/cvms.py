@@ -10,6 +10,7 @@ from __future__ import annotations
 import secrets
 from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
@@ -294,16 +295,7 @@ def update(*, console: Console, user: User, cvm_id: str, change: CvmUpdate) -> C
                 cvm.state = asked
             changes["state"] = asked
         if changes:
-            cvm.updated_at = utcnow()
-            session.add(cvm)
-            audit.append(
-                session,
-                actor=user.subject,
-                team=cvm.team,
-                action=AuditAction.cvm_update,
-                target=cvm.id,
-                details=changes,
-            )
+            _stamp_and_audit(session, user, cvm, AuditAction.cvm_update, changes)
         session.flush()
         info = cvm_info(cvm)
     if background is not None:
@@ -347,16 +339,7 @@ def destroy(*, console: Console, user: User, cvm_id: str) -> CvmInfo:
             cvm.state_reason = None
             cvm.credential_hash = None
             cvm.profiles = []
-            cvm.updated_at = utcnow()
-            session.add(cvm)
-            audit.append(
-                session,
-                actor=user.subject,
-                team=cvm.team,
-                action=AuditAction.cvm_destroy,
-                target=cvm.id,
-                details={},
-            )
+            _stamp_and_audit(session, user, cvm, AuditAction.cvm_destroy, {})
         session.flush()
         info = cvm_info(cvm)
     if background is not None:
@@ -389,16 +372,7 @@ def attach_profiles(
             raise Stale(f"CVM {cvm_id}'s attachments changed since you read them; read and retry")
         check_profiles_compose(console, session, cvm.team, wanted)
         cvm.profiles = wanted
-        cvm.updated_at = utcnow()
-        session.add(cvm)
-        audit.append(
-            session,
-            actor=user.subject,
-            team=cvm.team,
-            action=AuditAction.profiles_attach,
-            target=cvm.id,
-            details={"profiles": wanted},
-        )
+        _stamp_and_audit(session, user, cvm, AuditAction.profiles_attach, {"profiles": wanted})
         session.flush()
         info = cvm_info(cvm)
     console.notifier.notify()
@@ -417,16 +391,18 @@ def rotate_credential(*, console: Console, user: User, cvm_id: str) -> CvmCreate
             raise not_found(f"live Security CVM {cvm_id}")
         credential = CREDENTIAL_PREFIX + secrets.token_urlsafe(32)
         cvm.credential_hash = credential_hash(credential)
-        cvm.updated_at = utcnow()
-        session.add(cvm)
-        audit.append(
-            session,
-            actor=user.subject,
-            team=cvm.team,
-            action=AuditAction.cvm_credential,
-            target=cvm.id,
-            details={"break_glass": True},
-        )
+        _stamp_and_audit(session, user, cvm, AuditAction.cvm_credential, {"break_glass": True})
         session.flush()
         info = cvm_info(cvm)
     return CvmCreated(**info.model_dump(), credential=credential)
+
+
+def _stamp_and_audit(
+    session: Session, user: User, cvm: Cvm, action: AuditAction, details: dict[str, Any]
+) -> None:
+    """A user's change to a CVM: stamped and audited in the transaction that makes it."""
+    cvm.updated_at = utcnow()
+    session.add(cvm)
+    audit.append(
+        session, actor=user.subject, team=cvm.team, action=action, target=cvm.id, details=details
+    )
