@@ -34,7 +34,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
 from benchmarks._proxy_setup import (
     HOST,
@@ -165,7 +166,9 @@ def main() -> None:
             args.profile.mkdir(parents=True, exist_ok=True)
 
         def env(name: str, tree: Path | None = None) -> contextlib.AbstractContextManager[None]:
-            paths = [str(tree / "src")] if tree is not None else []
+            # This checkout's code unless another tree is named (also when the venv's editable
+            # install points elsewhere, e.g. the bench run from a snapshot of this tree).
+            paths = [str((tree or ROOT) / "src")] if name != "stock" else []
             if args.profile is not None:
                 paths.append(str(site))
             prof = str(args.profile.resolve() / f"{name}.prof") if args.profile else None
