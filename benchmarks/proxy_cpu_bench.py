@@ -34,11 +34,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._proxy_setup import (
     HOST,
+    ROOT,
     connect,
     read_response,
     start_origin,
