@@ -155,7 +155,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.baseline_tree is not None and not (args.baseline_tree / "src" / "umbra").is_dir():
         parser.error(f"--baseline-tree {args.baseline_tree}: no src/umbra there")
-    stops: list[Callable[[], None]] = []
+    stops: list[Callable[[], object]] = []
     results: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory(prefix=f"umbra-cpu-bench-{os.getpid()}-") as tmp:
         workdir = Path(tmp)
