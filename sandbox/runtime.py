@@ -10,7 +10,8 @@
 Why runc rather than Podman, LXC or Incus (docs/specs/sandbox.md has the long form): it is the
 one component all of them end in, it is already in every image that carries docker.io, it lets
 the host wire the sandbox's network namespace before its first process runs (the topology that
-isolates the sandbox stays ours), and it needs no daemon, image store or import: the rootfs is a directory, so a start takes well under a second.
+isolates the sandbox stays ours), and it needs no daemon, image store or import: the rootfs is
+a directory, so a start takes well under a second.
 
 Mounts are made here by the host's root, under a directory only root can write but the
 sandbox's root can traverse (runc prepares the rootfs from inside the new user namespace).
