@@ -347,3 +347,8 @@ def test_the_runtime_leaves_nothing_after_a_stop(sandbox: Sandbox) -> None:
     # Its files survive a stop: the next start finds the package installed earlier.
     local_cvm.start_sandbox(plan)
     assert sandbox.ok("grep -c umbra-test /etc/motd").strip() == "1"
+    # The new sandbox has a new network namespace and link; the forwarder's listener, bound
+    # before (ip_nonlocal_bind=1 in its namespace), still answers on the new link.
+    assert local_cvm.run_in_sandbox(plan, ["ip", "-o", "addr", "show", plan.ifname("a")]).stdout
+    code = sandbox.ok(f"curl -sS -m 20 -o /dev/null -w %{{http_code}} {FETCHED}")
+    assert code == "200", code
