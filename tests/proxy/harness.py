@@ -34,6 +34,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from umbra.proxy.identity import hash_credential, proxy_auth_header
+from umbra.proxy.spool import FLUSH_INTERVAL
 
 ROOT = Path(__file__).resolve().parents[2]
 UMBRA = ROOT / ".venv" / "bin" / "umbra"
@@ -518,7 +519,15 @@ class TrafficLog:
         return out
 
     def mark(self) -> int:
-        return len(self.records())
+        # The spool commits in groups (proxy/spool.FLUSH_INTERVAL): an earlier request's record can
+        # land up to one interval after its answer. Settle first, or it counts as "after the mark".
+        count = len(self.records())
+        while True:
+            time.sleep(3 * FLUSH_INTERVAL)
+            settled = len(self.records())
+            if settled == count:
+                return count
+            count = settled
 
     def wait_for(
         self, mark: int, predicate: Callable[[dict[str, Any]], bool], timeout: float = 5.0
