@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 ROUTES = Path(__file__).resolve().parents[2] / "console" / "routes"
-NOT_YET = frozenset({"audit", "bundles", "enroll", "meta", "security_cvm", "session", "traffic"})
+NOT_YET = frozenset({"audit", "bundles", "meta", "security_cvm", "session", "traffic"})
 
 
 def _thickness(path: Path) -> list[str]:
