@@ -19,6 +19,7 @@ from umbra.cli.output import (
     print_json,
     stderr,
 )
+from umbra.contracts.files import write_atomic
 from umbra.contracts.keys import KeyFileError, write_key_pair
 from umbra.policy.bundle import (
     BundleError,
@@ -273,9 +274,7 @@ def build(
         source = _git_revision(directory)
     payload = payload_document([p.compiled for p in policy_set.profiles.values()], serial, source)
     signed = sign_bundle(payload, keys)
-    tmp = output.with_name(output.name + ".tmp")
-    tmp.write_bytes(signed)
-    tmp.replace(output)
+    write_atomic(output, signed, 0o644)
     verified = verify_bundle(signed, [key.public_key() for key in keys])
     summary = {
         "ok": True,
