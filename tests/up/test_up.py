@@ -648,7 +648,7 @@ def test_second_up_while_one_runs_is_refused(up: Up) -> None:
         fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
         done = up.run("up")
     assert done.returncode == 1
-    assert "another `umbra up`" in done.stdout and "fix:" in done.stdout
+    assert "error: another `umbra up`" in done.stderr and "fix:" in done.stderr
 
 
 def test_kill_9_is_reported_restarted_and_no_record_is_lost(up: Up) -> None:
@@ -729,8 +729,8 @@ def test_port_in_use_is_refused_and_nothing_is_started(tmp_path: Path) -> None:
         squatter.listen()
         done = other.run("up")
     assert done.returncode == 1
-    assert f"port {base + 1} (console) is in use" in done.stdout.replace("\n", " ")
-    assert "--port-base" in done.stdout
+    assert f"port {base + 1} (console) is in use" in done.stderr.replace("\n", " ")
+    assert "--port-base" in done.stderr
     assert _leftovers(other) == []
 
 
