@@ -22,6 +22,8 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from umbra.contracts.secret_kinds import AwsSigv4, MintedMaterial
+
 PLACEHOLDER_PREFIX = "umbra-placeholder:"
 PLACEHOLDER_PATTERN = r"umbra-placeholder:((?:team|personal)/[a-z0-9._-]{1,128})"
 _NAME = re.compile(r"^[a-z0-9](?:[a-z0-9._-]{0,126}[a-z0-9])?$")
@@ -52,6 +54,21 @@ class _SecretsFile(BaseModel):
 
 # (ref, owner or None) -> the hosts a secret may be sent to, as bound at the Console.
 HostBindings = dict[tuple[str, str | None], frozenset[str]]
+# (ref, owner or None): one secret as the Security CVM knows it (owner None for team secrets).
+SecretKey = tuple[str, str | None]
+
+
+@dataclass(frozen=True, slots=True)
+class Material:
+    """A secret of a kind other than static: its document, the Console's version of it (a
+    rotation written back must name the version it replaces) and whether it needs a new login."""
+
+    document: MintedMaterial | AwsSigv4
+    version: int
+    needs_login: bool = False
+
+    def __repr__(self) -> str:
+        return f"Material(kind={self.document.kind}, version={self.version}, value=<redacted>)"
 
 
 class SecretStore:
@@ -60,6 +77,7 @@ class SecretStore:
         team: dict[str, str],
         personal: dict[str, dict[str, str]],
         hosts: HostBindings | None = None,
+        materials: dict[SecretKey, Material] | None = None,
     ) -> None:
         for name in [*team, *(name for values in personal.values() for name in values)]:
             if not _NAME.match(name):
@@ -68,6 +86,7 @@ class SecretStore:
         self._personal = {owner: dict(values) for owner, values in personal.items()}
         # None: a local secrets file, bound to hosts by the policy's inject rules alone.
         self._hosts = hosts
+        self._materials = dict(materials or {})
 
     @classmethod
     def empty(cls) -> SecretStore:
@@ -95,6 +114,21 @@ class SecretStore:
             raise SecretsError(f"{path}: not a valid secrets file{where}") from None
         return cls(parsed.team, parsed.personal)
 
+    @staticmethod
+    def key(ref: str, owner: str) -> SecretKey:
+        return (ref, owner if ref.startswith("personal/") else None)
+
+    def material(self, ref: str, owner: str, host: str) -> Material | None:
+        """The document of a minted or signing secret for a request to `host`, as `resolve`."""
+        key = self.key(ref, owner)
+        found = self._materials.get(key)
+        if found is None or self._hosts is None or key not in self._hosts:
+            return found
+        return found if host in self._hosts[key] else None
+
+    def materials(self) -> dict[SecretKey, Material]:
+        return dict(self._materials)
+
     def resolve(self, ref: str, owner: str, host: str) -> str | None:
         """The value of `team/x`, or of `personal/x` for this CVM owner, for a request to `host`;
         None when absent or when the secret is bound to other hosts."""
@@ -117,6 +151,11 @@ class SecretStore:
                 SecretValue(f"personal/{owner}/{name}", value)
                 for name, value in sorted(secrets.items())
             )
+        # Every secret field of a document (refresh tokens, client secrets, private keys, AWS
+        # secret keys) is scanned for like a static value.
+        for (ref, owner), material in sorted(self._materials.items(), key=lambda i: str(i[0])):
+            scoped = ref if owner is None else f"personal/{owner}/{ref.partition('/')[2]}"
+            values.extend(SecretValue(scoped, value) for value in material.document.sensitive())
         return values
 
     def fingerprint(self) -> int:

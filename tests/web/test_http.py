@@ -251,8 +251,8 @@ def test_web_rotation_is_conditional_on_the_version_it_read(
     team = seeded.team.name
     fresh = secrets.team_secret_state(seeded.server.console, team, "bot")
     assert fresh is not None
-    hosts, version = fresh
-    monkeypatch.setattr(secrets, "team_secret_state", lambda *_: (hosts, version - 1))
+    hosts, version, kind = fresh
+    monkeypatch.setattr(secrets, "team_secret_state", lambda *_: (hosts, version - 1, kind))
     with closing(admin(seeded, issuer)) as client:
         page = client.get(f"/ui/teams/{team}/secrets").text
         token = re.search(r'name="csrf" value="([^"]+)"', page)
@@ -263,7 +263,7 @@ def test_web_rotation_is_conditional_on_the_version_it_read(
         )
         assert stale.status_code == 412 and SECRET_VALUE not in stale.text
     monkeypatch.undo()
-    assert secrets.team_secret_state(seeded.server.console, team, "bot") == (hosts, version)
+    assert secrets.team_secret_state(seeded.server.console, team, "bot") == (hosts, version, kind)
 
 
 def test_session_and_login_tampering(seeded: Seed, issuer: LocalIssuer) -> None:
