@@ -22,7 +22,14 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from umbra.contracts.secret_kinds import AwsSigv4, MintedMaterial
+from umbra.contracts.secret_kinds import (
+    AwsSigv4,
+    MintedMaterial,
+    SecretKind,
+    StaticSecret,
+    parse_material,
+)
+from umbra.contracts.validation import problems
 
 PLACEHOLDER_PREFIX = "umbra-placeholder:"
 PLACEHOLDER_PATTERN = r"umbra-placeholder:((?:team|personal)/[a-z0-9._-]{1,128})"
@@ -48,8 +55,38 @@ def placeholder(ref: str) -> str:
 
 class _SecretsFile(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+    # A value, or a kind's document (an object with "kind", contracts/secret_kinds.py).
+    team: dict[str, str | dict[str, object]] = {}
+    personal: dict[str, dict[str, str | dict[str, object]]] = {}
+
+
+def _split(
+    path: Path, parsed: _SecretsFile
+) -> tuple[dict[str, str], dict[str, dict[str, str]], dict[SecretKey, Material]]:
+    """Static values apart from kinds' documents (parsed, version 1: the file has no versions)."""
     team: dict[str, str] = {}
     personal: dict[str, dict[str, str]] = {}
+    materials: dict[SecretKey, Material] = {}
+    entries = [(None, name, value) for name, value in parsed.team.items()] + [
+        (owner, name, value)
+        for owner, values in parsed.personal.items()
+        for name, value in values.items()
+    ]
+    for owner, name, value in entries:
+        ref = f"{'team' if owner is None else 'personal'}/{name}"
+        if isinstance(value, str):
+            (team if owner is None else personal.setdefault(owner, {}))[name] = value
+            continue
+        try:
+            document = parse_material(SecretKind(str(value.get("kind"))), json.dumps(value))
+        except (ValueError, ValidationError) as exc:
+            where = problems(exc) if isinstance(exc, ValidationError) else str(exc)
+            raise SecretsError(f"{path}: secret {ref}: {where}") from None
+        if isinstance(document, StaticSecret):
+            (team if owner is None else personal.setdefault(owner, {}))[name] = document.value
+        else:
+            materials[(ref, owner)] = Material(document, 1)
+    return team, personal, materials
 
 
 # (ref, owner or None) -> the hosts a secret may be sent to, as bound at the Console.
@@ -112,7 +149,8 @@ class SecretStore:
             if isinstance(exc, ValidationError):
                 where = ": at " + ".".join(str(p) for p in exc.errors()[0]["loc"][:2])
             raise SecretsError(f"{path}: not a valid secrets file{where}") from None
-        return cls(parsed.team, parsed.personal)
+        team, personal, materials = _split(path, parsed)
+        return cls(team, personal, materials=materials)
 
     @staticmethod
     def key(ref: str, owner: str) -> SecretKey:
@@ -125,6 +163,9 @@ class SecretStore:
         if found is None or self._hosts is None or key not in self._hosts:
             return found
         return found if host in self._hosts[key] else None
+
+    def material_of(self, key: SecretKey) -> Material | None:
+        return self._materials.get(key)
 
     def materials(self) -> dict[SecretKey, Material]:
         return dict(self._materials)
@@ -153,8 +194,8 @@ class SecretStore:
             )
         # Every secret field of a document (refresh tokens, client secrets, private keys, AWS
         # secret keys) is scanned for like a static value.
-        for (ref, owner), material in sorted(self._materials.items(), key=lambda i: str(i[0])):
-            scoped = ref if owner is None else f"personal/{owner}/{ref.partition('/')[2]}"
+        for (ref, holder), material in sorted(self._materials.items(), key=lambda i: str(i[0])):
+            scoped = ref if holder is None else f"personal/{holder}/{ref.partition('/')[2]}"
             values.extend(SecretValue(scoped, value) for value in material.document.sensitive())
         return values
 

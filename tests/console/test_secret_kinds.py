@@ -121,8 +121,8 @@ def test_kinds_are_checked_sealed_and_released(
     )
     assert not_json.status_code == 422 and refresh not in not_json.text
 
-    document = release(team, attested)
-    kinds = {item.ref: item.kind for item in document.secrets}
+    released = release(team, attested)
+    kinds = {item.ref: item.kind for item in released.secrets}
     assert kinds == {
         "team/codex": "oauth2-refresh",
         "team/cc": "oauth2-client-credentials",
@@ -130,7 +130,7 @@ def test_kinds_are_checked_sealed_and_released(
         "team/aws": "aws-sigv4",
     }
     # The Security CVM's parser takes exactly what the Console released.
-    store = _store(document)
+    store = _store(released)
     material = store.material("team/codex", "", "api.example.com")
     assert material is not None and material.version == 1
     assert getattr(material.document, "refresh_token") == refresh  # noqa: B009
@@ -190,15 +190,14 @@ def test_parallel_refreshers_leave_one_chain(server: Server, team: Team, tmp_pat
         assert granted and set(refused) <= {409}, [a.text for a in answers]
         assert len({cvm_id for cvm_id, _ in granted}) == 1  # one replica holds the chain
         document = json.dumps(refresh_doc("rt-2"))
-        commits = race(
-            [
-                lambda i=cvm_id, lease=lease: clients[i].post(
-                    f"/api/v1/security-cvms/{i}/secret-refresh/commit",
-                    json={**at, "lease": lease, "document": document},
-                )
-                for cvm_id, lease in granted
-            ]
-        )
+
+        def commit(cvm_id: str, lease: str) -> Callable[[], httpx.Response]:
+            url = f"/api/v1/security-cvms/{cvm_id}/secret-refresh/commit"
+            return lambda: clients[cvm_id].post(
+                url, json={**at, "lease": lease, "document": document}
+            )
+
+        commits = race([commit(cvm_id, lease) for cvm_id, lease in granted])
         assert sorted(c.status_code for c in commits) == [200] + [412] * (len(granted) - 1)
         listed = team.admin.get(f"/api/v1/teams/{team.name}/secrets").json()
         assert [(s["name"], s["version"]) for s in listed if s["name"] == name] == [(name, 2)]
