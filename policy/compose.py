@@ -177,6 +177,8 @@ def _check_conflicts(profiles: Sequence[CompiledProfile]) -> None:
             targets = [("headers", "header", h.name.lower(), h.name) for h in rule.headers]
             if rule.query is not None:
                 targets.append(("query", "query parameter", rule.query, rule.query))
+            if rule.sigv4 is not None:  # the AWS signature is the request's Authorization
+                targets.append(("headers", "header", "authorization", "Authorization (sigv4)"))
             for host in rule.hosts:
                 for port in rule.ports:
                     for field_name, kind, key_name, shown in targets:

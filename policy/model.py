@@ -266,12 +266,24 @@ class BasicPlacement(StrictModel):
         return self
 
 
+AwsName = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9-]{0,62}$")]
+
+
+class Sigv4Placement(StrictModel):
+    """Re-sign the sandbox's AWS Signature V4 (made with placeholder keys) with the real key of an
+    `aws-sigv4` secret, only when its credential scope names one of these services and regions."""
+
+    services: list[AwsName] = Field(min_length=1, max_length=32)
+    regions: list[AwsName] = Field(min_length=1, max_length=64)
+
+
 class InjectRule(StrictModel):
     """Place `secret` in HTTPS requests to `hosts` on `ports` (and `paths`, when given) only:
     another service on the same host, or another path, never gets the credential.
 
     The placement is exactly one of: `header` + `format` (one header), `headers` (several),
-    `query` (a query parameter set to the URL-encoded value) or `basic` (HTTP Basic)."""
+    `query` (a query parameter set to the URL-encoded value), `basic` (HTTP Basic) or `sigv4`
+    (the request's AWS signature made again with the real key)."""
 
     id: Name | None = None
     header: HeaderName | None = None
@@ -279,6 +291,7 @@ class InjectRule(StrictModel):
     headers: list[HeaderPlacement] | None = Field(default=None, min_length=1)
     query: QueryName | None = None
     basic: BasicPlacement | None = None
+    sigv4: Sigv4Placement | None = None
     secret: SecretRef
     hosts: list[ExactHost] = Field(min_length=1)
     ports: list[Port] | None = Field(
@@ -292,9 +305,12 @@ class InjectRule(StrictModel):
 
     @model_validator(mode="after")
     def _one_placement(self) -> Self:
-        given = [name for name in ("header", "headers", "query", "basic") if getattr(self, name)]
+        placements = ("header", "headers", "query", "basic", "sigv4")
+        given = [name for name in placements if getattr(self, name)]
         if len(given) != 1:
-            raise ValueError("needs exactly one of 'header', 'headers', 'query' or 'basic'")
+            raise ValueError(
+                "needs exactly one of 'header', 'headers', 'query', 'basic' or 'sigv4'"
+            )
         if (self.header is None) != (self.format is None):
             raise ValueError("'header' and 'format' go together")
         return self

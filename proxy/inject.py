@@ -62,6 +62,8 @@ def render_injections(
     like a static value."""
     rendered: list[Rendered] = []
     for rule in injections:
+        if rule.sigv4 is not None:
+            continue  # signed, not placed: the SigV4 addon (proxy/sigv4.py)
         values: list[str] = []
         for ref in rule.refs:
             value = minted[ref] if minted and ref in minted else secrets.resolve(ref, owner, host)
