@@ -177,6 +177,15 @@ class CompiledProfile(StrictModel):
     tunnels: list[CompiledTunnel]
     scan: list[CompiledScan]
     inject: list[CompiledInject]
+    sandbox_env: dict[str, str] = Field(default_factory=dict)
+
+    @model_serializer(mode="wrap")
+    def _omit_no_env(self, handler: SerializerFunctionWrapHandler) -> dict[str, object]:
+        """Profiles without `sandbox_env` dump (hash, sign) byte for byte as before it existed."""
+        data: dict[str, object] = handler(self)
+        if not self.sandbox_env:
+            data.pop("sandbox_env", None)
+        return data
 
 
 def _endpoints(schemes: list[str], ports: list[int] | None) -> list[str]:
@@ -245,6 +254,7 @@ def compile_profile(profile: Profile) -> tuple[CompiledProfile, dict[str, tuple[
         tunnels=tunnels,
         scan=scan,
         inject=inject,
+        sandbox_env=dict(sorted(profile.sandbox_env.items())),
     )
     return compiled, origins
 

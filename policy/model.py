@@ -9,7 +9,15 @@ from __future__ import annotations
 import re
 from typing import Annotated, Literal, Self
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from umbra.policy.normalize import (
     NormalizationError,
@@ -17,6 +25,7 @@ from umbra.policy.normalize import (
     normalize_host,
     normalize_path,
 )
+from umbra.policy.sandbox_env import ENV_NAME, MAX_ENV_VARS, check_env_value, credential_rule
 
 API_VERSION = "umbra/v1"
 METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
@@ -277,6 +286,9 @@ class Sigv4Placement(StrictModel):
     regions: list[AwsName] = Field(min_length=1, max_length=64)
 
 
+EnvName = Annotated[str, Field(pattern=ENV_NAME)]
+
+
 class InjectRule(StrictModel):
     """Place `secret` in HTTPS requests to `hosts` on `ports` (and `paths`, when given) only:
     another service on the same host, or another path, never gets the credential.
@@ -347,3 +359,29 @@ class Profile(StrictModel):
     egress: list[EgressRule] = Field(default_factory=list)
     scan: list[ScanRule] = Field(default_factory=list)
     inject: list[InjectRule] = Field(default_factory=list)
+    sandbox_env: dict[EnvName, str] = Field(
+        default_factory=dict,
+        max_length=MAX_ENV_VARS,
+        description="Non-secret variables and placeholders for every sandbox this profile is "
+        "attached to; a value that looks like a credential (scan rules) is refused.",
+    )
+
+    @field_validator("sandbox_env")
+    @classmethod
+    def _env_holds_no_credential(
+        cls, value: dict[str, str], info: ValidationInfo
+    ) -> dict[str, str]:
+        # `scan` is declared (and so validated) before `sandbox_env`: its rules apply too.
+        own = [(f"scan:{rule.id}", rule.regex) for rule in info.data.get("scan", [])]
+        for name, text in value.items():
+            try:
+                check_env_value(name, text)
+            except ValueError as exc:
+                raise ValueError(f"{name}: {exc}") from None
+            rule = credential_rule(text, own)
+            if rule is not None:
+                raise ValueError(
+                    f"{name} looks like a real credential ({rule}); store the secret with "
+                    "`umbra secret set` and put a placeholder here"
+                )
+        return value
