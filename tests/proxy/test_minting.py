@@ -21,6 +21,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 
 from tests.proxy.harness import (
+    ALICE_TOKEN,
     OriginHandler,
     OriginServer,
     ProxyProcess,
@@ -271,3 +272,43 @@ def test_a_slow_token_endpoint_is_bounded_and_stalls_no_other_flow(menv: MintEnv
     started = time.monotonic()
     assert get(menv, "slow.test", "/slow-again")[0] == 503
     assert time.monotonic() - started < 3
+
+
+def test_google_client_library_behind_the_proxy(menv: MintEnv) -> None:
+    """google-auth: its own service-account refresh is accepted by the stand-in (the assertion
+    shape the proxy also sends), and a client holding only a placeholder token, through the proxy,
+    reaches the API with a token minted on the Security CVM."""
+    import requests
+    from google.auth.transport.requests import AuthorizedSession, Request
+    from google.oauth2 import credentials as user_credentials
+    from google.oauth2 import service_account
+
+    port = menv.origin.port
+    direct = TokenEndpoint(f"https://127.0.0.1:{port}/token")
+    direct.register_account(SA_EMAIL, menv.auth.accounts[SA_EMAIL])
+    menv.origin.routes["127.0.0.1"] = direct.handle
+    info = {
+        "type": "service_account",
+        "client_email": SA_EMAIL,
+        "private_key": menv.private_pem,
+        "private_key_id": "k1",
+        "token_uri": direct.token_url,
+    }
+    library = service_account.Credentials.from_service_account_info(  # type: ignore[no-untyped-call]
+        info, scopes=["https://www.googleapis.com/auth/cloud-platform"]
+    )
+    session = requests.Session()
+    session.trust_env = False  # the machine's REQUESTS_CA_BUNDLE would override `verify`
+    session.verify = str(menv.workdir / "origin-ca.pem")
+    library.refresh(Request(session))
+    assert library.token and direct.valid(library.token)
+
+    # The sandbox's side: a placeholder, never a key; the proxy swaps in its minted token.
+    placeholder = user_credentials.Credentials(token="umbra-placeholder:team/gsa")  # type: ignore[no-untyped-call]
+    sandbox = AuthorizedSession(placeholder)  # type: ignore[no-untyped-call]
+    sandbox.trust_env = False
+    sandbox.proxies = {"https": f"http://cvm-alice:{ALICE_TOKEN}@127.0.0.1:{menv.proxy.port}"}
+    sandbox.verify = str(menv.proxy.ca)
+    answer = sandbox.get(f"https://gsa.test:{port}/v1/projects/p/models")
+    assert answer.status_code == 200, answer.text
+    sandbox_saw_nothing(menv, answer.text + str(dict(answer.headers)))

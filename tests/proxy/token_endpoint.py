@@ -26,6 +26,8 @@ from cryptography.hazmat.primitives.asymmetric import padding, rsa
 
 from tests.proxy.harness import OriginHandler, Seen
 
+GOOGLE_TOKEN_URL = "https://oauth2.googleapis.com/token"
+
 
 def _unb64(text: str) -> bytes:
     return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
@@ -142,7 +144,8 @@ class TokenEndpoint:
         now = time.time()
         if (
             header.get("alg") != "RS256"
-            or claims.get("aud") != self.token_url
+            # google-auth always names Google's token URL; the proxy names the one it calls.
+            or claims.get("aud") not in (self.token_url, GOOGLE_TOKEN_URL)
             or not claims.get("iat", 0) - 60 <= now <= claims.get("exp", 0)
             or claims.get("exp", 0) - claims.get("iat", 0) > 3600
         ):
