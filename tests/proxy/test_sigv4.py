@@ -232,3 +232,56 @@ def test_aws_chunked_signed_payload_chunks_are_re_signed_in_sequence() -> None:
         resign(method="PUT", path="/k", host="s3.test", headers=Headers(headers.fields),
                body=body.replace(b"2000;", b"2001;", 1), secret=secret, services=["s3"],
                regions=["us-east-1"], now=now)  # fmt: skip
+
+
+@pytest.mark.parametrize("service", ["s3", "sts"])
+def test_a_session_token_replaces_the_placeholder_one_in_both_forms(service: str) -> None:
+    """Signed by botocore with placeholder keys and a placeholder session token, re-signed with
+    temporary credentials (key and token), verified by botocore's signer with the real ones: the
+    header form (S3's path as sent, STS's body hashed) and the presigned form."""
+    from botocore.auth import S3SigV4Auth, S3SigV4QueryAuth, SigV4Auth  # type: ignore[import-untyped]
+    from botocore.awsrequest import AWSRequest  # type: ignore[import-untyped]
+    from botocore.credentials import Credentials  # type: ignore[import-untyped]
+
+    from tests.proxy.harness import Seen
+
+    token = "real-session-token/with+odd=chars"
+    secret = AwsSigv4(kind="aws-sigv4", access_key_id=REAL_KEY_ID,
+                      secret_access_key=REAL_SECRET, session_token=token)  # fmt: skip
+    origin = AwsOrigin(REAL_KEY_ID, REAL_SECRET, token)
+    placeholder = Credentials("UMBRAPLACEHOLDER", "umbra-placeholder", "umbra-placeholder-token")
+    host = f"{service}.test"
+    body = b"Action=GetCallerIdentity&Version=2011-06-15" if service == "sts" else b""
+    path = "/bucket/a%20b/c.txt?list-type=2&prefix=x%2Fy" if service == "s3" else "/"
+    request = AWSRequest(method="POST" if body else "GET", url=f"https://{host}{path}", data=body)
+    if body:
+        request.headers["Content-Type"] = "application/x-www-form-urlencoded"
+    (S3SigV4Auth if service == "s3" else SigV4Auth)(placeholder, service, "us-east-1").add_auth(
+        request
+    )
+    headers = Headers([(k.encode(), v.encode()) for k, v in request.headers.items()])
+    resigned = resign(method=request.method, path=path, host=host, headers=headers, body=body,
+                      secret=secret, services=[service], regions=["us-east-1"])  # fmt: skip
+    assert token in resigned.placed and "umbra-placeholder-token" not in str(headers)
+    seen = Seen(
+        host,
+        request.method,
+        resigned.path,
+        [(k.decode(), v.decode()) for k, v in headers.fields],
+        body,
+    )
+    assert origin._verify(seen, f"https://{host}") is None
+
+    if service != "s3":
+        return
+    presigning = AWSRequest(method="GET", url=f"https://{host}/bucket/shared.txt")
+    S3SigV4QueryAuth(placeholder, "s3", "us-east-1", expires=600).add_auth(presigning)
+    target = presigning.url.split(host, 1)[1]
+    assert "X-Amz-Security-Token=umbra-placeholder-token" in target
+    query_headers = Headers([(b"Host", host.encode())])
+    made = resign(method="GET", path=target, host=host, headers=query_headers, body=b"",
+                  secret=secret, services=["s3"], regions=["us-east-1"])  # fmt: skip
+    assert "umbra-placeholder-token" not in made.path and "UMBRAPLACEHOLDER" not in made.path
+    assert "X-Amz-Security-Token=real-session-token%2Fwith%2Bodd%3Dchars" in made.path
+    seen = Seen(host, "GET", made.path, [("host", host)], b"")
+    assert origin._verify(seen, f"https://{host}") is None
