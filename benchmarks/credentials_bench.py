@@ -38,11 +38,12 @@ from tests.proxy.harness import (
 )
 from tests.proxy.token_endpoint import TokenEndpoint
 from umbra.contracts.secret_kinds import AwsSigv4, OAuth2ClientCredentials
-from umbra.proxy.minting import Minted, Minter, TokenDialer
+from umbra.proxy.minting import Minted, Minter
 from umbra.proxy.netcheck import AddressPolicy
 from umbra.proxy.resolver import StaticResolver
 from umbra.proxy.secrets import Material
 from umbra.proxy.sigv4 import resign
+from umbra.proxy.token_dialer import TokenDialer
 
 HOSTS = ["static.test", "minted.test", "aws.test", "auth.test"]
 PLACEHOLDER_AUTH = (

@@ -14,8 +14,9 @@ service-account key (JWT bearer grant, RFC 7523), cached and refreshed before th
 - Rotating refresh tokens: the refresh is leased at the Console and the new chain committed back
   under the lease (`RefreshPersister`, console/services/secret_refresh.py), so replicas keep one
   chain. Without a Console (a local secrets file) the rotated token is kept in memory only.
-- The token endpoint is dialled like any upstream: resolved by the proxy's resolver, every address
-  checked by its address policy, TLS verified (a `token_url` naming a private address is refused).
+- The token endpoint is dialled like any upstream (`proxy/token_dialer.py`): resolved by the
+  proxy's resolver, every address checked by its address policy, TLS verified (a `token_url`
+  naming a private address is refused).
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ import ssl
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
-from urllib.parse import urlsplit, urlunsplit
+from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 from cryptography.hazmat.primitives import hashes, serialization
@@ -41,15 +42,23 @@ from umbra.contracts.secret_kinds import (
     OAuth2Refresh,
 )
 from umbra.proxy.config import ProxyConfig
-from umbra.proxy.netcheck import AddressPolicy, AddressVerdict, parse_ip
-from umbra.proxy.resolver import ResolutionError, Resolver
+from umbra.proxy.mint_errors import (
+    CredentialRefused,
+    CredentialUnavailable,
+    LeaseBusy,
+    MintError,
+    RefreshPersister,
+)
+from umbra.proxy.netcheck import AddressPolicy
+from umbra.proxy.refresh_client import ConsoleRefresh
+from umbra.proxy.resolver import Resolver
 from umbra.proxy.secrets import Material, SecretKey
 from umbra.proxy.state import PolicyState
+from umbra.proxy.token_dialer import TokenDialer
 
 logger = logging.getLogger("umbra.proxy.minting")
 
 JWT_BEARER = "urn:ietf:params:oauth:grant-type:jwt-bearer"
-MAX_TOKEN_RESPONSE = 64 << 10
 # Errors of RFC 6749 §5.2 that mean "this credential will not work", as opposed to "try later".
 REFUSALS = frozenset(
     {
@@ -64,32 +73,6 @@ REFUSALS = frozenset(
 )
 
 
-class MintError(Exception):
-    """A token could not be had; the message never holds a secret or a response body."""
-
-
-class CredentialRefused(MintError):
-    """The token endpoint refused the credential: a new login is needed."""
-
-
-class CredentialUnavailable(MintError):
-    """The token endpoint was slow, down or answered nonsense; retried after a hold."""
-
-
-class LeaseBusy(Exception):
-    """Another replica is refreshing this chain, or the Console holds a newer version."""
-
-
-class RefreshPersister(Protocol):
-    """The Console side of a rotating chain (`umbra.contracts.secret_refresh`)."""
-
-    async def lease(self, key: SecretKey, version: int) -> str: ...
-    async def commit(self, key: SecretKey, version: int, lease: str, document: str) -> int: ...
-    async def failure(
-        self, key: SecretKey, version: int, lease: str, refused: bool, detail: str
-    ) -> None: ...
-
-
 @dataclass(frozen=True)
 class Minted:
     token: str
@@ -98,68 +81,6 @@ class Minted:
 
     def __repr__(self) -> str:
         return f"Minted(expires_at={self.expires_at}, token=<redacted>)"
-
-
-class TokenDialer:
-    """POSTs a form to a token endpoint, dialling only addresses the proxy may dial."""
-
-    def __init__(
-        self,
-        resolver: Resolver,
-        addresses: Callable[[], AddressPolicy],
-        verify: ssl.SSLContext | bool = True,
-        timeout: float = 8.0,  # under the Minter's wait: a request sees the call's own outcome
-    ) -> None:
-        self.resolver = resolver
-        self.addresses = addresses
-        self.timeout = timeout
-        self._client = httpx.AsyncClient(verify=verify, timeout=timeout, follow_redirects=False)
-
-    async def post(
-        self, url: str, form: dict[str, str], headers: dict[str, str]
-    ) -> tuple[int, dict[str, Any] | None]:
-        parts = urlsplit(url)
-        host, port = (parts.hostname or "").lower(), parts.port or 443
-        address = parse_ip(host)
-        try:
-            addresses = [address] if address is not None else await self.resolver.resolve(host)
-        except ResolutionError:
-            raise CredentialUnavailable(f"token endpoint {host} does not resolve") from None
-        policy = self.addresses()
-        for candidate in addresses:
-            verdict = policy.check(candidate, port)
-            if verdict is not AddressVerdict.OK:
-                # Not a refusal by the endpoint: a misconfigured (or hostile) token_url.
-                raise CredentialRefused(f"token endpoint {host} is a refused address ({verdict})")
-        pinned = str(addresses[0])
-        netloc = f"[{pinned}]:{port}" if ":" in pinned else f"{pinned}:{port}"
-        target = urlunsplit(("https", netloc, parts.path or "/", parts.query, ""))
-        try:
-            response = await self._client.post(
-                target,
-                data=form,
-                headers={
-                    **headers,
-                    "Host": parts.netloc.rpartition("@")[2],
-                    "Accept": "application/json",
-                },
-                extensions={"sni_hostname": host},
-            )
-        except httpx.HTTPError as exc:
-            raise CredentialUnavailable(
-                f"token endpoint {host} unreachable ({type(exc).__name__})"
-            ) from None
-        body: dict[str, Any] | None = None
-        if len(response.content) <= MAX_TOKEN_RESPONSE:
-            try:
-                parsed = json.loads(response.content)
-                body = parsed if isinstance(parsed, dict) else None
-            except ValueError:
-                body = None
-        return response.status_code, body
-
-    async def aclose(self) -> None:
-        await self._client.aclose()
 
 
 def _b64url(data: bytes) -> str:
@@ -439,55 +360,6 @@ def _form(value: str) -> str:
     from urllib.parse import quote_plus
 
     return quote_plus(value)
-
-
-class ConsoleRefresh:
-    """`RefreshPersister` over the Console's secret-refresh routes, with the Security CVM's own
-    credential (the client the secret puller uses)."""
-
-    def __init__(self, client: httpx.AsyncClient, console_url: str, security_cvm_id: str) -> None:
-        self.client = client
-        self.base = (
-            console_url.rstrip("/") + f"/api/v1/security-cvms/{security_cvm_id}/secret-refresh"
-        )
-
-    @staticmethod
-    def _at(key: SecretKey, version: int) -> dict[str, Any]:
-        return {"ref": key[0], "owner": key[1], "version": version}
-
-    async def _post(self, path: str, body: dict[str, Any]) -> httpx.Response:
-        try:
-            return await self.client.post(self.base + path, json=body, timeout=10)
-        except httpx.HTTPError as exc:
-            raise CredentialUnavailable(f"Console unreachable ({type(exc).__name__})") from None
-
-    async def lease(self, key: SecretKey, version: int) -> str:
-        response = await self._post("/lease", self._at(key, version))
-        if response.status_code in (409, 412):
-            if "needs a new login" in response.text:
-                raise CredentialRefused("the Console marks this credential as needing a login")
-            raise LeaseBusy()
-        if response.status_code != 200:
-            raise CredentialUnavailable(f"refresh lease: HTTP {response.status_code}")
-        lease = response.json().get("lease")
-        if not isinstance(lease, str):
-            raise CredentialUnavailable("refresh lease: no lease in the answer")
-        return lease
-
-    async def commit(self, key: SecretKey, version: int, lease: str, document: str) -> int:
-        body = self._at(key, version) | {"lease": lease, "document": document}
-        response = await self._post("/commit", body)
-        if response.status_code != 200:
-            raise CredentialUnavailable(f"refresh commit: HTTP {response.status_code}")
-        return int(response.json()["version"])
-
-    async def failure(
-        self, key: SecretKey, version: int, lease: str, refused: bool, detail: str
-    ) -> None:
-        body = self._at(key, version) | {"lease": lease, "refused": refused, "detail": detail[:200]}
-        response = await self._post("/failure", body)
-        if response.status_code != 204:
-            raise CredentialUnavailable(f"refresh failure report: HTTP {response.status_code}")
 
 
 def minter(

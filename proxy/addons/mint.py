@@ -11,7 +11,7 @@ from umbra.policy import normalize_host
 from umbra.proxy.addons.base import Denied, UmbraAddon, deny, guard
 from umbra.proxy.addons.reasons import Reason
 from umbra.proxy.addons.state import Stage, flow_state
-from umbra.proxy.minting import CredentialRefused, MintError
+from umbra.proxy.mint_errors import CredentialRefused, MintError
 
 # flow.metadata key: {secret ref: minted access token} for the injection addon (never logged).
 MINTED = "umbra.minted"
