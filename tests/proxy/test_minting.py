@@ -312,3 +312,60 @@ def test_google_client_library_behind_the_proxy(menv: MintEnv) -> None:
     answer = sandbox.get(f"https://gsa.test:{port}/v1/projects/p/models")
     assert answer.status_code == 200, answer.text
     sandbox_saw_nothing(menv, answer.text + str(dict(answer.headers)))
+
+
+def test_concurrent_requests_for_a_cold_secret_make_one_call(tmp_path: Path) -> None:
+    """Single flight: twenty concurrent requests for one cold secret share one call to a slow
+    token endpoint (real TLS on loopback, dialled through the proxy's resolver and address
+    policy); a request for another secret does not wait for it."""
+    import asyncio
+    import ipaddress
+
+    from umbra.contracts.secret_kinds import OAuth2ClientCredentials
+    from umbra.proxy.minting import Minter
+    from umbra.proxy.netcheck import AddressPolicy
+    from umbra.proxy.resolver import StaticResolver
+    from umbra.proxy.secrets import Material
+    from umbra.proxy.token_dialer import TokenDialer
+
+    ca = TestCA(tmp_path)
+    cert, key = ca.issue(["burst.test", "quick.test"])
+    tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    tls.load_cert_chain(cert, key)
+    origin = OriginServer(Recorder(), tls).start()
+    slow = TokenEndpoint(f"https://burst.test:{origin.port}/token")
+    quick = TokenEndpoint(f"https://quick.test:{origin.port}/token")
+    slow.delay = 1.0
+    for endpoint in (slow, quick):
+        endpoint.register_client("c", CC_SECRET)
+    origin.routes |= {"burst.test": slow.handle, "quick.test": quick.handle}
+
+    def material(url: str) -> Material:
+        document = OAuth2ClientCredentials(
+            kind="oauth2-client-credentials", token_url=url, client_id="c", client_secret=CC_SECRET
+        )
+        return Material(document, 1)
+
+    policy = AddressPolicy(test_allow=(ipaddress.ip_network("127.0.0.1/32"),))
+    resolver = StaticResolver({"burst.test": ["127.0.0.1"], "quick.test": ["127.0.0.1"]})
+
+    async def run() -> tuple[set[str], float]:
+        context = ssl.create_default_context(cafile=str(ca.cert_path))
+        minter = Minter(TokenDialer(resolver, lambda: policy, context))
+        burst = [
+            asyncio.create_task(minter.token(("team/burst", None), material(slow.token_url)))
+            for _ in range(20)
+        ]
+        await asyncio.sleep(0.1)
+        started = time.monotonic()
+        await minter.token(("team/quick", None), material(quick.token_url))
+        other = time.monotonic() - started
+        return set(await asyncio.gather(*burst)), other
+
+    try:
+        tokens, other = asyncio.run(run())
+    finally:
+        origin.shutdown()
+    assert len(tokens) == 1 and slow.valid(tokens.pop())
+    assert slow.calls["client_credentials"] == 1
+    assert other < 0.8  # the other secret's mint did not queue behind the slow one
