@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -21,7 +23,7 @@ from sqlalchemy.exc import TimeoutError as SqlTimeoutError
 from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from umbra.console import children, db, provisioning
+from umbra.console import children, db, provisioning, refusal_budget
 from umbra.console.config import ConfigError, Settings, settings_summary
 from umbra.console.envelope import EnvelopeError, LocalKeyring
 from umbra.console.limits import BodyLimitMiddleware, limit_for
@@ -142,8 +144,12 @@ def create_app(
         if console.oidc is not None:
             console.oidc.refresh_soon()  # keys arrive in the background, before most requests
         await run_in_threadpool(provisioning.reconcile, console)
+        summaries = asyncio.create_task(_flush_refusal_summaries(console))
         yield
+        summaries.cancel()
         await run_in_threadpool(_stop_jobs, console, owns_process)
+        with contextlib.suppress(Exception):  # a database that is down loses only the counts
+            await run_in_threadpool(lambda: refusal_budget.flush(console, final=True))
         console.engine.dispose()
 
     app = FastAPI(
@@ -182,6 +188,16 @@ def create_app(
     app.add_middleware(MetricsMiddleware, console=console)
     app.add_middleware(ErrorMiddleware)
     return app
+
+
+async def _flush_refusal_summaries(console: Console) -> None:
+    """Refusal summaries of ended minutes reach the audit log even when no refusal follows."""
+    while True:
+        await asyncio.sleep(refusal_budget.WINDOW_SECONDS / 4)
+        try:
+            await run_in_threadpool(refusal_budget.flush, console)
+        except Exception:  # a database outage: retried next round
+            log.warning("could not write enrollment refusal summaries; retrying")
 
 
 def _stop_jobs(console: Console, owns_process: bool, grace: float = 3.0) -> None:

@@ -152,6 +152,12 @@ class Settings(_Strict):
     release_challenges_per_minute: int = Field(
         default=30, ge=1, description="Per Security CVM: challenge requests beyond this get 429."
     )
+    enroll_refusals_per_minute: int = Field(
+        default=60,
+        ge=1,
+        description="Enrollment refusals audited one by one per team (unknown tokens: one key) "
+        "per minute and process; the rest become one summary entry a minute.",
+    )
     long_poll_max_seconds: int = Field(default=60, ge=1, le=600)
     long_poll_db_interval_seconds: float = Field(
         default=0.5, gt=0, le=1.0, description="How often a long poll rechecks the database."

@@ -64,6 +64,7 @@ class AuditAction(StrEnum):
     cvm_credential = "cvm.credential"
     cvm_enroll = "cvm.enroll"
     cvm_enroll_refused = "cvm.enroll_refused"
+    cvm_enroll_refused_summary = "cvm.enroll_refused_summary"
     cvm_reenroll = "cvm.reenroll"
     cvm_reenroll_refused = "cvm.reenroll_refused"
     cvm_enrollment_token = "cvm.enrollment_token"

@@ -155,6 +155,17 @@ class ReleaseNonce(SQLModel, table=True):
     used: bool = False
 
 
+class ConsoleKey(SQLModel, table=True):
+    """A key the Console's replicas share, created once by whichever starts first (revision
+    0010): `enroll-nonce` signs stateless enrollment nonces (console/console_keys.py)."""
+
+    __tablename__ = "console_key"
+
+    name: str = Field(primary_key=True, max_length=64)
+    secret: bytes = Field(sa_column=Column(LargeBinary, nullable=False))
+    created_at: datetime = Field(sa_type=DateTime(timezone=True))
+
+
 class TrafficRecord(SQLModel, table=True):
     """One proxy decision (`umbra.contracts.traffic.TrafficRecord`); never values or bodies.
 

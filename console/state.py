@@ -16,12 +16,14 @@ from sqlalchemy.orm import Session
 
 from umbra.console import audit
 from umbra.console.config import Settings
+from umbra.console.console_keys import SharedKeys
 from umbra.console.db import WriteGate
 from umbra.console.envelope import KeyEncryptionKeys
 from umbra.console.metrics import Metrics
 from umbra.console.notify import ChangeNotifier
 from umbra.console.oidc import OidcValidator
 from umbra.console.providers import CvmProvider
+from umbra.console.refusal_budget import RefusalBudget
 from umbra.console.release import AttestedReleaseVerifier, SecretReleaseVerifier
 from umbra.policy.bundle import VerifiedBundle, verify_bundle
 
@@ -49,6 +51,8 @@ class Console:
 
     def __post_init__(self) -> None:
         self.write_gate = WriteGate(serialize=self.settings.is_sqlite)
+        self.keys = SharedKeys(self.engine)
+        self.refusals = RefusalBudget(self.settings.enroll_refusals_per_minute)
         # Cloud provider runs (minutes each) happen here, never inside a request's transaction.
         self.jobs = ThreadPoolExecutor(
             max_workers=self.settings.provider_workers, thread_name_prefix="umbra-provider"

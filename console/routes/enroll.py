@@ -1,7 +1,9 @@
 """Enrollment: one-time tokens for launch data, and credentials only after attestation.
 
-Handlers delegate to `console/enrollment.py`; a refusal is audited in its own transaction (the
-attempt's transaction is rolled back) and answered 403 with its reason.
+Handlers delegate to `console/enrollment.py`: a challenge and the evidence check only read; the
+token is spent in a short write transaction under the CVM's lock. A refusal is audited in its own
+transaction (the attempt's is rolled back), rate-limited (refusal_budget.py), and answered 403
+with its reason.
 """
 
 from __future__ import annotations
@@ -12,14 +14,16 @@ from typing import Annotated
 from fastapi import APIRouter, HTTPException, Path, status
 from fastapi.concurrency import run_in_threadpool
 from pydantic import Field
+from sqlalchemy.orm import Session
 
-from umbra.console import audit, enrollment, security_pool
+from umbra.console import audit, enrollment, refusal_budget, security_pool
+from umbra.console.console_keys import ENROLL_NONCE_KEY
 from umbra.console.deps import ConsoleDep, UserDep
 from umbra.console.enrollment import EnrollEvidence, EnrollmentRefused
 from umbra.console.enums import AuditAction, CvmState, Role
 from umbra.console.routes.common import CvmIdPath, TeamPath
 from umbra.console.schemas import EnrollmentToken, SecurityReplicaToken
-from umbra.console.services.access import require_role, visible_cvm
+from umbra.console.services.access import cvm_lock, require_role, visible_cvm
 from umbra.console.state import Console
 from umbra.contracts.model import Strict
 
@@ -86,39 +90,46 @@ def replica_token(
     return minted
 
 
-def _token_lock(token: str) -> str:
-    """Challenges and enrollments of one token are serialized: of parallel attempts with the
-    same evidence exactly one issues a credential, the others see the token used."""
-    return f"enroll:{enrollment.token_digest(token)}"
-
-
 def _refused(console: Console, token: str, exc: EnrollmentRefused) -> HTTPException:
-    with console.write(_token_lock(token)) as session:
+    """Audit a refusal (rate-limited per team key, refusal_budget.py) and answer 403. One that
+    fails a never-enrolled CVM is always audited: it changes the CVM."""
+    with console.session() as session:
         team, target = enrollment.refusal_target(session, token)
-        row = session.get(enrollment.CvmEnrollment, enrollment.token_digest(token))
-        if row is not None:  # a nonce is good for one attempt, successful or not
-            row.nonce = None
-            session.add(row)
-        audit.append(
-            session, actor=f"cvm:{target}", team=team, action=AuditAction.cvm_enroll_refused,
-            target=target, details={"reason": exc.reason.value},
-        )  # fmt: skip
-        if enrollment.mark_unprovisionable(session, token, exc.reason):
-            audit.append(
-                session, actor="umbra-console", team=team, action=AuditAction.cvm_provisioned,
-                target=target, details={"operation": "enroll", "state": CvmState.failed,
-                                        "reason": enrollment.FAILED_PREFIX + exc.reason.value},
-            )  # fmt: skip
-    if exc.reason.value in enrollment.PROVISIONING_FAILURES:
-        console.notifier.notify()
+    marked = False
+    if target != "-" and exc.reason.value in enrollment.PROVISIONING_FAILURES:
+        with console.write(cvm_lock(target)) as session:
+            marked = enrollment.mark_unprovisionable(session, token, exc.reason)
+            if marked:
+                _audit_refusal(session, team, target, exc)
+                audit.append(
+                    session, actor="umbra-console", team=team, action=AuditAction.cvm_provisioned,
+                    target=target, details={"operation": "enroll", "state": CvmState.failed,
+                                            "reason": enrollment.FAILED_PREFIX + exc.reason.value},
+                )  # fmt: skip
+        if marked:
+            console.notifier.notify()
+    if not marked:
+        admitted, summaries = console.refusals.admit(team, exc.reason.value)
+        if admitted or summaries:
+            with console.write() as session:
+                refusal_budget.write_summaries(session, summaries)
+                if admitted:
+                    _audit_refusal(session, team, target, exc)
     return HTTPException(status.HTTP_403_FORBIDDEN, f"enrollment refused: {exc.reason.value}")
 
 
-@router.post("/enroll/challenge", summary="A single-use nonce for one enrollment attempt.")
+def _audit_refusal(session: Session, team: str, target: str, exc: EnrollmentRefused) -> None:
+    audit.append(
+        session, actor=f"cvm:{target}", team=team, action=AuditAction.cvm_enroll_refused,
+        target=target, details={"reason": exc.reason.value},
+    )  # fmt: skip
+
+
+@router.post("/enroll/challenge", summary="A nonce for enrollment attempts with one token (2 min).")
 def enroll_challenge(body: ChallengeRequest, console: ConsoleDep) -> EnrollChallenge:
     try:
-        with console.write(_token_lock(body.token)) as session:
-            nonce = enrollment.challenge(session, body.token)
+        with console.session() as session:  # reads only: a challenge never spends another's
+            nonce = enrollment.challenge(session, console.keys.get(ENROLL_NONCE_KEY), body.token)
     except EnrollmentRefused as exc:
         raise _refused(console, body.token, exc) from None
     return EnrollChallenge(
@@ -139,8 +150,12 @@ async def enroll(body: EnrollEvidence, console: ConsoleDep) -> Enrolled:
 
 def _enroll(console: Console, body: EnrollEvidence) -> Enrolled:
     try:
-        with console.write(_token_lock(body.token)) as session:
-            cvm_id, sealed = enrollment.enroll(session, console.enrollment_verifiers, body)
+        with console.session() as session:
+            verified = enrollment.verify(
+                session, console.enrollment_verifiers, console.keys.get(ENROLL_NONCE_KEY), body
+            )
+        with console.write(cvm_lock(verified.cvm_id)) as session:
+            cvm_id, sealed = enrollment.redeem(session, verified, body)
     except EnrollmentRefused as exc:
         raise _refused(console, body.token, exc) from None
     return Enrolled(cvm_id=cvm_id, sealed_credential=base64.b64encode(sealed).decode())
