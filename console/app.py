@@ -23,7 +23,7 @@ from sqlalchemy.exc import TimeoutError as SqlTimeoutError
 from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from umbra.console import children, db, provisioning, refusal_budget
+from umbra.console import children, db, notify, provisioning, refusal_budget
 from umbra.console.config import ConfigError, Settings, settings_summary
 from umbra.console.envelope import EnvelopeError, LocalKeyring
 from umbra.console.limits import BodyLimitMiddleware, limit_for
@@ -98,7 +98,9 @@ def build_console(
     return Console(
         settings=settings,
         engine=db.make_engine(
-            settings.database_url, statement_timeout_ms=settings.db_statement_timeout_ms
+            settings.database_url,
+            statement_timeout_ms=settings.db_statement_timeout_ms,
+            connect_timeout_s=settings.db_connect_timeout_seconds,
         ),
         oidc=oidc,
         bundle_keys=keys,
@@ -144,9 +146,15 @@ def create_app(
         if console.oidc is not None:
             console.oidc.refresh_soon()  # keys arrive in the background, before most requests
         await run_in_threadpool(provisioning.reconcile, console)
+        if owns_process:
+            notify.chain_exit_signals()  # long polls answer at SIGTERM, before the deadline
         summaries = asyncio.create_task(_flush_refusal_summaries(console))
+        if console.watchdog is not None:
+            console.watchdog.start()
         yield
         summaries.cancel()
+        if console.watchdog is not None:
+            await run_in_threadpool(console.watchdog.stop)
         await run_in_threadpool(_stop_jobs, console, owns_process)
         with contextlib.suppress(Exception):  # a database that is down loses only the counts
             await run_in_threadpool(lambda: refusal_budget.flush(console, final=True))
@@ -204,6 +212,8 @@ def _stop_jobs(console: Console, owns_process: bool, grace: float = 3.0) -> None
     """Shutdown within seconds: queued runs are cancelled, the provider's child processes are
     ended (so running ones fail fast and record it), and a run that still has not finished is
     left for `reconcile` at the next start."""
+    console.stopping.set()  # runs failing from here on are left for `reconcile` (resumable)
+    console.notifier.stop()
     console.jobs.shutdown(wait=False, cancel_futures=True)
     if owns_process and children.terminate_descendants(grace=grace):
         log.warning("ended provider child processes at shutdown")

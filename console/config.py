@@ -149,6 +149,16 @@ class Settings(_Strict):
         description="PostgreSQL statement_timeout for the Console's own connections (0: none); "
         "a query over it answers 503 instead of holding a connection.",
     )
+    db_unresponsive_seconds: float = Field(
+        default=4.0,
+        ge=0,
+        description="PostgreSQL: a probe unanswered this long marks the database unresponsive "
+        "(open connections cut, requests 503 until it answers; 0: no probe).",
+    )
+    db_probe_interval_seconds: float = Field(default=1.0, gt=0, le=60)
+    db_connect_timeout_seconds: int = Field(
+        default=3, ge=2, le=60, description="PostgreSQL connect_timeout of new connections."
+    )
     release_challenges_per_minute: int = Field(
         default=30, ge=1, description="Per Security CVM: challenge requests beyond this get 429."
     )

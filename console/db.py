@@ -17,7 +17,9 @@ from sqlalchemy import Engine, create_engine, event
 MIGRATIONS_DIR = Path(__file__).parent / "migrations"
 
 
-def make_engine(url: str, *, statement_timeout_ms: int = 0, **kwargs: Any) -> Engine:
+def make_engine(
+    url: str, *, statement_timeout_ms: int = 0, connect_timeout_s: int = 3, **kwargs: Any
+) -> Engine:
     if url.startswith("sqlite"):
         engine = create_engine(
             url, connect_args={"check_same_thread": False, "timeout": 30}, **kwargs
@@ -32,11 +34,17 @@ def make_engine(url: str, *, statement_timeout_ms: int = 0, **kwargs: Any) -> En
             cursor.close()
 
         return engine
+    connect_args = kwargs.setdefault("connect_args", {})
     if statement_timeout_ms:
         # Set per connection by the server at login: no query can hold a connection longer.
-        kwargs.setdefault("connect_args", {})["options"] = (
-            f"-c statement_timeout={int(statement_timeout_ms)}"
-        )
+        connect_args["options"] = f"-c statement_timeout={int(statement_timeout_ms)}"
+    # A server that never answers the login fails the connect; a peer that vanished (no RST) is
+    # found by keepalives within ~20 s. A frozen server is db_watchdog.py's job.
+    connect_args.setdefault("connect_timeout", connect_timeout_s)
+    connect_args.setdefault("keepalives", 1)
+    connect_args.setdefault("keepalives_idle", 10)
+    connect_args.setdefault("keepalives_interval", 3)
+    connect_args.setdefault("keepalives_count", 3)
     return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20, **kwargs)
 
 

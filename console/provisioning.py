@@ -236,8 +236,10 @@ def submit(
     spec, ref = replace(spec_of(cvm), enrollment_token=enrollment_token), cvm.provider_ref
     try:
         console.jobs.submit(run, console, provider, operation, spec, ref, held)
-    except RuntimeError:  # the pool is shutting down: do not leave the row transitional
+    except RuntimeError:  # the pool is shutting down
         _release(console, spec.id, held)
+        if provider.resumable:
+            return  # left transitional: the next start's `reconcile` resumes it
         finish(
             console,
             spec,
@@ -284,6 +286,13 @@ def run(
             reason, result = attempt()
             # Recorded while the job lock is still held: a `reconcile` starting in another
             # worker meanwhile sees a live run, never a finished run still marked transitional.
+            if reason is not None and console.stopping.is_set() and provider.resumable:
+                # Shutdown ended the provider's children: not the cloud's verdict. Left
+                # transitional like after kill -9; the next start resumes the run.
+                log.warning(
+                    "%s of %s interrupted by shutdown; resumed at start", operation, spec.id
+                )
+                return
             state = CvmState.failed if reason is not None else SETTLED[operation]
             finish(console, spec, operation, state, reason, result)
     except Exception as exc:  # the job lock itself failed (database unreachable)
