@@ -166,6 +166,37 @@ class ConsoleKey(SQLModel, table=True):
     created_at: datetime = Field(sa_type=DateTime(timezone=True))
 
 
+class TrafficSlot(SQLModel, table=True):
+    """Traffic counts per team, owner, CVM and 30-minute slot, added in the transaction that
+    inserts the records (revision 0010_console_scale): the overview reads these, not the records
+    (console/traffic_rollup.py). '' stands for a record without owner or CVM."""
+
+    __tablename__ = "traffic_slot"
+    __table_args__ = (Index("ix_traffic_slot_team_slot", "team", "slot"),)
+
+    team: str = Field(primary_key=True, max_length=64)
+    owner: str = Field(primary_key=True, max_length=255)
+    cvm_id: str = Field(primary_key=True, max_length=40)
+    slot: int = Field(primary_key=True, sa_type=BigInteger)  # epoch seconds, a slot's start
+    total: int = Field(sa_type=BigInteger)
+    denied: int = Field(sa_type=BigInteger)
+
+
+class TrafficSlotDenial(SQLModel, table=True):
+    """Denials per slot by host, reason and rule (`dimension`): the overview's top lists."""
+
+    __tablename__ = "traffic_slot_denial"
+    __table_args__ = (Index("ix_traffic_slot_denial_team_slot", "team", "dimension", "slot"),)
+
+    team: str = Field(primary_key=True, max_length=64)
+    owner: str = Field(primary_key=True, max_length=255)
+    cvm_id: str = Field(primary_key=True, max_length=40)
+    slot: int = Field(primary_key=True, sa_type=BigInteger)
+    dimension: str = Field(primary_key=True, max_length=8)  # host | reason | rule
+    value: str = Field(primary_key=True, max_length=260)  # '' for none
+    count: int = Field(sa_type=BigInteger)
+
+
 class TrafficRecord(SQLModel, table=True):
     """One proxy decision (`umbra.contracts.traffic.TrafficRecord`); never values or bodies.
 
