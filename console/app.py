@@ -38,6 +38,7 @@ from umbra.console.routes import (
     enroll,
     login,
     meta,
+    people,
     reenroll,
     secrets,
     security_cvm,
@@ -181,6 +182,7 @@ def create_app(
         audit,
         enroll,
         reenroll,
+        people,
     ):
         app.include_router(module.router)
     mount_web(app, console.settings.web_session_key)

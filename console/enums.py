@@ -77,3 +77,4 @@ class AuditAction(StrEnum):
     secret_set = "secret.set"
     secret_delete = "secret.delete"
     secret_release = "secret.release"
+    user_deactivate = "user.deactivate"

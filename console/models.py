@@ -155,6 +155,18 @@ class ReleaseNonce(SQLModel, table=True):
     used: bool = False
 
 
+class DeactivatedUser(SQLModel, table=True):
+    """A developer deactivated in a team (revision 0010_console_scale): their tokens and web
+    sessions carry no role in it from then on (services/people.py)."""
+
+    __tablename__ = "deactivated_user"
+
+    team: str = Field(primary_key=True, max_length=64)
+    subject: str = Field(primary_key=True, max_length=255, index=True)
+    deactivated_at: datetime = Field(sa_type=DateTime(timezone=True))
+    deactivated_by: str = Field(max_length=255)
+
+
 class ConsoleKey(SQLModel, table=True):
     """A key the Console's replicas share, created once by whichever starts first (revision
     0010): `enroll-nonce` signs stateless enrollment nonces (console/console_keys.py)."""

@@ -322,3 +322,15 @@ class AuditPage(Strict):
 
 class AttachmentsDoc(Strict):
     cvms: dict[str, dict[str, object]]
+
+
+class Deactivated(Strict):
+    """What `POST /teams/{team}/members/{subject}/deactivate` did (services/people.py)."""
+
+    team: str
+    subject: str
+    newly: bool = Field(description="False: already deactivated (its CVMs were retried).")
+    secrets_erased: int
+    cvms_detached: list[str]
+    cvms_stopped: list[str]
+    cvms_skipped: dict[str, str] = Field(description="CVM id -> why it was left as it is.")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Coroutine
+from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import parse_qs, urlencode
@@ -22,6 +23,7 @@ from umbra.console.schemas import NAME_PATTERN
 from umbra.console.services import traffic as traffic_service
 from umbra.console.services.access import User
 from umbra.console.services.errors import ServiceError
+from umbra.console.services.people import active_roles
 from umbra.console.state import Console
 from umbra.console.web import actions, login, queries
 from umbra.console.web.filters import RANGE_CHOICES, FilterError, parse_filters
@@ -104,7 +106,9 @@ def _session(request: Request) -> WebSession:
     session = _keys(request).open_session(request.cookies.get(name))
     if session is None:
         raise LoginRequired
-    return session
+    # A session cookie outlives a deactivation; its roles do not (services/people.py).
+    roles = active_roles(_console(request), session.subject, session.roles)
+    return session if roles == session.roles else replace(session, roles=roles)
 
 
 def error_page(request: Request, code: int, message: str) -> HTMLResponse:

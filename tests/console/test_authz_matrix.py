@@ -227,6 +227,12 @@ USER_MATRIX: dict[tuple[str, str], tuple[Case, dict[str, int]]] = {
         ),
         expect(200, 403, 404, 404, 404, 401),
     ),
+    ("POST", T + "/members/{subject}/deactivate"): (
+        lambda w, p: w.call(
+            p, "POST", f"/api/v1/teams/{w.team_a}/members/{unique('gone')}/deactivate"
+        ),
+        expect(200, 403, 403, 403, 403, 401),
+    ),
     ("GET", T + "/default-profiles"): (
         lambda w, p: w.call(p, "GET", f"/api/v1/teams/{w.team_a}/default-profiles"),
         expect(200, 403, 403, 403, 403, 401),

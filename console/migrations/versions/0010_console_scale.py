@@ -1,4 +1,5 @@
-"""console scale: shared keys (stateless enrollment nonces), traffic rollups (overview)
+"""console scale: shared keys (stateless enrollment nonces), traffic rollups (overview),
+deactivated users
 
 Revision ID: 0010_console_scale
 Revises: 0009
@@ -76,6 +77,17 @@ def upgrade() -> None:
     op.create_index(
         "ix_traffic_slot_denial_team_slot", "traffic_slot_denial", ["team", "dimension", "slot"]
     )
+    op.create_table(
+        "deactivated_user",
+        sa.Column("team", sa.String(length=64), nullable=False),
+        sa.Column("subject", sa.String(length=255), nullable=False),
+        sa.Column("deactivated_at", sa.DateTime(timezone=True), nullable=False),
+        sa.Column("deactivated_by", sa.String(length=255), nullable=False),
+        sa.PrimaryKeyConstraint("team", "subject"),
+    )
+    op.create_index(
+        op.f("ix_deactivated_user_subject"), "deactivated_user", ["subject"], unique=False
+    )
     # Records stored before this revision: the same aggregation the ingest does.
     backfill = PG_BACKFILL if op.get_bind().dialect.name == "postgresql" else SQLITE_BACKFILL
     for statement in backfill:
@@ -87,6 +99,8 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
+    op.drop_index(op.f("ix_deactivated_user_subject"), table_name="deactivated_user")
+    op.drop_table("deactivated_user")
     with op.batch_alter_table("cvm_enrollment") as batch:
         batch.add_column(sa.Column("nonce", sa.String(length=64), nullable=True))
         batch.add_column(sa.Column("nonce_expires_at", sa.DateTime(timezone=True), nullable=True))
