@@ -74,6 +74,7 @@ class AuditAction(StrEnum):
     policy_upload = "policy.upload"
     profiles_attach = "profiles.attach"
     profiles_defaults = "profiles.defaults"
+    team_quotas = "team.quotas"
     secret_set = "secret.set"
     secret_delete = "secret.delete"
     secret_release = "secret.release"

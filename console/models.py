@@ -78,6 +78,10 @@ class TeamSettings(SQLModel, table=True):
     default_profiles: list[str] = Field(
         default_factory=list, sa_column=Column(JSON, nullable=False)
     )
+    # Quotas (revision 0010_console_scale): Dev CVMs per developer (None: no limit), and the
+    # machine types Dev CVMs may have (empty: whatever the provider accepts).
+    max_dev_cvms_per_owner: int | None = None
+    machine_types: list[str] = Field(default_factory=list, sa_column=Column(JSON, nullable=False))
     updated_by: str = Field(max_length=255)
     updated_at: datetime = _ts()
 

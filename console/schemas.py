@@ -204,6 +204,19 @@ class TeamDefaultProfiles(Strict):
     updated_at: datetime | None = None
 
 
+class TeamQuotas(Strict):
+    """Limits on the team's Dev CVMs (services/team_quotas.py); null / empty: no limit."""
+
+    max_dev_cvms_per_owner: int | None = Field(default=None, ge=0, le=1000)
+    machine_types: list[MachineSize] = Field(default_factory=list, max_length=64)
+
+
+class TeamQuotasInfo(TeamQuotas):
+    team: str
+    updated_by: str | None = None
+    updated_at: datetime | None = None
+
+
 # -- secrets --------------------------------------------------------------------------------
 class TeamSecretSet(Strict):
     value: str = Field(min_length=1, max_length=MAX_SECRET_BYTES)

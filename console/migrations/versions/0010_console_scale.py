@@ -1,5 +1,5 @@
 """console scale: shared keys (stateless enrollment nonces), traffic rollups (overview),
-deactivated users
+deactivated users, team quotas
 
 Revision ID: 0010_console_scale
 Revises: 0009
@@ -88,6 +88,11 @@ def upgrade() -> None:
     op.create_index(
         op.f("ix_deactivated_user_subject"), "deactivated_user", ["subject"], unique=False
     )
+    with op.batch_alter_table("team_settings") as batch:
+        batch.add_column(sa.Column("max_dev_cvms_per_owner", sa.Integer(), nullable=True))
+        batch.add_column(
+            sa.Column("machine_types", sa.JSON(), nullable=False, server_default=sa.text("'[]'"))
+        )
     # Records stored before this revision: the same aggregation the ingest does.
     backfill = PG_BACKFILL if op.get_bind().dialect.name == "postgresql" else SQLITE_BACKFILL
     for statement in backfill:
@@ -99,6 +104,9 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
+    with op.batch_alter_table("team_settings") as batch:
+        batch.drop_column("machine_types")
+        batch.drop_column("max_dev_cvms_per_owner")
     op.drop_index(op.f("ix_deactivated_user_subject"), table_name="deactivated_user")
     op.drop_table("deactivated_user")
     with op.batch_alter_table("cvm_enrollment") as batch:
