@@ -160,6 +160,8 @@ def create_app(
         with contextlib.suppress(Exception):  # a database that is down loses only the counts
             await run_in_threadpool(lambda: refusal_budget.flush(console, final=True))
         console.engine.dispose()
+        if console.lock_engine is not None:
+            console.lock_engine.dispose()
 
     app = FastAPI(
         title="Umbra Console",

@@ -98,7 +98,7 @@ def job_guard(console: Console, cvm_id: str, held: Connection | None = None) -> 
     if console.settings.is_sqlite:
         yield  # one process: everything transitional at startup is orphaned
         return
-    connection = held if held is not None else console.engine.connect()
+    connection = held if held is not None else _lock_connection(console)
     try:
         if held is None:
             connection.execute(text("SELECT pg_advisory_lock(:key)"), {"key": _job_key(cvm_id)})
@@ -112,12 +112,18 @@ def job_guard(console: Console, cvm_id: str, held: Connection | None = None) -> 
             connection.close()
 
 
+def _lock_connection(console: Console) -> Connection:
+    """Never one of the request pool's: a run holds it for minutes (db.make_lock_engine)."""
+    assert console.lock_engine is not None
+    return console.lock_engine.connect()
+
+
 def _claim(console: Console, cvm_id: str) -> Connection | Literal[False] | None:
     """Take the CVM's job lock for `reconcile` without waiting: its connection (PostgreSQL),
     None (SQLite: one process, nothing to take), or False when another worker's run holds it."""
     if console.settings.is_sqlite:
         return None
-    connection = console.engine.connect()
+    connection = _lock_connection(console)
     taken = connection.execute(
         text("SELECT pg_try_advisory_lock(:key)"), {"key": _job_key(cvm_id)}
     ).scalar_one()
