@@ -25,7 +25,7 @@ from sqlmodel import col
 
 from tests.console import enroll
 from umbra.attest.simulator import SimulatedTdx
-from umbra.console import enrollment
+from umbra.console import enrollment, refusal_budget
 from umbra.console.models import AuditEntry, utcnow
 from umbra.console.refusal_budget import RefusalBudget
 from umbra.contracts.enrollment import report_data
@@ -186,3 +186,28 @@ def test_refusal_budget_summarizes_each_minute_past_the_limit() -> None:
     assert budget.drain() == []  # the current minute is still open
     final = budget.drain(final=True)
     assert [(s.team, s.reasons) for s in final] == [("-", {"reused_token": 2})]
+
+
+@pytest.mark.parametrize("server", ["postgresql"], indirect=True)
+def test_refusals_past_the_budget_become_one_summary_entry(team: Team) -> None:
+    console = team.server.console
+    saved, console.refusals = console.refusals, RefusalBudget(2)
+    try:
+        with team.server.client() as anonymous:
+            for _ in range(5):
+                token = "umbra_enr_" + secrets.token_hex(16)
+                refused = anonymous.post("/api/v1/enroll/challenge", json={"token": token})
+                assert refused.status_code == 403
+        assert refusal_budget.flush(console, final=True) == 1
+    finally:
+        console.refusals = saved
+    with console.session() as session:
+        summary = session.execute(
+            select(AuditEntry)
+            .where(col(AuditEntry.action) == "cvm.enroll_refused_summary")
+            .order_by(col(AuditEntry.seq).desc())
+            .limit(1)
+        ).scalar_one()
+    assert (summary.team, summary.target) == ("-", "-")
+    assert summary.details["refused"] == 3
+    assert summary.details["reasons"] == {"unknown_token": 3}
