@@ -385,6 +385,22 @@ async def cvm_action(request: Request, team: str, cvm_id: str) -> Response:
     return RedirectResponse(target, status.HTTP_303_SEE_OTHER)
 
 
+@router.post("/teams/{team}/members/deactivate")
+async def deactivate_member(request: Request, team: str) -> Response:
+    session = _session(request)
+    team = _team(team)
+    form = await _form(request, session)
+    if form.get("confirm") != "yes":
+        raise HTTPException(422, "confirm: tick the box to deactivate this developer")
+    subject = form.get("subject", "").strip()[:256]
+    done = await run_in_threadpool(
+        actions.deactivate, _console(request), session.user, team, subject
+    )
+    return RedirectResponse(
+        f"/ui/teams/{team}/cvms?" + urlencode({"done": done}), status.HTTP_303_SEE_OTHER
+    )
+
+
 @router.get("/teams/{team}/profiles")
 def profiles(request: Request, team: str) -> Response:
     session = _session(request)
