@@ -8,6 +8,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -150,10 +151,17 @@ def create_app(
         if owns_process:
             notify.chain_exit_signals()  # long polls answer at SIGTERM, before the deadline
         summaries = asyncio.create_task(_flush_refusal_summaries(console))
+        takeover = (
+            asyncio.create_task(_reconcile_periodically(console))
+            if not settings.is_sqlite and settings.reconcile_interval_seconds > 0
+            else None
+        )
         if console.watchdog is not None:
             console.watchdog.start()
         yield
         summaries.cancel()
+        if takeover is not None:
+            takeover.cancel()
         if console.watchdog is not None:
             await run_in_threadpool(console.watchdog.stop)
         await run_in_threadpool(_stop_jobs, console, owns_process)
@@ -210,6 +218,20 @@ async def _flush_refusal_summaries(console: Console) -> None:
             await run_in_threadpool(refusal_budget.flush, console)
         except Exception:  # a database outage: retried next round
             log.warning("could not write enrollment refusal summaries; retrying")
+
+
+async def _reconcile_periodically(console: Console) -> None:
+    """Runs whose Console process died are taken over by this one (provisioning.reconcile)."""
+    interval = console.settings.reconcile_interval_seconds
+    age = timedelta(seconds=interval)
+    while True:
+        await asyncio.sleep(interval)
+        if console.stopping.is_set():
+            return
+        try:
+            await run_in_threadpool(lambda: provisioning.reconcile(console, min_age=age))
+        except Exception:  # a database outage: the next round retries
+            log.warning("periodic reconcile failed; retrying")
 
 
 def _stop_jobs(console: Console, owns_process: bool, grace: float = 3.0) -> None:

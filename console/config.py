@@ -136,6 +136,12 @@ class Settings(_Strict):
     azure: AzureProvider | None = Field(
         default=None, description="Settings of the `azure` provider (JSON in UMBRA_CONSOLE_AZURE)."
     )
+    reconcile_interval_seconds: float = Field(
+        default=30.0,
+        ge=0,
+        description="PostgreSQL: how often a serving Console takes over provider runs whose "
+        "process died (rows unchanged this long, job lock free; 0: only at startup).",
+    )
     provider_workers: int = Field(
         default=4, ge=1, le=64, description="Concurrent cloud launches/updates/destroys."
     )

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import replace
+from datetime import timedelta
 from typing import Literal
 
 from sqlalchemy import Connection, select, text
@@ -157,16 +159,22 @@ def interrupted_operation(session: Session, cvm: Cvm) -> Operation:
     return Operation.stop if asked == Power.stopped else Operation.update
 
 
-def reconcile(console: Console) -> list[str]:
+def reconcile(console: Console, *, min_age: timedelta | None = None) -> list[str]:
     """At startup: every CVM left transitional by a crash, restart or kill whose run is not alive
     in any Console process is resumed when its provider is `resumable` (the run is submitted again
     for the same operation: Pulumi converges the stack), else marked `failed` with a reason saying
     what was interrupted (the owner or an admin then updates or destroys it; a destroy is
-    idempotent). Returns the ids handled."""
+    idempotent). Returns the ids handled.
+
+    Also every `RECONCILE_INTERVAL_SECONDS` while serving (PostgreSQL), with `min_age`: only rows
+    unchanged for that long, so a run another replica just committed and is about to claim is
+    never taken; a run whose process died (its job lock went with its connection) is taken over
+    by a live replica without waiting for a restart."""
+    query = select(col(Cvm.id)).where(col(Cvm.state).in_(BUSY_STATES))
+    if min_age is not None:
+        query = query.where(col(Cvm.updated_at) < utcnow() - min_age)
     with console.session() as session:
-        busy = list(
-            session.execute(select(col(Cvm.id)).where(col(Cvm.state).in_(BUSY_STATES))).scalars()
-        )
+        busy = list(session.execute(query).scalars())
     handled, resumed = [], 0
     for cvm_id in busy:
         # The job lock stays held from here into the resumed run: no other worker's reconcile can
@@ -240,8 +248,24 @@ def submit(
     enrollment_token: str | None = None,
 ) -> None:
     spec, ref = replace(spec_of(cvm), enrollment_token=enrollment_token), cvm.provider_ref
+    if held is None:
+        # Claimed now, not when a worker thread picks the run up: a queued run is alive too, and
+        # another replica's periodic `reconcile` must see it so.
+        claimed = _claim(console, spec.id)
+        if claimed is False:
+            log.warning("%s of %s: another Console process runs it", operation, spec.id)
+            return
+        held = claimed
     try:
-        console.jobs.submit(run, console, provider, operation, spec, ref, held)
+        future = console.jobs.submit(run, console, provider, operation, spec, ref, held)
+        if held is not None:
+            lock = held
+
+            def release_if_cancelled(done: Future[None]) -> None:
+                if done.cancelled():  # queued at shutdown: never ran, so never released
+                    _release(console, spec.id, lock)
+
+            future.add_done_callback(release_if_cancelled)
     except RuntimeError:  # the pool is shutting down
         _release(console, spec.id, held)
         if provider.resumable:

@@ -70,3 +70,61 @@ def test_cloud_runs_hold_no_pooled_connection(
         for gate in gates.values():
             gate.set()
         server.stop()
+
+
+def test_a_dead_process_run_is_taken_over_while_serving(
+    postgres: PostgresServer, issuer: LocalIssuer, tmp_path: Path
+) -> None:
+    """A row left `launching` by a Console process that died (its job lock went with its
+    connection) is resumed by a serving Console within its reconcile interval, no restart."""
+    from datetime import timedelta
+
+    from sqlalchemy.orm import Session
+
+    from tests.console.test_restarts import _cvm
+    from umbra.console import db, provisioning
+    from umbra.console.models import Cvm, utcnow
+
+    url = postgres.create_database("t_" + os.urandom(6).hex())
+    team_name = "g" + os.urandom(4).hex()
+    compose = tmp_path / "app-compose.json"
+    compose.write_text(json.dumps(APP_COMPOSE))
+    clouds = FakeClouds()
+    server = start_server(
+        "postgresql", url, None, issuer.url, generate_key(), tmp_path,
+        stack_factory=clouds.factory, providers=["local", "gcp"], reconcile_interval_seconds=1,
+        gcp=GcpProvider.model_validate(gcp_settings(compose, team_name)),
+    )  # fmt: skip
+    engine = db.make_engine(url)
+    try:
+        orphan = _cvm(
+            "launching", team=team_name, name="orph", ssh_keys=[KEY],
+            updated_at=utcnow() - timedelta(minutes=5),
+        )  # fmt: skip
+        orphan_id = orphan.id
+        with Session(engine) as session, session.begin():
+            session.add(orphan)
+        deadline = time.monotonic() + 20
+        while True:
+            with Session(engine) as session:
+                row = session.get(Cvm, orphan_id)
+                assert row is not None
+                state = row.state
+            if state != "launching":
+                break
+            assert time.monotonic() < deadline, "the orphaned launch was not taken over"
+            time.sleep(0.1)
+        assert state == "running"
+        # A row changed within `min_age` (a run another replica just committed and is about to
+        # claim) is never taken.
+        fresh = _cvm("launching", team=team_name, name="fresh", ssh_keys=[KEY], provider="local")
+        fresh_id = fresh.id
+        with Session(engine) as session, session.begin():
+            session.add(fresh)
+        assert provisioning.reconcile(server.console, min_age=timedelta(hours=1)) == []
+        with Session(engine) as session:
+            young = session.get(Cvm, fresh_id)
+            assert young is not None and young.state == "launching"
+    finally:
+        server.stop()
+        engine.dispose()
