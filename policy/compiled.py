@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import base64
 import re
-from typing import Annotated, Literal, Self
+from typing import Annotated, Self
 
 from pydantic import AfterValidator, Field, model_validator
 
+from umbra.contracts.traffic import Decision
 from umbra.policy.model import (
     INJECT_DEFAULT_PORT,
     PLACEHOLDER,
     SCHEME_DEFAULT_PORTS,
+    Action,
     ExactHost,
     HeaderName,
     HostPattern,
@@ -63,7 +65,7 @@ Endpoint = Annotated[str, AfterValidator(_check_endpoint)]
 
 class CompiledHttpRule(StrictModel):
     id: RuleId
-    action: Literal["allow", "deny"]
+    action: Action
     hosts: list[HostPattern] = Field(min_length=1)
     methods: list[Method] | None
     endpoints: list[Endpoint] = Field(min_length=1)
@@ -190,7 +192,7 @@ def compile_profile(profile: Profile) -> tuple[CompiledProfile, dict[str, tuple[
                 )
             )
             continue
-        action: Literal["allow", "deny"] = "allow" if entry.allow is not None else "deny"
+        action = Decision.ALLOW if entry.allow is not None else Decision.DENY
         match = entry.allow or entry.deny
         assert match is not None  # guaranteed by EgressRule's validator
         rules.append(

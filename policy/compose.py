@@ -67,7 +67,7 @@ class EffectivePolicy:
             profile.name: {
                 (host, int(endpoint.split(":")[1]))
                 for rule in profile.rules
-                if rule.action == "allow"
+                if rule.action == Verdict.ALLOW
                 for host in rule.hosts
                 for endpoint in rule.endpoints
                 if endpoint.startswith("https:")

@@ -11,6 +11,7 @@ from typing import Annotated, Literal, Self
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from umbra.contracts.traffic import Decision
 from umbra.policy.normalize import (
     NormalizationError,
     is_ip_literal,
@@ -178,6 +179,9 @@ Name = Annotated[str, AfterValidator(_check_name)]
 HostPattern = Annotated[str, AfterValidator(_check_host_pattern)]
 ExactHost = Annotated[str, AfterValidator(_check_exact_host)]
 PathPattern = Annotated[str, AfterValidator(_check_path_pattern)]
+# A rule's or test case's allow/deny, the traffic record's Decision; documents spell it as a string
+# (so not strict: the enum's value is accepted, and only its values).
+Action = Annotated[Decision, Field(strict=False)]
 Method = Literal["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
 Scheme = Literal["https", "http"]
 Port = Annotated[int, Field(ge=1, le=65535, strict=True)]
