@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from datetime import datetime
 from typing import Any, Self
+from urllib.parse import quote
 
 import httpx
 from pydantic import BaseModel
@@ -18,6 +19,7 @@ from umbra.console.schemas import (
     BundleInfo,
     CvmCreated,
     CvmInfo,
+    Deactivated,
     EnrollmentToken,
     Me,
     QuarantinePage,
@@ -211,6 +213,13 @@ class ConsoleClient(_Base):
         return self._model(CvmCreated, "POST", f"/api/v1/cvms/{cvm_id}/credential")
 
     # secrets (write-only)
+    def deactivate_user(self, team: str, subject: str) -> Deactivated:
+        return self._model(
+            Deactivated,
+            "POST",
+            f"/api/v1/teams/{team}/members/{quote(subject, safe='')}/deactivate",
+        )
+
     def set_team_secret(
         self,
         team: str,

@@ -205,6 +205,19 @@ class TeamDefaultProfiles(Strict):
     updated_at: datetime | None = None
 
 
+class TeamQuotas(Strict):
+    """Limits on the team's Dev CVMs (services/team_quotas.py); null / empty: no limit."""
+
+    max_dev_cvms_per_owner: int | None = Field(default=None, ge=0, le=1000)
+    machine_types: list[MachineSize] = Field(default_factory=list, max_length=64)
+
+
+class TeamQuotasInfo(TeamQuotas):
+    team: str
+    updated_by: str | None = None
+    updated_at: datetime | None = None
+
+
 # -- secrets --------------------------------------------------------------------------------
 class TeamSecretSet(Strict):
     value: str = Field(min_length=1, max_length=MAX_SECRET_BYTES)
@@ -331,3 +344,15 @@ class AuditPage(Strict):
 
 class AttachmentsDoc(Strict):
     cvms: dict[str, dict[str, object]]
+
+
+class Deactivated(Strict):
+    """What `POST /teams/{team}/members/{subject}/deactivate` did (services/people.py)."""
+
+    team: str
+    subject: str
+    newly: bool = Field(description="False: already deactivated (its CVMs were retried).")
+    secrets_erased: int
+    cvms_detached: list[str]
+    cvms_stopped: list[str]
+    cvms_skipped: dict[str, str] = Field(description="CVM id -> why it was left as it is.")

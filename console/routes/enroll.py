@@ -65,7 +65,7 @@ def replica_token(
     return enroll_service.replica_token(console=console, user=user, team=team, replica=replica)
 
 
-@router.post("/enroll/challenge", summary="A single-use nonce for one enrollment attempt.")
+@router.post("/enroll/challenge", summary="A nonce for enrollment attempts with one token (2 min).")
 def enroll_challenge(body: ChallengeRequest, console: ConsoleDep) -> EnrollChallenge:
     nonce = enroll_service.challenge(console=console, token=body.token)
     return EnrollChallenge(nonce=nonce, report_data_rule=enroll_service.REPORT_DATA_RULE)

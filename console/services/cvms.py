@@ -30,7 +30,7 @@ from umbra.console.providers import (
 )
 from umbra.console.provisioning_defaults import default_security_cvm
 from umbra.console.schemas import CvmCreate, CvmCreated, CvmInfo, CvmUpdate, profiles_etag
-from umbra.console.services import team_defaults
+from umbra.console.services import team_defaults, team_quotas
 from umbra.console.services.access import (
     CREDENTIAL_PREFIX,
     User,
@@ -126,6 +126,8 @@ def launch(*, console: Console, user: User, team: str, request: CvmCreate) -> Cv
         if taken is not None:
             raise _name_taken(owner, request.name)
         dev = request.kind == CvmKind.dev
+        if dev:
+            team_quotas.check_launch(session, team, owner, request.size)
         profiles = team_defaults.default_profiles(session, team) if dev else []
         cvm = Cvm(
             id=cvm_id,
@@ -272,6 +274,8 @@ def update(*, console: Console, user: User, cvm_id: str, change: CvmUpdate) -> C
             if change.state is not None:
                 raise Invalid("state: change it in a separate request")
             cvm.ssh_keys = list(change.ssh_keys) if change.ssh_keys is not None else cvm.ssh_keys
+            if change.size is not None and cvm.kind == CvmKind.dev:
+                team_quotas.check_machine_type(session, cvm.team, change.size)
             cvm.size = change.size if change.size is not None else cvm.size
             spec = provisioning.spec_of(cvm)
             _call(lambda: provider.check(spec))

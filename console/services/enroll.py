@@ -1,14 +1,19 @@
 """Enrollment as a service: one-time tokens for launch data (admins), and credentials only after
-attestation. Attempts with one token are serialized; a refusal is audited in its own transaction
-(the attempt's is rolled back) and raised as `Forbidden` with its reason."""
+attestation. A challenge and the evidence check only read (nonces are signed, not stored); the
+token is spent in a short write transaction under the CVM's lock, by one conditional UPDATE. A
+refusal is audited in its own transaction (the attempt's is rolled back), rate-limited per team
+key and minute (refusal_budget.py), and raised as `Forbidden` with its reason."""
 
 from __future__ import annotations
 
-from umbra.console import audit, enrollment, security_pool
+from sqlalchemy.orm import Session
+
+from umbra.console import audit, enrollment, refusal_budget, security_pool
+from umbra.console.console_keys import ENROLL_NONCE_KEY
 from umbra.console.enrollment import EnrollEvidence, EnrollmentRefused
 from umbra.console.enums import AuditAction, CvmState, Role
 from umbra.console.schemas import EnrollmentToken, SecurityReplicaToken
-from umbra.console.services.access import User, require_role, visible_cvm
+from umbra.console.services.access import User, cvm_lock, require_role, visible_cvm
 from umbra.console.services.errors import Conflict, Forbidden, Invalid
 from umbra.console.state import Console
 
@@ -49,47 +54,60 @@ def replica_token(*, console: Console, user: User, team: str, replica: int) -> S
     return minted
 
 
-def token_lock(token: str) -> str:
-    """Challenges and enrollments of one token are serialized: of parallel attempts with the
-    same evidence exactly one issues a credential, the others see the token used."""
-    return f"enroll:{enrollment.token_digest(token)}"
-
-
 def _refused(console: Console, token: str, exc: EnrollmentRefused) -> Forbidden:
-    with console.write(token_lock(token)) as session:
+    """Audit a refusal (rate-limited per team key, refusal_budget.py). One that fails a
+    never-enrolled CVM is always audited: it changes the CVM."""
+    with console.session() as session:
         team, target = enrollment.refusal_target(session, token)
-        row = session.get(enrollment.CvmEnrollment, enrollment.token_digest(token))
-        if row is not None:  # a nonce is good for one attempt, successful or not
-            row.nonce = None
-            session.add(row)
-        audit.append(
-            session, actor=f"cvm:{target}", team=team, action=AuditAction.cvm_enroll_refused,
-            target=target, details={"reason": exc.reason.value},
-        )  # fmt: skip
-        if enrollment.mark_unprovisionable(session, token, exc.reason):
-            audit.append(
-                session, actor="umbra-console", team=team, action=AuditAction.cvm_provisioned,
-                target=target, details={"operation": "enroll", "state": CvmState.failed,
-                                        "reason": enrollment.FAILED_PREFIX + exc.reason.value},
-            )  # fmt: skip
-    if exc.reason.value in enrollment.PROVISIONING_FAILURES:
-        console.notifier.notify()
+    marked = False
+    if target != "-" and exc.reason.value in enrollment.PROVISIONING_FAILURES:
+        with console.write(cvm_lock(target)) as session:
+            marked = enrollment.mark_unprovisionable(session, token, exc.reason)
+            if marked:
+                _audit_refusal(session, team, target, exc)
+                audit.append(
+                    session, actor="umbra-console", team=team, action=AuditAction.cvm_provisioned,
+                    target=target, details={"operation": "enroll", "state": CvmState.failed,
+                                            "reason": enrollment.FAILED_PREFIX + exc.reason.value},
+                )  # fmt: skip
+        if marked:
+            console.notifier.notify()
+    if not marked:
+        admitted, summaries = console.refusals.admit(team, exc.reason.value)
+        if admitted or summaries:
+            with console.write() as session:
+                refusal_budget.write_summaries(session, summaries)
+                if admitted:
+                    _audit_refusal(session, team, target, exc)
     return Forbidden(f"enrollment refused: {exc.reason.value}")
 
 
+def _audit_refusal(session: Session, team: str, target: str, exc: EnrollmentRefused) -> None:
+    audit.append(
+        session, actor=f"cvm:{target}", team=team, action=AuditAction.cvm_enroll_refused,
+        target=target, details={"reason": exc.reason.value},
+    )  # fmt: skip
+
+
 def challenge(*, console: Console, token: str) -> str:
-    """A single-use nonce for one enrollment attempt with `token`."""
+    """A nonce for enrollment attempts with `token` (2 min); reads only, so no caller's challenge
+    invalidates another's."""
     try:
-        with console.write(token_lock(token)) as session:
-            return enrollment.challenge(session, token)
+        with console.session() as session:
+            return enrollment.challenge(session, console.keys.get(ENROLL_NONCE_KEY), token)
     except EnrollmentRefused as exc:
         raise _refused(console, token, exc) from None
 
 
 def enroll(*, console: Console, evidence: EnrollEvidence) -> tuple[str, bytes]:
-    """The CVM's id and its credential sealed to the quote's key."""
+    """The CVM's id and its credential sealed to the quote's key: the evidence is checked by
+    reads (no lock held while the quote verifies), then the token is spent (one winner)."""
     try:
-        with console.write(token_lock(evidence.token)) as session:
-            return enrollment.enroll(session, console.enrollment_verifiers, evidence)
+        with console.session() as session:
+            verified = enrollment.verify(
+                session, console.enrollment_verifiers, console.keys.get(ENROLL_NONCE_KEY), evidence
+            )
+        with console.write(cvm_lock(verified.cvm_id)) as session:
+            return enrollment.redeem(session, verified, evidence)
     except EnrollmentRefused as exc:
         raise _refused(console, evidence.token, exc) from None

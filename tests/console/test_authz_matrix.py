@@ -228,6 +228,20 @@ USER_MATRIX: dict[tuple[str, str], tuple[Case, dict[str, int]]] = {
         ),
         expect(200, 403, 404, 404, 404, 401),
     ),
+    ("POST", T + "/members/{subject}/deactivate"): (
+        lambda w, p: w.call(
+            p, "POST", f"/api/v1/teams/{w.team_a}/members/{unique('gone')}/deactivate"
+        ),
+        expect(200, 403, 403, 403, 403, 401),
+    ),
+    ("GET", T + "/quotas"): (
+        lambda w, p: w.call(p, "GET", f"/api/v1/teams/{w.team_a}/quotas"),
+        expect(200, 200, 403, 403, 403, 401),
+    ),
+    ("PUT", T + "/quotas"): (
+        lambda w, p: w.call(p, "PUT", f"/api/v1/teams/{w.team_a}/quotas", json={}),
+        expect(200, 403, 403, 403, 403, 401),
+    ),
     ("GET", T + "/default-profiles"): (
         lambda w, p: w.call(p, "GET", f"/api/v1/teams/{w.team_a}/default-profiles"),
         expect(200, 403, 403, 403, 403, 401),

@@ -382,3 +382,41 @@ def test_a_secret_needing_a_new_login_says_so(seeded: Seed, issuer: LocalIssuer)
         page = client.get(f"/ui/teams/{team}/secrets").text
     assert "oauth2-refresh" in page and "needs a new login" in page and "rt-w3b" not in page
     seeded.team.admin.delete(f"/api/v1/teams/{team}/secrets/chain")
+
+
+def test_admin_deactivates_a_developer_from_the_page(seeded: Seed, issuer: LocalIssuer) -> None:
+    """The web form calls the same service as the API: the leaver's own web session loses the
+    team on its next request; developers have no form and are refused."""
+    from tests.console.helpers import unique
+
+    team = seeded.team.name
+    leaver = unique("leaver")
+    with closing(login(seeded.server, issuer, leaver, [f"{team}:developer"])) as gone:
+        assert gone.get(f"/ui/teams/{team}/cvms").status_code == 200
+        with closing(dev(seeded, issuer)) as client:
+            page = client.get(f"/ui/teams/{team}/cvms").text
+            assert "deactivate-form" not in page
+            token = re.search(r'name="csrf" value="([^"]+)"', page)
+            assert token is not None
+            refused = client.post(
+                f"/ui/teams/{team}/members/deactivate",
+                data={"csrf": token.group(1), "subject": leaver, "confirm": "yes"},
+            )
+            assert refused.status_code == 403
+        with closing(admin(seeded, issuer)) as client:
+            page = client.get(f"/ui/teams/{team}/cvms").text
+            assert "deactivate-form" in page
+            token = re.search(r'name="csrf" value="([^"]+)"', page)
+            assert token is not None
+            unconfirmed = client.post(
+                f"/ui/teams/{team}/members/deactivate",
+                data={"csrf": token.group(1), "subject": leaver},
+            )
+            assert unconfirmed.status_code == 422
+            done = client.post(
+                f"/ui/teams/{team}/members/deactivate",
+                data={"csrf": token.group(1), "subject": leaver, "confirm": "yes"},
+            )
+            assert done.status_code == 200 and "deactivated" in done.text, done.text
+            assert "user.deactivate" in client.get(f"/ui/teams/{team}/audit").text
+        assert gone.get(f"/ui/teams/{team}/cvms").status_code == 403
