@@ -205,7 +205,7 @@ def _show(r: dict[str, Any]) -> None:
     t = Table(title=f"{r['release']} ({r['role']}, tee: {r['tee']})", show_lines=False)
     t.add_column("value")
     t.add_column("golden", overflow="fold")
-    t.add_row("docker-compose.yaml sha256", r["compose_sha256"])
+    t.add_row("measured document sha256", r["compose_sha256"])
     t.add_row("compose-hash (sha256 app-compose.json)", r["compose_hash"])
     for reg in ("mrtd", "rtmr0", "rtmr1", "rtmr2"):
         t.add_row(reg.upper(), "\n".join(r[reg]))
