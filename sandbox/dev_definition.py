@@ -121,10 +121,13 @@ class DevCvmHost(Strict):
             raise ValueError(
                 "forwarder.credential_file must not be under /run/umbra/launch (launch data)"
             )
-        if fwd.sandbox_ca is None or str(fwd.sandbox_ca.file) != SANDBOX_CA_FILE:
+        ca = fwd.sandbox_ca
+        if ca is None or (ca.file.parent.name, ca.file.name) != ("sandbox-ca", CA_NAME):
+            # The dev host binds <its root>/sandbox-ca read-only into the sandbox and checks the
+            # root at start (a definition's is SANDBOX_CA_FILE).
             raise ValueError(
-                f"forwarder.sandbox_ca.file must be {SANDBOX_CA_FILE} (the directory bound "
-                "read-only into the sandbox)"
+                f"forwarder.sandbox_ca.file must be <root>/sandbox-ca/{CA_NAME} (the directory "
+                f"bound read-only into the sandbox; {SANDBOX_CA_FILE} on a CVM)"
             )
         return self
 

@@ -99,7 +99,8 @@ def test_app_compose_wraps_the_host_definition_and_its_hash_covers_every_byte() 
         (lambda d: d["forwarder"].update(credential_file="/run/umbra/launch/forwarder/cred"),
          "credential_file must not be under /run/umbra/launch"),
         (lambda d: d["forwarder"]["sandbox_ca"].update(file="/tmp/ca.pem"),
-         f"forwarder.sandbox_ca.file must be {SANDBOX_CA_FILE}"),
+         f"forwarder.sandbox_ca.file must be <root>/sandbox-ca/security-cvm-ca.pem (the "
+         f"directory bound read-only into the sandbox; {SANDBOX_CA_FILE} on a CVM)"),
         (lambda d: d["sandbox_image"].update(recipe_key="latest"),
          "sandbox_image.recipe_key: String should match pattern"),
         (lambda d: d["ssh_ingress"].update(user="root"),
