@@ -142,7 +142,7 @@ def test_definition_inputs_are_strict() -> None:
             parse_definition(dev_definition_doc(**{field: value}), "dev.yaml")
     doc = dev_definition_doc()
     doc["compose"] = doc.pop("host")  # the old layout's key
-    with pytest.raises(DefinitionError, match="dev.yaml: compose: Extra inputs"):
+    with pytest.raises(DefinitionError, match=r"dev\.yaml: compose: Extra inputs"):
         parse_definition(doc, "dev.yaml")
 
 
