@@ -1,10 +1,11 @@
 """The sandbox's network under a real Docker engine (Debian's docker.io, started by
 scripts/docker-up), with the built runtime image and the host firewall of images.host_firewall.
 
-A container on an `internal` bridge, as the rendered Dev CVM compose puts the sandbox: nothing
-leaves the bridge, DNS is dead (Docker 20.10 still installs a default route via the gateway). Without the host rules the bridge's gateway (the host)
-answers: the test shows that hole first, then that the rules close it for TCP and UDP.
-Runtime: runc (sysbox is absent here), said in the output.
+A container on an `internal` bridge (the Dev CVM's old compose layout put its sandbox there; the
+Dev CVM now runs the runc topology of sandbox/dev_host.py, and these bridge rules guard any
+internal Docker network): nothing leaves the bridge, DNS is dead (Docker 20.10 still installs a
+default route via the gateway). Without the host rules the bridge's gateway (the host) answers:
+the test shows that hole first, then that the rules close it for TCP and UDP.
 """
 
 from __future__ import annotations
@@ -23,9 +24,9 @@ import pytest
 from umbra.images import host_firewall
 from umbra.images.measure import measure
 from umbra.images.os_image import OS_DIR, load_os_definition
-from umbra.sandbox.validate import ComposeError, validate_dev_compose
+from umbra.sandbox.validate import ComposeError, validate_security_compose
 
-from ..sandbox.fixtures import dev_definition
+from ..sandbox.fixtures import security_definition
 from .conftest import docker_up
 
 pytestmark = pytest.mark.timeout(1500)
@@ -123,15 +124,14 @@ def test_sandbox_bridge_reaches_nothing_with_the_host_firewall(
 ) -> None:
     docker_up()
     out, images, _ = runtime_builds
-    fwd = images["forwarder"]
+    fwd = images["proxy"]
     _docker("load", "-i", str(out / fwd["archive"]))
-    tag = f"umbra/forwarder:{fwd['config_digest'][7:19]}"
+    tag = f"umbra/proxy:{fwd['config_digest'][7:19]}"
     pid = os.getpid()
     net, bridge = f"uim-{pid}-sandbox", f"uim{pid % 100000}s"
     subnet_octet = 100 + pid % 100
     gw = f"10.231.{subnet_octet}.1"
     tcp, udp, got = host_services
-    print("runtime: runc (sysbox-runc is absent on this machine; production uses sysbox-runc)")
     try:
         _docker(
             "network", "create", "--internal", "--subnet", f"10.231.{subnet_octet}.0/24",
@@ -164,10 +164,10 @@ def test_cve_2024_29018_path_stays_closed_by_configuration() -> None:
     networks from the host's namespace when the upstream resolver is on loopback
     (CVE-2024-29018). The CVM never has such an upstream: compose `dns` is refused by the
     validator, the OS images carry no local resolver, the launch agent refuses loopback
-    resolvers (tests/images/test_launch_host.py). The running sandbox's DNS is shown dead in
-    tests/images/test_compose_docker.py."""
+    resolvers (tests/images/test_launch_host.py). The Dev CVM's sandbox is not a container at
+    all: its resolver is the forwarder's (tests/images/test_dev_host.py)."""
     with pytest.raises(ComposeError, match="custom DNS servers are not allowed"):
-        validate_dev_compose(_with_dns(measure(dev_definition()).compose.text))
+        validate_security_compose(_with_dns(measure(security_definition()).compose.text))
     for name in ("gcp.yaml", "azure.yaml", "qemu.yaml"):
         packages = set(load_os_definition(OS_DIR / name).packages)
         assert not packages & {"systemd-resolved", "dnsmasq", "unbound", "bind9"}, name
@@ -175,5 +175,5 @@ def test_cve_2024_29018_path_stays_closed_by_configuration() -> None:
 
 def _with_dns(compose: str) -> str:
     return compose.replace(
-        "    hostname: sandbox\n", "    hostname: sandbox\n    dns: [127.0.0.1]\n"
+        "    restart: unless-stopped\n", "    restart: unless-stopped\n    dns: [127.0.0.1]\n", 1
     )
