@@ -56,7 +56,7 @@ def test_built_image_loads_and_runs_umbra(
             capture_output=True, text=True, timeout=120,
         )  # fmt: skip
         assert ran.returncode == 0, ran.stderr
-        assert "--tunnel-listen" in ran.stdout
+        assert "serve" in ran.stdout
     finally:
         subprocess.run(["docker", "rmi", "-f", tag], capture_output=True)
 
