@@ -564,20 +564,6 @@ def launch_agent_cmd(
         raise typer.Exit(1) from None
 
 
-@app.command("host-firewall")
-def host_firewall_cmd(
-    remove: Annotated[bool, typer.Option("--remove", help="Take the rules out again.")] = False,
-) -> None:
-    """Insert (or remove) the rules that drop traffic from the sandbox bridges to the host."""
-    from umbra.images import host_firewall
-
-    try:
-        (host_firewall.remove if remove else host_firewall.apply)()
-    except host_firewall.FirewallError as exc:
-        fail(str(exc))
-    console.print(("removed" if remove else "applied") + " the sandbox bridge rules")
-
-
 @app.command("os-build")
 def os_build_cmd(
     definition: Annotated[Path, typer.Argument(help="images/os/gcp.yaml | azure.yaml | qemu.yaml")],

@@ -49,7 +49,6 @@ OS_PY_LIBS = (
     "libncursesw6", "libreadline8t64", "libtirpc3t64", "ca-certificates",
 )  # fmt: skip
 UNIT = OS_DIR / "umbra-launch-agent.service"
-FIREWALL_UNIT = OS_DIR / "umbra-host-firewall.service"
 # Installed, never enabled: the launch agent starts it on a Dev CVM (images/launch_ingress.py).
 INGRESS_UNIT = OS_DIR / "umbra-ingress.service"
 # Debian's own sshd units: the only sshd on a CVM is the ingress's per-connection `sshd -i`.
@@ -167,7 +166,7 @@ def build_os_image(
         unit_dir = root / "etc/systemd/system"
         wants = unit_dir / "multi-user.target.wants"
         wants.mkdir(parents=True, exist_ok=True)
-        units = [UNIT] + ([FIREWALL_UNIT] if "iptables" in d.packages else [])
+        units = [UNIT]
         for unit in units:
             shutil.copyfile(unit, unit_dir / unit.name)
             (wants / unit.name).symlink_to(f"/etc/systemd/system/{unit.name}")

@@ -65,7 +65,7 @@ FORBIDDEN_SERVICE_KEYS = {
     "build": "images are pulled by digest, never built at launch",
 }
 NETWORK_KEYS = {"driver", "internal", "enable_ipv6", "ipam", "driver_opts"}
-# Only the bridge's name may be set: the host firewall (umbra.images.host_firewall) matches on it.
+# Only the bridge's name may be set (no other driver option changes isolation).
 BRIDGE_NAME_OPT = "com.docker.network.bridge.name"
 LAUNCH_PREFIX = "/run/umbra/launch/"
 # The Security CVM's unshipped traffic records live on its data disk (the launch agent mounts it
