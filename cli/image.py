@@ -205,7 +205,7 @@ def _show(r: dict[str, Any]) -> None:
     t = Table(title=f"{r['release']} ({r['role']}, tee: {r['tee']})", show_lines=False)
     t.add_column("value")
     t.add_column("golden", overflow="fold")
-    t.add_row("docker-compose.yaml sha256", r["compose_sha256"])
+    t.add_row("measured document sha256", r["compose_sha256"])
     t.add_row("compose-hash (sha256 app-compose.json)", r["compose_hash"])
     for reg in ("mrtd", "rtmr0", "rtmr1", "rtmr2"):
         t.add_row(reg.upper(), "\n".join(r[reg]))
@@ -283,7 +283,7 @@ def _git_commit() -> str:
 
 @app.command("build")
 def build_cmd(
-    rootfs: Annotated[str, typer.Argument(help="runtime | sandbox-ci | sandbox")],
+    rootfs: Annotated[str, typer.Argument(help="runtime (the service images' rootfs)")],
     out: Annotated[Path, typer.Option("--out", "-o", help="Write image archives here.")],
     wheel: Annotated[Path, typer.Option("--wheel", help="The umbra wheel (uv build --wheel).")],
     requirements: Annotated[
@@ -435,10 +435,12 @@ def launch_agent_cmd(
     state_dir: Annotated[
         Path, typer.Option("--state-dir", help="Where lowered compose files and configs go.")
     ] = Path("/run/umbra/compose"),
-    allow_runc: Annotated[
+    allow_missing_tsm: Annotated[
         bool,
         typer.Option(
-            "--allow-runc", help="Development only: run the sandbox under runc if sysbox is absent."
+            "--allow-missing-tsm",
+            help="Development only: a machine without configfs-tsm drops the compose's quote "
+            "mount (the service cannot quote) instead of refusing.",
         ),
     ] = False,
     report_ready: Annotated[bool, typer.Option("--report-ready/--no-report-ready")] = True,
@@ -450,13 +452,17 @@ def launch_agent_cmd(
             "'none'.",
         ),
     ] = None,
-    workspace_dir: Annotated[
+    dev_host_root: Annotated[
         Path,
         typer.Option(
-            "--workspace-dir",
-            help="Dev CVMs: the directory the compose's workspace volume binds (created).",
+            "--dev-host-root",
+            help="Dev CVMs: the sandbox's directory (on the data disk; umbra sandbox host up).",
         ),
-    ] = Path("/var/lib/umbra/data/workspace"),
+    ] = Path("/var/lib/umbra/data/dev-host"),
+    sandbox_image_dir: Annotated[
+        Path,
+        typer.Option("--sandbox-image-dir", help="Dev CVMs: the sandbox image the OS ships."),
+    ] = Path("/usr/lib/umbra/sandbox-image"),
     idle_stop: Annotated[
         bool,
         typer.Option(
@@ -531,8 +537,9 @@ def launch_agent_cmd(
     starter: la.Starter = (
         la.DockerCompose(tuple(compose.split()))
         if compose
-        else la.ComposeRunnerStart(images_dir, state_dir, allow_runc, say)
+        else la.ComposeRunnerStart(images_dir, state_dir, allow_missing_tsm, say)
     )
+    dev_host = la.DevHostStart(dev_host_root, sandbox_image_dir)
     agent = la.Agent(
         source=source,
         extender=extender,
@@ -541,9 +548,11 @@ def launch_agent_cmd(
         launch_dir=launch_dir,
         say=say,
         data_disk=disk,
-        workspace_dir=workspace_dir,
+        dev_host=None if compose else dev_host,
         spool_dir=spool_dir,
-        ingress=li.AttestedIngress(li.DockerSandbox(), li.SystemdUnit(), quote_source)
+        ingress=li.AttestedIngress(
+            li.PidFileSandbox(dev_host.sandbox_pid_file()), li.SystemdUnit(), quote_source
+        )
         if ingress
         else None,
         cloud=cloud,
@@ -553,20 +562,6 @@ def launch_agent_cmd(
         agent.run()
     except la.LaunchError:
         raise typer.Exit(1) from None
-
-
-@app.command("host-firewall")
-def host_firewall_cmd(
-    remove: Annotated[bool, typer.Option("--remove", help="Take the rules out again.")] = False,
-) -> None:
-    """Insert (or remove) the rules that drop traffic from the sandbox bridges to the host."""
-    from umbra.images import host_firewall
-
-    try:
-        (host_firewall.remove if remove else host_firewall.apply)()
-    except host_firewall.FirewallError as exc:
-        fail(str(exc))
-    console.print(("removed" if remove else "applied") + " the sandbox bridge rules")
 
 
 @app.command("os-build")

@@ -1,4 +1,5 @@
-"""`umbra sandbox` (render compose files, sessions) and `umbra forwarder` (the egress relay)."""
+"""`umbra sandbox` (render release documents, sessions, the Dev CVM host) and `umbra forwarder`
+(the egress relay)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import asyncio
 import logging
 import os
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -19,9 +20,19 @@ from umbra.sandbox.sessions import (
     serve_launcher,
 )
 
+if TYPE_CHECKING:
+    from umbra.sandbox.dev_host import DevHost
+
 # Each command imports what it runs (templates, attestation, httpx) so `--help` stays light.
 
-app = typer.Typer(help="Dev CVM sandbox: compose files and agent sessions.", no_args_is_help=True)
+app = typer.Typer(
+    help="Dev CVM sandbox: release documents and agent sessions.", no_args_is_help=True
+)
+host_app = typer.Typer(
+    help="A cloud Dev CVM's sandbox and forwarder, from its measured dev-cvm.json.",
+    no_args_is_help=True,
+)
+app.add_typer(host_app, name="host")
 forwarder_app = typer.Typer(help="The Dev CVM's attested egress forwarder.", no_args_is_help=True)
 
 SessionsDir = Annotated[Path, typer.Option("--sessions", help="Shared directory of dtach sockets.")]
@@ -32,19 +43,21 @@ def render(
     definition: Annotated[Path, typer.Argument(help="Image definition (YAML).")],
     out: Annotated[Path | None, typer.Option("--out", "-o", help="Write here, not stdout.")] = None,
 ) -> None:
-    """Render and validate a CVM's docker-compose.yaml."""
+    """Render and check a CVM's measured document: a Security CVM's docker-compose.yaml, a Dev
+    CVM's dev-cvm.json."""
     from umbra.images.definition import DefinitionError, DevCvmDefinition, load_definition
-    from umbra.sandbox.render import render_dev_cvm, render_security_cvm
+    from umbra.sandbox.dev_definition import DevHostError, render_dev_host
+    from umbra.sandbox.render import render_security_cvm
     from umbra.sandbox.validate import ComposeError
 
     try:
         d = load_definition(definition)
         rendered = (
-            render_dev_cvm(d.compose)
+            render_dev_host(d.host)
             if isinstance(d, DevCvmDefinition)
             else render_security_cvm(d.compose)
         )
-    except (DefinitionError, ComposeError) as exc:
+    except (DefinitionError, ComposeError, DevHostError) as exc:
         fail(str(exc), EXIT_USAGE)
     if out is None:
         typer.echo(rendered.text, nl=False)
@@ -55,23 +68,114 @@ def render(
 
 @app.command()
 def check(
-    compose: Annotated[Path, typer.Argument(help="A docker-compose.yaml to check.")],
+    document: Annotated[Path, typer.Argument(help="A dev-cvm.json or docker-compose.yaml.")],
     role: Annotated[str, typer.Option(help="dev-cvm or security-cvm")] = "dev-cvm",
 ) -> None:
-    """Check a compose file against the isolation rules (exit 1 with every violation)."""
-    from umbra.sandbox.validate import ComposeError, validate_dev_compose, validate_security_compose
+    """Check a measured document: a Dev CVM's host definition, or a Security CVM's compose file
+    against the isolation rules (exit 1 with every violation)."""
+    from umbra.sandbox.dev_definition import DevHostError, load_dev_host
+    from umbra.sandbox.validate import ComposeError, validate_security_compose
 
     try:
-        text = compose.read_text()
+        text = document.read_text()
     except OSError as exc:
-        fail(f"cannot read {compose}: {exc.strerror}", EXIT_USAGE)
+        fail(f"cannot read {document}: {exc.strerror}", EXIT_USAGE)
     if role not in ("dev-cvm", "security-cvm"):
         fail("--role must be dev-cvm or security-cvm", EXIT_USAGE)
     try:
-        (validate_dev_compose if role == "dev-cvm" else validate_security_compose)(text)
-    except ComposeError as exc:
+        if role == "dev-cvm":
+            load_dev_host(text, str(document))
+        else:
+            validate_security_compose(text)
+    except (ComposeError, DevHostError) as exc:
         fail(str(exc))
-    console.print(f"[bold green]OK[/] {compose}")
+    console.print(f"[bold green]OK[/] {document}")
+
+
+DefinitionOpt = Annotated[
+    Path, typer.Option("--definition", "-d", help="The measured host definition.")
+]
+RootOpt = Annotated[Path, typer.Option("--root", help="The sandbox's directory (data disk).")]
+ImageDirOpt = Annotated[
+    Path, typer.Option("--image-dir", help="The sandbox image the OS image ships.")
+]
+
+
+def _dev_host(definition: Path, root: Path, image_dir: Path) -> DevHost:
+    from umbra.sandbox import dev_host
+    from umbra.sandbox.dev_definition import DevHostError
+
+    try:
+        return dev_host.load(definition, root, image_dir)
+    except DevHostError as exc:
+        fail(str(exc), EXIT_USAGE)
+
+
+@host_app.command("up")
+def host_up(
+    definition: DefinitionOpt = Path("/run/umbra/launch/dev-cvm.json"),
+    root: RootOpt = Path("/var/lib/umbra/data/dev-host"),
+    image_dir: ImageDirOpt = Path("/usr/lib/umbra/sandbox-image"),
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """Start the forwarder, the sandbox (runc) and their supervisor, as the launch agent does."""
+    from umbra.cli.output import print_json
+    from umbra.sandbox import dev_host
+    from umbra.sandbox.dev_definition import DevHostError
+
+    host = _dev_host(definition, root, image_dir)
+    try:
+        state = dev_host.up(host, definition)
+    except DevHostError as exc:
+        fail(str(exc))
+    if as_json:
+        print_json(state)
+    else:
+        console.print(
+            f"[bold green]up[/] {host.cvm_id}: sandbox pid {state['sandbox_pid']}, "
+            f"forwarder pid {state['forwarder_pid']}, supervisor pid {state['supervisor_pid']}"
+        )
+
+
+@host_app.command("supervise", hidden=True)
+def host_supervise(
+    definition: DefinitionOpt = Path("/run/umbra/launch/dev-cvm.json"),
+    root: RootOpt = Path("/var/lib/umbra/data/dev-host"),
+    image_dir: ImageDirOpt = Path("/usr/lib/umbra/sandbox-image"),
+) -> None:
+    """Restart a dead sandbox or forwarder until stopped (started by `host up`)."""
+    from umbra.sandbox import dev_host
+
+    host = _dev_host(definition, root, image_dir)
+    dev_host.supervise(host)
+
+
+@host_app.command("down")
+def host_down(
+    definition: DefinitionOpt = Path("/run/umbra/launch/dev-cvm.json"),
+    root: RootOpt = Path("/var/lib/umbra/data/dev-host"),
+    image_dir: ImageDirOpt = Path("/usr/lib/umbra/sandbox-image"),
+) -> None:
+    """Stop the supervisor, the sandbox and the forwarder; the sandbox's files stay."""
+    from umbra.sandbox import dev_host
+
+    host = _dev_host(definition, root, image_dir)
+    dev_host.down(host)
+    console.print(f"down {host.cvm_id}")
+
+
+@host_app.command("status")
+def host_status(
+    definition: DefinitionOpt = Path("/run/umbra/launch/dev-cvm.json"),
+    root: RootOpt = Path("/var/lib/umbra/data/dev-host"),
+    image_dir: ImageDirOpt = Path("/usr/lib/umbra/sandbox-image"),
+) -> None:
+    """The sandbox's, the forwarder's and the supervisor's pids (JSON)."""
+    from umbra.cli.output import print_json
+    from umbra.sandbox import dev_host
+
+    host = _dev_host(definition, root, image_dir)
+    print_json(dev_host.status(host))
 
 
 @app.command()

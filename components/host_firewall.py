@@ -1,20 +1,26 @@
 """The Dev CVM's host nftables ruleset: the guest-side half of "a Dev CVM reaches nothing but its
 Security CVM". Cloud firewalls do not govern the metadata server's DNS (GCP 169.254.169.254,
-Azure 168.63.129.16), and Docker's embedded DNS forwards container queries to the host's
-resolver, so a name lookup is a channel out unless the guest drops it itself.
+Azure 168.63.129.16), so a name lookup is a channel out unless the guest drops it itself.
+
+The Dev CVM's sandbox and forwarder are the runc topology of sandbox/dev_host.py: the sandbox's
+only link ends in the forwarder's network namespace (which forwards nothing), and the forwarder's
+uplink (`uplink_cidr`, a /30) ends on the host.
 
 The ruleset (one `inet` table, replaced atomically with `nft -f`):
-- forward: only the forwarder's uplink network may open connections, only to the Security CVM's
-  tunnel port and (for its one enrollment at first start) the Console's HTTPS port; the compose's
-  internal networks talk among themselves; replies of allowed flows pass; everything else, DNS
-  first, is dropped. Nothing is forwarded *into* a container: no compose service publishes a port.
+- forward: only the forwarder's uplink may open connections, only to the Security CVM's tunnel
+  port and (for its one enrollment at first start) the Console's HTTPS port; replies of allowed
+  flows pass; everything else, DNS first, is dropped. Nothing is forwarded *into* the sandbox or
+  the forwarder's namespace.
+- postrouting (nat): what leaves from the uplink is masqueraded to the host's address (the cloud
+  network has no route to the uplink's private /30).
 - output (the host's own processes): loopback, replies, DHCP, root's HTTP to the cloud's ready
   report endpoint (the launch agent's report after the compose started: Azure's wire server,
   GCP's metadata server), and optionally NTP and an IMDS HTTP allowance for named uids (Azure's
   TD quote comes from IMDS); never DNS, never anything else.
 - input: loopback, replies, DHCP replies, and the attested SSH ingress's port (`umbra sandbox
-  ingress`, a host process the launch agent starts), but never from the compose's internal
-  networks: the sandbox does not reach the gateway that decides who logs into it.
+  ingress`, a host process the launch agent starts), but never from the forwarder's uplink or the
+  sandbox's link: neither reaches the host's own services, nor the gateway that decides who logs
+  into the sandbox.
 
 A pure function of its inputs: the launch agent writes the text to a file and runs `nft -f`
 before it starts containers (tests/infra/test_host_firewall.py loads it with real nft).
@@ -98,7 +104,7 @@ def render_host_ruleset(fw: HostFirewall) -> str:
     """The nft script: deletes and recreates the table in one transaction (flush-safe reload)."""
     sec = _set(fw.security_cvm_ips)
     meta = _set(fw.metadata_addresses)
-    internal = _set(fw.internal_cidrs)
+    inside = _set([fw.uplink_cidr, *fw.internal_cidrs])
     lines = [
         f"table inet {TABLE}",
         f"delete table inet {TABLE}",
@@ -113,7 +119,7 @@ def render_host_ruleset(fw: HostFirewall) -> str:
         "    ct state established,related accept",
         "    ct state invalid drop",
         "    udp sport 67 udp dport 68 accept",
-        f"    ip saddr {internal} counter drop",
+        f"    ip saddr {inside} counter drop",
         f"    tcp dport {fw.ssh_port} ct state new accept",
         "    counter drop",
         "  }",
@@ -122,7 +128,6 @@ def render_host_ruleset(fw: HostFirewall) -> str:
         "    ct state established,related accept",
         "    ct state invalid drop",
         "    jump dns_out",
-        f"    ip saddr {internal} ip daddr {internal} accept",
         f"    ip saddr {fw.uplink_cidr} ip daddr {sec} tcp dport {fw.tunnel_port} ct state new accept",
     ]
     if fw.console_ips:
@@ -153,5 +158,14 @@ def render_host_ruleset(fw: HostFirewall) -> str:
         lines.append(
             f"    ip daddr {meta} tcp dport 80 meta skuid {_set(fw.imds_http_uids)} accept"
         )
-    lines += ["    counter drop", "  }", "}", ""]
+    lines += [
+        "    counter drop",
+        "  }",
+        "  chain postrouting {",
+        "    type nat hook postrouting priority srcnat; policy accept;",
+        f"    ip saddr {fw.uplink_cidr} ip daddr != {fw.uplink_cidr} masquerade",
+        "  }",
+        "}",
+        "",
+    ]
     return "\n".join(lines)

@@ -104,6 +104,17 @@ def placeholder_app_compose(role: str) -> str:
     )
 
 
+def measured_document(doc: object) -> str | None:
+    """The measured document an app-compose.json wraps: a Security CVM's compose file
+    (`docker_compose_file`) or a Dev CVM's host definition (`dev_cvm_host`); None if neither."""
+    if not isinstance(doc, dict):
+        return None
+    for key in ("docker_compose_file", "dev_cvm_host"):
+        if isinstance(doc.get(key), str):
+            return str(doc[key])
+    return None
+
+
 @dataclass(frozen=True)
 class LaunchData:
     """`app_compose` is the release's app-compose.json text: canonical JSON wrapping the rendered

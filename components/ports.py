@@ -29,10 +29,12 @@ SECURITY_ROUTE_TAG: Final = "umbra-security-cvm"
 PRIVATE_ZONE: Final = "umbra.internal"
 SECURITY_CVM_HOST: Final = f"security-cvm.{PRIVATE_ZONE}"
 
-# The Dev compose's `uplink` network (only the forwarder sits on it) and its internal networks;
-# the host firewall lets only the uplink reach the Security CVM. Must equal the Dev compose.
-DEV_UPLINK_CIDR: Final = "172.30.2.0/29"
-DEV_INTERNAL_CIDRS: Final = ("172.30.0.0/24",)
+# The Dev CVM's runc topology (sandbox/dev_definition.py, index 1 of sandbox/local_cvm.py's
+# scheme): the forwarder's uplink /30 (its namespace ↔ the host; the host firewall forwards and
+# masquerades it to the Security CVM and the Console only) and the sandbox's /30 (sandbox ↔
+# forwarder, never routed through the host). Must equal the measured host definition's.
+DEV_UPLINK_CIDR: Final = "10.232.1.0/30"
+DEV_INTERNAL_CIDRS: Final = ("10.231.1.0/30",)
 # Cloud metadata / platform DNS addresses a guest reaches whatever the VPC firewall says.
 METADATA_ADDRESSES: Final = ("169.254.169.254", "168.63.129.16")
 # Where the launch agent (root) reports the VM ready, over HTTP port 80, per cloud: GCP's

@@ -23,6 +23,7 @@ from pydantic import (
     model_validator,
 )
 
+from umbra.components.launch_data import measured_document
 from umbra.contracts.model import Strict as _Strict
 from umbra.contracts.validation import location
 
@@ -77,7 +78,7 @@ class _CloudProvider(_Strict):
             raise ValueError(f"cannot read {value} ({exc.strerror})") from None
         except ValueError:
             doc = None
-        if not isinstance(doc, dict) or not isinstance(doc.get("docker_compose_file"), str):
+        if measured_document(doc) is None:
             raise ValueError(f"{value} is not an app-compose.json document")
         return value
 

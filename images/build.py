@@ -6,7 +6,6 @@ docker-archive per image. Returns the images and every input's digest (for prove
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -25,11 +24,9 @@ from umbra.images.recipes import (
     Recipe,
     Rootfs,
 )
-from umbra.sandbox.image import npm_name
 from umbra.sandbox.render import SERVICE_UID
 
 LOCK_FILE = Path(__file__).parent / "packages.lock"
-SANDBOX_INIT = Path(__file__).parent / "sandbox" / "umbra-sandbox-init"
 _PY_SKIP = {"test", "idlelib", "tkinter", "turtledemo", "ensurepip", "__pycache__", "lib2to3"}
 
 
@@ -234,78 +231,17 @@ def normalize(root: Path) -> None:
         shutil.rmtree(cache, ignore_errors=True)
 
 
-def sandbox_setup(recipe: Recipe, root: Path, epoch: int) -> list[Input]:
-    """The sandbox user, passwordless sudo, the init script, the agents from npm."""
-    env = os.environ | {"SOURCE_DATE_EPOCH": str(epoch)}
-    _run(
-        ["chroot", str(root), "useradd", "--create-home", "--shell", "/bin/bash", "dev"], "useradd"
-    )
-    sudoers = root / "etc/sudoers.d/dev"
-    sudoers.write_text("dev ALL=(ALL) NOPASSWD:ALL\n")
-    sudoers.chmod(0o440)
-    init = root / "usr/local/bin/umbra-sandbox-init"
-    shutil.copyfile(SANDBOX_INIT, init)
-    init.chmod(0o755)
-    inputs = [Input("file:images/sandbox/umbra-sandbox-init", file_sha256(SANDBOX_INIT))]
-    if recipe.npm:
-        # The build host's npm installs into the rootfs's /usr/local (relative bin links), so
-        # the image's own Debian npm (9.x) never runs at build time.
-        if shutil.which("npm") is None:
-            raise BuildError("npm is needed on the build host (scripts/system-deps installs it)")
-        _run(
-            ["npm", "install", "--global", f"--prefix={root}/usr/local", "--no-fund",
-             "--no-audit", "--no-update-notifier", *recipe.npm],
-            "npm install",
-            env=env,
-        )  # fmt: skip
-        modules = root / "usr/local/lib/node_modules"
-        for spec in recipe.npm:
-            name = npm_name(spec)
-            meta = json.loads((modules / name / "package.json").read_text())
-            if spec != f"{name}@{meta['version']}":
-                raise BuildError(f"npm installed {name}@{meta['version']}, the recipe pins {spec}")
-            digest = tree_sha256(modules / name, epoch)
-            inputs.append(Input(f"pkg:npm/{name}@{meta['version']}", digest))
-    return inputs
-
-
-# The login user of the gateway sshd the ingress image runs (`sshd -i`): the sandbox's user and
-# uid, so session sockets are shared.
-SESSION_USER = ("dev", 1000)
-
-
 SERVICE_STATE_DIRS = (
-    ("var/lib/umbra/forwarder", 0o700),
     ("var/lib/umbra/policy", 0o700),
     ("var/lib/umbra/spool", 0o700),
     ("var/lib/umbra/mitm-ca", 0o700),
-    # The attested interception CA(s) the forwarder writes for the sandbox, which mounts the
-    # volume read-only: certificates only, readable by all.
-    ("var/lib/umbra/sandbox-ca", 0o755),
 )
 
 
 def runtime_setup(root: Path) -> None:
-    """The services' state directories and the session user in the shared runtime rootfs, written directly (no useradd: no tool
-    dependency, no build-time date in /etc/shadow). Its password field is `*`: no password
-    login, but not locked (sshd refuses key logins to `!` accounts when PAM is off); empty
-    aging fields: no password expiry forcing a change at login."""
-    name, uid = SESSION_USER
-    for rel, line in (
-        ("etc/passwd", f"{name}:x:{uid}:{uid}::/home/{name}:/bin/sh"),
-        ("etc/group", f"{name}:x:{uid}:"),
-        ("etc/shadow", f"{name}:*:::::::"),
-        ("etc/gshadow", f"{name}:!::"),
-    ):
-        path = root / rel
-        if not path.exists():
-            continue
-        text = path.read_text()
-        if any(entry.split(":", 1)[0] == name for entry in text.splitlines()):
-            raise BuildError(f"{rel} already has a {name} entry")
-        path.write_text(text + ("" if text.endswith("\n") or not text else "\n") + line + "\n")
-    # The compose's named volumes start as copies of these: the forwarder and the proxy run as
-    # 65534 and keep their enrolled credential, spool and CA there, unreadable by other uids.
+    """The services' state directories in the shared runtime rootfs."""
+    # The compose's named volumes start as copies of these: the proxy runs as 65534 and keeps
+    # its policy, spool and CA there, unreadable by other uids.
     for state, mode in SERVICE_STATE_DIRS:
         path = root / state
         path.mkdir(parents=True, exist_ok=True)
@@ -359,10 +295,7 @@ def build_rootfs(
             py = root / PYTHON_PREFIX.lstrip("/")
             inputs.append(Input("file:cpython-3.12 (build host)", tree_sha256(py, epoch)))
             install_wheel(wheel, requirements, host_python_prefix / "bin/python3.12", root)
-        if rootfs is not Rootfs.RUNTIME:
-            inputs += sandbox_setup(recipe, root, epoch)
-        else:
-            runtime_setup(root)
+        runtime_setup(root)
         normalize(root)
         layer = work / "layer.tar"
         with layer.open("wb") as f:

@@ -11,11 +11,11 @@ and without adding anything, into a file 1.29 runs:
   `configs: [{source, target}]` becomes the read-only bind `STATE/configs/<n>:target:ro`;
 - each `image: name@sha256:M` becomes the local image id whose archive's OCI manifest hashes to
   M (`umbra.images.image_store`); an unknown M is refused, nothing is pulled;
-- `runtime: sysbox-runc` stays, unless the engine lacks sysbox and the caller allowed `runc`
-  (development and CI only): then it becomes `runc` and the runner says so plainly;
+- a `runtime` the engine does not have is refused (the Security CVM's validator allows none);
 - a bind of the TDX quote interface (`/sys/kernel/config/tsm/report`) on a machine without it is
-  refused, unless `runc` was allowed (development and CI): then it is dropped and said so (the
-  service cannot quote, so it cannot enroll; a test hands over its credential instead).
+  refused, unless the caller allowed it (`allow_missing_tsm`, development and CI): then it is
+  dropped and said so (the service cannot quote, so it cannot enroll; a test hands over its
+  credential instead).
 
 Anything else in the file is passed through untouched, so the validator's guarantees
 (`umbra.sandbox.validate`) carry over. The lowered file is written next to the configs for audit.
@@ -34,7 +34,6 @@ import yaml
 from umbra.sandbox.validate import TSM_REPORT, ComposeError, load_compose
 
 COMPOSE = ("docker-compose",)
-SYSBOX = "sysbox-runc"
 
 
 class ComposeRunError(Exception):
@@ -46,7 +45,7 @@ class Lowered:
     project: str
     text: str  # the docker-compose 1.29 file
     configs: dict[str, str]  # config name -> content
-    notes: tuple[str, ...]  # what the operator must know (e.g. runc instead of sysbox)
+    notes: tuple[str, ...]  # what the operator must know (e.g. a dropped quote mount)
 
 
 def lower(
@@ -55,7 +54,7 @@ def lower(
     config_dir: Path,
     images: Mapping[str, str],
     runtimes: set[str],
-    allow_runc: bool = False,
+    allow_missing_tsm: bool = False,
     tsm_present: bool = True,
 ) -> Lowered:
     try:
@@ -80,15 +79,11 @@ def lower(
         svc["image"] = images[digest]
         runtime = svc.get("runtime")
         if runtime is not None and runtime not in runtimes:
-            if runtime == SYSBOX and allow_runc:
-                svc["runtime"] = "runc"
-                notes.append(f"{where}: runtime runc, because {SYSBOX} is absent on this engine")
-            else:
-                raise ComposeRunError(f"{where}.runtime: {runtime} is not installed in the engine")
+            raise ComposeRunError(f"{where}.runtime: {runtime} is not installed in the engine")
         if not tsm_present:
             kept = [v for v in svc.get("volumes") or [] if not str(v).startswith(TSM_REPORT)]
             if len(kept) != len(svc.get("volumes") or []):
-                if not allow_runc:
+                if not allow_missing_tsm:
                     raise ComposeRunError(
                         f"{where}.volumes: {TSM_REPORT} is absent: this machine is not a TDX "
                         "guest with configfs-tsm, so the service could not quote"
@@ -128,7 +123,7 @@ class ComposeRunner:
 
     state_dir: Path
     images: Mapping[str, str]
-    allow_runc: bool = False
+    allow_missing_tsm: bool = False
     argv: tuple[str, ...] = COMPOSE
     say: Callable[[str], None] = print
 
@@ -144,7 +139,7 @@ class ComposeRunner:
             config_dir=config_dir,
             images=self.images,
             runtimes=engine_runtimes(),
-            allow_runc=self.allow_runc,
+            allow_missing_tsm=self.allow_missing_tsm,
             tsm_present=Path(TSM_REPORT).is_dir(),
         )
 

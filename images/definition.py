@@ -1,7 +1,8 @@
 """Image definitions: what one CVM release is made of (YAML, strict), before measurement.
 
 A definition names the role (dev-cvm or security-cvm), the base OS golden values (MRTD,
-RTMR0-2, from the OS image build; or a simulated image), and the compose inputs.
+RTMR0-2, from the OS image build; or a simulated image), and the measured document's inputs: a
+Security CVM's `compose`, a Dev CVM's `host` (its host definition, sandbox/dev_definition.py).
 """
 
 from __future__ import annotations
@@ -49,11 +50,11 @@ class DevCvmDefinition(_Strict):
     role: Literal["dev-cvm"]
     tee: Literal["tdx", "simulated"]
     base: BaseMeasurements
-    compose: DevCvmInputs
+    host: DevCvmInputs
 
     @property
     def name(self) -> str:
-        return self.compose.release
+        return self.host.release
 
 
 class SecurityCvmDefinition(_Strict):
@@ -73,7 +74,7 @@ ImageDefinition = DevCvmDefinition | SecurityCvmDefinition
 
 
 def _check_tee(d: ImageDefinition) -> ImageDefinition:
-    if isinstance(d, DevCvmDefinition) and d.tee == "tdx" and d.compose.allow_simulated:
+    if isinstance(d, DevCvmDefinition) and d.tee == "tdx" and d.host.allow_simulated:
         raise DefinitionError(
             f"{d.name}: a tee: tdx release must not let its forwarder accept simulated quotes"
         )
@@ -120,12 +121,12 @@ def load_definition(path: str | Path) -> ImageDefinition:
         doc = yaml.safe_load(p.read_text())
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
         raise DefinitionError(f"{p}: cannot read: {exc}") from None
-    compose = doc.get("compose") if isinstance(doc, dict) else None
-    if isinstance(compose, dict) and isinstance(compose.get("security_cvm_release"), str):
-        ref = p.parent / compose["security_cvm_release"]
+    host = doc.get("host") if isinstance(doc, dict) else None
+    if isinstance(host, dict) and isinstance(host.get("security_cvm_release"), str):
+        ref = p.parent / host["security_cvm_release"]
         try:
             release = load_release_manifest(ref)
         except PolicyFileError as exc:
-            raise DefinitionError(f"{p}: compose.security_cvm_release: {exc}") from None
-        compose["security_cvm_release"] = release.model_dump(mode="json", exclude_none=True)
+            raise DefinitionError(f"{p}: host.security_cvm_release: {exc}") from None
+        host["security_cvm_release"] = release.model_dump(mode="json", exclude_none=True)
     return parse_definition(doc, str(p))

@@ -4,15 +4,17 @@ else Umbra starts.
 1. Read the launch data (`umbra-*` keys, see umbra.components.launch_data) from the cloud's
    metadata service, by address (a team VPC's DNS answers every name with 0.0.0.0): GCP instance
    attributes (`Metadata-Flavor: Google`) or Azure IMDS user data.
-2. Validate it strictly: known keys only, canonical app-compose.json whose compose file passes
-   the sandbox validator, the copies (compose hash, event list) consistent with what they copy,
+2. Validate it strictly: known keys only, canonical app-compose.json whose measured document
+   passes its loader (a Dev CVM's host definition, sandbox/dev_definition.py; a Security CVM's
+   compose file, the sandbox validator), the copies (compose hash, event list) consistent with what they copy,
    SSH keys exactly when the role is dev-cvm.
 3. Extend RTMR3 with the events the verifiers expect, in order (umbra.images.measure's
    release_events + instance_events: one definition of them); on a Dev CVM then this boot's
    events (boot_events): a fresh 16-byte boot id and the SSH host key generated here, inside
    the TD, before anything else runs. Write the event log.
-4. Write /run/umbra/launch/, start the compose; on a Dev CVM then start the attested SSH
-   ingress on the host (umbra.images.launch_ingress); report ready.
+4. Write /run/umbra/launch/; start the Security CVM's compose, or on a Dev CVM the dev host
+   (`umbra sandbox host up`: the forwarder and the runc sandbox, sandbox/dev_host.py), then the
+   attested SSH ingress on the host (umbra.images.launch_ingress); report ready.
 
 The host controls the metadata, so nothing is trusted for being there: it is measured before use,
 and a verifier refuses a quote whose replayed events differ from the release and the binding.
@@ -31,7 +33,7 @@ import re
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from enum import StrEnum
 from pathlib import Path
 from typing import Protocol
@@ -68,7 +70,6 @@ from umbra.components.launch_data import (
     PLACEHOLDER_MARK,
     LaunchData,
 )
-from umbra.components.ports import DEV_ATTESTED_SSH_PORT
 from umbra.contracts.files import write_atomic
 from umbra.contracts.names import CVM_ID_PATTERN
 from umbra.images.launch_host import (
@@ -82,13 +83,15 @@ from umbra.images.launch_host import (
 from umbra.images.launch_ingress import AttestedIngress, IngressStartError
 from umbra.images.measure import boot_events, release_events
 from umbra.images.measure import instance_events as launch_events
+from umbra.sandbox.dev_definition import DEFINITION_NAME as DEV_HOST_DEFINITION
+from umbra.sandbox.dev_definition import RUNNER as DEV_HOST_RUNNER
+from umbra.sandbox.dev_definition import DevCvmHost, DevHostError, load_dev_host
 from umbra.sandbox.render import SERVICE_UID, canonical_json
+from umbra.sandbox.runtime import RUN_ROOT
 from umbra.sandbox.validate import (
     SPOOL_DIR,
-    WORKSPACE_DIR,
     ComposeError,
     load_compose,
-    validate_dev_compose,
     validate_security_compose,
 )
 
@@ -106,8 +109,6 @@ _KNOWN = META_KEYS
 # Opaque, short-lived, single use (the Console's enrollment endpoint checks it).
 _TOKEN = re.compile(r"^[A-Za-z0-9._~+/=-]{16,1024}$")
 DATA_MOUNT = Path("/var/lib/umbra/data")
-# The workspace directory the Dev compose binds: on the data disk.
-WORKSPACE = Path(WORKSPACE_DIR)
 SPOOL = Path(SPOOL_DIR)
 _REQUIRED = {META_ROLE, META_TEAM, META_CVM_ID, META_APP_COMPOSE, META_COMPOSE_HASH}
 
@@ -303,23 +304,35 @@ def parse_launch_data(meta: dict[str, str], cloud: str | None = None) -> LaunchD
     return data
 
 
+_COMPOSE_FIELDS = {"docker_compose_file", "manifest_version", "name", "runner"}
+_DEV_HOST_FIELDS = {"dev_cvm_host", "manifest_version", "name", "runner"}
+
+
 def _check_app_compose(text: str, role: str) -> None:
     try:
         doc = json.loads(text)
     except ValueError:
         raise LaunchError(Refusal.INVALID, f"{META_APP_COMPOSE} is not JSON") from None
-    if not isinstance(doc, dict) or set(doc) != {
-        "docker_compose_file",
-        "manifest_version",
-        "name",
-        "runner",
-    }:
+    if not isinstance(doc, dict) or set(doc) not in (_COMPOSE_FIELDS, _DEV_HOST_FIELDS):
         raise LaunchError(Refusal.INVALID, f"{META_APP_COMPOSE} has the wrong fields")
-    if doc["manifest_version"] != 2 or doc["runner"] != "docker-compose":
-        raise LaunchError(Refusal.INVALID, f"{META_APP_COMPOSE}: want manifest 2, docker-compose")
+    runner = "docker-compose" if "docker_compose_file" in doc else DEV_HOST_RUNNER
+    if doc["manifest_version"] != 2 or doc["runner"] != runner:
+        raise LaunchError(Refusal.INVALID, f"{META_APP_COMPOSE}: want manifest 2, {runner}")
     if canonical_json(doc) != text:
         # The measured bytes must be the canonical form, or two texts could mean one release.
         raise LaunchError(Refusal.INVALID, f"{META_APP_COMPOSE} is not canonical JSON")
+    if "dev_cvm_host" in doc:
+        if role != "dev-cvm":
+            raise LaunchError(
+                Refusal.INVALID, "dev_cvm_host: only a Dev CVM runs a host definition"
+            )
+        if not isinstance(doc["dev_cvm_host"], str):
+            raise LaunchError(Refusal.INVALID, "dev_cvm_host is not a string")
+        try:
+            load_dev_host(doc["dev_cvm_host"], "dev_cvm_host")
+        except DevHostError as exc:
+            raise LaunchError(Refusal.INVALID, str(exc)) from None
+        return
     if not isinstance(doc["docker_compose_file"], str):
         raise LaunchError(Refusal.INVALID, "docker_compose_file is not a string")
     compose: str = doc["docker_compose_file"]
@@ -327,23 +340,28 @@ def _check_app_compose(text: str, role: str) -> None:
         if compose.startswith(PLACEHOLDER_MARK):
             load_compose(compose)  # starts nothing useful; no verifier accepts its hash
         elif role == "dev-cvm":
-            validate_dev_compose(compose)
+            raise LaunchError(
+                Refusal.INVALID,
+                f"{META_APP_COMPOSE}: a Dev CVM release is a host definition (dev_cvm_host, "
+                f"runner {DEV_HOST_RUNNER}), not a compose file",
+            )
         else:
             validate_security_compose(compose)
     except ComposeError as exc:
         raise LaunchError(Refusal.INVALID, f"docker_compose_file: {exc}") from None
 
 
-def sandbox_user(data: LaunchData) -> str:
-    """The sandbox's login user, as the (validated, measured) compose names it."""
-    compose = load_compose(json.loads(data.app_compose)["docker_compose_file"])
+def dev_host_definition(data: LaunchData) -> DevCvmHost:
+    """A Dev CVM's measured host definition (already checked by parse_launch_data)."""
     try:
-        user = compose["services"]["sandbox"]["environment"]["UMBRA_USER"]
-    except (KeyError, TypeError):
-        user = None
-    if not isinstance(user, str):
-        raise IngressStartError("the compose's sandbox service names no UMBRA_USER")
-    return user
+        return load_dev_host(json.loads(data.app_compose)["dev_cvm_host"])
+    except (KeyError, DevHostError) as exc:
+        raise LaunchError(Refusal.INVALID, f"dev_cvm_host: {exc}") from None
+
+
+def sandbox_user(data: LaunchData) -> str:
+    """The sandbox's login user, as the (validated, measured) host definition names it."""
+    return dev_host_definition(data).ssh_ingress.user
 
 
 def launch_event_list(data: LaunchData) -> list[Event]:
@@ -436,18 +454,27 @@ def write_launch_dir(
     token: str | None = None,
     boot: BootIdentity | None = None,
 ) -> Path:
-    """Everything the compose mounts from /run/umbra/launch; returns the compose file path."""
+    """Everything the CVM's services read from /run/umbra/launch; returns the measured document's
+    path (the Dev CVM's dev-cvm.json, else the compose file)."""
     doc = json.loads(data.app_compose)
     # The enrolling service's launch directory: the forwarder's on a Dev CVM, the proxy's on a
-    # Security CVM (each compose mounts only its own).
-    service = root / ("forwarder" if data.role == "dev-cvm" else "security")
+    # Security CVM (its compose mounts only its own).
+    dev = data.role == "dev-cvm"
+    service = root / ("forwarder" if dev else "security")
     if token is not None:
-        # Short-lived, exchanged once at the Console by the enrolling service (its uid only);
-        # never measured or logged.
-        _write(service / "enrollment-token", token + "\n", 0o400, owner=SERVICE_UID)
+        # Short-lived, exchanged once at the Console by the enrolling service (its uid only: the
+        # proxy container's, or root's for the Dev CVM's host forwarder); never measured or
+        # logged.
+        _write(
+            service / "enrollment-token", token + "\n", 0o400, owner=None if dev else SERVICE_UID
+        )
     _write(root / "app-compose.json", data.app_compose)
-    compose = root / "docker-compose.yaml"
-    _write(compose, doc["docker_compose_file"])
+    if "dev_cvm_host" in doc:
+        compose = root / DEV_HOST_DEFINITION
+        _write(compose, doc["dev_cvm_host"])
+    else:
+        compose = root / "docker-compose.yaml"
+        _write(compose, doc["docker_compose_file"])
     _write(root / "role", data.role + "\n")
     _write(root / "team", data.team + "\n")
     log = dump_dstack_event_log(events)
@@ -511,7 +538,9 @@ class ComposeRunnerStart:
 
     images_dir: Path
     state_dir: Path
-    allow_runc: bool = False
+    # Development and CI only: a machine without configfs-tsm drops the quote interface's
+    # mount (the service cannot quote; said in the output) instead of refusing to start.
+    allow_missing_tsm: bool = False
     say: Callable[[str], None] = lambda line: print(line, file=sys.stderr)
 
     def start(self, compose: Path) -> None:
@@ -522,10 +551,39 @@ class ComposeRunnerStart:
             images = image_store.load(
                 sorted(self.images_dir.glob(f"*{image_store.ARCHIVE_SUFFIX}"))
             )
-            runner = ComposeRunner(self.state_dir, images, self.allow_runc, say=self.say)
+            runner = ComposeRunner(self.state_dir, images, self.allow_missing_tsm, say=self.say)
             runner.up(compose.read_text())
         except (image_store.ImageStoreError, ComposeRunError, OSError) as exc:
             raise LaunchError(Refusal.START_FAILED, str(exc)) from None
+
+
+@dataclass(frozen=True)
+class DevHostStart:
+    """A Dev CVM's start: `umbra sandbox host up` on the measured dev-cvm.json (sandbox/dev_host.py:
+    the forwarder, the runc sandbox and their supervisor). A refusal or failure there is this
+    launch's START_FAILED, with its reason."""
+
+    root: Path
+    image_dir: Path
+    argv: tuple[str, ...] = (str(Path(sys.executable).parent / "umbra"), "sandbox", "host", "up")
+    timeout: float = 600
+
+    def start(self, compose: Path) -> None:
+        cmd = [*self.argv, "--definition", str(compose), "--root", str(self.root),
+               "--image-dir", str(self.image_dir)]  # fmt: skip
+        try:
+            done = subprocess.run(
+                cmd, capture_output=True, text=True, check=False, timeout=self.timeout
+            )
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise LaunchError(Refusal.START_FAILED, f"umbra sandbox host up: {exc}") from None
+        if done.returncode != 0:
+            tail = " / ".join((done.stderr or done.stdout).strip().splitlines()[-5:])
+            raise LaunchError(Refusal.START_FAILED, tail or "umbra sandbox host up failed")
+
+    def sandbox_pid_file(self) -> Path:
+        """runc's pid file of the sandbox's init (sandbox/dev_host.py): the ingress enters it."""
+        return self.root / "sandbox.pid"
 
 
 class IdleStop(Protocol):
@@ -619,10 +677,11 @@ class Agent:
     say: Callable[[str], None] = lambda line: print(line, file=sys.stderr)
     firewall: Firewall = field(default_factory=Nft)
     etc_dir: Path = Path("/etc")
-    data_disk: DataDisk | None = None  # Dev CVMs: the persistent workspace disk
-    # Dev CVMs: the directory the compose's `workspace` volume binds (WORKSPACE_DIR, on the data
-    # disk), created before the compose starts. None: not created (tests without the compose).
-    workspace_dir: Path | None = None
+    # Dev CVMs: the persistent disk the sandbox's directory lives on (sandbox/dev_host.py).
+    data_disk: DataDisk | None = None
+    # Dev CVMs: what starts the measured host definition (DevHostStart). None: the compose
+    # `starter` runs whatever the launch data carries (a placeholder, tests with a stub).
+    dev_host: Starter | None = None
     # Security CVMs: the spool directory the compose's `spool` volume binds (SPOOL_DIR, on the
     # data disk), created for the proxy's uid. None: not created (tests without the compose).
     spool_dir: Path | None = None
@@ -650,7 +709,10 @@ class Agent:
                 self.extender.extend(event)
             compose = write_launch_dir(self.launch_dir, data, events, token, boot)
             self._host(data)
-            self.starter.start(compose)
+            if self.dev_host is not None and compose.name == DEV_HOST_DEFINITION:
+                self.dev_host.start(compose)
+            else:
+                self.starter.start(compose)
         except LaunchError as exc:
             self.say(f"umbra-launch: REFUSED, nothing started: {exc}")
             raise
@@ -681,8 +743,12 @@ class Agent:
     def _arm_idle_stop(self, data: LaunchData) -> None:
         """Not fatal: idle auto-stop saves cost, it guards nothing. Said loudly when it fails."""
         assert self.idle_stop is not None
-        compose = load_compose(json.loads(data.app_compose)["docker_compose_file"])
-        config = dev_cvm_config(str(compose.get("name", "")), DEV_ATTESTED_SSH_PORT)
+        definition = dev_host_definition(data)
+        # The sandbox's dtach sockets as the host sees them: inside its mounted tree.
+        sessions = RUN_ROOT / data.cvm_id / "rootfs" / definition.ssh_ingress.sessions_dir[1:]
+        config = replace(
+            dev_cvm_config("", definition.ssh_ingress.port), sessions_dir=str(sessions)
+        )
         try:
             self.idle_stop.start(config)
         except OSError as exc:
@@ -711,9 +777,6 @@ class Agent:
                 self.spool_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
                 os.chown(self.spool_dir, SERVICE_UID, SERVICE_UID)
                 self.spool_dir.chmod(0o700)
-            if data.role == "dev-cvm" and self.workspace_dir is not None:
-                # The compose's `workspace` volume binds it (on the data disk when there is one).
-                self.workspace_dir.mkdir(parents=True, exist_ok=True, mode=0o755)
         except (HostSetupError, OSError) as exc:
             raise LaunchError(Refusal.HOST_SETUP_FAILED, str(exc)) from None
 

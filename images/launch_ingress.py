@@ -12,10 +12,11 @@ refuses shared pid/network namespaces), so it is a systemd unit, `umbra-ingress.
   (`ConditionPathExists`), and a refused launch therefore opens no SSH port.
 
 What the agent writes (root-only, /run/umbra/ingress, 0700): `config.json` (validated by
-`IngressConfig` before it is written) and `sandbox.pid`, the sandbox container's PID from
-`docker inspect`. The config names the container (`sandbox.docker`), so the ingress looks its
-process up again for every connection and rewrites `sandbox.pid`: after the sandbox container
-restarts, sessions enter the new process, never a stale PID. The host key is the agent's (`host_key_file`, measured as
+`IngressConfig` before it is written). On a Dev CVM its `sandbox.pid_file` is runc's own pid
+file of the dev host's sandbox (sandbox/dev_host.py), read per connection: after the supervisor
+restarts the sandbox, sessions enter the new process, never a stale PID. (With a
+`DockerSandbox` locator the agent writes `sandbox.pid` itself and names the container, which the
+ingress looks up again per connection.) The host key is the agent's (`host_key_file`, measured as
 `umbra.ssh-host-key`); the quote source is the TD's configfs with the agent's event log.
 """
 
@@ -32,22 +33,28 @@ from pydantic import ValidationError
 from umbra.components.ports import DEV_ATTESTED_SSH_PORT
 from umbra.contracts.files import write_atomic
 from umbra.sandbox.ingress_config import IngressConfig
+from umbra.sandbox.local_cvm import SANDBOX_SESSIONS
 from umbra.sandbox.render import canonical_json
 from umbra.sandbox.sandbox_locator import (
     DockerSandbox,
+    PidFileSandbox,
     SandboxLocateError,
     SandboxLocator,
 )
 
-__all__ = ["DockerSandbox", "SandboxLocator"]  # where the agent's callers import them from
+__all__ = [
+    "DockerSandbox",
+    "PidFileSandbox",
+    "SandboxLocator",
+]  # where the agent's callers import them from
 
 INGRESS_DIR = Path("/run/umbra/ingress")  # root 0700: config.json, sandbox.pid
 INGRESS_STATE = Path("/var/lib/umbra/ingress")  # root 0700, the ingress's own (host key copy…)
 INGRESS_UNIT = "umbra-ingress.service"
 CONFIG_NAME = "config.json"
 PID_NAME = "sandbox.pid"
-SANDBOX_UID = 1000  # the sandbox images' user (images/build.py)
-SESSIONS_DIR = "/run/umbra/sessions"  # the compose's `sessions` volume in the sandbox
+SANDBOX_UID = 1000  # the sandbox image's user (sandbox/image.py)
+SESSIONS_DIR = SANDBOX_SESSIONS  # the dtach sockets, inside the sandbox
 
 
 class IngressStartError(Exception):
@@ -131,7 +138,13 @@ class AttestedIngress:
             raise IngressStartError(str(exc)) from None
         self.config_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         os.chmod(self.config_dir, 0o700)
-        pid_file = self.config_dir / PID_NAME
+        # The dev host's sandbox: runc's own pid file, never a copy that could go stale.
+        own = isinstance(self.locator, PidFileSandbox)
+        pid_file = (
+            self.locator.path
+            if isinstance(self.locator, PidFileSandbox)
+            else (self.config_dir / PID_NAME)
+        )
         source = {"event_log": str(launch_dir / "event-log.json"), **self.quote_source}
         docker = self.locator if isinstance(self.locator, DockerSandbox) else None
         doc = ingress_config(launch_dir, pid_file, source, user, self.state_dir, self.port, docker)
@@ -139,7 +152,8 @@ class AttestedIngress:
             config = IngressConfig.model_validate(doc)
         except ValidationError as exc:
             raise IngressStartError(f"ingress config: {exc}") from None
-        write_atomic(pid_file, f"{pid}\n", 0o600)
+        if not own:
+            write_atomic(pid_file, f"{pid}\n", 0o600)
         write_atomic(self.config_dir / CONFIG_NAME, canonical_json(doc) + "\n", 0o600)
         self.starter.start()
         return config

@@ -15,6 +15,7 @@ from pydantic import Field
 from umbra.attest.measurement import ReleaseManifest
 from umbra.contracts.model import Strict as _Strict
 from umbra.contracts.session import BOOT_ID_EVENT, SSH_HOST_KEY_EVENT
+from umbra.images.definition import DevCvmDefinition
 from umbra.images.measure import CVM_ID_EVENT, Measurement
 from umbra.sandbox.render import canonical_json
 
@@ -66,7 +67,11 @@ class MeasurementManifest(_Strict):
 
 
 def image_entries(m: Measurement, provenance: Mapping[str, str]) -> dict[str, ImageEntry]:
-    """The compose's images; `provenance` maps a digest to its envelope's SHA-256 (if known)."""
+    """The compose's images; `provenance` maps a digest to its envelope's SHA-256 (if known). A
+    Dev CVM runs no container image: its sandbox image is pinned by its keys in the measured host
+    definition, and shipped in the OS image."""
+    if isinstance(m.definition, DevCvmDefinition):
+        return {}
     refs: dict[str, str] = m.definition.compose.images.model_dump()
     out = {}
     for name, ref in sorted(refs.items()):

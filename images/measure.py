@@ -1,7 +1,9 @@
 """Golden values of a release: the compose hash and the RTMR3 runtime events, dstack-style.
 
-app-compose.json is canonical JSON {docker_compose_file, manifest_version, name, runner}; its
-SHA-256 is the compose hash, extended into RTMR3 as the `compose-hash` runtime event. Then come
+app-compose.json is canonical JSON: {docker_compose_file, manifest_version, name, runner:
+"docker-compose"} for a Security CVM, {dev_cvm_host, manifest_version, name, runner:
+"umbra-dev-host"} for a Dev CVM (its host definition, sandbox/dev_definition.py); its SHA-256 is
+the compose hash, extended into RTMR3 as the `compose-hash` runtime event. Then come
 the launch-bound events, in this order: `umbra.cvm-id` (payload: the id, UTF-8) and, on a Dev
 CVM, `umbra.ssh-authorized-keys` (payload: attest's ssh_keys_digest) and, when launch data
 carries one, `umbra.host-firewall` (payload: SHA-256 of the nftables ruleset). Last, on a Dev
@@ -31,22 +33,22 @@ from umbra.attest.simulator import simulated_boot_values
 from umbra.contracts.session import BOOT_ID_EVENT, SSH_HOST_KEY_EVENT
 from umbra.contracts.session import HOST_FIREWALL_EVENT as HOST_FIREWALL_EVENT
 from umbra.images.definition import BaseMeasurements, DevCvmDefinition, ImageDefinition
-from umbra.sandbox.render import Rendered, canonical_json, render_dev_cvm, render_security_cvm
+from umbra.sandbox.dev_definition import RUNNER as DEV_HOST_RUNNER
+from umbra.sandbox.dev_definition import render_dev_host
+from umbra.sandbox.render import Rendered, canonical_json, render_security_cvm
 
 CVM_ID_EVENT = "umbra.cvm-id"
 # HOST_FIREWALL_EVENT's payload: SHA-256 of the nftables ruleset the launch agent loads.
 RTMR3 = 3
 
 
-def app_compose(name: str, compose: Rendered) -> bytes:
-    return canonical_json(
-        {
-            "docker_compose_file": compose.text,
-            "manifest_version": 2,
-            "name": name,
-            "runner": "docker-compose",
-        }
-    ).encode()
+def app_compose(name: str, compose: Rendered, role: str = "security-cvm") -> bytes:
+    """The measured wrapper: the Security CVM's compose file, or the Dev CVM's host definition."""
+    if role == "dev-cvm":
+        doc = {"dev_cvm_host": compose.text, "runner": DEV_HOST_RUNNER}
+    else:
+        doc = {"docker_compose_file": compose.text, "runner": "docker-compose"}
+    return canonical_json({**doc, "manifest_version": 2, "name": name}).encode()
 
 
 def release_events(compose_hash: bytes) -> list[Event]:
@@ -171,10 +173,10 @@ class Measurement:
 
 def measure(definition: ImageDefinition) -> Measurement:
     if isinstance(definition, DevCvmDefinition):
-        compose = render_dev_cvm(definition.compose)
+        compose = render_dev_host(definition.host)
     else:
         compose = render_security_cvm(definition.compose)
-    app = app_compose(definition.name, compose)
+    app = app_compose(definition.name, compose, definition.role)
     digest = hashlib.sha256(app).hexdigest()
     release = ReleaseManifest.model_validate(
         {

@@ -49,7 +49,6 @@ OS_PY_LIBS = (
     "libncursesw6", "libreadline8t64", "libtirpc3t64", "ca-certificates",
 )  # fmt: skip
 UNIT = OS_DIR / "umbra-launch-agent.service"
-FIREWALL_UNIT = OS_DIR / "umbra-host-firewall.service"
 # Installed, never enabled: the launch agent starts it on a Dev CVM (images/launch_ingress.py).
 INGRESS_UNIT = OS_DIR / "umbra-ingress.service"
 # Debian's own sshd units: the only sshd on a CVM is the ingress's per-connection `sshd -i`.
@@ -99,6 +98,9 @@ class OsDefinition(BaseModel):
     hyper_v_generation: str | None = None
     security_type: str | None = None
     disk_format: str | None = None
+    # Ship the sandbox image (sandbox/image.py's tree, built on the build host) at
+    # SANDBOX_IMAGE_DIR: a Dev CVM's dev host runs it (sandbox/dev_host.py).
+    sandbox_image: bool = False
 
 
 def install_ingress_unit(unit_dir: Path) -> None:
@@ -164,7 +166,7 @@ def build_os_image(
         unit_dir = root / "etc/systemd/system"
         wants = unit_dir / "multi-user.target.wants"
         wants.mkdir(parents=True, exist_ok=True)
-        units = [UNIT] + ([FIREWALL_UNIT] if "iptables" in d.packages else [])
+        units = [UNIT]
         for unit in units:
             shutil.copyfile(unit, unit_dir / unit.name)
             (wants / unit.name).symlink_to(f"/etc/systemd/system/{unit.name}")
@@ -192,6 +194,8 @@ def build_os_image(
             if rel.startswith(("/usr/local/bin/", "usr/local/bin/")):
                 path.chmod(0o755)
         install_image_archives(root, image_archives)
+        if d.sandbox_image:
+            install_sandbox_image(root)
         kernel, initrd = _kernel_and_initrd(root, d.kernel)
         shutil.copyfile(kernel, out / "vmlinuz")
         shutil.copyfile(initrd, out / "initrd.img")
@@ -283,6 +287,31 @@ def install_image_archives(root: Path, archives: Sequence[Path]) -> list[Path]:
         target.chmod(0o644)
         out.append(target)
     return out
+
+
+SANDBOX_IMAGE_DIR = Path("/usr/lib/umbra/sandbox-image")
+
+
+def install_sandbox_image(root: Path) -> Path:
+    """Copy the sandbox image's two layers (its base tree and Umbra's files) under their keys,
+    in the build cache's layout, so the dev host finds exactly the tree its release measures."""
+    from umbra.sandbox import image
+
+    base, files = image.cached_rootfs(), image.cache_root() / "files" / image.files_key()
+    if base is None or not (files / "ready").exists():
+        raise BuildError(
+            "the sandbox image is not built on this build host: `umbra up` (or "
+            "umbra.sandbox.image.ensure_image) builds it first"
+        )
+    dest = root / SANDBOX_IMAGE_DIR.relative_to("/")
+    for source, target in (
+        (base.parent, dest / image.recipe_key()),
+        (files, dest / "files" / image.files_key()),
+    ):
+        target.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
+        # -a: owners, modes, links and xattrs (file capabilities) as the build made them.
+        _run(["cp", "-a", str(source), str(target)], f"copying the sandbox image to {target}")
+    return dest
 
 
 # Fixed UUID and hash seed: the file system carries no random ids.

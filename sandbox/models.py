@@ -1,7 +1,9 @@
-"""Typed, strict inputs for the compose templates and the forwarder (pydantic v2, extra="forbid").
+"""Typed, strict inputs for the measured release documents and the forwarder (pydantic v2,
+extra="forbid").
 
-Release-level inputs (images, ports, the Security CVM's golden values) go into the compose file and
-so into the compose hash. Instance-level inputs (the CVM id, the developer's SSH keys, the tunnel
+Release-level inputs (images, ports, the Security CVM's golden values) go into the measured
+document (the Security CVM's compose file, the Dev CVM's host definition `dev-cvm.json`) and so
+into the compose hash. Instance-level inputs (the CVM id, the developer's SSH keys, the tunnel
 credential) are launch-bound: written to /run/umbra/launch by the launch agent, which extends
 the measured ones into RTMR3 (see umbra.images.measure).
 """
@@ -57,9 +59,14 @@ class Tunnel(Strict):
     port: Port
 
 
-class DevImages(Strict):
-    sandbox: ImageRef
-    forwarder: ImageRef
+class SandboxImageKeys(Strict):
+    """The sandbox image a Dev CVM release runs, by the two keys of sandbox/image.py: the base
+    tree's (`recipe_key`: SHA-256 of suite, mirrors, packages, npm pins, user) and Umbra's files
+    layer's (`files_key`: SHA-256 of every file the build writes over it), 16 hex digits each.
+    The OS image ships the tree built from exactly these keys (`/usr/lib/umbra/sandbox-image`)."""
+
+    recipe_key: Annotated[str, Field(pattern=r"^[0-9a-f]{16}$")]
+    files_key: Annotated[str, Field(pattern=r"^[0-9a-f]{16}$")]
 
 
 class SecurityImages(Strict):
@@ -71,21 +78,21 @@ ATTESTED_SSH_PORT: Final = 8022
 
 
 class DevCvmInputs(Strict):
-    """Everything the Dev CVM compose file depends on. Same inputs, same bytes."""
+    """Everything the Dev CVM's host definition (`dev-cvm.json`, sandbox/dev_definition.py)
+    depends on. Same inputs, same bytes. The sandbox's addresses and the forwarder's sandbox-side
+    ports are not inputs: they are the runc topology's (sandbox/local_cvm.py), the same as
+    `umbra up`'s."""
 
     release: Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9.-]{0,62}$")]
-    images: DevImages
+    sandbox_image: SandboxImageKeys
     security_cvm: Endpoint
     # The Security CVM's golden values: the forwarder verifies against exactly these, and they are
-    # measured with the compose file, so changing them changes the Dev CVM's compose hash.
+    # measured with the host definition, so changing them changes the Dev CVM's compose hash.
     security_cvm_release: ReleaseManifest
     pccs_urls: list[Annotated[str, Field(pattern=r"^https?://[A-Za-z0-9.:\[\]/_-]+$")]] = Field(
         min_length=1
     )
-    proxy_port: Port = 3128
     tunnels: list[Tunnel] = Field(default_factory=list)
-    sandbox_subnet: ipaddress.IPv4Network = ipaddress.IPv4Network("172.30.0.0/24")
-    sandbox_user: Annotated[str, Field(pattern=r"^[a-z_][a-z0-9_-]{0,31}$")] = "dev"
     allow_simulated: bool = False
     # The Console the forwarder enrolls at, once, at first start: the launch data's one-time
     # token and this TD's quote for its tunnel credential (credentials only after attestation).
@@ -93,22 +100,15 @@ class DevCvmInputs(Strict):
     # Console's TLS chains to (`umbra-console-ca`); False: a public CA.
     console_url: Annotated[str, Field(pattern=r"^https://[A-Za-z0-9.:\[\]/_-]+$")]
     console_ca: bool = False
-    # The forwarder's own network (it alone sits on it); must equal
-    # umbra.components.ports.DEV_UPLINK_CIDR, the source the host firewall admits.
-    uplink_subnet: ipaddress.IPv4Network = ipaddress.IPv4Network("172.30.2.0/29")
 
     @model_validator(mode="after")
     def _consistent(self) -> DevCvmInputs:
-        ports = [self.proxy_port] + [t.listen_port for t in self.tunnels]
+        ports = [t.listen_port for t in self.tunnels]
         if len(set(ports)) != len(ports):
-            raise ValueError("forwarder listen ports (proxy_port and tunnels) must be distinct")
+            raise ValueError("tunnel listen ports must be distinct")
         names = [t.name for t in self.tunnels]
         if len(set(names)) != len(names):
             raise ValueError("tunnel names must be distinct")
-        if self.sandbox_subnet.overlaps(self.uplink_subnet):
-            raise ValueError("sandbox_subnet and uplink_subnet overlap")
-        if self.sandbox_subnet.num_addresses < 8:
-            raise ValueError(f"subnet {self.sandbox_subnet} is too small")
         return self
 
 

@@ -1,4 +1,5 @@
-"""Render the Dev CVM and Security CVM compose files from typed inputs, then validate them.
+"""Render the Security CVM compose file from typed inputs, then validate it (the Dev CVM's measured
+document is its host definition, sandbox/dev_definition.py).
 
 Deterministic: templates are package data, every value comes from the pydantic inputs, mappings
 are emitted in template order and embedded JSON with sorted keys, so the same inputs give the
@@ -8,7 +9,6 @@ same bytes (and the same compose hash). Nothing is returned that did not pass va
 from __future__ import annotations
 
 import hashlib
-import ipaddress
 import json
 from dataclasses import dataclass
 from importlib import resources
@@ -17,18 +17,12 @@ from typing import Any
 import jinja2
 
 from umbra.contracts.canonical import canonical_json as _canonical
-from umbra.sandbox.models import DevCvmInputs, SecurityCvmInputs
-from umbra.sandbox.validate import WORKSPACE_DIR, validate_dev_compose, validate_security_compose
+from umbra.sandbox.models import SecurityCvmInputs
+from umbra.sandbox.validate import validate_security_compose
 
-FORWARDER_CONFIG_PATH = "/etc/umbra/forwarder.json"
 LAUNCH_DIR = "/run/umbra/launch"
-# The forwarder's state volume: the tunnel credential and the spent token's hash live here, so a
-# restart or a reboot (the launch agent writes the same token again) never re-enrolls.
-FORWARDER_STATE_DIR = "/var/lib/umbra/forwarder"
-# The attested interception CA bundle: written by the forwarder into the `sandbox-ca` volume,
-# read by the sandbox's init through a read-only mount of the same volume.
-FORWARDER_CA_DIR = "/var/lib/umbra/sandbox-ca"
-SANDBOX_CA_DIR = "/run/umbra/security-ca"
+# The attested interception CA bundle's file name (the forwarder writes it, the sandbox's init
+# installs it).
 CA_NAME = "security-cvm-ca.pem"
 # The uid the rendered forwarder and proxy services run as (the templates' `user: "65534:65534"`).
 SERVICE_UID = 65534
@@ -73,75 +67,6 @@ def _env() -> jinja2.Environment:
 
 def _load_template(name: str) -> str:
     return resources.files("umbra.sandbox").joinpath("templates", name).read_text()
-
-
-def _host(net: ipaddress.IPv4Network, n: int) -> str:
-    return str(net.network_address + n)  # .1 is the bridge gateway Docker takes
-
-
-def dev_addresses(inputs: DevCvmInputs) -> dict[str, str]:
-    return {
-        "forwarder_sandbox": _host(inputs.sandbox_subnet, 2),
-        "sandbox": _host(inputs.sandbox_subnet, 3),
-    }
-
-
-def forwarder_config(inputs: DevCvmInputs) -> dict[str, Any]:
-    addr = dev_addresses(inputs)
-    doc: dict[str, Any] = {
-        "apiVersion": "umbra/v1",
-        "kind": "ForwarderConfig",
-        "listen": {
-            "host": addr["forwarder_sandbox"],
-            "proxy_port": inputs.proxy_port,
-            "tunnels": [t.model_dump(mode="json") for t in inputs.tunnels],
-        },
-        "security_cvm": inputs.security_cvm.model_dump(mode="json"),
-        "security_cvm_release": inputs.security_cvm_release.model_dump(
-            mode="json", exclude_none=True
-        ),
-        "collateral": {"pccs_urls": list(inputs.pccs_urls)},
-        "cvm_id_file": f"{LAUNCH_DIR}/cvm-id",
-        "credential_file": f"{FORWARDER_STATE_DIR}/tunnel-credential",
-        "sandbox_ca": {"file": f"{FORWARDER_CA_DIR}/{CA_NAME}"},
-        # The Dev CVM resolves nothing: the launch agent's Security CVM address(es), by file.
-        "security_cvm_ips_file": f"{LAUNCH_DIR}/security-cvm-ips",
-        # Launch-bound files the launch agent writes into the forwarder's launch directory.
-        "enrollment": {
-            "console_url": inputs.console_url,
-            "token_file": f"{LAUNCH_DIR}/enrollment-token",
-            "quote_source": "configfs",
-            "event_log": f"{LAUNCH_DIR}/event-log.json",
-            "console_ips_file": f"{LAUNCH_DIR}/console-ips",
-        },
-    }
-    if inputs.console_ca:
-        doc["enrollment"]["console_ca"] = f"{LAUNCH_DIR}/console-ca.pem"
-    if inputs.allow_simulated:
-        doc["allow_simulated"] = True
-        doc["simulated_root"] = f"{LAUNCH_DIR}/simulated-root.der"
-    return doc
-
-
-def render_dev_cvm(inputs: DevCvmInputs) -> Rendered:
-    env = _env()
-    text = env.get_template("dev-cvm.compose.yaml.j2").render(
-        release=inputs.release,
-        images=inputs.images,
-        addr=dev_addresses(inputs),
-        sandbox_user=inputs.sandbox_user,
-        proxy_port=inputs.proxy_port,
-        sandbox_subnet=str(inputs.sandbox_subnet),
-        uplink_subnet=str(inputs.uplink_subnet),
-        forwarder_state_dir=FORWARDER_STATE_DIR,
-        forwarder_ca_dir=FORWARDER_CA_DIR,
-        sandbox_ca_dir=SANDBOX_CA_DIR,
-        ca_name=CA_NAME,
-        workspace_dir=WORKSPACE_DIR,
-        forwarder_config=canonical_json(forwarder_config(inputs)),
-    )
-    validate_dev_compose(text)
-    return Rendered("docker-compose.yaml", text)
 
 
 def security_options(

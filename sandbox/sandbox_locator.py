@@ -1,4 +1,5 @@
-"""Where the cloud sandbox's process is now: its container, found by docker-compose's labels.
+"""Where the cloud sandbox's process is now: runc's pid file of the Dev CVM's sandbox
+(sandbox/dev_host.py), or a container found by docker-compose's labels.
 
 The attested ingress enters the sandbox through a process's namespaces. A container restart
 (`restart: unless-stopped`, a crash, an engine restart) gives the sandbox a new process, so a PID
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import subprocess
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 COMPOSE_PROJECT = "umbra-dev"  # the rendered Dev compose's `name`
@@ -22,6 +24,23 @@ class SandboxLocateError(Exception):
 
 class SandboxLocator(Protocol):
     def pid(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class PidFileSandbox:
+    """The dev host's sandbox: runc rewrites `path` whenever the supervisor restarts it, so the
+    ingress reads it per connection and never enters a stale process."""
+
+    path: Path
+
+    def pid(self) -> int:
+        try:
+            text = self.path.read_text().strip()
+        except OSError as exc:
+            raise SandboxLocateError(f"{self.path}: no sandbox pid: {exc.strerror}") from None
+        if not text.isdigit() or int(text) < 2 or not Path(f"/proc/{text}").exists():
+            raise SandboxLocateError(f"{self.path}: the sandbox is not running (pid {text!r})")
+        return int(text)
 
 
 @dataclass(frozen=True)

@@ -7,12 +7,10 @@ whether it may be shipped. Every violation is collected and reported together.
 from __future__ import annotations
 
 import ipaddress
-import json
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import yaml
-from pydantic import ValidationError
 
 from umbra.sandbox.models import check_image_ref
 
@@ -67,16 +65,9 @@ FORBIDDEN_SERVICE_KEYS = {
     "build": "images are pulled by digest, never built at launch",
 }
 NETWORK_KEYS = {"driver", "internal", "enable_ipv6", "ipam", "driver_opts"}
-# Only the bridge's name may be set: the host firewall (umbra.images.host_firewall) matches on it.
+# Only the bridge's name may be set (no other driver option changes isolation).
 BRIDGE_NAME_OPT = "com.docker.network.bridge.name"
 LAUNCH_PREFIX = "/run/umbra/launch/"
-# The Dev CVM's workspace lives on its persistent data disk (the launch agent mounts the disk and
-# creates this directory before the compose starts): the one host directory a named volume binds.
-WORKSPACE_DIR = "/var/lib/umbra/data/workspace"
-WORKSPACE_VOLUME = {
-    "driver": "local",
-    "driver_opts": {"type": "none", "o": "bind", "device": WORKSPACE_DIR},
-}
 # The Security CVM's unshipped traffic records live on its data disk (the launch agent mounts it
 # and creates this directory, owned by the proxy's uid): a reboot keeps them for the shipper.
 SPOOL_DIR = "/var/lib/umbra/data/spool"
@@ -114,8 +105,8 @@ def _common(
     doc: dict[str, Any],
     caps: dict[str, set[str]],
     out: list[str],
-    host_paths: frozenset[str] = frozenset(),
-    binds: tuple[str, dict[str, Any]] = ("workspace", WORKSPACE_VOLUME),
+    host_paths: frozenset[str],
+    binds: tuple[str, dict[str, Any]],
 ) -> None:
     """`binds`: the one named volume this role may bind to its data disk, and exactly how."""
     for key in sorted(set(doc) - TOP_KEYS):
@@ -179,9 +170,7 @@ def _check_volume(
     volumes: dict[str, Any],
     out: list[str],
     host_paths: frozenset[str] = frozenset(),
-    binds: tuple[str, dict[str, Any]] = ("workspace", WORKSPACE_VOLUME),
 ) -> None:
-    """`binds`: the one named volume this role may bind to its data disk, and exactly how."""
     if not isinstance(vol, str):
         out.append(f"{where}: volume {vol!r} must use the short string form")
         return
@@ -211,14 +200,6 @@ def _exact(what: str, actual: Iterable[str], expected: set[str], out: list[str])
         out.append(f"{what} must be exactly {sorted(expected)}, got {sorted(got)}")
 
 
-def _uplinked(doc: dict[str, Any]) -> set[str]:
-    """Services attached to any network that is not internal: true."""
-    networks = _mapping(doc.get("networks"))
-    services = _mapping(doc.get("services"))
-    open_nets = {n for n, v in networks.items() if _mapping(v).get("internal") is not True}
-    return {s for n in open_nets for s in _members(services, n)}
-
-
 def _run(text: str, check: Callable[[dict[str, Any], list[str]], None]) -> dict[str, Any]:
     doc = load_compose(text)
     problems: list[str] = []
@@ -226,99 +207,6 @@ def _run(text: str, check: Callable[[dict[str, Any], list[str]], None]) -> dict[
     if problems:
         raise ComposeError(problems)
     return doc
-
-
-DEV_CAPS: dict[str, set[str]] = {}
-
-
-def _dev(doc: dict[str, Any], out: list[str]) -> None:
-    _common(doc, DEV_CAPS, out, frozenset({TSM_REPORT}))
-    services = _mapping(doc.get("services"))
-    networks = _mapping(doc.get("networks"))
-    _exact("services", services, {"sandbox", "forwarder"}, out)
-    _exact("networks", networks, {"sandbox", "uplink"}, out)
-    for name, bridge in (("sandbox", "umbra-sbx0"),):
-        if _mapping(networks.get(name)).get("internal") is not True:
-            out.append(f"network {name} must be internal: true (no route out)")
-        opts = _mapping(_mapping(networks.get(name)).get("driver_opts"))
-        if opts.get(BRIDGE_NAME_OPT) != bridge:
-            out.append(
-                f"network {name}: driver_opts {BRIDGE_NAME_OPT} must be {bridge} "
-                "(the host firewall drops everything entering from it)"
-            )
-    uplinked = _uplinked(doc)
-    if uplinked - {"forwarder"}:
-        out.append(
-            f"only the forwarder may have an uplink; also: {sorted(uplinked - {'forwarder'})}"
-        )
-    sandbox = _mapping(services.get("sandbox"))
-    _exact("sandbox networks", service_networks(sandbox), {"sandbox"}, out)
-    if sandbox.get("runtime") != "sysbox-runc":
-        out.append("service sandbox: runtime must be sysbox-runc (user-namespaced, no privileged)")
-    for name, svc in services.items():
-        if name != "sandbox" and "runtime" in _mapping(svc):
-            out.append(f"service {name}: only the sandbox sets a runtime")
-        if _mapping(svc).get("ports"):
-            # SSH is the attested ingress's (a host process, aTLS): nothing else may be reachable.
-            out.append(f"service {name}: no Dev CVM service publishes ports")
-    for name, svc in services.items():
-        # Quoting is enrolling: a service that can quote this TD could bind its own key.
-        if name != "forwarder" and any(
-            str(v).startswith(TSM_REPORT) for v in _mapping(svc).get("volumes", []) or []
-        ):
-            out.append(f"service {name}: only the forwarder may mount {TSM_REPORT}")
-    # The host firewall admits the uplink by its fixed subnet (components.ports.DEV_UPLINK_CIDR).
-    uplink_ipam = _mapping(_mapping(networks.get("uplink")).get("ipam"))
-    if not uplink_ipam.get("config"):
-        out.append("network uplink: ipam.config must pin its subnet (the host firewall names it)")
-    _check_forwarder_config(doc, out)
-
-
-def _check_forwarder_config(doc: dict[str, Any], out: list[str]) -> None:
-    from umbra.sandbox.forwarder_config import ForwarderConfig  # avoids an import cycle
-
-    content = _mapping(_mapping(doc.get("configs")).get("forwarder")).get("content")
-    try:
-        cfg = ForwarderConfig.model_validate(json.loads(str(content)))
-    except (ValueError, ValidationError) as exc:
-        out.append(f"config forwarder: not a valid forwarder config: {exc}")
-        return
-    if cfg.enrollment is None or cfg.credential_file is None:
-        out.append(
-            "config forwarder: needs `enrollment` (the tunnel credential comes only from an "
-            "attested enrollment, never from launch data)"
-        )
-    elif str(cfg.credential_file).startswith(LAUNCH_PREFIX):
-        out.append("config forwarder: credential_file must be in a state volume, not launch data")
-    services = _mapping(doc.get("services"))
-    fwd_nets = service_networks(_mapping(services.get("forwarder")))
-    if cfg.listen.host != fwd_nets.get("sandbox", {}).get("ipv4_address"):
-        out.append("config forwarder: listen.host must be the forwarder's sandbox-network address")
-    _check_sandbox_ca(cfg, services, out)
-
-
-def _check_sandbox_ca(cfg: Any, services: dict[str, Any], out: list[str]) -> None:
-    """The sandbox trusts only what the forwarder attested: the forwarder writes the CA into a
-    named volume, and the sandbox may mount that volume only read-only."""
-    if cfg.sandbox_ca is None:
-        out.append("config forwarder: needs `sandbox_ca` (the sandbox's interception CA source)")
-        return
-    fwd_vols = [
-        str(v).split(":") for v in _mapping(services.get("forwarder")).get("volumes", []) or []
-    ]
-    holder = [
-        p for p in fwd_vols if len(p) == 2 and str(cfg.sandbox_ca.file).startswith(p[1] + "/")
-    ]
-    if not holder or holder[0][0].startswith("/"):
-        out.append(
-            "config forwarder: sandbox_ca.file must be in a named volume the forwarder mounts"
-        )
-        return
-    for name, svc in services.items():
-        for vol in _mapping(svc).get("volumes", []) or []:
-            parts = str(vol).split(":")
-            if name != "forwarder" and parts[0] == holder[0][0] and parts[-1] != "ro":
-                out.append(f"service {name}: volume {parts[0]} must be mounted read-only (:ro)")
 
 
 def _flag(command: list[str], flag: str) -> str | None:
@@ -385,10 +273,6 @@ def _check_quote_source(command: list[str], proxy: dict[str, Any], out: list[str
     else:
         out.append("service proxy: the Security CVM quotes with --quote-source configfs "
                    "(or simulated, in a simulated release)")  # fmt: skip
-
-
-def validate_dev_compose(text: str) -> dict[str, Any]:
-    return _run(text, _dev)
 
 
 def validate_security_compose(text: str) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from typing import Any
 
 from umbra.attest.measurement import canonical_ssh_key
 from umbra.components.config import AzurePlacement, GcpPlacement
+from umbra.components.launch_data import measured_document
 from umbra.components.network import Cloud
 
 _NAME = re.compile(r"^[a-z][a-z0-9-]{0,14}[a-z0-9]$")
@@ -98,9 +99,10 @@ class DevCvmSpec:
             doc = json.loads(self.app_compose)
         except ValueError:
             doc = None
-        if not isinstance(doc, dict) or not isinstance(doc.get("docker_compose_file"), str):
+        if measured_document(doc) is None:
             raise ProvisionerError(
-                "app_compose is not an app-compose.json document (JSON with docker_compose_file)"
+                "app_compose is not an app-compose.json document (JSON with docker_compose_file "
+                "or dev_cvm_host)"
             )
 
 

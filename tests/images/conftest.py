@@ -14,11 +14,8 @@ import pytest
 from typer.testing import CliRunner
 
 from umbra.cli.app import app
-from umbra.images.build import BuildResult, build_rootfs
 from umbra.images.disk_formats import CloudDisks
-from umbra.images.oci import BuiltImage
 from umbra.images.os_image import OS_DIR, OsImage, build_os_image, load_os_definition
-from umbra.images.recipes import Rootfs
 from umbra.images.uki import Uki, UkiSigner, pack_os_image
 
 from .sb_keys import make_signer
@@ -93,30 +90,6 @@ def docker_up() -> None:
     done = subprocess.run([str(ROOT / "scripts/docker-up")], capture_output=True, text=True)
     if done.returncode != 0:
         pytest.fail(f"scripts/docker-up could not start a Docker engine:\n{done.stderr}")
-
-
-@pytest.fixture(scope="session")
-def sandbox_ci_build(
-    build_inputs: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
-) -> BuildResult:
-    """`sandbox-ci` built once per session; the image and compose tests share it."""
-    pre = _prebuilt("sandbox-ci")
-    if pre is not None:
-        d, images = pre
-        built = [
-            BuiltImage(n, i["config_digest"], i["manifest_digest"], "", d / i["archive"])
-            for n, i in images.items()
-        ]
-        return BuildResult(Rootfs.SANDBOX_CI, int(EPOCH), built)
-    wheel, req = build_inputs
-    return build_rootfs(
-        Rootfs.SANDBOX_CI,
-        tmp_path_factory.mktemp("uim-sbx"),
-        wheel=wheel,
-        requirements=req,
-        host_python_prefix=Path(sys.base_prefix),
-        epoch=int(EPOCH),
-    )
 
 
 @pytest.fixture(scope="session")

@@ -35,9 +35,9 @@ def test_measure_prints_golden_values_recomputable_from_the_written_files(tmp_pa
     )  # fmt: skip
     assert result.exit_code == 0, result.output
     out = json.loads(result.stdout)
-    compose = (tmp_path / "docker-compose.yaml").read_text()
+    compose = (tmp_path / "dev-cvm.json").read_text()
     app_compose = (tmp_path / "app-compose.json").read_bytes()
-    assert json.loads(app_compose)["docker_compose_file"] == compose
+    assert json.loads(app_compose)["dev_cvm_host"] == compose
     assert out["compose_sha256"] == hashlib.sha256(compose.encode()).hexdigest()
     assert out["compose_hash"] == hashlib.sha256(app_compose).hexdigest()
     events = {e["name"]: e for e in out["instance"]["events"]}
@@ -96,20 +96,21 @@ def test_measure_refuses_bad_definitions(tmp_path: Path) -> None:
 def test_sandbox_render_and_check(tmp_path: Path) -> None:
     out = tmp_path / "compose.yaml"
     r = runner.invoke(
-        app, ["sandbox", "render", str(DEFS / "dev-cvm.example.yaml"), "-o", str(out)]
+        app, ["sandbox", "render", str(DEFS / "security-cvm.example.yaml"), "-o", str(out)]
     )
     assert r.exit_code == 0, r.output
-    assert runner.invoke(app, ["sandbox", "check", str(out)]).exit_code == 0
-    out.write_text(out.read_text().replace("runtime: sysbox-runc", "privileged: true"))
-    r = runner.invoke(app, ["sandbox", "check", str(out)])
+    check = ["sandbox", "check", "--role", "security-cvm", str(out)]
+    assert runner.invoke(app, check).exit_code == 0
+    out.write_text(out.read_text().replace("    restart: ", "    privileged: true\n    restart: "))
+    r = runner.invoke(app, check)
     assert r.exit_code == 1 and "privileged containers are never allowed" in r.output
 
 
 def test_forwarder_refuses_to_start_without_its_identity(tmp_path: Path) -> None:
-    compose = yaml.safe_load(
+    host = json.loads(
         runner.invoke(app, ["sandbox", "render", str(DEFS / "dev-cvm.example.yaml")]).stdout
     )
-    cfg = json.loads(compose["configs"]["forwarder"]["content"])
+    cfg = host["forwarder"]
     cfg["cvm_id_file"] = str(tmp_path / "missing")
     (tmp_path / "f.json").write_text(json.dumps(cfg))
     r = runner.invoke(app, ["forwarder", "serve", "--config", str(tmp_path / "f.json")])

@@ -1,21 +1,25 @@
-"""The rendered Dev CVM and Security CVM compose files, run for real: for each, the launch agent
-(simulated TEE) measures it and starts it with the CVM's own runner (Debian's docker-compose
-1.29.2 via umbra.images.compose_runner) on Debian's docker.io, with the images built by this
-session and loaded from their archives (no registry). Runtime: runc, because sysbox is absent here
-(said in the output). HTTPS from the sandbox verifies with no CA option, against the
-interception CA the forwarder fetched over aTLS.
+"""The Security CVM's rendered compose file run for real, and a Dev CVM's dev host against it.
 
-The Security CVM is a `tee: simulated` release (its proxy quotes with the simulator, its test
+The Security CVM: the launch agent (simulated TEE) measures its compose and starts it with the
+CVM's own runner (Debian's docker-compose 1.29.2 via umbra.images.compose_runner) on Debian's
+docker.io, with the `runtime` image built by this session and loaded from its archive (no
+registry). It is a `tee: simulated` release (its proxy quotes with the simulator, its test
 options reach the host's origin) against the real Console (SQLite, over TLS with its own CA from
 launch data): it enrolls with the one-time token the launch agent wrote, pulls the signed bundle
-and the Dev CVM's attachment, and ships its traffic log there. The Dev CVM's forwarder attests it
-(the measured Security release, compose hash included) before relaying. From inside the sandbox
-container: no route out, no host service reachable (the bridge gateway included, TCP and UDP),
-DNS dead, HTTP only through forwarder -> proxy -> origin, recorded at the Console against the Dev
-CVM; the agents start.
+and the Dev CVM's attachment, and ships its traffic log there.
 
-The compose files mount absolute launch paths (/run/umbra/launch/...), so the test owns that
-directory for its duration and refuses to run if something else already does.
+The Dev CVM: the same launch agent, given a `dev_cvm_host` app-compose, starts the dev host
+(`umbra sandbox host up`: the forwarder and the runc sandbox of the cached image,
+sandbox/dev_host.py) exactly as on a CVM, at a free subnet index of this machine. Its forwarder
+attests the Security CVM (the measured Security release, compose hash included) before relaying,
+fetches its interception CA, and the sandbox's init installs it. From inside the sandbox: no
+route out, every name is the forwarder, HTTP and HTTPS only through forwarder -> proxy -> origin
+(recorded at the Console against the Dev CVM), `sudo apt-get install` through the proxy, the
+agents start.
+
+The launch agent writes absolute paths (/run/umbra/launch/..., the dev host's directory on the
+data disk, the forwarder's credential), so the test owns them for its duration and refuses to
+run if something else already does.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import shutil
 import socket
 import ssl
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -52,14 +57,13 @@ from umbra.attest.simulator import SimulatedTdx
 from umbra.attest.verify import Verifier
 from umbra.components.launch_data import LaunchData
 from umbra.console.release import AttestedReleaseVerifier
-from umbra.images import host_firewall, image_store
-from umbra.images.build import BuildResult
+from umbra.images import image_store
 from umbra.images.compose_runner import ComposeRunError, ComposeRunner, lower
 from umbra.images.launch_agent import (
     SPOOL,
-    WORKSPACE,
     Agent,
     ComposeRunnerStart,
+    DevHostStart,
     LogOnly,
     SimulatedRtmr,
 )
@@ -69,18 +73,29 @@ from umbra.images.measure import (
     expected_rtmr3,
     instance_events,
     measure,
+    release_events,
 )
 from umbra.policy.bundle import generate_key, payload_document, sign_bundle
 from umbra.policy.loader import load_policy_dir
+from umbra.sandbox import image, local_cvm
+from umbra.sandbox.dev_definition import (
+    DEV_HOST_ROOT,
+    FORWARDER_STATE_DIR,
+    RUNNER,
+    host_document,
+    plan_for,
+)
+from umbra.sandbox.render import CA_NAME, canonical_json
 
 from ..proxy.harness import TestCA as OriginCA
 from ..sandbox.fixtures import dev_definition, security_definition
 from .conftest import docker_up
-from .test_docker_isolation import PROBE, host_services  # noqa: F401 -- the fixture
 
 pytestmark = pytest.mark.timeout(1500)
 
 LAUNCH = Path("/run/umbra/launch")
+DEV_ROOT = Path(DEV_HOST_ROOT)
+FWD_STATE = Path(FORWARDER_STATE_DIR)
 ALICE = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIOMqqnkVzrm0SdG6UOoqKLsabgH5C9okWi0dh2l9GKJl alice"
 
 
@@ -121,55 +136,61 @@ def bridge_gateway() -> str:
 
 @pytest.fixture
 def launch_dir() -> Iterator[Path]:
-    # The compose also binds the data disk's workspace directory (an absolute host path).
-    # The Security compose binds the data disk's spool directory likewise.
-    for owned in (LAUNCH, WORKSPACE, SPOOL):
-        if owned.exists():
-            pytest.fail(f"{owned} exists: another Dev CVM (or test) owns it on this machine")
-    # The agent creates the workspace with its parents: remove the topmost one it created.
-    created = WORKSPACE
-    while not created.parent.exists():
-        created = created.parent
+    owned = (LAUNCH, SPOOL, DEV_ROOT, FWD_STATE)
+    for path in owned:
+        if path.exists():
+            pytest.fail(f"{path} exists: another CVM (or test) owns it on this machine")
+    # The agent and the dev host create these with their parents: remove the topmost created.
+    created = set()
+    for path in owned:
+        while not path.parent.exists():
+            path = path.parent
+        created.add(path)
     try:
         yield LAUNCH
     finally:
-        shutil.rmtree(LAUNCH, ignore_errors=True)
-        shutil.rmtree(SPOOL, ignore_errors=True)
-        shutil.rmtree(created, ignore_errors=True)
+        for path in sorted(created, key=lambda p: len(p.parts), reverse=True):
+            shutil.rmtree(path, ignore_errors=True)
 
 
-def test_rendered_dev_and_security_cvm_compose_run_isolated_under_docker_compose(
+def _free_index() -> int:
+    """A subnet index no local CVM on this machine uses (a CVM's dev host takes 1, alone)."""
+    shown = subprocess.run(["ip", "-4", "-o", "addr", "show"], capture_output=True, text=True)
+    used = {int(w.split(".")[2]) for w in shown.stdout.split() if w.startswith("10.232.")}
+    return next(i for i in range(240, 100, -1) if i not in used)
+
+
+def _dev_host_down(definition: Path) -> None:
+    umbra = str(Path(sys.executable).parent / "umbra")
+    subprocess.run(
+        [umbra, "sandbox", "host", "down", "--definition", str(definition), "--root",
+         str(DEV_ROOT), "--image-dir", str(image.cache_root())],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+
+
+def test_the_dev_host_reaches_the_security_cvm_compose_through_the_attested_forwarder(
     runtime_builds: tuple[Path, dict[str, dict[str, str]], dict[str, dict[str, str]]],
-    sandbox_ci_build: BuildResult,
-    host_services: tuple[int, int, list[bytes]],  # noqa: F811
     launch_dir: Path,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     docker_up()
+    for tool in ("runc", "nft", "nsenter", "mmdebstrap", "npm"):
+        if shutil.which(tool) is None:
+            pytest.skip(f"LOUD SKIP: missing {tool}: scripts/system-deps installs it")
+    image.ensure_image()  # the sandbox image, cached per machine (an OS image ships a copy)
     out, images, _ = runtime_builds
-    (sandbox,) = sandbox_ci_build.images
-    archives = tmp_path / "images"
-    archives.mkdir()
-    for name in ("forwarder",):
-        os.link(out / images[name]["archive"], archives / images[name]["archive"])
-    os.link(sandbox.archive, archives / sandbox.archive.name)
-    refs = {
-        "sandbox": sandbox.ref,
-        "forwarder": f"umbra/forwarder@{images['forwarder']['manifest_digest']}",
-    }
     pki = enroll.pki()  # the test Console's enrollment verifiers trust this simulated root
     # The host as containers see it on Docker's default bridge: where the Console and the origin
-    # listen (the Security CVM reaches them from its own bridge through the host).
+    # listen (the Security CVM reaches them from its own bridge through the host), and where the
+    # dev host's forwarder finds the Security CVM's published tunnel port.
     host_ip = bridge_gateway()
-    octet = 100 + os.getpid() % 100
+    index = _free_index()
     lines: list[str] = []
     state = tmp_path / "compose"
-    gw = f"10.232.{octet}.1"
-    tcp, udp, got = host_services
     runner = ComposeRunner(state, {})
     sec: SecurityCvm | None = None
-    host_firewall.apply()  # on the CVM its unit runs before docker.service
     try:
         with (
             SimulatedPccs(pki, int(time.time()) - 60, host="0.0.0.0") as pccs,  # noqa: S104
@@ -177,67 +198,61 @@ def test_rendered_dev_and_security_cvm_compose_run_isolated_under_docker_compose
             contextlib.ExitStack() as down,
         ):
             sec = SecurityCvm(tmp_path / "sec", pki, server, ca, issuer, host_ip, out, images)
-            # Both composes go down (Dev first) while the Console still answers the proxy.
+            # Both go down (the Dev CVM first) while the Console still answers the proxy.
             down.callback(sec.stop, runner)
-            down.callback(runner.down, "umbra-dev")
+            down.callback(_dev_host_down, launch_dir / "dev-cvm.json")
             sec.start(launch_dir, state, lines)
             definition = dev_definition(
-                images=refs,
                 allow_simulated=True,
                 security_cvm={"host": host_ip, "port": sec.tunnel_port},
                 security_cvm_release=sec.release,
                 pccs_urls=[f"http://{host_ip}:{pccs.url.rsplit(':', 1)[1]}"],
                 tunnels=[],
-                sandbox_subnet=f"10.232.{octet}.0/24",
-                uplink_subnet=f"10.234.{octet}.0/29",
             )
-            m = measure(definition)
+            # As `umbra image measure` renders it, at this machine's free index (a CVM: 1).
+            host_text = canonical_json(host_document(definition.host, index))
+            app = canonical_json({"dev_cvm_host": host_text, "manifest_version": 2,
+                                  "name": definition.name, "runner": RUNNER})  # fmt: skip
             data = LaunchData(
                 role="dev-cvm",
                 team=sec.team.name,
                 cvm_id=sec.dev_cvm_id,
-                app_compose=m.app_compose.decode(),
+                app_compose=app,
                 ssh_authorized_keys=(ALICE,),
             )
             # Not launch data (no long-lived credential there): the forwarder enrolls at first
-            # start and keeps the credential in its state volume. This engine has no configfs-tsm
-            # to quote with, so the test enrolls the Dev CVM at the Console as its simulated TD
-            # (same routes, one-time token) and puts the credential where the enrollment would.
-            _seed_forwarder_state(sec.dev_credential)
-            fwd_dir = launch_dir / "forwarder"
-            fwd_dir.mkdir(parents=True)
-            (fwd_dir / "simulated-root.der").write_bytes(pki.root_der)
-            for f in fwd_dir.iterdir():
-                os.chown(f, 65534, 65534)
+            # start. Nothing here can quote with configfs-tsm, so the test enrolled the Dev CVM
+            # at the Console as its simulated TD (same routes, one-time token) and puts the
+            # credential where the enrollment would.
+            FWD_STATE.mkdir(parents=True, mode=0o700)
+            (FWD_STATE / "tunnel-credential").write_text(sec.dev_credential + "\n")
+            (FWD_STATE / "tunnel-credential").chmod(0o600)
+            (launch_dir / "forwarder").mkdir(parents=True)
+            (launch_dir / "forwarder" / "simulated-root.der").write_bytes(pki.root_der)
             tdx = SimulatedTdx(pki, image="umbra-dev-cvm")
-            agent = Agent(
+            Agent(
                 source=Given(data.as_metadata()),
                 extender=SimulatedRtmr(tdx),
-                starter=ComposeRunnerStart(archives, state, allow_runc=True, say=lines.append),
+                starter=ComposeRunnerStart(tmp_path / "none", state, say=lines.append),
                 reporter=None,
                 launch_dir=launch_dir,
                 say=lines.append,
-                workspace_dir=WORKSPACE,
-            )
-            agent.run()
-            _check_the_running_dev_cvm(m, tdx, launch_dir, lines, sandbox, octet, sec.dev_cvm_id)
-            # The user's work lands in the data disk's directory, outside docker's data-root.
-            _sh("echo u12-work > ~/work/note && test -O ~/work")
-            assert (WORKSPACE / "note").read_text() == "u12-work\n"
-            probe = _exec(PROBE, gw, str(tcp), str(udp))
-            print("from the sandbox:", probe)
-            assert probe["gateway_tcp"].startswith("error:")
-            assert probe["gateway_udp"].startswith("error:") and got == []
-            assert probe["internet_tcp"].startswith("error:")
-            assert probe["dns"].startswith("error:")
-            # The host's own address, directly: unreachable. Through the proxy: denied by policy.
+                dev_host=DevHostStart(DEV_ROOT, image.cache_root()),
+            ).run()
+            plan = plan_for(sec.dev_cvm_id, index, DEV_ROOT)
+            _check_the_running_dev_cvm(app, tdx, launch_dir, lines, sec.dev_cvm_id, plan)
+            sh = _Sandbox(plan)
+            # No route out: the host's origin directly is unreachable; every name is the
+            # forwarder's; through the proxy, the origin by address is denied by policy.
             url = f"http://{host_ip}:{sec.origin_port}/allowed"
-            assert _sh(f"curl -sS -m 5 --noproxy '*' {url}", check=False).returncode != 0
-            assert _sh(f"curl -sS -m 30 {url}").stdout.startswith("umbra: denied")
+            assert sh(f"curl -sS -m 5 --noproxy '*' {url}", check=False).returncode != 0
+            names = sh("getent hosts origin.test deb.debian.org").stdout.split()
+            assert names[0::2] == [plan.forwarder_addr, plan.forwarder_addr], names
+            assert sh(f"curl -sS -m 30 {url}").stdout.startswith("umbra: denied")
             # HTTP only through forwarder -> (attested) Security CVM proxy -> origin.
-            allowed = _sh(f"curl -sS -m 30 http://origin.test:{sec.origin_port}/allowed")
+            allowed = sh(f"curl -sS -m 30 http://origin.test:{sec.origin_port}/allowed")
             assert allowed.stdout == "u12-origin-ok"
-            denied = _sh(
+            denied = sh(
                 f"curl -sS -m 30 -o /dev/null -w '%{{http_code}}' "
                 f"http://denied.test:{sec.origin_port}/x",
                 check=False,
@@ -245,7 +260,7 @@ def test_rendered_dev_and_security_cvm_compose_run_isolated_under_docker_compose
             print("denied:", denied.stdout, denied.stderr)
             assert denied.stdout.startswith("4") and "/x" not in sec.origin_paths
             assert "/allowed" in sec.origin_paths
-            _check_https_trusts_the_attested_ca(sec)
+            _check_https_trusts_the_attested_ca(sec, sh, plan)
             # The proxy's records reach the Console (shipped with its enrolled credential),
             # attributed to the Dev CVM, its owner and team from the Console's attachments.
             records = sec.traffic(lambda r: r.get("path") == "/allowed")
@@ -255,16 +270,14 @@ def test_rendered_dev_and_security_cvm_compose_run_isolated_under_docker_compose
             assert records[0]["team"] == sec.team.name
             # sudo apt-get install through the proxy, from the stand-in apt repo.
             repo = f"http://origin.test:{sec.origin_port}/debian"
-            apt = _sh(
+            apt = sh(
                 f"echo 'deb [trusted=yes] {repo} ./' | sudo tee /tmp/u12.list >/dev/null && "
-                "opts='-o Dir::Etc::sourcelist=/tmp/u12.list -o Dir::Etc::sourceparts=- "
-                f"-o Acquire::http::Proxy=http://10.232.{octet}.2:3128' && "
+                "opts='-o Dir::Etc::sourcelist=/tmp/u12.list -o Dir::Etc::sourceparts=-' && "
                 "sudo apt-get $opts update -q && sudo apt-get $opts install -y -q u12-hello && "
                 "cat /usr/share/u12-hello/hello"
             )
             assert apt.stdout.strip().endswith("u12-hello-installed"), apt.stdout + apt.stderr
-            agents = _docker("exec", "-u", "dev", "umbra-dev_sandbox_1", "bash", "-lc",
-                             "claude --version && codex --version")  # fmt: skip
+            agents = sh("claude --version && codex --version")
             print(agents.stdout)
             assert "Claude Code" in agents.stdout and "codex" in agents.stdout.lower()
             # The forwarder verified the Security CVM's (simulated) quote before relaying.
@@ -272,83 +285,58 @@ def test_rendered_dev_and_security_cvm_compose_run_isolated_under_docker_compose
             _wait_running("umbra-security_proxy_1")  # never restarted
             assert pccs.requests, "the forwarder fetched no collateral: it did not verify"
             sec.check_secrets_kept()
-            assert b"BEGIN CERTIFICATE" in sec.interception_ca()  # made in its own volume
     finally:
         try:
-            runner.down("umbra-dev")
-            _docker("volume", "rm", "-f", "umbra-dev_forwarder-state", check=False)
+            _dev_host_down(launch_dir / "dev-cvm.json")
         finally:
             if sec is not None:
                 sec.stop(runner)
-            host_firewall.remove()
-            for ref in (
-                sandbox.config_digest,
-                images["forwarder"]["config_digest"],
-                images["proxy"]["config_digest"],
-            ):
-                _docker("rmi", "-f", ref, check=False)
-
-
-def _seed_forwarder_state(credential: str) -> None:
-    """The `forwarder-state` volume as docker-compose 1.29 names and labels it, holding the tunnel
-    credential (0600, the forwarder's uid) as a completed enrollment leaves it."""
-    volume = "umbra-dev_forwarder-state"
-    _docker("volume", "rm", "-f", volume, check=False)
-    _docker("volume", "create", "--label", "com.docker.compose.project=umbra-dev",
-            "--label", "com.docker.compose.volume=forwarder-state", volume)  # fmt: skip
-    data = Path(_docker("volume", "inspect", "-f", "{{.Mountpoint}}", volume).stdout.strip())
-    target = data / "tunnel-credential"
-    target.write_text(credential + "\n")
-    os.chmod(target, 0o600)
-    os.chown(target, 65534, 65534)
+            _docker("rmi", "-f", images["proxy"]["config_digest"], check=False)
 
 
 def _check_the_running_dev_cvm(
-    m: Any,
+    app: str,
     tdx: SimulatedTdx,
     launch_dir: Path,
     lines: list[str],
-    sandbox: Any,
-    octet: int,
     cvm_id: str,
+    plan: local_cvm.LocalCvmPlan,
 ) -> None:
     print("\n".join(lines))
-    # Stated plainly: not the production runtime.
-    assert "umbra-compose: services.sandbox: runtime runc, because sysbox-runc is absent" in (
-        "\n".join(lines)
-    )
+    assert any("dev-cvm" in line and "started" in line for line in lines), lines
     log = load_event_log((launch_dir / "event-log.json").read_bytes())
     boot = boot_events_of("dev-cvm", log)  # this boot's id and host key, shape-checked
     assert boot is not None
     events = instance_events("dev-cvm", cvm_id, [ALICE]) + boot_events("dev-cvm", *boot)
-    want = expected_rtmr3(m.events() + events).hex()
+    release = release_events(hashlib.sha256(app.encode()).digest())
+    want = expected_rtmr3(release + events).hex()
     assert replay(log)[3].hex() == want == tdx.rtmrs()[3].hex()
+    # The measured document, exactly (the docker-compose.yaml beside it is the Security CVM's:
+    # both agents share this machine's launch directory).
+    doc = json.loads(app)
+    assert (launch_dir / "dev-cvm.json").read_text() == doc["dev_cvm_host"]
+    for role in ("sandbox", "forwarder", "supervisor"):
+        assert local_cvm.running_pid(plan, role) is not None, role
+    # No container of the Dev CVM's: the sandbox is runc's, the forwarder a host process.
     ps = _docker("ps", "--filter", "label=com.docker.compose.project=umbra-dev",
-                 "--format", "{{.Names}} {{.Status}}").stdout  # fmt: skip
-    print(ps)
-    assert {line.split()[0] for line in ps.splitlines()} == {
-        "umbra-dev_sandbox_1", "umbra-dev_forwarder_1"}  # fmt: skip
-    inspect = json.loads(_docker("inspect", "umbra-dev_sandbox_1").stdout)[0]
-    # The pinned manifest digest resolved to exactly the built image (its config digest).
-    assert inspect["Image"] == sandbox.config_digest
-    assert inspect["HostConfig"]["Runtime"] == "runc"
-    assert f"HTTPS_PROXY=http://10.232.{octet}.2:3128" in inspect["Config"]["Env"]
-    for service in ("sandbox", "forwarder"):
-        _wait_running(f"umbra-dev_{service}_1")
-    # No container publishes a port: SSH is the attested ingress's, a host process.
-    for service in ("sandbox", "forwarder"):
-        ports = json.loads(_docker("inspect", f"umbra-dev_{service}_1").stdout)[0]
-        assert not ports["HostConfig"]["PortBindings"], service
+                 "--format", "{{.Names}}").stdout  # fmt: skip
+    assert ps.strip() == ""
 
 
-def _sh(cmd: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    done = _docker("exec", "-u", "dev", "umbra-dev_sandbox_1", "bash", "-c", cmd, check=False)
-    if check and done.returncode != 0:
-        logs = _docker("logs", "--tail", "30", "umbra-dev_forwarder_1", check=False)
-        raise AssertionError(
-            f"in the sandbox: {cmd}: {done.stdout}{done.stderr}\nforwarder: {logs.stderr}"
-        )
-    return done
+class _Sandbox:
+    """A command in the dev host's sandbox as `dev`, in a login shell's environment."""
+
+    def __init__(self, plan: local_cvm.LocalCvmPlan) -> None:
+        self.plan = plan
+
+    def __call__(self, cmd: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        done = local_cvm.run_in_sandbox(self.plan, ["bash", "-c", cmd], "dev", timeout=300)
+        if check and done.returncode != 0:
+            log = (self.plan.dir / "forwarder.log").read_text(errors="replace")[-1500:]
+            raise AssertionError(
+                f"in the sandbox: {cmd}: {done.stdout}{done.stderr}\nforwarder: {log}"
+            )
+        return done
 
 
 def _wait_running(name: str) -> None:
@@ -365,12 +353,6 @@ def _wait_running(name: str) -> None:
         time.sleep(1)
     logs = _docker("logs", "--tail", "20", name, check=False)
     raise AssertionError(f"{name} does not stay up: {state}\n{logs.stdout}{logs.stderr}")
-
-
-def _exec(script: str, *args: str) -> dict[str, Any]:
-    done = _docker("exec", "-u", "dev", "umbra-dev_sandbox_1", "python3.12", "-c", script, *args)
-    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
-    return result
 
 
 def test_image_store_refuses_an_inconsistent_archive(tmp_path: Path) -> None:
@@ -517,7 +499,7 @@ class SecurityCvm:
         Agent(
             source=Given(data.as_metadata()),
             extender=LogOnly(),  # the proxy's simulator replays the written event log
-            starter=ComposeRunnerStart(self.archives, state, allow_runc=True, say=said.append),
+            starter=ComposeRunnerStart(self.archives, state, say=said.append),
             reporter=None,
             launch_dir=launch_dir,
             say=said.append,
@@ -593,30 +575,34 @@ class SecurityCvm:
             self.team.close()
 
 
-def _check_https_trusts_the_attested_ca(sec: SecurityCvm) -> None:
+def _check_https_trusts_the_attested_ca(
+    sec: SecurityCvm, sh: _Sandbox, plan: local_cvm.LocalCvmPlan
+) -> None:
     """The sandbox's init installed the CA the forwarder fetched inside aTLS (exactly the
     Security CVM's interception CA), and the tools verify HTTPS with it and no CA option."""
     from cryptography import x509
 
-    fetched = _docker("exec", "umbra-dev_sandbox_1", "cat",
-                      "/run/umbra/security-ca/security-cvm-ca.pem").stdout  # fmt: skip
+    fetched = DEV_ROOT / "sandbox-ca" / CA_NAME
+    installed = plan.rootfs / local_cvm.CA_INSTALLED.lstrip("/")
+    end = time.monotonic() + 120  # the forwarder's first fetch, then the init's 5 s watcher
+    while not installed.exists() and time.monotonic() < end:
+        time.sleep(0.5)
+    assert installed.exists(), (plan.dir / "forwarder.log").read_text(errors="replace")[-1500:]
     proxy_ca = sec.interception_ca()
     assert [
-        c.fingerprint(_sha256()) for c in x509.load_pem_x509_certificates(fetched.encode())
+        c.fingerprint(_sha256()) for c in x509.load_pem_x509_certificates(fetched.read_bytes())
     ] == [x509.load_pem_x509_certificate(proxy_ca).fingerprint(_sha256())]
-    init = _docker("logs", "umbra-dev_sandbox_1", check=False)
-    assert "trusting 1 Security CVM CA certificate(s)" in init.stdout + init.stderr
     tls = f"https://origin.test:{sec.tls_port}"
-    assert _sh(f"curl -sS -m 30 {tls}/allowed").stdout == "u12-origin-ok"
-    py = _sh(
-        'python3.12 -c "import urllib.request; print(urllib.request.urlopen('
+    assert sh(f"curl -sS -m 30 {tls}/allowed").stdout == "u12-origin-ok"
+    py = sh(
+        'python3 -c "import urllib.request; print(urllib.request.urlopen('
         f"'{tls}/allowed', timeout=30).read().decode())\""
     )
     assert py.stdout.strip() == "u12-origin-ok"
-    git = _sh(f"GIT_TERMINAL_PROMPT=0 git ls-remote {tls}/repo.git")
+    git = sh(f"GIT_TERMINAL_PROMPT=0 git ls-remote {tls}/repo.git")
     assert f"{sec.repo_head}\tHEAD" in git.stdout, git.stdout + git.stderr
     # Not trusted because of anything but that CA: without it, curl refuses the proxy's cert.
-    bare = _sh(f"curl -sS -m 30 --cacert /dev/null {tls}/allowed", check=False)
+    bare = sh(f"curl -sS -m 30 --cacert /dev/null {tls}/allowed", check=False)
     assert bare.returncode != 0
 
 
@@ -722,18 +708,14 @@ def _origin(www: Path, paths: list[str]) -> ThreadingHTTPServer:
     return ThreadingHTTPServer(("0.0.0.0", 0), Handler)  # noqa: S104 -- shown unreachable
 
 
-@pytest.mark.parametrize("role", ["dev", "security"])
-def test_both_rendered_files_lower_to_what_docker_compose_1_29_accepts(
-    role: str, tmp_path: Path
-) -> None:
+def test_the_security_file_lowers_to_what_docker_compose_1_29_accepts(tmp_path: Path) -> None:
     if shutil.which("docker-compose") is None:
         pytest.skip("needs docker-compose (scripts/system-deps installs Debian's 1.29.2)")
-    d = dev_definition() if role == "dev" else security_definition()
+    d = security_definition()
     text = measure(d).compose.text
     pins = {ref.rpartition("@")[2] for ref in d.compose.images.model_dump().values()}
     images = {pin: "sha256:" + hashlib.sha256(pin.encode()).hexdigest() for pin in pins}
-    low = lower(text, config_dir=tmp_path / "configs", images=images, runtimes={"runc"},
-                allow_runc=True)  # fmt: skip
+    low = lower(text, config_dir=tmp_path / "configs", images=images, runtimes={"runc"})
     (tmp_path / "lowered.yaml").write_text(low.text)
     done = subprocess.run(
         ["docker-compose", "-p", low.project, "-f", str(tmp_path / "lowered.yaml"), "config"],
@@ -743,28 +725,24 @@ def test_both_rendered_files_lower_to_what_docker_compose_1_29_accepts(
     doc = yaml.safe_load(done.stdout)
     for svc in doc["services"].values():
         assert svc["image"] in images.values()  # every pin resolved to a local image id
-    if role == "dev":
-        assert low.project == "umbra-dev" and set(low.configs) == {"forwarder"}
-        fwd = doc["services"]["forwarder"]["volumes"]
-        assert any(str(v).endswith(":/etc/umbra/forwarder.json:ro") for v in fwd), fwd
-        assert doc["services"]["sandbox"]["runtime"] == "runc"
-        assert low.notes == ("services.sandbox: runtime runc, because sysbox-runc is absent "
-                             "on this engine",)  # fmt: skip
-        # Without the development opt-in a missing sysbox is refused, not silently replaced.
-        with pytest.raises(ComposeRunError, match="sysbox-runc is not installed"):
-            lower(text, config_dir=tmp_path, images=images, runtimes={"runc"})
-        # The forwarder quotes (its enrollment) through configfs-tsm: kept on a TDX guest,
-        # dropped and said so on a development engine, refused elsewhere.
-        tsm = "/sys/kernel/config/tsm/report:/sys/kernel/config/tsm/report"
-        assert f"{tsm}:rw" in fwd and "forwarder-state" in doc["volumes"]
-        dev_low = lower(text, config_dir=tmp_path, images=images, runtimes={"runc"},
-                        allow_runc=True, tsm_present=False)  # fmt: skip
-        assert tsm not in yaml.safe_load(dev_low.text)["services"]["forwarder"]["volumes"]
-        assert dev_low.notes[-1] == ("services.forwarder: no /sys/kernel/config/tsm/report here, "
-                                     "the mount is dropped (no quotes)")  # fmt: skip
-        with pytest.raises(ComposeRunError, match="not a TDX guest"):
-            lower(text, config_dir=tmp_path, images=images, runtimes={"runc", "sysbox-runc"},
-                  tsm_present=False)  # fmt: skip
+    assert low.project == "umbra-security" and low.notes == ()
+    # The proxy quotes (its enrollment, its sessions) through configfs-tsm: kept on a TDX
+    # guest, dropped and said so only with the development opt-in, refused elsewhere.
+    tsm = "/sys/kernel/config/tsm/report:/sys/kernel/config/tsm/report"
+    assert any(str(v).startswith(tsm) for v in doc["services"]["proxy"]["volumes"])
+    dev_low = lower(text, config_dir=tmp_path, images=images, runtimes={"runc"},
+                    allow_missing_tsm=True, tsm_present=False)  # fmt: skip
+    assert not any(
+        str(v).startswith(tsm) for v in yaml.safe_load(dev_low.text)["services"]["proxy"]["volumes"]
+    )
+    assert dev_low.notes == ("services.proxy: no /sys/kernel/config/tsm/report here, "
+                             "the mount is dropped (no quotes)",)  # fmt: skip
+    with pytest.raises(ComposeRunError, match="not a TDX guest"):
+        lower(text, config_dir=tmp_path, images=images, runtimes={"runc"}, tsm_present=False)
+    # A runtime the engine lacks is refused (the validator allows none on this file anyway).
+    with_runtime = text.replace("    restart: ", "    runtime: sysbox-runc\n    restart: ", 1)
+    with pytest.raises(ComposeRunError, match="sysbox-runc is not installed in the engine"):
+        lower(with_runtime, config_dir=tmp_path, images=images, runtimes={"runc"})
     # A pin no loaded archive has is refused: nothing is pulled.
     with pytest.raises(ComposeRunError, match="is not loaded here"):
-        lower(text, config_dir=tmp_path, images={}, runtimes={"runc", "sysbox-runc"})
+        lower(text, config_dir=tmp_path, images={}, runtimes={"runc"})

@@ -38,6 +38,7 @@ from umbra.images.launch_agent import (
     SimulatedRtmr,
 )
 from umbra.images.measure import boot_events_of, measure
+from umbra.sandbox.render import canonical_json
 
 from ..sandbox.fixtures import (
     dev_definition,
@@ -334,7 +335,7 @@ def test_cli_agent_runs_the_compose_command_or_refuses_on_the_console(
     base = ["image", "launch-agent", "--cloud", "gcp", "--tee", "simulated", "--no-ingress",
             "--no-idle-stop",
             "--metadata-url", standin.url, "--launch-dir", str(tmp_path / "launch"),
-            "--data-disk", "none", "--workspace-dir", str(tmp_path / "workspace"),
+            "--data-disk", "none", "--dev-host-root", str(tmp_path / "dev-host"),
             "--console", str(serial), "--compose", str(script)]  # fmt: skip
     # The simulated TEE's ingress signs with a simulated PKI: say which, or start no ingress.
     usage = runner.invoke(app, [a for a in base if a != "--no-ingress"])
@@ -342,7 +343,8 @@ def test_cli_agent_runs_the_compose_command_or_refuses_on_the_console(
     assert not marker.exists()
     done = runner.invoke(app, base)
     assert done.exit_code == 0, done.output
-    compose = tmp_path / "launch/docker-compose.yaml"
+    # `--compose` (tests) replaces every starter: it is handed the measured host definition.
+    compose = tmp_path / "launch/dev-cvm.json"
     assert marker.read_text().split() == ["-f", str(compose), "up", "--detach", "--no-build",
                                           "--pull", "never"]  # fmt: skip
     assert "started" in serial.read_text()
@@ -443,7 +445,8 @@ def test_a_dev_cvm_arms_idle_stop_and_a_security_cvm_never_does(
     ).run()  # fmt: skip
     (config,) = armed.configs
     assert config.ssh_port == 8022  # the attested ingress, a host process
-    assert config.sessions_dir == "/var/lib/docker/volumes/umbra-dev_sessions/_data"
+    # The sandbox's dtach sockets inside its mounted tree (sandbox/dev_host.py).
+    assert config.sessions_dir == "/run/umbra-sandbox/dev-alice-1/rootfs/run/umbra-sessions"
     assert "umbra-launch: idle auto-stop armed (60 min)" in lines
     # A failure to arm is said, and starts nothing less (it saves cost, it guards nothing).
     lines.clear()
@@ -474,3 +477,67 @@ def test_the_image_gets_the_idle_script_and_units_not_enabled(tmp_path: Path) ->
     service = (tmp_path / "etc/systemd/system/umbra-idle.service").read_text()
     assert f"ExecStart=/usr/bin/python3 {SCRIPT_PATH} --config /run/umbra/idle.json" in service
     assert not list(tmp_path.rglob("*.wants"))  # not enabled: the launch agent starts it
+
+
+def test_a_dev_cvm_starts_its_host_definition_through_the_dev_host(
+    standin: StandIn, tmp_path: Path
+) -> None:
+    """The Dev CVM's measured document is dev-cvm.json: the agent writes exactly its bytes and
+    hands them to the dev host (`umbra sandbox host up`), never to the compose runner."""
+    from umbra.images.launch_agent import DevHostStart
+
+    data, m = _dev_launch()
+    standin.attributes = data.gcp_metadata()
+    compose, dev_host = RecordingStarter(), RecordingStarter()
+    Agent(
+        GcpMetadata(standin.url), LogOnly(), compose, None, tmp_path / "launch", lambda _: None,
+        dev_host=dev_host,
+    ).run()  # fmt: skip
+    assert compose.started == [] and dev_host.started == [m.compose.text]
+    assert (tmp_path / "launch/dev-cvm.json").read_text() == m.compose.text
+    assert not (tmp_path / "launch/docker-compose.yaml").exists()
+    # The real starter's command line, and its failure as this launch's START_FAILED.
+    script = tmp_path / "host-up"
+    script.write_text(
+        '#!/bin/sh\necho "$@" > "$0.args"; echo "sandbox_image: not built" >&2; exit 1\n'
+    )
+    script.chmod(0o755)
+    starter = DevHostStart(tmp_path / "root", tmp_path / "img", argv=(str(script),))
+    with pytest.raises(LaunchError) as exc:
+        starter.start(tmp_path / "launch/dev-cvm.json")
+    assert exc.value.reason is Refusal.START_FAILED and "sandbox_image: not built" in str(exc.value)
+    assert (tmp_path / "host-up.args").read_text().split() == [
+        "--definition", str(tmp_path / "launch/dev-cvm.json"), "--root", str(tmp_path / "root"),
+        "--image-dir", str(tmp_path / "img"),
+    ]  # fmt: skip
+    assert starter.sandbox_pid_file() == tmp_path / "root/sandbox.pid"
+
+
+def test_the_app_compose_must_fit_the_role(standin: StandIn, tmp_path: Path) -> None:
+    from umbra.images.launch_agent import parse_launch_data as parse
+
+    def parse_launch_data(meta: dict[str, str]) -> object:
+        return parse({k: v for k, v in meta.items() if k.startswith("umbra-")})
+
+    data, m = _dev_launch()
+    sec = measure(security_definition())
+    # A Dev CVM given a (non-placeholder) compose file: the old layout, refused.
+    wrong = LaunchData(**{**data.__dict__, "app_compose": sec.app_compose.decode()})
+    with pytest.raises(LaunchError, match="a Dev CVM release is a host definition"):
+        parse_launch_data(wrong.gcp_metadata())
+    # A Security CVM given a host definition.
+    swapped = LaunchData(
+        role="security-cvm", team="team-a", cvm_id=CONSOLE_ID, app_compose=m.app_compose.decode()
+    )
+    with pytest.raises(LaunchError, match="only a Dev CVM runs a host definition"):
+        parse_launch_data(swapped.gcp_metadata())
+    # A host definition whose measured address is not the topology's: refused before anything.
+    doc = json.loads(m.app_compose)
+    host = json.loads(doc["dev_cvm_host"])
+    host["network"]["forwarder"] = "10.232.1.1"
+    doc["dev_cvm_host"] = canonical_json(host)
+    bad = LaunchData(**{**data.__dict__, "app_compose": canonical_json(doc)})
+    with pytest.raises(LaunchError) as exc:
+        parse_launch_data(bad.gcp_metadata())
+    assert exc.value.reason is Refusal.INVALID
+    assert "network.forwarder: 10.232.1.1 is not the runc topology's 10.231.1.1" in str(exc.value)

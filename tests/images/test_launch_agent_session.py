@@ -514,3 +514,36 @@ def test_the_agent_finds_a_real_sandbox_container_and_the_ingress_logs_into_it(
     finally:
         subprocess.run(["docker", "rm", "-f", name], capture_output=True)
         subprocess.run(["docker", "rmi", "-f", f"{name}:test"], capture_output=True)
+
+
+def test_on_the_dev_host_the_ingress_reads_runcs_own_pid_file(
+    standin: StandIn, client: SimulatedPki, tmp_path: Path
+) -> None:
+    """The dev host's sandbox (sandbox/dev_host.py): the ingress's `pid_file` is runc's pid file,
+    which the supervisor's restarts rewrite; the agent writes no copy that could go stale."""
+    import json
+    import os
+
+    from umbra.images.launch_ingress import PidFileSandbox
+    from umbra.sandbox.sandbox_locator import SandboxLocateError
+
+    pid_file = tmp_path / "dev-host/sandbox.pid"
+    pid_file.parent.mkdir()
+    locator = PidFileSandbox(pid_file)
+    with pytest.raises(SandboxLocateError, match="no sandbox pid"):
+        locator.pid()
+    pid_file.write_text("999999999\n")
+    with pytest.raises(SandboxLocateError, match="the sandbox is not running"):
+        locator.pid()
+    pid_file.write_text(f"{os.getpid()}\n")
+    started = Started()
+    ingress = AttestedIngress(
+        locator, started, {"kind": "configfs"},
+        config_dir=tmp_path / "run-ingress", state_dir=tmp_path / "state",
+    )  # fmt: skip
+    _boot(standin, client, tmp_path, ingress=ingress, starter=started)
+    config = json.loads((tmp_path / "run-ingress/config.json").read_text())
+    assert config["sandbox"]["pid_file"] == str(pid_file)
+    assert config["sandbox"]["sessions_dir"] == "/run/umbra-sessions"
+    assert "docker" not in config["sandbox"]
+    assert not (tmp_path / "run-ingress/sandbox.pid").exists()

@@ -38,7 +38,6 @@ from umbra.images.launch_host import (
     find_data_disk,
 )
 from umbra.images.measure import measure
-from umbra.sandbox.render import SERVICE_UID
 
 from ..sandbox.fixtures import dev_definition, dev_definition_doc, security_definition
 
@@ -199,12 +198,13 @@ def test_firewall_is_measured_loaded_and_verified(netns: str, tmp_path: Path) ->
     refused = bare.verify(tdx.quote(b"nonce"), event_log=tdx.event_log())
     assert not refused.ok
     assert "runtime events not in the policy: umbra.host-firewall" in refused.reasons
-    # The enrollment token: only the forwarder's uid reads it, never said, never measured; the
-    # forwarder's enrollment also gets the TD's event log and the Console's addresses.
+    # The enrollment token: only the forwarder's uid reads it (root's: on a Dev CVM the
+    # forwarder is a host process), never said, never measured; the forwarder's enrollment also
+    # gets the TD's event log and the Console's addresses.
     forwarder = tmp_path / "launch/forwarder"
     token = forwarder / "enrollment-token"
     assert token.read_text() == TOKEN + "\n" and token.stat().st_mode & 0o777 == 0o400
-    assert token.stat().st_uid == SERVICE_UID
+    assert token.stat().st_uid == 0
     assert not (tmp_path / "launch/enrollment-token").exists()
     assert (forwarder / "event-log.json").read_text() == (
         tmp_path / "launch/event-log.json"

@@ -27,7 +27,7 @@ from umbra.images.measure import (
     measure,
 )
 from umbra.images.signing import SignatureError, sign_manifest, verify_signed_manifest
-from umbra.sandbox.render import render_dev_cvm
+from umbra.sandbox.dev_definition import render_dev_host
 
 from ..sandbox.fixtures import dev_definition, dev_definition_doc, security_definition
 
@@ -46,13 +46,13 @@ def _runtime_digest(name: str, payload: bytes) -> bytes:
 
 def test_compose_hash_recomputed_from_the_rendered_file() -> None:
     m = measure(dev_definition())
-    text = render_dev_cvm(dev_definition().compose).text
+    text = render_dev_host(dev_definition().host).text
     app = json.dumps(
         {
-            "docker_compose_file": text,
+            "dev_cvm_host": text,
             "manifest_version": 2,
             "name": "dev-cvm-test",
-            "runner": "docker-compose",
+            "runner": "umbra-dev-host",
         },
         sort_keys=True,
         separators=(",", ":"),
@@ -68,7 +68,7 @@ def test_measurement_is_deterministic_and_input_sensitive() -> None:
     a = build_manifest(measure(dev_definition())).canonical()
     b = build_manifest(measure(dev_definition())).canonical()
     assert a == b
-    other = build_manifest(measure(dev_definition(proxy_port=3129))).canonical()
+    other = build_manifest(measure(dev_definition(tunnels=[]))).canonical()
     assert other != a
     # The Security CVM's golden values are part of the Dev CVM's compose hash.
     sec = measure(security_definition(tunnel_port=9443)).release
@@ -168,7 +168,7 @@ def test_per_boot_events_are_read_only_in_their_one_form(
 
 def test_a_td_with_another_compose_fails(pki: SimulatedPki) -> None:
     m = measure(dev_definition())
-    other = measure(dev_definition(proxy_port=3129))
+    other = measure(dev_definition(tunnels=[]))
     tdx = SimulatedTdx(pki, image="umbra-dev-cvm")
     for e in other.events() + instance_events("dev-cvm", "x", [ALICE]):
         tdx.extend_runtime_event(e.name, e.payload)
@@ -197,5 +197,5 @@ def test_a_real_tdx_release_cannot_accept_simulated_security_cvms() -> None:
     doc["base"] = {r: ["00" * 48] for r in ("mrtd", "rtmr0", "rtmr1", "rtmr2")}
     with pytest.raises(DefinitionError, match="must not let its forwarder accept simulated"):
         parse_definition(doc)
-    doc["compose"]["allow_simulated"] = False
+    doc["host"]["allow_simulated"] = False
     assert parse_definition(doc).tee == "tdx"

@@ -26,7 +26,7 @@ from umbra.images.provenance import (
 )
 from umbra.images.recipes import Rootfs
 
-from ..sandbox.fixtures import dev_definition_doc, digest_ref
+from ..sandbox.fixtures import digest_ref, security_definition_doc
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 runner = CliRunner()
@@ -108,7 +108,7 @@ def test_cli_release_manifest_names_provenance_and_verify_checks_it(tmp_path: Pa
     key = Ed25519PrivateKey.generate()
     key_file = _write_key(tmp_path / "release.key", key)
     # Provenance whose subjects are exactly the digests the definition's compose pins.
-    refs = {n: digest_ref(n).rsplit("@", 1)[1] for n in ("sandbox", "forwarder")}
+    refs = {n: digest_ref(n).rsplit("@", 1)[1] for n in ("proxy",)}
     st = statement(
         BuildResult(
             Rootfs.RUNTIME,
@@ -123,8 +123,10 @@ def test_cli_release_manifest_names_provenance_and_verify_checks_it(tmp_path: Pa
     )
     prov = tmp_path / "provenance.dsse.json"
     prov.write_text(sign_statement(st, key))
-    definition = tmp_path / "dev.yaml"
-    definition.write_text(yaml.safe_dump(dev_definition_doc()))
+    # A Security CVM release: a Dev CVM's runs no container image (its sandbox image is pinned
+    # by keys in dev-cvm.json).
+    definition = tmp_path / "security.yaml"
+    definition.write_text(yaml.safe_dump(security_definition_doc()))
     out = tmp_path / "release"
     done = runner.invoke(
         app,
@@ -139,7 +141,7 @@ def test_cli_release_manifest_names_provenance_and_verify_checks_it(tmp_path: Pa
     base = ["image", "verify", signed, "-k", f"{key_file}.pub", "--json"]
     ok = runner.invoke(app, [*base, "-p", str(prov), "--commit", COMMIT])
     assert ok.exit_code == 0, ok.output
-    assert json.loads(ok.stdout)["images"] == ["forwarder", "sandbox"]
+    assert json.loads(ok.stdout)["images"] == ["proxy"]
     wrong = runner.invoke(app, [*base, "-p", str(prov), "--commit", "e" * 40])
     assert wrong.exit_code != 0 and "expected" in wrong.output
     # A re-signed envelope by another key is both a different file and an unpinned signature.

@@ -23,10 +23,10 @@ from umbra.images.definition import DefinitionError, parse_definition
 from umbra.images.launch_agent import Agent, LogOnly
 from umbra.images.measure import measure
 from umbra.proxy.tunnel_quote import build_evidence
+from umbra.sandbox.dev_definition import forwarder_config
 from umbra.sandbox.forwarder_config import ForwarderConfig
 from umbra.sandbox.forwarder_setup import build_verifier
 from umbra.sandbox.models import SecurityCvmInputs
-from umbra.sandbox.render import forwarder_config
 from umbra.sandbox.validate import ComposeError, validate_security_compose
 
 from ..sandbox.fixtures import dev_definition, security_definition, security_definition_doc
@@ -167,7 +167,7 @@ def test_simulated_evidence_passes_a_test_forwarder_and_production_refuses_its_r
             security_cvm_release=m.release.model_dump(mode="json", exclude_none=True),
             allow_simulated=allow_simulated,
         )
-        doc = forwarder_config(dev.compose) | {"collateral": {"file": str(collateral)}}
+        doc = forwarder_config(dev.host) | {"collateral": {"file": str(collateral)}}
         if allow_simulated:
             doc["simulated_root"] = str(tmp_path / "root.der")
         return ForwarderConfig.model_validate(doc)

@@ -208,7 +208,7 @@ def test_the_security_cvm_name_resolves_privately_to_its_fixed_address(
 
 def test_the_example_dev_image_dials_the_name_the_network_publishes() -> None:
     definition = yaml.safe_load((ROOT / "images/definitions/dev-cvm.example.yaml").read_text())
-    assert definition["compose"]["security_cvm"]["host"] == SECURITY_CVM_HOST
+    assert definition["host"]["security_cvm"]["host"] == SECURITY_CVM_HOST
 
 
 def test_launch_data_carries_the_enrollment_token_and_never_shows_it() -> None:

@@ -1,8 +1,10 @@
 """The Dev CVM host ruleset, loaded with real nft into a network namespace that stands in for the
-VM, with namespaces for the forwarder container, the sandbox container and the cloud network
-(Security CVM, the Console, another host, the internet, the metadata server's DNS). Only the
-forwarder reaches the Security CVM's tunnel port and the Console's 443 (its one enrollment); DNS to
-the metadata server is dropped from everywhere."""
+VM, with namespaces for the forwarder (its uplink /30, as sandbox/dev_host.py makes it), a source
+on the sandbox's /30 (which in the runc topology never reaches the host: here it does, to show
+the host drops it anyway) and the cloud network (Security CVM, the Console, another host, the
+internet, the metadata server's DNS). Only the forwarder reaches the Security CVM's tunnel port
+and the Console's 443 (its one enrollment), masqueraded to the VM's address; DNS to the metadata
+server is dropped from everywhere."""
 
 from __future__ import annotations
 
@@ -19,11 +21,16 @@ import pytest
 
 from umbra.components.host_firewall import TABLE, HostFirewall, render_host_ruleset
 from umbra.components.launch_data import LaunchData
+from umbra.components.ports import DEV_UPLINK_CIDR
+from umbra.sandbox.dev_definition import network
 
 SEC, OTHER, WEB, META = "10.20.1.10", "10.20.1.11", "203.0.113.5", "169.254.169.254"
 WIRE = "168.63.129.16"  # Azure's wire server: the launch agent's Ready report
 CON = "10.20.1.20"
-VM_IP, FWD_IP, SBX_IP = "10.20.0.5", "172.30.2.2", "172.30.0.3"
+VM_IP = "10.20.0.5"
+# The measured runc topology's addresses (index 1): forwarder uplink, host end, sandbox.
+FWD_IP, UPLINK_HOST, SBX_IP = network(1).uplink, network(1).host, network(1).sandbox
+SBX_GW = network(1).forwarder
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("nft") is None or shutil.which("ip") is None,
@@ -38,12 +45,17 @@ SERVER = textwrap.dedent(
         s.bind((host, port)); s.listen(16)
         while True:
             c, _ = s.accept(); c.sendall(b"ok"); c.close()
+    def peer(host, port):
+        s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((host, port)); s.listen(16)
+        while True:
+            c, addr = s.accept(); c.sendall(addr[0].encode()); c.close()
     def udp(host, port):
         s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.bind((host, port))
         while True:
             data, peer = s.recvfrom(512); s.sendto(b"ok", peer)
     for kind, host, port in [tuple(x.split(":")) for x in sys.argv[1:]]:
-        target = tcp if kind == "tcp" else udp
+        target = {"tcp": tcp, "udp": udp, "peer": peer}[kind]
         threading.Thread(target=target, args=(host, int(port)), daemon=True).start()
     print("ready", flush=True)
     threading.Event().wait()
@@ -78,6 +90,7 @@ class Lab:
     def __init__(self, tag: str) -> None:
         self.ns = {k: f"{tag}{k}" for k in ("v", "f", "s", "n")}
         self.procs: list[subprocess.Popen[str]] = []
+        self.ruleset = Path("/nonexistent")
 
     def ex(self, ns: str, *args: str) -> str:
         return sh("ip", "netns", "exec", self.ns[ns], *args)
@@ -108,14 +121,17 @@ class Lab:
             sh("ip", "netns", "add", ns)
             sh("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
         self.link("v", "n", f"{VM_IP}/24", "10.20.0.1/24")
-        self.link("v", "f", "172.30.2.1/29", f"{FWD_IP}/29")
-        self.link("v", "s", "172.30.0.1/24", f"{SBX_IP}/24")
+        self.link("v", "f", f"{UPLINK_HOST}/30", f"{FWD_IP}/30")
+        self.link("v", "s", f"{SBX_GW}/30", f"{SBX_IP}/30")
         for addr in (SEC, OTHER, WEB, META, CON, WIRE):
             self.ex("n", "ip", "addr", "add", f"{addr}/32", "dev", "lo")
-        self.ex("n", "ip", "route", "add", "172.30.0.0/16", "via", VM_IP)
+        # The cloud network could route replies back to the private /30s: only the masquerade
+        # shows which source the Security CVM sees.
+        self.ex("n", "ip", "route", "add", "10.231.0.0/16", "via", VM_IP)
+        self.ex("n", "ip", "route", "add", "10.232.0.0/16", "via", VM_IP)
         self.ex("v", "ip", "route", "add", "default", "via", "10.20.0.1")
-        self.ex("f", "ip", "route", "add", "default", "via", "172.30.2.1")
-        self.ex("s", "ip", "route", "add", "default", "via", "172.30.0.1")
+        self.ex("f", "ip", "route", "add", "default", "via", UPLINK_HOST)
+        self.ex("s", "ip", "route", "add", "default", "via", SBX_GW)
         self.ex("v", "sysctl", "-qw", "net.ipv4.ip_forward=1")
         self.serve(
             "n",
@@ -131,6 +147,7 @@ class Lab:
             f"tcp:{CON}:8443",
             f"tcp:{WIRE}:80",
             f"tcp:{WIRE}:32526",
+            f"peer:{SEC}:8444",
         )
         self.serve("f", f"tcp:{FWD_IP}:2222")
         # The attested SSH ingress: a host process on every address of the VM (and port 22,
@@ -178,6 +195,7 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
         assert ruleset is not None
         path = Path(tmp_path_factory.mktemp("uin")) / "host.nft"
         path.write_text(ruleset)
+        lab.ruleset = path
         lab.ex("v", "nft", "-f", str(path))
         # Loading twice is the reload path the launch agent takes on every boot.
         lab.ex("v", "nft", "-f", str(path))
@@ -251,7 +269,7 @@ def test_without_console_addresses_there_is_no_console_path() -> None:
     ruleset = render_host_ruleset(HostFirewall(security_cvm_ips=[SEC]))
     assert "dport 443" not in ruleset
     with_console = render_host_ruleset(HostFirewall(security_cvm_ips=[SEC], console_ips=[CON]))
-    assert f"ip saddr 172.30.2.0/29 ip daddr {{ {CON} }} tcp dport 443" in with_console
+    assert f"ip saddr {DEV_UPLINK_CIDR} ip daddr {{ {CON} }} tcp dport 443" in with_console
 
 
 def test_dns_to_the_metadata_server_is_dropped_from_everywhere(lab: Lab) -> None:
@@ -270,11 +288,12 @@ def test_the_attested_ssh_ingress_is_reached_on_the_host_from_outside_only(lab: 
         f"tcp:{VM_IP}:8022": True,
         f"tcp:{VM_IP}:22": False,
     }
-    # The sandbox and the forwarder reach neither, not even through their bridge's gateway.
-    for ns, gateway in (("s", "172.30.0.1"), ("f", "172.30.2.1")):
+    # Neither the sandbox's link nor the forwarder's uplink reaches it (or any host service),
+    # not even at the host end of their own link.
+    for ns, gateway in (("s", SBX_GW), ("f", UPLINK_HOST)):
         assert lab.probe(ns, f"tcp:{VM_IP}:8022", f"tcp:{gateway}:8022") == {
-            f"tcp:{VM_IP}:8022": ns == "f",
-            f"tcp:{gateway}:8022": ns == "f",
+            f"tcp:{VM_IP}:8022": False,
+            f"tcp:{gateway}:8022": False,
         }
 
 
@@ -283,6 +302,27 @@ def test_nothing_is_forwarded_into_the_containers(lab: Lab) -> None:
     assert lab.probe("n", f"tcp:{FWD_IP}:2222") == {f"tcp:{FWD_IP}:2222": False}
     lab.serve("s", f"tcp:{SBX_IP}:2222")
     assert lab.probe("n", f"tcp:{SBX_IP}:2222") == {f"tcp:{SBX_IP}:2222": False}
+
+
+def test_the_forwarders_uplink_is_masqueraded_to_the_vms_address(lab: Lab) -> None:
+    """The cloud network has no route to the uplink's private /30: what the Security CVM sees is
+    the VM's own address (the ruleset's postrouting masquerade)."""
+    # A tunnel-port peer reporting the source address it sees; an allowed flow only.
+    ruleset = render_host_ruleset(HostFirewall(security_cvm_ips=[SEC], tunnel_port=8444))
+    assert f"ip saddr {DEV_UPLINK_CIDR} ip daddr != {DEV_UPLINK_CIDR} masquerade" in ruleset
+    probe = (
+        f"import socket; s = socket.create_connection(({SEC!r}, 8444), timeout=2); "
+        "print(s.recv(64).decode())"
+    )
+    path = Path(f"/tmp/umbra-uin-{os.getpid()}.nft")
+    try:
+        path.write_text(ruleset)
+        lab.ex("v", "nft", "-f", str(path))
+        assert lab.ex("f", sys.executable, "-c", probe).strip() == VM_IP
+    finally:
+        path.unlink(missing_ok=True)
+        # Back to the module's ruleset for the other tests.
+        lab.ex("v", "nft", "-f", str(lab.ruleset))
 
 
 def _dns_drops(lab: Lab) -> int:

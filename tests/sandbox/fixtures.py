@@ -11,6 +11,7 @@ from umbra.images.definition import (
     parse_definition,
 )
 from umbra.images.measure import measure
+from umbra.sandbox import image
 
 BUNDLE_KEY = (
     "-----BEGIN PUBLIC KEY-----\n"
@@ -48,7 +49,7 @@ def security_definition(**compose: Any) -> SecurityCvmDefinition:
     return d
 
 
-def dev_definition_doc(**compose: Any) -> dict[str, Any]:
+def dev_definition_doc(**host: Any) -> dict[str, Any]:
     sec = measure(security_definition())
     return {
         "apiVersion": "umbra/v1",
@@ -56,12 +57,9 @@ def dev_definition_doc(**compose: Any) -> dict[str, Any]:
         "role": "dev-cvm",
         "tee": "simulated",
         "base": {"simulated_image": "umbra-dev-cvm"},
-        "compose": {
+        "host": {
             "release": "dev-cvm-test",
-            "images": {
-                "sandbox": digest_ref("sandbox"),
-                "forwarder": digest_ref("forwarder"),
-            },
+            "sandbox_image": {"recipe_key": image.recipe_key(), "files_key": image.files_key()},
             "security_cvm": {"host": "security.example", "port": 8443},
             "security_cvm_release": sec.release.model_dump(mode="json", exclude_none=True),
             "pccs_urls": ["https://pccs.example/sgx/certification/v4"],
@@ -69,12 +67,12 @@ def dev_definition_doc(**compose: Any) -> dict[str, Any]:
             "tunnels": [
                 {"name": "github-ssh", "listen_port": 2201, "host": "github.com", "port": 22}
             ],
-            **compose,
+            **host,
         },
     }
 
 
-def dev_definition(**compose: Any) -> DevCvmDefinition:
-    d = parse_definition(dev_definition_doc(**compose))
+def dev_definition(**host: Any) -> DevCvmDefinition:
+    d = parse_definition(dev_definition_doc(**host))
     assert isinstance(d, DevCvmDefinition)
     return d

@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-import yaml
 
 from umbra.attest.atls import ATLSConnection, serve_atls
 from umbra.attest.collateral import StaticCollateral
@@ -34,9 +33,9 @@ from umbra.attest.simulator import SimulatedTdx
 from umbra.attest.verify import Verifier
 from umbra.contracts.tunnel_header import TunnelHeader, read_header
 from umbra.images.measure import Measurement, instance_events, measure
+from umbra.sandbox.dev_definition import render_dev_host
 from umbra.sandbox.forwarder import Forwarder
 from umbra.sandbox.models import Endpoint, Tunnel
-from umbra.sandbox.render import render_dev_cvm
 
 from .fixtures import dev_definition, security_definition
 from .netns import (
@@ -371,7 +370,7 @@ def test_cli_forwarder_runs_from_its_rendered_config(
     topo: Topology, pki: SimulatedPki, sec_measurement: Measurement, tmp_path: Path
 ) -> None:
     """`umbra forwarder serve` as its own process in the forwarder namespace, configured by the
-    forwarder.json embedded in a rendered Dev CVM compose file."""
+    forwarder config of a rendered Dev CVM host definition (dev-cvm.json)."""
     release = sec_measurement.release.model_dump(mode="json", exclude_none=True)
     # The rendered name, which nothing in the forwarder's namespace resolves (a cloud Dev CVM has
     # no DNS): the forwarder dials the launch agent's address file (fails on the code before).
@@ -380,18 +379,18 @@ def test_cli_forwarder_runs_from_its_rendered_config(
         security_cvm_release=release,
         allow_simulated=True,
     )
-    compose = yaml.safe_load(render_dev_cvm(d.compose).text)
-    cfg = json.loads(compose["configs"]["forwarder"]["content"])
-    cfg["listen"].update(host=FWD_IN, proxy_port=3140, tunnels=[])
+    cfg = json.loads(render_dev_host(d.host).text)["forwarder"]
+    # Only a proxy listener: the module's in-process forwarder holds this namespace's others.
+    cfg["listen"] = {"host": FWD_IN, "proxy_port": 3140, "tunnels": []}
     assert "ingress" not in cfg  # SSH is the attested ingress's, not a forwarder relay
     # The CA fetch has its own test (tests/proxy/test_sandbox_ca.py); this stand-in relays only.
-    assert cfg.pop("sandbox_ca")["file"].startswith("/var/lib/umbra/sandbox-ca/")
+    assert cfg.pop("sandbox_ca")["file"].startswith("/var/lib/umbra/data/dev-host/sandbox-ca/")
     (tmp_path / "collateral.json").write_text(pki.collateral(int(time.time()) - 60).json_text)
     (tmp_path / "root.der").write_bytes(pki.root_der)
     (tmp_path / "cvm-id").write_text("dev-bob-7\n")
     (tmp_path / "credential").write_text(CREDENTIAL + "\n")
     (tmp_path / "security-cvm-ips").write_text(SEC + "\n")
-    assert cfg["security_cvm_ips_file"] == "/run/umbra/launch/security-cvm-ips"
+    assert cfg["security_cvm_ips_file"] == "/run/umbra/launch/forwarder/security-cvm-ips"
     cfg.update(
         security_cvm_ips_file=str(tmp_path / "security-cvm-ips"),
         collateral={"file": str(tmp_path / "collateral.json")},
@@ -549,9 +548,7 @@ def test_the_security_endpoint_is_the_launch_agents_address_else_the_configured_
     from umbra.sandbox.forwarder_setup import security_endpoint
 
     d = dev_definition(security_cvm={"host": "security-cvm.umbra.internal", "port": 8443})
-    doc = json.loads(
-        yaml.safe_load(render_dev_cvm(d.compose).text)["configs"]["forwarder"]["content"]
-    )
+    doc = json.loads(render_dev_host(d.host).text)["forwarder"]
     doc["security_cvm_ips_file"] = str(tmp_path / "security-cvm-ips")
     cfg = ForwarderConfig.model_validate(doc)
     # No addresses in launch data (no file): the configured host, which must still attest.

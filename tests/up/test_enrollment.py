@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
@@ -32,9 +31,9 @@ from umbra.contracts.release import SUITE
 from umbra.contracts.session import CVM_ID_EVENT
 from umbra.policy.bundle import generate_key
 from umbra.proxy.identity import hash_credential
+from umbra.sandbox.dev_definition import render_dev_host
 from umbra.sandbox.forwarder_config import ForwarderConfig
 from umbra.sandbox.forwarder_enroll import ensure_tunnel_credential
-from umbra.sandbox.render import render_dev_cvm
 
 
 @pytest.fixture(scope="module")
@@ -271,8 +270,8 @@ def test_the_rendered_dev_cvm_forwarder_enrolls_by_address_once_and_keeps_its_cr
     try:
         dev_cvm = team.dev_cvm()
         port = server.url.rsplit(":", 1)[1].split("/")[0]
-        text = render_dev_cvm(dev_definition(console_url=f"https://console.test:{port}").compose)
-        doc = json.loads(yaml.safe_load(text.text)["configs"]["forwarder"]["content"])
+        text = render_dev_host(dev_definition(console_url=f"https://console.test:{port}").host)
+        doc = json.loads(text.text)["forwarder"]
         launch, state = tmp_path / "launch", tmp_path / "state"
         launch.mkdir()
         (launch / "cvm-id").write_text(dev_cvm + "\n")
@@ -281,7 +280,7 @@ def test_the_rendered_dev_cvm_forwarder_enrolls_by_address_once_and_keeps_its_cr
         (launch / "console-ips").write_text("127.0.0.1\n")
         pki_dir = tmp_path / "pki"
         enroll.pki().save(pki_dir)
-        assert doc["enrollment"]["console_ips_file"] == "/run/umbra/launch/console-ips"
+        assert doc["enrollment"]["console_ips_file"] == "/run/umbra/launch/forwarder/console-ips"
         doc["cvm_id_file"] = str(launch / "cvm-id")
         doc["credential_file"] = str(state / "tunnel-credential")
         doc["enrollment"] |= {

@@ -1,0 +1,286 @@
+"""A cloud Dev CVM's host side, started on this machine as the launch agent starts it on a CVM:
+`umbra sandbox host up` on a measured dev-cvm.json. The same sandbox as `umbra up` (runc, the
+cached mmdebstrap image, local_cvm's namespaces) and the real forwarder, which attests a
+simulated Security CVM (a stand-in tunnel endpoint on the host end of the forwarder's uplink)
+before a sandbox byte goes through. Then the supervisor restarts a killed forwarder, `status`
+and `down` report and stop it, and a definition this machine cannot honour starts nothing.
+
+What is not run here: TDX (the forwarder's config is the simulated release's, its credential
+seeded as if enrolled, since nothing here can quote), the host firewall (its own test,
+tests/infra/test_host_firewall.py), the OS image's shipped copy of the image (the cache has the
+same layout), cgroup v2 delegation (this host is hybrid v1).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Coroutine, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from umbra.attest.atls import ATLSConnection, serve_atls
+from umbra.attest.quote_source import SimulatedSource
+from umbra.attest.simpki import SimulatedPki
+from umbra.attest.simulator import SimulatedTdx
+from umbra.contracts.tunnel_header import TunnelHeader, read_header
+from umbra.images.measure import instance_events, measure
+from umbra.sandbox import image, local_cvm
+from umbra.sandbox.dev_definition import host_document, network, plan_for
+from umbra.sandbox.render import CA_NAME, canonical_json
+
+from ..sandbox.fixtures import dev_definition, security_definition
+
+pytestmark = pytest.mark.timeout(900)
+
+UMBRA = str(Path(sys.executable).parent / "umbra")
+CREDENTIAL = "dev-host-credential-0123456789"
+
+
+def _require() -> None:
+    if os.geteuid() != 0:
+        pytest.skip("LOUD SKIP: the dev host needs root (namespaces, runc)")
+    for tool in ("runc", "ip", "nft", "nsenter", "mmdebstrap", "npm"):
+        if shutil.which(tool) is None:
+            pytest.skip(f"LOUD SKIP: missing {tool}: scripts/system-deps installs it")
+
+
+def _free_index() -> int:
+    """A subnet index no local CVM (or other test) on this machine uses: the dev host takes
+    index 1 on a CVM, where it is alone."""
+    shown = subprocess.run(["ip", "-4", "-o", "addr", "show"], capture_output=True, text=True)
+    used = {int(w.split(".")[2]) for w in shown.stdout.split() if w.startswith("10.232.")}
+    return next(i for i in range(249, 100, -1) if i not in used)
+
+
+@dataclass
+class SecurityCvm:
+    """The tunnel endpoint's stand-in: records each identity header, echoes with it."""
+
+    headers: list[TunnelHeader] = field(default_factory=list)
+
+    async def handle(self, conn: ATLSConnection) -> None:
+        header, rest = await read_header(conn.recv)
+        self.headers.append(header)
+        if header.mode != "proxy":
+            return  # no CA to serve: the forwarder's refresher backs off
+        data = rest or await conn.recv()
+        await conn.send(f"proxy saw {header.cvm_id}/{header.mode}: ".encode() + data)
+
+
+class HostLoop:
+    """An asyncio loop on a thread in this (the host's) network namespace."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, Any], timeout: float = 60) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+@dataclass
+class Cvm:
+    root: Path
+    definition: Path
+    cvm_id: str
+    index: int
+    sec: SecurityCvm
+
+    @property
+    def plan(self) -> local_cvm.LocalCvmPlan:
+        return plan_for(self.cvm_id, self.index, self.root)
+
+    def host(
+        self, command: str, *extra: str, check: bool = True
+    ) -> subprocess.CompletedProcess[str]:
+        done = subprocess.run(
+            [UMBRA, "sandbox", "host", command, "--definition", str(self.definition),
+             "--root", str(self.root), "--image-dir", str(image.cache_root()), *extra],
+            capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        if check:
+            assert done.returncode == 0, f"host {command}: {done.stdout}\n{done.stderr}"
+        return done
+
+
+def _definition(tmp: Path, cvm_id: str, index: int, pki: SimulatedPki) -> Path:
+    """The measured document as `umbra image measure` renders it, at a free index, with the
+    forwarder's launch-bound files in `tmp` (as the launch agent writes them on a CVM)."""
+    sec = measure(security_definition())
+    d = dev_definition(
+        security_cvm={"host": "security-cvm.umbra.internal", "port": 8443},
+        security_cvm_release=sec.release.model_dump(mode="json", exclude_none=True),
+        allow_simulated=True,
+        tunnels=[],
+    )
+    doc = host_document(d.host, index)
+    launch = tmp / "launch"
+    launch.mkdir(mode=0o700)
+    (launch / "cvm-id").write_text(cvm_id + "\n")
+    (launch / "security-cvm-ips").write_text(network(index).host + "\n")
+    (launch / "collateral.json").write_text(pki.collateral(int(time.time()) - 60).json_text)
+    (launch / "simulated-root.der").write_bytes(pki.root_der)
+    # Seeded as if enrolled: nothing here quotes with TDX (the enrollment has its own tests).
+    (tmp / "credential").write_text(CREDENTIAL + "\n")
+    (tmp / "credential").chmod(0o600)
+    root = tmp / "cvm"
+    doc["forwarder"].update(
+        cvm_id_file=str(launch / "cvm-id"),
+        security_cvm_ips_file=str(launch / "security-cvm-ips"),
+        collateral={"file": str(launch / "collateral.json")},
+        simulated_root=str(launch / "simulated-root.der"),
+        credential_file=str(tmp / "credential"),
+        sandbox_ca={"file": str(root / "sandbox-ca" / CA_NAME)},
+    )
+    path = launch / "dev-cvm.json"
+    path.write_text(canonical_json(doc))
+    return path
+
+
+@pytest.fixture(scope="module")
+def cvm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cvm]:
+    _require()
+    image.ensure_image()  # cached per machine (the lead's pre-build): the OS image ships a copy
+    tmp = tmp_path_factory.mktemp("devhost")
+    pki = SimulatedPki.generate()
+    index, cvm_id = _free_index(), f"cvm_{os.urandom(8).hex()}"
+    definition = _definition(tmp, cvm_id, index, pki)
+    cvm = Cvm(tmp / "cvm", definition, cvm_id, index, SecurityCvm())
+    tdx = SimulatedTdx(pki, image="umbra-security-cvm")
+    for e in measure(security_definition()).events() + instance_events("security-cvm", "sec-1"):
+        tdx.extend_runtime_event(e.name, e.payload)
+    loop = HostLoop()
+    try:
+        up = cvm.host("up", "--json")
+        state = json.loads(up.stdout)
+        assert state["sandbox_pid"] and state["forwarder_pid"] and state["supervisor_pid"]
+        # The Security CVM's address is the host end of the uplink, which `up` just made.
+        loop.run(
+            serve_atls(network(index).host, 8443, cvm.sec.handle, SimulatedSource(tdx),
+                       event_log=tdx.event_log)
+        )  # fmt: skip
+        yield cvm
+    finally:
+        cvm.host("down", check=False)
+        loop.stop()
+        local_cvm.stop_sandbox(cvm.plan)  # unmounts even if `down` failed
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _in_sandbox(cvm: Cvm, script: str) -> subprocess.CompletedProcess[str]:
+    return local_cvm.run_in_sandbox(cvm.plan, ["python3", "-c", script], "dev", timeout=60)
+
+
+EXCHANGE = """
+import socket, sys
+s = socket.create_connection((sys.argv[1] if len(sys.argv) > 1 else "{addr}", 3128), timeout=20)
+s.sendall(b"hello from the sandbox\\n")
+print(s.recv(4096).decode(), end="")
+"""
+
+
+def test_the_sandbox_reaches_the_security_cvm_only_through_the_attested_forwarder(
+    cvm: Cvm,
+) -> None:
+    plan = cvm.plan
+    done = _in_sandbox(cvm, EXCHANGE.format(addr=plan.forwarder_addr))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == f"proxy saw {cvm.cvm_id}/proxy: hello from the sandbox\n"
+    header = [h for h in cvm.sec.headers if h.mode == "proxy"][-1]
+    assert header.credential == CREDENTIAL and header.cvm_id == cvm.cvm_id
+    # The same resolver as `umbra up`: every name is the forwarder's sandbox-side address.
+    names = _in_sandbox(cvm, "import socket; print(socket.gethostbyname('deb.debian.org'))")
+    assert names.stdout.strip() == plan.forwarder_addr, names.stderr
+    # Nothing else: not the uplink, not the host end of it (where the Security CVM listens).
+    for target in (plan.uplink_addr, plan.host_addr):
+        probe = f"import socket; socket.create_connection(({target!r}, 8443), timeout=3)"
+        assert _in_sandbox(cvm, probe).returncode != 0
+
+
+def test_status_reports_the_measured_release_and_every_process(cvm: Cvm) -> None:
+    state = json.loads(cvm.host("status").stdout)
+    assert state["release"] == "dev-cvm-test" and state["runtime"] == "runc"
+    assert state["sandbox_image"] == {
+        "recipe_key": image.recipe_key(),
+        "files_key": image.files_key(),
+    }
+    assert all(state[k] for k in ("sandbox_pid", "forwarder_pid", "supervisor_pid"))
+    # The attested ingress enters the sandbox through runc's own pid file.
+    assert int((cvm.root / "sandbox.pid").read_text()) == state["sandbox_pid"]
+
+
+def test_the_supervisor_restarts_a_dead_forwarder_and_sandbox(cvm: Cvm) -> None:
+    plan = cvm.plan
+    before = local_cvm.running_pid(plan, "forwarder")
+    assert before is not None
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(before, signal.SIGKILL)
+    sandbox_before = local_cvm.running_pid(plan, "sandbox")
+    subprocess.run(["runc", "--root", str(plan.dir / "runc"), "kill", plan.cvm_id, "KILL"],
+                   capture_output=True, timeout=30)  # fmt: skip
+    end = time.monotonic() + 90
+    while time.monotonic() < end:
+        fwd, sbx = (local_cvm.running_pid(plan, r) for r in ("forwarder", "sandbox"))
+        if fwd not in (None, before) and sbx not in (None, sandbox_before):
+            break
+        time.sleep(0.5)
+    else:
+        log = (plan.dir / "supervisor.log").read_text(errors="replace")[-800:]
+        pytest.fail(f"the supervisor did not restart them: {log}")
+    local_cvm.wait_listening(plan.forwarder_ns, plan.forwarder_addr, 3128)
+    done = _in_sandbox(cvm, EXCHANGE.format(addr=plan.forwarder_addr))
+    assert done.stdout.startswith(f"proxy saw {cvm.cvm_id}/proxy"), done.stderr
+
+
+def test_a_definition_this_cvm_cannot_honour_starts_nothing(cvm: Cvm, tmp_path: Path) -> None:
+    doc = json.loads(cvm.definition.read_text())
+    doc["sandbox_image"]["files_key"] = "0" * 16
+    other = tmp_path / "dev-cvm.json"
+    other.write_text(canonical_json(doc))
+    bad = Cvm(tmp_path / "cvm", other, cvm.cvm_id, cvm.index, cvm.sec)
+    done = bad.host("up", check=False)
+    assert done.returncode == 1
+    assert "sandbox_image: the release measures" in done.stdout + done.stderr
+    assert "Traceback" not in done.stdout + done.stderr
+    assert not (tmp_path / "cvm").exists()
+    # An image directory without the measured tree: refused, nothing started.
+    empty = Cvm(tmp_path / "cvm", cvm.definition, cvm.cvm_id, cvm.index, cvm.sec)
+    done = subprocess.run(
+        [UMBRA, "sandbox", "host", "up", "--definition", str(cvm.definition),
+         "--root", str(tmp_path / "cvm"), "--image-dir", str(tmp_path / "no-image")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 1
+    assert "is not a built image tree on this CVM" in done.stdout + done.stderr
+    assert not empty.root.exists()
+
+
+def test_down_stops_everything_and_keeps_the_sandboxs_files(cvm: Cvm) -> None:
+    plan = cvm.plan
+    marker = "/home/dev/kept-across-down"
+    assert _in_sandbox(cvm, f"open({marker!r}, 'w').write('x')").returncode == 0
+    cvm.host("down")
+    state = json.loads(cvm.host("status").stdout)
+    assert state["sandbox_pid"] is None and state["forwarder_pid"] is None
+    assert state["supervisor_pid"] is None and state["sandbox_netns"] is None
+    assert (plan.dir / "upper" / marker.lstrip("/")).exists()
+    # Up again: the same sandbox, its files there.
+    cvm.host("up")
+    assert _in_sandbox(cvm, f"print(open({marker!r}).read())").stdout.strip() == "x"
