@@ -584,6 +584,12 @@ def os_build_cmd(
         list[Path] | None,
         typer.Option("--image-archive", help="A release image archive to ship (repeatable)."),
     ] = None,
+    update_lock: Annotated[
+        bool,
+        typer.Option(
+            "--update-lock", help="Rewrite this definition's lines of images/os/packages.lock."
+        ),
+    ] = False,
     as_json: JsonFlag = False,
 ) -> None:
     """Build the CVM OS image of one definition (Debian 13 + the backports TDX guest kernel):
@@ -605,6 +611,7 @@ def os_build_cmd(
             host_python_prefix=Path(sys.base_prefix),
             epoch=when,
             image_archives=image_archive or (),
+            update_lock=update_lock,
         )
     except BuildError as exc:
         fail(str(exc), as_json=as_json)

@@ -27,10 +27,12 @@ from umbra.images.build import (
     _workdir,
     copy_python,
     install_wheel,
+    installed_packages,
     normalize,
 )
 from umbra.images.disk_formats import ROOT_PART_UUID, VERITY_PART_UUID
 from umbra.images.image_store import ARCHIVE_SUFFIX, IMAGES_DIR
+from umbra.images.os_lock import lock_os_packages
 
 OS_DIR = Path(__file__).parent / "os"
 # The OS image's suite, not the container images' (recipes.SUITE): bookworm's 6.1 kernel has no
@@ -138,7 +140,10 @@ def build_os_image(
     extra_files: dict[str, str] | None = None,
     image_archives: Sequence[Path] = (),
     size: str = "3G",
+    update_lock: bool = False,
 ) -> OsImage:
+    """The installed packages must be exactly the lock's for `d.cloud` (images/os/packages.lock,
+    os_lock); `update_lock` rewrites those lines from this build first."""
     import os
 
     out.mkdir(parents=True, exist_ok=True)
@@ -160,6 +165,7 @@ def build_os_image(
             "mmdebstrap (OS image)",
             env=env,
         )
+        lock_os_packages(d.cloud, installed_packages(root), update=update_lock)
         copy_python(host_python_prefix, root)
         install_wheel(wheel, requirements, host_python_prefix / "bin/python3.12", root)
         configure_rootfs(d, root)
