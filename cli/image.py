@@ -409,7 +409,10 @@ def verify_cmd(
 
 @app.command("launch-agent")
 def launch_agent_cmd(
-    cloud: Annotated[str, typer.Option("--cloud", help="gcp | azure")],
+    cloud: Annotated[
+        str,
+        typer.Option("--cloud", help="gcp | azure | smbios (the firmware's system vendor says)"),
+    ],
     tee: Annotated[str, typer.Option("--tee", help="tdx | simulated")] = "tdx",
     metadata_url: Annotated[
         str | None, typer.Option("--metadata-url", help="Metadata service base URL (tests).")
@@ -495,6 +498,14 @@ def launch_agent_cmd(
 
     source: la.MetadataSource
     reporter: la.Reporter | None
+    if cloud == "smbios":
+        from umbra.images.cloud_id import UnknownCloud, cloud_from_smbios
+
+        try:
+            cloud = cloud_from_smbios()
+        except UnknownCloud as exc:
+            la.serial_console(serial)(f"umbra-launch: REFUSED, nothing started: {exc}")
+            raise typer.Exit(1) from None
     if cloud == "gcp":
         source = la.GcpMetadata(metadata_url or la.GCP_METADATA)
         reporter = la.GcpGuestAttribute(metadata_url or la.GCP_METADATA)
@@ -502,7 +513,7 @@ def launch_agent_cmd(
         source = la.AzureUserData(metadata_url or la.AZURE_IMDS, user_data_file)
         reporter = la.AzureWireServer()
     else:
-        fail(f"--cloud must be gcp or azure, got {cloud!r}", EXIT_USAGE)
+        fail(f"--cloud must be gcp, azure or smbios, got {cloud!r}", EXIT_USAGE)
     extender: la.Extender
     if tee == "tdx":
         extender = la.SysfsRtmr()
