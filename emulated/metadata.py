@@ -229,8 +229,8 @@ class EmulatedMetadata:
                 return 200, {"Content-Type": "application/json"} | flavor, doc
             return 200, text, "".join(f"{k}\n" for k in sorted(attributes)).encode()
         if path.startswith(GCP_ATTRIBUTES):
-            value = attributes.get(path.removeprefix(GCP_ATTRIBUTES))
-            return (404, flavor, b"") if value is None else (200, text, value.encode())
+            one = attributes.get(path.removeprefix(GCP_ATTRIBUTES))
+            return (404, flavor, b"") if one is None else (200, text, one.encode())
         if path == "/computeMetadata/v1/instance/id":
             numeric = int(hashlib.sha256(self.instance_id.encode()).hexdigest()[:15], 16)
             return 200, text, str(numeric).encode()

@@ -129,10 +129,13 @@ class QemuVm:
 
     def start(self) -> QemuVm:
         self.config.qmp.unlink(missing_ok=True)
+        # QEMU's own messages go to a file beside the serial log: a pipe nobody drains would
+        # block a long-running VM.
         try:
-            self.process = subprocess.Popen(
-                qemu_argv(self.config), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
-            )
+            with self.qemu_log.open("wb") as log:
+                self.process = subprocess.Popen(
+                    qemu_argv(self.config), stdout=subprocess.DEVNULL, stderr=log
+                )
         except OSError as exc:
             raise VmError(f"qemu-system-x86_64: {exc.strerror}") from None
         return self
@@ -164,10 +167,12 @@ class QemuVm:
             self.process.kill()
             self.process.wait(30)
 
+    @property
+    def qemu_log(self) -> Path:
+        return self.config.serial.with_suffix(".qemu.log")
+
     def stderr(self) -> str:
-        if self.process is None or self.process.poll() is None or self.process.stderr is None:
-            return ""
-        return self.process.stderr.read().decode(errors="replace")
+        return self.qemu_log.read_text(errors="replace") if self.qemu_log.exists() else ""
 
     def _qmp(self, commands: Sequence[str]) -> None:
         deadline = time.monotonic() + 10

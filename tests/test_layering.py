@@ -35,10 +35,8 @@ ALLOWED: dict[str, frozenset[str]] = {
     "emulated": frozenset({"components", "contracts"}),
     "console": frozenset({"emulated", "components", "sandbox", "policy", "attest", "contracts"}),
     "cli": frozenset(
-        {
-            "console", "images", "emulated", "components", "proxy", "sandbox", "policy",
-            "attest", "contracts",
-        }  # fmt: skip
+        {"console", "images", "emulated", "components", "proxy", "sandbox", "policy"}
+        | {"attest", "contracts"}
     ),
 }
 
