@@ -82,9 +82,9 @@ class QemuCvmProvider:
     background = True  # a boot is started, not awaited; the worker records the outcome
     resumable = False  # the VMs live in this process (module docstring)
 
-    def __init__(self, settings: QemuCvmSettings, vm_factory: type[QemuVm] = QemuVm) -> None:
+    def __init__(self, settings: QemuCvmSettings, vm_factory: type[QemuVm] | None = None) -> None:
         self.settings = settings
-        self._factory = vm_factory
+        self._factory = vm_factory or QemuVm
         self._vms: dict[str, _Vm] = {}
         self._lock = threading.Lock()
 

@@ -221,3 +221,64 @@ def test_the_console_builds_it_from_its_config(tmp_path: Path, settings: QemuCvm
     path.write_text(json.dumps({"shape": "aws"}))
     with pytest.raises(ProviderError, match=r"qemu_cvm_config .*qemu\.json"):
         build_providers(Settings.model_validate(base | {"qemu_cvm_config": path}))
+
+
+def test_the_console_launches_stops_starts_and_destroys_through_it(
+    request: pytest.FixtureRequest,
+    issuer: Any,
+    settings: QemuCvmSettings,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Through the Console's API (SQLite): the provider runs in the provisioning worker, the
+    one-time enrollment token the Console minted reaches the stand-in, never provider_state."""
+    from tests.console.conftest import new_database
+    from tests.console.helpers import new_team, start_server
+    from umbra.console import providers_qemu
+    from umbra.policy.bundle import generate_key
+
+    monkeypatch.setattr(providers_qemu, "QemuVm", RecordingVm)
+    RecordingVm.boots, RecordingVm.stops = [], []
+    config = tmp_path / "qemu.json"
+    config.write_text(settings.model_dump_json())
+    url, sqlite_path = new_database("sqlite", request)
+    server = start_server(
+        "sqlite", url, sqlite_path, issuer.url, generate_key(), tmp_path,
+        providers=["local", "qemu"], qemu_cvm_config=config,
+    )  # fmt: skip
+    team = new_team(server, issuer)
+    try:
+        body = {"name": "emu1", "provider": "qemu", "ssh_keys": [KEY]}
+        launched = team.dev.post(f"/api/v1/teams/{team.name}/cvms", json=body)
+        assert launched.status_code == 201, launched.text
+        cvm = _settle(team, launched.json()["id"])
+        assert cvm["state"] == "running" and cvm["provider_ref"] == f"qemu:{cvm['id']}"
+        (boot,) = RecordingVm.boots
+        served = _attributes(boot.metadata_port)
+        assert served["umbra-cvm-id"] == cvm["id"] and served["umbra-team"] == team.name
+        token = served["umbra-enrollment-token"]
+        assert len(token) >= 16 and token not in json.dumps(cvm)
+        path = f"/api/v1/cvms/{cvm['id']}"
+        assert team.dev.patch(path, json={"state": "stopped"}).status_code == 200
+        assert _settle(team, cvm["id"])["state"] == "stopped" and len(RecordingVm.stops) == 1
+        assert team.dev.patch(path, json={"state": "running"}).status_code == 200
+        assert _settle(team, cvm["id"])["state"] == "running" and len(RecordingVm.boots) == 2
+        assert RecordingVm.boots[1].data_disk == boot.data_disk
+        assert team.dev.delete(path).status_code == 200
+        assert _settle(team, cvm["id"])["state"] == "destroyed"
+        assert not boot.data_disk.parent.exists()
+    finally:
+        team.close()
+        server.stop()
+
+
+def _settle(team: Any, cvm_id: str, timeout: float = 20) -> dict[str, Any]:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        cvm: dict[str, Any] = team.admin.get(f"/api/v1/cvms/{cvm_id}").json()
+        if cvm["state"] not in ("launching", "updating", "destroying"):
+            return cvm
+        assert time.monotonic() < deadline, f"CVM stayed {cvm['state']}"
+        time.sleep(0.05)
