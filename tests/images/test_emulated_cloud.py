@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
 from pathlib import Path
 
@@ -32,6 +33,8 @@ from .test_qemu_boot import KEY, _need_qemu
 
 pytestmark = pytest.mark.timeout(2400)
 BOOT_LIMIT = 900.0
+# TCG by default (what CI is known to have); UMBRA_TEST_ACCEL=kvm where KVM works.
+ACCEL = os.environ.get("UMBRA_TEST_ACCEL", "tcg")
 
 
 @pytest.mark.parametrize("shape", [Shape.gcp, Shape.azure])
@@ -57,6 +60,7 @@ def test_the_image_boots_as_the_cloud_reports_ready_and_survives_stop_and_start(
             config = VmConfig(
                 shape, disks.raw, data_disk, tmp_path / f"serial-{boot}.log",
                 tmp_path / "qmp.sock", stand_in.metadata_port, stand_in.wire_port,
+                accel=ACCEL,
             )  # fmt: skip
             start = time.monotonic()
             vm = QemuVm(config).start()
