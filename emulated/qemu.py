@@ -98,9 +98,11 @@ def qemu_argv(config: VmConfig) -> list[str]:
     manufacturer, product = SMBIOS[config.shape]
     return [
         "qemu-system-x86_64", *config.firmware.argv(), "-accel", config.accel,
-        # -cpu max: RDRAND, which seeds the kernel's CRNG at once (see tests/images/
-        # test_qemu_boot.py: without it getrandom() blocked for minutes under TCG).
-        "-cpu", "max", "-m", str(config.memory_mb), "-smp", "1",
+        # TCG: -cpu max, for RDRAND, which seeds the kernel's CRNG at once (see tests/images/
+        # test_qemu_boot.py: without it getrandom() blocked for minutes). KVM: the host's CPU
+        # (`max` made QEMU 7.2 abort setting MSR 0x10a under this machine's nested KVM).
+        "-cpu", "host" if config.accel == "kvm" else "max",
+        "-m", str(config.memory_mb), "-smp", "1",
         "-smbios", f"type=1,manufacturer={manufacturer},product={product}",
         "-drive", f"file={config.disk},format=raw,if=virtio,snapshot=on",
         "-drive", f"file={config.data_disk},format=raw,if=virtio",

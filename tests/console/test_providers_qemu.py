@@ -203,6 +203,7 @@ def test_the_qemu_command_line_of_each_shape(
     assert "guestfwd=tcp:169.254.169.254:80-cmd:" in netdev
     assert netdev.count("127.0.0.1 4001") == 1
     assert ("168.63.129.16:80" in netdev) is (shape is Shape.azure)
+    assert argv[argv.index("-accel") + 1] == "tcg" and argv[argv.index("-cpu") + 1] == "max"
     drives = [argv[i + 1] for i, a in enumerate(argv) if a == "-drive"]
     assert drives == [
         f"file={tmp_path / 'disk.raw'},format=raw,if=virtio,snapshot=on",
