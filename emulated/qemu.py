@@ -100,7 +100,8 @@ def qemu_argv(config: VmConfig) -> list[str]:
         "qemu-system-x86_64", *config.firmware.argv(), "-accel", config.accel,
         # TCG: -cpu max, for RDRAND, which seeds the kernel's CRNG at once (see tests/images/
         # test_qemu_boot.py: without it getrandom() blocked for minutes). KVM: the host's CPU
-        # (`max` made QEMU 7.2 abort setting MSR 0x10a under this machine's nested KVM).
+        # (unproven: under the development machine's nested KVM QEMU 7.2 aborted setting MSR
+        # 0x10a with `max` and `host` alike).
         "-cpu", "host" if config.accel == "kvm" else "max",
         "-m", str(config.memory_mb), "-smp", "1",
         "-smbios", f"type=1,manufacturer={manufacturer},product={product}",
