@@ -219,9 +219,11 @@ class ConsoleClient(_Base):
         hosts: list[str] | None = None,
         *,
         if_version: int | None = None,
+        kind: str = "static",
     ) -> SecretInfo:
-        """`if_version`: store only if the secret is still at that version (else 412)."""
-        body = {"value": value, "hosts": hosts or []}
+        """`if_version`: store only if the secret is still at that version (else 412). A `kind`
+        other than static sends the kind's JSON document as `value`."""
+        body = {"value": value, "hosts": hosts or [], "kind": kind}
         return self._model(
             SecretInfo,
             "PUT",
@@ -231,9 +233,16 @@ class ConsoleClient(_Base):
         )
 
     def set_personal_secret(
-        self, team: str, name: str, value: str, hosts: list[str], *, if_version: int | None = None
+        self,
+        team: str,
+        name: str,
+        value: str,
+        hosts: list[str],
+        *,
+        if_version: int | None = None,
+        kind: str = "static",
     ) -> SecretInfo:
-        body = {"value": value, "hosts": hosts}
+        body = {"value": value, "hosts": hosts, "kind": kind}
         return self._model(
             SecretInfo,
             "PUT",

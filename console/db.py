@@ -12,7 +12,8 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import Engine, create_engine, event, text
+from sqlalchemy.exc import SQLAlchemyError
 
 MIGRATIONS_DIR = Path(__file__).parent / "migrations"
 
@@ -73,6 +74,20 @@ def revisions() -> list[str]:
 def current_revision(engine: Engine) -> str | None:
     with engine.connect() as connection:
         return MigrationContext.configure(connection).get_current_revision()
+
+
+def not_ready(engine: Engine) -> str | None:
+    """Why the database cannot serve this build (it does not answer, or is not migrated to this
+    build's head); None when it can."""
+    try:
+        with engine.connect() as connection:
+            connection.execute(text("SELECT 1"))
+        revision = current_revision(engine)
+    except SQLAlchemyError:
+        return "database unavailable"
+    if revision != head_revision():
+        return f"database at revision {revision}, expected {head_revision()}"
+    return None
 
 
 def as_utc(value: datetime) -> datetime:

@@ -76,3 +76,13 @@ class AuditAction(StrEnum):
     secret_set = "secret.set"
     secret_delete = "secret.delete"
     secret_release = "secret.release"
+    secret_refresh = "secret.refresh"  # a Security CVM wrote back a rotated refresh token
+    secret_refresh_failed = "secret.refresh_failed"  # the token endpoint refused: needs a login
+
+
+class SecretStatus(StrEnum):
+    """Whether the Security CVMs can use a secret as stored; `needs_login` after a token endpoint
+    refused its refresh token (set it again, e.g. `umbra codex connect`)."""
+
+    ok = "ok"
+    needs_login = "needs_login"

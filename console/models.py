@@ -15,7 +15,8 @@ from sqlalchemy.engine import Dialect
 from sqlalchemy.types import TypeDecorator
 from sqlmodel import AutoString, Field, SQLModel
 
-from umbra.console.enums import AuditAction, CvmKind, CvmState, Scope
+from umbra.console.enums import AuditAction, CvmKind, CvmState, Scope, SecretStatus
+from umbra.contracts.secret_kinds import SecretKind
 
 
 class EnumText[E: StrEnum](TypeDecorator[E]):
@@ -139,6 +140,13 @@ class Secret(SQLModel, table=True):
     kek_id: str = Field(max_length=64)
     wrapped_key: bytes = Field(sa_column=Column(LargeBinary, nullable=False))
     ciphertext: bytes = Field(sa_column=Column(LargeBinary, nullable=False))
+    kind: SecretKind = Field(default=SecretKind.static, sa_type=EnumText(SecretKind, 32))
+    status: SecretStatus = Field(default=SecretStatus.ok, sa_type=EnumText(SecretStatus, 16))
+    # A Security CVM refreshing a rotating refresh token holds this lease (console/services/
+    # secret_refresh.py): one refresher per chain across replicas.
+    lease_id: str | None = Field(default=None, max_length=64)
+    lease_holder: str | None = Field(default=None, max_length=64)
+    lease_until: datetime | None = Field(default=None, sa_type=DateTime(timezone=True))
     updated_by: str = Field(max_length=255)
     created_at: datetime = _ts()
     updated_at: datetime = _ts()

@@ -13,8 +13,9 @@ from pydantic import (
     field_validator,
 )
 
-from umbra.console.enums import AuditAction, CvmKind, CvmState, Power, Role, Scope
+from umbra.console.enums import AuditAction, CvmKind, CvmState, Power, Role, Scope, SecretStatus
 from umbra.contracts import model as contracts_model
+from umbra.contracts.secret_kinds import SecretKind
 from umbra.contracts.traffic import Decision, Kind, QuarantineReason
 from umbra.policy.normalize import NormalizationError, normalize_host
 
@@ -208,11 +209,17 @@ class TeamDefaultProfiles(Strict):
 class TeamSecretSet(Strict):
     value: str = Field(min_length=1, max_length=MAX_SECRET_BYTES)
     hosts: list[Host] = Field(default_factory=list, max_length=64)
+    kind: SecretKind = Field(
+        default=SecretKind.static,
+        description="static: `value` is the secret; any other kind: `value` is its JSON document "
+        "(contracts/secret_kinds.py).",
+    )
 
 
 class PersonalSecretSet(Strict):
     value: str = Field(min_length=1, max_length=MAX_SECRET_BYTES)
     hosts: list[Host] = Field(min_length=1, max_length=64)
+    kind: SecretKind = SecretKind.static
 
 
 class SecretInfo(Strict):
@@ -225,6 +232,8 @@ class SecretInfo(Strict):
     ref: str
     hosts: list[str]
     version: int
+    kind: SecretKind = SecretKind.static
+    status: SecretStatus = SecretStatus.ok
     updated_by: str
     updated_at: datetime
 

@@ -12,6 +12,7 @@ from pydantic import AfterValidator, Field, model_validator
 from umbra.policy.matcher import Decision
 from umbra.policy.model import (
     SCHEME_DEFAULT_PORTS,
+    Action,
     Name,
     StrictModel,
     check_header_name,
@@ -102,7 +103,7 @@ class Case(StrictModel):
     name: str | None = None
     request: Annotated[str, AfterValidator(_check_request)] | None = None
     tunnel: Annotated[str, AfterValidator(_check_tunnel)] | None = None
-    expect: Literal["allow", "deny"]
+    expect: Action
     rule: str | None = Field(default=None, description="Expected rule id, e.g. 'github:git-read'.")
     reason: str | None = Field(default=None, description="Expected reason code, e.g. 'rule_deny'.")
     inject: list[Annotated[str, AfterValidator(_check_placement)]] | None = Field(

@@ -17,6 +17,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 from sqlmodel import col
 
+from umbra.attest.session_info import SessionInfo
 from umbra.console import audit, enrollment, provisioning, security_pool
 from umbra.console.enums import AuditAction, CvmKind, CvmState, Operation, Power, Role
 from umbra.console.models import Cvm, utcnow
@@ -49,6 +50,7 @@ from umbra.console.services.errors import (
     not_found,
 )
 from umbra.console.services.policy import check_profiles_compose
+from umbra.console.session_info import session_info
 from umbra.console.state import Console
 
 
@@ -218,6 +220,15 @@ def list_cvms(*, console: Console, user: User, team: str, include_destroyed: boo
 def get(*, console: Console, user: User, cvm_id: str, team: str | None = None) -> Cvm:
     with console.session() as session:
         return visible_cvm(session, user, cvm_id, team)
+
+
+def ssh_session(*, console: Console, user: User, cvm_id: str) -> SessionInfo:
+    """What `umbra ssh-proxy` needs to attest and reach a Dev CVM (its admins and owner)."""
+    with console.session() as db:
+        cvm = visible_cvm(db, user, cvm_id)
+        if cvm.kind != CvmKind.dev:
+            raise Invalid(f"{cvm_id} is not a Dev CVM")
+        return session_info(cvm)
 
 
 def _may_manage(cvm: Cvm, role: Role | None) -> None:

@@ -2,7 +2,7 @@
 
 Order for an HTTP request (each failure answers and logs; nothing is forwarded): identity (407) ->
 request sanity and name agreement (400/405/413/421) -> policy decision (403) -> scan (403/400/413)
--> injection (403) -> upstream handshake (ALPN, SNI) -> dial guard (502). Responses pass the response guard (reflection, 502/cut).
+-> minting (403/503) -> injection (403) -> SigV4 re-signing (403/400) -> upstream handshake (ALPN, SNI) -> dial guard (502). Responses pass the response guard (reflection, 502/cut).
 The traffic log comes last: it logs what finished; every record is constructed there.
 
 `build_addons` is the one registry; mitmproxy sees them as one addon (`chain.Chain`), which runs
@@ -18,11 +18,13 @@ from umbra.proxy.addons.handshake import Handshake
 from umbra.proxy.addons.identity import Identity
 from umbra.proxy.addons.inject import Inject
 from umbra.proxy.addons.layers import Layers
+from umbra.proxy.addons.mint import Mint
 from umbra.proxy.addons.policy import PolicyDecision
 from umbra.proxy.addons.reasons import Reason
 from umbra.proxy.addons.response_guard import ResponseGuard
 from umbra.proxy.addons.sanity import RequestSanity
 from umbra.proxy.addons.scan import Scan
+from umbra.proxy.addons.sigv4 import Sigv4
 
 __all__ = ["AddonConfig", "Denied", "Reason", "Shared", "build_addons"]
 
@@ -35,7 +37,9 @@ def build_addons(shared: Shared) -> list[object]:
         PolicyDecision(shared),
         GitPush(shared),
         Scan(shared),
+        Mint(shared),
         Inject(shared),
+        Sigv4(shared),
         ResponseGuard(shared),
         Handshake(shared),
         DialGuard(shared),
