@@ -409,7 +409,10 @@ def verify_cmd(
 
 @app.command("launch-agent")
 def launch_agent_cmd(
-    cloud: Annotated[str, typer.Option("--cloud", help="gcp | azure")],
+    cloud: Annotated[
+        str,
+        typer.Option("--cloud", help="gcp | azure | smbios (the firmware's system vendor says)"),
+    ],
     tee: Annotated[str, typer.Option("--tee", help="tdx | simulated")] = "tdx",
     metadata_url: Annotated[
         str | None, typer.Option("--metadata-url", help="Metadata service base URL (tests).")
@@ -501,6 +504,14 @@ def launch_agent_cmd(
 
     source: la.MetadataSource
     reporter: la.Reporter | None
+    if cloud == "smbios":
+        from umbra.images.cloud_id import UnknownCloud, cloud_from_smbios
+
+        try:
+            cloud = cloud_from_smbios()
+        except UnknownCloud as exc:
+            la.serial_console(serial)(f"umbra-launch: REFUSED, nothing started: {exc}")
+            raise typer.Exit(1) from None
     if cloud == "gcp":
         source = la.GcpMetadata(metadata_url or la.GCP_METADATA)
         reporter = la.GcpGuestAttribute(metadata_url or la.GCP_METADATA)
@@ -508,7 +519,7 @@ def launch_agent_cmd(
         source = la.AzureUserData(metadata_url or la.AZURE_IMDS, user_data_file)
         reporter = la.AzureWireServer()
     else:
-        fail(f"--cloud must be gcp or azure, got {cloud!r}", EXIT_USAGE)
+        fail(f"--cloud must be gcp, azure or smbios, got {cloud!r}", EXIT_USAGE)
     extender: la.Extender
     if tee == "tdx":
         extender = la.SysfsRtmr()
@@ -579,6 +590,12 @@ def os_build_cmd(
         list[Path] | None,
         typer.Option("--image-archive", help="A release image archive to ship (repeatable)."),
     ] = None,
+    update_lock: Annotated[
+        bool,
+        typer.Option(
+            "--update-lock", help="Rewrite this definition's lines of images/os/packages.lock."
+        ),
+    ] = False,
     as_json: JsonFlag = False,
 ) -> None:
     """Build the CVM OS image of one definition (Debian 13 + the backports TDX guest kernel):
@@ -600,6 +617,7 @@ def os_build_cmd(
             host_python_prefix=Path(sys.base_prefix),
             epoch=when,
             image_archives=image_archive or (),
+            update_lock=update_lock,
         )
     except BuildError as exc:
         fail(str(exc), as_json=as_json)

@@ -10,7 +10,8 @@ Activity is what a developer leaves running, not only who is logged in:
   network namespace (`/proc/<forwarder pid>/net/tcp`: the port is DNATed into its container).
 
 Standard library only: the image installs this file on the host with the units from
-`render_units` (a oneshot service run by a timer; state in one small file).
+`render_units` (a oneshot service run by a timer; state in one small file), run by the image's
+own CPython (`PYTHON`: the OS image has no Debian python3).
 """
 
 from __future__ import annotations
@@ -118,6 +119,9 @@ def check(cfg: IdleConfig, now: float | None = None) -> tuple[bool, dict[str, in
 SCRIPT_PATH = "/usr/local/lib/umbra/idle_stop.py"
 CONFIG_PATH = "/run/umbra/idle.json"
 TIMER = "umbra-idle.timer"
+# The interpreter the units run the script with: the OS image's CPython (images.recipes
+# PYTHON_PREFIX, copied by images.build.copy_python); Debian's python3 is not installed.
+PYTHON = "/opt/python/bin/python3"
 DOCKER_VOLUMES = "/var/lib/docker/volumes"
 
 
@@ -136,8 +140,8 @@ def dev_cvm_config(project: str, ssh_port: int, idle_minutes: int = 60) -> IdleC
 
 def install_files(root: Path) -> list[Path]:
     """What an OS image build puts into its rootfs `root`: this script (stdlib only, run by the
-    host's python3) and the two units, **not enabled** (the launch agent starts the timer on a
-    Dev CVM only). Returns the paths written."""
+    image's CPython, `PYTHON`) and the two units, **not enabled** (the launch agent starts the
+    timer on a Dev CVM only). Returns the paths written."""
     written = []
     script = root / SCRIPT_PATH.lstrip("/")
     script.parent.mkdir(parents=True, exist_ok=True)
@@ -153,13 +157,15 @@ def install_files(root: Path) -> list[Path]:
     return written
 
 
-def render_units(config_path: str = CONFIG_PATH, script: str = SCRIPT_PATH) -> dict[str, str]:
+def render_units(
+    config_path: str = CONFIG_PATH, script: str = SCRIPT_PATH, python: str = PYTHON
+) -> dict[str, str]:
     """systemd units the image installs: a oneshot check every five minutes."""
     return {
         "umbra-idle.service": (
             "[Unit]\nDescription=Umbra Dev CVM idle auto-stop check\n\n"
             "[Service]\nType=oneshot\n"
-            f"ExecStart=/usr/bin/python3 {script} --config {config_path}\n"
+            f"ExecStart={python} {script} --config {config_path}\n"
         ),
         "umbra-idle.timer": (
             "[Unit]\nDescription=Umbra Dev CVM idle auto-stop\n\n"

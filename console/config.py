@@ -210,6 +210,11 @@ class Settings(_Strict):
         description="`umbra up` only: the local provider's config (sandbox/local_cvm.py); "
         "without it the local provider records intent only.",
     )
+    qemu_cvm_config: Path | None = Field(
+        default=None,
+        description="The `qemu` provider's config (console/providers_qemu.py): the emulated "
+        "cloud's shape, the built OS image's disk, the Dev release's app-compose.json.",
+    )
 
     @field_validator("database_url")
     @classmethod

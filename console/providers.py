@@ -4,6 +4,7 @@ adapter performs the side effect and returns a reference plus the facts the prov
 `local` is the embedded default: the Dev CVM is a network namespace and the Security CVM a local
 proxy, both started by the machine's own tooling, so the adapter records intent and hands back a
 reference at once (`background = False`: the Console calls it inside the request's transaction).
+`qemu` (`providers_qemu.py`) boots the built OS image on an emulated cloud (GCP or Azure shape).
 `gcp` and `azure` (`providers_pulumi.py`) drive the Pulumi Automation API; a run takes minutes, so
 (`background = True`) the Console records a transitional state, runs the adapter in a worker
 thread outside any transaction, and records the outcome (`provisioning.py`).
@@ -123,7 +124,7 @@ class LocalProvider:
             self._known(ref)
 
 
-KNOWN_PROVIDERS = ("local", "gcp", "azure")
+KNOWN_PROVIDERS = ("local", "gcp", "azure", "qemu")
 
 
 def build_providers(settings: Settings, *, stack_factory: Any = None) -> dict[str, CvmProvider]:
@@ -144,6 +145,13 @@ def build_providers(settings: Settings, *, stack_factory: Any = None) -> dict[st
             providers[name] = PulumiCvmProvider.from_settings(
                 settings, name, stack_factory=stack_factory
             )
+        elif name == "qemu":
+            if settings.qemu_cvm_config is None:
+                raise ValueError("providers: 'qemu' needs qemu_cvm_config (providers_qemu.py)")
+            from umbra.console.providers_qemu import QemuCvmProvider
+            from umbra.console.providers_qemu import load_settings as load_qemu
+
+            providers[name] = QemuCvmProvider(load_qemu(settings.qemu_cvm_config))
         else:
             raise ValueError(f"providers: unknown provider {name!r} (known: {KNOWN_PROVIDERS})")
     return providers

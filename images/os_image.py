@@ -19,6 +19,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from umbra.components import idle_stop
 from umbra.contracts.validation import first_problem
 from umbra.images.build import (
     BuildError,
@@ -26,10 +27,12 @@ from umbra.images.build import (
     _workdir,
     copy_python,
     install_wheel,
+    installed_packages,
     normalize,
 )
 from umbra.images.disk_formats import ROOT_PART_UUID, VERITY_PART_UUID
 from umbra.images.image_store import ARCHIVE_SUFFIX, IMAGES_DIR
+from umbra.images.os_lock import lock_os_packages
 
 OS_DIR = Path(__file__).parent / "os"
 # The OS image's suite, not the container images' (recipes.SUITE): bookworm's 6.1 kernel has no
@@ -139,7 +142,10 @@ def build_os_image(
     extra_files: dict[str, str] | None = None,
     image_archives: Sequence[Path] = (),
     size: str = "3G",
+    update_lock: bool = False,
 ) -> OsImage:
+    """The installed packages must be exactly the lock's for `d.cloud` (images/os/packages.lock,
+    os_lock); `update_lock` rewrites those lines from this build first."""
     import os
 
     out.mkdir(parents=True, exist_ok=True)
@@ -161,32 +167,10 @@ def build_os_image(
             "mmdebstrap (OS image)",
             env=env,
         )
+        lock_os_packages(d.cloud, installed_packages(root), update=update_lock)
         copy_python(host_python_prefix, root)
         install_wheel(wheel, requirements, host_python_prefix / "bin/python3.12", root)
-        unit_dir = root / "etc/systemd/system"
-        wants = unit_dir / "multi-user.target.wants"
-        wants.mkdir(parents=True, exist_ok=True)
-        units = [UNIT]
-        for unit in units:
-            shutil.copyfile(unit, unit_dir / unit.name)
-            (wants / unit.name).symlink_to(f"/etc/systemd/system/{unit.name}")
-        if "openssh-server" in d.packages:
-            install_ingress_unit(unit_dir)
-        conf = root / "etc/umbra"
-        conf.mkdir(parents=True, exist_ok=True)
-        (conf / "launch-agent.env").write_text(
-            "".join(f"{k}={v}\n" for k, v in sorted(d.launch_agent.env.items()))
-        )
-        for name, target in (
-            ("systemd-networkd.service", "multi-user.target.wants"),
-            ("systemd-networkd-wait-online.service", "network-online.target.wants"),
-        ):
-            (unit_dir / target).mkdir(parents=True, exist_ok=True)
-            (unit_dir / target / name).symlink_to(f"/lib/systemd/system/{name}")
-        net = root / "etc/systemd/network/20-dhcp.network"
-        net.write_text("[Match]\nName=en* eth*\n\n[Network]\nDHCP=ipv4\n")
-        (root / "etc/fstab").write_text(FSTAB)
-        (root / "etc/hostname").write_text("umbra-cvm\n")
+        configure_rootfs(d, root)
         for rel, content in (extra_files or {}).items():
             path = root / rel.lstrip("/")
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -213,6 +197,39 @@ def build_os_image(
             env=env,
         )  # fmt: skip
     return OsImage(image, out / "vmlinuz", out / "initrd.img", out / "linuxx64.efi.stub")
+
+
+def configure_rootfs(d: OsDefinition, root: Path) -> None:
+    """Everything of Umbra's the build writes into the mmdebstrapped rootfs `root` besides the
+    Python tree: the units (the launch agent's enabled; the ingress's and idle stop's installed,
+    not enabled), the agent's environment, networkd, fstab, hostname."""
+    unit_dir = root / "etc/systemd/system"
+    wants = unit_dir / "multi-user.target.wants"
+    wants.mkdir(parents=True, exist_ok=True)
+    units = [UNIT]
+    for unit in units:
+        shutil.copyfile(unit, unit_dir / unit.name)
+        (wants / unit.name).symlink_to(f"/etc/systemd/system/{unit.name}")
+    if "openssh-server" in d.packages:
+        install_ingress_unit(unit_dir)
+    # Idle auto-stop's script and units, not enabled: the agent arms it on a Dev CVM only.
+    idle_stop.install_files(root)
+    conf = root / "etc/umbra"
+    conf.mkdir(parents=True, exist_ok=True)
+    (conf / "launch-agent.env").write_text(
+        "".join(f"{k}={v}\n" for k, v in sorted(d.launch_agent.env.items()))
+    )
+    for name, target in (
+        ("systemd-networkd.service", "multi-user.target.wants"),
+        ("systemd-networkd-wait-online.service", "network-online.target.wants"),
+    ):
+        (unit_dir / target).mkdir(parents=True, exist_ok=True)
+        (unit_dir / target / name).symlink_to(f"/lib/systemd/system/{name}")
+    net = root / "etc/systemd/network/20-dhcp.network"
+    net.parent.mkdir(parents=True, exist_ok=True)
+    net.write_text("[Match]\nName=en* eth*\n\n[Network]\nDHCP=ipv4\n")
+    (root / "etc/fstab").write_text(FSTAB)
+    (root / "etc/hostname").write_text("umbra-cvm\n")
 
 
 def _packages(d: OsDefinition) -> list[str]:

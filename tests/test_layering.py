@@ -6,7 +6,7 @@ hide an edge. A part may import only the parts listed for it; the layers, lowest
     contracts                      wire contracts: imports nothing of Umbra's
     attest, policy                 attestation; the policy model (each on contracts only)
     sandbox, proxy                 the Dev CVM's pieces; the Security CVM's proxy
-    components, images             Pulumi components; measured images
+    components, images, emulated   Pulumi components; measured images; the emulated clouds
     console                        the control plane
     cli                            the `umbra` command: may import every part
 
@@ -32,9 +32,11 @@ ALLOWED: dict[str, frozenset[str]] = {
     "proxy": frozenset({"policy", "attest", "contracts"}),
     "components": frozenset({"sandbox", "attest", "contracts"}),
     "images": frozenset({"components", "sandbox", "attest", "contracts"}),
-    "console": frozenset({"components", "sandbox", "policy", "attest", "contracts"}),
+    "emulated": frozenset({"components", "contracts"}),
+    "console": frozenset({"emulated", "components", "sandbox", "policy", "attest", "contracts"}),
     "cli": frozenset(
-        {"console", "images", "components", "proxy", "sandbox", "policy", "attest", "contracts"}
+        {"console", "images", "emulated", "components", "proxy", "sandbox", "policy"}
+        | {"attest", "contracts"}
     ),
 }
 

@@ -475,7 +475,9 @@ def test_the_image_gets_the_idle_script_and_units_not_enabled(tmp_path: Path) ->
     script = tmp_path / SCRIPT_PATH.lstrip("/")
     assert script in written and b"import umbra" not in script.read_bytes()  # stdlib only
     service = (tmp_path / "etc/systemd/system/umbra-idle.service").read_text()
-    assert f"ExecStart=/usr/bin/python3 {SCRIPT_PATH} --config /run/umbra/idle.json" in service
+    assert (
+        f"ExecStart=/opt/python/bin/python3 {SCRIPT_PATH} --config /run/umbra/idle.json" in service
+    )
     assert not list(tmp_path.rglob("*.wants"))  # not enabled: the launch agent starts it
 
 

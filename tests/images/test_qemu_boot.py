@@ -7,9 +7,12 @@ partition by its fixed PARTUUID through dm-verity (the root hash is in the UKI's
 read-only. A second boot from a copy of the disk with one byte of a file flipped on the root
 partition stops in a kernel panic before the launch agent runs.
 
-The guest reaches the stand-in at 10.0.2.100:80 through QEMU's guestfwd. The compose command is a
-stub that prints the compose file's SHA-256 on the serial console (the image has no Docker: the
-container path is tested under real Docker); the TEE is simulated.
+The boot is the emulated GCP's (umbra.emulated): SMBIOS says Google, so the agent takes GCP's path
+and reads its launch data from the metadata stand-in at 169.254.169.254:80 (QEMU user networking
+forwards it to loopback). The compose command is a stub that prints the compose file's SHA-256 on
+the serial console (the image has no Docker: the container path is tested under real Docker); the
+TEE is simulated. tests/images/test_emulated_cloud.py boots the same disk in both cloud shapes
+through stop and start.
 """
 
 from __future__ import annotations
@@ -19,16 +22,16 @@ import json
 import re
 import shutil
 import subprocess
-import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from umbra.components.launch_data import LaunchData
+from umbra.emulated.metadata import EmulatedMetadata, Shape
+from umbra.emulated.qemu import Firmware, VmConfig, create_data_disk, qemu_argv
 from umbra.images.disk_formats import ROOT_PART_UUID, VERITY_PART_UUID, CloudDisks, esp_image
 from umbra.images.measure import measure
 from umbra.images.os_image import OsImage
@@ -58,13 +61,16 @@ echo "umbra-compose-stub: write $(touch /umbra-probe 2>&1)" > /dev/ttyS0
 echo "umbra-compose-stub: rw $(grep -E ' /(etc|var|tmp) ' /proc/mounts | cut -d' ' -f1-3 | tr '\\n' ' ')" > /dev/ttyS0
 echo "umbra-compose-stub: etc $(touch /etc/umbra-probe && echo writable)" > /dev/ttyS0
 echo "umbra-compose-stub: secureboot $(dmesg | grep -o -m1 'Secure boot [a-z]*') lockdown $(cat /sys/kernel/security/lockdown)" > /dev/ttyS0
+w=/var/lib/umbra/data/workspace; n=$(($(cat $w/boots 2>/dev/null || echo 0) + 1)); echo $n > $w/boots; sync
+echo "umbra-compose-stub: data $(grep ' /var/lib/umbra/data ' /proc/mounts | cut -d' ' -f1,3) boots $n cloud $(cat /sys/class/dmi/id/sys_vendor)" > /dev/ttyS0
 echo "umbra-compose-stub: kernel $(uname -r) tsm $(ls -d /sys/kernel/config/tsm/report) modules $(cut -d' ' -f1 /proc/modules | grep -E '^(tsm_report|tdx_guest|dm_verity|configfs)$' | sort | tr '\n' ' ')" > /dev/ttyS0
 """
 pytestmark = pytest.mark.timeout(1500)
 
 
 @pytest.fixture
-def metadata() -> Iterator[tuple[int, LaunchData, list[str]]]:
+def metadata() -> Iterator[EmulatedMetadata]:
+    """The emulated GCP's metadata server with a Dev CVM's launch data."""
     m = measure(dev_definition())
     data = LaunchData(
         role="dev-cvm",
@@ -73,58 +79,40 @@ def metadata() -> Iterator[tuple[int, LaunchData, list[str]]]:
         app_compose=m.app_compose.decode(),
         ssh_authorized_keys=(KEY,),
     )
-    body = json.dumps(data.gcp_metadata()).encode()
-    seen: list[str] = []
-
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *args: Any) -> None:
-            return None
-
-        def do_GET(self) -> None:
-            seen.append(self.path)
-            ok = self.headers.get("Metadata-Flavor") == "Google"
-            self.send_response(200 if ok else 403)
-            self.send_header("Content-Length", str(len(body) if ok else 0))
-            self.end_headers()
-            if ok:
-                self.wfile.write(body)
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        yield server.server_address[1], data, seen
-    finally:
-        server.shutdown()
-        server.server_close()
+    with EmulatedMetadata(Shape.gcp, data, "dev-qemu-1").serving() as stand_in:
+        yield stand_in
 
 
 def _qemu(
-    disk: Path, serial: Path, port: int | None, secure_vars: Path | None = None
+    disk: Path,
+    serial: Path,
+    stand_in: EmulatedMetadata | None,
+    secure_vars: Path | None = None,
 ) -> subprocess.Popen[bytes]:
-    """QEMU + OVMF booting `disk`. With `secure_vars` (a copy of the variable store with our
-    PK/KEK/db, Secure Boot on), OVMF's Secure Boot build, which needs SMM and secure pflash.
-    Without `port`, no NIC (a boot the firmware refuses never gets to PXE)."""
-    if secure_vars is None:
-        firmware = ["-machine", "q35", "-bios", str(OVMF)]
-    else:
-        firmware = [
-            "-machine", "q35,smm=on", "-global", "driver=cfi.pflash01,property=secure,value=on",
-            "-drive", f"if=pflash,format=raw,unit=0,readonly=on,file={OVMF_SECBOOT_CODE}",
-            "-drive", f"if=pflash,format=raw,unit=1,file={secure_vars}",
-        ]  # fmt: skip
-    net = (
-        ["-netdev", f"user,id=n0,guestfwd=tcp:10.0.2.100:80-tcp:127.0.0.1:{port}",
-         "-device", "virtio-net-pci,netdev=n0"]
-        if port is not None else ["-net", "none"]
-    )  # fmt: skip
+    """QEMU + OVMF booting `disk` as the emulated cloud does (umbra.emulated.qemu: the cloud's
+    SMBIOS, its metadata address forwarded to `stand_in`, a blank data disk). With
+    `secure_vars` (a copy of the variable store with our PK/KEK/db, Secure Boot on), OVMF's
+    Secure Boot build, which needs SMM and secure pflash. Without `stand_in`, no NIC and no
+    data disk (a boot the firmware refuses never gets to PXE)."""
+    firmware = Firmware() if secure_vars is None else Firmware(OVMF_SECBOOT_CODE, secure_vars)
+    if stand_in is not None:
+        data_disk = serial.parent / "data.raw"
+        create_data_disk(data_disk, 1)
+        argv = qemu_argv(
+            VmConfig(
+                stand_in.shape, disk, data_disk, serial, serial.parent / "qmp.sock",
+                stand_in.metadata_port, stand_in.wire_port, firmware,
+            )
+        )  # fmt: skip
+        return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     return subprocess.Popen(
         # -cpu max: RDRAND, as a TD's CPU has, which seeds the kernel's CRNG at once. TCG's
         # default qemu64 has none, and under 7.3 the CRNG then stayed uninitialized for minutes:
         # getrandom() blocked and the agent's Python with it.
-        ["qemu-system-x86_64", *firmware, "-accel", "tcg", "-cpu", "max", "-m", "1024",
+        ["qemu-system-x86_64", *firmware.argv(), "-accel", "tcg", "-cpu", "max", "-m", "1024",
          "-smp", "1",
          # snapshot: the boot writes to a temporary overlay; the disk-format test reads the disk.
-         "-drive", f"file={disk},format=raw,if=virtio,snapshot=on", *net,
+         "-drive", f"file={disk},format=raw,if=virtio,snapshot=on", "-net", "none",
          "-display", "none", "-monitor", "none", "-serial", f"file:{serial}", "-no-reboot"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
     )  # fmt: skip
@@ -167,17 +155,17 @@ def _vars(template: Path, tmp_path: Path) -> Path:
 def test_os_image_boots_and_the_agent_starts_the_compose(
     qemu_disks: tuple[Uki, CloudDisks],
     secure_vars_template: Path,
-    metadata: tuple[int, LaunchData, list[str]],
+    metadata: EmulatedMetadata,
     tmp_path: Path,
 ) -> None:
     """The signed disk under OVMF's Secure Boot firmware with our db enrolled (as a cloud with
     the image's Secure Boot db would boot it) all the way to the compose."""
     _need_qemu()
-    port, data, seen = metadata
+    data = metadata.launch
     _uki, disks = qemu_disks
     built = time.monotonic()  # the disks are a session fixture (shared with the disk formats)
     serial = tmp_path / "serial.log"
-    qemu = _qemu(disks.raw, serial, port, _vars(secure_vars_template, tmp_path))
+    qemu = _qemu(disks.raw, serial, metadata, _vars(secure_vars_template, tmp_path))
     want = f"umbra-compose-stub: up {hashlib.sha256(_compose(data)).hexdigest()}"
     try:
         # The agent's last line comes after the stub (the compose command) has returned.
@@ -187,7 +175,9 @@ def test_os_image_boots_and_the_agent_starts_the_compose(
         assert (
             f"umbra-launch: dev-cvm dev-qemu-1 started, compose-hash {data.compose_sha256}" in text
         )
-        assert any(p.startswith("/computeMetadata/v1/instance/attributes/") for p in seen)
+        assert "metadata GET /computeMetadata/v1/instance/attributes/?recursive=true" in (
+            metadata.requests
+        )
         # OVMF booted the disk (its removable-media path), not a kernel handed to it by QEMU.
         assert re.search(r'BdsDxe: starting Boot[0-9A-F]{4} "UEFI Misc Device"', text)
         # The root is the dm-verity device, checked against the root hash in the UKI's command
@@ -231,14 +221,13 @@ TAMPERED = "/etc/systemd/system/umbra-launch-agent.service"
 def test_a_flipped_byte_in_the_root_stops_the_boot_before_the_agent(
     qemu_os_image: OsImage,
     qemu_disks: tuple[Uki, CloudDisks],
-    metadata: tuple[int, LaunchData, list[str]],
+    metadata: EmulatedMetadata,
     tmp_path: Path,
 ) -> None:
     """What a cloud host could do to the disk before boot: one byte of a file's data on the root
     partition, in a copy of disk.raw. The UKI (so RTMR1) is unchanged; dm-verity refuses."""
     _need_qemu()
     need_root_and("debugfs")
-    port, _data, seen = metadata
     _uki, disks = qemu_disks
     block = _first_block(qemu_os_image.rootfs, TAMPERED)
     (root,) = [p for p in _partitions(disks.raw) if p["uuid"].lower() == ROOT_PART_UUID]
@@ -252,12 +241,12 @@ def test_a_flipped_byte_in_the_root_stops_the_boot_before_the_agent(
         f.write(bytes([original[0] ^ 0x01]))
     assert original == b"#"  # the unit file's first byte: the block is the file's
     serial = tmp_path / "serial.log"
-    qemu = _qemu(tampered, serial, port)
+    qemu = _qemu(tampered, serial, metadata)
     try:
         text = _watch(qemu, serial, re.compile(r"umbra-launch:|Kernel panic"), 600)
         text = _watch(qemu, serial, re.compile("Rebooting in"), 30)  # the panic's last words
         assert "umbra-launch:" not in text, text[-3000:]
-        assert not seen, "the tampered CVM asked the metadata server for its launch data"
+        assert not metadata.requests, "the tampered CVM asked the metadata server for its data"
         assert re.search(r"device-mapper: verity: .*data block \d+ is corrupted", text), text[
             -3000:
         ]
@@ -272,13 +261,12 @@ def test_a_flipped_byte_in_the_root_stops_the_boot_before_the_agent(
 
 def test_a_wiped_hash_tree_stops_the_boot_in_the_initramfs(
     qemu_disks: tuple[Uki, CloudDisks],
-    metadata: tuple[int, LaunchData, list[str]],
+    metadata: EmulatedMetadata,
     tmp_path: Path,
 ) -> None:
     """The host wipes the verity superblock: `veritysetup open` fails in the initramfs, which
     says so and reboots (panic=): no shell, no fallback to mounting the raw root partition."""
     _need_qemu()
-    port, _data, seen = metadata
     _uki, disks = qemu_disks
     (part,) = [p for p in _partitions(disks.raw) if p["uuid"].lower() == VERITY_PART_UUID]
     tampered = tmp_path / "disk.raw"
@@ -287,7 +275,7 @@ def test_a_wiped_hash_tree_stops_the_boot_in_the_initramfs(
         f.seek(part["start"] * 512)
         f.write(bytes(4096))
     serial = tmp_path / "serial.log"
-    qemu = _qemu(tampered, serial, port)
+    qemu = _qemu(tampered, serial, metadata)
     try:
         text = _watch(qemu, serial, re.compile(r"umbra-launch:|Rebooting automatically"), 600)
         assert "umbra-verity: FAILED: veritysetup open" in text, text[-3000:]
@@ -296,7 +284,7 @@ def test_a_wiped_hash_tree_stops_the_boot_in_the_initramfs(
         text = serial.read_text(errors="replace")
         assert "umbra-launch:" not in text and "umbra-verity: root" not in text
         assert "Welcome to" not in text  # systemd never started: the root was never mounted
-        assert not seen
+        assert not metadata.requests
     finally:
         qemu.kill()
         qemu.wait(30)

@@ -1,0 +1,199 @@
+"""An emulated-cloud VM: QEMU booting the built OS image's disk under OVMF, as GCP or Azure would.
+
+- **Firmware**: OVMF; with a variable store holding the release certificate (images.secure_boot
+  .ovmf_vars) its Secure Boot build (SMM, secure pflash), as both clouds boot the image.
+- **SMBIOS**: the cloud's own system information (GCP: `Google` / `Google Compute Engine`;
+  Azure: `Microsoft Corporation` / `Virtual Machine`), which the image's launch agent reads
+  (`--cloud smbios`, images.cloud_id) to take that cloud's path.
+- **Network**: QEMU user networking on 168.0.0.0/6, the smallest network that holds both the
+  metadata address 169.254.169.254 and Azure's wire server 168.63.129.16 (slirp forwards only
+  addresses inside its network), with `restrict=on`: the guest reaches nothing but the two
+  forwards, each to a stand-in on 127.0.0.1 (emulated.metadata) through emulated.relay, started
+  per connection. No packet of the guest's leaves the host.
+- **Disks**: the boot disk read through a throw-away overlay (`snapshot=on`: as a cloud image,
+  never changed by a boot), and a raw data disk file that persists across stop and start.
+- **Stop**: ACPI power button (`system_powerdown` on QMP), as `gcloud compute instances stop`
+  and an Azure deallocation shut the guest down; a guest that does not stop in time is killed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from umbra.emulated import relay
+from umbra.emulated.metadata import METADATA_ADDRESS, WIRE_SERVER_ADDRESS, Shape
+
+OVMF = Path("/usr/share/ovmf/OVMF.fd")
+# 168.0.0.0/6 = 168.0.0.0 - 171.255.255.255: both forwarded addresses are inside it.
+NETWORK = "168.0.0.0/6"
+GATEWAY, DNS, DHCP_START = "168.0.0.2", "168.0.0.3", "168.0.0.15"
+SMBIOS = {
+    Shape.gcp: ("Google", "Google Compute Engine"),
+    Shape.azure: ("Microsoft Corporation", "Virtual Machine"),
+}
+
+
+class VmError(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class Firmware:
+    """`vars` None: OVMF.fd, Secure Boot off. Otherwise `code` is OVMF's Secure Boot build and
+    `vars` this VM's own copy of a variable store (the firmware writes it)."""
+
+    code: Path = OVMF
+    vars: Path | None = None
+
+    def argv(self) -> list[str]:
+        if self.vars is None:
+            return ["-machine", "q35", "-bios", str(self.code)]
+        return [
+            "-machine", "q35,smm=on", "-global", "driver=cfi.pflash01,property=secure,value=on",
+            "-drive", f"if=pflash,format=raw,unit=0,readonly=on,file={self.code}",
+            "-drive", f"if=pflash,format=raw,unit=1,file={self.vars}",
+        ]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class VmConfig:
+    shape: Shape
+    disk: Path  # the OS image's disk.raw (not written: snapshot=on)
+    data_disk: Path  # raw, persists across stop and start
+    serial: Path  # this boot's serial console (QEMU's `file:` truncates it)
+    qmp: Path  # QMP's unix socket
+    metadata_port: int
+    wire_port: int
+    firmware: Firmware = Firmware()
+    memory_mb: int = 1024
+    accel: str = "tcg"
+    python: str = sys.executable
+
+
+def guestfwd(address: str, port: int, python: str) -> str:
+    # QEMU's option syntax: a comma inside a value is written twice (none here).
+    return f"guestfwd=tcp:{address}:80-cmd:{python} -I -S {relay.__file__} 127.0.0.1 {port}"
+
+
+def netdev(config: VmConfig) -> str:
+    parts = [
+        "user", "id=n0", f"net={NETWORK}", f"host={GATEWAY}", f"dns={DNS}",
+        f"dhcpstart={DHCP_START}", "restrict=on",
+        guestfwd(METADATA_ADDRESS, config.metadata_port, config.python),
+    ]  # fmt: skip
+    if config.shape is Shape.azure:
+        parts.append(guestfwd(WIRE_SERVER_ADDRESS, config.wire_port, config.python))
+    return ",".join(parts)
+
+
+def qemu_argv(config: VmConfig) -> list[str]:
+    manufacturer, product = SMBIOS[config.shape]
+    return [
+        "qemu-system-x86_64", *config.firmware.argv(), "-accel", config.accel,
+        # TCG: -cpu max, for RDRAND, which seeds the kernel's CRNG at once (see tests/images/
+        # test_qemu_boot.py: without it getrandom() blocked for minutes). KVM: the host's CPU
+        # (unproven: under the development machine's nested KVM QEMU 7.2 aborted setting MSR
+        # 0x10a with `max` and `host` alike).
+        "-cpu", "host" if config.accel == "kvm" else "max",
+        "-m", str(config.memory_mb), "-smp", "1",
+        "-smbios", f"type=1,manufacturer={manufacturer},product={product}",
+        "-drive", f"file={config.disk},format=raw,if=virtio,snapshot=on",
+        "-drive", f"file={config.data_disk},format=raw,if=virtio",
+        "-netdev", netdev(config), "-device", "virtio-net-pci,netdev=n0",
+        "-display", "none", "-monitor", "none", "-serial", f"file:{config.serial}",
+        "-qmp", f"unix:{config.qmp},server=on,wait=off", "-no-reboot",
+    ]  # fmt: skip
+
+
+def create_data_disk(path: Path, size_gb: int) -> None:
+    """A blank sparse raw disk (the launch agent formats it on the first boot); kept if it
+    exists: it is the VM's persistent disk."""
+    if path.exists():
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("wb") as f:
+        f.truncate(size_gb * 1024**3)
+
+
+class QemuVm:
+    """One boot of a VM: `start`, then `stop` (ACPI) or `kill`. A new boot is a new QemuVm."""
+
+    def __init__(self, config: VmConfig) -> None:
+        self.config = config
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> QemuVm:
+        self.config.qmp.unlink(missing_ok=True)
+        # QEMU's own messages go to a file beside the serial log: a pipe nobody drains would
+        # block a long-running VM.
+        try:
+            with self.qemu_log.open("wb") as log:
+                self.process = subprocess.Popen(
+                    qemu_argv(self.config), stdout=subprocess.DEVNULL, stderr=log
+                )
+        except OSError as exc:
+            raise VmError(f"qemu-system-x86_64: {exc.strerror}") from None
+        return self
+
+    def running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def serial_text(self) -> str:
+        path = self.config.serial
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def stop(self, timeout: float = 300) -> bool:
+        """ACPI power button, then wait for QEMU to exit; True if the guest shut itself down
+        (killed otherwise)."""
+        if not self.running():
+            return True
+        with contextlib.suppress(OSError):
+            self._qmp(["system_powerdown"])
+        assert self.process is not None
+        try:
+            self.process.wait(timeout)
+            return True
+        except subprocess.TimeoutExpired:
+            self.kill()
+            return False
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(30)
+
+    @property
+    def qemu_log(self) -> Path:
+        return self.config.serial.with_suffix(".qemu.log")
+
+    def stderr(self) -> str:
+        return self.qemu_log.read_text(errors="replace") if self.qemu_log.exists() else ""
+
+    def _qmp(self, commands: Sequence[str]) -> None:
+        deadline = time.monotonic() + 10
+        while not self.config.qmp.exists():
+            if time.monotonic() > deadline:
+                raise OSError(f"{self.config.qmp}: QMP socket never appeared")
+            time.sleep(0.2)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(10)
+            sock.connect(str(self.config.qmp))
+            f = sock.makefile("rwb")
+            f.readline()  # the greeting
+            for command in ("qmp_capabilities", *commands):
+                f.write(json.dumps({"execute": command}).encode() + b"\n")
+                f.flush()
+                while True:  # skip events until this command's answer
+                    answer = json.loads(f.readline() or b"{}")
+                    if "return" in answer or "error" in answer or not answer:
+                        break
+                if "error" in answer:
+                    raise OSError(f"QMP {command}: {answer['error']}")

@@ -1,0 +1,285 @@
+"""The `qemu` provider's fast parts (console/providers_qemu.py): what it refuses, the launch data
+its metadata stand-in serves (rendered by components' LaunchData, the token included and kept out
+of every file and of provider_state), the QEMU command line of each cloud shape, the data disk
+kept across stop/start and update, and destroy. QEMU itself is replaced by a recorder here; the
+boot of the real image in both shapes is tests/images/test_emulated_cloud.py."""
+
+from __future__ import annotations
+
+import base64
+import json
+from pathlib import Path
+from typing import Any, ClassVar
+
+import httpx
+import pytest
+
+from umbra.components.launch_data import LaunchData
+from umbra.console.config import Settings
+from umbra.console.enums import CvmKind
+from umbra.console.providers import (
+    CvmSpec,
+    ProviderError,
+    ProviderEvent,
+    ProviderUnsupported,
+    build_providers,
+)
+from umbra.console.providers_qemu import QemuCvmProvider, QemuCvmSettings
+from umbra.emulated.metadata import Shape
+from umbra.emulated.qemu import QemuVm, VmConfig, qemu_argv
+
+KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIOMqqnkVzrm0SdG6UOoqKLsabgH5C9okWi0dh2l9GKJl alice"
+KEY2 = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIHw3TqJz5YwF8M6c2lZ1H0bqkV0mLhJ9rJ2c8K6w4nXy bob"
+TOKEN = "tok-6a1c0ffee0ddba11-enroll"
+APP_COMPOSE = '{"docker_compose_file":"name: umbra-dev\\n","manifest_version":2}'
+
+
+class RecordingVm(QemuVm):
+    """Records each boot's config; `stop`/`kill` record instead of signalling a process."""
+
+    boots: ClassVar[list[VmConfig]] = []
+    stops: ClassVar[list[VmConfig]] = []
+
+    def start(self) -> RecordingVm:
+        RecordingVm.boots.append(self.config)
+        self.up = True
+        return self
+
+    def running(self) -> bool:
+        return self.up
+
+    def stop(self, timeout: float = 300) -> bool:
+        RecordingVm.stops.append(self.config)
+        self.up = False
+        return True
+
+    def kill(self) -> None:
+        self.up = False
+
+
+@pytest.fixture
+def settings(tmp_path: Path) -> QemuCvmSettings:
+    disk = tmp_path / "disk.raw"
+    disk.write_bytes(b"\0" * 512)
+    compose = tmp_path / "app-compose.json"
+    compose.write_text(APP_COMPOSE)
+    return QemuCvmSettings(
+        shape=Shape.gcp, disk=disk, app_compose=compose, runtime_dir=tmp_path / "run",
+        console_url="https://console.example.test", data_disk_gb=2,
+    )  # fmt: skip
+
+
+@pytest.fixture
+def provider(settings: QemuCvmSettings) -> Any:
+    RecordingVm.boots, RecordingVm.stops = [], []
+    p = QemuCvmProvider(settings, RecordingVm)
+    yield p
+    for cvm_id in list(p._vms):
+        p.destroy(_spec(cvm_id), p.ref(cvm_id), lambda _e: None)
+
+
+def _spec(cvm_id: str = "cvm_00000000000000a1", **kw: Any) -> CvmSpec:
+    base: dict[str, Any] = dict(
+        id=cvm_id, team="team-a", name="dev1", kind=CvmKind.dev, owner="alice",
+        ssh_keys=(KEY,), enrollment_token=TOKEN,
+    )  # fmt: skip
+    return CvmSpec(**(base | kw))
+
+
+def _attributes(port: int) -> dict[str, str]:
+    r = httpx.get(
+        f"http://127.0.0.1:{port}/computeMetadata/v1/instance/attributes/",
+        params={"recursive": "true"},
+        headers={"Metadata-Flavor": "Google"},
+    )
+    r.raise_for_status()
+    doc: dict[str, str] = r.json()
+    return doc
+
+
+def test_it_refuses_what_it_cannot_launch(provider: QemuCvmProvider) -> None:
+    with pytest.raises(ProviderUnsupported, match="launches Dev CVMs"):
+        provider.check(_spec(kind=CvmKind.security))
+    with pytest.raises(ProviderError, match="at least one SSH key"):
+        provider.check(_spec(ssh_keys=()))
+    provider.settings.disk.unlink()
+    with pytest.raises(ProviderError, match=r"disk .*disk\.raw does not exist"):
+        provider.check(_spec())
+    with pytest.raises(ProviderError, match="knows no VM"):
+        provider.set_running("qemu:cvm_unknown", False)
+
+
+def test_launch_serves_the_components_launch_data_and_stores_no_token(
+    provider: QemuCvmProvider, settings: QemuCvmSettings
+) -> None:
+    events: list[ProviderEvent] = []
+    done = provider.launch(_spec(), events.append)
+    assert done.ref == "qemu:cvm_00000000000000a1"
+    (config,) = RecordingVm.boots
+    # What the DevCvm component renders for a GCP VM, byte for byte, token included.
+    want = LaunchData(
+        role="dev-cvm", team="team-a", cvm_id="cvm_00000000000000a1", app_compose=APP_COMPOSE,
+        ssh_authorized_keys=(KEY,), console_url="https://console.example.test",
+        enrollment_token=TOKEN, cloud="gcp",
+    ).gcp_metadata()  # fmt: skip
+    assert _attributes(config.metadata_port) == want
+    # The data disk: a sparse file of the configured size, the VM's own directory.
+    assert config.data_disk.stat().st_size == 2 * 1024**3
+    assert config.shape is Shape.gcp and config.disk == settings.disk
+    assert events and events[0].kind == "booting"
+    # The token is in the stand-in's memory only: not in provider_state, not in any file.
+    assert TOKEN not in json.dumps(done.state)
+    for path in settings.runtime_dir.rglob("*"):
+        if path.is_file() and path.name != "data.raw":
+            assert TOKEN.encode() not in path.read_bytes(), path
+
+
+def test_azure_shape_serves_user_data_and_a_wire_server(tmp_path: Path, settings: Any) -> None:
+    RecordingVm.boots = []
+    p = QemuCvmProvider(settings.model_copy(update={"shape": Shape.azure}), RecordingVm)
+    p.launch(_spec(), lambda _e: None)
+    try:
+        (config,) = RecordingVm.boots
+        r = httpx.get(
+            f"http://127.0.0.1:{config.metadata_port}/metadata/instance/compute/userData",
+            params={"api-version": "2021-01-01", "format": "text"},
+            headers={"Metadata": "true"},
+        )
+        assert json.loads(base64.b64decode(r.text))["umbra"]["umbra-cvm-id"] == _spec().id
+        goal = httpx.get(
+            f"http://127.0.0.1:{config.wire_port}/machine/?comp=goalstate",
+            headers={"x-ms-version": "2012-11-30"},
+        )
+        assert goal.status_code == 200
+    finally:
+        p.destroy(_spec(), p.ref(_spec().id), lambda _e: None)
+
+
+def test_stop_start_and_update_keep_the_data_disk(provider: QemuCvmProvider) -> None:
+    ref = provider.launch(_spec(), lambda _e: None).ref
+    provider.set_running(ref, False)
+    provider.set_running(ref, True)
+    provider.update(_spec(ssh_keys=(KEY, KEY2)), ref, lambda _e: None)
+    first, second, third = RecordingVm.boots
+    assert len(RecordingVm.stops) == 2
+    assert first.data_disk == second.data_disk == third.data_disk
+    assert [c.serial.name for c in (first, second, third)] == [
+        "serial-1.log", "serial-2.log", "serial-3.log",
+    ]  # fmt: skip
+    # The update is a new launch: the new keys are what the next boot reads.
+    keys = _attributes(third.metadata_port)["umbra-ssh-authorized-keys"]
+    assert keys == f"{KEY}\n{KEY2}\n"
+
+
+def test_destroy_removes_the_vm_and_its_disk(provider: QemuCvmProvider) -> None:
+    ref = provider.launch(_spec(), lambda _e: None).ref
+    (config,) = RecordingVm.boots
+    provider.destroy(_spec(), ref, lambda _e: None)
+    assert not config.data_disk.parent.exists()
+    with pytest.raises(httpx.ConnectError):
+        _attributes(config.metadata_port)
+
+
+@pytest.mark.parametrize(
+    ("shape", "vendor", "forwards"),
+    [
+        (Shape.gcp, "manufacturer=Google,product=Google Compute Engine", 1),
+        (Shape.azure, "manufacturer=Microsoft Corporation,product=Virtual Machine", 2),
+    ],
+)
+def test_the_qemu_command_line_of_each_shape(
+    tmp_path: Path, shape: Shape, vendor: str, forwards: int
+) -> None:
+    config = VmConfig(
+        shape, tmp_path / "disk.raw", tmp_path / "data.raw", tmp_path / "s.log",
+        tmp_path / "q.sock", 4001, 4002,
+    )  # fmt: skip
+    argv = qemu_argv(config)
+    assert argv[argv.index("-smbios") + 1] == f"type=1,{vendor}"
+    netdev = argv[argv.index("-netdev") + 1]
+    # Isolated: the guest reaches nothing but the forwards, each to a loopback stand-in.
+    assert "restrict=on" in netdev.split(",")
+    assert netdev.count("guestfwd=") == forwards
+    assert "guestfwd=tcp:169.254.169.254:80-cmd:" in netdev
+    assert netdev.count("127.0.0.1 4001") == 1
+    assert ("168.63.129.16:80" in netdev) is (shape is Shape.azure)
+    assert argv[argv.index("-accel") + 1] == "tcg" and argv[argv.index("-cpu") + 1] == "max"
+    drives = [argv[i + 1] for i, a in enumerate(argv) if a == "-drive"]
+    assert drives == [
+        f"file={tmp_path / 'disk.raw'},format=raw,if=virtio,snapshot=on",
+        f"file={tmp_path / 'data.raw'},format=raw,if=virtio",
+    ]
+
+
+def test_the_console_builds_it_from_its_config(tmp_path: Path, settings: QemuCvmSettings) -> None:
+    path = tmp_path / "qemu.json"
+    path.write_text(settings.model_dump_json())
+    base: dict[str, Any] = {"providers": ["qemu"], "database_url": "sqlite://"}
+    built = build_providers(Settings.model_validate(base | {"qemu_cvm_config": path}))
+    assert isinstance(built["qemu"], QemuCvmProvider)
+    with pytest.raises(ValueError, match="needs qemu_cvm_config"):
+        build_providers(Settings.model_validate(base))
+    path.write_text(json.dumps({"shape": "aws"}))
+    with pytest.raises(ProviderError, match=r"qemu_cvm_config .*qemu\.json"):
+        build_providers(Settings.model_validate(base | {"qemu_cvm_config": path}))
+
+
+def test_the_console_launches_stops_starts_and_destroys_through_it(
+    request: pytest.FixtureRequest,
+    issuer: Any,
+    settings: QemuCvmSettings,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Through the Console's API (SQLite): the provider runs in the provisioning worker, the
+    one-time enrollment token the Console minted reaches the stand-in, never provider_state."""
+    from tests.console.conftest import new_database
+    from tests.console.helpers import new_team, start_server
+    from umbra.console import providers_qemu
+    from umbra.policy.bundle import generate_key
+
+    monkeypatch.setattr(providers_qemu, "QemuVm", RecordingVm)
+    RecordingVm.boots, RecordingVm.stops = [], []
+    config = tmp_path / "qemu.json"
+    config.write_text(settings.model_dump_json())
+    url, sqlite_path = new_database("sqlite", request)
+    server = start_server(
+        "sqlite", url, sqlite_path, issuer.url, generate_key(), tmp_path,
+        providers=["local", "qemu"], qemu_cvm_config=config,
+    )  # fmt: skip
+    team = new_team(server, issuer)
+    try:
+        body = {"name": "emu1", "provider": "qemu", "ssh_keys": [KEY]}
+        launched = team.dev.post(f"/api/v1/teams/{team.name}/cvms", json=body)
+        assert launched.status_code == 201, launched.text
+        cvm = _settle(team, launched.json()["id"])
+        assert cvm["state"] == "running" and cvm["provider_ref"] == f"qemu:{cvm['id']}"
+        (boot,) = RecordingVm.boots
+        served = _attributes(boot.metadata_port)
+        assert served["umbra-cvm-id"] == cvm["id"] and served["umbra-team"] == team.name
+        token = served["umbra-enrollment-token"]
+        assert len(token) >= 16 and token not in json.dumps(cvm)
+        path = f"/api/v1/cvms/{cvm['id']}"
+        assert team.dev.patch(path, json={"state": "stopped"}).status_code == 200
+        assert _settle(team, cvm["id"])["state"] == "stopped" and len(RecordingVm.stops) == 1
+        assert team.dev.patch(path, json={"state": "running"}).status_code == 200
+        assert _settle(team, cvm["id"])["state"] == "running" and len(RecordingVm.boots) == 2
+        assert RecordingVm.boots[1].data_disk == boot.data_disk
+        assert team.dev.delete(path).status_code == 200
+        assert _settle(team, cvm["id"])["state"] == "destroyed"
+        assert not boot.data_disk.parent.exists()
+    finally:
+        team.close()
+        server.stop()
+
+
+def _settle(team: Any, cvm_id: str, timeout: float = 20) -> dict[str, Any]:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        cvm: dict[str, Any] = team.admin.get(f"/api/v1/cvms/{cvm_id}").json()
+        if cvm["state"] not in ("launching", "updating", "destroying"):
+            return cvm
+        assert time.monotonic() < deadline, f"CVM stayed {cvm['state']}"
+        time.sleep(0.05)
