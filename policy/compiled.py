@@ -11,17 +11,25 @@ import base64
 import re
 from typing import Annotated, Literal, Self
 
-from pydantic import AfterValidator, Field, model_validator
+from pydantic import (
+    AfterValidator,
+    Field,
+    SerializerFunctionWrapHandler,
+    model_serializer,
+    model_validator,
+)
 
 from umbra.policy.model import (
     INJECT_DEFAULT_PORT,
     PLACEHOLDER,
     SCHEME_DEFAULT_PORTS,
     ExactHost,
+    FieldConstraints,
     HeaderName,
     HostPattern,
     InjectFormat,
     InjectRule,
+    McpRule,
     Method,
     Name,
     PathPattern,
@@ -69,6 +77,22 @@ class CompiledHttpRule(StrictModel):
     endpoints: list[Endpoint] = Field(min_length=1)
     paths: list[PathPattern] | None
     push_refs: list[RefPattern] | None
+    body: FieldConstraints | None = None
+    mcp: McpRule | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_unset_limits(self, handler: SerializerFunctionWrapHandler) -> dict[str, object]:
+        # Rules without body or MCP limits serialize as before they existed: bundles and policy
+        # hashes of profiles that do not use them are unchanged.
+        data: dict[str, object] = handler(self)
+        for limit in ("body", "mcp"):
+            if data.get(limit) is None:
+                data.pop(limit, None)
+        return data
+
+    @property
+    def reads_body(self) -> bool:
+        return self.body is not None or self.mcp is not None
 
 
 class CompiledTunnel(StrictModel):
@@ -202,6 +226,8 @@ def compile_profile(profile: Profile) -> tuple[CompiledProfile, dict[str, tuple[
                 endpoints=_endpoints(list(match.schemes), match.ports),
                 paths=sorted(set(match.paths)) if match.paths else None,
                 push_refs=sorted(set(entry.push_refs)) if entry.push_refs else None,
+                body=entry.body,
+                mcp=entry.mcp,
             )
         )
     scan = [

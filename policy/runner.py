@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from umbra.policy.body import decide_body
+from umbra.policy.fields import BodyRequest
 from umbra.policy.loader import LoadedSuite, PolicySet
 from umbra.policy.matcher import Decision, decide_push
 from umbra.policy.suite import Case, CaseResult, HttpProbe
@@ -20,6 +22,11 @@ def run_suites(policy_set: PolicySet) -> list[CaseResult]:
                 )
                 if case.push is not None:
                     decision = decide_push(decision, case.push)
+                body = case.body_request(probe)
+                if decision.field_rules:
+                    # a rule reading the body decides on the body given (none: an empty one)
+                    empty = BodyRequest((), b"", probe.path.partition("?")[2], probe.method)
+                    decision = decide_body(decision, body or empty)
                 injected = sorted(
                     placement
                     for rule in policy.applicable_injections(probe.host, probe.port, decision)

@@ -1,7 +1,8 @@
 """Umbra's mitmproxy addons: one concern each, added in the order of the checks.
 
 Order for an HTTP request (each failure answers and logs; nothing is forwarded): identity (407) ->
-request sanity and name agreement (400/405/413/421) -> policy decision (403) -> scan (403/400/413)
+request sanity and name agreement (400/405/413/421) -> policy decision (403) -> git push
+refs and request fields / MCP tools (403/400/413, JSON-RPC errors) -> scan (403/400/413)
 -> injection (403) -> upstream handshake (ALPN, SNI) -> dial guard (502). Responses pass the response guard (reflection, 502/cut).
 The traffic log comes last: it logs what finished; every record is constructed there.
 """
@@ -10,11 +11,13 @@ from __future__ import annotations
 
 from umbra.proxy.addons.base import AddonConfig, Denied, Shared
 from umbra.proxy.addons.dial import DialGuard
+from umbra.proxy.addons.fields import RequestFields
 from umbra.proxy.addons.git import GitPush
 from umbra.proxy.addons.handshake import Handshake
 from umbra.proxy.addons.identity import Identity
 from umbra.proxy.addons.inject import Inject
 from umbra.proxy.addons.layers import Layers
+from umbra.proxy.addons.mcp import McpTools
 from umbra.proxy.addons.policy import PolicyDecision
 from umbra.proxy.addons.reasons import Reason
 from umbra.proxy.addons.response_guard import ResponseGuard
@@ -31,9 +34,11 @@ def build_addons(shared: Shared) -> list[object]:
         RequestSanity(shared),
         PolicyDecision(shared),
         GitPush(shared),
+        RequestFields(shared),
         Scan(shared),
         Inject(shared),
         ResponseGuard(shared),
+        McpTools(shared),
         Handshake(shared),
         DialGuard(shared),
         shared.traffic,

@@ -61,6 +61,8 @@ class FlowState:
     query_keys: list[str] = field(default_factory=list)
     # What the proxy read from an allowed request worth its record (e.g. the refs a push changes).
     note: str = ""
+    # The request asks an MCP server for its tools (addons/mcp.py compares the answer).
+    mcp_tools_list: bool = False
     stream_response: bool = False
     response_bytes: int = 0
     # WebSocket control frames seen after the first of their (kind, from client): [count, bytes],
