@@ -279,6 +279,11 @@ class TrafficRecordOut(Strict):
     scan_rule_ids: list[str]
     injected_headers: list[str]
     detail: str | None
+    llm_model: str | None = None
+    llm_input_tokens: int | None = None
+    llm_output_tokens: int | None = None
+    llm_cache_read_tokens: int | None = None
+    llm_cache_write_tokens: int | None = None
     truncated: list[str] = Field(default_factory=list)
 
 

@@ -23,6 +23,7 @@ from umbra.proxy.addons.reasons import Reason
 from umbra.proxy.addons.response_guard import ResponseGuard
 from umbra.proxy.addons.sanity import RequestSanity
 from umbra.proxy.addons.scan import Scan
+from umbra.proxy.addons.usage import LlmUsage
 
 __all__ = ["AddonConfig", "Denied", "Reason", "Shared", "build_addons"]
 
@@ -39,6 +40,7 @@ def build_addons(shared: Shared) -> list[object]:
         Inject(shared),
         ResponseGuard(shared),
         McpTools(shared),
+        LlmUsage(shared),
         Handshake(shared),
         DialGuard(shared),
         shared.traffic,

@@ -18,10 +18,9 @@ from collections.abc import Callable, Iterable
 from mitmproxy import http
 
 from umbra.contracts.canonical import canonical_json
-from umbra.contracts.traffic import Decision as RecordDecision
-from umbra.contracts.traffic import Kind
 from umbra.proxy.addons.base import Shared, UmbraAddon, guard
 from umbra.proxy.addons.reasons import Reason
+from umbra.proxy.addons.records import side_record
 from umbra.proxy.addons.state import FlowState, Stage, flow_state
 
 logger = logging.getLogger("umbra.proxy")
@@ -173,23 +172,7 @@ class McpTools(UmbraAddon):
         key = (identity.team if identity is not None else "", host, port, path)
         approved = self.approved.setdefault(key, seen)
         if approved != seen:
-            self._record(flow, fstate, describe_change(approved, seen))
+            side_record(
+                self.shared, flow, fstate, Reason.MCP_TOOLS_CHANGED, describe_change(approved, seen)
+            )
         return True
-
-    def _record(self, flow: http.HTTPFlow, fstate: FlowState, detail: str) -> None:
-        """One record of its own (the flow's own record follows when it ends, as for any flow)."""
-        traffic = self.shared.traffic
-        fields = traffic.base(flow.client_conn)
-        decision = fstate.decision
-        fields.update(
-            kind=Kind.HTTP,
-            method=flow.request.method,
-            host=flow.request.host_header,
-            policy_hash=fstate.effective.policy.hash if fstate.effective else None,
-            decision=RecordDecision.ALLOW,
-            reason=str(Reason.MCP_TOOLS_CHANGED),
-            detail=detail[:300],
-            path=decision.path if decision is not None else None,
-            rule_id=decision.rule_id if decision is not None else None,
-        )
-        traffic.emit(fields, fstate)

@@ -59,6 +59,9 @@ class Reason(StrEnum):
     MCP_MALFORMED = "mcp_malformed", 400
     # an MCP server's tool list differs from the one first seen (recorded; the response passes)
     MCP_TOOLS_CHANGED = "mcp_tools_changed", None
+    # an LLM API reported usage that is not believable (negative, huge, not a number): recorded,
+    # not summed
+    USAGE_INVALID = "usage_invalid", None
     # scanning and injection
     SECRET_DETECTED = "secret_detected", 403
     PLACEHOLDER_UNBOUND = "placeholder_unbound", 403

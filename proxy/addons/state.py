@@ -63,6 +63,10 @@ class FlowState:
     note: str = ""
     # The request asks an MCP server for its tools (addons/mcp.py compares the answer).
     mcp_tools_list: bool = False
+    # The request is an LLM API call whose response usage is read (addons/usage.py), and what
+    # was read: record fields (`llm_model`, `llm_*_tokens`).
+    llm_usage_wanted: bool = False
+    llm_usage: dict[str, object] = field(default_factory=dict)
     stream_response: bool = False
     response_bytes: int = 0
     # WebSocket control frames seen after the first of their (kind, from client): [count, bytes],
