@@ -42,6 +42,7 @@ from umbra.console.routes import (
     session,
     team_settings,
     traffic,
+    usage,
 )
 from umbra.console.routes import errors as route_errors
 from umbra.console.state import Console
@@ -164,6 +165,7 @@ def create_app(
         team_settings,
         security_cvm,
         traffic,
+        usage,
         audit,
         enroll,
         reenroll,

@@ -27,10 +27,10 @@ _TOKENS = (
 
 
 def upgrade() -> None:
-    with op.batch_alter_table("traffic_record") as batch:
-        batch.add_column(sa.Column("llm_model", sa.String(length=128), nullable=True))
-        for name in _TOKENS:
-            batch.add_column(sa.Column(name, sa.BigInteger(), nullable=True))
+    # nullable columns: a plain ADD COLUMN on both engines (no table rebuild)
+    op.add_column("traffic_record", sa.Column("llm_model", sa.String(length=128), nullable=True))
+    for name in _TOKENS:
+        op.add_column("traffic_record", sa.Column(name, sa.BigInteger(), nullable=True))
     # usage pages sum per team and day: only the rows that carry usage are indexed
     op.create_index(
         "ix_traffic_team_llm_time",
