@@ -29,6 +29,7 @@ from umbra.policy.model import (
     HostPattern,
     InjectFormat,
     InjectRule,
+    Limit,
     McpRule,
     Method,
     Name,
@@ -168,6 +169,18 @@ class CompiledInject(StrictModel):
         return rendered
 
 
+class CompiledBudget(StrictModel):
+    """A budget (policy.md, Budgets): `rules` qualified, `hosts` sorted."""
+
+    id: RuleId
+    per: Literal["cvm", "owner"]
+    hosts: list[HostPattern] | None
+    rules: list[RuleId] | None
+    requests_per_minute: Limit | None
+    bytes_per_day: Limit | None
+    tokens_per_month: Limit | None
+
+
 class CompiledProfile(StrictModel):
     name: Name
     description: str | None
@@ -175,6 +188,15 @@ class CompiledProfile(StrictModel):
     tunnels: list[CompiledTunnel]
     scan: list[CompiledScan]
     inject: list[CompiledInject]
+    budgets: list[CompiledBudget] = Field(default_factory=list)
+
+    @model_serializer(mode="wrap")
+    def _without_empty_budgets(self, handler: SerializerFunctionWrapHandler) -> dict[str, object]:
+        # A profile without budgets serializes (and hashes) as before they existed.
+        data: dict[str, object] = handler(self)
+        if not data.get("budgets"):
+            data.pop("budgets", None)
+        return data
 
 
 def _endpoints(schemes: list[str], ports: list[int] | None) -> list[str]:
@@ -238,6 +260,25 @@ def compile_profile(profile: Profile) -> tuple[CompiledProfile, dict[str, tuple[
         _compile_inject(rule, qualify(rule.id, f"inject-{index}", "inject", index))
         for index, rule in enumerate(profile.inject)
     ]
+    budgets = []
+    allow_ids = {rule.id for rule in rules if rule.action == "allow"}
+    for index, budget in enumerate(profile.budgets):
+        budget_id = qualify(budget.id, "", "budgets", index)
+        named = [f"{profile.name}:{local}" for local in budget.rules or []]
+        unknown = [rule_id for rule_id in named if rule_id not in allow_ids]
+        if unknown:
+            raise UnknownRule(unknown[0], "budgets", index)
+        budgets.append(
+            CompiledBudget(
+                id=budget_id,
+                per=budget.per,
+                hosts=sorted(set(budget.hosts)) if budget.hosts else None,
+                rules=sorted(set(named)) if budget.rules else None,
+                requests_per_minute=budget.requests_per_minute,
+                bytes_per_day=budget.bytes_per_day,
+                tokens_per_month=budget.tokens_per_month,
+            )
+        )
     compiled = CompiledProfile(
         name=profile.name,
         description=profile.description,
@@ -245,6 +286,7 @@ def compile_profile(profile: Profile) -> tuple[CompiledProfile, dict[str, tuple[
         tunnels=tunnels,
         scan=scan,
         inject=inject,
+        budgets=budgets,
     )
     return compiled, origins
 
@@ -270,6 +312,12 @@ def _compile_inject(rule: InjectRule, rule_id: str) -> CompiledInject:
         query=rule.query,
         user_secret=rule.basic.user_secret if rule.basic is not None else None,
     )
+
+
+class UnknownRule(ValueError):
+    def __init__(self, rule_id: str, section: str, index: int) -> None:
+        self.rule_id, self.section, self.index = rule_id, section, index
+        super().__init__(f"names {rule_id!r}, which is not an allow rule of this profile")
 
 
 class DuplicateRuleId(ValueError):

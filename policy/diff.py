@@ -28,7 +28,7 @@ Grant = tuple[str, ...]
 
 @dataclass(frozen=True)
 class GrantChange:
-    kind: str  # "http", "tunnel", "inject" or "scan"
+    kind: str  # "http:allow", "http:deny", "tunnel", "inject", "scan" or "budget"
     grant: Grant
     rule_id: str
 
@@ -56,7 +56,8 @@ class PolicyDiff:
     def widens(self) -> bool:
         """True when B can reach something A could not (or loses a deny, scan rule or the like)."""
         widening = {"http:allow", "tunnel", "inject"}
-        narrowing_lost = {"http:deny", "scan"}
+        # a budget removed or changed (its old limit removed) widens
+        narrowing_lost = {"http:deny", "scan", "budget"}
         # a limit (push refs, body, MCP tools) put on a grant that had none narrows it
         unlimited_removed = {change.grant for change in self.removed if change.kind == "http:allow"}
         return any(
@@ -115,6 +116,13 @@ def grants(profile: CompiledProfile) -> Iterator[GrantChange]:
                         yield GrantChange("inject", grant, inject.id)
     for scan in profile.scan:
         yield GrantChange("scan", ("scan", scan.id, scan.regex), scan.id)
+    for budget in profile.budgets:
+        scope = ",".join(budget.hosts or budget.rules or [])
+        for limit in ("requests_per_minute", "bytes_per_day", "tokens_per_month"):
+            value = getattr(budget, limit)
+            if value is not None:
+                grant = ("budget", budget.id, f"per {budget.per}", scope, limit, str(value))
+                yield GrantChange("budget", grant, budget.id)
 
 
 def _limit_text(constraints: list[FieldConstraint]) -> str:

@@ -441,6 +441,38 @@ class InjectRule(StrictModel):
         return value
 
 
+Limit = Annotated[int, Field(ge=1, le=(1 << 62), strict=True)]
+
+
+class Budget(StrictModel):
+    """A limit on what a CVM (or each owner, over all their CVMs) may spend on the requests it
+    covers: those to `hosts`, or those the profile's allow rules named in `rules` decide."""
+
+    id: Name
+    comment: str | None = None
+    per: Literal["cvm", "owner"]
+    hosts: list[HostPattern] | None = Field(default=None, min_length=1)
+    rules: list[Name] | None = Field(default=None, min_length=1)
+    requests_per_minute: Limit | None = None
+    bytes_per_day: Limit | None = Field(
+        default=None, description="Bytes sent and received, per UTC day."
+    )
+    tokens_per_month: Limit | None = Field(
+        default=None,
+        description="LLM tokens (input + output, as the API reports them), per UTC month.",
+    )
+
+    @model_validator(mode="after")
+    def _scoped_and_limited(self) -> Self:
+        if (self.hosts is None) == (self.rules is None):
+            raise ValueError("needs exactly one of 'hosts' or 'rules'")
+        if not (self.requests_per_minute or self.bytes_per_day or self.tokens_per_month):
+            raise ValueError(
+                "needs at least one of 'requests_per_minute', 'bytes_per_day', 'tokens_per_month'"
+            )
+        return self
+
+
 def _check_profile_name(value: str) -> str:
     if value in RESERVED_PROFILE_NAMES:
         raise ValueError(f"{value!r} is reserved")
@@ -455,3 +487,4 @@ class Profile(StrictModel):
     egress: list[EgressRule] = Field(default_factory=list)
     scan: list[ScanRule] = Field(default_factory=list)
     inject: list[InjectRule] = Field(default_factory=list)
+    budgets: list[Budget] = Field(default_factory=list)

@@ -117,6 +117,10 @@ class Case(StrictModel):
         min_length=1,
         description="The request is a git push changing these refs (checked against push_refs).",
     )
+    budgets: list[str] | None = Field(
+        default=None,
+        description="Exact set of budget ids that cover the request, e.g. ['github:api-rate'].",
+    )
     body: str | None = Field(
         default=None,
         max_length=1 << 20,
@@ -147,6 +151,8 @@ class Case(StrictModel):
             raise ValueError("a tunnel is not inspected, so it has no body to check")
         if has_body and self.push is not None:
             raise ValueError("'push' and a body describe two different requests")
+        if self.budgets is not None and self.tunnel is not None:
+            raise ValueError("budgets cover HTTP requests, not tunnels")
         if self.content_type is not None and self.body is None:
             raise ValueError("'content_type' goes with 'body'")
         return self

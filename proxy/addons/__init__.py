@@ -10,6 +10,7 @@ The traffic log comes last: it logs what finished; every record is constructed t
 from __future__ import annotations
 
 from umbra.proxy.addons.base import AddonConfig, Denied, Shared
+from umbra.proxy.addons.budget import Budgets
 from umbra.proxy.addons.dial import DialGuard
 from umbra.proxy.addons.fields import RequestFields
 from umbra.proxy.addons.git import GitPush
@@ -34,6 +35,7 @@ def build_addons(shared: Shared) -> list[object]:
         Layers(shared),
         RequestSanity(shared),
         PolicyDecision(shared),
+        Budgets(shared, shared.budget_file),
         GitPush(shared),
         RequestFields(shared),
         Scan(shared),

@@ -49,6 +49,7 @@ class Reason(StrEnum):
     INVALID_PORT = "invalid_port", 403
     PUSH_REF_DENIED = "push_ref_denied", 403
     MALFORMED_PUSH = "malformed_push", 400
+    BUDGET_EXCEEDED = "budget_exceeded", 429
     # request fields and MCP tools (`body`/`mcp` on an allow rule); an MCP refusal of a request
     # with an id is answered as a JSON-RPC error (200), see addons/fields.py
     BODY_FIELD_DENIED = "body_field_denied", 403
