@@ -11,6 +11,7 @@ import pytest
 
 from tests.policy.helpers import policy, profile
 from umbra.policy.budgets import BudgetBook, Metric, budgets_for
+from umbra.policy.compose import EffectivePolicy
 from umbra.policy.diff import diff_policy_sets
 from umbra.policy.errors import PolicyError
 from umbra.policy.loader import load_policy_dir
@@ -28,7 +29,7 @@ T0 = datetime(2026, 12, 6, 5, 0, 10, tzinfo=UTC).timestamp()
 ALICE = {"cvm": "cvm-1", "owner": "alice"}
 
 
-def effective():  # type: ignore[no-untyped-def]
+def effective() -> EffectivePolicy:
     return policy(profile("p", EGRESS, budgets=BUDGETS))
 
 
