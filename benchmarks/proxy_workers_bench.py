@@ -219,7 +219,7 @@ def main() -> None:
     parser.add_argument("--connections", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    stops: list[Callable[[], None]] = []
+    stops: list[Callable[[], object]] = []
     with tempfile.TemporaryDirectory(prefix=f"u13b-workers-bench-{os.getpid()}-") as tmp:
         workdir = Path(tmp)
         try:

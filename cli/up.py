@@ -1,6 +1,6 @@
 """`umbra up | down | status`: the whole of Umbra on this machine, on embedded defaults.
 
-The machinery is `up_stack.py`; the walkthrough (`--check`) is `up_check.py`.
+The machinery is the `up_stack` package; the walkthrough (`--check`) is `up_check.py`.
 """
 
 from __future__ import annotations
@@ -35,6 +35,9 @@ PortBase = Annotated[
     ),
 ]
 JsonFlag = Annotated[bool, typer.Option("--json", help="Machine-readable output on stdout.")]
+
+# How `umbra status` colours each up_stack.Health (by value: the module is imported lazily).
+_COLOUR = {"healthy": "green", "unhealthy": "yellow", "not running": "red", "down": "red"}
 
 up_app = typer.Typer(help="Start Umbra on this machine (embedded defaults).")
 down_app = typer.Typer(help="Stop everything `umbra up` started.")
@@ -165,7 +168,7 @@ def _bring_up(stack: Any, policies: Path, step: Any, summary: dict[str, Any]) ->
         summary["security_cvm_id"] = s.ensure_security_cvm(stack, client)
         secret = stack.p("keys", "demo-token")
         if not secret.exists():
-            s._write_secret(secret, ("demo_" + secrets.token_urlsafe(24)).encode())
+            s.write_secret(secret, ("demo_" + secrets.token_urlsafe(24)).encode())
         s.ensure_demo_secret(client, secret.read_text().strip())
         s.ensure_llm_secrets(stack, client)
         step("Stand-in origin and model API for the walkthrough (their own CA)")
@@ -213,7 +216,7 @@ def _check(stack: Any, summary: dict[str, Any], internet: bool, step: Any, quiet
     }
     if not quiet:
         step(f"The records in the Console (umbra logs --cvm {cvm}):")
-        subprocess.run([s._umbra(), "logs", "--cvm", cvm, "--limit", "8"], check=False)
+        subprocess.run([s.umbra_executable(), "logs", "--cvm", cvm, "--limit", "8"], check=False)
     step(f"Attested SSH: umbra ssh {cvm} -- id -u (quote verified, then a command as the user)")
     summary["check"]["ssh"] = c.run_ssh_check(cvm)
     if not quiet:
@@ -284,14 +287,11 @@ def status(
         for column in ("component", "pid", "state"):
             table.add_column(column)
         for name, c in report["components"].items():
-            state = (
-                "[green]healthy[/]"
-                if c["healthy"]
-                else ("[yellow]unhealthy[/]" if c["running"] else "[red]not running[/]")
-            )
-            table.add_row(name, str(c["pid"] or "-"), state)
+            health = s.component_health(c)
+            table.add_row(name, str(c["pid"] or "-"), f"[{_COLOUR[health]}]{health}[/]")
         for cvm in report["dev_cvms"]:
-            state = "[green]healthy[/]" if cvm["healthy"] else "[red]down[/]"
+            health = s.Health.HEALTHY if cvm["healthy"] else s.Health.DOWN
+            state = f"[{_COLOUR[health]}]{health}[/]"
             table.add_row(
                 f"dev cvm {cvm['cvm_id']} (runtime: {cvm['runtime']})",
                 f"sandbox {cvm['sandbox_pid'] or '-'}, forwarder {cvm['forwarder_pid'] or '-'}, "

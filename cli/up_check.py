@@ -27,7 +27,7 @@ from typing import Any
 import httpx
 
 from umbra.cli.up_agents import AgentResult, Endpoints, SandboxRunner, run_agents
-from umbra.cli.up_stack import DEMO_HOSTS, LLM_HOST, TEAM, Stack, UpError, _umbra
+from umbra.cli.up_stack import DEMO_HOSTS, LLM_HOST, TEAM, Stack, UpError, umbra_executable
 from umbra.contracts.traffic import Decision
 from umbra.sandbox import local_cvm
 
@@ -239,7 +239,7 @@ def run_ssh_check(cvm_id: str) -> dict[str, Any]:
         env = {**os.environ, "TMPDIR": tmp}
         try:
             done = subprocess.run(
-                [_umbra(), "ssh", "--no-reuse", cvm_id, "--", "id", "-u"],
+                [umbra_executable(), "ssh", "--no-reuse", cvm_id, "--", "id", "-u"],
                 capture_output=True, text=True, timeout=90, env=env, stdin=subprocess.DEVNULL,
             )  # fmt: skip
         finally:

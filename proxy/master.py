@@ -51,7 +51,8 @@ def option_updates(config: ProxyConfig) -> dict[str, object]:
 
 
 def build_master(config: ProxyConfig, shared: Shared) -> Master:
-    """A master with mitmproxy's core addons, Umbra's addons, and `option_updates` applied."""
+    """A master with mitmproxy's core addons, Umbra's addons (behind one `Chain`), and
+    `option_updates` applied."""
     from mitmproxy import options
     from mitmproxy.addons import (
         core,
@@ -64,6 +65,7 @@ def build_master(config: ProxyConfig, shared: Shared) -> Master:
     from mitmproxy.master import Master
 
     from umbra.proxy.addons import build_addons
+    from umbra.proxy.addons.chain import Chain
 
     opts = options.Options()
     master = Master(opts)
@@ -74,7 +76,8 @@ def build_master(config: ProxyConfig, shared: Shared) -> Master:
         next_layer.NextLayer(),
         tlsconfig.TlsConfig(),
         errorcheck.ErrorCheck(repeat_errors_on_stderr=True),
-        *build_addons(shared),
+        # One entry for mitmproxy; the per-concern addons run behind it in the registry's order.
+        Chain(build_addons(shared)),
     )
     opts.update(**option_updates(config))
     return master

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import signal
 import threading
 from typing import TYPE_CHECKING
@@ -146,6 +147,9 @@ class UmbraProxy:
                 with contextlib.suppress(Exception):
                     await run_task
                 raise
+        # Start-up's objects (mitmproxy, policy, schemas) live as long as the process: out of the
+        # collector's reach, a full collection no longer walks them again and again under load.
+        gc.freeze()
         # A worker's line differs: only the supervisor announces the whole proxy.
         who = "proxy" if config.worker_index is None else f"worker {config.worker_index}"
         print(f"umbra {who} listening on {config.listen_host}:{port}", flush=True)

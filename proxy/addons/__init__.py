@@ -5,6 +5,9 @@ request sanity and name agreement (400/405/413/421) -> policy decision (403) -> 
 refs and request fields / MCP tools (403/400/413, JSON-RPC errors) -> scan (403/400/413)
 -> injection (403) -> upstream handshake (ALPN, SNI) -> dial guard (502). Responses pass the response guard (reflection, 502/cut).
 The traffic log comes last: it logs what finished; every record is constructed there.
+
+`build_addons` is the one registry; mitmproxy sees them as one addon (`chain.Chain`), which runs
+them in this order.
 """
 
 from __future__ import annotations

@@ -9,8 +9,9 @@ own log (the exception type only: a message could quote request bytes).
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -168,22 +169,36 @@ class UmbraAddon:
 
 
 def guard[F: Callable[..., Any]](method: F) -> F:
-    """Run a hook fail-closed: an exception denies the flow or poisons the connection."""
+    """Run a hook fail-closed: an exception denies the flow or poisons the connection.
+
+    A synchronous hook stays synchronous (no coroutine per call: most hooks never wait)."""
+
+    def failed(self: UmbraAddon, target: Any, exc: Exception) -> None:
+        logger.error(
+            "hook %s.%s failed (%s); failing closed",
+            type(self).__name__,
+            method.__name__,
+            type(exc).__name__,
+        )
+        fail_closed(self.shared, target, method.__name__, exc)
+
+    if inspect.iscoroutinefunction(method):
+
+        @functools.wraps(method)
+        async def run_async(self: UmbraAddon, target: Any) -> None:
+            try:
+                await method(self, target)
+            except Exception as exc:
+                failed(self, target, exc)
+
+        return run_async  # type: ignore[return-value]
 
     @functools.wraps(method)
-    async def run(self: UmbraAddon, target: Any) -> None:
+    def run(self: UmbraAddon, target: Any) -> None:
         try:
-            result = method(self, target)
-            if isinstance(result, Coroutine):
-                await result
+            method(self, target)
         except Exception as exc:
-            logger.error(
-                "hook %s.%s failed (%s); failing closed",
-                type(self).__name__,
-                method.__name__,
-                type(exc).__name__,
-            )
-            fail_closed(self.shared, target, method.__name__, exc)
+            failed(self, target, exc)
 
     return run  # type: ignore[return-value]
 

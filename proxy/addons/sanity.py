@@ -36,28 +36,41 @@ class RequestSanity(UmbraAddon):
         max_body = self.shared.max_body
         if request.method not in _ALLOWED_METHODS:
             raise Denied(Reason.METHOD_NOT_SUPPORTED, f"method {request.method[:16]!r}")
+        # One pass over the raw header fields (each `in`/`get_all` on mitmproxy's headers is a
+        # pass of its own); the checks below keep their order.
+        present: set[bytes] = set()
+        watched: dict[bytes, list[str]] = {b"upgrade": [], b"transfer-encoding": [],
+                                           b"content-length": []}  # fmt: skip
+        control = False
+        for name, value in request.headers.fields:
+            lowered = name.lower()
+            present.add(lowered)
+            values = watched.get(lowered)
+            if values is not None:
+                values.append(value.decode("utf-8", "surrogateescape"))
+            if b"\r" in name or b"\n" in name or b"\r" in value or b"\n" in value or b"\0" in value:
+                control = True
         for header in METHOD_OVERRIDE_HEADERS:
-            if header in request.headers:
+            if header.encode() in present:
                 raise Denied(Reason.METHOD_OVERRIDE, f"{header} is not forwarded")
-        upgrade = request.headers.get_all("upgrade")
+        upgrade = watched[b"upgrade"]
         if upgrade and [value.strip().lower() for value in upgrade] != ["websocket"]:
             raise Denied(Reason.UPGRADE_REFUSED, "only WebSocket upgrades are proxied")
-        if "http2-settings" in request.headers:
+        if b"http2-settings" in present:
             raise Denied(Reason.UPGRADE_REFUSED, "h2c upgrade is not supported")
-        te = request.headers.get_all("transfer-encoding")
+        te = watched[b"transfer-encoding"]
+        lengths = watched[b"content-length"]
         if te:
-            if "content-length" in request.headers:
+            if lengths:
                 raise Denied(Reason.SMUGGLING, "both Transfer-Encoding and Content-Length")
             if [value.strip().lower() for value in te] != ["chunked"]:
                 raise Denied(Reason.SMUGGLING, "Transfer-Encoding other than a single 'chunked'")
-        lengths = request.headers.get_all("content-length")
         if len(lengths) > 1 or (lengths and not lengths[0].strip().isdigit()):
             raise Denied(Reason.SMUGGLING, "ambiguous Content-Length")
         if lengths and int(lengths[0]) > max_body:
             raise Denied(Reason.BODY_TOO_LARGE, f"declared body exceeds {max_body} bytes")
-        for name, value in request.headers.items(multi=True):
-            if "\r" in name or "\n" in name or "\r" in value or "\n" in value or "\x00" in value:
-                raise Denied(Reason.SMUGGLING, "control characters in a header")
+        if control:
+            raise Denied(Reason.SMUGGLING, "control characters in a header")
         path = request.path
         if not path.startswith("/"):
             raise Denied(Reason.INVALID_PATH, "request target is not origin-form")

@@ -19,6 +19,7 @@ from pulumi import automation as auto
 from tests.infra.harness import run_program
 from umbra.components.automation import (
     DevCvmSpec,
+    EventKind,
     ProvisionerError,
     ProvisionEvent,
     PulumiDevCvmProvisioner,
@@ -228,6 +229,7 @@ def test_launch_update_destroy_relay_progress_and_outputs() -> None:
         ("resource", "done create gcp:compute/instance:Instance"),
         ("finished", "acme-alice-main is up"),
     ]
+    assert all(isinstance(e.kind, EventKind) for e in seen)
     assert stack.config["gcp:zone"].value == "us-central1-a"
     prov.update(spec(), lambda e: None)
     prov.destroy(spec(), lambda e: None)
@@ -280,3 +282,12 @@ def test_a_workspace_root_others_can_write_is_refused(tmp_path: Path) -> None:
     root.chmod(0o777)
     with pytest.raises(ProvisionerError, match=r"must be a directory owned by uid .* mode 0700"):
         PulumiDevCvmProvisioner(GCP, work_root=root).work_dir("acme-alice-main")
+
+
+def test_the_package_keeps_one_concern_a_module() -> None:
+    from umbra.components import automation
+
+    package = Path(automation.__file__).parent
+    sizes = {p.name: len(p.read_text().splitlines()) for p in package.glob("*.py")}
+    assert max(sizes.values()) < 300, sizes
+    assert all(hasattr(automation, name) for name in automation.__all__)

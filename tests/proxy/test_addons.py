@@ -192,6 +192,37 @@ def test_denials_carry_their_reason_and_status(
     assert record["reason"] == reason and record["status"] == reason.status
 
 
+@pytest.mark.parametrize(
+    ("fields", "reason"),
+    [
+        # Raw header fields, any case: the sanity checks read them in one pass.
+        (
+            [(b"X-HTTP-Method-Override", b"DELETE"), (b"Content-Length", b"x")],
+            Reason.METHOD_OVERRIDE,
+        ),
+        ([(b"UPGRADE", b"h2c")], Reason.UPGRADE_REFUSED),
+        ([(b"Upgrade", b"websocket"), (b"Upgrade", b"websocket")], Reason.UPGRADE_REFUSED),
+        ([(b"HTTP2-Settings", b"AAMAAABkAAQAAP__")], Reason.UPGRADE_REFUSED),
+        ([(b"Transfer-Encoding", b"chunked"), (b"CONTENT-LENGTH", b"5")], Reason.SMUGGLING),
+        ([(b"transfer-encoding", b"gzip, chunked")], Reason.SMUGGLING),
+        ([(b"Content-Length", b"5"), (b"content-length", b"5")], Reason.SMUGGLING),
+        ([(b"Content-Length", b"+5")], Reason.SMUGGLING),
+        ([(b"Content-Length", str(2 << 20).encode())], Reason.BODY_TOO_LARGE),
+        ([(b"X-A", b"one\x00two")], Reason.SMUGGLING),
+        ([(b"X-A", b"one\ntwo"), (b"Content-Length", b"x")], Reason.SMUGGLING),
+    ],
+)
+def test_request_sanity_reads_raw_fields_in_any_case(
+    env: Env, fields: list[tuple[bytes, bytes]], reason: Reason
+) -> None:
+    flow = request_flow()
+    for name, value in fields:
+        flow.request.headers.fields += ((name, value),)
+    flow = send(env, flow)
+    assert flow.response is not None
+    assert flow.response.headers["x-umbra-reason"] == reason
+
+
 def test_secret_in_path_is_redacted_from_the_record(env: Env) -> None:
     token = "ghp_" + "A1b2C3d4" * 5
     flow = send(env, request_flow(path=f"/p/{token}?k={token}"))
@@ -238,7 +269,7 @@ def test_tcp_start_failure_stops_the_relay(env: Env) -> None:
     from umbra.proxy.addons.base import guard
 
     exploding = Exploding(env.shared)
-    asyncio.run(guard(Exploding.tcp_start)(exploding, flow))
+    guard(Exploding.tcp_start)(exploding, flow)  # a sync hook stays sync under the guard
     assert env.shared.conns.get(flow.client_conn).poisoned
     data = server_hooks.ServerConnectionHookData(flow.server_conn, flow.client_conn)
     flow.server_conn.address = ("93.184.216.34", 443)

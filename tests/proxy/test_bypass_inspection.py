@@ -443,7 +443,10 @@ def _response_guard(env: Env23) -> Any:
 
     master = env.runner.proxy._master
     assert master is not None
-    [guard] = [addon for addon in master.addons.chain if isinstance(addon, ResponseGuard)]
+    from umbra.proxy.addons.chain import Chain
+
+    [chain] = [addon for addon in master.addons.chain if isinstance(addon, Chain)]
+    [guard] = [addon for addon in chain.concerns if isinstance(addon, ResponseGuard)]
     return guard
 
 

@@ -1,0 +1,185 @@
+"""Each component's command line and environment, and starting it: the development issuer, the
+Console, the two stand-in origins and the Security CVM (restarted when what it loads at start
+changed)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import time
+
+from umbra.cli.up_stack.errors import UpError
+from umbra.cli.up_stack.material import llm_keys
+from umbra.cli.up_stack.names import SIMULATED_IMAGE, SUBJECT, TEAM, Component, Port
+from umbra.cli.up_stack.status import tcp_ok
+from umbra.cli.up_stack.supervise import Stack, umbra_executable
+from umbra.cli.up_stack.upstream import allowed_upstreams
+from umbra.sandbox import local_cvm
+
+# Outside the Console's settings model: a file holding the `KEK` value (console/config.py).
+KEK_FILE = "kek_file"
+
+
+def console_settings(stack: Stack) -> dict[str, str]:
+    """The embedded Console's settings, by field name (console/config.Settings)."""
+    p = stack.p
+    return {
+        "database_url": f"sqlite:///{p('console.db')}",
+        "oidc_issuer": stack.issuer_url,
+        "oidc_allow_insecure_http": "true",
+        "embedded_dev": "true",
+        "bundle_public_keys": str(p("keys", "dev-release.pem.pub")),
+        KEK_FILE: str(p("keys", "console-kek")),
+        "kek_current": "k1",
+        "local_cvm_config": str(p("local-cvms.json")),
+        "release_policy": str(p("security-cvm", "release.json")),
+        "dev_cvm_release_policy": str(p("dev-cvm-release.json")),
+        "release_collateral": str(p("pki", "collateral.json")),
+        "release_allow_simulated": "true",
+        "release_simulated_root": str(p("pki", "root.der")),
+        "long_poll_db_interval_seconds": "0.25",
+    }
+
+
+def console_env(stack: Stack) -> dict[str, str]:
+    """Those settings as the `UMBRA_CONSOLE_*` variables the Console reads (and checks: an
+    unknown one is refused at its start)."""
+    from umbra.console.config import ENV_PREFIX
+
+    return {ENV_PREFIX + name.upper(): value for name, value in console_settings(stack).items()}
+
+
+def start_issuer(stack: Stack) -> bool:
+    if stack.pid(Component.ISSUER) is not None:
+        return False
+    stack.spawn(
+        Component.ISSUER,
+        [
+            sys.executable, "-m", "umbra.console.dev_issuer",
+            "--state-dir", str(stack.p("issuer")), "--subject", SUBJECT,
+            "--role", f"{TEAM}:admin", "--port", str(stack.port(Port.ISSUER)),
+        ],
+    )  # fmt: skip
+    stack.wait_http(Component.ISSUER, stack.issuer_url + "/healthz")
+    return True
+
+
+def start_console(stack: Stack) -> bool:
+    if stack.pid(Component.CONSOLE) is not None:
+        return False
+    stack.spawn(
+        Component.CONSOLE,
+        [umbra_executable(), "console", "serve", "--port", str(stack.port(Port.CONSOLE)),
+         "--migrate"],
+        console_env(stack),
+    )  # fmt: skip
+    stack.wait_http(Component.CONSOLE, stack.console_url + "/healthz")
+    return True
+
+
+def start_origin(stack: Stack) -> bool:
+    if stack.pid(Component.ORIGIN) is not None:
+        return False
+    d = stack.p("demo-origin")
+    stack.spawn(
+        Component.ORIGIN,
+        [
+            sys.executable, "-m", "umbra.cli.demo_origin", "--cert", str(d / "origin.pem"),
+            "--key", str(d / "origin-key.pem"), "--port", str(stack.port(Port.ORIGIN)),
+        ],
+    )  # fmt: skip
+    stack.wait_tcp(Component.ORIGIN, stack.port(Port.ORIGIN), 20)
+    return True
+
+
+def start_llm_origin(stack: Stack) -> bool:
+    if stack.pid(Component.LLM) is not None:
+        return False
+    d, keys = stack.p("demo-origin"), llm_keys(stack)
+    stack.spawn(
+        Component.LLM,
+        [
+            sys.executable, "-m", "umbra.cli.llm_origin", "--cert", str(d / "origin.pem"),
+            "--key", str(d / "origin-key.pem"), "--port", str(stack.port(Port.LLM)),
+            # only the keys' digests: no key on a command line
+            "--anthropic-key-sha256", hashlib.sha256(keys["anthropic-api-key"].encode()).hexdigest(),
+            "--openai-key-sha256", hashlib.sha256(keys["openai-api-key"].encode()).hexdigest(),
+        ],
+    )  # fmt: skip
+    stack.wait_tcp(Component.LLM, stack.port(Port.LLM), 20)
+    return True
+
+
+def wait_tunnel(stack: Stack, timeout: float) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if stack.pid(Component.PROXY) is None:
+            raise UpError(f"proxy exited while starting: {stack.log_tail(Component.PROXY)}")
+        if tcp_ok(stack.port(Port.TUNNEL), local_cvm.SECURITY_CVM_ADDR):
+            return
+        time.sleep(0.1)
+    raise UpError(f"the tunnel endpoint did not listen within {timeout:.0f}s")
+
+
+def _identities_hash(stack: Stack, argv: list[str]) -> str:
+    """What the proxy loads only at start: the Dev CVMs it knows, the resolver map, the upstream
+    CAs and its command line."""
+    s = stack.p("security-cvm")
+    raw = b"\0".join(
+        [
+            (s / name).read_bytes()
+            for name in ("identities.json", "resolver.json", "upstream-ca.pem")
+        ]
+        + [json.dumps(argv).encode()]
+    )
+    return hashlib.sha256(raw).hexdigest()
+
+
+def proxy_argv(stack: Stack) -> list[str]:
+    s = stack.p("security-cvm")
+    allow = [arg for cidr in allowed_upstreams(stack) for arg in ("--test-allow-upstream", cidr)]
+    return [
+        umbra_executable(), "proxy", "serve",
+        # One worker: the embedded stack serves one developer, and one process starts fastest.
+        "--workers", "1",
+        "--listen", f"127.0.0.1:{stack.port(Port.PROXY)}",
+        # Reached from each local Dev CVM's forwarder namespace over its uplink veth only.
+        "--tunnel-listen", f"{local_cvm.SECURITY_CVM_ADDR}:{stack.port(Port.TUNNEL)}",
+        "--identities", str(s / "identities.json"),
+        "--traffic-log", str(s / "spool"),
+        "--confdir", str(s / "mitm-ca"),
+        "--console", stack.console_url,
+        "--security-cvm-id", stack.state["security_cvm_id"],
+        "--console-credential-file", str(s / "console-credential"),
+        # Credentials only after attestation: at its first start the proxy enrolls with
+        # this one-time token and keeps the sealed credential (root-only) from then on.
+        "--enroll-token-file", str(s / "enrollment-token"),
+        "--bundle-key", str(stack.p("keys", "dev-release.pem.pub")),
+        "--state-dir", str(s / "state"),
+        "--secrets-from-console",
+        "--quote-source", "simulated",
+        "--simulated-pki", str(stack.p("pki")),
+        "--simulated-image", SIMULATED_IMAGE,
+        # The system's CAs and the stand-in origin's (on loopback, embedded mode only).
+        "--upstream-ca", str(s / "upstream-ca.pem"),
+        *allow,
+        # Real names through the system resolver, every address checked; the stand-in origin's
+        # names are the one static exception.
+        "--test-hosts", str(s / "resolver.json"),
+    ]  # fmt: skip
+
+
+def start_proxy(stack: Stack) -> bool:
+    """The Security CVM; restarted when what it loads only at start changed."""
+    argv = proxy_argv(stack)
+    current = _identities_hash(stack, argv)
+    if stack.pid(Component.PROXY) is not None:
+        if stack.state.get("proxy_identities") == current:
+            return False
+        stack.stop(Component.PROXY)
+    stack.spawn(Component.PROXY, argv)
+    wait_tunnel(stack, 120)
+    stack.state["proxy_identities"] = current
+    stack.save()
+    return True

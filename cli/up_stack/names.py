@@ -1,0 +1,63 @@
+"""The embedded stack's fixed names: its team and user, its components, their ports and health."""
+
+from __future__ import annotations
+
+from enum import IntEnum, StrEnum
+
+TEAM = "local"
+SUBJECT = "developer@umbra.local"
+DEV_CVM_NAME = "dev"
+SECURITY_CVM_NAME = "security"
+DEMO_SECRET_NAME = "demo-token"  # noqa: S105 -- a secret's name, not its value
+DEMO_HOSTS = ("api.demo.test", "evil.demo.test")
+# The stand-in model API that `--check` runs the real agents against (cli/llm_origin.py).
+LLM_HOST = "llm.demo.test"
+# The names the stand-in origins' one certificate covers (material.py), resolved statically.
+ORIGIN_NAMES = frozenset({*DEMO_HOSTS, LLM_HOST})
+SIMULATED_IMAGE = "umbra-security-cvm"
+
+
+class Component(StrEnum):
+    """The processes `umbra up` supervises, in start order (stopped in reverse)."""
+
+    ISSUER = "issuer"
+    CONSOLE = "console"
+    ORIGIN = "origin"
+    LLM = "llm"
+    PROXY = "proxy"
+
+
+COMPONENTS = tuple(Component)
+
+
+class Port(IntEnum):
+    """Each loopback port's offset from --port-base."""
+
+    ISSUER = 0
+    CONSOLE = 1
+    PROXY = 2
+    TUNNEL = 3  # the proxy's aTLS tunnel endpoint
+    ORIGIN = 4
+    LLM = 5
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+    @property
+    def owner(self) -> Component:
+        """The component that listens on it."""
+        return Component.PROXY if self is Port.TUNNEL else Component(self.label)
+
+
+# By name, as the state file, messages and tests spell them.
+PORTS = {port.label: int(port) for port in Port}
+
+
+class Health(StrEnum):
+    """A component's or Dev CVM's state as `umbra status` shows it."""
+
+    HEALTHY = "healthy"
+    UNHEALTHY = "unhealthy"  # running, but its probe fails
+    NOT_RUNNING = "not running"
+    DOWN = "down"  # a Dev CVM with a process missing
