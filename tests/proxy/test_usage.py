@@ -29,7 +29,7 @@ from tests.proxy.harness import (
     write_identities,
 )
 
-HOSTS = ["anthropic.test", "openai.test"]
+HOSTS = ["anthropic.test", "openai.test", "metered.test"]
 RELEASE = threading.Event()
 
 
@@ -143,6 +143,8 @@ def uenv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UsageEnv]:
     (policy_dir / "testing.yaml").write_text(
         "apiVersion: umbra/v1\nkind: Profile\nname: testing\negress:\n"
         f"  - {{id: llm, allow: {{hosts: [{', '.join(HOSTS)}], ports: [{origin.port}]}}}}\n"
+        "budgets:\n"
+        "  - {id: monthly, per: owner, hosts: [metered.test], tokens_per_month: 20}\n"
     )
     resolver = workdir / "resolver.json"
     resolver.write_text(json.dumps({name: ["127.0.0.1"] for name in HOSTS}))
@@ -266,3 +268,14 @@ def test_garbage_events_are_ignored(uenv: UsageEnv) -> None:
     assert curl_status(post(uenv, "anthropic.test", "/garbage/v1/messages", {})) == 200
     record = record_for(uenv, mark, "/garbage/v1/messages")
     assert record["llm_model"] is None
+
+
+def test_a_monthly_token_budget_per_developer_refuses_further_calls(uenv: UsageEnv) -> None:
+    # each call reports 10 + 5 tokens: the second crosses 20 and completes, the third is refused
+    statuses = [curl_status(post(uenv, "metered.test", "/v1/messages", {})) for _ in range(2)]
+    mark = uenv.proxy.log.mark()
+    refused = post(uenv, "metered.test", "/v1/messages", {})
+    assert statuses == [200, 200] and curl_status(refused) == 429
+    assert "budget testing:monthly: 20 tokens a month per owner reached" in refused.stdout
+    record = uenv.proxy.log.wait_for(mark, lambda r: r["reason"] == "budget_exceeded")
+    assert record["rule_id"] == "testing:monthly"
