@@ -373,3 +373,31 @@ def test_json_rpc_shapes(document: object, reason: Reason | None) -> None:
 
     outcome = mcp_violation(document, McpRule.model_validate({"tools": [{"name": "echo"}]}))
     assert (outcome[0] if outcome else None) is reason
+
+
+def test_policy_diff_fail_on_widen_through_git(tmp_path: Path) -> None:
+    import subprocess
+
+    from typer.testing import CliRunner
+
+    from umbra.cli.app import app
+
+    def git(*args: str) -> None:
+        subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True)
+
+    git("init", "-q")
+    git("config", "user.email", "t@example.com")
+    git("config", "user.name", "t")
+    (tmp_path / "policies").mkdir()
+    profile = tmp_path / "policies" / "slack.yaml"
+    profile.write_text(SLACK_PROFILE)
+    git("add", ".")
+    git("commit", "-qm", "limited")
+    profile.write_text(SLACK_PROFILE.replace("[C1, C2]", "[C1, C2, C3]"))
+    git("commit", "-qam", "one more channel")
+    runner = CliRunner()
+    widened = runner.invoke(
+        app, ["policy", "diff", "HEAD~1", "HEAD", "--repo", str(tmp_path), "--fail-on-widen"]
+    )
+    assert widened.exit_code == 1, widened.output
+    assert "C3" in widened.output
