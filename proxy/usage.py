@@ -110,7 +110,8 @@ class UsageReader:
         ]
         if lines:
             payload = b"\n".join(lines)
-            if payload.strip() != b"[DONE]":
+            # most events are content deltas: only one naming usage or a model is parsed
+            if b'"usage"' in payload or b'"model"' in payload:
                 self._document(payload)
 
     def _document(self, payload: bytes) -> None:
