@@ -6,16 +6,15 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console as RichConsole
 
+from umbra.cli.output import EXIT_USAGE, fail
+from umbra.cli.output import console as out
 from umbra.console.config import ConfigError, Settings, settings_from_env
 
 app = typer.Typer(
     help="Run and maintain the Umbra Console (settings come from UMBRA_CONSOLE_* variables).",
     no_args_is_help=True,
 )
-out = RichConsole()
-err = RichConsole(stderr=True)
 
 DatabaseUrl = Annotated[
     str | None,
@@ -32,8 +31,7 @@ def _settings(database_url: str | None, **overrides: object) -> Settings:
     try:
         return settings_from_env(None, **extra)
     except ConfigError as exc:
-        err.print(f"[red]configuration error:[/red] {exc}")
-        raise typer.Exit(2) from None
+        fail(f"the Console's configuration: {exc}", EXIT_USAGE)
 
 
 @app.command()
@@ -65,8 +63,7 @@ def serve(
     try:
         run(settings, host, port, workers=workers, tls_cert=tls_cert, tls_key=tls_key)
     except ConfigError as exc:
-        err.print(f"[red]configuration error:[/red] {exc}")
-        raise typer.Exit(2) from None
+        fail(f"the Console's configuration: {exc}", EXIT_USAGE)
 
 
 @app.command()
@@ -107,15 +104,13 @@ def audit_verify(
     finally:
         engine.dispose()
     if not report.ok:
-        err.print(
-            f"[red]audit chain BROKEN[/red] at seq {report.bad_seq}: {report.problem} "
+        fail(
+            f"audit chain BROKEN at seq {report.bad_seq}: {report.problem} "
             f"({report.entries} entries verified before it)"
         )
-        raise typer.Exit(1)
     if expect_head is not None and not report.anchor_found:
-        err.print(
-            f"[red]audit chain does not contain the recorded head {expect_head}[/red] "
+        fail(
+            f"audit chain does not contain the recorded head {expect_head} "
             "(entries were removed or the chain was rewritten)"
         )
-        raise typer.Exit(1)
     out.print(f"audit chain OK: {report.entries} entries, head {report.head}")

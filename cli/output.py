@@ -29,12 +29,19 @@ def print_json(value: Any) -> None:
 
 def print_issues(issues: list[PolicyIssue]) -> None:
     for issue in issues:
-        stderr.print(f"[bold red]error[/] {issue}", highlight=False, markup=True, soft_wrap=True)
+        stderr.print(f"[bold red]error:[/] {issue}", highlight=False, markup=True, soft_wrap=True)
 
 
-def fail(message: str, code: int = EXIT_FINDINGS, *, as_json: bool = False) -> NoReturn:
+def fail(
+    message: str, code: int = EXIT_FINDINGS, *, fix: str = "", as_json: bool = False
+) -> NoReturn:
+    """The CLI's one way to stop on an error: `error: MESSAGE` (and `fix: WHAT TO DO` when there
+    is one) on stderr, or with --json `{"ok": false, "error": ..., "fix": ...}` on stdout (`fix`
+    only when there is one); then exit with `code`."""
     if as_json:
-        print_json({"ok": False, "error": message})
+        print_json({"ok": False, "error": message, **({"fix": fix} if fix else {})})
     else:
-        stderr.print(f"[bold red]error[/] {message}", highlight=False, soft_wrap=True)
+        stderr.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+        if fix:
+            stderr.print(f"[bold]fix:[/] {fix}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)

@@ -11,7 +11,15 @@ import typer
 from pydantic import BaseModel, ValidationError
 from rich.table import Table
 
-from umbra.cli.output import EXIT_FINDINGS, EXIT_USAGE, console, fail, print_issues, print_json
+from umbra.cli.output import (
+    EXIT_FINDINGS,
+    EXIT_USAGE,
+    console,
+    fail,
+    print_issues,
+    print_json,
+    stderr,
+)
 from umbra.contracts.files import write_atomic
 from umbra.contracts.keys import KeyFileError, write_key_pair
 from umbra.policy.bundle import (
@@ -46,7 +54,7 @@ def _exit_with_issues(exc: PolicyError, as_json: bool) -> NoReturn:
         print_json({"ok": False, "issues": [issue.as_dict() for issue in exc.issues]})
     else:
         print_issues(exc.issues)
-        console.print(f"[red]{len(exc.issues)} problem(s); nothing was applied.[/]")
+        stderr.print(f"{len(exc.issues)} problem(s); nothing was applied.", highlight=False)
     raise typer.Exit(EXIT_FINDINGS) from None
 
 
@@ -268,9 +276,7 @@ def build(
         source = _git_revision(directory)
     payload = payload_document([p.compiled for p in policy_set.profiles.values()], serial, source)
     signed = sign_bundle(payload, keys)
-    tmp = output.with_name(output.name + ".tmp")
-    tmp.write_bytes(signed)
-    tmp.replace(output)
+    write_atomic(output, signed, 0o644)
     verified = verify_bundle(signed, [key.public_key() for key in keys])
     summary = {
         "ok": True,

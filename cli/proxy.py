@@ -15,6 +15,7 @@ from typing import Annotated, Any
 import typer
 from pydantic import ValidationError
 
+from umbra.cli.output import fail
 from umbra.proxy.config import Option, ProxyConfig, options
 
 app = typer.Typer(help="The Security CVM's policy-enforcing egress proxy.", no_args_is_help=True)
@@ -25,11 +26,6 @@ def _listen(value: str) -> tuple[str, int]:
     if not sep or not port.isdigit():
         raise typer.BadParameter("expected HOST:PORT, e.g. 127.0.0.1:8080")
     return host.strip("[]"), int(port)
-
-
-def _fail(message: str, code: int) -> typer.Exit:
-    typer.echo(f"umbra proxy serve: {message}", err=True)
-    return typer.Exit(code)
 
 
 def _cli_type(option: Option) -> Any:
@@ -54,7 +50,7 @@ def _config_values(params: dict[str, Any]) -> dict[str, Any]:
                 values[option.field], values[option.flag.port_field] = _listen(value)
         elif option.choices and value not in option.choices:
             *first, last = option.choices
-            raise _fail(f"{option.name} must be {', '.join(first)} or {last}", 2)
+            fail(f"{option.name} must be {', '.join(first)} or {last}", 2)
         elif value is None and getattr(option.annotation, "__origin__", None) is list:
             values[option.field] = []
         else:
@@ -73,34 +69,34 @@ def serve(**params: Any) -> None:
     id_file: Path | None = params["security_cvm_id_file"]
     if id_file is not None:
         if values.get("security_cvm_id") is not None:
-            raise _fail("give --security-cvm-id or its file, not both", 2)
+            fail("give --security-cvm-id or its file, not both", 2)
         try:
             values["security_cvm_id"] = id_file.read_text().strip()
         except OSError as exc:
-            raise _fail(f"{id_file}: {exc.strerror}", 1) from None
+            fail(f"{id_file}: {exc.strerror}", 1)
     values["workers"] = params["workers"] or os.cpu_count() or 1
     try:
         config = ProxyConfig(**values)
     except ValidationError as exc:
-        raise _fail(exc.errors()[0]["msg"], 2) from None
+        fail(exc.errors()[0]["msg"], 2)
     try:
         if ensure_console_credential(config):
             typer.echo(
                 f"umbra proxy serve: enrolled; credential in {config.console_credential_file}"
             )
     except StartupError as exc:
-        raise _fail(str(exc), 1) from None
+        fail(str(exc), 1)
     if config.workers > 1:
         try:
             code = WorkerSupervisor(config).run()
         except StartupError as exc:
-            raise _fail(str(exc), 1) from None
+            fail(str(exc), 1)
         raise typer.Exit(code)
     proxy = UmbraProxy(config)
     try:
         asyncio.run(proxy.run())
     except StartupError as exc:
-        raise _fail(str(exc), 1) from None
+        fail(str(exc), 1)
     except KeyboardInterrupt:
         pass
 

@@ -7,6 +7,7 @@ printed: the Console answers with metadata only.
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
@@ -31,6 +32,38 @@ PersonalFlag = Annotated[
 ]
 
 
+KIND_HELP = (
+    "static (a value), oauth2-refresh, oauth2-client-credentials, google-service-account (a Google "
+    "key file is accepted as is) or aws-sigv4: the kinds but static take a JSON document"
+)
+
+
+def _read_file(path: str) -> str:
+    """A kind's document from a file or `-` (stdin); the text is never printed."""
+    if path == "-":
+        return sys.stdin.read()
+    try:
+        return Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+        raise typer.BadParameter(f"{path}: cannot read ({reason})", param_hint="--file") from None
+
+
+def _checked(kind: str, text: str, as_json: bool) -> str:
+    """Validate locally before anything is sent: errors name fields, never values."""
+    from pydantic import ValidationError
+
+    from umbra.contracts.secret_kinds import SecretKind, material_text, parse_material
+    from umbra.contracts.validation import problems
+
+    try:
+        return material_text(parse_material(SecretKind(kind), text))
+    except ValidationError as exc:
+        fail(f"{kind} secret: {problems(exc)}", EXIT_USAGE, as_json=as_json)
+    except ValueError as exc:
+        fail(str(exc), EXIT_USAGE, as_json=as_json)
+
+
 def _read_value() -> str:
     if sys.stdin.isatty():
         value = str(typer.prompt("Secret value", hide_input=True, confirmation_prompt=True))
@@ -50,29 +83,48 @@ def set_secret(
     ],
     team: TeamOption = None,
     personal: PersonalFlag = False,
+    kind: Annotated[str, typer.Option("--kind", help=KIND_HELP)] = "static",
+    file: Annotated[
+        str | None,
+        typer.Option("--file", help="Read the value or document from this file ('-': stdin)."),
+    ] = None,
     as_json: JsonFlag = False,
 ) -> None:
-    """Set a secret; the value comes from stdin or a hidden prompt."""
+    """Set a secret; the value comes from --file, stdin or a hidden prompt, and is never shown."""
+    from umbra.contracts.secret_kinds import SecretKind
+
     if not host:
         fail("pass at least one --host", EXIT_USAGE, as_json=as_json)
+    if kind not in set(SecretKind):
+        fail(f"--kind: expected one of {', '.join(SecretKind)}", EXIT_USAGE, as_json=as_json)
+    if kind != SecretKind.static and file is None:
+        fail(
+            f"--kind {kind} takes its JSON document with --file F (or '-')",
+            EXIT_USAGE,
+            as_json=as_json,
+        )
     client, login = open_client(as_json)  # before asking for the value: fail fast
-    value = _read_value()
-    if not value:
+    value = _read_value() if file is None else _read_file(file)
+    if kind == SecretKind.static and file is not None:
+        value = value.removesuffix("\n").removesuffix("\r")
+    if not value.strip():
         fail("the secret value is empty", EXIT_USAGE, as_json=as_json)
+    value = _checked(kind, value, as_json)
     try:
         with client:
             team_name = resolve_team(client, login, team, as_json)
             if personal:
-                info = client.set_personal_secret(team_name, name, value, host)
+                info = client.set_personal_secret(team_name, name, value, host, kind=kind)
             else:
-                info = client.set_team_secret(team_name, name, value, host)
+                info = client.set_team_secret(team_name, name, value, host, kind=kind)
     except api_errors() as exc:
         api_failure(exc, as_json)
     if as_json:
         print_json(info.model_dump(mode="json"))
     else:
         console.print(
-            f"Set [bold]{info.ref}[/] (version {info.version}) for {', '.join(info.hosts)}"
+            f"Set [bold]{info.ref}[/] ({info.kind}, version {info.version}) for "
+            f"{', '.join(info.hosts)}"
         )
 
 
@@ -93,11 +145,14 @@ def list_secrets(team: TeamOption = None, as_json: JsonFlag = False) -> None:
         print_json([row.model_dump(mode="json") for row in rows])
         return
     table = Table(title=f"secrets of {team_name}")
-    for column in ("ref", "hosts", "version", "updated by", "updated at"):
+    for column in ("ref", "kind", "status", "hosts", "version", "updated by", "updated at"):
         table.add_column(column)
     for row in rows:
+        status = "[red]needs login[/]" if row.status == "needs_login" else "ok"
         table.add_row(
             row.ref,
+            str(row.kind),
+            status,
             ", ".join(row.hosts) or "-",
             str(row.version),
             row.updated_by,
@@ -155,13 +210,14 @@ def rotate_secret(
             # Conditional on the version read: a concurrent rotation (or a host change) is
             # never overwritten silently; the Console answers 412 and nothing is stored.
             read = existing[name]
+            value = _checked(read.kind, value, as_json)  # a kind's document stays that kind
             if personal:
                 info = client.set_personal_secret(
-                    team_name, name, value, read.hosts, if_version=read.version
+                    team_name, name, value, read.hosts, if_version=read.version, kind=read.kind
                 )
             else:
                 info = client.set_team_secret(
-                    team_name, name, value, read.hosts, if_version=read.version
+                    team_name, name, value, read.hosts, if_version=read.version, kind=read.kind
                 )
     except api_errors() as exc:
         if isinstance(exc, ConsoleApiError) and exc.status == 412:

@@ -16,7 +16,7 @@ from typing import Annotated, Any, NoReturn
 import typer
 from rich.table import Table
 
-from umbra.cli.output import EXIT_FINDINGS, console, print_json
+from umbra.cli.output import EXIT_FINDINGS, console, fail, print_json, stderr
 
 StateDir = Annotated[
     Path,
@@ -53,14 +53,7 @@ def _stack(state_dir: Path, port_base: int) -> Any:
 
 
 def _fail(exc: Exception, as_json: bool) -> NoReturn:
-    fix = getattr(exc, "fix", "")
-    if as_json:
-        print_json({"ok": False, "error": str(exc), "fix": fix})
-    else:
-        console.print(f"[red]umbra up:[/] {exc}")
-        if fix:
-            console.print(f"[bold]fix:[/] {fix}")
-    raise typer.Exit(EXIT_FINDINGS)
+    fail(str(exc), fix=getattr(exc, "fix", ""), as_json=as_json)
 
 
 @up_app.callback(invoke_without_command=True)
@@ -144,7 +137,7 @@ def up(
         "  umbra down                 # stop everything"
     )
     if failed:
-        console.print("[red]--internet: a check failed (above); the stack itself is up.[/]")
+        stderr.print("[red]--internet: a check failed (above); the stack itself is up.[/]")
         raise typer.Exit(EXIT_FINDINGS)
 
 

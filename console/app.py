@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +24,7 @@ from sqlalchemy.exc import TimeoutError as SqlTimeoutError
 from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from umbra.console import children, db, provisioning
+from umbra.console import children, db, notify, provisioning, refusal_budget
 from umbra.console.config import ConfigError, Settings, settings_summary
 from umbra.console.envelope import EnvelopeError, LocalKeyring
 from umbra.console.limits import BodyLimitMiddleware, limit_for
@@ -36,7 +39,9 @@ from umbra.console.routes import (
     enroll,
     login,
     meta,
+    people,
     reenroll,
+    secret_refresh,
     secrets,
     security_cvm,
     session,
@@ -97,7 +102,9 @@ def build_console(
     return Console(
         settings=settings,
         engine=db.make_engine(
-            settings.database_url, statement_timeout_ms=settings.db_statement_timeout_ms
+            settings.database_url,
+            statement_timeout_ms=settings.db_statement_timeout_ms,
+            connect_timeout_s=settings.db_connect_timeout_seconds,
         ),
         oidc=oidc,
         bundle_keys=keys,
@@ -143,9 +150,28 @@ def create_app(
         if console.oidc is not None:
             console.oidc.refresh_soon()  # keys arrive in the background, before most requests
         await run_in_threadpool(provisioning.reconcile, console)
+        if owns_process:
+            notify.chain_exit_signals()  # long polls answer at SIGTERM, before the deadline
+        summaries = asyncio.create_task(_flush_refusal_summaries(console))
+        takeover = (
+            asyncio.create_task(_reconcile_periodically(console))
+            if not settings.is_sqlite and settings.reconcile_interval_seconds > 0
+            else None
+        )
+        if console.watchdog is not None:
+            console.watchdog.start()
         yield
+        summaries.cancel()
+        if takeover is not None:
+            takeover.cancel()
+        if console.watchdog is not None:
+            await run_in_threadpool(console.watchdog.stop)
         await run_in_threadpool(_stop_jobs, console, owns_process)
+        with contextlib.suppress(Exception):  # a database that is down loses only the counts
+            await run_in_threadpool(lambda: refusal_budget.flush(console, final=True))
         console.engine.dispose()
+        if console.lock_engine is not None:
+            console.lock_engine.dispose()
 
     app = FastAPI(
         title="Umbra Console",
@@ -164,11 +190,13 @@ def create_app(
         secrets,
         team_settings,
         security_cvm,
+        secret_refresh,
         traffic,
         usage,
         audit,
         enroll,
         reenroll,
+        people,
     ):
         app.include_router(module.router)
     mount_web(app, console.settings.web_session_key)
@@ -186,10 +214,36 @@ def create_app(
     return app
 
 
+async def _flush_refusal_summaries(console: Console) -> None:
+    """Refusal summaries of ended minutes reach the audit log even when no refusal follows."""
+    while True:
+        await asyncio.sleep(refusal_budget.WINDOW_SECONDS / 4)
+        try:
+            await run_in_threadpool(refusal_budget.flush, console)
+        except Exception:  # a database outage: retried next round
+            log.warning("could not write enrollment refusal summaries; retrying")
+
+
+async def _reconcile_periodically(console: Console) -> None:
+    """Runs whose Console process died are taken over by this one (provisioning.reconcile)."""
+    interval = console.settings.reconcile_interval_seconds
+    age = timedelta(seconds=interval)
+    while True:
+        await asyncio.sleep(interval)
+        if console.stopping.is_set():
+            return
+        try:
+            await run_in_threadpool(lambda: provisioning.reconcile(console, min_age=age))
+        except Exception:  # a database outage: the next round retries
+            log.warning("periodic reconcile failed; retrying")
+
+
 def _stop_jobs(console: Console, owns_process: bool, grace: float = 3.0) -> None:
     """Shutdown within seconds: queued runs are cancelled, the provider's child processes are
     ended (so running ones fail fast and record it), and a run that still has not finished is
     left for `reconcile` at the next start."""
+    console.stopping.set()  # runs failing from here on are left for `reconcile` (resumable)
+    console.notifier.stop()
     console.jobs.shutdown(wait=False, cancel_futures=True)
     if owns_process and children.terminate_descendants(grace=grace):
         log.warning("ended provider child processes at shutdown")

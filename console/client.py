@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from datetime import datetime
 from typing import Any, Self
+from urllib.parse import quote
 
 import httpx
 from pydantic import BaseModel
@@ -18,6 +19,7 @@ from umbra.console.schemas import (
     BundleInfo,
     CvmCreated,
     CvmInfo,
+    Deactivated,
     EnrollmentToken,
     Me,
     QuarantinePage,
@@ -212,6 +214,13 @@ class ConsoleClient(_Base):
         return self._model(CvmCreated, "POST", f"/api/v1/cvms/{cvm_id}/credential")
 
     # secrets (write-only)
+    def deactivate_user(self, team: str, subject: str) -> Deactivated:
+        return self._model(
+            Deactivated,
+            "POST",
+            f"/api/v1/teams/{team}/members/{quote(subject, safe='')}/deactivate",
+        )
+
     def set_team_secret(
         self,
         team: str,
@@ -220,9 +229,11 @@ class ConsoleClient(_Base):
         hosts: list[str] | None = None,
         *,
         if_version: int | None = None,
+        kind: str = "static",
     ) -> SecretInfo:
-        """`if_version`: store only if the secret is still at that version (else 412)."""
-        body = {"value": value, "hosts": hosts or []}
+        """`if_version`: store only if the secret is still at that version (else 412). A `kind`
+        other than static sends the kind's JSON document as `value`."""
+        body = {"value": value, "hosts": hosts or [], "kind": kind}
         return self._model(
             SecretInfo,
             "PUT",
@@ -232,9 +243,16 @@ class ConsoleClient(_Base):
         )
 
     def set_personal_secret(
-        self, team: str, name: str, value: str, hosts: list[str], *, if_version: int | None = None
+        self,
+        team: str,
+        name: str,
+        value: str,
+        hosts: list[str],
+        *,
+        if_version: int | None = None,
+        kind: str = "static",
     ) -> SecretInfo:
-        body = {"value": value, "hosts": hosts}
+        body = {"value": value, "hosts": hosts, "kind": kind}
         return self._model(
             SecretInfo,
             "PUT",

@@ -136,6 +136,12 @@ class Settings(_Strict):
     azure: AzureProvider | None = Field(
         default=None, description="Settings of the `azure` provider (JSON in UMBRA_CONSOLE_AZURE)."
     )
+    reconcile_interval_seconds: float = Field(
+        default=30.0,
+        ge=0,
+        description="PostgreSQL: how often a serving Console takes over provider runs whose "
+        "process died (rows unchanged this long, job lock free; 0: only at startup).",
+    )
     provider_workers: int = Field(
         default=4, ge=1, le=64, description="Concurrent cloud launches/updates/destroys."
     )
@@ -149,8 +155,24 @@ class Settings(_Strict):
         description="PostgreSQL statement_timeout for the Console's own connections (0: none); "
         "a query over it answers 503 instead of holding a connection.",
     )
+    db_unresponsive_seconds: float = Field(
+        default=4.0,
+        ge=0,
+        description="PostgreSQL: a probe unanswered this long marks the database unresponsive "
+        "(open connections cut, requests 503 until it answers; 0: no probe).",
+    )
+    db_probe_interval_seconds: float = Field(default=1.0, gt=0, le=60)
+    db_connect_timeout_seconds: int = Field(
+        default=3, ge=2, le=60, description="PostgreSQL connect_timeout of new connections."
+    )
     release_challenges_per_minute: int = Field(
         default=30, ge=1, description="Per Security CVM: challenge requests beyond this get 429."
+    )
+    enroll_refusals_per_minute: int = Field(
+        default=60,
+        ge=1,
+        description="Enrollment refusals audited one by one per team (unknown tokens: one key) "
+        "per minute and process; the rest become one summary entry a minute.",
     )
     long_poll_max_seconds: int = Field(default=60, ge=1, le=600)
     long_poll_db_interval_seconds: float = Field(

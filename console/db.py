@@ -12,12 +12,16 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import Engine, create_engine, event, text
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.pool import NullPool
 
 MIGRATIONS_DIR = Path(__file__).parent / "migrations"
 
 
-def make_engine(url: str, *, statement_timeout_ms: int = 0, **kwargs: Any) -> Engine:
+def make_engine(
+    url: str, *, statement_timeout_ms: int = 0, connect_timeout_s: int = 3, **kwargs: Any
+) -> Engine:
     if url.startswith("sqlite"):
         engine = create_engine(
             url, connect_args={"check_same_thread": False, "timeout": 30}, **kwargs
@@ -32,12 +36,29 @@ def make_engine(url: str, *, statement_timeout_ms: int = 0, **kwargs: Any) -> En
             cursor.close()
 
         return engine
+    connect_args = kwargs.setdefault("connect_args", {})
     if statement_timeout_ms:
         # Set per connection by the server at login: no query can hold a connection longer.
-        kwargs.setdefault("connect_args", {})["options"] = (
-            f"-c statement_timeout={int(statement_timeout_ms)}"
-        )
+        connect_args["options"] = f"-c statement_timeout={int(statement_timeout_ms)}"
+    # A server that never answers the login fails the connect; a peer that vanished (no RST) is
+    # found by keepalives within ~20 s. A frozen server is db_watchdog.py's job.
+    connect_args.setdefault("connect_timeout", connect_timeout_s)
+    connect_args.setdefault("keepalives", 1)
+    connect_args.setdefault("keepalives_idle", 10)
+    connect_args.setdefault("keepalives_interval", 3)
+    connect_args.setdefault("keepalives_count", 3)
     return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20, **kwargs)
+
+
+def make_lock_engine(url: str, *, connect_timeout_s: int = 3) -> Engine:
+    """Connections that hold a provider run's job lock for minutes: each its own, opened for the
+    run and closed after it (NullPool), so cloud runs never take the request pool's connections
+    (10 + 20) and any number of them cannot starve requests."""
+    connect_args = {
+        "connect_timeout": connect_timeout_s, "keepalives": 1, "keepalives_idle": 10,
+        "keepalives_interval": 3, "keepalives_count": 3,
+    }  # fmt: skip
+    return create_engine(url, poolclass=NullPool, connect_args=connect_args)
 
 
 def alembic_config(url: str) -> Config:
@@ -73,6 +94,20 @@ def revisions() -> list[str]:
 def current_revision(engine: Engine) -> str | None:
     with engine.connect() as connection:
         return MigrationContext.configure(connection).get_current_revision()
+
+
+def not_ready(engine: Engine) -> str | None:
+    """Why the database cannot serve this build (it does not answer, or is not migrated to this
+    build's head); None when it can."""
+    try:
+        with engine.connect() as connection:
+            connection.execute(text("SELECT 1"))
+        revision = current_revision(engine)
+    except SQLAlchemyError:
+        return "database unavailable"
+    if revision != head_revision():
+        return f"database at revision {revision}, expected {head_revision()}"
+    return None
 
 
 def as_utc(value: datetime) -> datetime:

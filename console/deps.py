@@ -20,6 +20,7 @@ from umbra.console.enums import CvmKind, CvmState, Role
 from umbra.console.models import Cvm
 from umbra.console.oidc import IssuerUnavailable, TokenError
 from umbra.console.services.access import CREDENTIAL_PREFIX, User, credential_hash
+from umbra.console.services.people import active_roles
 from umbra.console.state import Console
 
 log = logging.getLogger(__name__)
@@ -81,7 +82,8 @@ def current_user(
     except IssuerUnavailable as exc:
         raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE, str(exc)) from None
     roles = parse_roles(claims.claims.get(console.settings.oidc_roles_claim))
-    return User(subject=claims.subject, roles=roles)
+    # A deactivated developer's token still validates; it carries no role in that team.
+    return User(subject=claims.subject, roles=active_roles(console, claims.subject, roles))
 
 
 UserDep = Annotated[User, Depends(current_user)]

@@ -8,7 +8,14 @@ The Console verifies the quote against that CVM's release (measurement policy, c
 log) and only then issues the credential, HPKE-sealed to the bound key: the operator who copied
 the token cannot use it without a genuine TD of the right release, and cannot read the credential.
 
-Refusals (unknown/expired/reused token, no nonce, a quote that does not verify or binds something
+Nonces are stateless: `base64url(expiry ‖ random ‖ HMAC(key, token digest ‖ expiry ‖ random))`
+under a key the replicas share (console_keys.py). A challenge writes nothing, so no caller's
+challenge can invalidate another's (a copied token polling `/enroll/challenge` used to overwrite
+the genuine CVM's nonce); any replica can check any nonce. Single use belongs to the token and is
+decided at redeem by one conditional UPDATE (`used_at IS NULL`): of parallel enrollments with one
+token exactly one wins, the rest are `reused_token`.
+
+Refusals (unknown/expired/reused token, a wrong or expired nonce, a quote that does not verify or binds something
 else) are audited with their reason and never issue anything. A reused token also revokes nothing
 already issued: the first enrollment stands, the second is refused and audited.
 
@@ -29,18 +36,20 @@ import base64
 import binascii
 import enum
 import hashlib
+import hmac
 import secrets
 from collections.abc import Mapping
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PublicKey
 from pydantic import Field as PydanticField
-from sqlalchemy import Column, DateTime
+from sqlalchemy import Column, DateTime, update
 from sqlalchemy.orm import Session
-from sqlmodel import Field, SQLModel
+from sqlmodel import Field, SQLModel, col
 
 from umbra.attest.errors import AttestError
-from umbra.attest.eventlog import load_event_log
+from umbra.attest.eventlog import Event, load_event_log
 from umbra.console import audit, reenrollment
 from umbra.console.enums import AuditAction, CvmKind, CvmState
 from umbra.console.models import Cvm, utcnow
@@ -72,6 +81,9 @@ PROVISIONING_FAILURES = frozenset(
 
 TOKEN_TTL = timedelta(hours=1)
 NONCE_TTL = timedelta(minutes=2)
+_NONCE_CONTEXT = b"umbra-enroll-nonce-v1\x00"
+_NONCE_RANDOM = 12
+_NONCE_MAC = 32  # 4 + 12 + 32 bytes = 64 base64url characters, what EnrollEvidence accepts
 FAILED_PREFIX = "enrollment refused: "
 _ = SUITE  # the suite the seal uses (release_protocol); named here for readers
 
@@ -80,7 +92,6 @@ class RefusalReason(enum.StrEnum):
     unknown_token = "unknown_token"  # noqa: S105 -- a reason, not a token
     expired_token = "expired_token"  # noqa: S105 -- a reason, not a token
     reused_token = "reused_token"  # noqa: S105 -- a reason, not a token
-    no_challenge = "no_challenge"
     wrong_nonce = "wrong_nonce"
     cvm_gone = "cvm_gone"
     no_release_policy = "no_release_policy"
@@ -101,10 +112,6 @@ class CvmEnrollment(SQLModel, table=True):
     cvm_id: str = Field(max_length=64, index=True)
     created_at: datetime = Field(sa_column=Column(DateTime(timezone=True), nullable=False))
     expires_at: datetime = Field(sa_column=Column(DateTime(timezone=True), nullable=False))
-    nonce: str | None = Field(default=None, max_length=64)
-    nonce_expires_at: datetime | None = Field(
-        default=None, sa_column=Column(DateTime(timezone=True), nullable=True)
-    )
     used_at: datetime | None = Field(
         default=None, sa_column=Column(DateTime(timezone=True), nullable=True)
     )
@@ -155,12 +162,35 @@ def _live(session: Session, token: str) -> tuple[CvmEnrollment, Cvm]:
     return row, cvm
 
 
-def challenge(session: Session, token: str) -> str:
-    row, _cvm = _live(session, token)
-    row.nonce = secrets.token_urlsafe(24)
-    row.nonce_expires_at = utcnow() + NONCE_TTL
-    session.add(row)
-    return row.nonce
+def _nonce_mac(key: bytes, digest: str, head: bytes) -> bytes:
+    return hmac.digest(key, _NONCE_CONTEXT + bytes.fromhex(digest) + head, "sha256")
+
+
+def make_nonce(key: bytes, token: str, now: datetime | None = None) -> str:
+    """A nonce for one token, good until NONCE_TTL from now, checkable by any replica."""
+    expiry = int(((now or utcnow()) + NONCE_TTL).timestamp())
+    head = expiry.to_bytes(4, "big") + secrets.token_bytes(_NONCE_RANDOM)
+    raw = head + _nonce_mac(key, token_digest(token), head)
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def nonce_valid(key: bytes, token: str, nonce: str, now: datetime | None = None) -> bool:
+    try:
+        raw = base64.urlsafe_b64decode(nonce + "=" * (-len(nonce) % 4))
+    except (binascii.Error, ValueError):
+        return False
+    if len(raw) != 4 + _NONCE_RANDOM + _NONCE_MAC:
+        return False
+    head, mac = raw[: 4 + _NONCE_RANDOM], raw[4 + _NONCE_RANDOM :]
+    if not hmac.compare_digest(mac, _nonce_mac(key, token_digest(token), head)):
+        return False
+    return int.from_bytes(head[:4], "big") >= int((now or utcnow()).timestamp())
+
+
+def challenge(session: Session, key: bytes, token: str) -> str:
+    """A nonce for a live token; reads only (nothing another challenge could overwrite)."""
+    _live(session, token)
+    return make_nonce(key, token)
 
 
 def mark_unprovisionable(session: Session, token: str, reason: RefusalReason) -> bool:
@@ -187,16 +217,25 @@ def refusal_target(session: Session, token: str) -> tuple[str, str]:
     return (cvm.team, cvm.id) if cvm is not None else ("-", "-")
 
 
-def enroll(
-    session: Session, verifiers: Mapping[str, AttestedReleaseVerifier], evidence: EnrollEvidence
-) -> tuple[str, bytes]:
-    """Verify and issue: returns (cvm id, HPKE-sealed credential). Raises EnrollmentRefused."""
-    row, cvm = _live(session, evidence.token)
-    if row.nonce is None or row.nonce_expires_at is None:
-        raise EnrollmentRefused(RefusalReason.no_challenge)
-    if not secrets.compare_digest(row.nonce, evidence.nonce) or (
-        _aware(row.nonce_expires_at) < utcnow()
-    ):
+@dataclass(frozen=True)
+class Verified:
+    """Evidence that verified against the token's CVM, not yet redeemed."""
+
+    cvm_id: str
+    public_key: bytes
+    events: list[Event] | None
+
+
+def verify(
+    session: Session,
+    verifiers: Mapping[str, AttestedReleaseVerifier],
+    key: bytes,
+    evidence: EnrollEvidence,
+) -> Verified:
+    """Check the token, nonce and quote; reads only, so it runs outside any write transaction
+    (a slow quote verification holds no lock). Raises EnrollmentRefused."""
+    _row, cvm = _live(session, evidence.token)
+    if not nonce_valid(key, evidence.token, evidence.nonce):
         raise EnrollmentRefused(RefusalReason.wrong_nonce)
     verifier = verifiers.get(cvm.kind)
     if verifier is None:
@@ -204,7 +243,7 @@ def enroll(
             RefusalReason.no_release_policy, f"no release policy for {cvm.kind} CVMs"
         )
     try:
-        key = base64.b64decode(evidence.public_key, validate=True)
+        public = base64.b64decode(evidence.public_key, validate=True)
         quote = base64.b64decode(evidence.quote, validate=True)
         events = (
             load_event_log(base64.b64decode(evidence.event_log, validate=True))
@@ -213,17 +252,37 @@ def enroll(
         )
     except (binascii.Error, AttestError, ValueError) as exc:
         raise EnrollmentRefused(RefusalReason.bad_evidence, str(exc)[:200]) from None
-    if len(key) != 32:
+    if len(public) != 32:
         raise EnrollmentRefused(RefusalReason.bad_evidence, "public_key must be 32 bytes")
     verdict = verifier.verifier.verify(
-        quote, event_log=events, expected_report_data=report_data(evidence.nonce, cvm.id, key)
+        quote, event_log=events, expected_report_data=report_data(evidence.nonce, cvm.id, public)
     )
     if not verdict.ok:
         raise EnrollmentRefused(RefusalReason.attestation_failed, "; ".join(verdict.reasons)[:300])
+    return Verified(cvm_id=cvm.id, public_key=public, events=events)
+
+
+def redeem(session: Session, verified: Verified, evidence: EnrollEvidence) -> tuple[str, bytes]:
+    """Spend the token and issue: returns (cvm id, HPKE-sealed credential). The conditional
+    UPDATE is the single-use decision: one transaction sees a row change, the others none.
+    Call inside a write transaction holding the CVM's lock. Raises EnrollmentRefused."""
+    now = utcnow()
+    spent = session.execute(
+        update(CvmEnrollment)
+        .where(col(CvmEnrollment.token_sha256) == token_digest(evidence.token))
+        .where(col(CvmEnrollment.used_at).is_(None))
+        .values(used_at=now)
+    )
+    if spent.rowcount != 1:  # type: ignore[attr-defined]
+        _live(session, evidence.token)  # raises the reason (reused, ...)
+        raise EnrollmentRefused(RefusalReason.reused_token)
+    cvm = session.get(Cvm, verified.cvm_id)
+    if cvm is None or cvm.state == CvmState.destroyed:
+        raise EnrollmentRefused(RefusalReason.cvm_gone)
     credential = CREDENTIAL_PREFIXES[cvm.kind] + secrets.token_urlsafe(32)
     cvm.credential_hash = credential_hash(credential)
     # What this launch measured: a later boot of it re-enrolls by a fresh quote (reenrollment).
-    reenrollment.record_binding(session, cvm, events)
+    reenrollment.record_binding(session, cvm, verified.events)
     failed_to_enroll = cvm.state == CvmState.failed and (cvm.state_reason or "").startswith(
         FAILED_PREFIX
     )
@@ -231,17 +290,15 @@ def enroll(
         # A registered replica runs once it enrolled; one that failed only for want of
         # enrollment runs again.
         cvm.state, cvm.state_reason = CvmState.running, None
-    cvm.updated_at = utcnow()
-    row.used_at = utcnow()
-    row.nonce = None
-    session.add_all([cvm, row])
+    cvm.updated_at = now
+    session.add(cvm)
     audit.append(
         session, actor=f"cvm:{cvm.id}", team=cvm.team, action=AuditAction.cvm_enroll, target=cvm.id,
         details={"kind": cvm.kind},
     )  # fmt: skip
     sealed = seal_release(
         credential.encode(),
-        X25519PublicKey.from_public_bytes(key),
+        X25519PublicKey.from_public_bytes(verified.public_key),
         hpke_info(cvm.id, evidence.nonce),
     )
     return cvm.id, sealed

@@ -64,6 +64,7 @@ class AuditAction(StrEnum):
     cvm_credential = "cvm.credential"
     cvm_enroll = "cvm.enroll"
     cvm_enroll_refused = "cvm.enroll_refused"
+    cvm_enroll_refused_summary = "cvm.enroll_refused_summary"
     cvm_reenroll = "cvm.reenroll"
     cvm_reenroll_refused = "cvm.reenroll_refused"
     cvm_enrollment_token = "cvm.enrollment_token"
@@ -73,6 +74,18 @@ class AuditAction(StrEnum):
     policy_upload = "policy.upload"
     profiles_attach = "profiles.attach"
     profiles_defaults = "profiles.defaults"
+    team_quotas = "team.quotas"
     secret_set = "secret.set"
     secret_delete = "secret.delete"
     secret_release = "secret.release"
+    secret_refresh = "secret.refresh"  # a Security CVM wrote back a rotated refresh token
+    secret_refresh_failed = "secret.refresh_failed"  # the token endpoint refused: needs a login
+    user_deactivate = "user.deactivate"
+
+
+class SecretStatus(StrEnum):
+    """Whether the Security CVMs can use a secret as stored; `needs_login` after a token endpoint
+    refused its refresh token (set it again, e.g. `umbra codex connect`)."""
+
+    ok = "ok"
+    needs_login = "needs_login"

@@ -51,7 +51,12 @@ async def long_poll[T](
         while True:
             current = await run_in_threadpool(load)
             remaining = deadline - loop.time()
-            if not unchanged(current) or remaining <= 0 or (gone is not None and await gone()):
+            if (
+                not unchanged(current)
+                or remaining <= 0
+                or console.notifier.stopping  # shutting down: answer what we hold now
+                or (gone is not None and await gone())
+            ):
                 return current
             await console.notifier.wait(
                 min(remaining, console.settings.long_poll_db_interval_seconds)

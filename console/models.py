@@ -24,7 +24,8 @@ from sqlalchemy.engine import Dialect
 from sqlalchemy.types import TypeDecorator
 from sqlmodel import AutoString, Field, SQLModel
 
-from umbra.console.enums import AuditAction, CvmKind, CvmState, Scope
+from umbra.console.enums import AuditAction, CvmKind, CvmState, Scope, SecretStatus
+from umbra.contracts.secret_kinds import SecretKind
 
 
 class EnumText[E: StrEnum](TypeDecorator[E]):
@@ -87,6 +88,10 @@ class TeamSettings(SQLModel, table=True):
     default_profiles: list[str] = Field(
         default_factory=list, sa_column=Column(JSON, nullable=False)
     )
+    # Quotas (revision 0011): Dev CVMs per developer (None: no limit), and the
+    # machine types Dev CVMs may have (empty: whatever the provider accepts).
+    max_dev_cvms_per_owner: int | None = None
+    machine_types: list[str] = Field(default_factory=list, sa_column=Column(JSON, nullable=False))
     updated_by: str = Field(max_length=255)
     updated_at: datetime = _ts()
 
@@ -148,6 +153,13 @@ class Secret(SQLModel, table=True):
     kek_id: str = Field(max_length=64)
     wrapped_key: bytes = Field(sa_column=Column(LargeBinary, nullable=False))
     ciphertext: bytes = Field(sa_column=Column(LargeBinary, nullable=False))
+    kind: SecretKind = Field(default=SecretKind.static, sa_type=EnumText(SecretKind, 32))
+    status: SecretStatus = Field(default=SecretStatus.ok, sa_type=EnumText(SecretStatus, 16))
+    # A Security CVM refreshing a rotating refresh token holds this lease (console/services/
+    # secret_refresh.py): one refresher per chain across replicas.
+    lease_id: str | None = Field(default=None, max_length=64)
+    lease_holder: str | None = Field(default=None, max_length=64)
+    lease_until: datetime | None = Field(default=None, sa_type=DateTime(timezone=True))
     updated_by: str = Field(max_length=255)
     created_at: datetime = _ts()
     updated_at: datetime = _ts()
@@ -162,6 +174,60 @@ class ReleaseNonce(SQLModel, table=True):
     security_cvm_id: str = Field(index=True, max_length=40)
     expires_at: datetime = Field(sa_type=DateTime(timezone=True))
     used: bool = False
+
+
+class DeactivatedUser(SQLModel, table=True):
+    """A developer deactivated in a team (revision 0011): their tokens and web
+    sessions carry no role in it from then on (services/people.py)."""
+
+    __tablename__ = "deactivated_user"
+
+    team: str = Field(primary_key=True, max_length=64)
+    subject: str = Field(primary_key=True, max_length=255, index=True)
+    deactivated_at: datetime = Field(sa_type=DateTime(timezone=True))
+    deactivated_by: str = Field(max_length=255)
+
+
+class ConsoleKey(SQLModel, table=True):
+    """A key the Console's replicas share, created once by whichever starts first (revision
+    0010): `enroll-nonce` signs stateless enrollment nonces (console/console_keys.py)."""
+
+    __tablename__ = "console_key"
+
+    name: str = Field(primary_key=True, max_length=64)
+    secret: bytes = Field(sa_column=Column(LargeBinary, nullable=False))
+    created_at: datetime = Field(sa_type=DateTime(timezone=True))
+
+
+class TrafficSlot(SQLModel, table=True):
+    """Traffic counts per team, owner, CVM and 30-minute slot, added in the transaction that
+    inserts the records (revision 0011): the overview reads these, not the records
+    (console/traffic_rollup.py). '' stands for a record without owner or CVM."""
+
+    __tablename__ = "traffic_slot"
+    __table_args__ = (Index("ix_traffic_slot_team_slot", "team", "slot"),)
+
+    team: str = Field(primary_key=True, max_length=64)
+    owner: str = Field(primary_key=True, max_length=255)
+    cvm_id: str = Field(primary_key=True, max_length=40)
+    slot: int = Field(primary_key=True, sa_type=BigInteger)  # epoch seconds, a slot's start
+    total: int = Field(sa_type=BigInteger)
+    denied: int = Field(sa_type=BigInteger)
+
+
+class TrafficSlotDenial(SQLModel, table=True):
+    """Denials per slot by host, reason and rule (`dimension`): the overview's top lists."""
+
+    __tablename__ = "traffic_slot_denial"
+    __table_args__ = (Index("ix_traffic_slot_denial_team_slot", "team", "dimension", "slot"),)
+
+    team: str = Field(primary_key=True, max_length=64)
+    owner: str = Field(primary_key=True, max_length=255)
+    cvm_id: str = Field(primary_key=True, max_length=40)
+    slot: int = Field(primary_key=True, sa_type=BigInteger)
+    dimension: str = Field(primary_key=True, max_length=8)  # host | reason | rule
+    value: str = Field(primary_key=True, max_length=260)  # '' for none
+    count: int = Field(sa_type=BigInteger)
 
 
 class TrafficRecord(SQLModel, table=True):

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import replace
+from datetime import timedelta
 from typing import Literal
 
 from sqlalchemy import Connection, select, text
@@ -98,7 +100,7 @@ def job_guard(console: Console, cvm_id: str, held: Connection | None = None) -> 
     if console.settings.is_sqlite:
         yield  # one process: everything transitional at startup is orphaned
         return
-    connection = held if held is not None else console.engine.connect()
+    connection = held if held is not None else _lock_connection(console)
     try:
         if held is None:
             connection.execute(text("SELECT pg_advisory_lock(:key)"), {"key": _job_key(cvm_id)})
@@ -112,12 +114,18 @@ def job_guard(console: Console, cvm_id: str, held: Connection | None = None) -> 
             connection.close()
 
 
+def _lock_connection(console: Console) -> Connection:
+    """Never one of the request pool's: a run holds it for minutes (db.make_lock_engine)."""
+    assert console.lock_engine is not None
+    return console.lock_engine.connect()
+
+
 def _claim(console: Console, cvm_id: str) -> Connection | Literal[False] | None:
     """Take the CVM's job lock for `reconcile` without waiting: its connection (PostgreSQL),
     None (SQLite: one process, nothing to take), or False when another worker's run holds it."""
     if console.settings.is_sqlite:
         return None
-    connection = console.engine.connect()
+    connection = _lock_connection(console)
     taken = connection.execute(
         text("SELECT pg_try_advisory_lock(:key)"), {"key": _job_key(cvm_id)}
     ).scalar_one()
@@ -151,16 +159,22 @@ def interrupted_operation(session: Session, cvm: Cvm) -> Operation:
     return Operation.stop if asked == Power.stopped else Operation.update
 
 
-def reconcile(console: Console) -> list[str]:
+def reconcile(console: Console, *, min_age: timedelta | None = None) -> list[str]:
     """At startup: every CVM left transitional by a crash, restart or kill whose run is not alive
     in any Console process is resumed when its provider is `resumable` (the run is submitted again
     for the same operation: Pulumi converges the stack), else marked `failed` with a reason saying
     what was interrupted (the owner or an admin then updates or destroys it; a destroy is
-    idempotent). Returns the ids handled."""
+    idempotent). Returns the ids handled.
+
+    Also every `RECONCILE_INTERVAL_SECONDS` while serving (PostgreSQL), with `min_age`: only rows
+    unchanged for that long, so a run another replica just committed and is about to claim is
+    never taken; a run whose process died (its job lock went with its connection) is taken over
+    by a live replica without waiting for a restart."""
+    query = select(col(Cvm.id)).where(col(Cvm.state).in_(BUSY_STATES))
+    if min_age is not None:
+        query = query.where(col(Cvm.updated_at) < utcnow() - min_age)
     with console.session() as session:
-        busy = list(
-            session.execute(select(col(Cvm.id)).where(col(Cvm.state).in_(BUSY_STATES))).scalars()
-        )
+        busy = list(session.execute(query).scalars())
     handled, resumed = [], 0
     for cvm_id in busy:
         # The job lock stays held from here into the resumed run: no other worker's reconcile can
@@ -234,10 +248,28 @@ def submit(
     enrollment_token: str | None = None,
 ) -> None:
     spec, ref = replace(spec_of(cvm), enrollment_token=enrollment_token), cvm.provider_ref
+    if held is None:
+        # Claimed now, not when a worker thread picks the run up: a queued run is alive too, and
+        # another replica's periodic `reconcile` must see it so.
+        claimed = _claim(console, spec.id)
+        if claimed is False:
+            log.warning("%s of %s: another Console process runs it", operation, spec.id)
+            return
+        held = claimed
     try:
-        console.jobs.submit(run, console, provider, operation, spec, ref, held)
-    except RuntimeError:  # the pool is shutting down: do not leave the row transitional
+        future = console.jobs.submit(run, console, provider, operation, spec, ref, held)
+        if held is not None:
+            lock = held
+
+            def release_if_cancelled(done: Future[None]) -> None:
+                if done.cancelled():  # queued at shutdown: never ran, so never released
+                    _release(console, spec.id, lock)
+
+            future.add_done_callback(release_if_cancelled)
+    except RuntimeError:  # the pool is shutting down
         _release(console, spec.id, held)
+        if provider.resumable:
+            return  # left transitional: the next start's `reconcile` resumes it
         finish(
             console,
             spec,
@@ -284,6 +316,13 @@ def run(
             reason, result = attempt()
             # Recorded while the job lock is still held: a `reconcile` starting in another
             # worker meanwhile sees a live run, never a finished run still marked transitional.
+            if reason is not None and console.stopping.is_set() and provider.resumable:
+                # Shutdown ended the provider's children: not the cloud's verdict. Left
+                # transitional like after kill -9; the next start resumes the run.
+                log.warning(
+                    "%s of %s interrupted by shutdown; resumed at start", operation, spec.id
+                )
+                return
             state = CvmState.failed if reason is not None else SETTLED[operation]
             finish(console, spec, operation, state, reason, result)
     except Exception as exc:  # the job lock itself failed (database unreachable)

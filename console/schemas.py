@@ -13,8 +13,9 @@ from pydantic import (
     field_validator,
 )
 
-from umbra.console.enums import AuditAction, CvmKind, CvmState, Power, Role, Scope
+from umbra.console.enums import AuditAction, CvmKind, CvmState, Power, Role, Scope, SecretStatus
 from umbra.contracts import model as contracts_model
+from umbra.contracts.secret_kinds import SecretKind
 from umbra.contracts.traffic import Decision, Kind, QuarantineReason
 from umbra.policy.normalize import NormalizationError, normalize_host
 
@@ -204,15 +205,34 @@ class TeamDefaultProfiles(Strict):
     updated_at: datetime | None = None
 
 
+class TeamQuotas(Strict):
+    """Limits on the team's Dev CVMs (services/team_quotas.py); null / empty: no limit."""
+
+    max_dev_cvms_per_owner: int | None = Field(default=None, ge=0, le=1000)
+    machine_types: list[MachineSize] = Field(default_factory=list, max_length=64)
+
+
+class TeamQuotasInfo(TeamQuotas):
+    team: str
+    updated_by: str | None = None
+    updated_at: datetime | None = None
+
+
 # -- secrets --------------------------------------------------------------------------------
 class TeamSecretSet(Strict):
     value: str = Field(min_length=1, max_length=MAX_SECRET_BYTES)
     hosts: list[Host] = Field(default_factory=list, max_length=64)
+    kind: SecretKind = Field(
+        default=SecretKind.static,
+        description="static: `value` is the secret; any other kind: `value` is its JSON document "
+        "(contracts/secret_kinds.py).",
+    )
 
 
 class PersonalSecretSet(Strict):
     value: str = Field(min_length=1, max_length=MAX_SECRET_BYTES)
     hosts: list[Host] = Field(min_length=1, max_length=64)
+    kind: SecretKind = SecretKind.static
 
 
 class SecretInfo(Strict):
@@ -225,6 +245,8 @@ class SecretInfo(Strict):
     ref: str
     hosts: list[str]
     version: int
+    kind: SecretKind = SecretKind.static
+    status: SecretStatus = SecretStatus.ok
     updated_by: str
     updated_at: datetime
 
@@ -346,3 +368,15 @@ class AuditPage(Strict):
 
 class AttachmentsDoc(Strict):
     cvms: dict[str, dict[str, object]]
+
+
+class Deactivated(Strict):
+    """What `POST /teams/{team}/members/{subject}/deactivate` did (services/people.py)."""
+
+    team: str
+    subject: str
+    newly: bool = Field(description="False: already deactivated (its CVMs were retried).")
+    secrets_erased: int
+    cvms_detached: list[str]
+    cvms_stopped: list[str]
+    cvms_skipped: dict[str, str] = Field(description="CVM id -> why it was left as it is.")

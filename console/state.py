@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from threading import Lock
+from threading import Event, Lock
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from sqlalchemy import Engine, text
@@ -16,13 +16,17 @@ from sqlalchemy.orm import Session
 
 from umbra.console import audit
 from umbra.console.config import Settings
-from umbra.console.db import WriteGate
+from umbra.console.console_keys import SharedKeys
+from umbra.console.db import WriteGate, make_lock_engine
+from umbra.console.db_watchdog import DatabaseWatchdog
 from umbra.console.envelope import KeyEncryptionKeys
 from umbra.console.metrics import Metrics
 from umbra.console.notify import ChangeNotifier
 from umbra.console.oidc import OidcValidator
 from umbra.console.providers import CvmProvider
+from umbra.console.refusal_budget import RefusalBudget
 from umbra.console.release import AttestedReleaseVerifier, SecretReleaseVerifier
+from umbra.console.services.errors import DatabaseUnavailable
 from umbra.policy.bundle import VerifiedBundle, verify_bundle
 
 
@@ -49,12 +53,35 @@ class Console:
 
     def __post_init__(self) -> None:
         self.write_gate = WriteGate(serialize=self.settings.is_sqlite)
+        self.keys = SharedKeys(self.engine)
+        # Set when shutdown begins: a resumable provider's run that fails from then on (its
+        # `pulumi` child was ended) stays transitional, as after kill -9, and is resumed.
+        self.stopping = Event()
+        # PostgreSQL: provider runs hold their job lock on connections of their own (db.py).
+        self.lock_engine = (
+            None
+            if self.settings.is_sqlite
+            else make_lock_engine(
+                self.settings.database_url,
+                connect_timeout_s=self.settings.db_connect_timeout_seconds,
+            )
+        )
+        self.watchdog: DatabaseWatchdog | None = None
+        if not self.settings.is_sqlite and self.settings.db_unresponsive_seconds > 0:
+            self.watchdog = DatabaseWatchdog(
+                self.engine,
+                interval=self.settings.db_probe_interval_seconds,
+                deadline=self.settings.db_unresponsive_seconds,
+            )
+        self.refusals = RefusalBudget(self.settings.enroll_refusals_per_minute)
         # Cloud provider runs (minutes each) happen here, never inside a request's transaction.
         self.jobs = ThreadPoolExecutor(
             max_workers=self.settings.provider_workers, thread_name_prefix="umbra-provider"
         )
 
     def session(self) -> Session:
+        if self.watchdog is not None and self.watchdog.down:
+            raise DatabaseUnavailable("the database is not answering; retry later")
         return Session(self.engine, expire_on_commit=False)
 
     @contextmanager

@@ -4,6 +4,8 @@ PostgreSQL: the validated batch goes to the server as one JSON document and is e
 `json_populate_recordset` into a single `INSERT ... ON CONFLICT (id) DO NOTHING` (no per-row
 Python work). SQLite: one `executemany` of `INSERT OR IGNORE`. Either way a record id already
 stored is skipped, so shipper retries never duplicate (ids are scoped per team), and the number actually inserted comes back.
+The same statement (PostgreSQL) or transaction (SQLite) adds the inserted records to the
+overview's rollups (traffic_rollup.py).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 from pydantic import TypeAdapter
 from sqlalchemy.orm import Session
 
+from umbra.console import traffic_rollup
 from umbra.contracts.traffic import TrafficRecord
 
 # The contract's fields, in its order: one definition (tests/console/test_traffic_fields.py ties
@@ -32,6 +35,7 @@ _PG_INSERT = (
     "FROM json_populate_recordset(NULL::traffic_record, %(doc)s::json) AS r "
     "ON CONFLICT (team, id) DO NOTHING"
 )
+_PG_INSERT_WITH_ROLLUPS = traffic_rollup.pg_insert_with_rollups(_PG_INSERT)
 _SQLITE_INSERT = (
     f"INSERT OR IGNORE INTO traffic_record ({_COLUMN_LIST}) "  # noqa: S608
     f"VALUES ({', '.join('?' for _ in COLUMNS)})"
@@ -69,8 +73,9 @@ def _insert_postgresql(
 ) -> int:
     document = RECORDS.dump_json(list(records)).decode()
     with connection.cursor() as cursor:
-        cursor.execute(_PG_INSERT, {"scvm": scvm, "now": now, "doc": document})
-        return int(cursor.rowcount)
+        cursor.execute(_PG_INSERT_WITH_ROLLUPS, {"scvm": scvm, "now": now, "doc": document})
+        row = cursor.fetchone()
+        return int(row[0]) if row else 0
 
 
 def _insert_sqlite(
@@ -95,8 +100,16 @@ def _insert_sqlite(
         values.append(item)
     cursor = connection.cursor()
     try:
+        stored = traffic_rollup.sqlite_stored_ids(cursor, records)
         cursor.executemany(_SQLITE_INSERT, values)
-        return int(cursor.rowcount)
+        inserted = int(cursor.rowcount)
+        fresh: dict[tuple[str, str], TrafficRecord] = {}
+        for record in records:
+            key = (record.team or "", str(record.id))
+            if key not in stored:
+                fresh.setdefault(key, record)
+        traffic_rollup.sqlite_add(cursor, fresh.values())
+        return inserted
     finally:
         cursor.close()
 

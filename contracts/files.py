@@ -7,11 +7,19 @@ import threading
 from pathlib import Path
 
 
-def write_atomic(path: Path, data: bytes | str, mode: int, *, sync: bool = False) -> None:
+def write_atomic(
+    path: Path,
+    data: bytes | str,
+    mode: int,
+    *,
+    sync: bool = False,
+    owner: tuple[int, int] | None = None,
+) -> None:
     """Write `data` beside `path` under a name unique to this process and thread (concurrent
-    writers never share a temp file), give it exactly `mode` (whatever the umask), then rename it
-    over `path`. `sync`: flushed to disk before the rename (state that must survive a crash).
-    Raises OSError; the callers say which file and why."""
+    writers never share a temp file), give it exactly `mode` (whatever the umask) and `owner`
+    (uid, gid) when given, then rename it over `path`: a reader sees the old file or the whole
+    new one, never a partial or wrongly owned one. `sync`: flushed to disk before the rename
+    (state that must survive a crash). Raises OSError; the callers say which file and why."""
     raw = data.encode() if isinstance(data, str) else data
     temp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     temp.unlink(missing_ok=True)
@@ -19,6 +27,8 @@ def write_atomic(path: Path, data: bytes | str, mode: int, *, sync: bool = False
     try:
         with os.fdopen(fd, "wb") as handle:
             os.fchmod(handle.fileno(), mode)
+            if owner is not None:
+                os.fchown(handle.fileno(), *owner)
             handle.write(raw)
             if sync:
                 handle.flush()

@@ -14,6 +14,7 @@ from cryptography.hazmat.primitives import hpke
 from pydantic import Field
 
 from umbra.contracts.model import Strict
+from umbra.contracts.secret_kinds import SecretKind
 
 REPORT_DATA_CONTEXT = b"umbra-secret-release-v1\x00"
 HPKE_INFO_CONTEXT = b"umbra-secret-release-v1"
@@ -40,6 +41,9 @@ class ReleasedSecret(Strict):
     owner: str | None
     hosts: list[str]
     version: int
+    # What `value` holds: the secret itself (static) or its kind's JSON document.
+    kind: SecretKind = SecretKind.static
+    needs_login: bool = False
     value: str = Field(repr=False, description="Base64 of the secret's bytes.")
 
 

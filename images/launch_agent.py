@@ -69,6 +69,7 @@ from umbra.components.launch_data import (
     LaunchData,
 )
 from umbra.components.ports import DEV_ATTESTED_SSH_PORT
+from umbra.contracts.files import write_atomic
 from umbra.contracts.names import CVM_ID_PATTERN
 from umbra.images.launch_host import (
     DataDisk,
@@ -425,14 +426,7 @@ class LogOnly:
 
 def _write(path: Path, data: str | bytes, mode: int = 0o644, owner: int | None = None) -> None:
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data.encode() if isinstance(data, str) else data)
-    os.chmod(tmp, mode)
-    if owner is not None:
-        os.chown(tmp, owner, owner)
-    tmp.replace(path)
+    write_atomic(path, data, mode, owner=None if owner is None else (owner, owner))
 
 
 def write_launch_dir(

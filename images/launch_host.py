@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Protocol
 
 from umbra.components.ports import SECURITY_CVM_HOST
+from umbra.contracts.files import write_atomic
 
 
 class HostSetupError(Exception):
@@ -60,12 +61,9 @@ def write_resolv_conf(etc: Path, resolvers: Sequence[str]) -> None:
 
 
 def _replace(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".umbra-tmp")
-    tmp.write_text(text)
-    tmp.chmod(0o644)
     if path.is_symlink():  # e.g. resolv.conf -> a resolver's stub file: ours replaces it
         path.unlink()
-    tmp.replace(path)
+    write_atomic(path, text, 0o644)
 
 
 class DataDisk(Protocol):

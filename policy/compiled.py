@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import base64
 import re
-from typing import Annotated, Literal, Self
+from typing import Annotated, Self
 
 from pydantic import (
     AfterValidator,
@@ -19,10 +19,12 @@ from pydantic import (
     model_validator,
 )
 
+from umbra.contracts.traffic import Decision
 from umbra.policy.model import (
     INJECT_DEFAULT_PORT,
     PLACEHOLDER,
     SCHEME_DEFAULT_PORTS,
+    Action,
     ExactHost,
     FieldConstraints,
     HeaderName,
@@ -34,6 +36,7 @@ from umbra.policy.model import (
     Method,
     Name,
     PathPattern,
+    Per,
     Port,
     Profile,
     QueryName,
@@ -72,7 +75,7 @@ Endpoint = Annotated[str, AfterValidator(_check_endpoint)]
 
 class CompiledHttpRule(StrictModel):
     id: RuleId
-    action: Literal["allow", "deny"]
+    action: Action
     hosts: list[HostPattern] = Field(min_length=1)
     methods: list[Method] | None
     endpoints: list[Endpoint] = Field(min_length=1)
@@ -112,6 +115,11 @@ class CompiledHeader(StrictModel):
     format: InjectFormat
 
 
+class CompiledSigv4(StrictModel):
+    services: list[str] = Field(min_length=1)
+    regions: list[str] = Field(min_length=1)
+
+
 class CompiledInject(StrictModel):
     """Where one secret goes: `headers` (each set once) and/or a `query` parameter, for HTTPS
     requests to `hosts` on `ports` and, when `paths` is given, on those paths only. With
@@ -125,9 +133,22 @@ class CompiledInject(StrictModel):
     headers: list[CompiledHeader] = Field(default_factory=list)
     query: QueryName | None = None
     user_secret: SecretRef | None = None
+    sigv4: CompiledSigv4 | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_no_sigv4(self, handler: SerializerFunctionWrapHandler) -> dict[str, object]:
+        """Bundles signed before `sigv4` existed dump (and so verify) byte for byte as before."""
+        data: dict[str, object] = handler(self)
+        if self.sigv4 is None:
+            data.pop("sigv4", None)
+        return data
 
     @model_validator(mode="after")
     def _placed(self) -> Self:
+        if self.sigv4 is not None:
+            if self.headers or self.query is not None or self.user_secret is not None:
+                raise ValueError("a sigv4 injection places nothing else")
+            return self
         if not self.headers and self.query is None:
             raise ValueError("an injection needs a header or a query parameter")
         basic = any("{basic}" in header.format for header in self.headers)
@@ -138,6 +159,8 @@ class CompiledInject(StrictModel):
     @property
     def placements(self) -> list[str]:
         """What the injection sets: header names, and `?name` for the query parameter."""
+        if self.sigv4 is not None:
+            return ["Authorization"]  # or the presigned query's X-Amz-Signature
         return [header.name for header in self.headers] + (
             [f"?{self.query}"] if self.query is not None else []
         )
@@ -173,7 +196,7 @@ class CompiledBudget(StrictModel):
     """A budget (policy.md, Budgets): `rules` qualified, `hosts` sorted."""
 
     id: RuleId
-    per: Literal["cvm", "owner"]
+    per: Per
     hosts: list[HostPattern] | None
     rules: list[RuleId] | None
     requests_per_minute: Limit | None
@@ -188,13 +211,17 @@ class CompiledProfile(StrictModel):
     tunnels: list[CompiledTunnel]
     scan: list[CompiledScan]
     inject: list[CompiledInject]
+    sandbox_env: dict[str, str] = Field(default_factory=dict)
     budgets: list[CompiledBudget] = Field(default_factory=list)
 
     @model_serializer(mode="wrap")
-    def _without_empty_budgets(self, handler: SerializerFunctionWrapHandler) -> dict[str, object]:
-        # A profile without budgets serializes (and hashes) as before they existed.
+    def _omit_empty_additions(self, handler: SerializerFunctionWrapHandler) -> dict[str, object]:
+        """Profiles without `sandbox_env` or `budgets` dump (hash, sign) byte for byte as before
+        they existed."""
         data: dict[str, object] = handler(self)
-        if not data.get("budgets"):
+        if not self.sandbox_env:
+            data.pop("sandbox_env", None)
+        if not self.budgets:
             data.pop("budgets", None)
         return data
 
@@ -236,7 +263,7 @@ def compile_profile(profile: Profile) -> tuple[CompiledProfile, dict[str, tuple[
                 )
             )
             continue
-        action: Literal["allow", "deny"] = "allow" if entry.allow is not None else "deny"
+        action = Decision.ALLOW if entry.allow is not None else Decision.DENY
         match = entry.allow or entry.deny
         assert match is not None  # guaranteed by EgressRule's validator
         rules.append(
@@ -261,7 +288,7 @@ def compile_profile(profile: Profile) -> tuple[CompiledProfile, dict[str, tuple[
         for index, rule in enumerate(profile.inject)
     ]
     budgets = []
-    allow_ids = {rule.id for rule in rules if rule.action == "allow"}
+    allow_ids = {rule.id for rule in rules if rule.action is Decision.ALLOW}
     for index, budget in enumerate(profile.budgets):
         budget_id = qualify(budget.id, "", "budgets", index)
         named = [f"{profile.name}:{local}" for local in budget.rules or []]
@@ -286,6 +313,7 @@ def compile_profile(profile: Profile) -> tuple[CompiledProfile, dict[str, tuple[
         tunnels=tunnels,
         scan=scan,
         inject=inject,
+        sandbox_env=dict(sorted(profile.sandbox_env.items())),
         budgets=budgets,
     )
     return compiled, origins
@@ -311,6 +339,11 @@ def _compile_inject(rule: InjectRule, rule_id: str) -> CompiledInject:
         headers=headers,
         query=rule.query,
         user_secret=rule.basic.user_secret if rule.basic is not None else None,
+        sigv4=CompiledSigv4(
+            services=sorted(set(rule.sigv4.services)), regions=sorted(set(rule.sigv4.regions))
+        )
+        if rule.sigv4 is not None
+        else None,
     )
 
 

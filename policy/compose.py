@@ -54,6 +54,10 @@ class EffectivePolicy:
         self.injections: tuple[CompiledInject, ...] = tuple(
             rule for profile in ordered for rule in profile.inject
         )
+        # The sandbox's environment from every profile (equal values only: checked above).
+        self.sandbox_env: dict[str, str] = dict(
+            sorted(item for profile in ordered for item in profile.sandbox_env.items())
+        )
         self._matcher = Matcher(self.rules, self.tunnels)
         self.budgets: tuple[CompiledBudget, ...] = tuple(
             budget for profile in ordered for budget in profile.budgets
@@ -70,7 +74,7 @@ class EffectivePolicy:
             profile.name: {
                 (host, int(endpoint.split(":")[1]))
                 for rule in profile.rules
-                if rule.action == "allow"
+                if rule.action == Verdict.ALLOW
                 for host in rule.hosts
                 for endpoint in rule.endpoints
                 if endpoint.startswith("https:")
@@ -156,6 +160,18 @@ class EffectivePolicy:
 
 def _check_conflicts(profiles: Sequence[CompiledProfile]) -> None:
     conflicts: list[Conflict] = []
+    env: dict[str, tuple[str, str]] = {}  # variable -> (value, profile that set it)
+    for profile in profiles:
+        for name, value in profile.sandbox_env.items():
+            if name in env and env[name][0] != value:
+                conflicts.append(
+                    Conflict(
+                        f"{profile.name}:sandbox_env",
+                        f"sets {name} to another value than profile {env[name][1]} does",
+                        "sandbox_env",
+                    )
+                )
+            env.setdefault(name, (value, profile.name))
     seen_names: set[str] = set()
     seen_ids: set[str] = {rule.id for rule in BUILTIN_SCAN}
     injected: dict[tuple[str, str, int], str] = {}
@@ -180,6 +196,8 @@ def _check_conflicts(profiles: Sequence[CompiledProfile]) -> None:
             targets = [("headers", "header", h.name.lower(), h.name) for h in rule.headers]
             if rule.query is not None:
                 targets.append(("query", "query parameter", rule.query, rule.query))
+            if rule.sigv4 is not None:  # the AWS signature is the request's Authorization
+                targets.append(("headers", "header", "authorization", "Authorization (sigv4)"))
             for host in rule.hosts:
                 for port in rule.ports:
                     for field_name, kind, key_name, shown in targets:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from fnmatch import translate
 
+from umbra.contracts.traffic import Decision as TrafficDecision
 from umbra.policy.compiled import CompiledHttpRule, CompiledTunnel
 from umbra.policy.model import ANY_HOST, METHODS
 from umbra.policy.normalize import (
@@ -26,10 +27,8 @@ from umbra.policy.normalize import (
 
 _KNOWN_METHODS = frozenset(METHODS)
 
-
-class Verdict(StrEnum):
-    ALLOW = "allow"
-    DENY = "deny"
+# A decision's allow/deny is the traffic record's own vocabulary (one enum, contracts/traffic.py).
+Verdict = TrafficDecision
 
 
 class Reason(StrEnum):
@@ -191,7 +190,7 @@ class Matcher:
         # host key -> ports some allow rule grants there: lets a proxy refuse a CONNECT up front.
         self._allow_ports: dict[str, set[int]] = {}
         for rule in rules:
-            if rule.action == "allow":
+            if rule.action == Verdict.ALLOW:
                 ports = {int(endpoint.split(":")[1]) for endpoint in rule.endpoints}
                 for host in rule.hosts:
                     self._allow_ports.setdefault(host, set()).update(ports)
@@ -237,7 +236,7 @@ class Matcher:
                         continue
                     if entry.methods is not None and method not in entry.methods:
                         continue
-                    if entry.rule.action == "deny":
+                    if entry.rule.action == Verdict.DENY:
                         if deny is None or entry.order < deny.order:
                             deny = entry
                     elif allows:

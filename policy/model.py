@@ -7,6 +7,7 @@ injections, unique ids) live in `compose`.
 from __future__ import annotations
 
 import re
+from enum import StrEnum
 from typing import Annotated, Literal, Self
 
 from pydantic import (
@@ -15,17 +16,20 @@ from pydantic import (
     ConfigDict,
     Field,
     SerializerFunctionWrapHandler,
+    ValidationInfo,
     field_validator,
     model_serializer,
     model_validator,
 )
 
+from umbra.contracts.traffic import Decision
 from umbra.policy.normalize import (
     NormalizationError,
     is_ip_literal,
     normalize_host,
     normalize_path,
 )
+from umbra.policy.sandbox_env import ENV_NAME, MAX_ENV_VARS, check_env_value, credential_rule
 
 API_VERSION = "umbra/v1"
 METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
@@ -225,6 +229,9 @@ Name = Annotated[str, AfterValidator(_check_name)]
 HostPattern = Annotated[str, AfterValidator(_check_host_pattern)]
 ExactHost = Annotated[str, AfterValidator(_check_exact_host)]
 PathPattern = Annotated[str, AfterValidator(_check_path_pattern)]
+# A rule's or test case's allow/deny, the traffic record's Decision; documents spell it as a string
+# (so not strict: the enum's value is accepted, and only its values).
+Action = Annotated[Decision, Field(strict=False)]
 Method = Literal["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
 Scheme = Literal["https", "http"]
 Port = Annotated[int, Field(ge=1, le=65535, strict=True)]
@@ -390,12 +397,27 @@ class BasicPlacement(StrictModel):
         return self
 
 
+AwsName = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9-]{0,62}$")]
+
+
+class Sigv4Placement(StrictModel):
+    """Re-sign the sandbox's AWS Signature V4 (made with placeholder keys) with the real key of an
+    `aws-sigv4` secret, only when its credential scope names one of these services and regions."""
+
+    services: list[AwsName] = Field(min_length=1, max_length=32)
+    regions: list[AwsName] = Field(min_length=1, max_length=64)
+
+
+EnvName = Annotated[str, Field(pattern=ENV_NAME)]
+
+
 class InjectRule(StrictModel):
     """Place `secret` in HTTPS requests to `hosts` on `ports` (and `paths`, when given) only:
     another service on the same host, or another path, never gets the credential.
 
     The placement is exactly one of: `header` + `format` (one header), `headers` (several),
-    `query` (a query parameter set to the URL-encoded value) or `basic` (HTTP Basic)."""
+    `query` (a query parameter set to the URL-encoded value), `basic` (HTTP Basic) or `sigv4`
+    (the request's AWS signature made again with the real key)."""
 
     id: Name | None = None
     header: HeaderName | None = None
@@ -403,6 +425,7 @@ class InjectRule(StrictModel):
     headers: list[HeaderPlacement] | None = Field(default=None, min_length=1)
     query: QueryName | None = None
     basic: BasicPlacement | None = None
+    sigv4: Sigv4Placement | None = None
     secret: SecretRef
     hosts: list[ExactHost] = Field(min_length=1)
     ports: list[Port] | None = Field(
@@ -416,9 +439,12 @@ class InjectRule(StrictModel):
 
     @model_validator(mode="after")
     def _one_placement(self) -> Self:
-        given = [name for name in ("header", "headers", "query", "basic") if getattr(self, name)]
+        placements = ("header", "headers", "query", "basic", "sigv4")
+        given = [name for name in placements if getattr(self, name)]
         if len(given) != 1:
-            raise ValueError("needs exactly one of 'header', 'headers', 'query' or 'basic'")
+            raise ValueError(
+                "needs exactly one of 'header', 'headers', 'query', 'basic' or 'sigv4'"
+            )
         if (self.header is None) != (self.format is None):
             raise ValueError("'header' and 'format' go together")
         return self
@@ -444,13 +470,24 @@ class InjectRule(StrictModel):
 Limit = Annotated[int, Field(ge=1, le=(1 << 62), strict=True)]
 
 
+class BudgetPer(StrEnum):
+    """Whose counter a budget keeps: each CVM's, or each owner's over all their CVMs."""
+
+    CVM = "cvm"
+    OWNER = "owner"
+
+
+# documents spell it as a string (not strict: the enum's values are accepted, only those)
+Per = Annotated[BudgetPer, Field(strict=False)]
+
+
 class Budget(StrictModel):
     """A limit on what a CVM (or each owner, over all their CVMs) may spend on the requests it
     covers: those to `hosts`, or those the profile's allow rules named in `rules` decide."""
 
     id: Name
     comment: str | None = None
-    per: Literal["cvm", "owner"]
+    per: Per
     hosts: list[HostPattern] | None = Field(default=None, min_length=1)
     rules: list[Name] | None = Field(default=None, min_length=1)
     requests_per_minute: Limit | None = None
@@ -488,3 +525,29 @@ class Profile(StrictModel):
     scan: list[ScanRule] = Field(default_factory=list)
     inject: list[InjectRule] = Field(default_factory=list)
     budgets: list[Budget] = Field(default_factory=list)
+    sandbox_env: dict[EnvName, str] = Field(
+        default_factory=dict,
+        max_length=MAX_ENV_VARS,
+        description="Non-secret variables and placeholders for every sandbox this profile is "
+        "attached to; a value that looks like a credential (scan rules) is refused.",
+    )
+
+    @field_validator("sandbox_env")
+    @classmethod
+    def _env_holds_no_credential(
+        cls, value: dict[str, str], info: ValidationInfo
+    ) -> dict[str, str]:
+        # `scan` is declared (and so validated) before `sandbox_env`: its rules apply too.
+        own = [(f"scan:{rule.id}", rule.regex) for rule in info.data.get("scan", [])]
+        for name, text in value.items():
+            try:
+                check_env_value(name, text)
+            except ValueError as exc:
+                raise ValueError(f"{name}: {exc}") from None
+            rule = credential_rule(text, own)
+            if rule is not None:
+                raise ValueError(
+                    f"{name} looks like a real credential ({rule}); store the secret with "
+                    "`umbra secret set` and put a placeholder here"
+                )
+        return value

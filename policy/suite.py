@@ -14,6 +14,7 @@ from umbra.policy.fields import BodyRequest
 from umbra.policy.matcher import Decision
 from umbra.policy.model import (
     SCHEME_DEFAULT_PORTS,
+    Action,
     Name,
     StrictModel,
     check_header_name,
@@ -104,7 +105,7 @@ class Case(StrictModel):
     name: str | None = None
     request: Annotated[str, AfterValidator(_check_request)] | None = None
     tunnel: Annotated[str, AfterValidator(_check_tunnel)] | None = None
-    expect: Literal["allow", "deny"]
+    expect: Action
     rule: str | None = Field(default=None, description="Expected rule id, e.g. 'github:git-read'.")
     reason: str | None = Field(default=None, description="Expected reason code, e.g. 'rule_deny'.")
     inject: list[Annotated[str, AfterValidator(_check_placement)]] | None = Field(

@@ -21,6 +21,8 @@ from enum import IntEnum
 import brotli  # type: ignore[import-untyped]
 import zstandard
 
+from umbra.proxy.aws_chunked import AwsChunkedError, unchunk
+
 _CHUNK = 64 * 1024
 
 _JSON_ESCAPE = re.compile(rb"\\(?:u([0-9a-fA-F]{4})|([\"\\/bfnrt]))")
@@ -55,6 +57,12 @@ def content_decode(data: bytes, encodings: str, limit: int) -> bytes:
         raise DecodeLimit("more than four stacked content encodings")
     for name in reversed(names):
         if name == "identity":
+            continue
+        if name == "aws-chunked":  # a framing, not a compression (proxy/aws_chunked.py)
+            try:
+                data = unchunk(data)
+            except AwsChunkedError as exc:
+                raise DecodeError(str(exc)) from None
             continue
         data = decompress(data, name, limit)
     return data

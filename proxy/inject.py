@@ -9,7 +9,7 @@ request rather than sending it without the credential the policy expects.
 
 from __future__ import annotations
 
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
 from urllib.parse import quote, unquote_plus
 
@@ -52,13 +52,21 @@ def query_value(secret: str) -> str:
 
 
 def render_injections(
-    injections: tuple[CompiledInject, ...], secrets: SecretStore, owner: str, host: str
+    injections: tuple[CompiledInject, ...],
+    secrets: SecretStore,
+    owner: str,
+    host: str,
+    minted: Mapping[str, str] | None = None,
 ) -> list[Rendered]:
+    """`minted`: access tokens minted for this flow (OAuth kinds), by secret ref; they render
+    like a static value."""
     rendered: list[Rendered] = []
     for rule in injections:
+        if rule.sigv4 is not None:
+            continue  # signed, not placed: the SigV4 addon (proxy/sigv4.py)
         values: list[str] = []
         for ref in rule.refs:
-            value = secrets.resolve(ref, owner, host)
+            value = minted[ref] if minted and ref in minted else secrets.resolve(ref, owner, host)
             if value is None:
                 raise InjectionError(rule.id, ref)
             values.append(value)

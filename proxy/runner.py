@@ -68,6 +68,7 @@ class UmbraProxy:
         from umbra.proxy.addons import AddonConfig, Shared
         from umbra.proxy.background import policy_puller, start_loops
         from umbra.proxy.master import build_master
+        from umbra.proxy.minting import minter
 
         mitm_compat.install(reuse_port=self.config.worker_index is not None)
         log_to_stderr()
@@ -88,6 +89,7 @@ class UmbraProxy:
                 addresses=addresses,
                 spool=spool,
                 max_body=config.max_body,
+                minter=minter(config, state, resolver, lambda: shared.addresses, client),
             )
         )
         self._master = master = build_master(config, shared)

@@ -27,7 +27,8 @@ from umbra.contracts.release import (
     expected_report_data,
     hpke_info,
 )
-from umbra.proxy.secrets import HostBindings, SecretsError, SecretStore
+from umbra.contracts.secret_kinds import SecretKind, StaticSecret, parse_material
+from umbra.proxy.secrets import HostBindings, Material, SecretKey, SecretsError, SecretStore
 from umbra.proxy.state import PolicyState
 
 logger = logging.getLogger(__name__)
@@ -174,20 +175,29 @@ def _store(document: ReleaseDocument) -> SecretStore:
     team: dict[str, str] = {}
     personal: dict[str, dict[str, str]] = {}
     hosts: HostBindings = {}
+    materials: dict[SecretKey, Material] = {}
     for item in document.secrets:
         kind, _, name = item.ref.partition("/")
         try:
             value = base64.b64decode(item.value, validate=True).decode()
         except (binascii.Error, UnicodeDecodeError):
             raise SecretReleaseError(f"secret {item.ref} is not valid text") from None
-        if kind == "team" and item.owner is None:
-            team[name] = value
-        elif kind == "personal" and item.owner:
-            personal.setdefault(item.owner, {})[name] = value
-        else:
+        if not ((kind == "team" and item.owner is None) or (kind == "personal" and item.owner)):
             raise SecretReleaseError(f"secret {item.ref} has an unexpected scope or owner")
+        if item.kind != SecretKind.static:
+            try:
+                parsed = parse_material(item.kind, value)
+            except ValueError:  # ValidationError too; neither message is logged with input
+                raise SecretReleaseError(f"secret {item.ref} is not a valid {item.kind}") from None
+            assert not isinstance(parsed, StaticSecret)
+            materials[(item.ref, item.owner)] = Material(parsed, item.version, item.needs_login)
+        elif kind == "team":
+            team[name] = value
+        else:
+            assert item.owner is not None
+            personal.setdefault(item.owner, {})[name] = value
         # A team secret set without hosts is bound by the policy's inject rules alone; personal
         # secrets always name their hosts.
         if item.hosts or kind == "personal":
             hosts[(item.ref, item.owner)] = frozenset(item.hosts)
-    return SecretStore(team, personal, hosts)
+    return SecretStore(team, personal, hosts, materials)

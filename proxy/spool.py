@@ -31,6 +31,7 @@ from pathlib import Path
 
 import httpx
 
+from umbra.contracts.files import write_atomic
 from umbra.contracts.traffic import TrafficBatch, TrafficRecord
 
 logger = logging.getLogger(__name__)
@@ -209,14 +210,8 @@ class Shipper:
             return 0, 0
 
     def _save_cursor(self, segment: int, offset: int) -> None:
-        tmp = self.directory / (_CURSOR + ".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            os.write(fd, json.dumps({"segment": segment, "offset": offset}).encode())
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, self.directory / _CURSOR)
+        cursor = json.dumps({"segment": segment, "offset": offset})
+        write_atomic(self.directory / _CURSOR, cursor, 0o600, sync=True)
 
     def _quarantine(self, path: Path, offset: int, line: bytes, fault: Fault) -> None:
         """Keep a line that can never be shipped, with where it was and why; never its content in

@@ -117,20 +117,12 @@ def _files() -> dict[str, tuple[str, int]]:
         "etc/pip.conf": (f"[global]\ncert = {CA_BUNDLE}\n", 0o644),
         "etc/npmrc": (f"cafile={CA_BUNDLE}\nupdate-notifier=false\nfund=false\n", 0o644),
         "etc/gitconfig": (f"[http]\n\tsslCAInfo = {CA_BUNDLE}\n", 0o644),
-        # Nested containers share the sandbox's network namespace: it belongs to the host, so
-        # the sandbox's root can make no bridge or rule there (and needs none: the one way out
-        # is the forwarder). `docker run --network host|none`, `docker build --network host`.
+        # Nested containers get Docker's own bridge and NAT, made in the sandbox's network
+        # namespace (owned by the sandbox's user namespace: sandbox/runtime.py). Their traffic
+        # leaves as the sandbox's, so the forwarder is still the one way out. No IPv6 anywhere.
         "etc/docker/daemon.json": (
             json.dumps(
-                {
-                    "bridge": "none",
-                    "iptables": False,
-                    "ip6tables": False,
-                    "ip-forward": False,
-                    "ip-masq": False,
-                    "storage-driver": "overlay2",
-                    "group": USER,
-                },
+                {"ip6tables": False, "storage-driver": "overlay2", "group": USER},
                 indent=2,
             )
             + "\n",

@@ -5,14 +5,20 @@
 
 - The sandbox is the production sandbox image (sandbox/image.py) run by the production runtime
   (runc, sandbox/runtime.py): its own user (root maps to an unprivileged host uid range), mount,
-  PID, UTS, IPC and cgroup namespaces; it joins the sandbox network namespace made here.
-- Its only route is the /30 to the forwarder; no default route, no IPv6, ip_forward=0.
+  PID, UTS, IPC, cgroup and network namespaces. Its network namespace is runc's, owned by its user
+  namespace (so its nested dockerd can make a bridge and NAT there); the host attaches the one
+  veth to it between `runc create` and `runc start` (`attach_sandbox_network`) and names it
+  `/run/netns/<prefix>-<id>-sbx`. The sandbox's root may change its own routes and rules: that
+  gains nothing, because isolation is the topology on the forwarder's side.
+- Its only link is the /30 to the forwarder; no default route, no IPv6.
 - The forwarder namespace has ip_forward=0 and an nftables filter: from the sandbox link only the
   forwarder's own sandbox-side listeners are reachable (not its uplink address, not anything else),
-  and nothing is ever forwarded. The forwarder (`umbra forwarder serve`) attests the Security CVM
-  before passing a byte.
-- Every sysctl that matters is set explicitly in every namespace we create: a new namespace may
-  inherit values from the host (Docker sets the host's ip_forward to 1).
+  and nothing is ever forwarded. ip_nonlocal_bind=1 there: the forwarder's listeners bind the
+  sandbox-side address even while the sandbox (and with it that address's link) is down or
+  restarting. The forwarder (`umbra forwarder serve`) attests the Security CVM before passing a
+  byte.
+- Every sysctl that matters is set explicitly in every namespace we create or attach: a new
+  namespace may inherit values from the host (Docker sets the host's ip_forward to 1).
 
 Everything lives on disk under the CVM's directory (`plan.json`, pid files, logs, rootfs), so a
 Console restart loses nothing; `destroy` kills the processes, deletes the namespaces (and with them
@@ -244,51 +250,86 @@ def forwarder_filter(
 """
 
 
+# Per namespace, whatever the host's values (Docker sets the host's ip_forward to 1).
+_NS_SYSCTLS = (
+    ("net.ipv4.ip_forward", "0"),
+    ("net.ipv6.conf.all.forwarding", "0"),
+    ("net.ipv6.conf.all.disable_ipv6", "1"),
+    ("net.ipv6.conf.default.disable_ipv6", "1"),
+    ("net.ipv4.conf.all.accept_redirects", "0"),
+    ("net.ipv4.conf.all.send_redirects", "0"),
+    ("net.ipv4.conf.all.rp_filter", "1"),
+    ("net.ipv4.conf.default.rp_filter", "1"),
+)
+# The forwarder binds its sandbox-side address before (and while) the sandbox's link exists.
+_FORWARDER_SYSCTLS = (*_NS_SYSCTLS, ("net.ipv4.ip_nonlocal_bind", "1"))
+
+
 def create_network(plan: LocalCvmPlan, forwarder_ports: list[int]) -> None:
-    """Namespaces, veths, addresses, routes, sysctls and the forwarder namespace's filter."""
-    for ns in (plan.sandbox_ns, plan.forwarder_ns):
-        if _netns_exists(ns):
-            raise LocalCvmError(f"network namespace {ns} already exists (stale state?)")
-    for ns in (plan.sandbox_ns, plan.forwarder_ns):
-        _run("ip", "netns", "add", ns)
-        _run("ip", "-n", ns, "link", "set", "lo", "up")
-        # Explicitly, whatever the host's values (Docker sets the host's ip_forward to 1).
-        _sysctl(ns, "net.ipv4.ip_forward", "0")
-        _sysctl(ns, "net.ipv6.conf.all.forwarding", "0")
-        _sysctl(ns, "net.ipv6.conf.all.disable_ipv6", "1")
-        _sysctl(ns, "net.ipv6.conf.default.disable_ipv6", "1")
-        _sysctl(ns, "net.ipv4.conf.all.accept_redirects", "0")
-        _sysctl(ns, "net.ipv4.conf.all.send_redirects", "0")
-        _sysctl(ns, "net.ipv4.conf.all.rp_filter", "1")
-        _sysctl(ns, "net.ipv4.conf.default.rp_filter", "1")
-    a, b, c, d = (plan.ifname(r) for r in "abcd")
-    _run(
-        "ip", "link", "add", a, "netns", plan.sandbox_ns,
-        "type", "veth", "peer", "name", b, "netns", plan.forwarder_ns,
-    )  # fmt: skip
-    _run("ip", "link", "add", c, "netns", plan.forwarder_ns, "type", "veth", "peer", "name", d)
-    _run("ip", "-n", plan.sandbox_ns, "addr", "add", f"{plan.sandbox_addr}/30", "dev", a)
-    _run("ip", "-n", plan.forwarder_ns, "addr", "add", f"{plan.forwarder_addr}/30", "dev", b)
-    _run("ip", "-n", plan.forwarder_ns, "addr", "add", f"{plan.uplink_addr}/30", "dev", c)
+    """The forwarder's namespace, its uplink veth to the host, sysctls and filter. The sandbox's
+    side comes with each start of the sandbox (`attach_sandbox_network`)."""
+    if _netns_exists(plan.forwarder_ns):
+        raise LocalCvmError(f"network namespace {plan.forwarder_ns} already exists (stale state?)")
+    ns = plan.forwarder_ns
+    _run("ip", "netns", "add", ns)
+    _run("ip", "-n", ns, "link", "set", "lo", "up")
+    for key, value in _FORWARDER_SYSCTLS:
+        _sysctl(ns, key, value)
+    c, d = plan.ifname("c"), plan.ifname("d")
+    _run("ip", "link", "add", c, "netns", ns, "type", "veth", "peer", "name", d)
+    _run("ip", "-n", ns, "addr", "add", f"{plan.uplink_addr}/30", "dev", c)
     _run("ip", "addr", "add", f"{plan.host_addr}/30", "dev", d)
     _run("ip", "addr", "add", f"{SECURITY_CVM_ADDR}/32", "dev", d)
-    for ns, ifname in ((plan.sandbox_ns, a), (plan.forwarder_ns, b), (plan.forwarder_ns, c)):
-        _run("ip", "-n", ns, "link", "set", ifname, "up")
+    _run("ip", "-n", ns, "link", "set", c, "up")
     _run("ip", "link", "set", d, "up")
-    _run("ip", "-n", plan.forwarder_ns, "route", "add", f"{SECURITY_CVM_ADDR}/32", "dev", c)
+    _run("ip", "-n", ns, "route", "add", f"{SECURITY_CVM_ADDR}/32", "dev", c)
     rules = _nft_rules(plan, forwarder_ports)
     subprocess.run(
-        ["ip", "netns", "exec", plan.forwarder_ns, "nft", "-f", "-"],
+        ["ip", "netns", "exec", ns, "nft", "-f", "-"],
         input=rules, text=True, check=True, capture_output=True, timeout=30,
     )  # fmt: skip
+
+
+def attach_sandbox_network(plan: LocalCvmPlan, pid: int) -> None:
+    """Wire a created (not yet started) sandbox: name its network namespace (the one runc made,
+    owned by the sandbox's user namespace) `plan.sandbox_ns`, and give it its one link, a veth to
+    the forwarder's namespace, with its address and sysctls. A previous run's namespace and link
+    are removed first (a veth dies with its namespace's last process, but a name keeps it)."""
+    if not _netns_exists(plan.forwarder_ns):
+        raise LocalCvmError(f"the forwarder namespace {plan.forwarder_ns} does not exist")
+    detach_sandbox_network(plan)
+    a, b = plan.ifname("a"), plan.ifname("b")
+    _run("ip", "netns", "attach", plan.sandbox_ns, str(pid))
+    ns = plan.sandbox_ns
+    _run("ip", "-n", ns, "link", "set", "lo", "up")
+    for key, value in _NS_SYSCTLS:
+        _sysctl(ns, key, value)
+    _run(
+        "ip", "link", "add", a, "netns", ns,
+        "type", "veth", "peer", "name", b, "netns", plan.forwarder_ns,
+    )  # fmt: skip
+    _sysctl(ns, f"net.ipv6.conf.{a}.disable_ipv6", "1")
+    _sysctl(plan.forwarder_ns, f"net.ipv6.conf.{b}.disable_ipv6", "1")
+    _run("ip", "-n", ns, "addr", "add", f"{plan.sandbox_addr}/30", "dev", a)
+    _run("ip", "-n", plan.forwarder_ns, "addr", "add", f"{plan.forwarder_addr}/30", "dev", b)
+    _run("ip", "-n", ns, "link", "set", a, "up")
+    _run("ip", "-n", plan.forwarder_ns, "link", "set", b, "up")
+
+
+def detach_sandbox_network(plan: LocalCvmPlan) -> None:
+    """Drop the sandbox namespace's name and the link to the forwarder (idempotent)."""
+    if _netns_exists(plan.forwarder_ns):
+        _run("ip", "-n", plan.forwarder_ns, "link", "del", plan.ifname("b"), check=False)
+    if _netns_exists(plan.sandbox_ns):
+        _run("ip", "netns", "del", plan.sandbox_ns, check=False)
 
 
 def delete_network(plan: LocalCvmPlan) -> None:
     # The host end first: a namespace's deletion (and so its veths') completes asynchronously.
     _run("ip", "link", "del", plan.ifname("d"), check=False)
-    for ns in (plan.sandbox_ns, plan.forwarder_ns):
-        if _netns_exists(ns):
-            _run("ip", "netns", "del", ns, check=False)
+    detach_sandbox_network(plan)
+    if _netns_exists(plan.forwarder_ns):
+        _run("ip", "netns", "del", plan.forwarder_ns, check=False)
 
 
 # ----------------------------------------------------------------------------- processes
@@ -383,7 +424,7 @@ def sandbox_spec(plan: LocalCvmPlan, layers: tuple[Path, ...] | None = None) -> 
     return runtime.SandboxSpec(
         name=plan.cvm_id,
         base_uid=plan.uid,
-        netns=Path("/run/netns", plan.sandbox_ns),
+        netns=None,  # runc's, owned by the sandbox's user namespace: attach_sandbox_network
         image=layers,
         upper=plan.dir / "upper",
         work=plan.dir / "overlay-work",
@@ -417,8 +458,12 @@ def start_sandbox(plan: LocalCvmPlan) -> int:
     spec = sandbox_spec(plan)
     _prepare_sandbox_dirs(plan)
     try:
-        pid = runtime.start(spec, _pid_file(plan, "sandbox"))
-    except (runtime.RuntimeError_, OSError) as exc:
+        pid = runtime.start(
+            spec,
+            _pid_file(plan, "sandbox"),
+            on_created=lambda pid: attach_sandbox_network(plan, pid),
+        )
+    except (runtime.RuntimeError_, LocalCvmError, OSError) as exc:
         raise LocalCvmError(f"the sandbox of {plan.cvm_id} did not start: {exc}") from None
     # `runc start` returns before its init has exec'd tini (and shows our marker).
     end = time.monotonic() + 10
@@ -437,6 +482,7 @@ def stop_sandbox(plan: LocalCvmPlan) -> None:
         with contextlib.suppress(runtime.RuntimeError_):
             runtime.delete(spec)
     runtime.unmount_rootfs(spec)
+    detach_sandbox_network(plan)
 
 
 def wait_listening(ns: str | None, host: str, port: int, timeout: float = 60) -> None:
@@ -576,8 +622,9 @@ def ensure_running(plan: LocalCvmPlan) -> list[str]:
 
 
 def ensure_network(plan: LocalCvmPlan) -> bool:
-    """Recreate the namespaces after `shut_down` (or a reboot); True when it had to."""
-    if _netns_exists(plan.sandbox_ns) and _netns_exists(plan.forwarder_ns):
+    """Recreate the forwarder's namespace after `shut_down` (or a reboot); True when it had to.
+    (The sandbox's comes with the sandbox: `start_sandbox`.)"""
+    if _netns_exists(plan.forwarder_ns):
         return False
     for role in ("ingress", "forwarder", "sandbox"):
         stop(plan, role)

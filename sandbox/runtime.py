@@ -2,13 +2,16 @@
 
     image layers (cached, host root's) --idmapped ro binds--> /run/umbra-sandbox/ID/layerN
     overlay(lower=layer0:layer1, upper=UPPER)            --> /run/umbra-sandbox/ID/rootfs
-    runc: new user (0 -> B..B+65535), mount, PID, UTS, IPC, cgroup namespaces;
-          the pre-made network namespace joined by path
+    runc: new user (0 -> B..B+65535), mount, PID, UTS, IPC, cgroup and network namespaces
+          (the network namespace belongs to the sandbox's user namespace, so its nested dockerd
+          can make bridges and NAT rules; its one link is attached by the host between
+          `runc create` and `runc start`: `start(on_created=...)`)
 
 Why runc rather than Podman, LXC or Incus (docs/specs/sandbox.md has the long form): it is the
-one component all of them end in, it is already in every image that carries docker.io, it joins
-a network namespace by path (the topology that isolates the sandbox stays ours), and it needs no
-daemon, image store or import: the rootfs is a directory, so a start takes well under a second.
+one component all of them end in, it is already in every image that carries docker.io, it lets
+the host wire the sandbox's network namespace before its first process runs (the topology that
+isolates the sandbox stays ours), and it needs no daemon, image store or import: the rootfs is
+a directory, so a start takes well under a second.
 
 Mounts are made here by the host's root, under a directory only root can write but the
 sandbox's root can traverse (runc prepares the rootfs from inside the new user namespace).
@@ -23,6 +26,7 @@ import resource
 import shutil
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -105,7 +109,11 @@ class SandboxSpec:
 
     name: str  # the container id (unique on the host)
     base_uid: int  # sandbox root's host uid; 65536 ids mapped
-    netns: Path  # joined, not created: the host owns it
+    # None: runc makes a network namespace owned by the sandbox's user namespace (nested Docker
+    # can make its bridge and NAT there; the host attaches the one link at `on_created`). A path:
+    # joined, owned by the host's user namespace (the sandbox's root cannot change it at all, and
+    # nested containers get loopback only).
+    netns: Path | None
     image: tuple[Path, ...]  # the cached layers, top first (read-only)
     upper: Path  # the sandbox's writes (survive a stop)
     work: Path  # overlay's work dir, same file system as upper
@@ -204,15 +212,7 @@ def oci_config(spec: SandboxSpec) -> dict[str, Any]:
                 "source": "mqueue",
                 "options": list(MOUNT_FLAGS),
             },
-            # The network namespace is the host's: sysfs cannot be mounted from a user namespace
-            # that does not own it, so the host's is bound read-only (runc does the same for
-            # rootless containers).
-            {
-                "destination": "/sys",
-                "type": "none",
-                "source": "/sys",
-                "options": ["rbind", "nosuid", "noexec", "nodev", "ro"],
-            },
+            _sys_mount(spec),
             # Writable: the nested dockerd makes its containers' cgroups under ours.
             {
                 "destination": "/sys/fs/cgroup",
@@ -231,12 +231,37 @@ def oci_config(spec: SandboxSpec) -> dict[str, Any]:
                 {"type": "mount"},
                 {"type": "user"},
                 {"type": "cgroup"},
-                {"type": "network", "path": str(spec.netns)},
+                _netns(spec),
             ],
             "cgroupsPath": spec.cgroups_path,
             "resources": {"devices": [{"allow": False, "access": "rwm"}]},
             "rootfsPropagation": "rprivate",
         },
+    }
+
+
+def _netns(spec: SandboxSpec) -> dict[str, str]:
+    if spec.netns is None:
+        return {"type": "network"}
+    return {"type": "network", "path": str(spec.netns)}
+
+
+def _sys_mount(spec: SandboxSpec) -> dict[str, Any]:
+    """A sysfs of the sandbox's own network namespace (its dockerd reads its bridge there); with a
+    joined host-owned namespace, sysfs cannot be mounted from the sandbox's user namespace, so the
+    host's is bound read-only (runc does the same for rootless containers)."""
+    if spec.netns is None:
+        return {
+            "destination": "/sys",
+            "type": "sysfs",
+            "source": "sysfs",
+            "options": [*MOUNT_FLAGS, "rw"],
+        }
+    return {
+        "destination": "/sys",
+        "type": "none",
+        "source": "/sys",
+        "options": ["rbind", "nosuid", "noexec", "nodev", "ro"],
     }
 
 
@@ -350,8 +375,14 @@ def _delegate_cgroups(spec: SandboxSpec) -> None:
             os.chown(path, uid, uid)
 
 
-def start(spec: SandboxSpec, pid_file: Path) -> int:
-    """Create and start the container; its init's host pid goes to `pid_file`."""
+def start(
+    spec: SandboxSpec, pid_file: Path, on_created: Callable[[int], None] | None = None
+) -> int:
+    """Create and start the container; its init's host pid goes to `pid_file`.
+
+    `on_created(pid)` runs between `runc create` and `runc start`: the namespaces exist, nothing
+    of the sandbox's has run yet (the host attaches its network link there). If it fails, the
+    container is deleted and the error propagates."""
     require_runtime()
     spec.state.mkdir(parents=True, exist_ok=True, mode=0o700)
     if state(spec) is not None:
@@ -376,9 +407,17 @@ def start(spec: SandboxSpec, pid_file: Path) -> int:
             f.seek(offset)
             said = f.read().decode(errors="replace").strip()
         raise RuntimeError_(f"runc create: {said[-400:]}")
-    _delegate_cgroups(spec)
-    _runc(spec, "start", spec.name)
-    return int(pid_file.read_text().strip())
+    pid = int(pid_file.read_text().strip())
+    try:
+        _delegate_cgroups(spec)
+        if on_created is not None:
+            on_created(pid)
+        _runc(spec, "start", spec.name)
+    except BaseException:
+        with contextlib.suppress(RuntimeError_, OSError, subprocess.SubprocessError):
+            delete(spec)
+        raise
+    return pid
 
 
 def delete(spec: SandboxSpec) -> None:

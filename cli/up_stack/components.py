@@ -8,6 +8,7 @@ import hashlib
 import json
 import sys
 import time
+from collections.abc import Callable
 
 from umbra.cli.up_stack.errors import UpError
 from umbra.cli.up_stack.material import llm_keys
@@ -50,65 +51,88 @@ def console_env(stack: Stack) -> dict[str, str]:
     return {ENV_PREFIX + name.upper(): value for name, value in console_settings(stack).items()}
 
 
-def start_issuer(stack: Stack) -> bool:
-    if stack.pid(Component.ISSUER) is not None:
+def _start(
+    stack: Stack,
+    component: Component,
+    argv: Callable[[], list[str]],
+    ready: Callable[[], None],
+    env: dict[str, str] | None = None,
+) -> bool:
+    """Start `component` unless it runs, and wait until `ready` returns; False if it ran."""
+    if stack.pid(component) is not None:
         return False
-    stack.spawn(
-        Component.ISSUER,
-        [
+    stack.spawn(component, argv(), env)
+    ready()
+    return True
+
+
+def start_issuer(stack: Stack) -> bool:
+    def argv() -> list[str]:
+        return [
             sys.executable, "-m", "umbra.console.dev_issuer",
             "--state-dir", str(stack.p("issuer")), "--subject", SUBJECT,
             "--role", f"{TEAM}:admin", "--port", str(stack.port(Port.ISSUER)),
-        ],
-    )  # fmt: skip
-    stack.wait_http(Component.ISSUER, stack.issuer_url + "/healthz")
-    return True
+        ]  # fmt: skip
+
+    return _start(
+        stack,
+        Component.ISSUER,
+        argv,
+        lambda: stack.wait_http(Component.ISSUER, stack.issuer_url + "/healthz"),
+    )
 
 
 def start_console(stack: Stack) -> bool:
-    if stack.pid(Component.CONSOLE) is not None:
-        return False
-    stack.spawn(
+    return _start(
+        stack,
         Component.CONSOLE,
-        [umbra_executable(), "console", "serve", "--port", str(stack.port(Port.CONSOLE)),
-         "--migrate"],
+        lambda: [
+            umbra_executable(),
+            "console",
+            "serve",
+            "--port",
+            str(stack.port(Port.CONSOLE)),
+            "--migrate",
+        ],
+        lambda: stack.wait_http(Component.CONSOLE, stack.console_url + "/healthz"),
         console_env(stack),
-    )  # fmt: skip
-    stack.wait_http(Component.CONSOLE, stack.console_url + "/healthz")
-    return True
+    )
+
+
+def _origin_argv(stack: Stack, module: str, port: Port, *extra: str) -> list[str]:
+    """A stand-in origin: its module, the stand-ins' one certificate, its port."""
+    d = stack.p("demo-origin")
+    return [
+        sys.executable, "-m", module, "--cert", str(d / "origin.pem"),
+        "--key", str(d / "origin-key.pem"), "--port", str(stack.port(port)), *extra,
+    ]  # fmt: skip
 
 
 def start_origin(stack: Stack) -> bool:
-    if stack.pid(Component.ORIGIN) is not None:
-        return False
-    d = stack.p("demo-origin")
-    stack.spawn(
+    return _start(
+        stack,
         Component.ORIGIN,
-        [
-            sys.executable, "-m", "umbra.cli.demo_origin", "--cert", str(d / "origin.pem"),
-            "--key", str(d / "origin-key.pem"), "--port", str(stack.port(Port.ORIGIN)),
-        ],
-    )  # fmt: skip
-    stack.wait_tcp(Component.ORIGIN, stack.port(Port.ORIGIN), 20)
-    return True
+        lambda: _origin_argv(stack, "umbra.cli.demo_origin", Port.ORIGIN),
+        lambda: stack.wait_tcp(Component.ORIGIN, stack.port(Port.ORIGIN), 20),
+    )
 
 
 def start_llm_origin(stack: Stack) -> bool:
-    if stack.pid(Component.LLM) is not None:
-        return False
-    d, keys = stack.p("demo-origin"), llm_keys(stack)
-    stack.spawn(
-        Component.LLM,
-        [
-            sys.executable, "-m", "umbra.cli.llm_origin", "--cert", str(d / "origin.pem"),
-            "--key", str(d / "origin-key.pem"), "--port", str(stack.port(Port.LLM)),
-            # only the keys' digests: no key on a command line
+    def argv() -> list[str]:
+        keys = llm_keys(stack)
+        # only the keys' digests: no key on a command line
+        return _origin_argv(
+            stack, "umbra.cli.llm_origin", Port.LLM,
             "--anthropic-key-sha256", hashlib.sha256(keys["anthropic-api-key"].encode()).hexdigest(),
             "--openai-key-sha256", hashlib.sha256(keys["openai-api-key"].encode()).hexdigest(),
-        ],
-    )  # fmt: skip
-    stack.wait_tcp(Component.LLM, stack.port(Port.LLM), 20)
-    return True
+        )  # fmt: skip
+
+    return _start(
+        stack,
+        Component.LLM,
+        argv,
+        lambda: stack.wait_tcp(Component.LLM, stack.port(Port.LLM), 20),
+    )
 
 
 def wait_tunnel(stack: Stack, timeout: float) -> None:

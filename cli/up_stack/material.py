@@ -19,6 +19,7 @@ from umbra.cli.up_stack.errors import UpError
 from umbra.cli.up_stack.names import DEMO_HOSTS, ORIGIN_NAMES, SIMULATED_IMAGE, Port
 from umbra.cli.up_stack.supervise import Stack
 from umbra.cli.up_stack.upstream import find_mirrors, upstream_trust
+from umbra.contracts.files import write_atomic
 from umbra.sandbox import local_cvm
 
 
@@ -81,23 +82,16 @@ def _demo_ca(directory: Path) -> None:
         .sign(ca_key, hashes.SHA256())
     )
     (directory / "ca.pem").write_bytes(_pem_cert(ca))
-    key_path = directory / "origin-key.pem"
-    fd = os.open(key_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as handle:
-        handle.write(
-            key.private_bytes(
-                serialization.Encoding.PEM,
-                serialization.PrivateFormat.PKCS8,
-                serialization.NoEncryption(),
-            )
-        )
+    pem = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+    write_secret(directory / "origin-key.pem", pem)
     (directory / "origin.pem").write_bytes(_pem_cert(cert))
 
 
 def write_secret(path: Path, data: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as handle:
-        handle.write(data)
+    """A key or token: 0600 whatever the umask, written whole or not at all."""
+    write_atomic(path, data, 0o600)
 
 
 def prepare_material(stack: Stack) -> None:

@@ -22,6 +22,7 @@ import httpx
 
 from umbra.cli.up_stack.errors import UpError
 from umbra.cli.up_stack.names import COMPONENTS, PORTS, Port
+from umbra.contracts.files import write_atomic
 
 REQUIRED_TOOLS = {
     "ip": "iproute2",
@@ -65,9 +66,7 @@ class Stack:
 
     def save(self) -> None:
         self.state["port_base"] = self.port_base
-        temp = self.p("state.json.tmp")
-        temp.write_text(json.dumps(self.state, indent=2))
-        os.replace(temp, self.p("state.json"))
+        write_atomic(self.p("state.json"), json.dumps(self.state, indent=2), 0o644)
 
     def port(self, which: Port | str) -> int:
         """The loopback port of `which` (a Port, or its name)."""

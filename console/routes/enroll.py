@@ -1,7 +1,7 @@
 """Enrollment: one-time tokens for launch data, and credentials only after attestation.
 
-Handlers delegate to `console/enrollment.py`; a refusal is audited in its own transaction (the
-attempt's transaction is rolled back) and answered 403 with its reason.
+Handlers delegate to `services/enroll.py` (over `console/enrollment.py`); a refusal is audited
+there in its own transaction and answered 403 with its reason (routes/errors.py).
 """
 
 from __future__ import annotations
@@ -9,18 +9,16 @@ from __future__ import annotations
 import base64
 from typing import Annotated
 
-from fastapi import APIRouter, HTTPException, Path, status
+from fastapi import APIRouter, Path, status
 from fastapi.concurrency import run_in_threadpool
 from pydantic import Field
 
-from umbra.console import audit, enrollment, security_pool
+from umbra.console import security_pool
 from umbra.console.deps import ConsoleDep, UserDep
-from umbra.console.enrollment import EnrollEvidence, EnrollmentRefused
-from umbra.console.enums import AuditAction, CvmState, Role
+from umbra.console.enrollment import EnrollEvidence
 from umbra.console.routes.common import CvmIdPath, TeamPath
 from umbra.console.schemas import EnrollmentToken, SecurityReplicaToken
-from umbra.console.services.access import require_role, visible_cvm
-from umbra.console.state import Console
+from umbra.console.services import enroll as enroll_service
 from umbra.contracts.model import Strict
 
 router = APIRouter(prefix="/api/v1", tags=["enrollment"])
@@ -46,13 +44,7 @@ class Enrolled(Strict):
     summary="A one-time enrollment token for a CVM's launch data (admin).",
 )
 def create_token(cvm_id: CvmIdPath, console: ConsoleDep, user: UserDep) -> EnrollmentToken:
-    with console.write() as session:
-        cvm = visible_cvm(session, user, cvm_id)
-        require_role(user, cvm.team, Role.admin)
-        if cvm.state == CvmState.destroyed:
-            raise HTTPException(status.HTTP_409_CONFLICT, f"CVM {cvm_id} is destroyed")
-        token, expires = enrollment.issue_token(session, cvm, user.subject)
-    return EnrollmentToken(cvm_id=cvm_id, token=token, expires_at=expires)
+    return enroll_service.issue_token(console=console, user=user, cvm_id=cvm_id)
 
 
 ReplicaPath = Annotated[
@@ -70,62 +62,13 @@ def replica_token(
 ) -> SecurityReplicaToken:
     """Idempotent per replica: the record is created once, every call mints a fresh one-time
     token (for a replica that booted after its token expired, or a relaunched VM)."""
-    require_role(user, team, Role.admin)
-    with console.write(security_pool.pool_lock(team)) as session:
-        try:
-            cvm, token, expires, created = security_pool.register(
-                session, team, replica, user.subject
-            )
-        except security_pool.PoolError as exc:
-            raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, str(exc)) from None
-        minted = SecurityReplicaToken(
-            team=team, replica=replica, cvm_id=cvm.id, pool_id=security_pool.pool_id(cvm),
-            created=created, token=token, expires_at=expires,
-        )  # fmt: skip
-    console.notifier.notify()
-    return minted
+    return enroll_service.replica_token(console=console, user=user, team=team, replica=replica)
 
 
-def _token_lock(token: str) -> str:
-    """Challenges and enrollments of one token are serialized: of parallel attempts with the
-    same evidence exactly one issues a credential, the others see the token used."""
-    return f"enroll:{enrollment.token_digest(token)}"
-
-
-def _refused(console: Console, token: str, exc: EnrollmentRefused) -> HTTPException:
-    with console.write(_token_lock(token)) as session:
-        team, target = enrollment.refusal_target(session, token)
-        row = session.get(enrollment.CvmEnrollment, enrollment.token_digest(token))
-        if row is not None:  # a nonce is good for one attempt, successful or not
-            row.nonce = None
-            session.add(row)
-        audit.append(
-            session, actor=f"cvm:{target}", team=team, action=AuditAction.cvm_enroll_refused,
-            target=target, details={"reason": exc.reason.value},
-        )  # fmt: skip
-        if enrollment.mark_unprovisionable(session, token, exc.reason):
-            audit.append(
-                session, actor="umbra-console", team=team, action=AuditAction.cvm_provisioned,
-                target=target, details={"operation": "enroll", "state": CvmState.failed,
-                                        "reason": enrollment.FAILED_PREFIX + exc.reason.value},
-            )  # fmt: skip
-    if exc.reason.value in enrollment.PROVISIONING_FAILURES:
-        console.notifier.notify()
-    return HTTPException(status.HTTP_403_FORBIDDEN, f"enrollment refused: {exc.reason.value}")
-
-
-@router.post("/enroll/challenge", summary="A single-use nonce for one enrollment attempt.")
+@router.post("/enroll/challenge", summary="A nonce for enrollment attempts with one token (2 min).")
 def enroll_challenge(body: ChallengeRequest, console: ConsoleDep) -> EnrollChallenge:
-    try:
-        with console.write(_token_lock(body.token)) as session:
-            nonce = enrollment.challenge(session, body.token)
-    except EnrollmentRefused as exc:
-        raise _refused(console, body.token, exc) from None
-    return EnrollChallenge(
-        nonce=nonce,
-        report_data_rule='SHA-512("umbra-enroll-v1\\0" || nonce || "\\0" || cvm_id || "\\0" || '
-        "x25519_public_key)",
-    )
+    nonce = enroll_service.challenge(console=console, token=body.token)
+    return EnrollChallenge(nonce=nonce, report_data_rule=enroll_service.REPORT_DATA_RULE)
 
 
 @router.post(
@@ -134,13 +77,5 @@ def enroll_challenge(body: ChallengeRequest, console: ConsoleDep) -> EnrollChall
     responses={403: {"description": "Refused (audited)"}},
 )
 async def enroll(body: EnrollEvidence, console: ConsoleDep) -> Enrolled:
-    return await run_in_threadpool(_enroll, console, body)
-
-
-def _enroll(console: Console, body: EnrollEvidence) -> Enrolled:
-    try:
-        with console.write(_token_lock(body.token)) as session:
-            cvm_id, sealed = enrollment.enroll(session, console.enrollment_verifiers, body)
-    except EnrollmentRefused as exc:
-        raise _refused(console, body.token, exc) from None
+    cvm_id, sealed = await run_in_threadpool(enroll_service.enroll, console=console, evidence=body)
     return Enrolled(cvm_id=cvm_id, sealed_credential=base64.b64encode(sealed).decode())

@@ -9,6 +9,7 @@ from fastapi.responses import JSONResponse
 
 from umbra.console.services.errors import (
     Conflict,
+    DatabaseUnavailable,
     Forbidden,
     Invalid,
     NotFound,
@@ -39,4 +40,5 @@ def status_of(exc: ServiceError) -> int:
 def install(app: FastAPI) -> None:
     @app.exception_handler(ServiceError)
     async def _service_error(_request: Request, exc: ServiceError) -> JSONResponse:
-        return JSONResponse({"detail": exc.detail}, status_code=status_of(exc))
+        headers = {"Retry-After": "5"} if isinstance(exc, DatabaseUnavailable) else None
+        return JSONResponse({"detail": exc.detail}, status_code=status_of(exc), headers=headers)

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Response, status
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from sqlalchemy import text
-from sqlalchemy.exc import SQLAlchemyError
 
-from umbra.console.db import current_revision, head_revision
+from umbra.console.db import not_ready
 from umbra.console.deps import ConsoleDep, UserDep
 from umbra.console.schemas import Me
 
@@ -26,16 +24,10 @@ def healthz() -> dict[str, str]:
     responses={503: {"description": "Not ready"}},
 )
 def readyz(console: ConsoleDep, response: Response) -> dict[str, str]:
-    try:
-        with console.engine.connect() as connection:
-            connection.execute(text("SELECT 1"))
-        revision = current_revision(console.engine)
-    except SQLAlchemyError:
+    reason = not_ready(console.engine)
+    if reason is not None:
         response.status_code = status.HTTP_503_SERVICE_UNAVAILABLE
-        return {"status": "database unavailable"}
-    if revision != head_revision():
-        response.status_code = status.HTTP_503_SERVICE_UNAVAILABLE
-        return {"status": f"database at revision {revision}, expected {head_revision()}"}
+        return {"status": reason}
     return {"status": "ready"}
 
 

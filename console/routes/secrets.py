@@ -41,7 +41,7 @@ def set_team_secret(
 ) -> SecretInfo:
     return secrets.set_secret(
         console=console, user=user, team=team, scope=Scope.team, name=name,
-        value=body.value, hosts=body.hosts, if_match=if_match,
+        value=body.value, hosts=body.hosts, if_match=if_match, kind=body.kind,
     )  # fmt: skip
 
 
@@ -76,7 +76,7 @@ def set_personal_secret(
 ) -> SecretInfo:
     return secrets.set_secret(
         console=console, user=user, team=team, scope=Scope.personal, name=name,
-        value=body.value, hosts=body.hosts, if_match=if_match,
+        value=body.value, hosts=body.hosts, if_match=if_match, kind=body.kind,
     )  # fmt: skip
 
 

@@ -21,7 +21,7 @@ from starlette.concurrency import run_in_threadpool
 
 from umbra.console import audit
 from umbra.console.deps import ConsoleDep, SecurityCvmDep, require_same_cvm
-from umbra.console.enums import AuditAction, CvmKind, CvmState, Scope
+from umbra.console.enums import AuditAction, CvmKind, CvmState, Scope, SecretStatus
 from umbra.console.envelope import EnvelopeError, Sealed, open_sealed, secret_aad
 from umbra.console.longpoll import watch
 from umbra.console.models import Cvm, ReleaseNonce, Secret, utcnow
@@ -166,11 +166,12 @@ def secrets_version(console: Console, caller: Cvm) -> str:
                 col(Secret.name),
                 col(Secret.version),
                 col(Secret.hosts),
+                col(Secret.status),
             ).where(col(Secret.team) == caller.team)
         ).all()
     items = sorted(
-        [str(row_id), scope, owner or "", name, int(version), sorted(hosts or [])]
-        for row_id, scope, owner, name, version, hosts in rows
+        [str(row_id), scope, owner or "", name, int(version), sorted(hosts or []), str(status)]
+        for row_id, scope, owner, name, version, hosts, status in rows
         if scope != Scope.personal or owner in owners
     )
     return document_etag({"secrets": items})
@@ -321,6 +322,8 @@ def _release(console: Console, caller: Cvm, evidence: ReleaseEvidence) -> Releas
                     "owner": row.owner or None,
                     "hosts": list(row.hosts),
                     "version": row.version,
+                    "kind": row.kind,
+                    "needs_login": row.status == SecretStatus.needs_login,
                     "value": base64.b64encode(value).decode(),
                 }
             )

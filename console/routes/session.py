@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, HTTPException, status
+from fastapi import APIRouter
 
 from umbra.attest.session_info import SessionInfo
 from umbra.console.deps import ConsoleDep, UserDep
-from umbra.console.enums import CvmKind
 from umbra.console.routes.common import CvmIdPath
-from umbra.console.services.access import visible_cvm
-from umbra.console.session_info import session_info
+from umbra.console.services import cvms
 
 router = APIRouter(prefix="/api/v1", tags=["session"])
 
@@ -19,8 +17,4 @@ router = APIRouter(prefix="/api/v1", tags=["session"])
     summary="A Dev CVM's SSH ingress, release manifest and launch-bound keys (admin or owner).",
 )
 def get_session(cvm_id: CvmIdPath, console: ConsoleDep, user: UserDep) -> SessionInfo:
-    with console.session() as session:
-        cvm = visible_cvm(session, user, cvm_id)
-        if cvm.kind != CvmKind.dev:
-            raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, f"{cvm_id} is not a Dev CVM")
-        return session_info(cvm)
+    return cvms.ssh_session(console=console, user=user, cvm_id=cvm_id)

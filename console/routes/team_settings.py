@@ -8,8 +8,8 @@ from fastapi import APIRouter, Header
 
 from umbra.console.deps import ConsoleDep, UserDep
 from umbra.console.routes.common import TeamPath
-from umbra.console.schemas import ProfilesUpdate, TeamDefaultProfiles
-from umbra.console.services import team_defaults
+from umbra.console.schemas import ProfilesUpdate, TeamDefaultProfiles, TeamQuotas, TeamQuotasInfo
+from umbra.console.services import team_defaults, team_quotas
 
 router = APIRouter(prefix="/api/v1/teams/{team}", tags=["profiles"])
 
@@ -43,3 +43,18 @@ def put_default_profiles(
     return team_defaults.put(
         console=console, user=user, team=team, profiles=body.profiles, if_match=if_match
     )
+
+
+@router.get("/quotas", summary="The team's Dev CVM quotas (admins and developers).")
+def get_quotas(team: TeamPath, console: ConsoleDep, user: UserDep) -> TeamQuotasInfo:
+    return team_quotas.get(console=console, user=user, team=team)
+
+
+@router.put(
+    "/quotas",
+    summary="Set Dev CVMs per developer and the machine-type catalog (admin; audited).",
+)
+def put_quotas(
+    team: TeamPath, body: TeamQuotas, console: ConsoleDep, user: UserDep
+) -> TeamQuotasInfo:
+    return team_quotas.put(console=console, user=user, team=team, quotas=body)

@@ -17,6 +17,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 from sqlmodel import col
 
+from umbra.attest.session_info import SessionInfo
 from umbra.console import audit, enrollment, provisioning, security_pool
 from umbra.console.enums import AuditAction, CvmKind, CvmState, Operation, Power, Role
 from umbra.console.models import Cvm, utcnow
@@ -29,7 +30,7 @@ from umbra.console.providers import (
 )
 from umbra.console.provisioning_defaults import default_security_cvm
 from umbra.console.schemas import CvmCreate, CvmCreated, CvmInfo, CvmUpdate, profiles_etag
-from umbra.console.services import team_defaults
+from umbra.console.services import team_defaults, team_quotas
 from umbra.console.services.access import (
     CREDENTIAL_PREFIX,
     User,
@@ -49,6 +50,7 @@ from umbra.console.services.errors import (
     not_found,
 )
 from umbra.console.services.policy import check_profiles_compose
+from umbra.console.session_info import session_info
 from umbra.console.state import Console
 
 
@@ -124,6 +126,8 @@ def launch(*, console: Console, user: User, team: str, request: CvmCreate) -> Cv
         if taken is not None:
             raise _name_taken(owner, request.name)
         dev = request.kind == CvmKind.dev
+        if dev:
+            team_quotas.check_launch(session, team, owner, request.size)
         profiles = team_defaults.default_profiles(session, team) if dev else []
         cvm = Cvm(
             id=cvm_id,
@@ -220,6 +224,15 @@ def get(*, console: Console, user: User, cvm_id: str, team: str | None = None) -
         return visible_cvm(session, user, cvm_id, team)
 
 
+def ssh_session(*, console: Console, user: User, cvm_id: str) -> SessionInfo:
+    """What `umbra ssh-proxy` needs to attest and reach a Dev CVM (its admins and owner)."""
+    with console.session() as db:
+        cvm = visible_cvm(db, user, cvm_id)
+        if cvm.kind != CvmKind.dev:
+            raise Invalid(f"{cvm_id} is not a Dev CVM")
+        return session_info(cvm)
+
+
 def _may_manage(cvm: Cvm, role: Role | None) -> None:
     if role != Role.admin and cvm.kind != CvmKind.dev:
         raise Forbidden("only admins manage Security CVMs")
@@ -261,6 +274,8 @@ def update(*, console: Console, user: User, cvm_id: str, change: CvmUpdate) -> C
             if change.state is not None:
                 raise Invalid("state: change it in a separate request")
             cvm.ssh_keys = list(change.ssh_keys) if change.ssh_keys is not None else cvm.ssh_keys
+            if change.size is not None and cvm.kind == CvmKind.dev:
+                team_quotas.check_machine_type(session, cvm.team, change.size)
             cvm.size = change.size if change.size is not None else cvm.size
             spec = provisioning.spec_of(cvm)
             _call(lambda: provider.check(spec))

@@ -38,6 +38,10 @@ class Unavailable(ServiceError):
     """This Console is not configured for it (no key encryption key, ...)."""
 
 
+class DatabaseUnavailable(Unavailable):
+    """The database does not answer (console/db_watchdog.py); answered with Retry-After."""
+
+
 class ProviderFailed(ServiceError):
     """A synchronous provider call failed."""
 

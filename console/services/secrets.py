@@ -9,13 +9,14 @@ from sqlalchemy.orm import Session
 from sqlmodel import col
 
 from umbra.console import audit
-from umbra.console.enums import AuditAction, Role, Scope
+from umbra.console.enums import AuditAction, Role, Scope, SecretStatus
 from umbra.console.envelope import seal, secret_aad
 from umbra.console.models import Secret, utcnow
 from umbra.console.schemas import SecretInfo, TeamSecretSet
 from umbra.console.services.access import User, member, require_role
 from umbra.console.services.errors import Invalid, Stale, Unavailable, not_found
 from umbra.console.state import Console
+from umbra.contracts.secret_kinds import SecretKind, material_text, parse_material
 from umbra.contracts.validation import problems
 
 
@@ -23,6 +24,17 @@ def secret_lock(team: str, scope: Scope, owner: str, name: str) -> str:
     """Concurrent sets of one secret (even the first) run one after the other: no lost version
     bumps, no unique violation."""
     return f"secret:{team}:{scope}:{owner}:{name}"
+
+
+def checked_material(kind: SecretKind, value: str) -> str:
+    """The text to seal for `kind`; a document that is not one is refused field by field, never
+    quoting the input (it holds secrets)."""
+    try:
+        return material_text(parse_material(kind, value))
+    except ValidationError as exc:
+        raise Invalid(f"{kind} secret: " + problems(exc)) from None
+    except ValueError as exc:
+        raise Invalid(str(exc)) from None
 
 
 def secret_info(row: Secret) -> SecretInfo:
@@ -35,6 +47,8 @@ def secret_info(row: Secret) -> SecretInfo:
         ref=f"{scope}/{row.name}",
         hosts=list(row.hosts),
         version=row.version,
+        kind=row.kind,
+        status=row.status,
         updated_by=row.updated_by,
         updated_at=row.updated_at,
     )
@@ -79,13 +93,16 @@ def set_secret(
     value: str,
     hosts: list[str],
     if_match: str | None = None,
+    kind: SecretKind = SecretKind.static,
 ) -> SecretInfo:
     """A new version of the secret; `if_match` (a version such as `"3"`): only if it is at that
-    version now."""
+    version now. A kind other than `static` carries its JSON document in `value`, checked here
+    (the Security CVM parses it again) and sealed as its canonical text."""
     owner = _owner(user, team, scope)
     expected_version = _expected_version(if_match)
     if console.keyring is None:
         raise Unavailable("no key encryption key is configured")
+    value = checked_material(kind, value)
     hosts = sorted(set(hosts))
     with console.write(secret_lock(team, scope, owner, name)) as session:
         row = _row(session, team, scope, owner, name)
@@ -113,6 +130,11 @@ def set_secret(
             )
         row.version = version
         row.hosts = hosts
+        row.kind = kind
+        # A new value is a new login: whatever refusal marked the old one is history, and a lease
+        # on the old chain is void (its commit no longer matches the version).
+        row.status = SecretStatus.ok
+        row.lease_id = row.lease_holder = row.lease_until = None
         row.kek_id = sealed.kek_id
         row.wrapped_key = sealed.wrapped_key
         row.ciphertext = sealed.ciphertext
@@ -125,7 +147,7 @@ def set_secret(
             team=team,
             action=AuditAction.secret_set,
             target=f"{scope}/{name}",
-            details={"owner": owner or None, "hosts": hosts, "version": version},
+            details={"owner": owner or None, "hosts": hosts, "version": version, "kind": kind},
         )
         session.flush()
         info = secret_info(row)
@@ -162,11 +184,13 @@ def delete_secret(*, console: Console, user: User, team: str, scope: Scope, name
     console.notifier.notify()
 
 
-def team_secret_state(console: Console, team: str, name: str) -> tuple[list[str], int] | None:
-    """A team secret's hosts and version (metadata only), or None."""
+def team_secret_state(
+    console: Console, team: str, name: str
+) -> tuple[list[str], int, SecretKind] | None:
+    """A team secret's hosts, version and kind (metadata only), or None."""
     with console.session() as session:
         row = _row(session, team, Scope.team, "", name)
-    return (list(row.hosts), row.version) if row is not None else None
+    return (list(row.hosts), row.version, row.kind) if row is not None else None
 
 
 def rotate_team_secret(
@@ -178,13 +202,13 @@ def rotate_team_secret(
     state = team_secret_state(console, team, name)
     if state is None:
         raise not_found(f"team secret {name!r}")
-    hosts, version = state
+    hosts, version, kind = state
     try:
-        TeamSecretSet(value=value, hosts=hosts)  # the API's limits, without the API
+        TeamSecretSet(value=value, hosts=hosts, kind=kind)  # the API's limits, without the API
     except ValidationError as exc:
         # Never echo the input (it is a secret value): field names and messages only.
         raise Invalid(problems(exc)) from None
     return set_secret(
         console=console, user=user, team=team, scope=Scope.team, name=name, value=value,
-        hosts=hosts, if_match=f'"{version}"',
+        hosts=hosts, if_match=f'"{version}"', kind=kind,
     )  # fmt: skip

@@ -11,7 +11,7 @@ from pydantic import ValidationError
 
 from umbra.console.enums import Power
 from umbra.console.schemas import ProfilesUpdate
-from umbra.console.services import cvms, secrets
+from umbra.console.services import cvms, people, secrets
 from umbra.console.services.access import User
 from umbra.console.services.errors import Conflict, Invalid
 from umbra.console.state import Console
@@ -63,3 +63,18 @@ def rotate_secret(console: Console, user: User, team: str, name: str, value: str
     """A new value for an existing team secret; its hosts stay as they are."""
     info = secrets.rotate_team_secret(console=console, user=user, team=team, name=name, value=value)
     return f"team/{info.name} is now version {info.version}"
+
+
+def deactivate(console: Console, user: User, team: str, subject: str) -> str:
+    """Deactivate a developer (services/people.py): the one-line summary of what it did."""
+    if not subject or len(subject) > 255 or not subject.isprintable() or " " in subject:
+        raise Invalid("subject: the developer's OIDC subject, without spaces")
+    done = people.deactivate(console=console, user=user, team=team, subject=subject)
+    state = "deactivated" if done.newly else "was already deactivated"
+    parts = [
+        f"{subject} {state}: {done.secrets_erased} personal secrets erased",
+        f"{len(done.cvms_detached)} CVMs detached, {len(done.cvms_stopped)} stopped",
+    ]
+    if done.cvms_skipped:
+        parts.append(f"{len(done.cvms_skipped)} busy (deactivate again later)")
+    return "; ".join(parts)

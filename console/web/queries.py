@@ -22,15 +22,25 @@ from sqlmodel import col
 from umbra.console.audit import ChainReport, save_checkpoint, verify_incremental
 from umbra.console.db import as_utc
 from umbra.console.enums import AuditAction, CvmKind, CvmState, Role, Scope
-from umbra.console.models import AuditEntry, Cvm, PolicyBundle, TrafficRecord
+from umbra.console.models import (
+    AuditEntry,
+    Cvm,
+    PolicyBundle,
+    TrafficRecord,
+    TrafficSlot,
+    TrafficSlotDenial,
+)
 from umbra.console.schemas import SecretInfo
 from umbra.console.services import cvms, secrets, traffic
 from umbra.console.services.access import User, require_role, visible_cvm
 from umbra.console.services.policy import current_bundle
 from umbra.console.state import Console
+from umbra.console.traffic_rollup import DIMENSIONS, SLOT_SECONDS, slot_of
 from umbra.contracts.traffic import Decision
 
 TABLE: Table = TrafficRecord.__table__  # type: ignore[attr-defined]
+SLOTS: Table = TrafficSlot.__table__  # type: ignore[attr-defined]
+DENIALS: Table = TrafficSlotDenial.__table__  # type: ignore[attr-defined]
 PAGE_SIZE = 50
 LIVE_LIMIT = 100
 CHART_BUCKETS = 48
@@ -70,11 +80,23 @@ def _bucket(session: Session, since: datetime, width: int) -> ColumnElement[Any]
 
 
 def overview(
-    console: Console, user: User, team: str, seconds: int, now: datetime | None = None
+    console: Console,
+    user: User,
+    team: str,
+    seconds: int,
+    now: datetime | None = None,
+    *,
+    rollups: bool = True,
 ) -> Overview:
+    """The chart and top denials over `seconds`. Ranges whose bucket width is whole rollup slots
+    (24 h, 7 d, 30 d) read the slots (traffic_rollup.py), their window ending with the current
+    slot; shorter ones read the records. `rollups=False` is the records path for any range (the
+    benchmark's baseline)."""
     filters = traffic.scoped(user, team, traffic.TrafficFilters())
     now = now or datetime.now(UTC)
     width = max(1, seconds // CHART_BUCKETS)
+    if rollups and width % SLOT_SECONDS == 0:
+        return _overview_from_slots(console, team, filters.owner, now, width)
     since = now - timedelta(seconds=width * CHART_BUCKETS)
     window = replace(filters, since=since)
     c = TABLE.c
@@ -99,6 +121,56 @@ def overview(
                     ).all()
                 ]
             )
+    return _assemble(team, since, width, grouped, tops)
+
+
+def aligned_window(now: datetime, width: int) -> tuple[int, int]:
+    """[start, end) in epoch seconds: 48 buckets of `width` ending with the current slot."""
+    end = slot_of(now.timestamp()) + SLOT_SECONDS
+    return end - width * CHART_BUCKETS, end
+
+
+def _overview_from_slots(
+    console: Console, team: str, owner: str | None, now: datetime, width: int
+) -> Overview:
+    start, end = aligned_window(now, width)
+    slots, denials = SLOTS.c, DENIALS.c
+    where = [slots.team == team, slots.slot >= start, slots.slot < end]
+    if owner is not None:
+        where.append(slots.owner == owner)
+    bucket = ((slots.slot - start) / width).label("bucket")
+    with console.session() as session:
+        grouped = session.execute(
+            select(slots.cvm_id, bucket, func.sum(slots.total), func.sum(slots.denied))
+            .where(*where)
+            .group_by(slots.cvm_id, bucket)
+        ).all()
+        tops = []
+        for dimension in DIMENSIONS:
+            scope = [denials.team == team, denials.dimension == dimension]
+            scope += [denials.slot >= start, denials.slot < end]
+            if owner is not None:
+                scope.append(denials.owner == owner)
+            total = func.sum(denials.count)
+            tops.append(
+                [
+                    (str(value) if value else "(none)", int(count))
+                    for value, count in session.execute(
+                        select(denials.value, total)
+                        .where(*scope)
+                        .group_by(denials.value)
+                        .order_by(total.desc(), denials.value)
+                        .limit(TOP_N)
+                    ).all()
+                ]
+            )
+    since = datetime.fromtimestamp(start, UTC)
+    return _assemble(team, since, width, grouped, tops)
+
+
+def _assemble(
+    team: str, since: datetime, width: int, grouped: Any, tops: list[list[tuple[str, int]]]
+) -> Overview:
     team_series = Series(team, [0] * CHART_BUCKETS, [0] * CHART_BUCKETS)
     per_cvm: dict[str, Series] = {}
     for cvm_id, index, count, deny in grouped:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Coroutine
+from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import parse_qs, urlencode
@@ -23,6 +24,7 @@ from umbra.console.services import traffic as traffic_service
 from umbra.console.services import usage as usage_service
 from umbra.console.services.access import User
 from umbra.console.services.errors import ServiceError
+from umbra.console.services.people import active_roles
 from umbra.console.state import Console
 from umbra.console.web import actions, login, queries
 from umbra.console.web.filters import RANGE_CHOICES, FilterError, parse_filters
@@ -105,7 +107,9 @@ def _session(request: Request) -> WebSession:
     session = _keys(request).open_session(request.cookies.get(name))
     if session is None:
         raise LoginRequired
-    return session
+    # A session cookie outlives a deactivation; its roles do not (services/people.py).
+    roles = active_roles(_console(request), session.subject, session.roles)
+    return session if roles == session.roles else replace(session, roles=roles)
 
 
 def error_page(request: Request, code: int, message: str) -> HTMLResponse:
@@ -380,6 +384,22 @@ async def cvm_action(request: Request, team: str, cvm_id: str) -> Response:
         raise HTTPException(422, "action: attach, detach, start, stop or destroy")
     target = f"/ui/teams/{team}/cvms/{cvm_id}?" + urlencode({"done": done})
     return RedirectResponse(target, status.HTTP_303_SEE_OTHER)
+
+
+@router.post("/teams/{team}/members/deactivate")
+async def deactivate_member(request: Request, team: str) -> Response:
+    session = _session(request)
+    team = _team(team)
+    form = await _form(request, session)
+    if form.get("confirm") != "yes":
+        raise HTTPException(422, "confirm: tick the box to deactivate this developer")
+    subject = form.get("subject", "").strip()[:256]
+    done = await run_in_threadpool(
+        actions.deactivate, _console(request), session.user, team, subject
+    )
+    return RedirectResponse(
+        f"/ui/teams/{team}/cvms?" + urlencode({"done": done}), status.HTTP_303_SEE_OTHER
+    )
 
 
 @router.get("/teams/{team}/profiles")

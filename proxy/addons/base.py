@@ -23,6 +23,7 @@ from umbra.proxy.addons.state import ConnTable, Stage, flow_state
 from umbra.proxy.addons.traffic import TrafficLog
 from umbra.proxy.denial import Advisor, Refused, render
 from umbra.proxy.identity import IdentitySource
+from umbra.proxy.minting import Minter
 from umbra.proxy.mitm_compat import CLOSE_WS, WS_INTERNAL_ERROR
 from umbra.proxy.netcheck import AddressPolicy
 from umbra.proxy.resolver import Resolver
@@ -40,6 +41,7 @@ class AddonConfig:
     addresses: AddressPolicy
     spool: Spool | None
     max_body: int
+    minter: Minter | None = None  # mints access tokens for OAuth kinds (addons/mint.py)
 
 
 class Shared:
@@ -52,6 +54,7 @@ class Shared:
         # Replaced once the listener is up (own sockets become known then).
         self.addresses = config.addresses
         self.max_body = config.max_body
+        self.minter = config.minter
         self.conns = ConnTable()
         self.traffic = TrafficLog(config.state, self.conns, config.spool)
         self.advisor = Advisor()

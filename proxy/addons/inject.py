@@ -6,6 +6,7 @@ from mitmproxy import http
 
 from umbra.policy import normalize_host
 from umbra.proxy.addons.base import Denied, UmbraAddon, deny, guard
+from umbra.proxy.addons.mint import MINTED
 from umbra.proxy.addons.reasons import Reason
 from umbra.proxy.addons.state import FlowState, Stage, flow_state
 from umbra.proxy.inject import InjectionError, apply_injections, render_injections
@@ -53,7 +54,8 @@ class Inject(UmbraAddon):
             assert identity is not None
             secrets = self.shared.state.secrets
             try:
-                rendered = render_injections(injections, secrets, identity.owner, host)
+                minted = flow.metadata.get(MINTED)  # by the minting addon, for OAuth kinds
+                rendered = render_injections(injections, secrets, identity.owner, host, minted)
             except InjectionError as exc:
                 raise Denied(
                     Reason.SECRET_UNAVAILABLE, str(exc), exc.rule_id, exc.secret_ref

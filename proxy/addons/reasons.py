@@ -73,6 +73,15 @@ class Reason(StrEnum):
     MALFORMED_GRPC = "malformed_grpc", 400
     INJECTION_REQUIRES_TLS = "injection_requires_tls", 403
     SECRET_UNAVAILABLE = "secret_unavailable", 403
+    # a minted credential (proxy/minting.py): the token endpoint refused it (a new login is
+    # needed), or was slow or down (bounded wait)
+    CREDENTIAL_REFRESH_FAILED = "credential_refresh_failed", 403
+    CREDENTIAL_UNAVAILABLE = "credential_unavailable", 503
+    # AWS SigV4 re-signing (proxy/sigv4.py)
+    SIGV4_MISSING = "sigv4_missing", 403
+    SIGV4_MALFORMED = "sigv4_malformed", 400
+    SIGV4_SCOPE_REFUSED = "sigv4_scope_refused", 403
+    SIGV4_UNSUPPORTED = "sigv4_unsupported", 400
     # flow bookkeeping
     DENIED = "denied", 403
     NOT_DECIDED = "not_decided", 403

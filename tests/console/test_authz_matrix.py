@@ -4,6 +4,7 @@ Console per database backend. A route missing from the table fails the test."""
 from __future__ import annotations
 
 import itertools
+import json
 import tempfile
 import uuid
 from collections.abc import Callable
@@ -227,6 +228,20 @@ USER_MATRIX: dict[tuple[str, str], tuple[Case, dict[str, int]]] = {
         ),
         expect(200, 403, 404, 404, 404, 401),
     ),
+    ("POST", T + "/members/{subject}/deactivate"): (
+        lambda w, p: w.call(
+            p, "POST", f"/api/v1/teams/{w.team_a}/members/{unique('gone')}/deactivate"
+        ),
+        expect(200, 403, 403, 403, 403, 401),
+    ),
+    ("GET", T + "/quotas"): (
+        lambda w, p: w.call(p, "GET", f"/api/v1/teams/{w.team_a}/quotas"),
+        expect(200, 200, 403, 403, 403, 401),
+    ),
+    ("PUT", T + "/quotas"): (
+        lambda w, p: w.call(p, "PUT", f"/api/v1/teams/{w.team_a}/quotas", json={}),
+        expect(200, 403, 403, 403, 403, 401),
+    ),
     ("GET", T + "/default-profiles"): (
         lambda w, p: w.call(p, "GET", f"/api/v1/teams/{w.team_a}/default-profiles"),
         expect(200, 403, 403, 403, 403, 401),
@@ -293,6 +308,10 @@ USER_MATRIX: dict[tuple[str, str], tuple[Case, dict[str, int]]] = {
 }
 
 S = "/api/v1/security-cvms/{cvm_id}"
+REFRESH_AT = {"ref": "team/absent", "owner": None, "version": 1}
+REFRESH_DOCUMENT = json.dumps(
+    {"token_url": "https://auth.example/t", "client_id": "c", "refresh_token": "rt"}
+)
 MACHINE_MATRIX: dict[tuple[str, str], tuple[Case, dict[str, int]]] = {
     ("GET", S + "/bundle"): (
         lambda w, p: w.call(p, "GET", f"/api/v1/security-cvms/{w.scvm_a}/bundle"),
@@ -318,6 +337,32 @@ MACHINE_MATRIX: dict[tuple[str, str], tuple[Case, dict[str, int]]] = {
             json={"nonce": "A" * 43, "quote": "AA==", "public_key": "A" * 43 + "="},
         ),
         expect(403, 403, 401, 401, principals=MACHINES),
+    ),
+    # A rotated refresh token written back: only the Security CVM itself (another's credential
+    # 403), and only for a secret its release carries (here none: 404).
+    ("POST", S + "/secret-refresh/lease"): (
+        lambda w, p: w.call(
+            p, "POST", f"/api/v1/security-cvms/{w.scvm_a}/secret-refresh/lease", json=REFRESH_AT
+        ),
+        expect(404, 403, 401, 401, principals=MACHINES),
+    ),
+    ("POST", S + "/secret-refresh/commit"): (
+        lambda w, p: w.call(
+            p,
+            "POST",
+            f"/api/v1/security-cvms/{w.scvm_a}/secret-refresh/commit",
+            json=REFRESH_AT | {"lease": "L" * 32, "document": REFRESH_DOCUMENT},
+        ),
+        expect(404, 403, 401, 401, principals=MACHINES),
+    ),
+    ("POST", S + "/secret-refresh/failure"): (
+        lambda w, p: w.call(
+            p,
+            "POST",
+            f"/api/v1/security-cvms/{w.scvm_a}/secret-refresh/failure",
+            json=REFRESH_AT | {"lease": "L" * 32, "refused": True},
+        ),
+        expect(404, 403, 401, 401, principals=MACHINES),
     ),
     ("POST", "/api/v1/traffic/batches"): (
         lambda w, p: w.call(

@@ -74,6 +74,27 @@ def test_admin_commands(
     actions = [entry["action"] for entry in admin.json("audit", "list")]
     assert {"policy.upload", "profiles.attach", "secret.set", "secret.delete"} <= set(actions)
     assert admin.json("audit", "verify")["ok"] is True
+    # Export with the chain's hashes, then verify offline; an edited line or a broken one fails.
+    exported = tmp_path / "audit.ndjson"
+    admin("audit", "export", "--output", str(exported))
+    lines = exported.read_text().splitlines()
+    assert [json.loads(line)["action"] for line in lines] == actions
+    assert all(len(json.loads(line)["hash"]) == 64 for line in lines)
+    offline = admin.json("audit", "verify", "--file", str(exported))
+    assert offline["ok"] is True and offline["entries"] == len(lines)
+    assert offline["head"] == json.loads(lines[-1])["hash"]
+    edited = json.loads(lines[0])
+    edited["actor"] = "someone-else"
+    tampered = tmp_path / "tampered.ndjson"
+    tampered.write_text("\n".join([json.dumps(edited), *lines[1:]]) + "\n")
+    assert (
+        "does not match its hash"
+        in admin("audit", "verify", "--file", str(tampered), code=1).output
+    )
+    tampered.write_text(lines[0] + "\n{not json\n")
+    assert f"{tampered}:2: not JSON" in " ".join(
+        admin("audit", "verify", "--file", str(tampered), code=2).output.split()
+    )
 
     # Logs: filters, 80-column layout, --wide, --quarantined, --follow.
     long_path = "/" + "x" * 300

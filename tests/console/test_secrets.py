@@ -74,6 +74,8 @@ def test_secret_values_never_leave_in_plaintext(
         "ref": "team/bot",
         "hosts": ["api.example.com"],
         "version": 1,
+        "kind": "static",
+        "status": "ok",
         "updated_by": team.admin_subject,
         "updated_at": set_team.json()["updated_at"],
     }

@@ -184,7 +184,7 @@ def test_scan_rule_errors(tmp_path: Path, rule: str, field: str, fragment: str) 
         (
             "{header: X-Key, format: '{secret}', query: key, secret: team/x, hosts: [x.com]}",
             "inject[0]",
-            "exactly one of 'header', 'headers', 'query' or 'basic'",
+            "exactly one of 'header', 'headers', 'query', 'basic' or 'sigv4'",
         ),
         ("{secret: team/x, hosts: [x.com]}", "inject[0]", "exactly one of"),
         ("{header: X-Key, secret: team/x, hosts: [x.com]}", "inject[0]", "go together"),

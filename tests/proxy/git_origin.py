@@ -6,10 +6,11 @@ from __future__ import annotations
 import os
 import ssl
 import subprocess
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
+
+from tests.proxy.harness import TlsHttpServer
 
 HTTP_BACKEND = "/usr/lib/git-core/git-http-backend"
 
@@ -81,27 +82,14 @@ class _Handler(BaseHTTPRequestHandler):
     do_GET = do_POST = _cgi
 
 
-class GitOrigin(ThreadingHTTPServer):
-    daemon_threads = True
+class GitOrigin(TlsHttpServer):
+    socket_timeout = 30.0  # a push's pack takes a while to arrive
 
     def __init__(self, root: Path, tls: ssl.SSLContext) -> None:
-        super().__init__(("127.0.0.1", 0), _Handler)
+        super().__init__(_Handler, tls)
         self.root = root
         self.requests: list[tuple[str, str]] = []
-        self.socket = tls.wrap_socket(self.socket, server_side=True, do_handshake_on_connect=False)
-        threading.Thread(target=self.serve_forever, daemon=True).start()
-
-    def finish_request(self, request: Any, client_address: Any) -> None:
-        try:
-            request.settimeout(30)
-            request.do_handshake()
-        except (ssl.SSLError, OSError):
-            return
-        super().finish_request(request, client_address)
-
-    @property
-    def port(self) -> int:
-        return int(self.server_address[1])
+        self.start()
 
     def bare(self, name: str) -> Path:
         path = self.root / name

@@ -17,11 +17,11 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import websockets.exceptions
 import websockets.frames
@@ -34,6 +34,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from umbra.proxy.identity import hash_credential, proxy_auth_header
+from umbra.proxy.spool import FLUSH_INTERVAL
 
 ROOT = Path(__file__).resolve().parents[2]
 UMBRA = ROOT / ".venv" / "bin" / "umbra"
@@ -305,24 +306,25 @@ class OriginHandler(BaseHTTPRequestHandler):
     do_TRACE = _handle
 
 
-class OriginServer(ThreadingHTTPServer):
-    daemon_threads = True
+class TlsHttpServer(ThreadingHTTPServer):
+    """A threaded HTTP server on loopback, over TLS when given a context. The handshake runs in
+    the connection's own thread (a client that stalls it holds up no other); `socket_timeout`
+    stays on the connection for the request that follows."""
 
-    def __init__(self, recorder: Recorder, tls: ssl.SSLContext | None) -> None:
-        super().__init__(("127.0.0.1", 0), OriginHandler)
-        self.recorder = recorder
-        self.routes: dict[str, Route] = {}
-        self.connections = 0  # accepted TCP connections
+    daemon_threads = True
+    socket_timeout = 10.0
+
+    def __init__(self, handler: type[BaseHTTPRequestHandler], tls: ssl.SSLContext | None) -> None:
+        super().__init__(("127.0.0.1", 0), handler)
         if tls is not None:
             self.socket = tls.wrap_socket(
                 self.socket, server_side=True, do_handshake_on_connect=False
             )
 
     def finish_request(self, request: Any, client_address: Any) -> None:
-        self.connections += 1
         if isinstance(request, ssl.SSLSocket):
             try:
-                request.settimeout(10)
+                request.settimeout(self.socket_timeout)
                 request.do_handshake()
             except (ssl.SSLError, OSError):
                 return
@@ -332,9 +334,21 @@ class OriginServer(ThreadingHTTPServer):
     def port(self) -> int:
         return int(self.server_address[1])
 
-    def start(self) -> OriginServer:
+    def start(self) -> Self:
         threading.Thread(target=self.serve_forever, daemon=True).start()
         return self
+
+
+class OriginServer(TlsHttpServer):
+    def __init__(self, recorder: Recorder, tls: ssl.SSLContext | None) -> None:
+        super().__init__(OriginHandler, tls)
+        self.recorder = recorder
+        self.routes: dict[str, Route] = {}
+        self.connections = 0  # accepted TCP connections
+
+    def finish_request(self, request: Any, client_address: Any) -> None:
+        self.connections += 1
+        super().finish_request(request, client_address)
 
 
 class TcpEcho:
@@ -376,22 +390,38 @@ class TcpEcho:
 ORIGIN_PING = b"origin-ping-data"
 
 
-class WsOrigin:
-    """A TLS WebSocket origin (wsproto) that records every message it receives; it answers pings
-    with a pong of its own payload, and pings the client (`ORIGIN_PING`) when sent `ping-me`."""
+class TlsWsServer:
+    """A TLS WebSocket server (wsproto) on loopback: accepts every upgrade and answers a close;
+    each connection runs in its own thread. Subclasses answer the other events (`on_event` yields
+    the events to send, and may pause between them) and record what they need."""
 
-    def __init__(self, recorder: Recorder, tls: ssl.SSLContext) -> None:
-        self.recorder = recorder
+    def __init__(self, tls: ssl.SSLContext) -> None:
         self.tls = tls
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.sock.listen(16)
         self.port = int(self.sock.getsockname()[1])
-        self.messages: list[bytes | str] = []
-        # (request target, frame kind, payload or close reason) of every control frame received.
-        self.control: list[tuple[str, str, bytes]] = []
         threading.Thread(target=self._serve, daemon=True).start()
 
+    # -- hooks -----------------------------------------------------------------------------
+    def on_data(self, data: bytes) -> None:
+        """Every chunk read from a connection, before it is parsed."""
+
+    def on_event(
+        self, request: wsproto.events.Request, event: wsproto.events.Event
+    ) -> Iterator[wsproto.events.Event]:
+        """The answer to a message, ping or pong of the connection `request` opened."""
+        return iter(())
+
+    def on_close(
+        self, request: wsproto.events.Request, event: wsproto.events.CloseConnection
+    ) -> None:
+        """The client closed (the close is answered)."""
+
+    def on_end(self, how: str) -> None:
+        """The connection ended otherwise: `eof`, or `error` (a socket or protocol error)."""
+
+    # -- the loop ----------------------------------------------------------------------------
     def _serve(self) -> None:
         while True:
             try:
@@ -406,41 +436,69 @@ class WsOrigin:
         except (ssl.SSLError, OSError):
             return
         ws = wsproto.WSConnection(wsproto.ConnectionType.SERVER)
-        target = ""
+        request = wsproto.events.Request(host="", target="")
         conn.settimeout(10)
         try:
             while True:
                 data = conn.recv(65536)
                 if not data:
+                    self.on_end("eof")
                     return
-                with self.recorder.lock:
-                    self.recorder.raw_tcp.append(data)
+                self.on_data(data)
                 ws.receive_data(data)
                 for event in ws.events():
                     if isinstance(event, wsproto.events.Request):
-                        target = event.target
+                        request = event
                         conn.sendall(ws.send(wsproto.events.AcceptConnection()))
-                    elif isinstance(event, wsproto.events.Message):
-                        if event.message_finished:
-                            self.messages.append(event.data)
-                        if event.data == "ping-me":
-                            # Try to carry data to the client in a ping of the origin's own.
-                            conn.sendall(ws.send(wsproto.events.Ping(payload=ORIGIN_PING)))
-                        conn.sendall(ws.send(wsproto.events.TextMessage(data="echo")))
-                    elif isinstance(event, wsproto.events.Ping):
-                        self.control.append((target, "ping", bytes(event.payload)))
-                        # Answer, and try to carry data back in the pong.
-                        conn.sendall(ws.send(wsproto.events.Pong(payload=b"origin-pong-data")))
-                    elif isinstance(event, wsproto.events.Pong):
-                        self.control.append((target, "pong", bytes(event.payload)))
                     elif isinstance(event, wsproto.events.CloseConnection):
-                        self.control.append((target, "close", (event.reason or "").encode()))
+                        self.on_close(request, event)
                         conn.sendall(ws.send(event.response()))
                         return
+                    else:
+                        for answer in self.on_event(request, event):
+                            conn.sendall(ws.send(answer))
         except (OSError, wsproto.utilities.LocalProtocolError):
-            return
+            self.on_end("error")
         finally:
             conn.close()
+
+
+class WsOrigin(TlsWsServer):
+    """A TLS WebSocket origin that records every message it receives; it answers pings with a
+    pong of its own payload, and pings the client (`ORIGIN_PING`) when sent `ping-me`."""
+
+    def __init__(self, recorder: Recorder, tls: ssl.SSLContext) -> None:
+        self.recorder = recorder
+        self.messages: list[bytes | str] = []
+        # (request target, frame kind, payload or close reason) of every control frame received.
+        self.control: list[tuple[str, str, bytes]] = []
+        super().__init__(tls)
+
+    def on_data(self, data: bytes) -> None:
+        with self.recorder.lock:
+            self.recorder.raw_tcp.append(data)
+
+    def on_event(
+        self, request: wsproto.events.Request, event: wsproto.events.Event
+    ) -> Iterator[wsproto.events.Event]:
+        if isinstance(event, wsproto.events.Message):
+            if event.message_finished:
+                self.messages.append(event.data)
+            if event.data == "ping-me":
+                # Try to carry data to the client in a ping of the origin's own.
+                yield wsproto.events.Ping(payload=ORIGIN_PING)
+            yield wsproto.events.TextMessage(data="echo")
+        elif isinstance(event, wsproto.events.Ping):
+            self.control.append((request.target, "ping", bytes(event.payload)))
+            # Answer, and try to carry data back in the pong.
+            yield wsproto.events.Pong(payload=b"origin-pong-data")
+        elif isinstance(event, wsproto.events.Pong):
+            self.control.append((request.target, "pong", bytes(event.payload)))
+
+    def on_close(
+        self, request: wsproto.events.Request, event: wsproto.events.CloseConnection
+    ) -> None:
+        self.control.append((request.target, "close", (event.reason or "").encode()))
 
 
 class FrameLog(logging.Handler):
@@ -518,7 +576,15 @@ class TrafficLog:
         return out
 
     def mark(self) -> int:
-        return len(self.records())
+        # The spool commits in groups (proxy/spool.FLUSH_INTERVAL): an earlier request's record can
+        # land up to one interval after its answer. Settle first, or it counts as "after the mark".
+        count = len(self.records())
+        while True:
+            time.sleep(3 * FLUSH_INTERVAL)
+            settled = len(self.records())
+            if settled == count:
+                return count
+            count = settled
 
     def wait_for(
         self, mark: int, predicate: Callable[[dict[str, Any]], bool], timeout: float = 5.0

@@ -38,6 +38,7 @@ from tests.proxy.harness import (
     Recorder,
     Seen,
     TestCA,
+    TlsWsServer,
     TrafficLog,
     auth_header,
     read_response,
@@ -52,72 +53,42 @@ from umbra.proxy.decode import MAX_DEPTH
 ALPN_SECRET = "alpnleak-5d1e9a7c3b"
 
 
-class SplitWsOrigin:
+class SplitWsOrigin(TlsWsServer):
     """A TLS WebSocket origin that echoes the request's Authorization back in pieces when asked
     (`split`: two messages; `split-b64`: the second half base64; `hello`: an `echo`), and records
     how each connection ended."""
 
     def __init__(self, tls: ssl.SSLContext) -> None:
-        self.tls = tls
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(16)
-        self.port = int(self.sock.getsockname()[1])
         self.ended: list[str] = []
-        threading.Thread(target=self._serve, daemon=True).start()
+        super().__init__(tls)
 
-    def _serve(self) -> None:
-        while True:
-            try:
-                raw, _ = self.sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._handle, args=(raw,), daemon=True).start()
-
-    def _handle(self, raw: socket.socket) -> None:
-        try:
-            conn = self.tls.wrap_socket(raw, server_side=True)
-        except (ssl.SSLError, OSError):
+    def on_event(
+        self, request: wsproto.events.Request, event: wsproto.events.Event
+    ) -> Iterator[wsproto.events.Event]:
+        if not isinstance(event, wsproto.events.Message):
             return
-        ws = wsproto.WSConnection(wsproto.ConnectionType.SERVER)
-        auth = ""
-        conn.settimeout(10)
-        try:
-            while True:
-                data = conn.recv(65536)
-                if not data:
-                    self.ended.append("eof")
-                    return
-                ws.receive_data(data)
-                for event in ws.events():
-                    if isinstance(event, wsproto.events.Request):
-                        headers = dict((k.lower(), v) for k, v in event.extra_headers)
-                        auth = headers.get(b"authorization", b"").decode()
-                        conn.sendall(ws.send(wsproto.events.AcceptConnection()))
-                    elif isinstance(event, wsproto.events.Message):
-                        middle = len(auth) // 2
-                        if event.data == "split":
-                            parts = [auth[:middle], auth[middle:]]
-                        elif event.data == "split-b64":
-                            parts = [
-                                auth[:middle],
-                                base64.b64encode(auth[middle:].encode()).decode(),
-                            ]
-                        elif event.data == "almost":
-                            parts = ["say Bearer TE", "next"]
-                        else:
-                            parts = ["echo"]
-                        for part in parts:
-                            conn.sendall(ws.send(wsproto.events.TextMessage(data=part)))
-                            time.sleep(0.2)
-                    elif isinstance(event, wsproto.events.CloseConnection):
-                        self.ended.append(f"close {event.code}")
-                        conn.sendall(ws.send(event.response()))
-                        return
-        except (OSError, wsproto.utilities.LocalProtocolError):
-            self.ended.append("error")
-        finally:
-            conn.close()
+        headers = dict((k.lower(), v) for k, v in request.extra_headers)
+        auth = bytes(headers.get(b"authorization", b"")).decode()
+        middle = len(auth) // 2
+        if event.data == "split":
+            parts = [auth[:middle], auth[middle:]]
+        elif event.data == "split-b64":
+            parts = [auth[:middle], base64.b64encode(auth[middle:].encode()).decode()]
+        elif event.data == "almost":
+            parts = ["say Bearer TE", "next"]
+        else:
+            parts = ["echo"]
+        for part in parts:
+            yield wsproto.events.TextMessage(data=part)
+            time.sleep(0.2)
+
+    def on_close(
+        self, request: wsproto.events.Request, event: wsproto.events.CloseConnection
+    ) -> None:
+        self.ended.append(f"close {event.code}")
+
+    def on_end(self, how: str) -> None:
+        self.ended.append(how)
 
 
 def _grpc_origin(cert: Path, key: Path) -> tuple[grpc.Server, int, list[bytes]]:

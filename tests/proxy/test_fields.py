@@ -223,10 +223,14 @@ def test_a_real_mcp_client_calls_the_allowed_tools_and_reads_the_refusal(fenv: F
     )
     assert "argument /repo does not match" in outcome["errors"]["create_issue"]
     record = fenv.proxy.log.wait_for(
-        mark, lambda r: r["reason"] == "mcp_tool_denied" and "delete_repo" in r.get("detail", "")
+        mark,
+        lambda r: r["reason"] == "mcp_tool_denied" and "delete_repo" in r.get("detail", ""),
+        timeout=20,
     )
     assert record["decision"] == "deny" and record["rule_id"] == "testing:tools"
-    allowed = fenv.proxy.log.wait_for(mark, lambda r: "tools/call echo" in (r.get("detail") or ""))
+    allowed = fenv.proxy.log.wait_for(
+        mark, lambda r: "tools/call echo" in (r.get("detail") or ""), timeout=20
+    )
     assert allowed["decision"] == "allow"
 
 

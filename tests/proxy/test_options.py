@@ -44,7 +44,7 @@ def test_command_options_are_the_declared_ones() -> None:
 @pytest.mark.parametrize(
     ("args", "code", "message"),
     [
-        ([], 2, "umbra proxy serve: Value error, give exactly one of --policy-dir, --bundle"),
+        ([], 2, "error: Value error, give exactly one of --policy-dir, --bundle"),
         (["--bundle", "b.json"], 2, "--bundle and --console need at least one pinned --bundle-key"),
         (["--policy-dir", "p", "--quote-source", "tpm"], 2, "--quote-source must be configfs, "),
         (["--policy-dir", "p", "--listen", "nope"], 2, "expected HOST:PORT"),

@@ -3,6 +3,7 @@ missing-runtime message (no root, no build: the runtime test builds and runs the
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -47,14 +48,19 @@ def test_a_missing_build_tool_or_runtime_is_one_line_naming_the_package(
         runtime.require_runtime()
 
 
-def test_the_oci_config_maps_root_away_and_joins_the_premade_network(tmp_path: Path) -> None:
+def test_the_oci_config_maps_root_away_and_makes_its_own_network_namespace(tmp_path: Path) -> None:
     plan = local_cvm.LocalCvmPlan("cvm_abcdef123456", 7, "ut", str(tmp_path), 200000 + 7 * 65536)
     spec = local_cvm.sandbox_spec(plan, layers=(tmp_path / "files", tmp_path / "base"))
     config = runtime.oci_config(spec)
     linux = config["linux"]
     assert linux["uidMappings"] == [{"containerID": 0, "hostID": plan.uid, "size": 65536}]
     assert linux["gidMappings"] == linux["uidMappings"]
-    assert {"type": "network", "path": f"/run/netns/{plan.sandbox_ns}"} in linux["namespaces"]
+    # A network namespace of its own (runc's, owned by the sandbox's user namespace: nested
+    # Docker makes its bridge there), never a joined one; sysfs is that namespace's own.
+    assert {"type": "network"} in linux["namespaces"]
+    assert {"destination": "/sys", "type": "sysfs", "source": "sysfs"}.items() <= next(
+        m for m in config["mounts"] if m["destination"] == "/sys"
+    ).items()
     assert {n["type"] for n in linux["namespaces"]} >= {"user", "mount", "pid", "cgroup"}
     assert "seccomp" not in linux and "maskedPaths" not in linux
     assert config["process"]["args"][:3] == [
@@ -70,3 +76,16 @@ def test_the_oci_config_maps_root_away_and_joins_the_premade_network(tmp_path: P
     for var in image.CA_VARS:
         assert f"{var}={image.CA_BUNDLE}\n" in env
     assert local_cvm.resolv_conf(plan).startswith(f"nameserver {plan.forwarder_addr}\n")
+
+
+def test_a_joined_network_namespace_gets_the_hosts_sysfs_read_only(tmp_path: Path) -> None:
+    """`SandboxSpec.netns` naming a host-owned namespace: joined by path, and sysfs (which the
+    sandbox's user namespace cannot mount for it) is the host's, bound read-only."""
+    plan = local_cvm.LocalCvmPlan("cvm_abcdef123456", 7, "ut", str(tmp_path), 200000 + 7 * 65536)
+    spec = dataclasses.replace(
+        local_cvm.sandbox_spec(plan, layers=(tmp_path / "base",)), netns=Path("/run/netns/x")
+    )
+    config = runtime.oci_config(spec)
+    assert {"type": "network", "path": "/run/netns/x"} in config["linux"]["namespaces"]
+    sys_mount = next(m for m in config["mounts"] if m["destination"] == "/sys")
+    assert sys_mount["source"] == "/sys" and "ro" in sys_mount["options"]

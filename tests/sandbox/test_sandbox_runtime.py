@@ -197,23 +197,37 @@ def test_pip_install_through_the_proxy_with_the_ca(sandbox: Sandbox) -> None:
     )
 
 
-def test_docker_builds_and_runs_an_image_inside(sandbox: Sandbox) -> None:
-    """A rootful dockerd in the sandbox (root = an unprivileged host uid); no registry: the
-    image is built from the sandbox's own static busybox. Nested containers get a network
-    namespace of their own with only loopback (`--network none` for the build's RUN steps)."""
+def _docker_ready(sandbox: Sandbox) -> None:
     end = time.monotonic() + 60
     while sandbox.run("docker info >/dev/null 2>&1").returncode != 0:
         assert time.monotonic() < end, sandbox.run("sudo tail -20 /var/log/dockerd.log", "root")
         time.sleep(0.5)
+
+
+# A Debian mirror file, fetched through the proxy (the stand-in's mitmproxy; the machine reaches
+# the package mirror and nothing else).
+FETCHED = "http://deb.debian.org/debian/dists/trixie/Release"
+
+
+def test_docker_builds_with_a_network_step_and_runs_the_image_inside(sandbox: Sandbox) -> None:
+    """A rootful dockerd in the sandbox (root = an unprivileged host uid) on Docker's own bridge
+    and NAT, in the sandbox's network namespace: a build's RUN step fetches through the proxy
+    (the forwarder's address, the sandbox's one way out), and the built image runs. No registry:
+    the image is the sandbox's static busybox."""
+    _docker_ready(sandbox)
     out = sandbox.ok(
         "set -e; mkdir -p /tmp/img && cd /tmp/img && cp /bin/busybox . &&"
         " printf 'FROM scratch\\nCOPY busybox /bin/busybox\\n"
-        'RUN ["/bin/busybox", "sh", "-c", "/bin/busybox echo built-inside > /hello"]\\n'
-        'CMD ["/bin/busybox", "cat", "/hello"]\\n\' > Dockerfile &&'
-        " docker build -q --network none -t umbra-inner . >/dev/null && docker run --rm umbra-inner",
+        f'RUN ["/bin/busybox", "wget", "-q", "-O", "/fetched", "{FETCHED}"]\\n'
+        'CMD ["/bin/busybox", "grep", "-m1", "^Codename:", "/fetched"]\\n\' > Dockerfile &&'
+        ' docker build -q --build-arg "http_proxy=$http_proxy" -t umbra-inner . >/dev/null &&'
+        " docker run --rm umbra-inner",
         timeout=300,
     )
-    assert out.strip() == "built-inside"
+    assert out.strip() == "Codename: trixie", out
+    # The bridge and the NAT rule are the nested dockerd's, in the sandbox's own namespace.
+    assert "docker0" in sandbox.ok("ip -o link show docker0")
+    assert "MASQUERADE" in sandbox.ok("sudo iptables -t nat -S POSTROUTING")
 
 
 def test_strace_works(sandbox: Sandbox) -> None:
@@ -249,9 +263,17 @@ def test_escapes_are_refused(sandbox: Sandbox) -> None:
     )
     assert out.stdout.split()[0] == "-1", out.stdout
     assert "Operation not permitted" in out.stdout or "Function not implemented" in out.stdout
-    # The host's routes, and its own: the network namespace is the host's, not the sandbox's.
-    out = sandbox.run(f"ip route add 10.99.0.0/24 dev {plan.ifname('a')}", "root")
-    assert out.returncode != 0 and "Operation not permitted" in out.stderr, out.stderr
+    # Routes: the sandbox's root changes its own namespace's (runc made it, owned by the
+    # sandbox's user namespace: nested Docker needs that), never the host's or the forwarder's.
+    sandbox.ok(f"ip route add 10.99.0.0/24 dev {plan.ifname('a')}", "root")
+    try:
+        for ns in ([], ["-n", plan.forwarder_ns]):
+            shown = subprocess.run(["ip", *ns, "route"], capture_output=True, text=True).stdout
+            assert "10.99.0.0" not in shown, ns
+        # The host's namespace is not even nameable from inside: its net ns is not the host's.
+        assert os.readlink("/proc/self/ns/net") not in sandbox.ok("readlink /proc/1/ns/net", "root")
+    finally:
+        sandbox.run("ip route del 10.99.0.0/24", "root")
     # A host-owned key bound into its tree: the sandbox's root cannot read it.
     key = plan.dir / "sandbox-etc" / "host-key"
     key.write_text("host-only-secret\n")
@@ -263,34 +285,57 @@ def test_escapes_are_refused(sandbox: Sandbox) -> None:
         key.unlink()
 
 
-def test_nothing_but_the_forwarder_is_reachable(sandbox: Sandbox) -> None:
-    """Even with a default route via the forwarder (added by the host's root: the sandbox's
-    cannot), the uplink, the host end and UDP/DNS go nowhere."""
-    plan = sandbox.plan
-    subprocess.run(
-        ["ip", "-n", plan.sandbox_ns, "route", "add", "default", "via", plan.forwarder_addr],
-        check=True,
+def _chrooted(script: str) -> str:
+    """`script` in a nested container (its own network namespace behind the sandbox's bridge),
+    with the sandbox's tree as its userland (read-only, `chroot`)."""
+    quoted = script.replace("'", "'\\''")
+    return (
+        f"docker run --rm -v /:/host:ro umbra-inner /bin/busybox chroot /host /bin/sh -c '{quoted}'"
     )
+
+
+def test_nothing_but_the_forwarder_is_reachable(sandbox: Sandbox) -> None:
+    """Even with a default route via the forwarder (its root may add one: the namespace is its
+    own), the uplink, the host end, the Security CVM's address and UDP/DNS go nowhere, from the
+    sandbox and from a nested container; the proxy (the forwarder's address) is reached."""
+    plan = sandbox.plan
+    _docker_ready(sandbox)
+    if sandbox.run("docker image inspect umbra-inner >/dev/null 2>&1").returncode != 0:
+        sandbox.ok(
+            "mkdir -p /tmp/img2 && cd /tmp/img2 && cp /bin/busybox . &&"
+            " printf 'FROM scratch\\nCOPY busybox /bin/busybox\\n' > Dockerfile &&"
+            " docker build -q -t umbra-inner . >/dev/null"
+        )
+    sandbox.ok(f"ip route add default via {plan.forwarder_addr}", "root")
     udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     udp.bind((plan.host_addr, 0))
     udp.settimeout(2)
+    port = udp.getsockname()[1]
+    send_udp = (
+        'python3 -c "import socket; s=socket.socket(socket.AF_INET, socket.SOCK_DGRAM);'
+        f" [s.sendto(b'x', (a, p)) for a in ('{plan.host_addr}', '{plan.uplink_addr}')"
+        f' for p in ({port}, 53)]"'
+    )
     try:
-        for addr in (plan.uplink_addr, plan.host_addr, local_cvm.SECURITY_CVM_ADDR):
-            out = sandbox.run(f"curl -sS --noproxy '*' -m 3 http://{addr}:{udp.getsockname()[1]}/")
-            assert out.returncode != 0, addr
-        port = udp.getsockname()[1]
-        sandbox.run(
-            'python3 -c "import socket; s=socket.socket(socket.AF_INET, socket.SOCK_DGRAM);'
-            f" [s.sendto(b'x', (a, p)) for a in ('{plan.host_addr}', '{plan.uplink_addr}')"
-            f' for p in ({port}, 53)]"'
-        )
-        with pytest.raises(TimeoutError):
-            udp.recvfrom(16)
-        # No resolver answers: the name a tool would look up directly does not resolve.
-        assert sandbox.run("getent hosts deb.debian.org", timeout=30).returncode != 0
+        for where in ("sandbox", "nested"):
+            wrap = _chrooted if where == "nested" else (lambda script: script)
+            for addr in (plan.uplink_addr, plan.host_addr, local_cvm.SECURITY_CVM_ADDR):
+                out = sandbox.run(wrap(f"curl -sS --noproxy '*' -m 3 http://{addr}:{port}/"))
+                assert out.returncode != 0, (where, addr, out.stdout)
+            sandbox.run(wrap(send_udp))
+            with pytest.raises(TimeoutError):
+                udp.recvfrom(16)
+            # No resolver answers (this stand-in has no DNS responder): nothing resolves.
+            out = sandbox.run(wrap("getent hosts deb.debian.org"), timeout=30)
+            assert out.returncode != 0, (where, out.stdout)
+            # The one way out works from both: the proxy on the forwarder's address.
+            code = sandbox.ok(
+                wrap(f"curl -sS -m 20 -x {plan.proxy_url} -o /dev/null -w %{{http_code}} {FETCHED}")
+            )
+            assert code == "200", (where, code)
     finally:
         udp.close()
-        subprocess.run(["ip", "-n", plan.sandbox_ns, "route", "del", "default"], check=False)
+        sandbox.run("ip route del default", "root")
 
 
 def test_the_runtime_leaves_nothing_after_a_stop(sandbox: Sandbox) -> None:
@@ -302,3 +347,8 @@ def test_the_runtime_leaves_nothing_after_a_stop(sandbox: Sandbox) -> None:
     # Its files survive a stop: the next start finds the package installed earlier.
     local_cvm.start_sandbox(plan)
     assert sandbox.ok("grep -c umbra-test /etc/motd").strip() == "1"
+    # The new sandbox has a new network namespace and link; the forwarder's listener, bound
+    # before (ip_nonlocal_bind=1 in its namespace), still answers on the new link.
+    assert local_cvm.run_in_sandbox(plan, ["ip", "-o", "addr", "show", plan.ifname("a")]).stdout
+    code = sandbox.ok(f"curl -sS -m 20 -o /dev/null -w %{{http_code}} {FETCHED}")
+    assert code == "200", code

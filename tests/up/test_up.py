@@ -335,21 +335,19 @@ def test_sandbox_root_is_unprivileged_and_reaches_only_the_forwarder(up: Up) -> 
     assert not any(
         (layer / "usr" / "umbra-x").exists() for layer in local_cvm.sandbox_spec(plan).image
     )
-    for ns in (plan.sandbox_ns, plan.forwarder_ns):
-        forward = subprocess.run(
-            ["ip", "netns", "exec", ns, "cat", "/proc/sys/net/ipv4/ip_forward"],
+    # The forwarder's namespace never forwards, and binds its sandbox-side address even while
+    # the sandbox's link is down: both set there explicitly, never inherited from the host.
+    for key, want in (("ip_forward", "0"), ("ip_nonlocal_bind", "1")):
+        shown = subprocess.run(
+            ["ip", "netns", "exec", plan.forwarder_ns, "cat", f"/proc/sys/net/ipv4/{key}"],
             capture_output=True, text=True,
         )  # fmt: skip
-        assert forward.stdout.strip() == "0", ns
-    # Sandbox root has no CAP_NET_ADMIN over its network namespace (owned by the host's user
-    # namespace): it cannot even change its routes...
-    refused = _sandbox(up, "ip", "route", "add", "default", "via", plan.forwarder_addr)
-    assert refused.returncode != 0 and "not permitted" in refused.stderr
-    # ...and had it done so (as the cloud sandbox's root may), it would still reach nothing else.
-    subprocess.run(
-        ["ip", "-n", plan.sandbox_ns, "route", "add", "default", "via", plan.forwarder_addr],
-        check=True,
-    )
+        assert shown.stdout.strip() == want, (key, shown)
+    # The sandbox's network namespace is its own (runc's, in its user namespace: nested Docker
+    # makes its bridge and NAT there), so its root may add a default route via the forwarder...
+    added = _sandbox(up, "ip", "route", "add", "default", "via", plan.forwarder_addr)
+    assert added.returncode == 0, added.stderr
+    # ...and still reaches nothing but the forwarder's listeners.
     targets = [
         f"http://{plan.uplink_addr}:{stack.port('tunnel')}/",  # the forwarder's uplink address
         f"http://{plan.host_addr}:{stack.port('tunnel')}/",  # the host end of the uplink
@@ -364,11 +362,96 @@ def test_sandbox_root_is_unprivileged_and_reaches_only_the_forwarder(up: Up) -> 
             assert done.returncode in (7, 28), (url, done.returncode, done.stdout)
     finally:
         # Later tests log in: with a route, a login shell's lookups would wait out timeouts.
-        subprocess.run(["ip", "-n", plan.sandbox_ns, "route", "del", "default"], check=True)
+        assert _sandbox(up, "ip", "route", "del", "default").returncode == 0
     # DNS never leaves: the forwarder answers every name with its own address (sandbox.md).
     dns = _sandbox(up, "sh", "-c", "getent hosts example.com || echo unresolved")
     assert dns.stdout.split()[:1] == [plan.forwarder_addr], dns.stdout
     assert _sandbox(up, "ip", "-6", "addr").stdout.strip() == ""
+
+
+def _recorded_paths(up: Up, cvm: str, want: set[str]) -> set[str]:
+    """Which of `want` the Security CVM's proxy recorded for `cvm` (it ships about once a second)."""
+    stack = up.stack()
+    seen: set[str] = set()
+    deadline = time.monotonic() + 20
+    with up_stack.api(stack, up_stack.token(up.env)) as client:
+        while time.monotonic() < deadline and not want <= seen:
+            page = client.get(
+                f"/api/v1/teams/{up_stack.TEAM}/traffic", params={"cvm_id": cvm, "limit": 200}
+            ).json()
+            records = page["records"] if isinstance(page, dict) else page
+            seen = {r.get("path") or "" for r in records if r["cvm_id"] == cvm}
+            time.sleep(0.25)
+    return want & seen
+
+
+def test_nested_containers_go_through_the_forwarder_and_nowhere_else(up: Up) -> None:
+    """Nested Docker has its own bridge and NAT in the sandbox's network namespace: a build's RUN
+    step and a container reach the stand-in origin through the forwarder and the Security CVM
+    (recorded for this CVM); from a nested container, even with the sandbox's default route via
+    the forwarder, the uplink, the host end, the ingress, the Security CVM and UDP go nowhere."""
+    stack = up.stack()
+    cvm = stack.state["dev_cvm_id"]
+    plan = local_cvm.load_plan(up.state / "cvms", cvm)
+    assert plan is not None
+    end = time.monotonic() + 60
+    while _sandbox(up, "docker", "info").returncode != 0:
+        assert time.monotonic() < end, _sandbox(up, "tail", "-20", "/var/log/dockerd.log").stdout
+        time.sleep(0.5)
+    origin = f"https://{up_stack.DEMO_HOSTS[0]}:{stack.port('origin')}"
+    # The build's RUN step asks through the proxy for a denied host (busybox's wget speaks only
+    # plain HTTP to a proxy): the answer it keeps is the Security CVM's refusal.
+    build = _sandbox(
+        up, "sh", "-c",
+        "set -e; mkdir -p /tmp/nested && cd /tmp/nested && cp /bin/busybox . &&"
+        " printf 'FROM scratch\\nCOPY busybox /bin/busybox\\n"
+        'RUN ["/bin/busybox", "sh", "-c",'
+        f' "/bin/busybox wget -T 20 -O /fetched http://{up_stack.DEMO_HOSTS[1]}/nested-build'
+        ' 2>/answer; true"]\\n\''
+        " > Dockerfile && docker build -q"
+        f" --build-arg http_proxy={plan.proxy_url} -t umbra-nested . >/dev/null &&"
+        " docker run --rm umbra-nested /bin/busybox cat /answer",
+    )  # fmt: skip
+    assert build.returncode == 0 and "403" in build.stdout, build.stdout + build.stderr
+
+    def nested(script: str) -> subprocess.CompletedProcess[str]:
+        # The sandbox's own tree as the nested container's userland (curl, the CA store).
+        return _sandbox(
+            up, "docker", "run", "--rm", "-v", "/:/host:ro", "umbra-nested",
+            "/bin/busybox", "chroot", "/host", "/bin/sh", "-c", script,
+        )  # fmt: skip
+
+    ran = nested(
+        f"curl -sS -m 20 -x {plan.proxy_url} -o /dev/null -w %{{http_code}} {origin}/nested-run"
+    )
+    assert ran.stdout == "200", ran
+    assert _recorded_paths(up, cvm, {"/nested-build", "/nested-run"}) == {
+        "/nested-build",
+        "/nested-run",
+    }
+    udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    udp.bind((plan.host_addr, 0))
+    udp.settimeout(2)
+    port = udp.getsockname()[1]
+    assert _sandbox(up, "ip", "route", "add", "default", "via", plan.forwarder_addr).returncode == 0
+    try:
+        for url in (
+            f"http://{plan.uplink_addr}:{stack.port('tunnel')}/",
+            f"http://{plan.host_addr}:{local_cvm.INGRESS_PORT}/",
+            f"http://{local_cvm.SECURITY_CVM_ADDR}:{stack.port('tunnel')}/",
+            f"http://{plan.forwarder_addr}:22/",
+        ):
+            done = nested(f"curl -sS --noproxy '*' --connect-timeout 2 --max-time 4 {url}")
+            assert done.returncode != 0 and "curl: (" in done.stderr, (url, done)
+        nested(
+            'python3 -c "import socket; s=socket.socket(socket.AF_INET, socket.SOCK_DGRAM);'
+            f" [s.sendto(b'x', ('{plan.host_addr}', p)) for p in ({port}, 53)]\""
+        )
+        with pytest.raises(TimeoutError):
+            udp.recvfrom(16)
+    finally:
+        udp.close()
+        assert _sandbox(up, "ip", "route", "del", "default").returncode == 0
 
 
 def test_tools_without_proxy_variables_reach_the_proxy_through_the_forwarder(up: Up) -> None:
@@ -565,7 +648,7 @@ def test_second_up_while_one_runs_is_refused(up: Up) -> None:
         fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
         done = up.run("up")
     assert done.returncode == 1
-    assert "another `umbra up`" in done.stdout and "fix:" in done.stdout
+    assert "error: another `umbra up`" in done.stderr and "fix:" in done.stderr
 
 
 def test_kill_9_is_reported_restarted_and_no_record_is_lost(up: Up) -> None:
@@ -646,8 +729,8 @@ def test_port_in_use_is_refused_and_nothing_is_started(tmp_path: Path) -> None:
         squatter.listen()
         done = other.run("up")
     assert done.returncode == 1
-    assert f"port {base + 1} (console) is in use" in done.stdout.replace("\n", " ")
-    assert "--port-base" in done.stdout
+    assert f"port {base + 1} (console) is in use" in done.stderr.replace("\n", " ")
+    assert "--port-base" in done.stderr
     assert _leftovers(other) == []
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from contextlib import closing
 from urllib.parse import quote
@@ -251,8 +252,8 @@ def test_web_rotation_is_conditional_on_the_version_it_read(
     team = seeded.team.name
     fresh = secrets.team_secret_state(seeded.server.console, team, "bot")
     assert fresh is not None
-    hosts, version = fresh
-    monkeypatch.setattr(secrets, "team_secret_state", lambda *_: (hosts, version - 1))
+    hosts, version, kind = fresh
+    monkeypatch.setattr(secrets, "team_secret_state", lambda *_: (hosts, version - 1, kind))
     with closing(admin(seeded, issuer)) as client:
         page = client.get(f"/ui/teams/{team}/secrets").text
         token = re.search(r'name="csrf" value="([^"]+)"', page)
@@ -263,7 +264,7 @@ def test_web_rotation_is_conditional_on_the_version_it_read(
         )
         assert stale.status_code == 412 and SECRET_VALUE not in stale.text
     monkeypatch.undo()
-    assert secrets.team_secret_state(seeded.server.console, team, "bot") == (hosts, version)
+    assert secrets.team_secret_state(seeded.server.console, team, "bot") == (hosts, version, kind)
 
 
 def test_session_and_login_tampering(seeded: Seed, issuer: LocalIssuer) -> None:
@@ -354,3 +355,68 @@ def test_keyset_paging_walks_every_record_once(seeded: Seed) -> None:
             break
         cursor = page.next_cursor
     assert seen == [row.id for row in everything] and len(set(seen)) == len(seen) >= 25
+
+
+def test_a_secret_needing_a_new_login_says_so(seeded: Seed, issuer: LocalIssuer) -> None:
+    """A refresh the token endpoint refused marks the secret; the secrets page shows it with its
+    kind, and never the document."""
+    from sqlalchemy import update
+
+    from umbra.console.enums import SecretStatus
+    from umbra.console.models import Secret
+
+    team = seeded.team.name
+    document = {"token_url": "https://auth.example/t", "client_id": "c", "refresh_token": "rt-w3b"}
+    put = seeded.team.admin.put(
+        f"/api/v1/teams/{team}/secrets/chain",
+        json={"value": json.dumps(document), "hosts": [], "kind": "oauth2-refresh"},
+    )
+    assert put.status_code == 200, put.text
+    with seeded.server.console.write() as session:
+        session.execute(
+            update(Secret)
+            .where(Secret.team == team, Secret.name == "chain")  # type: ignore[arg-type]
+            .values(status=SecretStatus.needs_login)
+        )
+    with closing(admin(seeded, issuer)) as client:
+        page = client.get(f"/ui/teams/{team}/secrets").text
+    assert "oauth2-refresh" in page and "needs a new login" in page and "rt-w3b" not in page
+    seeded.team.admin.delete(f"/api/v1/teams/{team}/secrets/chain")
+
+
+def test_admin_deactivates_a_developer_from_the_page(seeded: Seed, issuer: LocalIssuer) -> None:
+    """The web form calls the same service as the API: the leaver's own web session loses the
+    team on its next request; developers have no form and are refused."""
+    from tests.console.helpers import unique
+
+    team = seeded.team.name
+    leaver = unique("leaver")
+    with closing(login(seeded.server, issuer, leaver, [f"{team}:developer"])) as gone:
+        assert gone.get(f"/ui/teams/{team}/cvms").status_code == 200
+        with closing(dev(seeded, issuer)) as client:
+            page = client.get(f"/ui/teams/{team}/cvms").text
+            assert "deactivate-form" not in page
+            token = re.search(r'name="csrf" value="([^"]+)"', page)
+            assert token is not None
+            refused = client.post(
+                f"/ui/teams/{team}/members/deactivate",
+                data={"csrf": token.group(1), "subject": leaver, "confirm": "yes"},
+            )
+            assert refused.status_code == 403
+        with closing(admin(seeded, issuer)) as client:
+            page = client.get(f"/ui/teams/{team}/cvms").text
+            assert "deactivate-form" in page
+            token = re.search(r'name="csrf" value="([^"]+)"', page)
+            assert token is not None
+            unconfirmed = client.post(
+                f"/ui/teams/{team}/members/deactivate",
+                data={"csrf": token.group(1), "subject": leaver},
+            )
+            assert unconfirmed.status_code == 422
+            done = client.post(
+                f"/ui/teams/{team}/members/deactivate",
+                data={"csrf": token.group(1), "subject": leaver, "confirm": "yes"},
+            )
+            assert done.status_code == 200 and "deactivated" in done.text, done.text
+            assert "user.deactivate" in client.get(f"/ui/teams/{team}/audit").text
+        assert gone.get(f"/ui/teams/{team}/cvms").status_code == 403

@@ -1,7 +1,7 @@
 """traffic records carry the LLM usage an API reported (model, input/output/cache tokens)
 
 Revision ID: 0012_traffic_llm_usage
-Revises: 0009
+Revises: 0011
 Create Date: 2026-12-06 05:40:00.000000
 """
 
@@ -14,7 +14,7 @@ from alembic import op
 
 revision: str = "0012_traffic_llm_usage"
 # main's head when written; the lead rechains it at merge
-down_revision: str | None = "0009"
+down_revision: str | None = "0011"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 

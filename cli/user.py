@@ -1,0 +1,44 @@
+"""`umbra user`: people in a team (admins). `deactivate SUBJECT`: no role in the team from the
+next request on, personal secrets erased, their Dev CVMs detached and stopped (audited)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from umbra.cli.auth import api_errors, api_failure, open_client, resolve_team
+from umbra.cli.output import console, print_json
+
+app = typer.Typer(help="People in a team: deactivate a developer (admins).", no_args_is_help=True)
+
+JsonFlag = Annotated[bool, typer.Option("--json", help="Machine-readable output on stdout.")]
+TeamOption = Annotated[str | None, typer.Option("--team", help="Team (default: yours).")]
+
+
+@app.command()
+def deactivate(
+    subject: Annotated[str, typer.Argument(help="The developer's OIDC subject (`sub`).")],
+    team: TeamOption = None,
+    as_json: JsonFlag = False,
+) -> None:
+    """Deactivate a developer: sessions refused, personal secrets erased, CVMs detached and stopped."""
+    client, login = open_client(as_json)
+    try:
+        with client:
+            team_name = resolve_team(client, login, team, as_json)
+            done = client.deactivate_user(team_name, subject)
+    except api_errors() as exc:
+        api_failure(exc, as_json)
+    if as_json:
+        print_json(done.model_dump(mode="json"))
+        return
+    state = "deactivated" if done.newly else "was already deactivated"
+    console.print(
+        f"{subject} {state} in {team_name}: {done.secrets_erased} personal secrets erased"
+    )
+    for label, ids in (("detached", done.cvms_detached), ("stopped", done.cvms_stopped)):
+        if ids:
+            console.print(f"  {label}: {', '.join(ids)}")
+    for cvm_id, reason in done.cvms_skipped.items():
+        console.print(f"  [yellow]left as is[/]: {cvm_id} ({reason}); run this again later")

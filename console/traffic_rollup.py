@@ -1,0 +1,100 @@
+"""Traffic rollups: counts per (team, owner, CVM, 30-minute slot), and denials per slot by host,
+reason and rule, maintained in the transaction that inserts the records.
+
+Only records actually inserted are counted (a shipper's retry adds nothing): on PostgreSQL the
+insert's `RETURNING` feeds two additive upserts in the same statement; on SQLite (one writer, the
+write gate) the batch's already-stored ids are looked up first. Upserts touch rows in key order,
+so concurrent batches of one team never deadlock. The overview page reads slots for ranges whose
+bucket width is a whole number of slots (24 h, 7 d, 30 d; their window starts at a slot
+boundary), and the records themselves for 1 h and 6 h, which are small.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from umbra.contracts.traffic import Decision, TrafficRecord
+
+SLOT_SECONDS = 1800
+DIMENSIONS = ("host", "reason", "rule")
+_PG_SLOT = f"(floor(extract(epoch FROM i.time) / {SLOT_SECONDS}) * {SLOT_SECONDS})::bigint"
+
+
+def pg_insert_with_rollups(insert_sql: str) -> str:
+    """Wrap the bulk `INSERT ... ON CONFLICT DO NOTHING` so the one statement also adds the
+    inserted records to the rollups and returns how many were inserted."""
+    return (
+        f"WITH i AS ({insert_sql} RETURNING team, owner, cvm_id, time, decision, host, reason, "  # noqa: S608 (constants)
+        "rule_id), "
+        "s AS (INSERT INTO traffic_slot AS t (team, owner, cvm_id, slot, total, denied) "
+        f"SELECT i.team, coalesce(i.owner, ''), coalesce(i.cvm_id, ''), {_PG_SLOT}, count(*), "
+        f"count(*) FILTER (WHERE i.decision = '{Decision.DENY.value}') FROM i "
+        "GROUP BY 1, 2, 3, 4 ORDER BY 1, 2, 3, 4 "
+        "ON CONFLICT (team, owner, cvm_id, slot) DO UPDATE "
+        "SET total = t.total + excluded.total, denied = t.denied + excluded.denied), "
+        "d AS (INSERT INTO traffic_slot_denial AS t "
+        "(team, owner, cvm_id, slot, dimension, value, count) "
+        f"SELECT i.team, coalesce(i.owner, ''), coalesce(i.cvm_id, ''), {_PG_SLOT}, v.dimension, "
+        "coalesce(v.value, ''), count(*) FROM i CROSS JOIN LATERAL (VALUES ('host', i.host), "
+        "('reason', i.reason), ('rule', i.rule_id)) AS v(dimension, value) "
+        f"WHERE i.decision = '{Decision.DENY.value}' "
+        "GROUP BY 1, 2, 3, 4, 5, 6 ORDER BY 1, 2, 3, 4, 5, 6 "
+        "ON CONFLICT (team, owner, cvm_id, slot, dimension, value) DO UPDATE "
+        "SET count = t.count + excluded.count) "
+        "SELECT count(*) FROM i"
+    )
+
+
+def slot_of(epoch_seconds: float) -> int:
+    return int(epoch_seconds) // SLOT_SECONDS * SLOT_SECONDS
+
+
+def sqlite_stored_ids(cursor: Any, records: Sequence[TrafficRecord]) -> set[tuple[str, str]]:
+    """(team, id) of the batch's records already stored (before the insert)."""
+    stored: set[tuple[str, str]] = set()
+    keys = sorted({(r.team or "", str(r.id)) for r in records})
+    for start in range(0, len(keys), 400):
+        chunk = keys[start : start + 400]
+        clause = " OR ".join("(team = ? AND id = ?)" for _ in chunk)
+        cursor.execute(
+            f"SELECT team, id FROM traffic_record WHERE {clause}",  # noqa: S608 (placeholders)
+            [value for key in chunk for value in key],
+        )
+        stored.update((str(team), str(ident)) for team, ident in cursor.fetchall())
+    return stored
+
+
+def sqlite_add(cursor: Any, inserted: Iterable[TrafficRecord]) -> None:
+    """Add records that were just inserted to the rollups (SQLite)."""
+    slots: Counter[tuple[str, str, str, int]] = Counter()
+    denied: Counter[tuple[str, str, str, int]] = Counter()
+    denials: Counter[tuple[str, str, str, int, str, str]] = Counter()
+    for record in inserted:
+        key = (
+            record.team or "",
+            record.owner or "",
+            record.cvm_id or "",
+            slot_of(record.time.timestamp()),
+        )
+        slots[key] += 1
+        if record.decision == Decision.DENY:
+            denied[key] += 1
+            for dimension, value in zip(
+                DIMENSIONS, (record.host, record.reason, record.rule_id), strict=True
+            ):
+                denials[(*key, dimension, value or "")] += 1
+    cursor.executemany(
+        "INSERT INTO traffic_slot (team, owner, cvm_id, slot, total, denied) "
+        "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (team, owner, cvm_id, slot) DO UPDATE "
+        "SET total = total + excluded.total, denied = denied + excluded.denied",
+        [(*key, count, denied[key]) for key, count in sorted(slots.items())],
+    )
+    cursor.executemany(
+        "INSERT INTO traffic_slot_denial (team, owner, cvm_id, slot, dimension, value, count) "
+        "VALUES (?, ?, ?, ?, ?, ?, ?) "
+        "ON CONFLICT (team, owner, cvm_id, slot, dimension, value) DO UPDATE "
+        "SET count = count + excluded.count",
+        [(*key, count) for key, count in sorted(denials.items())],
+    )

@@ -1,0 +1,71 @@
+"""Deactivating a developer (`POST /teams/{team}/members/{sub}/deactivate`, `umbra user
+deactivate`): their token carries no role in the team from the next request on, their personal
+secrets are erased from the database, their Dev CVMs are detached and stopped, and all of it is
+audited; only an admin may, never on themselves; on both backends."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import func, select
+from sqlmodel import col
+
+from tests.console.helpers import Team, standard_bundle
+from tests.console.test_cli_admin import Cli
+from umbra.console.models import Secret
+
+PERSONAL = "personal-value-Zq81xT0w"
+
+
+def _personal_rows(team: Team, owner: str) -> int:
+    with team.server.console.session() as session:
+        count: int = session.execute(
+            select(func.count())
+            .select_from(Secret)
+            .where(col(Secret.team) == team.name, col(Secret.owner) == owner)
+        ).scalar_one()
+    return count
+
+
+def test_deactivate_a_developer(team: Team, tmp_path: Path) -> None:
+    assert team.upload(1, standard_bundle(team.server.bundle_key, 1)).status_code == 201
+    cvm_id = team.dev_cvm()
+    attached = team.admin.put(f"/api/v1/cvms/{cvm_id}/profiles", json={"profiles": ["github"]})
+    assert attached.status_code == 200, attached.text
+    put = team.dev.put(
+        f"/api/v1/teams/{team.name}/personal-secrets/gh",
+        json={"value": PERSONAL, "hosts": ["api.github.com"]},
+    )
+    assert put.status_code in (200, 201), put.text
+    assert _personal_rows(team, team.dev_subject) == 1
+    url = f"/api/v1/teams/{team.name}/members/{team.dev_subject}/deactivate"
+
+    assert team.dev.post(url).status_code == 403  # a developer may not
+    own = f"/api/v1/teams/{team.name}/members/{team.admin_subject}/deactivate"
+    assert team.admin.post(own).status_code == 422  # nor an admin on themselves
+
+    admin = Cli(tmp_path / "admin")
+    token = str(team.admin.headers["Authorization"]).removeprefix("Bearer ")
+    admin("auth", "login", team.server.url, "--token-file", "-", "--team", team.name, input=token)
+    done: dict[str, Any] = admin.json("user", "deactivate", team.dev_subject)
+    assert done["newly"] is True and done["secrets_erased"] == 1
+    assert done["cvms_detached"] == [cvm_id] and done["cvms_skipped"] == {}
+
+    # The same token, the next request: no role in the team.
+    assert team.dev.get(f"/api/v1/teams/{team.name}/cvms").status_code == 403
+    assert team.dev.get(f"/api/v1/teams/{team.name}/personal-secrets").status_code == 403
+    assert _personal_rows(team, team.dev_subject) == 0
+    cvm = team.admin.get(f"/api/v1/cvms/{cvm_id}").json()
+    assert cvm["profiles"] == []
+    assert cvm["state"] in ("stopped", "updating") or cvm_id in done["cvms_stopped"]
+    entries = team.admin.get(f"/api/v1/teams/{team.name}/audit?limit=1000").json()["entries"]
+    deactivations = [e for e in entries if e["action"] == "user.deactivate"]
+    assert [(e["target"], e["details"]["secrets_erased"]) for e in deactivations] == [
+        (team.dev_subject, 1)
+    ]
+    # Idempotent: again is fine and says so.
+    again = team.admin.post(url)
+    assert again.status_code == 200 and again.json()["newly"] is False
+    # The erased value is nowhere in what the Console answered.
+    assert not any(PERSONAL.encode() in body for body in team.server.responses)
