@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 from pathlib import Path
 from typing import Annotated, Any, Literal, NoReturn
 
 import typer
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 from rich.table import Table
 
 from umbra.cli.output import (
@@ -45,6 +46,7 @@ app = typer.Typer(help="Lint, test, diff, build and verify egress policy.", no_a
 PolicyDir = Annotated[Path, typer.Argument(help="The policy directory.")]
 JsonFlag = Annotated[bool, typer.Option("--json", help="Machine-readable output on stdout.")]
 DEFAULT_DIR = Path("policies")
+SUGGEST_PAGES = 20  # at most 20,000 denials are read
 
 
 def _exit_with_issues(exc: PolicyError, as_json: bool) -> NoReturn:
@@ -362,6 +364,99 @@ def publish(
             f"{', '.join(info.profiles)}",
             highlight=False,
         )
+
+
+@app.command()
+def suggest(
+    cvm: Annotated[str, typer.Option("--cvm", help="The CVM whose denials to draft from.")],
+    since: Annotated[
+        str, typer.Option(help="Denials newer than 15m, 2h, 7d or an ISO time.")
+    ] = "2h",
+    name: Annotated[
+        str | None, typer.Option(help="Profile name (default: suggested-<cvm>).")
+    ] = None,
+    out: Annotated[
+        Path | None,
+        typer.Option(help="Write profiles/NAME.yaml and tests/NAME.yaml under this directory."),
+    ] = None,
+    team: Annotated[str | None, typer.Option("--team", help="Team (default: yours).")] = None,
+    as_json: JsonFlag = False,
+) -> None:
+    """Draft a profile (YAML with rule ids and comments) from a CVM's denials, narrowest first,
+    with a test suite of the requests it was drafted from, for review in a pull request. Nothing
+    is allowed until it is merged, signed and published."""
+    from umbra.cli.auth import api_errors, api_failure, open_client, resolve_team
+    from umbra.cli.logs import parse_since
+    from umbra.policy.suggest import Denial, draft
+
+    try:
+        start = parse_since(since)
+    except ValueError:
+        fail(f"--since {since!r}: use 15m, 2h, 7d or an ISO 8601 time", EXIT_USAGE, as_json=as_json)
+    profile_name = name or ("suggested-" + re.sub(r"[^a-z0-9-]+", "-", cvm.lower())).strip("-")[:64]
+    try:
+        Profile.model_validate({"apiVersion": "umbra/v1", "kind": "Profile", "name": profile_name})
+    except ValidationError:
+        fail(
+            f"--name {profile_name!r}: lowercase letters, digits and '-', 1 to 64",
+            EXIT_USAGE,
+            as_json=as_json,
+        )
+    client, login = open_client(as_json)
+    denials: list[Denial] = []
+    try:
+        with client:
+            team_name = resolve_team(client, login, team, as_json)
+            cursor: str | None = None
+            for _ in range(SUGGEST_PAGES):
+                page = client.traffic(
+                    team_name, cvm_id=cvm, decision="deny", since=start, limit=1000, cursor=cursor
+                )
+                for r in page.records:
+                    host = r.connect_host or (r.host or "").rsplit(":", 1)[0]
+                    if r.kind != "http" or not r.method or not host or r.port is None:
+                        continue
+                    scheme = "https" if r.sni else "http"
+                    denials.append(
+                        Denial(r.method, scheme, host, r.port, r.path or "/", r.reason or "")
+                    )
+                cursor = page.next_cursor
+                if cursor is None:
+                    break
+    except api_errors() as exc:
+        api_failure(exc, as_json)
+    result = draft(
+        profile_name, denials, f"the denials of CVM {cvm} since {start:%Y-%m-%d %H:%M} UTC"
+    )
+    written: list[str] = []
+    if out is not None:
+        for sub, text in (("profiles", result.profile), ("tests", result.suite)):
+            if not text:
+                continue
+            target = out / sub / f"{profile_name}.yaml"
+            if target.exists():
+                fail(
+                    f"{target} exists; choose another --name or --out", EXIT_USAGE, as_json=as_json
+                )
+            target.parent.mkdir(parents=True, exist_ok=True)
+            write_atomic(target, text, 0o644)
+            written.append(str(target))
+    if as_json:
+        print_json(
+            {"profile": result.profile, "suite": result.suite, "rules": result.rules,
+             "skipped": result.skipped, "written": written}
+        )  # fmt: skip
+        return
+    if out is None:
+        console.print(result.profile, highlight=False, markup=False, end="")
+        if result.suite:
+            console.print("---\n" + result.suite, highlight=False, markup=False, end="")
+    for path in written:
+        console.print(f"wrote {path}", highlight=False)
+    console.print(
+        f"{result.rules} rule(s) drafted from {len(denials)} denial(s); review before merging.",
+        highlight=False,
+    )
 
 
 @app.command()

@@ -47,6 +47,7 @@ from umbra.console.routes import (
     session,
     team_settings,
     traffic,
+    usage,
 )
 from umbra.console.routes import errors as route_errors
 from umbra.console.state import Console
@@ -191,6 +192,7 @@ def create_app(
         security_cvm,
         secret_refresh,
         traffic,
+        usage,
         audit,
         enroll,
         reenroll,

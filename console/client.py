@@ -27,6 +27,7 @@ from umbra.console.schemas import (
     SecurityReplicaToken,
     TeamDefaultProfiles,
     TrafficPage,
+    UsageReportOut,
 )
 from umbra.contracts.console_url import ConsoleUrlError, check_console_url
 
@@ -299,6 +300,24 @@ class ConsoleClient(_Base):
         }
         query = {key: value for key, value in params.items() if value is not None}
         return self._model(TrafficPage, "GET", f"/api/v1/teams/{team}/traffic", params=query)
+
+    def usage(
+        self,
+        team: str,
+        *,
+        since: datetime | None = None,
+        until: datetime | None = None,
+        owner: str | None = None,
+        cvm_id: str | None = None,
+    ) -> UsageReportOut:
+        params = {
+            "since": since.isoformat() if since else None,
+            "until": until.isoformat() if until else None,
+            "owner": owner,
+            "cvm_id": cvm_id,
+        }
+        query = {key: value for key, value in params.items() if value is not None}
+        return self._model(UsageReportOut, "GET", f"/api/v1/teams/{team}/usage", params=query)
 
     def quarantine(self, team: str, *, limit: int = 100) -> QuarantinePage:
         url = f"/api/v1/teams/{team}/traffic/quarantine"

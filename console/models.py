@@ -10,7 +10,16 @@ from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, Column, DateTime, Index, LargeBinary, UniqueConstraint
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Column,
+    DateTime,
+    Index,
+    LargeBinary,
+    UniqueConstraint,
+    text,
+)
 from sqlalchemy.engine import Dialect
 from sqlalchemy.types import TypeDecorator
 from sqlmodel import AutoString, Field, SQLModel
@@ -238,6 +247,14 @@ class TrafficRecord(SQLModel, table=True):
         Index("ix_traffic_team_decision_time", "team", "decision", "time"),
         Index("ix_traffic_team_reason_time", "team", "reason", "time"),
         Index("ix_traffic_team_rule_time", "team", "rule_id", "time"),
+        # rows with LLM usage only (revision 0012_traffic_llm_usage): usage sums per team and day
+        Index(
+            "ix_traffic_team_llm_time",
+            "team",
+            "time",
+            postgresql_where=text("llm_model IS NOT NULL"),
+            sqlite_where=text("llm_model IS NOT NULL"),
+        ),
     )
 
     team: str = Field(primary_key=True, max_length=64)
@@ -268,6 +285,12 @@ class TrafficRecord(SQLModel, table=True):
         default_factory=list, sa_column=Column(JSON, nullable=False)
     )
     detail: str | None = Field(default=None, max_length=1024)
+    # LLM usage (revision 0012_traffic_llm_usage); summed by `services/usage.py`
+    llm_model: str | None = Field(default=None, max_length=128)
+    llm_input_tokens: int | None = Field(default=None, sa_type=BigInteger)
+    llm_output_tokens: int | None = Field(default=None, sa_type=BigInteger)
+    llm_cache_read_tokens: int | None = Field(default=None, sa_type=BigInteger)
+    llm_cache_write_tokens: int | None = Field(default=None, sa_type=BigInteger)
     truncated: list[str] = Field(default_factory=list, sa_column=Column(JSON, nullable=False))
     received_at: datetime = _ts()
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import UTC, date, datetime
 from typing import Annotated, Any
 
 from pydantic import (
@@ -301,7 +301,31 @@ class TrafficRecordOut(Strict):
     scan_rule_ids: list[str]
     injected_headers: list[str]
     detail: str | None
+    llm_model: str | None = None
+    llm_input_tokens: int | None = None
+    llm_output_tokens: int | None = None
+    llm_cache_read_tokens: int | None = None
+    llm_cache_write_tokens: int | None = None
     truncated: list[str] = Field(default_factory=list)
+
+
+class UsageRowOut(Strict):
+    day: date
+    owner: str | None
+    cvm_id: str | None
+    model: str
+    requests: int
+    input_tokens: int
+    output_tokens: int
+    cache_read_tokens: int
+    cache_write_tokens: int
+
+
+class UsageReportOut(Strict):
+    since: datetime
+    until: datetime
+    rows: list[UsageRowOut]
+    totals: dict[str, int]
 
 
 class TrafficPage(Strict):

@@ -43,6 +43,9 @@ MAX_RULE_IDS = 256
 MAX_HEADERS = 64
 MAX_BIGINT = (1 << 63) - 1
 MAX_BATCH_RECORDS = 10_000
+MAX_MODEL = 128
+# More tokens than any one response could carry: a usage field above it is not believed.
+MAX_TOKENS = 100_000_000
 
 _PRINTABLE = r"^[^\x00-\x1f\x7f]*$"
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
@@ -88,6 +91,7 @@ def _printable(limit: int) -> Any:
 
 
 Text = Annotated[str, _printable(MAX_HOST)]
+Tokens = Annotated[int, Field(ge=0, le=MAX_TOKENS, strict=True)]
 
 
 class TrafficRecord(BaseModel):
@@ -135,6 +139,13 @@ class TrafficRecord(BaseModel):
         default_factory=list, max_length=MAX_HEADERS
     )
     detail: Annotated[str, _printable(MAX_DETAIL)] | None = None
+    # LLM usage an Anthropic- or OpenAI-shaped API reported in this response (proxy.md, LLM
+    # usage); absent for every other exchange, and when the reported usage was not believable.
+    llm_model: Annotated[str, _printable(MAX_MODEL)] | None = None
+    llm_input_tokens: Tokens | None = None
+    llm_output_tokens: Tokens | None = None
+    llm_cache_read_tokens: Tokens | None = None
+    llm_cache_write_tokens: Tokens | None = None
     truncated: list[Annotated[str, Field(pattern=r"^[a-z_]{1,32}$")]] = Field(
         default_factory=list,
         max_length=32,
@@ -220,6 +231,7 @@ _TEXT_LIMITS = {
     "detail": MAX_DETAIL,
     "reason": 64,
     "rule_id": MAX_RULE,
+    "llm_model": MAX_MODEL,
 }
 _LIST_LIMITS = (
     ("query_keys", MAX_QUERY_KEYS, MAX_QUERY_KEY, _CONTROL),

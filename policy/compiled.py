@@ -26,13 +26,17 @@ from umbra.policy.model import (
     SCHEME_DEFAULT_PORTS,
     Action,
     ExactHost,
+    FieldConstraints,
     HeaderName,
     HostPattern,
     InjectFormat,
     InjectRule,
+    Limit,
+    McpRule,
     Method,
     Name,
     PathPattern,
+    Per,
     Port,
     Profile,
     QueryName,
@@ -77,6 +81,22 @@ class CompiledHttpRule(StrictModel):
     endpoints: list[Endpoint] = Field(min_length=1)
     paths: list[PathPattern] | None
     push_refs: list[RefPattern] | None
+    body: FieldConstraints | None = None
+    mcp: McpRule | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_unset_limits(self, handler: SerializerFunctionWrapHandler) -> dict[str, object]:
+        # Rules without body or MCP limits serialize as before they existed: bundles and policy
+        # hashes of profiles that do not use them are unchanged.
+        data: dict[str, object] = handler(self)
+        for limit in ("body", "mcp"):
+            if data.get(limit) is None:
+                data.pop(limit, None)
+        return data
+
+    @property
+    def reads_body(self) -> bool:
+        return self.body is not None or self.mcp is not None
 
 
 class CompiledTunnel(StrictModel):
@@ -172,6 +192,18 @@ class CompiledInject(StrictModel):
         return rendered
 
 
+class CompiledBudget(StrictModel):
+    """A budget (policy.md, Budgets): `rules` qualified, `hosts` sorted."""
+
+    id: RuleId
+    per: Per
+    hosts: list[HostPattern] | None
+    rules: list[RuleId] | None
+    requests_per_minute: Limit | None
+    bytes_per_day: Limit | None
+    tokens_per_month: Limit | None
+
+
 class CompiledProfile(StrictModel):
     name: Name
     description: str | None
@@ -180,13 +212,17 @@ class CompiledProfile(StrictModel):
     scan: list[CompiledScan]
     inject: list[CompiledInject]
     sandbox_env: dict[str, str] = Field(default_factory=dict)
+    budgets: list[CompiledBudget] = Field(default_factory=list)
 
     @model_serializer(mode="wrap")
-    def _omit_no_env(self, handler: SerializerFunctionWrapHandler) -> dict[str, object]:
-        """Profiles without `sandbox_env` dump (hash, sign) byte for byte as before it existed."""
+    def _omit_empty_additions(self, handler: SerializerFunctionWrapHandler) -> dict[str, object]:
+        """Profiles without `sandbox_env` or `budgets` dump (hash, sign) byte for byte as before
+        they existed."""
         data: dict[str, object] = handler(self)
         if not self.sandbox_env:
             data.pop("sandbox_env", None)
+        if not self.budgets:
+            data.pop("budgets", None)
         return data
 
 
@@ -239,6 +275,8 @@ def compile_profile(profile: Profile) -> tuple[CompiledProfile, dict[str, tuple[
                 endpoints=_endpoints(list(match.schemes), match.ports),
                 paths=sorted(set(match.paths)) if match.paths else None,
                 push_refs=sorted(set(entry.push_refs)) if entry.push_refs else None,
+                body=entry.body,
+                mcp=entry.mcp,
             )
         )
     scan = [
@@ -249,6 +287,25 @@ def compile_profile(profile: Profile) -> tuple[CompiledProfile, dict[str, tuple[
         _compile_inject(rule, qualify(rule.id, f"inject-{index}", "inject", index))
         for index, rule in enumerate(profile.inject)
     ]
+    budgets = []
+    allow_ids = {rule.id for rule in rules if rule.action is Decision.ALLOW}
+    for index, budget in enumerate(profile.budgets):
+        budget_id = qualify(budget.id, "", "budgets", index)
+        named = [f"{profile.name}:{local}" for local in budget.rules or []]
+        unknown = [rule_id for rule_id in named if rule_id not in allow_ids]
+        if unknown:
+            raise UnknownRule(unknown[0], "budgets", index)
+        budgets.append(
+            CompiledBudget(
+                id=budget_id,
+                per=budget.per,
+                hosts=sorted(set(budget.hosts)) if budget.hosts else None,
+                rules=sorted(set(named)) if budget.rules else None,
+                requests_per_minute=budget.requests_per_minute,
+                bytes_per_day=budget.bytes_per_day,
+                tokens_per_month=budget.tokens_per_month,
+            )
+        )
     compiled = CompiledProfile(
         name=profile.name,
         description=profile.description,
@@ -257,6 +314,7 @@ def compile_profile(profile: Profile) -> tuple[CompiledProfile, dict[str, tuple[
         scan=scan,
         inject=inject,
         sandbox_env=dict(sorted(profile.sandbox_env.items())),
+        budgets=budgets,
     )
     return compiled, origins
 
@@ -287,6 +345,12 @@ def _compile_inject(rule: InjectRule, rule_id: str) -> CompiledInject:
         if rule.sigv4 is not None
         else None,
     )
+
+
+class UnknownRule(ValueError):
+    def __init__(self, rule_id: str, section: str, index: int) -> None:
+        self.rule_id, self.section, self.index = rule_id, section, index
+        super().__init__(f"names {rule_id!r}, which is not an allow rule of this profile")
 
 
 class DuplicateRuleId(ValueError):

@@ -14,7 +14,7 @@ from typing import Any
 
 from umbra.contracts.canonical import content_hash
 from umbra.policy.builtin_scan import BUILTIN_SCAN_RULES
-from umbra.policy.compiled import CompiledInject, CompiledProfile, CompiledScan
+from umbra.policy.compiled import CompiledBudget, CompiledInject, CompiledProfile, CompiledScan
 from umbra.policy.matcher import Decision, Matcher, Reason, Verdict, host_keys, path_within
 from umbra.policy.model import API_VERSION
 from umbra.policy.normalize import NormalizationError, normalize_host
@@ -59,6 +59,9 @@ class EffectivePolicy:
             sorted(item for profile in ordered for item in profile.sandbox_env.items())
         )
         self._matcher = Matcher(self.rules, self.tunnels)
+        self.budgets: tuple[CompiledBudget, ...] = tuple(
+            budget for profile in ordered for budget in profile.budgets
+        )
         self._inject_by_target: dict[tuple[str, int], tuple[CompiledInject, ...]] = {}
         for rule in self.injections:
             for host in rule.hosts:

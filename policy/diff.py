@@ -16,9 +16,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from umbra.contracts.canonical import canonical_json
 from umbra.policy.compiled import CompiledProfile
 from umbra.policy.errors import PolicyError
 from umbra.policy.loader import PolicySet, load_policy_dir
+from umbra.policy.model import FieldConstraint
 from umbra.policy.suite import HttpProbe, TunnelProbe
 
 Grant = tuple[str, ...]
@@ -26,7 +28,7 @@ Grant = tuple[str, ...]
 
 @dataclass(frozen=True)
 class GrantChange:
-    kind: str  # "http", "tunnel", "inject" or "scan"
+    kind: str  # "http:allow", "http:deny", "tunnel", "inject", "scan" or "budget"
     grant: Grant
     rule_id: str
 
@@ -54,10 +56,14 @@ class PolicyDiff:
     def widens(self) -> bool:
         """True when B can reach something A could not (or loses a deny, scan rule or the like)."""
         widening = {"http:allow", "tunnel", "inject"}
-        narrowing_lost = {"http:deny", "scan"}
-        return any(change.kind in widening for change in self.added) or any(
-            change.kind in narrowing_lost for change in self.removed
-        )
+        # a budget removed or changed (its old limit removed) widens
+        narrowing_lost = {"http:deny", "scan", "budget"}
+        # a limit (push refs, body, MCP tools) put on a grant that had none narrows it
+        unlimited_removed = {change.grant for change in self.removed if change.kind == "http:allow"}
+        return any(
+            change.kind in widening and change.grant[:5] not in unlimited_removed
+            for change in self.added
+        ) or any(change.kind in narrowing_lost for change in self.removed)
 
     @property
     def empty(self) -> bool:
@@ -81,7 +87,18 @@ def grants(profile: CompiledProfile) -> Iterator[GrantChange]:
                         if rule.push_refs is not None:
                             # dropping a push limit widens: the grant without it is new
                             grant += ("push", ",".join(rule.push_refs))
-                        yield GrantChange(f"http:{rule.action}", grant, rule.id)
+                        # dropping or changing a body limit shows as a grant without it; an MCP
+                        # rule grants one tool each (adding a tool widens, removing one does not)
+                        if rule.body is not None:
+                            grant += ("body", _limit_text(rule.body))
+                        if rule.mcp is None:
+                            yield GrantChange(f"http:{rule.action}", grant, rule.id)
+                            continue
+                        for tool in rule.mcp.tools:
+                            tool_grant = (*grant, "mcp-tool", tool.name)
+                            if tool.arguments is not None:
+                                tool_grant += ("arguments", _limit_text(tool.arguments))
+                            yield GrantChange(f"http:{rule.action}", tool_grant, rule.id)
     for tunnel in profile.tunnels:
         for host in tunnel.hosts:
             for port in tunnel.ports:
@@ -99,6 +116,17 @@ def grants(profile: CompiledProfile) -> Iterator[GrantChange]:
                         yield GrantChange("inject", grant, inject.id)
     for scan in profile.scan:
         yield GrantChange("scan", ("scan", scan.id, scan.regex), scan.id)
+    for budget in profile.budgets:
+        scope = ",".join(budget.hosts or budget.rules or [])
+        for limit in ("requests_per_minute", "bytes_per_day", "tokens_per_month"):
+            value = getattr(budget, limit)
+            if value is not None:
+                grant = ("budget", budget.id, f"per {budget.per}", scope, limit, str(value))
+                yield GrantChange("budget", grant, budget.id)
+
+
+def _limit_text(constraints: list[FieldConstraint]) -> str:
+    return canonical_json([item.model_dump(mode="json") for item in constraints]).decode()
 
 
 def diff_policy_sets(before: PolicySet, after: PolicySet) -> PolicyDiff:

@@ -13,7 +13,12 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from umbra.policy.compiled import CompiledProfile, DuplicateRuleId, compile_profile
+from umbra.policy.compiled import (
+    CompiledProfile,
+    DuplicateRuleId,
+    UnknownRule,
+    compile_profile,
+)
 from umbra.policy.compose import CompositionError, EffectivePolicy
 from umbra.policy.errors import PolicyError, PolicyIssue
 from umbra.policy.model import API_VERSION, Profile
@@ -163,6 +168,9 @@ def _add_profile(profile: Profile, data: Any, name: str, into: PolicySet) -> Non
         compiled, origins = compile_profile(profile)
     except DuplicateRuleId as exc:
         loc = (exc.section, exc.index, "id")
+        raise PolicyError.single(name, line_of(data, loc), field_path(loc), str(exc)) from None
+    except UnknownRule as exc:
+        loc = (exc.section, exc.index, "rules")
         raise PolicyError.single(name, line_of(data, loc), field_path(loc), str(exc)) from None
     rule_lines = {rule_id: line_of(data, origin) for rule_id, origin in origins.items()}
     into.profiles[profile.name] = LoadedProfile(name, profile, compiled, rule_lines)

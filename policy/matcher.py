@@ -44,6 +44,12 @@ class Reason(StrEnum):
     INVALID_SCHEME = "invalid_scheme"
     INVALID_PORT = "invalid_port"
     PUSH_REF_DENIED = "push_ref_denied"
+    BODY_FIELD_DENIED = "body_field_denied"
+    BODY_UNREADABLE = "body_unreadable"
+    BODY_LIMIT = "body_limit"
+    MCP_TOOL_DENIED = "mcp_tool_denied"
+    MCP_METHOD_DENIED = "mcp_method_denied"
+    MCP_MALFORMED = "mcp_malformed"
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +65,9 @@ class Decision:
     # Every profile with an allow rule that matches (not only the reported one): an injection
     # applies to the requests its own profile allows (`EffectivePolicy.applicable_injections`).
     allowed_by: tuple[str, ...] = ()
+    # The matching allow rules that read the body (`body`, `mcp`); None when a matching allow rule
+    # does not (allows are a union: it admits any body). `umbra.policy.body.decide_body` reads it.
+    field_rules: tuple[CompiledHttpRule, ...] | None = None
 
     @property
     def allowed(self) -> bool:
@@ -213,6 +222,7 @@ class Matcher:
         allow: _Entry | None = None
         deny: _Entry | None = None
         push_refs: set[str] | None = set()
+        field_rules: dict[int, CompiledHttpRule] | None = {}
         allowed_by: set[str] = set()
         tries = [trie for key in host_keys(host) if (trie := self._by_host.get(key)) is not None]
         # Every rule sees the split reading; an encoded slash's literal reading may only add denials.
@@ -238,6 +248,10 @@ class Matcher:
                         push_refs = (
                             None if push_refs is None or limits is None else push_refs | set(limits)
                         )
+                        if field_rules is not None and entry.rule.reads_body:
+                            field_rules[entry.order] = entry.rule
+                        else:
+                            field_rules = None
         if deny is not None:
             return Decision(Verdict.DENY, Reason.RULE_DENY, deny.rule.id, host, path)
         if allow is not None:
@@ -249,6 +263,9 @@ class Matcher:
                 path,
                 push_refs=None if push_refs is None else tuple(sorted(push_refs)),
                 allowed_by=tuple(sorted(allowed_by)),
+                field_rules=None
+                if field_rules is None
+                else tuple(field_rules[order] for order in sorted(field_rules)),
             )
         return Decision(Verdict.DENY, Reason.NO_MATCHING_RULE, None, host, path)
 

@@ -7,6 +7,7 @@ injections, unique ids) live in `compose`.
 from __future__ import annotations
 
 import re
+from enum import StrEnum
 from typing import Annotated, Literal, Self
 
 from pydantic import (
@@ -14,8 +15,10 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    SerializerFunctionWrapHandler,
     ValidationInfo,
     field_validator,
+    model_serializer,
     model_validator,
 )
 
@@ -35,6 +38,9 @@ SCHEME_DEFAULT_PORTS = {"https": 443, "http": 80}
 INJECT_DEFAULT_PORT = SCHEME_DEFAULT_PORTS["https"]
 ANY_HOST = "*"
 MAX_SCAN_REGEX_LENGTH = 1024
+MAX_FIELD_CONSTRAINTS = 64
+MAX_POINTER_LENGTH = 256
+MAX_MCP_TOOLS = 256
 
 # Hop-by-hop and framing headers: injecting them would change how the request is delimited or
 # routed rather than how it is authenticated.
@@ -144,6 +150,41 @@ def _check_scan_regex(value: str) -> str:
     return value
 
 
+def _check_field_pattern(value: str) -> str:
+    if len(value) > MAX_SCAN_REGEX_LENGTH:
+        raise ValueError(f"pattern is longer than {MAX_SCAN_REGEX_LENGTH} characters")
+    if _UNSUPPORTED_REGEX.search(value):
+        raise ValueError("look-around and back-references are not supported (Hyperscan/RE2 subset)")
+    try:
+        re.compile(value)
+    except re.error as exc:
+        raise ValueError(f"invalid regex: {exc}") from None
+    return value
+
+
+_POINTER = re.compile(r"^(?:/(?:[^~/]|~[01])*)*$")
+
+
+def _check_pointer(value: str) -> str:
+    """A JSON Pointer (RFC 6901): '' (the whole document) or '/a/b', '~0' for '~', '~1' for '/'."""
+    if len(value) > MAX_POINTER_LENGTH:
+        raise ValueError(f"pointer is longer than {MAX_POINTER_LENGTH} characters")
+    if not _POINTER.match(value):
+        raise ValueError("must be a JSON Pointer: '' or '/field/0/sub' ('~0' is '~', '~1' is '/')")
+    if any(ord(char) < 0x20 for char in value):
+        raise ValueError("contains a control character")
+    return value
+
+
+_TOOL_NAME = re.compile(r"^[A-Za-z0-9_./-]{1,128}$")
+
+
+def _check_tool_name(value: str) -> str:
+    if not _TOOL_NAME.match(value):
+        raise ValueError("an MCP tool name of letters, digits, '_', '-', '.', '/' (1-128)")
+    return value
+
+
 def check_header_name(value: str) -> str:
     if not _HEADER_TOKEN.match(value):
         raise ValueError("not a valid HTTP header name")
@@ -201,10 +242,73 @@ InjectFormat = Annotated[str, AfterValidator(_check_format)]
 SecretRef = Annotated[str, AfterValidator(_check_secret_ref)]
 QueryName = Annotated[str, AfterValidator(check_query_name)]
 BasicUser = Annotated[str, AfterValidator(_check_basic_user)]
+JsonPointer = Annotated[str, AfterValidator(_check_pointer)]
+FieldPattern = Annotated[str, AfterValidator(_check_field_pattern)]
+ToolName = Annotated[str, AfterValidator(_check_tool_name)]
+# Values a field constraint compares with: JSON scalars without floats (whose text form is not
+# unique, so canonical JSON refuses them).
+FieldValue = str | int | bool | None
+_CONSTRAINT_KINDS = ("equals", "one_of", "pattern", "absent")
 
 
 class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True, populate_by_name=True)
+
+
+class FieldConstraint(StrictModel):
+    """One field of a request body, named by JSON Pointer, and exactly one condition on it:
+    `equals` a value, is `one_of` the values, is a string that `pattern` matches in full, or is
+    `absent`. A field a condition other than `absent` names must be present."""
+
+    pointer: JsonPointer
+    equals: FieldValue = None
+    one_of: list[FieldValue] | None = Field(default=None, min_length=1, max_length=1024)
+    pattern: FieldPattern | None = None
+    absent: Literal[True] | None = None
+
+    @model_validator(mode="after")
+    def _one_condition(self) -> Self:
+        given = [kind for kind in _CONSTRAINT_KINDS if kind in self.model_fields_set]
+        if len(given) != 1:
+            raise ValueError("needs exactly one of 'equals', 'one_of', 'pattern' or 'absent'")
+        if given[0] != "equals" and getattr(self, given[0]) is None:
+            raise ValueError(f"'{given[0]}' must not be null")
+        return self
+
+    @property
+    def kind(self) -> str:
+        return next(kind for kind in _CONSTRAINT_KINDS if kind in self.model_fields_set)
+
+    @model_serializer(mode="wrap")
+    def _only_given(self, handler: SerializerFunctionWrapHandler) -> dict[str, object]:
+        # `equals: null` is a condition, an omitted one is not: serialize only what was given.
+        data: dict[str, object] = handler(self)
+        return {"pointer": data["pointer"], self.kind: data[self.kind]}
+
+
+FieldConstraints = Annotated[
+    list[FieldConstraint], Field(min_length=1, max_length=MAX_FIELD_CONSTRAINTS)
+]
+
+
+class McpTool(StrictModel):
+    """One MCP tool an agent may call, optionally with constraints on its `arguments` (pointers
+    relative to the call's `params.arguments`)."""
+
+    name: ToolName
+    arguments: FieldConstraints | None = None
+
+
+class McpRule(StrictModel):
+    tools: list[McpTool] = Field(min_length=1, max_length=MAX_MCP_TOOLS)
+
+    @field_validator("tools")
+    @classmethod
+    def _distinct(cls, value: list[McpTool]) -> list[McpTool]:
+        names = [tool.name for tool in value]
+        if len(set(names)) != len(names):
+            raise ValueError("names one tool twice")
+        return value
 
 
 class HttpMatch(StrictModel):
@@ -240,14 +344,28 @@ class EgressRule(StrictModel):
         description="allow only: a git push (git-receive-pack) it allows may create, update or "
         "delete only refs matching these patterns, e.g. 'refs/heads/agent/**'.",
     )
+    body: FieldConstraints | None = Field(
+        default=None,
+        description="allow only: every request it allows must have a JSON or form body (with the "
+        "query's parameters) whose fields meet every constraint.",
+    )
+    mcp: McpRule | None = Field(
+        default=None,
+        description="allow only: the MCP server (streamable HTTP) it allows may be called only "
+        "for these tools; the protocol's own methods pass.",
+    )
 
     @model_validator(mode="after")
     def _exactly_one_kind(self) -> Self:
         kinds = [kind for kind in ("allow", "deny", "tunnel") if getattr(self, kind) is not None]
         if len(kinds) != 1:
             raise ValueError("each egress entry needs exactly one of 'allow', 'deny' or 'tunnel'")
-        if self.push_refs is not None and self.allow is None:
-            raise ValueError("'push_refs' limits an 'allow' rule only")
+        for limit in ("push_refs", "body", "mcp"):
+            if getattr(self, limit) is not None and self.allow is None:
+                raise ValueError(f"'{limit}' limits an 'allow' rule only")
+        limits = [name for name in ("push_refs", "body", "mcp") if getattr(self, name) is not None]
+        if len(limits) > 1:
+            raise ValueError(f"one body limit per rule: {' and '.join(limits)} both read the body")
         if self.allow is not None and ANY_HOST in self.allow.hosts:
             raise ValueError("'*' (every host) may appear in deny rules only")
         return self
@@ -349,6 +467,49 @@ class InjectRule(StrictModel):
         return value
 
 
+Limit = Annotated[int, Field(ge=1, le=(1 << 62), strict=True)]
+
+
+class BudgetPer(StrEnum):
+    """Whose counter a budget keeps: each CVM's, or each owner's over all their CVMs."""
+
+    CVM = "cvm"
+    OWNER = "owner"
+
+
+# documents spell it as a string (not strict: the enum's values are accepted, only those)
+Per = Annotated[BudgetPer, Field(strict=False)]
+
+
+class Budget(StrictModel):
+    """A limit on what a CVM (or each owner, over all their CVMs) may spend on the requests it
+    covers: those to `hosts`, or those the profile's allow rules named in `rules` decide."""
+
+    id: Name
+    comment: str | None = None
+    per: Per
+    hosts: list[HostPattern] | None = Field(default=None, min_length=1)
+    rules: list[Name] | None = Field(default=None, min_length=1)
+    requests_per_minute: Limit | None = None
+    bytes_per_day: Limit | None = Field(
+        default=None, description="Bytes sent and received, per UTC day."
+    )
+    tokens_per_month: Limit | None = Field(
+        default=None,
+        description="LLM tokens (input + output, as the API reports them), per UTC month.",
+    )
+
+    @model_validator(mode="after")
+    def _scoped_and_limited(self) -> Self:
+        if (self.hosts is None) == (self.rules is None):
+            raise ValueError("needs exactly one of 'hosts' or 'rules'")
+        if not (self.requests_per_minute or self.bytes_per_day or self.tokens_per_month):
+            raise ValueError(
+                "needs at least one of 'requests_per_minute', 'bytes_per_day', 'tokens_per_month'"
+            )
+        return self
+
+
 def _check_profile_name(value: str) -> str:
     if value in RESERVED_PROFILE_NAMES:
         raise ValueError(f"{value!r} is reserved")
@@ -363,6 +524,7 @@ class Profile(StrictModel):
     egress: list[EgressRule] = Field(default_factory=list)
     scan: list[ScanRule] = Field(default_factory=list)
     inject: list[InjectRule] = Field(default_factory=list)
+    budgets: list[Budget] = Field(default_factory=list)
     sandbox_env: dict[EnvName, str] = Field(
         default_factory=dict,
         max_length=MAX_ENV_VARS,

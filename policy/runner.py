@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from umbra.policy.body import decide_body
+from umbra.policy.budgets import budgets_for
+from umbra.policy.fields import BodyRequest
 from umbra.policy.loader import LoadedSuite, PolicySet
 from umbra.policy.matcher import Decision, decide_push
 from umbra.policy.suite import Case, CaseResult, HttpProbe
@@ -20,20 +23,35 @@ def run_suites(policy_set: PolicySet) -> list[CaseResult]:
                 )
                 if case.push is not None:
                     decision = decide_push(decision, case.push)
+                body = case.body_request(probe)
+                if decision.field_rules:
+                    # a rule reading the body decides on the body given (none: an empty one)
+                    empty = BodyRequest((), b"", probe.path.partition("?")[2], probe.method)
+                    decision = decide_body(decision, body or empty)
                 injected = sorted(
                     placement
                     for rule in policy.applicable_injections(probe.host, probe.port, decision)
                     for placement in rule.placements
                 )
+                covering = [
+                    budget.id
+                    for budget in budgets_for(policy.budgets, decision.host or "", decision.rule_id)
+                ]
             else:
                 decision = policy.decide_tunnel(probe.host, probe.port)
-                injected = []
-            results.append(_judge(loaded, index, case, str(probe), decision, injected))
+                injected, covering = [], []
+            results.append(_judge(loaded, index, case, str(probe), decision, injected, covering))
     return results
 
 
 def _judge(
-    loaded: LoadedSuite, index: int, case: Case, probe: str, decision: Decision, injected: list[str]
+    loaded: LoadedSuite,
+    index: int,
+    case: Case,
+    probe: str,
+    decision: Decision,
+    injected: list[str],
+    covering: list[str],
 ) -> CaseResult:
     problems: list[str] = []
     if decision.verdict != case.expect:
@@ -46,6 +64,8 @@ def _judge(
         expected = sorted(map(_placement_key, case.inject))
         if expected != sorted(map(_placement_key, injected)):
             problems.append(f"expected injected placements {case.inject}, got {injected}")
+    if case.budgets is not None and sorted(case.budgets) != sorted(covering):
+        problems.append(f"expected budgets {sorted(case.budgets)}, got {sorted(covering)}")
     return CaseResult(
         file=loaded.file,
         line=loaded.case_lines[index],

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from typing import Annotated, Literal, Self
 from urllib.parse import urlsplit
 
-from pydantic import AfterValidator, Field, model_validator
+from pydantic import AfterValidator, Field, JsonValue, model_validator
 
+from umbra.policy.fields import BodyRequest
 from umbra.policy.matcher import Decision
 from umbra.policy.model import (
     SCHEME_DEFAULT_PORTS,
@@ -116,6 +118,24 @@ class Case(StrictModel):
         min_length=1,
         description="The request is a git push changing these refs (checked against push_refs).",
     )
+    budgets: list[str] | None = Field(
+        default=None,
+        description="Exact set of budget ids that cover the request, e.g. ['github:api-rate'].",
+    )
+    body: str | None = Field(
+        default=None,
+        max_length=1 << 20,
+        description="The request's body as text, checked against body/mcp rules "
+        "(with content_type).",
+    )
+    json_body: JsonValue | None = Field(
+        default=None,
+        alias="json",
+        description="The request's body as a JSON value (sent as application/json).",
+    )
+    content_type: str | None = Field(
+        default=None, description="Content-Type of 'body' (default application/json)."
+    )
 
     @model_validator(mode="after")
     def _one_probe(self) -> Self:
@@ -125,7 +145,29 @@ class Case(StrictModel):
             raise ValueError("tunnels are not inspected, so nothing is injected into them")
         if self.tunnel is not None and self.push is not None:
             raise ValueError("'push' describes an HTTP request (git-receive-pack), not a tunnel")
+        has_body = self.body is not None or "json_body" in self.model_fields_set
+        if self.body is not None and "json_body" in self.model_fields_set:
+            raise ValueError("'body' and 'json' are two spellings of one body: give one")
+        if has_body and self.tunnel is not None:
+            raise ValueError("a tunnel is not inspected, so it has no body to check")
+        if has_body and self.push is not None:
+            raise ValueError("'push' and a body describe two different requests")
+        if self.budgets is not None and self.tunnel is not None:
+            raise ValueError("budgets cover HTTP requests, not tunnels")
+        if self.content_type is not None and self.body is None:
+            raise ValueError("'content_type' goes with 'body'")
         return self
+
+    def body_request(self, probe: HttpProbe) -> BodyRequest | None:
+        """The body this case sends, for `decide_body`; None when it gives none."""
+        query = probe.path.partition("?")[2]
+        if "json_body" in self.model_fields_set:
+            raw = json.dumps(self.json_body).encode()
+            return BodyRequest(("application/json",), raw, query, probe.method)
+        if self.body is None:
+            return None
+        content_type = self.content_type or "application/json"
+        return BodyRequest((content_type,), self.body.encode(), query, probe.method)
 
     def probe(self) -> HttpProbe | TunnelProbe:
         if self.request is not None:

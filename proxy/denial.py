@@ -76,6 +76,12 @@ def _change(r: Refused) -> str:
             scope, _, name = (r.missing_secret or "team/?").partition("/")
             personal = " --personal" if scope == "personal" else ""
             return f"set it: umbra secret set {name}{personal} --host {r.host}"
+        case Reason.BODY_FIELD_DENIED | Reason.MCP_TOOL_DENIED | Reason.MCP_METHOD_DENIED:
+            return f"propose a change to rule {r.rule_id} (policies/), reviewed like any widening"
+        case Reason.BODY_UNREADABLE | Reason.BODY_LIMIT | Reason.MCP_MALFORMED:
+            return f"send one JSON document or form (see the reason) that rule {r.rule_id} can read"
+        case Reason.BUDGET_EXCEEDED:
+            return "wait for the budget's window to pass, or propose a larger budget (policies/)"
         case Reason.INVALID_PATH | Reason.INVALID_METHOD | Reason.INVALID_HOST:
             return "send it in a form with one reading (see the reason)"
         case _:

@@ -21,6 +21,7 @@ from umbra.console.longpoll import long_poll
 from umbra.console.routes.errors import status_of
 from umbra.console.schemas import NAME_PATTERN
 from umbra.console.services import traffic as traffic_service
+from umbra.console.services import usage as usage_service
 from umbra.console.services.access import User
 from umbra.console.services.errors import ServiceError
 from umbra.console.services.people import active_roles
@@ -407,6 +408,15 @@ def profiles(request: Request, team: str) -> Response:
     team = _team(team)
     data = queries.profiles(_console(request), session.user, team)
     return _page(request, session, team, "profiles", "profiles.html", data=data)
+
+
+@router.get("/teams/{team}/usage")
+def usage_page(request: Request, team: str) -> Response:
+    session = _session(request)
+    team = _team(team)
+    report = usage_service.usage(console=_console(request), user=session.user, team=team)
+    totals = {name: report.total(name) for name in ("requests", *usage_service.TOKENS)}
+    return _page(request, session, team, "usage", "usage.html", report=report, totals=totals)
 
 
 @router.get("/teams/{team}/secrets")

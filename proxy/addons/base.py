@@ -58,6 +58,8 @@ class Shared:
         self.conns = ConnTable()
         self.traffic = TrafficLog(config.state, self.conns, config.spool)
         self.advisor = Advisor()
+        # Budget counters are saved beside the traffic log (addons/budget.py).
+        self.budget_file = config.spool.directory / "budgets.json" if config.spool else None
 
 
 class Denied(Exception):

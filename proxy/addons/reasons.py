@@ -49,6 +49,20 @@ class Reason(StrEnum):
     INVALID_PORT = "invalid_port", 403
     PUSH_REF_DENIED = "push_ref_denied", 403
     MALFORMED_PUSH = "malformed_push", 400
+    BUDGET_EXCEEDED = "budget_exceeded", 429
+    # request fields and MCP tools (`body`/`mcp` on an allow rule); an MCP refusal of a request
+    # with an id is answered as a JSON-RPC error (200), see addons/fields.py
+    BODY_FIELD_DENIED = "body_field_denied", 403
+    BODY_UNREADABLE = "body_unreadable", 400
+    BODY_LIMIT = "body_limit", 413
+    MCP_TOOL_DENIED = "mcp_tool_denied", 403
+    MCP_METHOD_DENIED = "mcp_method_denied", 403
+    MCP_MALFORMED = "mcp_malformed", 400
+    # an MCP server's tool list differs from the one first seen (recorded; the response passes)
+    MCP_TOOLS_CHANGED = "mcp_tools_changed", None
+    # an LLM API reported usage that is not believable (negative, huge, not a number): recorded,
+    # not summed
+    USAGE_INVALID = "usage_invalid", None
     # scanning and injection
     SECRET_DETECTED = "secret_detected", 403
     PLACEHOLDER_UNBOUND = "placeholder_unbound", 403

@@ -14,6 +14,7 @@ from enum import Enum
 from mitmproxy import connection, http, tcp
 
 from umbra.policy import Decision
+from umbra.policy.compiled import CompiledBudget
 from umbra.proxy.identity import CvmIdentity
 from umbra.proxy.reassembly import Reassembler
 from umbra.proxy.state import Effective
@@ -61,6 +62,14 @@ class FlowState:
     query_keys: list[str] = field(default_factory=list)
     # What the proxy read from an allowed request worth its record (e.g. the refs a push changes).
     note: str = ""
+    # The request asks an MCP server for its tools (addons/mcp.py compares the answer).
+    mcp_tools_list: bool = False
+    # The request is an LLM API call whose response usage is read (addons/usage.py), and what
+    # was read: record fields (`llm_model`, `llm_*_tokens`).
+    llm_usage_wanted: bool = False
+    llm_usage: dict[str, object] = field(default_factory=dict)
+    # The budgets that admitted this request and its subjects (cvm, owner), until it is charged.
+    budgets: tuple[tuple[CompiledBudget, ...], dict[str, str]] | None = None
     stream_response: bool = False
     response_bytes: int = 0
     # WebSocket control frames seen after the first of their (kind, from client): [count, bytes],

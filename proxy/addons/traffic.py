@@ -228,6 +228,7 @@ class TrafficLog:
             fstate.note,
             status=flow.response.status_code,
             bytes_received=size,
+            **fstate.llm_usage,
         )
 
     def websocket_start(self, flow: http.HTTPFlow) -> None:
