@@ -82,7 +82,8 @@ def test_budgets_are_enforced_recorded_and_survive_a_restart(
         over = curl(proxy, rate)
         assert statuses == [200, 200, 200] and curl_status(over) == 429
         assert (
-            "budget_exceeded" in over.stdout and "testing:per-minute: 3 requests a minute" in over.stdout
+            "budget_exceeded" in over.stdout
+            and "testing:per-minute: 3 requests a minute" in over.stdout
         )
         record = proxy.log.wait_for(mark, lambda r: r["reason"] == "budget_exceeded")
         assert record["status"] == 429 and record["rule_id"] == "testing:per-minute"

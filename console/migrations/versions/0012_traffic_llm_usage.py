@@ -1,6 +1,6 @@
 """traffic records carry the LLM usage an API reported (model, input/output/cache tokens)
 
-Revision ID: 0012_traffic_llm_usage
+Revision ID: 0012
 Revises: 0011
 Create Date: 2026-12-06 05:40:00.000000
 """
@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-revision: str = "0012_traffic_llm_usage"
+revision: str = "0012"
 # main's head when written; the lead rechains it at merge
 down_revision: str | None = "0011"
 branch_labels: str | Sequence[str] | None = None
