@@ -247,7 +247,7 @@ class TrafficRecord(SQLModel, table=True):
         Index("ix_traffic_team_decision_time", "team", "decision", "time"),
         Index("ix_traffic_team_reason_time", "team", "reason", "time"),
         Index("ix_traffic_team_rule_time", "team", "rule_id", "time"),
-        # rows with LLM usage only (revision 0012_traffic_llm_usage): usage sums per team and day
+        # rows with LLM usage only (revision 0012): usage sums per team and day
         Index(
             "ix_traffic_team_llm_time",
             "team",
@@ -285,7 +285,7 @@ class TrafficRecord(SQLModel, table=True):
         default_factory=list, sa_column=Column(JSON, nullable=False)
     )
     detail: str | None = Field(default=None, max_length=1024)
-    # LLM usage (revision 0012_traffic_llm_usage); summed by `services/usage.py`
+    # LLM usage (revision 0012); summed by `services/usage.py`
     llm_model: str | None = Field(default=None, max_length=128)
     llm_input_tokens: int | None = Field(default=None, sa_type=BigInteger)
     llm_output_tokens: int | None = Field(default=None, sa_type=BigInteger)
