@@ -96,7 +96,8 @@ def installed_packages(root: Path) -> dict[str, str]:
     return dict(line.split(" ", 1) for line in out.splitlines() if line.strip())
 
 
-def check_lock(rootfs: Rootfs, got: dict[str, str], locked: dict[str, str]) -> None:
+def package_drift(got: dict[str, str], locked: dict[str, str]) -> list[str]:
+    """One line per package whose installed version is not the lock's (both kinds of lock)."""
     problems: list[str] = []
     for p in sorted(set(locked) | set(got)):
         if p not in got:
@@ -105,6 +106,11 @@ def check_lock(rootfs: Rootfs, got: dict[str, str], locked: dict[str, str]) -> N
             problems.append(f"{p}: {got[p]} installed but not in the lock")
         elif got[p] != locked[p]:
             problems.append(f"{p}: locked {locked[p]}, got {got[p]}")
+    return problems
+
+
+def check_lock(rootfs: Rootfs, got: dict[str, str], locked: dict[str, str]) -> None:
+    problems = package_drift(got, locked)
     if problems:
         raise BuildError(
             f"{rootfs}: installed packages differ from {LOCK_FILE.name}:\n  "

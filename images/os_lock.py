@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from umbra.images.build import BuildError
+from umbra.images.build import BuildError, package_drift
 
 OS_LOCK_FILE = Path(__file__).parent / "os" / "packages.lock"
 _NAME = re.compile(r"^[a-z0-9][a-z0-9-]*$")
@@ -59,14 +59,7 @@ def check_os_lock(name: str, got: dict[str, str], lock: dict[str, dict[str, str]
             f"{name}: no packages locked for this OS definition in {OS_LOCK_FILE.name} "
             "(build once with --update-lock and review the diff)"
         )
-    problems: list[str] = []
-    for p in sorted(set(locked) | set(got)):
-        if p not in got:
-            problems.append(f"{p}: locked {locked[p]}, not installed")
-        elif p not in locked:
-            problems.append(f"{p}: {got[p]} installed but not in the lock")
-        elif got[p] != locked[p]:
-            problems.append(f"{p}: locked {locked[p]}, got {got[p]}")
+    problems = package_drift(got, locked)
     if problems:
         raise BuildError(
             f"{name}: installed packages differ from images/os/{OS_LOCK_FILE.name}:\n  "
