@@ -43,7 +43,11 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
         "Attach policy profiles to Dev CVMs and set team defaults (admins).",
     ),
     "proxy": ("umbra.cli.proxy", "app", "The Security CVM's policy-enforcing egress proxy."),
-    "sandbox": ("umbra.cli.sandbox", "app", "Dev CVM sandbox: release documents and agent sessions."),
+    "sandbox": (
+        "umbra.cli.sandbox",
+        "app",
+        "Dev CVM sandbox: release documents and agent sessions.",
+    ),
     "secret": (
         "umbra.cli.secret",
         "app",
