@@ -6,7 +6,10 @@ JSON-unescaped, base64-decoded at every alignment, hex-decoded, decompressed), f
 offsets the scanner's Hyperscan pass found in it, within a byte budget; the scanner repeats that
 until nothing is left to decode, and refuses content still encoded after `MAX_DEPTH` levels. `multipart_parts` splits a multipart body. Anything that cannot be decoded within the bounds raises `DecodeLimit` or
 `DecodeError`, and the caller denies: content the proxy cannot read is content it does not forward.
-"""
+
+Why one module: every decoding level shares the byte budget, the trigger offsets and the found-span
+bookkeeping defined here; each form is a short function, and splitting them would export those
+internals across modules."""
 
 from __future__ import annotations
 
