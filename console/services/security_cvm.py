@@ -77,7 +77,7 @@ def document_etag(document: dict[str, Any]) -> str:
     return "sha256:" + hashlib.sha256(canonical_json(document, ascii_only=True)).hexdigest()
 
 
-def _served_owners(session: Session, caller: Cvm) -> set[str]:
+def served_owners(session: Session, caller: Cvm) -> set[str]:
     """Owners of the live CVMs routed to the caller's pool (whose personal secrets it gets)."""
     return set(
         session.execute(
@@ -94,7 +94,7 @@ def secrets_version(*, console: Console, caller: Cvm) -> str:
     """A digest of everything a release to `caller` would carry, without any value: which secrets
     (team, and personal of the owners it serves), their versions (bumped on rotation) and hosts."""
     with console.session() as session:
-        owners = _served_owners(session, caller)
+        owners = served_owners(session, caller)
         rows = session.execute(
             select(
                 col(Secret.id),
@@ -169,7 +169,7 @@ def release(*, console: Console, caller: Cvm, evidence: ReleaseEvidence) -> Rele
         console.metrics.secret_releases.labels("refused").inc()
         raise Forbidden(str(exc)) from None
     with console.write() as session:
-        owners = _served_owners(session, caller)
+        owners = served_owners(session, caller)
         rows = list(
             session.execute(select(Secret).where(col(Secret.team) == caller.team)).scalars()
         )
