@@ -11,8 +11,9 @@ import json
 import uuid
 from dataclasses import dataclass, fields, replace
 from datetime import datetime
+from typing import Any
 
-from sqlalchemy import Table, and_, or_, select
+from sqlalchemy import Select, Table, and_, or_, select
 from sqlalchemy.sql.elements import ColumnElement
 
 from umbra.console import ingest as ingest_batch
@@ -111,6 +112,14 @@ def where(team: str, filters: TrafficFilters) -> list[ColumnElement[bool]]:
     return clauses
 
 
+def _keyset_page(console: Console, query: Select[Any], limit: int) -> tuple[list[Any], bool]:
+    """The first `limit` rows of an ordered query, and whether more follow (one row more is read:
+    no count)."""
+    with console.session() as session:
+        rows = list(session.execute(query.limit(limit + 1)).scalars())
+    return rows[:limit], len(rows) > limit
+
+
 def page(*, console: Console, team: str, filters: TrafficFilters, limit: int) -> Page:
     """Newest first, `limit` records after `filters.cursor`; call with `scoped` filters."""
     c = TABLE.c
@@ -118,11 +127,7 @@ def page(*, console: Console, team: str, filters: TrafficFilters, limit: int) ->
     if filters.cursor is not None:
         when, record_id = decode_cursor(filters.cursor)
         query = query.where(or_(c.time < when, and_(c.time == when, c.id < record_id)))
-    query = query.order_by(c.time.desc(), c.id.desc()).limit(limit + 1)
-    with console.session() as session:
-        rows = list(session.execute(query).scalars())
-    more = len(rows) > limit
-    rows = rows[:limit]
+    rows, more = _keyset_page(console, query.order_by(c.time.desc(), c.id.desc()), limit)
     return Page(rows, encode_cursor(rows[-1]) if more and rows else None)
 
 
@@ -179,11 +184,7 @@ def quarantine(
     query = select(TrafficQuarantine).where(columns.team == team)
     if cursor is not None:
         query = query.where(columns.id < cursor)
-    query = query.order_by(columns.id.desc()).limit(limit + 1)
-    with console.session() as session:
-        rows = list(session.execute(query).scalars())
-    more = len(rows) > limit
-    rows = rows[:limit]
+    rows, more = _keyset_page(console, query.order_by(columns.id.desc()), limit)
     return QuarantinePage(
         records=[
             QuarantinedRecord.model_validate(
