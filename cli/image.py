@@ -1,4 +1,8 @@
-"""`umbra image`: measure a CVM release (golden values), sign and check measurement manifests."""
+"""`umbra image`: measure a CVM release (golden values), sign and check measurement manifests.
+
+Why one module: it is the one `umbra image` Typer group; each command is an adapter over
+umbra.images (measure, manifests, build, launch agent, OS image, disks) and most of its length is
+option declarations."""
 
 from __future__ import annotations
 

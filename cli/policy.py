@@ -1,4 +1,7 @@
-"""`umbra policy`: lint, test, diff, build, verify and publish the policy profiles in `policies/`."""
+"""`umbra policy`: lint, test, diff, build, verify and publish the policy profiles in `policies/`.
+
+Why one module: it is the one `umbra policy` Typer group; each command is an adapter over
+umbra.policy (lint, test, diff, bundle, decide, suggest) sharing the loading and exit helpers here."""
 
 from __future__ import annotations
 

@@ -1,6 +1,8 @@
 """Stack configuration: the `umbra:*` keys of `stacks/Pulumi.<stack>.yaml`, validated at program
 start. Every failure names the key and what is wrong; callers show `ConfigError` text as is.
-"""
+
+Why one module: it is one schema (the stack file's `umbra:*` keys) validated at once; the
+cross-field checks and the per-CVM token derivations need every model of it."""
 
 from __future__ import annotations
 

@@ -19,7 +19,10 @@ else Umbra starts.
 The host controls the metadata, so nothing is trusted for being there: it is measured before use,
 and a verifier refuses a quote whose replayed events differ from the release and the binding.
 Bad or missing launch data: extend nothing, start nothing, say why on the serial console.
-"""
+
+Why one module: it is the boot sequence above, steps 1 to 4 in order, kept in one file so a
+reviewer reads everything a CVM does before it is measured in one place; the metadata sources, RTMR
+extenders, starters and reporters are small implementations only `Agent` uses."""
 
 from __future__ import annotations
 

@@ -2,7 +2,9 @@
 
 Validation here is per file; rules that need several profiles at once (deny wins, conflicting
 injections, unique ids) live in `compose`.
-"""
+
+Why one module: it is the profile file format, one schema; its field checks sit beside the fields
+they check, and `umbra policy schema` publishes the JSON schema of these models as one document."""
 
 from __future__ import annotations
 

@@ -23,7 +23,10 @@
 Everything lives on disk under the CVM's directory (`plan.json`, pid files, logs, rootfs), so a
 Console restart loses nothing; `destroy` kills the processes, deletes the namespaces (and with them
 the veths) and removes the directory.
-"""
+
+Why one module: the plan, the namespaces, the processes and the lifecycle of one local CVM share
+the on-disk plan and the namespace and interface naming, and the isolation argument above must be
+checked against all of it together."""
 
 from __future__ import annotations
 

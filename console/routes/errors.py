@@ -14,6 +14,7 @@ from umbra.console.services.errors import (
     Invalid,
     NotFound,
     ProviderFailed,
+    RateLimited,
     ServiceError,
     Stale,
     Unavailable,
@@ -27,6 +28,7 @@ STATUS: dict[type[ServiceError], int] = {
     Stale: status.HTTP_412_PRECONDITION_FAILED,
     Unavailable: status.HTTP_503_SERVICE_UNAVAILABLE,
     ProviderFailed: status.HTTP_502_BAD_GATEWAY,
+    RateLimited: status.HTTP_429_TOO_MANY_REQUESTS,
 }
 
 
@@ -40,5 +42,9 @@ def status_of(exc: ServiceError) -> int:
 def install(app: FastAPI) -> None:
     @app.exception_handler(ServiceError)
     async def _service_error(_request: Request, exc: ServiceError) -> JSONResponse:
-        headers = {"Retry-After": "5"} if isinstance(exc, DatabaseUnavailable) else None
+        headers = None
+        if isinstance(exc, DatabaseUnavailable):
+            headers = {"Retry-After": "5"}
+        elif isinstance(exc, RateLimited):
+            headers = {"Retry-After": str(exc.retry_after)}
         return JSONResponse({"detail": exc.detail}, status_code=status_of(exc), headers=headers)

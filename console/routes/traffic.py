@@ -1,4 +1,5 @@
-"""Traffic log: batched, idempotent ingest from Security CVMs; filtered, paginated queries."""
+"""Traffic log: batched, idempotent ingest from Security CVMs; filtered, paginated queries
+(services/traffic.py)."""
 
 from __future__ import annotations
 
@@ -6,35 +7,29 @@ from dataclasses import replace
 from datetime import datetime
 from typing import Annotated
 
-from fastapi import APIRouter, HTTPException, Query, Request, status
+from fastapi import APIRouter, Query, Request
 from fastapi.exceptions import RequestValidationError
-from sqlalchemy import Table, select
 from starlette.concurrency import run_in_threadpool
 
-from umbra.console import ingest as ingest_service
+from umbra.console import ingest as ingest_batch
 from umbra.console.db import as_utc
 from umbra.console.deps import ConsoleDep, SecurityCvmDep, UserDep
-from umbra.console.enums import Role
-from umbra.console.models import Cvm, TrafficQuarantine
+from umbra.console.models import Cvm
 from umbra.console.routes.common import TeamPath
 from umbra.console.schemas import (
     CVM_ID_PATTERN,
     IngestResult,
-    QuarantinedRecord,
     QuarantinePage,
     TrafficPage,
     TrafficRecordOut,
-    to_utc,
 )
 from umbra.console.services import traffic
-from umbra.console.services.access import require_role
+from umbra.console.services.times import utc_bound
 from umbra.console.state import Console
 from umbra.contracts.traffic import Decision
 
 router = APIRouter(prefix="/api/v1", tags=["traffic"])
-UNPROCESSABLE = status.HTTP_422_UNPROCESSABLE_CONTENT
 PRINTABLE = r"^[^\x00-\x1f\x7f]+$"
-QUARANTINE: Table = TrafficQuarantine.__table__  # type: ignore[attr-defined]
 
 
 INGEST_BODY = {
@@ -60,14 +55,9 @@ async def ingest(request: Request, caller: SecurityCvmDep, console: ConsoleDep) 
 
 def _ingest(raw: bytes, caller: Cvm, console: Console) -> IngestResult:
     try:
-        with console.write() as session:
-            outcome = ingest_service.ingest(
-                session, raw, caller.team, caller.id, console.settings.max_traffic_batch_records
-            )
-    except ingest_service.BatchRejected as exc:
+        outcome = traffic.ingest(console=console, team=caller.team, cvm_id=caller.id, raw=raw)
+    except ingest_batch.BatchRejected as exc:
         raise RequestValidationError(exc.errors) from None
-    console.metrics.traffic_inserted.inc(outcome.inserted)
-    console.metrics.traffic_duplicates.inc(outcome.duplicates)
     return IngestResult(
         received=outcome.received,
         inserted=outcome.inserted,
@@ -87,37 +77,7 @@ def list_quarantine(
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     cursor: Annotated[int | None, Query(ge=1, le=(1 << 31) - 1)] = None,
 ) -> QuarantinePage:
-    require_role(user, team, Role.admin)
-    columns = QUARANTINE.c
-    query = select(TrafficQuarantine).where(columns.team == team)
-    if cursor is not None:
-        query = query.where(columns.id < cursor)
-    query = query.order_by(columns.id.desc()).limit(limit + 1)
-    with console.session() as session:
-        rows = list(session.execute(query).scalars())
-    more = len(rows) > limit
-    rows = rows[:limit]
-    return QuarantinePage(
-        records=[
-            QuarantinedRecord.model_validate(
-                {
-                    **row.model_dump(exclude={"team", "fingerprint"}),
-                    "received_at": as_utc(row.received_at),
-                }
-            )
-            for row in rows
-        ],
-        next_cursor=rows[-1].id if more and rows[-1].id is not None else None,
-    )
-
-
-def _utc(value: datetime | None, name: str) -> datetime | None:
-    if value is None:
-        return None
-    try:
-        return to_utc(value)
-    except ValueError as exc:
-        raise HTTPException(UNPROCESSABLE, f"{name}: {exc}") from None
+    return traffic.quarantine(console=console, user=user, team=team, limit=limit, cursor=cursor)
 
 
 @router.get(
@@ -147,7 +107,10 @@ def query_traffic(
         ),
     )
     filters = replace(
-        filters, since=_utc(since, "since"), until=_utc(until, "until"), cursor=cursor
+        filters,
+        since=utc_bound(since, "since"),
+        until=utc_bound(until, "until"),
+        cursor=cursor,
     )
     page = traffic.page(console=console, team=team, filters=filters, limit=limit)
     records = [

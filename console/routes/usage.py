@@ -6,24 +6,16 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated
 
-from fastapi import APIRouter, HTTPException, Query, status
+from fastapi import APIRouter, Query
 
 from umbra.console.deps import ConsoleDep, UserDep
 from umbra.console.routes.common import TeamPath
-from umbra.console.schemas import CVM_ID_PATTERN, UsageReportOut, UsageRowOut, to_utc
+from umbra.console.schemas import CVM_ID_PATTERN, UsageReportOut, UsageRowOut
 from umbra.console.services import usage as usage_service
+from umbra.console.services.times import utc_bound
 
 router = APIRouter(prefix="/api/v1", tags=["usage"])
 PRINTABLE = r"^[^\x00-\x1f\x7f]+$"
-
-
-def _utc(value: datetime | None, name: str) -> datetime | None:
-    if value is None:
-        return None
-    try:
-        return to_utc(value)
-    except ValueError as exc:
-        raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, f"{name}: {exc}") from None
 
 
 @router.get(
@@ -44,8 +36,8 @@ def team_usage(
         console=console,
         user=user,
         team=team,
-        since=_utc(since, "since"),
-        until=_utc(until, "until"),
+        since=utc_bound(since, "since"),
+        until=utc_bound(until, "until"),
         owner=owner,
         cvm_id=cvm_id,
     )

@@ -42,6 +42,14 @@ class DatabaseUnavailable(Unavailable):
     """The database does not answer (console/db_watchdog.py); answered with Retry-After."""
 
 
+class RateLimited(ServiceError):
+    """Too many of these from this caller just now; answered with Retry-After."""
+
+    def __init__(self, detail: str, *, retry_after: int) -> None:
+        super().__init__(detail)
+        self.retry_after = retry_after
+
+
 class ProviderFailed(ServiceError):
     """A synchronous provider call failed."""
 

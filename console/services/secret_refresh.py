@@ -16,12 +16,12 @@ from sqlalchemy.orm import Session
 from sqlmodel import col
 
 from umbra.console import audit
-from umbra.console.enums import AuditAction, CvmState, Scope, SecretStatus
+from umbra.console.enums import AuditAction, Scope, SecretStatus
 from umbra.console.envelope import seal, secret_aad
 from umbra.console.models import Cvm, Secret, utcnow
-from umbra.console.security_pool import pool_id
 from umbra.console.services.errors import Conflict, Invalid, Stale, Unavailable, not_found
 from umbra.console.services.secrets import secret_lock
+from umbra.console.services.security_cvm import served_owners
 from umbra.console.state import Console
 from umbra.contracts.secret_kinds import OAuth2Refresh, SecretKind, material_text, parse_material
 from umbra.contracts.secret_refresh import (
@@ -55,16 +55,8 @@ def _served_row(session: Session, caller: Cvm, at: SecretAt) -> Secret:
             col(Secret.name) == name,
         )
     ).scalar_one_or_none()
-    if row is not None and scope == Scope.personal:
-        served = session.execute(
-            select(col(Cvm.id)).where(
-                col(Cvm.security_cvm_id) == pool_id(caller),
-                col(Cvm.team) == caller.team,
-                col(Cvm.owner) == owner,
-                col(Cvm.state) != CvmState.destroyed,
-            )
-        ).first()
-        row = row if served is not None else None
+    if row is not None and scope == Scope.personal and owner not in served_owners(session, caller):
+        row = None
     if row is None:
         raise not_found(f"secret {at.ref}")
     if row.kind != SecretKind.oauth2_refresh:

@@ -1,7 +1,7 @@
 """Traffic-log queries shared by the API and the web view: the caller's scope (admins see the
 team, developers their own records), filters, keyset pages on (time, id), newer records for the
 live view, one record. Pages never count rows, so one costs the same on the first or the
-millionth record."""
+millionth record. Also a Security CVM's batch ingest (console/ingest.py) and the quarantine."""
 
 from __future__ import annotations
 
@@ -11,20 +11,23 @@ import json
 import uuid
 from dataclasses import dataclass, fields, replace
 from datetime import datetime
+from typing import Any
 
-from sqlalchemy import Table, and_, or_, select
+from sqlalchemy import Select, Table, and_, or_, select
 from sqlalchemy.sql.elements import ColumnElement
 
+from umbra.console import ingest as ingest_batch
 from umbra.console.db import as_utc
 from umbra.console.enums import Role
-from umbra.console.models import TrafficRecord
-from umbra.console.schemas import to_utc
-from umbra.console.services.access import User, member
+from umbra.console.models import TrafficQuarantine, TrafficRecord
+from umbra.console.schemas import QuarantinedRecord, QuarantinePage, to_utc
+from umbra.console.services.access import User, member, require_role
 from umbra.console.services.errors import Forbidden, Invalid, not_found
 from umbra.console.state import Console
 from umbra.contracts.traffic import Decision
 
 TABLE: Table = TrafficRecord.__table__  # type: ignore[attr-defined]
+QUARANTINE: Table = TrafficQuarantine.__table__  # type: ignore[attr-defined]
 LIVE_LIMIT = 100
 
 
@@ -109,6 +112,14 @@ def where(team: str, filters: TrafficFilters) -> list[ColumnElement[bool]]:
     return clauses
 
 
+def _keyset_page(console: Console, query: Select[Any], limit: int) -> tuple[list[Any], bool]:
+    """The first `limit` rows of an ordered query, and whether more follow (one row more is read:
+    no count)."""
+    with console.session() as session:
+        rows = list(session.execute(query.limit(limit + 1)).scalars())
+    return rows[:limit], len(rows) > limit
+
+
 def page(*, console: Console, team: str, filters: TrafficFilters, limit: int) -> Page:
     """Newest first, `limit` records after `filters.cursor`; call with `scoped` filters."""
     c = TABLE.c
@@ -116,11 +127,7 @@ def page(*, console: Console, team: str, filters: TrafficFilters, limit: int) ->
     if filters.cursor is not None:
         when, record_id = decode_cursor(filters.cursor)
         query = query.where(or_(c.time < when, and_(c.time == when, c.id < record_id)))
-    query = query.order_by(c.time.desc(), c.id.desc()).limit(limit + 1)
-    with console.session() as session:
-        rows = list(session.execute(query).scalars())
-    more = len(rows) > limit
-    rows = rows[:limit]
+    rows, more = _keyset_page(console, query.order_by(c.time.desc(), c.id.desc()), limit)
     return Page(rows, encode_cursor(rows[-1]) if more and rows else None)
 
 
@@ -154,3 +161,39 @@ def record(*, console: Console, user: User, team: str, record_id: str) -> Traffi
     if row is None or row.team != team or (role != Role.admin and row.owner != user.subject):
         raise not_found("traffic record")
     return row
+
+
+def ingest(*, console: Console, team: str, cvm_id: str, raw: bytes) -> ingest_batch.IngestOutcome:
+    """Store a Security CVM's batch (bytes as received); raises `ingest.BatchRejected` for a body
+    that is not a batch at all (the route answers it as a request validation error)."""
+    with console.write() as session:
+        outcome = ingest_batch.ingest(
+            session, raw, team, cvm_id, console.settings.max_traffic_batch_records
+        )
+    console.metrics.traffic_inserted.inc(outcome.inserted)
+    console.metrics.traffic_duplicates.inc(outcome.duplicates)
+    return outcome
+
+
+def quarantine(
+    *, console: Console, user: User, team: str, limit: int, cursor: int | None
+) -> QuarantinePage:
+    """Shipped records that could not be stored, newest first (admin); `cursor` is an id."""
+    require_role(user, team, Role.admin)
+    columns = QUARANTINE.c
+    query = select(TrafficQuarantine).where(columns.team == team)
+    if cursor is not None:
+        query = query.where(columns.id < cursor)
+    rows, more = _keyset_page(console, query.order_by(columns.id.desc()), limit)
+    return QuarantinePage(
+        records=[
+            QuarantinedRecord.model_validate(
+                {
+                    **row.model_dump(exclude={"team", "fingerprint"}),
+                    "received_at": as_utc(row.received_at),
+                }
+            )
+            for row in rows
+        ],
+        next_cursor=rows[-1].id if more and rows[-1].id is not None else None,
+    )

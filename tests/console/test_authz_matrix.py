@@ -297,6 +297,14 @@ USER_MATRIX: dict[tuple[str, str], tuple[Case, dict[str, int]]] = {
         lambda w, p: w.call(p, "GET", f"/api/v1/teams/{w.team_a}/traffic", params={"owner": "x"}),
         expect(200, 403, 403, 403, 403, 401),
     ),
+    ("GET", T + "/usage"): (
+        lambda w, p: w.call(p, "GET", f"/api/v1/teams/{w.team_a}/usage"),
+        expect(200, 200, 403, 403, 403, 401),
+    ),
+    ("GET", T + "/usage#other-owner"): (
+        lambda w, p: w.call(p, "GET", f"/api/v1/teams/{w.team_a}/usage", params={"owner": "x"}),
+        expect(200, 403, 403, 403, 403, 401),
+    ),
     ("GET", T + "/audit"): (
         lambda w, p: w.call(p, "GET", f"/api/v1/teams/{w.team_a}/audit"),
         expect(200, 403, 403, 403, 403, 401),
