@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -42,6 +43,8 @@ class AddonConfig:
     spool: Spool | None
     max_body: int
     minter: Minter | None = None  # mints access tokens for OAuth kinds (addons/mint.py)
+    # the time budget windows read (addons/budget.py); tests move it (--test-clock)
+    clock: Callable[[], float] = time.time
 
 
 class Shared:
@@ -55,6 +58,7 @@ class Shared:
         self.addresses = config.addresses
         self.max_body = config.max_body
         self.minter = config.minter
+        self.clock = config.clock
         self.conns = ConnTable()
         self.traffic = TrafficLog(config.state, self.conns, config.spool)
         self.advisor = Advisor()
