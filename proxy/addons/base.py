@@ -64,6 +64,8 @@ class Shared:
         self.advisor = Advisor()
         # Budget counters are saved beside the traffic log (addons/budget.py).
         self.budget_file = config.spool.directory / "budgets.json" if config.spool else None
+        # MCP tool-list baselines beside them (addons/mcp.py).
+        self.mcp_tools_file = config.spool.directory / "mcp-tools.json" if config.spool else None
 
 
 class Denied(Exception):

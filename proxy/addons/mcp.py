@@ -5,6 +5,10 @@ schema). The response passes unchanged and unbuffered: a tap beside the stream k
 `MAX_LIST_BYTES` and reads them at each event's end and at the stream's, so a server streaming
 forever stalls nothing.
 
+The approved lists are saved to `mcp-tools.json` beside the budget counters (the process's spool
+directory, atomically, mode 0600) whenever one is approved, and loaded at start, so a restart
+does not approve a changed list anew.
+
 The requests themselves are decided by `fields.RequestFields` (`umbra.policy.mcp`).
 """
 
@@ -14,10 +18,12 @@ import hashlib
 import json
 import logging
 from collections.abc import Callable, Iterable
+from pathlib import Path
 
 from mitmproxy import http
 
 from umbra.contracts.canonical import canonical_json
+from umbra.contracts.files import write_atomic
 from umbra.proxy.addons.base import Shared, UmbraAddon, guard
 from umbra.proxy.addons.reasons import Reason
 from umbra.proxy.addons.records import side_record
@@ -25,9 +31,45 @@ from umbra.proxy.addons.state import FlowState, Stage, flow_state
 
 logger = logging.getLogger("umbra.proxy")
 MAX_LIST_BYTES = 1 << 20
+MAX_BASELINES = 10_000
+FILE_NAME = "mcp-tools.json"
 _MAX_NAMES = 8
+_MAX_TOOLS = 4096
 
 Fingerprint = dict[str, str]  # tool name -> hash of its description and schemas
+Key = tuple[str, str, int, str]  # team, host, port, path
+
+
+def baselines_to_json(approved: dict[Key, Fingerprint]) -> bytes:
+    rows = [[*key, tools] for key, tools in sorted(approved.items())]
+    return json.dumps({"version": 1, "baselines": rows}, separators=(",", ":")).encode()
+
+
+def baselines_from_json(raw: bytes) -> dict[Key, Fingerprint]:
+    """The saved baselines; a malformed row is dropped (that server's next list is approved anew,
+    as before any was saved), an unreadable file counts as none."""
+    try:
+        document = json.loads(raw)
+        rows = document["baselines"] if document.get("version") == 1 else []
+    except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
+        return {}
+    approved: dict[Key, Fingerprint] = {}
+    for row in rows[:MAX_BASELINES] if isinstance(rows, list) else []:
+        if not (isinstance(row, list) and len(row) == 5):
+            continue
+        team, host, port, path, tools = row
+        if (
+            isinstance(team, str)
+            and isinstance(host, str)
+            and isinstance(port, int)
+            and not isinstance(port, bool)
+            and isinstance(path, str)
+            and isinstance(tools, dict)
+            and len(tools) <= _MAX_TOOLS
+            and all(isinstance(k, str) and isinstance(v, str) for k, v in tools.items())
+        ):
+            approved[(team, host, port, path)] = tools
+    return approved
 
 
 def _asks_for_tools(body: bytes) -> bool:
@@ -94,10 +136,16 @@ def describe_change(approved: Fingerprint, seen: Fingerprint) -> str:
 
 
 class McpTools(UmbraAddon):
-    def __init__(self, shared: Shared) -> None:
+    def __init__(self, shared: Shared, path: Path | None = None) -> None:
         super().__init__(shared)
-        # (team, host, port, path) -> the first tool list seen: per proxy process, in memory
-        self.approved: dict[tuple[str, str, int, str], Fingerprint] = {}
+        # (team, host, port, path) -> the first tool list seen: per proxy process, saved to `path`
+        self.path = path
+        self.approved: dict[Key, Fingerprint] = {}
+        if path is not None and path.exists():
+            try:
+                self.approved = baselines_from_json(path.read_bytes())
+            except OSError as exc:
+                logger.error("MCP tool baselines not read from %s (%s)", path, exc.strerror)
 
     @guard
     def request(self, flow: http.HTTPFlow) -> None:
@@ -170,9 +218,22 @@ class McpTools(UmbraAddon):
         path = decision.path if decision is not None and decision.path else ""
         port = state.connect_port or flow.request.port
         key = (identity.team if identity is not None else "", host, port, path)
-        approved = self.approved.setdefault(key, seen)
+        approved = self.approved.get(key)
+        if approved is None:
+            if len(self.approved) < MAX_BASELINES:
+                self.approved[key] = seen
+                self._save()
+            return True
         if approved != seen:
             side_record(
                 self.shared, flow, fstate, Reason.MCP_TOOLS_CHANGED, describe_change(approved, seen)
             )
         return True
+
+    def _save(self) -> None:
+        if self.path is None:
+            return
+        try:
+            write_atomic(self.path, baselines_to_json(self.approved), 0o600)
+        except OSError as exc:
+            logger.error("MCP tool baselines not saved to %s (%s)", self.path, exc.strerror)
