@@ -24,6 +24,7 @@ from umbra.proxy.addons.state import ConnTable, Stage, flow_state
 from umbra.proxy.addons.traffic import TrafficLog
 from umbra.proxy.denial import Advisor, Refused, render
 from umbra.proxy.identity import IdentitySource
+from umbra.proxy.mcp_sse import SseEndpoints
 from umbra.proxy.minting import Minter
 from umbra.proxy.mitm_compat import CLOSE_WS, WS_INTERNAL_ERROR
 from umbra.proxy.netcheck import AddressPolicy
@@ -64,6 +65,8 @@ class Shared:
         self.advisor = Advisor()
         # Budget counters are saved beside the traffic log (addons/budget.py).
         self.budget_file = config.spool.directory / "budgets.json" if config.spool else None
+        # MCP HTTP+SSE endpoints announced on the event streams relayed (proxy/mcp_sse.py).
+        self.mcp_sse = SseEndpoints()
         # MCP tool-list baselines beside them (addons/mcp.py).
         self.mcp_tools_file = config.spool.directory / "mcp-tools.json" if config.spool else None
 

@@ -28,6 +28,7 @@ from umbra.proxy.addons.base import Shared, UmbraAddon, guard
 from umbra.proxy.addons.reasons import Reason
 from umbra.proxy.addons.records import side_record
 from umbra.proxy.addons.state import FlowState, Stage, flow_state
+from umbra.proxy.mcp_sse import EventTap, SseEvent
 
 logger = logging.getLogger("umbra.proxy")
 MAX_LIST_BYTES = 1 << 20
@@ -159,20 +160,62 @@ class McpTools(UmbraAddon):
             fstate.mcp_tools_list = True
             # an encoded answer could not be read beside the stream: ask for the identity
             flow.request.headers["accept-encoding"] = "identity"
+        elif flow.request.method == "GET":
+            fstate.mcp_event_stream = True  # maybe HTTP+SSE (proxy/mcp_sse.py)
+            flow.request.headers["accept-encoding"] = "identity"
 
     @guard
     def responseheaders(self, flow: http.HTTPFlow) -> None:
         fstate = flow_state(flow)
         response = flow.response
-        if response is None or not fstate.mcp_tools_list or fstate.stage is not Stage.ALLOWED:
+        if response is None or fstate.stage is not Stage.ALLOWED:
             return
+        if fstate.mcp_refusal is not None:
+            response.headers["x-umbra-reason"] = fstate.mcp_refusal
         inner = response.stream
         if (
             not callable(inner)
             or response.headers.get("content-encoding", "identity") != "identity"
         ):
             return
-        response.stream = self._tap(flow, fstate, inner, response.headers.get("content-type", ""))
+        kind = response.headers.get("content-type", "")
+        if fstate.mcp_tools_list:
+            response.stream = self._tap(flow, fstate, inner, kind)
+        elif fstate.mcp_event_stream and "text/event-stream" in kind:
+            response.stream = self._event_tap(flow, fstate, inner)
+
+    def _event_tap(
+        self,
+        flow: http.HTTPFlow,
+        fstate: FlowState,
+        inner: Callable[[bytes], Iterable[bytes] | bytes],
+    ) -> Callable[[bytes], list[bytes]]:
+        """An event stream: HTTP+SSE endpoints and refusals (`EventTap`), and each event's
+        tool list compared like a POST's answer."""
+        request = flow.request
+        identity = self.shared.conns.get(flow.client_conn).identity
+        base = f"{request.scheme}://{request.pretty_host.lower()}:{request.port}{request.path}"
+
+        def observe(event: SseEvent) -> None:
+            if event.name != "message" or b'"tools"' not in event.data:
+                return
+            try:
+                self._compare(flow, fstate, event.data, "application/json")
+            except Exception as exc:  # the tap observes; a fault must not cut the stream
+                logger.error("MCP tool list check failed (%s)", type(exc).__name__)
+
+        tap = EventTap(
+            self.shared.mcp_sse, identity.cvm_id if identity is not None else "", base, observe
+        )
+
+        def stream(chunk: bytes) -> list[bytes]:
+            result = inner(chunk)
+            out = result if isinstance(result, bytes) else b"".join(result)
+            sent = (tap(out) if out else b"") + (tap(b"") if not chunk else b"")
+            # never an empty chunk: mitmproxy would send it, and an empty chunk ends a chunked body
+            return [sent] if sent else []
+
+        return stream
 
     def _tap(
         self,
