@@ -25,6 +25,7 @@ from umbra.cli.output import (
 )
 from umbra.contracts.files import write_atomic
 from umbra.contracts.keys import KeyFileError, write_key_pair
+from umbra.policy.body import decide_body
 from umbra.policy.bundle import (
     BundleError,
     BundlePayload,
@@ -38,6 +39,7 @@ from umbra.policy.bundle import (
 )
 from umbra.policy.diff import PolicyDiff, diff_policy_sets, load_at_revision
 from umbra.policy.errors import PolicyError
+from umbra.policy.fields import MAX_BODY_BYTES, BodyRequest
 from umbra.policy.loader import PolicySet, load_policy_dir
 from umbra.policy.matcher import decide_push
 from umbra.policy.model import Profile
@@ -489,6 +491,17 @@ def decide(
         list[str],
         typer.Option("--push", help="The request is a git push changing this ref (repeatable)."),
     ] = [],  # noqa: B006
+    body: Annotated[
+        str | None,
+        typer.Option(
+            "--body",
+            metavar="FILE|-",
+            help="The request's body (a file, or - for stdin), checked against body/mcp rules.",
+        ),
+    ] = None,
+    content_type: Annotated[
+        str, typer.Option("--content-type", help="Content-Type of the --body.")
+    ] = "application/json",
     as_json: JsonFlag = False,
 ) -> None:
     """Show the decision the composed policy makes for one request."""
@@ -496,6 +509,9 @@ def decide(
         probe = parse_request(request)
     except ValueError as exc:
         fail(f"request: {exc}", EXIT_USAGE, as_json=as_json)
+    if body is not None and push:
+        fail("--body and --push describe two different requests", EXIT_USAGE, as_json=as_json)
+    raw = _read_body(body, as_json) if body is not None else b""
     policy_set = _load(directory, as_json)
     try:
         policy = policy_set.compose(profile or sorted(policy_set.profiles))
@@ -504,6 +520,11 @@ def decide(
     decision = policy.decide(probe.method, probe.scheme, probe.host, probe.port, probe.path)
     if push:
         decision = decide_push(decision, push)
+    if decision.field_rules:
+        # as the proxy and `policy test` decide it: on the body given (none: an empty one)
+        query = probe.path.partition("?")[2]
+        types = (content_type,) if body is not None else ()
+        decision = decide_body(decision, BodyRequest(types, raw, query, probe.method))
     injected = [
         placement
         for rule in policy.applicable_injections(probe.host, probe.port, decision)
@@ -529,6 +550,18 @@ def decide(
             f"{'; injects ' + ', '.join(injected) if injected else ''}",
             highlight=False,
         )
+
+
+def _read_body(source: str, as_json: bool) -> bytes:
+    """The body from a file or stdin, read to one byte past the limit (so an oversized one is
+    refused by the limit, never loaded whole)."""
+    try:
+        if source == "-":
+            return typer.get_binary_stream("stdin").read(MAX_BODY_BYTES + 1)
+        with Path(source).open("rb") as handle:
+            return handle.read(MAX_BODY_BYTES + 1)
+    except OSError as exc:
+        fail(f"--body {source}: {exc.strerror or exc}", EXIT_USAGE, as_json=as_json)
 
 
 @app.command()

@@ -315,6 +315,16 @@ class ProxyConfig(BaseModel):
             metavar="FILE",
         ),
     ] = None
+    test_clock: Annotated[
+        Path | None,
+        Flag(
+            "TEST ONLY: budget windows read the time plus the seconds in this file.",
+            "**test only**: budget windows (Budgets) read the time plus the number of seconds "
+            "in this file, read at each use (a test moves to the next minute or day without "
+            "waiting)",
+            metavar="FILE",
+        ),
+    ] = None
     poll_interval: float = Field(default=0.5, gt=0)
     ship_interval: float = Field(default=1.0, gt=0)
     # Set by the supervisor for each worker it starts; None in a single-process proxy.

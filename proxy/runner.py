@@ -14,8 +14,10 @@ import contextlib
 import gc
 import signal
 import threading
+import time
 from typing import TYPE_CHECKING
 
+from umbra.proxy.clock import OffsetClock
 from umbra.proxy.config import ProxyConfig
 from umbra.proxy.identity import StaticIdentities
 from umbra.proxy.spool import Spool
@@ -90,6 +92,7 @@ class UmbraProxy:
                 spool=spool,
                 max_body=config.max_body,
                 minter=minter(config, state, resolver, lambda: shared.addresses, client),
+                clock=OffsetClock(config.test_clock) if config.test_clock else time.time,
             )
         )
         self._master = master = build_master(config, shared)

@@ -119,7 +119,7 @@ def load(config: ProxyConfig) -> Loaded:
     elif config.test_hosts:
         resolver = OverlayResolver(StaticResolver.from_file(config.test_hosts), resolver)
     allow: list[IPNetwork] = [ipaddress.ip_network(cidr) for cidr in config.test_allow_upstream]
-    if allow or config.test_resolver or config.test_hosts:
+    if allow or config.test_resolver or config.test_hosts or config.test_clock:
         _warn_test_only(config, allow)
     return Loaded(state, identities, resolver, AddressPolicy(test_allow=tuple(allow)))
 
@@ -132,6 +132,7 @@ def _warn_test_only(config: ProxyConfig, allow: list[IPNetwork]) -> None:
             [f"--test-allow-upstream {net}" for net in allow]
             + (["--test-resolver"] if config.test_resolver else [])
             + (["--test-hosts"] if config.test_hosts else [])
+            + (["--test-clock"] if config.test_clock else [])
         )
         + "\nThis proxy may reach addresses a production proxy refuses. Never deploy this.\n"
         + "!" * 78,

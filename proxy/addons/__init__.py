@@ -50,7 +50,7 @@ def build_addons(shared: Shared) -> list[object]:
         Inject(shared),
         Sigv4(shared),
         ResponseGuard(shared),
-        McpTools(shared),
+        McpTools(shared, shared.mcp_tools_file),
         LlmUsage(shared),
         Handshake(shared),
         DialGuard(shared),

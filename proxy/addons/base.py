@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +24,7 @@ from umbra.proxy.addons.state import ConnTable, Stage, flow_state
 from umbra.proxy.addons.traffic import TrafficLog
 from umbra.proxy.denial import Advisor, Refused, render
 from umbra.proxy.identity import IdentitySource
+from umbra.proxy.mcp_sse import SseEndpoints
 from umbra.proxy.minting import Minter
 from umbra.proxy.mitm_compat import CLOSE_WS, WS_INTERNAL_ERROR
 from umbra.proxy.netcheck import AddressPolicy
@@ -42,6 +44,8 @@ class AddonConfig:
     spool: Spool | None
     max_body: int
     minter: Minter | None = None  # mints access tokens for OAuth kinds (addons/mint.py)
+    # the time budget windows read (addons/budget.py); tests move it (--test-clock)
+    clock: Callable[[], float] = time.time
 
 
 class Shared:
@@ -55,11 +59,16 @@ class Shared:
         self.addresses = config.addresses
         self.max_body = config.max_body
         self.minter = config.minter
+        self.clock = config.clock
         self.conns = ConnTable()
         self.traffic = TrafficLog(config.state, self.conns, config.spool)
         self.advisor = Advisor()
         # Budget counters are saved beside the traffic log (addons/budget.py).
         self.budget_file = config.spool.directory / "budgets.json" if config.spool else None
+        # MCP HTTP+SSE endpoints announced on the event streams relayed (proxy/mcp_sse.py).
+        self.mcp_sse = SseEndpoints()
+        # MCP tool-list baselines beside them (addons/mcp.py).
+        self.mcp_tools_file = config.spool.directory / "mcp-tools.json" if config.spool else None
 
 
 class Denied(Exception):

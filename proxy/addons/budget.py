@@ -11,7 +11,6 @@ counts are lost).
 from __future__ import annotations
 
 import logging
-import time
 from pathlib import Path
 
 from mitmproxy import http
@@ -39,7 +38,7 @@ class Budgets(UmbraAddon):
         self.book = BudgetBook()
         self._saved = 0.0
         if path is not None and path.exists():
-            self.book = BudgetBook.from_json(path.read_bytes(), time.time())
+            self.book = BudgetBook.from_json(path.read_bytes(), shared.clock())
 
     @guard
     def requestheaders(self, flow: http.HTTPFlow) -> None:
@@ -57,7 +56,7 @@ class Budgets(UmbraAddon):
             "cvm": identity.cvm_id if identity is not None else "?",
             "owner": identity.owner if identity is not None else "?",
         }
-        now = time.time()
+        now = self.shared.clock()
         reached = self.book.exhausted(budgets, subjects, now)
         if reached is not None:
             budget, metric, limit = reached
@@ -83,7 +82,7 @@ class Budgets(UmbraAddon):
             return
         budgets, subjects = fstate.budgets
         fstate.budgets = None
-        now = time.time()
+        now = self.shared.clock()
         sent = len(flow.request.raw_content or b"")
         received = fstate.response_bytes or (
             len(flow.response.raw_content or b"") if flow.response is not None else 0
@@ -111,4 +110,4 @@ class Budgets(UmbraAddon):
             logger.error("budget counters not saved to %s (%s)", self.path, exc.strerror)
 
     def done(self) -> None:
-        self._maybe_save(time.time(), force=True)
+        self._maybe_save(self.shared.clock(), force=True)

@@ -5,7 +5,8 @@
 A refusal is 403 `body_field_denied`, 400 `body_unreadable`, 413 `body_limit`, or for an MCP
 rule `mcp_tool_denied`/`mcp_method_denied`/`mcp_malformed`; an MCP refusal of a body holding
 requests is answered as JSON-RPC errors, one per request id (HTTP 200), which an MCP client
-hands to the agent as the call's error.
+hands to the agent as the call's error. On MCP's HTTP+SSE transport the answer must come on the
+event stream instead (proxy/mcp_sse.py).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from umbra.proxy.addons.base import Denied, UmbraAddon, deny, guard
 from umbra.proxy.addons.reasons import Reason
 from umbra.proxy.addons.state import Stage, flow_state
 from umbra.proxy.decode import DecodeError, DecodeLimit, content_decode
+from umbra.proxy.mcp_sse import stand_in
 
 MCP_REASONS = frozenset({Reason.MCP_TOOL_DENIED, Reason.MCP_METHOD_DENIED, Reason.MCP_MALFORMED})
 # JSON-RPC's range for implementation-defined server errors is -32000..-32099.
@@ -86,7 +88,7 @@ class RequestFields(UmbraAddon):
             fstate,
         )
         data = {"reason": str(reason), "rule_id": verdict.rule_id}
-        errors = [
+        errors: list[dict[str, object]] = [
             {
                 "jsonrpc": "2.0",
                 "id": ident,
@@ -94,6 +96,8 @@ class RequestFields(UmbraAddon):
             }
             for ident in ids
         ]
+        if self._answer_on_event_stream(flow, verdict, reason, errors):
+            return
         document: object = errors if batch else errors[0]
         flow.response = http.Response.make(
             200,
@@ -105,6 +109,38 @@ class RequestFields(UmbraAddon):
         self.shared.traffic.flow_record(
             flow, "deny", reason, verdict.detail, status=200, rule_id=verdict.rule_id
         )
+
+    def _answer_on_event_stream(
+        self,
+        flow: http.HTTPFlow,
+        verdict: Decision,
+        reason: Reason,
+        errors: list[dict[str, object]],
+    ) -> bool:
+        """A refused POST to an endpoint an HTTP+SSE event stream announced: its answer must come
+        on that stream, so a stand-in `ping` goes in place of the body and the event tap answers
+        with `errors` (proxy/mcp_sse.py). False when no such stream is known here."""
+        request = flow.request
+        identity = self.shared.conns.get(flow.client_conn).identity
+        key = (
+            identity.cvm_id if identity is not None else "",
+            request.pretty_host.lower(),
+            request.port,
+            request.path,
+        )
+        stream = self.shared.mcp_sse.stream_for(key)
+        ping = stand_in(stream, errors) if stream is not None else None
+        if ping is None:
+            return False
+        for name in ("content-encoding", "transfer-encoding"):
+            request.headers.pop(name, None)
+        request.content = ping
+        fstate = flow_state(flow)
+        fstate.mcp_refusal = str(reason)
+        self.shared.traffic.flow_record(
+            flow, "deny", reason, verdict.detail, status=202, rule_id=verdict.rule_id
+        )
+        return True
 
 
 def _document(probe: BodyRequest) -> object:

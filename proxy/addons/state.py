@@ -64,6 +64,8 @@ class FlowState:
     note: str = ""
     # The request asks an MCP server for its tools (addons/mcp.py compares the answer).
     mcp_tools_list: bool = False
+    mcp_event_stream: bool = False  # a GET that may be an MCP HTTP+SSE event stream
+    mcp_refusal: str | None = None  # a refusal answered on the event stream (proxy/mcp_sse.py)
     # The request is an LLM API call whose response usage is read (addons/usage.py), and what
     # was read: record fields (`llm_model`, `llm_*_tokens`).
     llm_usage_wanted: bool = False

@@ -277,3 +277,43 @@ def test_decide_checks_a_git_push_by_ref(tmp_path: Path) -> None:
         code, out, _ = umbra("policy", "decide", url, str(tmp_path), "--push", ref, "--json")
         assert code == 0
         assert (json.loads(out)["verdict"], json.loads(out)["reason"]) == (verdict, reason)
+
+
+def test_decide_checks_field_and_mcp_rules_on_a_body(tmp_path: Path) -> None:
+    (tmp_path / "p.yaml").write_text(
+        "apiVersion: umbra/v1\nkind: Profile\nname: p\negress:\n"
+        "  - id: slack\n    allow: {hosts: [slack.com], methods: [POST]}\n"
+        "    body: [{pointer: /channel, one_of: [C1]}]\n"
+        "  - id: tools\n    allow: {hosts: [mcp.x.com], paths: [/mcp]}\n"
+        "    mcp: {tools: [{name: echo}]}\n"
+    )
+    slack = "POST https://slack.com/api/chat.postMessage"
+    mcp = "POST https://mcp.x.com/mcp"
+
+    def call(name: str) -> str:
+        message = {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": name}}
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(message))
+        return str(path)
+
+    (tmp_path / "c1.json").write_text('{"channel": "C1"}')
+    (tmp_path / "form").write_text("channel=C3")
+    for url, extra, verdict, reason in (
+        (slack, ["--body", str(tmp_path / "c1.json")], "allow", "rule_allow"),
+        (slack, ["--body", str(tmp_path / "form"), "--content-type",
+                 "application/x-www-form-urlencoded"], "deny", "body_field_denied"),
+        (slack, [], "deny", "body_field_denied"),  # no body: decided on an empty one
+        (mcp, ["--body", call("echo")], "allow", "rule_allow"),
+        (mcp, ["--body", call("delete_repo")], "deny", "mcp_tool_denied"),
+    ):  # fmt: skip
+        code, out, _ = umbra("policy", "decide", url, str(tmp_path), *extra, "--json")
+        assert code == 0, out
+        assert (json.loads(out)["verdict"], json.loads(out)["reason"]) == (verdict, reason), extra
+    # stdin, and a missing file is a usage error naming it
+    result = runner.invoke(
+        app, ["policy", "decide", mcp, str(tmp_path), "--body", "-", "--json"],
+        input='{"jsonrpc": "2.0", "id": 1, "method": "resources/read"}',
+    )  # fmt: skip
+    assert json.loads(result.stdout)["reason"] == "mcp_method_denied"
+    code, out, _ = umbra("policy", "decide", mcp, str(tmp_path), "--body", "/nope", "--json")
+    assert code == 2 and "--body /nope" in json.loads(out)["error"]

@@ -9,8 +9,9 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 
 import httpx2
 import uvicorn
@@ -46,9 +47,11 @@ def build_server() -> MCPServer:
 class McpOrigin:
     """Serves `server` over HTTPS on a free loopback port until `stop`."""
 
-    def __init__(self, server: MCPServer, cert: Path, key: Path) -> None:
+    def __init__(
+        self, server: MCPServer, cert: Path, key: Path, app: Callable[..., Any] | None = None
+    ) -> None:
         self.server = server
-        app = server.streamable_http_app(
+        app = app or server.streamable_http_app(
             transport_security=TransportSecuritySettings(enable_dns_rebinding_protection=False)
         )
         sock = socket.socket()
