@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from umbra.cli.auth import api_errors, api_failure, open_client, resolve_team
-from umbra.cli.output import EXIT_USAGE, console, fail, print_json
+from umbra.cli.output import EXIT_USAGE, console, fail, print_json, stderr
 from umbra.contracts.agent_logins import AGENT_LOGINS, Agent, AgentLogin
 
 if TYPE_CHECKING:
@@ -194,7 +194,7 @@ def connect(
             f"attached to {', '.join(ids) or 'no Dev CVM yet (run connect again after one)'}"
         )
     if agent == Agent.codex:
-        console.print("The refresh token rotates on use: run `codex logout` here so this machine "
+        stderr.print("The refresh token rotates on use: run `codex logout` here so this machine "
                       "and the Security CVM do not both spend it.", style="yellow")  # fmt: skip
 
 
