@@ -380,7 +380,8 @@ def attach_profiles(
     with console.write(cvm_lock(cvm_id)) as session:
         cvm = visible_cvm(session, user, cvm_id, team)
         changed = set(wanted) ^ set(cvm.profiles)
-        if user.role_in(cvm.team) != Role.admin and not changed <= SELF_SERVICE_PROFILES:
+        owner_may = bool(changed) and changed <= SELF_SERVICE_PROFILES
+        if user.role_in(cvm.team) != Role.admin and not owner_may:
             require_role(user, cvm.team, Role.admin)
         console.lock(session, policy_lock(cvm.team))  # after the CVM lock, as everywhere
         if cvm.kind != CvmKind.dev:
