@@ -66,7 +66,7 @@ def claude_token(token_file: str | None, as_json: bool) -> str:
              "it prints with --token-file F (or '-' for stdin)", EXIT_USAGE, as_json=as_json)  # fmt: skip
     found = CLAUDE_TOKEN.findall(text)
     if len(found) == 1:
-        return found[0]
+        return str(found[0])
     token = text.strip()
     if not token or any(c.isspace() for c in token) or not token.isprintable():
         fail("expected one token (the sk-ant-oat… line `claude setup-token` prints)", EXIT_USAGE,
