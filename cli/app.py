@@ -77,6 +77,16 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "codex_app",
         "Attach to (or start) Codex in your sandbox, approvals off.",
     ),
+    "connect": (
+        "umbra.cli.connect",
+        "connect_app",
+        "Store your agent login as a personal secret and attach its profile to your Dev CVM(s).",
+    ),
+    "disconnect": (
+        "umbra.cli.connect",
+        "disconnect_app",
+        "Detach the agent's profile from your Dev CVM(s) and delete your stored login.",
+    ),
     "config-ssh": (
         "umbra.cli.ssh",
         "config_ssh_app",

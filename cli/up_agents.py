@@ -88,6 +88,9 @@ egress:
 inject:
   - {{id: api-key, header: x-api-key, format: "{{secret}}", secret: {ANTHROPIC_KEY_REF},
      hosts: [{host}], ports: [{port}]}}
+# Every session of a CVM this is attached to (not the image) holds the key's placeholder.
+sandbox_env:
+  ANTHROPIC_API_KEY: "umbra-placeholder:{ANTHROPIC_KEY_REF}"
 """
     openai = f"""apiVersion: umbra/v1
 kind: Profile
@@ -102,6 +105,8 @@ egress:
 inject:
   - {{id: api-key, header: Authorization, format: "Bearer {{secret}}", secret: {OPENAI_KEY_REF},
      hosts: [{host}], ports: [{port}]}}
+sandbox_env:
+  OPENAI_API_KEY: "umbra-placeholder:{OPENAI_KEY_REF}"
 """
     return {"anthropic-standin": anthropic, "openai-standin": openai}
 

@@ -5,12 +5,15 @@ session, before any byte from the sandbox. The tunnel endpoint on the Security C
     {"v": 1, "cvm_id": "<id>", "mode": "proxy"}
     {"v": 1, "cvm_id": "<id>", "mode": "tunnel", "tunnel": "<name>", "host": "<dest>", "port": N}
     {"v": 1, "cvm_id": "<id>", "mode": "ca"}
+    {"v": 1, "cvm_id": "<id>", "mode": "env"}
     optional in all: "credential": "<per-CVM secret delivered at launch>"
 
 `ca` asks for the Security CVM's interception CA certificate(s) instead of a relay: the endpoint
 answers with one reply (`u32be length ‖ PEM`, 1 ≤ length ≤ MAX_CA_REPLY) and closes. Because it
 arrives inside the attested session, the forwarder knows it comes from the verified Security CVM
 and no network can substitute its own CA (docs/specs/sandbox.md, "The interception CA").
+`env` asks, the same way, for the `sandbox_env` of the profiles attached to this CVM now: one
+reply (`u32be length ‖ canonical JSON object of name → value`, 1 ≤ length ≤ MAX_ENV_REPLY).
 
 Every value comes from the forwarder's own configuration (launch-bound and measured), never from
 anything the sandbox sent: in tunnel mode the destination is the one configured for the port
@@ -32,8 +35,9 @@ from umbra.contracts.names import CVM_ID_PATTERN, check_host
 VERSION = 1
 MAX_HEADER = 4096
 MAX_CA_REPLY = 64 * 1024  # a few PEM certificates; both sides use this bound
-Mode = Literal["proxy", "tunnel", "ca"]
-MODES: tuple[str, ...] = ("proxy", "tunnel", "ca")
+MAX_ENV_REPLY = 1024 * 1024  # several profiles of 64 variables of up to 4096 characters each
+Mode = Literal["proxy", "tunnel", "ca", "env"]
+MODES: tuple[str, ...] = ("proxy", "tunnel", "ca", "env")
 _CVM_ID = re.compile(CVM_ID_PATTERN)
 _TUNNEL = re.compile(r"^[a-z][a-z0-9-]{0,30}$")
 
@@ -71,7 +75,7 @@ class TunnelHeader:
                 check_host(self.host)
             except ValueError as exc:
                 raise HeaderError(str(exc)) from None
-        elif self.mode in ("proxy", "ca"):
+        elif self.mode in ("proxy", "ca", "env"):
             if self.tunnel is not None or self.host is not None or self.port is not None:
                 raise HeaderError(f"{self.mode} mode carries no destination")
         else:
@@ -116,7 +120,7 @@ def decode_header_body(body: bytes) -> TunnelHeader:
     if fields["port"] is not None and type(fields["port"]) is not int:
         raise HeaderError("port must be an integer")
     if not isinstance(fields["cvm_id"], str) or fields["mode"] not in MODES:
-        raise HeaderError("header needs cvm_id and mode (proxy, tunnel or ca)")
+        raise HeaderError("header needs cvm_id and mode (proxy, tunnel, ca or env)")
     return TunnelHeader(**fields)
 
 
@@ -173,3 +177,36 @@ async def read_ca_reply(recv: Callable[[int], Awaitable[bytes]]) -> bytes:
                 raise HeaderError(f"CA reply length {n} is outside 1..{MAX_CA_REPLY}")
             need = 4 + n
     return buf[4:]
+
+
+def encode_env_reply(env: dict[str, str]) -> bytes:
+    """The tunnel endpoint's answer to an `env` header."""
+    body = canonical_json(env)
+    if len(body) > MAX_ENV_REPLY:
+        raise HeaderError(f"env reply of {len(body)} bytes is over {MAX_ENV_REPLY}")
+    return struct.pack(">I", len(body)) + body
+
+
+async def read_env_reply(recv: Callable[[int], Awaitable[bytes]]) -> dict[str, str]:
+    """The forwarder's side: one env reply, bounded first, then a JSON object of strings."""
+    buf = b""
+    need = 4
+    while len(buf) < need:
+        chunk = await recv(need - len(buf))
+        if not chunk:
+            raise HeaderError("connection closed before the whole env reply")
+        buf += chunk
+        if need == 4 and len(buf) == 4:
+            (n,) = struct.unpack(">I", buf)
+            if not 1 <= n <= MAX_ENV_REPLY:
+                raise HeaderError(f"env reply length {n} is outside 1..{MAX_ENV_REPLY}")
+            need = 4 + n
+    try:
+        doc = json.loads(buf[4:])
+    except ValueError:
+        raise HeaderError("env reply is not JSON") from None
+    if not isinstance(doc, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in doc.items()
+    ):
+        raise HeaderError("env reply is not an object of strings")
+    return doc

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from umbra.proxy.clock import OffsetClock
 from umbra.proxy.config import ProxyConfig
-from umbra.proxy.identity import StaticIdentities
+from umbra.proxy.identity import CvmIdentity, StaticIdentities
 from umbra.proxy.spool import Spool
 from umbra.proxy.startup import StartupError, console_client, load, log_to_stderr, tunnel_evidence
 from umbra.proxy.state import PolicyState
@@ -173,6 +173,7 @@ class UmbraProxy:
             emit=shared.traffic.emit,
             header_timeout=config.tunnel_header_timeout,
             ca_file=config.confdir / "mitmproxy-ca-cert.pem",
+            sandbox_env=self._sandbox_env,
         )
         quote_source, event_log = evidence
         try:
@@ -189,6 +190,12 @@ class UmbraProxy:
             + simulated,
             flush=True,
         )
+
+    def _sandbox_env(self, identity: CvmIdentity) -> dict[str, str]:
+        """What the sandbox of `identity` gets from its attached profiles (tunnel `env` mode)."""
+        if self.state is None:
+            return {}
+        return dict(self.state.effective(identity).policy.sandbox_env)
 
     def shutdown(self) -> None:
         if self._master is not None:

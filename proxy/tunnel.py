@@ -39,6 +39,7 @@ from umbra.contracts.tunnel_header import (
     HeaderTooLarge,
     TunnelHeader,
     encode_ca_reply,
+    encode_env_reply,
     read_header,
 )
 from umbra.proxy.addons.reasons import Reason
@@ -54,6 +55,7 @@ MAX_CONNECT_RESPONSE = 8192
 class EndpointStats:
     accepted: int = 0
     ca_served: int = 0
+    env_served: int = 0
     refused: dict[str, int] = field(default_factory=dict)
 
 
@@ -69,6 +71,9 @@ class TunnelEndpoint:
     connect_timeout: float = 10.0
     # The interception CA's certificate (mitmproxy's `mitmproxy-ca-cert.pem`): never the key.
     ca_file: Path | None = None
+    # The composed `sandbox_env` of the profiles attached to a CVM now (`env` mode); None: an
+    # endpoint without policy (tests) answers every CVM with an empty environment.
+    sandbox_env: Callable[[CvmIdentity], dict[str, str]] | None = None
     stats: EndpointStats = field(default_factory=EndpointStats)
 
     async def serve(
@@ -131,6 +136,8 @@ class TunnelEndpoint:
         try:
             if header.mode == "ca":
                 await self._send_ca(conn, identity)
+            elif header.mode == "env":
+                await self._send_env(conn, identity)
             else:
                 await self._relay(conn, header, identity, rest)
         except (ATLSError, ConnectionError, OSError) as exc:
@@ -147,6 +154,17 @@ class TunnelEndpoint:
             )
         await conn.send(reply)
         self.stats.ca_served += 1
+
+    async def _send_env(self, conn: ATLSConnection, identity: CvmIdentity) -> None:
+        try:
+            env = self.sandbox_env(identity) if self.sandbox_env is not None else {}
+            reply = encode_env_reply(env)
+        except HeaderError:
+            return self._refuse(
+                Reason.TUNNEL_NO_ENV, "the sandbox environment cannot be served", identity
+            )
+        await conn.send(reply)
+        self.stats.env_served += 1
 
     async def _relay(
         self, conn: ATLSConnection, header: TunnelHeader, identity: CvmIdentity, rest: bytes

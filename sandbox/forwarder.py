@@ -22,6 +22,7 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from umbra.attest.atls import ATLSConnection, client_handshake, relay
 from umbra.attest.errors import ATLSError
@@ -31,10 +32,12 @@ from umbra.contracts.tunnel_header import (
     TunnelHeader,
     encode_header,
     read_ca_reply,
+    read_env_reply,
 )
 from umbra.sandbox.dns_responder import DnsResponder
 from umbra.sandbox.models import Endpoint, Tunnel
 from umbra.sandbox.sandbox_ca import CaBundle, keep_ca_fresh
+from umbra.sandbox.sandbox_env_sync import keep_env_fresh
 from umbra.sandbox.transparent import (
     MAX_REQUEST_HEAD,
     PEEK_TIMEOUT,
@@ -86,6 +89,11 @@ class Forwarder:
     # Where the sandbox's trust in the Security CVM's interception CA comes from (sandbox_ca.py).
     ca_bundle: CaBundle | None = None
     ca_refresh: float = 300.0
+    # The sandbox's environment file, kept current with the attached profiles' `sandbox_env`
+    # (sandbox_env_sync.py); None: off. `env_base`: this CVM's own values, which come first.
+    env_file: Path | None = None
+    env_base: dict[str, str] = field(default_factory=dict)
+    env_refresh: float = 3.0
     # Transparent listeners on the sandbox-side address: (TLS port, plain HTTP port), each the
     # port the name is connected to at the proxy; None: off. And the DNS responder's port.
     transparent_https: int | None = None
@@ -148,16 +156,22 @@ class Forwarder:
 
     async def serve_forever(self) -> None:
         await self.start()
-        ca_task = None
+        tasks = []
         if self.ca_bundle is not None:
-            ca_task = asyncio.create_task(
-                keep_ca_fresh(self.fetch_ca, self.ca_bundle, self.ca_refresh)
+            tasks.append(
+                asyncio.create_task(keep_ca_fresh(self.fetch_ca, self.ca_bundle, self.ca_refresh))
+            )
+        if self.env_file is not None:
+            tasks.append(
+                asyncio.create_task(
+                    keep_env_fresh(self.fetch_env, self.env_file, self.env_base, self.env_refresh)
+                )
             )
         try:
             await asyncio.Event().wait()
         finally:
-            if ca_task is not None:
-                ca_task.cancel()
+            for task in tasks:
+                task.cancel()
             await self.close()
 
     async def fetch_ca(self) -> bytes | None:
@@ -175,6 +189,26 @@ class Forwarder:
             self.stats.refuse("ca_unavailable")
             logger.warning(
                 "no interception CA from the Security CVM: %s", exc or type(exc).__name__
+            )
+            return None
+        finally:
+            await conn.close()
+
+    async def fetch_env(self) -> dict[str, str] | None:
+        """The attached profiles' `sandbox_env`, read inside an attested session; None (and
+        logged) when it cannot be had."""
+        conn = await self._attest(None)
+        if conn is None:
+            return None
+        try:
+            await conn.send(
+                encode_header(TunnelHeader(self.cvm_id, "env", credential=self.credential))
+            )
+            return await asyncio.wait_for(read_env_reply(conn.recv), self.handshake_timeout)
+        except (ATLSError, HeaderError, ConnectionError, OSError, TimeoutError) as exc:
+            self.stats.refuse("env_unavailable")
+            logger.warning(
+                "no sandbox environment from the Security CVM: %s", exc or type(exc).__name__
             )
             return None
         finally:

@@ -101,6 +101,16 @@ class SandboxCa(Strict):
     refresh: Annotated[float, Field(ge=10, le=86400)] = 300.0
 
 
+class SandboxEnv(Strict):
+    """Where the forwarder keeps the sandbox's `sandbox.env` (a directory the sandbox mounts
+    read-only): `base`, this CVM's own values, then the attached profiles' `sandbox_env`, asked
+    of the Security CVM every `refresh` seconds (sandbox_env_sync.py)."""
+
+    file: Path
+    base: dict[str, str] = Field(default_factory=dict)
+    refresh: Annotated[float, Field(ge=1, le=3600)] = 3.0
+
+
 class ForwarderConfig(Strict):
     apiVersion: Literal["umbra/v1"]
     kind: Literal["ForwarderConfig"]
@@ -114,6 +124,7 @@ class ForwarderConfig(Strict):
     credential_file: Path | None = None
     enrollment: Enrollment | None = None
     sandbox_ca: SandboxCa | None = None
+    sandbox_env: SandboxEnv | None = None
     # A cloud Dev CVM has no DNS (its host ruleset drops it, Docker's embedded DNS forwards to
     # nothing): the launch agent writes the Security CVM address(es) of launch data
     # (`umbra-security-cvm-ips`, from which the measured host ruleset is rendered) here, and the

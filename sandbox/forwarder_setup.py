@@ -77,4 +77,7 @@ def build_forwarder(cfg: ForwarderConfig) -> Forwarder:
         max_connections=cfg.max_connections,
         ca_bundle=CaBundle.load(cfg.sandbox_ca.file) if cfg.sandbox_ca else None,
         ca_refresh=cfg.sandbox_ca.refresh if cfg.sandbox_ca else 300.0,
+        env_file=cfg.sandbox_env.file if cfg.sandbox_env else None,
+        env_base=dict(cfg.sandbox_env.base) if cfg.sandbox_env else {},
+        env_refresh=cfg.sandbox_env.refresh if cfg.sandbox_env else 3.0,
     )

@@ -45,6 +45,7 @@ from typing import Any
 
 from umbra.sandbox import image, runtime
 from umbra.sandbox.render import CA_NAME
+from umbra.sandbox.sandbox_env_sync import render as render_env
 
 SANDBOX_PROXY_PORT = 3128
 # The forwarder's other sandbox-side listeners: transparent HTTPS/HTTP (name from SNI / Host) and
@@ -395,14 +396,20 @@ def start_forwarder(plan: LocalCvmPlan) -> int:
     )  # fmt: skip
 
 
-def sandbox_env(plan: LocalCvmPlan) -> str:
-    """`/etc/umbra/sandbox.env`: what every session of this CVM's sandbox gets (KEY=VALUE)."""
+def sandbox_env_base(plan: LocalCvmPlan) -> dict[str, str]:
+    """This CVM's own sandbox variables (the proxy, NO_PROXY, every tool's CA variable)."""
     pairs = [
         (k, plan.proxy_url) for k in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy")
     ]
     pairs += [("NO_PROXY", NO_PROXY), ("no_proxy", NO_PROXY)]
     pairs += [(k, image.CA_BUNDLE) for k in image.CA_VARS]
-    return "".join(f"{k}={v}\n" for k, v in pairs)
+    return dict(pairs)
+
+
+def sandbox_env(plan: LocalCvmPlan) -> str:
+    """`/etc/umbra/sandbox.env` at the sandbox's start: this CVM's own values; the forwarder
+    adds the attached profiles' `sandbox_env` within seconds (sandbox_env_sync.py)."""
+    return render_env(sandbox_env_base(plan), {})
 
 
 def resolv_conf(plan: LocalCvmPlan) -> str:
@@ -691,6 +698,11 @@ def create(
         # The interception CA, fetched by the forwarder inside its attested session and bound
         # read-only into the sandbox, as in the cloud (sandbox_ca.py, umbra-sandbox-init).
         config["sandbox_ca"] = {"file": str(plan.dir / "sandbox-ca" / CA_NAME)}
+        # The attached profiles' `sandbox_env`, asked of the Security CVM the same way.
+        config["sandbox_env"] = {
+            "file": str(plan.dir / "sandbox-etc" / "sandbox.env"),
+            "base": sandbox_env_base(plan),
+        }
         (plan.dir / "forwarder.json").write_text(json.dumps(config, indent=2))
         enroll(plan)
         create_network(plan, SANDBOX_TCP_PORTS)

@@ -53,7 +53,10 @@ def destroy_cvm(cvm_id: CvmIdPath, console: ConsoleDep, user: UserDep) -> CvmInf
     return cvms.destroy(console=console, user=user, cvm_id=cvm_id)
 
 
-@router.put("/cvms/{cvm_id}/profiles", summary="Attach policy profiles to a Dev CVM (admin).")
+@router.put(
+    "/cvms/{cvm_id}/profiles",
+    summary="Attach policy profiles to a Dev CVM (admin; its owner: agent logins only).",
+)
 def attach_profiles(
     cvm_id: CvmIdPath,
     body: ProfilesUpdate,

@@ -52,6 +52,7 @@ from umbra.console.services.errors import (
 from umbra.console.services.policy import check_profiles_compose
 from umbra.console.session_info import session_info
 from umbra.console.state import Console
+from umbra.contracts.agent_logins import SELF_SERVICE_PROFILES
 
 
 def cvm_info(cvm: Cvm) -> CvmInfo:
@@ -372,12 +373,16 @@ def attach_profiles(
     if_match: str | None = None,
     team: str | None = None,
 ) -> CvmInfo:
-    """Replace a Dev CVM's attached profiles (admin); `if_match`: only if they are still this
-    version (`profiles_etag`), so a read-modify-write never loses a concurrent change."""
+    """Replace a Dev CVM's attached profiles (admin; the CVM's owner only to add or remove
+    agent-login profiles, `umbra connect`); `if_match`: only if they are still this version
+    (`profiles_etag`), so a read-modify-write never loses a concurrent change."""
     wanted = sorted(set(profiles))
     with console.write(cvm_lock(cvm_id)) as session:
         cvm = visible_cvm(session, user, cvm_id, team)
-        require_role(user, cvm.team, Role.admin)
+        changed = set(wanted) ^ set(cvm.profiles)
+        owner_may = bool(changed) and changed <= SELF_SERVICE_PROFILES
+        if user.role_in(cvm.team) != Role.admin and not owner_may:
+            require_role(user, cvm.team, Role.admin)
         console.lock(session, policy_lock(cvm.team))  # after the CVM lock, as everywhere
         if cvm.kind != CvmKind.dev:
             raise Invalid("profiles: attach profiles to Dev CVMs only")

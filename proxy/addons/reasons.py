@@ -109,6 +109,7 @@ class Reason(StrEnum):
     TUNNEL_MISSING_CREDENTIAL = "tunnel_missing_credential", None
     TUNNEL_BAD_CREDENTIAL = "tunnel_bad_credential", None
     TUNNEL_NO_CA = "tunnel_no_ca", None
+    TUNNEL_NO_ENV = "tunnel_no_env", None
     TUNNEL_PROXY_UNREACHABLE = "tunnel_proxy_unreachable", None
 
     @classmethod

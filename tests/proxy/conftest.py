@@ -71,6 +71,9 @@ egress:
     allow: {{hosts: [ws.test], ports: [{ws_port}, {keepalive_port}]}}
   - id: raw
     tunnel: {{hosts: [tcp.test], ports: [{tcp_port}]}}
+sandbox_env:
+  CLAUDE_CODE_OAUTH_TOKEN: "umbra-placeholder:personal/openai"
+  TESTING_GREETING: "it's a test"
 scan:
   - {{id: acme-token, regex: 'acme_[A-Za-z0-9]{{32}}'}}
 inject:

@@ -13,6 +13,7 @@ import asyncio
 import socket
 import ssl
 import struct
+import subprocess
 import threading
 import time
 import uuid
@@ -38,6 +39,7 @@ from umbra.proxy.startup import StartupError
 from umbra.sandbox.forwarder import Forwarder
 from umbra.sandbox.models import Endpoint, Tunnel
 from umbra.sandbox.sandbox_ca import CaBundle
+from umbra.sandbox.sandbox_env_sync import keep_env_fresh
 
 from .conftest import Env
 from .harness import (
@@ -505,4 +507,44 @@ def test_no_ca_without_attestation_or_credential(tun: Tun, tmp_path: Path) -> No
     stranger = _ca_forwarder(tun, "cvm-alice", "tunnel-wrong-credential", tun.verifier)
     assert tun.loop.run(stranger.fetch_ca()) is None
     assert stranger.stats.refused == {"ca_unavailable": 1}
+    tun.proxy.log.wait_for(mark, lambda r: r.get("reason") == "tunnel_bad_credential")
+
+
+# ------------------------------------------------------------------ the sandbox's environment
+
+PROFILE_ENV = {
+    "CLAUDE_CODE_OAUTH_TOKEN": "umbra-placeholder:personal/openai",
+    "TESTING_GREETING": "it's a test",
+}
+
+
+def test_the_sandbox_env_comes_from_the_attached_profiles(tun: Tun, tmp_path: Path) -> None:
+    """`env` mode: the attached profiles' `sandbox_env`, inside aTLS; the forwarder writes it
+    after the CVM's own values (which win), shell-quoted so a login shell reads it back."""
+    fwd = _ca_forwarder(tun, "cvm-alice", ALICE_TOKEN, tun.verifier)
+    assert tun.loop.run(fwd.fetch_env()) == PROFILE_ENV
+    path = tmp_path / "sandbox.env"
+    base = {"HTTPS_PROXY": "http://10.0.0.1:3128", "TESTING_GREETING": "the CVM's"}
+
+    async def once() -> None:
+        async def stop(_: float) -> None:
+            raise asyncio.CancelledError
+
+        with pytest.raises(asyncio.CancelledError):
+            await keep_env_fresh(fwd.fetch_env, path, base, 3, sleep=stop)
+
+    tun.loop.run(once())
+    assert (path.stat().st_mode & 0o777) == 0o644
+    out = subprocess.run(
+        ["bash", "-c", f"set -a; . {path}; env"], capture_output=True, text=True, check=True
+    ).stdout.splitlines()
+    assert "CLAUDE_CODE_OAUTH_TOKEN=umbra-placeholder:personal/openai" in out
+    assert "TESTING_GREETING=the CVM's" in out and "HTTPS_PROXY=http://10.0.0.1:3128" in out
+
+
+def test_no_sandbox_env_without_the_credential(tun: Tun) -> None:
+    mark = tun.proxy.log.mark()
+    stranger = _ca_forwarder(tun, "cvm-alice", "tunnel-wrong-credential", tun.verifier)
+    assert tun.loop.run(stranger.fetch_env()) is None
+    assert stranger.stats.refused == {"env_unavailable": 1}
     tun.proxy.log.wait_for(mark, lambda r: r.get("reason") == "tunnel_bad_credential")

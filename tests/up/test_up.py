@@ -529,6 +529,43 @@ def test_sessions_have_the_sandbox_environment_and_find_the_agents(up: Up) -> No
     assert lines[3:] == [plan.proxy_url, "/etc/ssl/certs/ca-certificates.crt", "0"]
 
 
+def _session_env(up: Up, name: str) -> str:
+    done = up.client("ssh", "--no-reuse", "--", f"echo ${{{name}:-unset}}")
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def _wait_session_env(up: Up, name: str, want: str, within: float = 30) -> float:
+    start = time.monotonic()
+    while (got := _session_env(up, name)) != want:
+        assert time.monotonic() - start < within, f"{name} is {got!r}, not {want!r}"
+        time.sleep(0.5)
+    return time.monotonic() - start
+
+
+def test_attached_profiles_sandbox_env_reaches_sessions_within_seconds(up: Up) -> None:
+    """An attach puts the profile's `sandbox_env` into the next session (ssh and
+    run_in_sandbox's login shell alike) within seconds; a detach takes it out again. The agent
+    keys' placeholders come from the stand-in profiles attached by default, not the image."""
+    cvm = up.stack().state["dev_cvm_id"]
+    plan = local_cvm.load_plan(up.state / "cvms", cvm)
+    assert plan is not None
+    _wait_session_env(up, "ANTHROPIC_API_KEY", "umbra-placeholder:team/anthropic-api-key")
+    assert _session_env(up, "CLAUDE_CODE_OAUTH_TOKEN") == "unset"
+    attached = up.client("profile", "attach", cvm, "claude-subscription")
+    assert attached.returncode == 0, attached.stderr
+    placeholder = "umbra-placeholder:personal/claude-oauth-token"
+    seconds = _wait_session_env(up, "CLAUDE_CODE_OAUTH_TOKEN", placeholder)
+    print(f"sandbox_env reached a session {seconds:.1f} s after the attach")
+    done = local_cvm.run_in_sandbox(plan, ["printenv", "CLAUDE_CODE_OAUTH_TOKEN"])
+    assert done.stdout.strip() == placeholder
+    detached = up.client("profile", "detach", cvm, "claude-subscription")
+    assert detached.returncode == 0, detached.stderr
+    _wait_session_env(up, "CLAUDE_CODE_OAUTH_TOKEN", "unset")
+    # The CVM's own values stay whatever the profiles say.
+    assert _session_env(up, "HTTPS_PROXY") == plan.proxy_url
+
+
 def test_umbra_ssh_refuses_a_quote_that_is_not_the_recorded_release(up: Up) -> None:
     stack = up.stack()
     cvm = stack.state["dev_cvm_id"]
