@@ -304,7 +304,8 @@ def test_bad_launch_data_starts_nothing_and_says_why(
     assert exc.value.reason is reason, what
     assert tdx.event_log() == before and starter.started == []
     assert not (tmp_path / "l").exists()
-    assert lines and "REFUSED, nothing started" in lines[-1] and str(reason) in lines[-1]
+    # Exactly one line: the serial log a cloud shows is read by people, one cause per refusal.
+    assert len(lines) == 1 and "REFUSED, nothing started" in lines[0] and str(reason) in lines[0]
 
 
 def test_unreachable_metadata_starts_nothing(tmp_path: Path) -> None:
@@ -355,6 +356,43 @@ def test_cli_agent_runs_the_compose_command_or_refuses_on_the_console(
     assert refused.exit_code == 1
     assert "REFUSED, nothing started: copy_mismatch" in serial.read_text()
     assert not marker.exists()
+
+
+@pytest.mark.parametrize(
+    ("cloud", "user_data", "reason"),
+    [
+        ("azure", "not base64 at all", "invalid_field"),
+        ("azure", "eyJ1bWJyYSI6IFsxXX0=", "invalid_field"),  # {"umbra": [1]}
+        ("gcp", None, "missing_field"),
+    ],
+)
+def test_malformed_launch_data_writes_exactly_one_line_on_the_serial_console(
+    standin: StandIn, tmp_path: Path, cloud: str, user_data: str | None, reason: str
+) -> None:
+    """Through the boot's own command: nothing runs, one line says why (nothing else is written
+    to the console: no traceback, no partial progress)."""
+    serial, marker = tmp_path / "ttyS0", tmp_path / "compose-ran"
+    script = tmp_path / "compose"
+    script.write_text(f"#!/bin/sh\ntouch {marker}\n")
+    script.chmod(0o755)
+    extra: list[str] = []
+    if cloud == "azure":
+        blob = tmp_path / "user-data"
+        blob.write_text(user_data or "")
+        extra = ["--user-data-file", str(blob)]
+    else:
+        standin.attributes = {"umbra-role": "dev-cvm", "umbra-app-compose": "{not json"}
+    args = ["image", "launch-agent", "--cloud", cloud, "--tee", "simulated", "--no-ingress",
+            "--no-idle-stop", "--no-report-ready", "--metadata-url", standin.url,
+            "--launch-dir", str(tmp_path / "launch"), "--data-disk", "none",
+            "--console", str(serial), "--compose", str(script), *extra]  # fmt: skip
+    done = runner.invoke(app, args)
+    assert done.exit_code == 1, done.output
+    lines = serial.read_text().splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("umbra-launch: REFUSED, nothing started: ") and reason in lines[0]
+    assert not marker.exists() and not (tmp_path / "launch").exists()
+    assert "Traceback" not in done.output
 
 
 def test_gcp_launch_data_is_read_and_reported_by_address_not_by_name() -> None:
