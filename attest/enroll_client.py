@@ -13,6 +13,12 @@ re-create) **re-enrolls by a fresh quote** when given its launch events: it asks
 `/enroll/renew/challenge` with its CVM id and the digest of its launch-bound events, quotes the
 renewal binding and receives a new credential (console/reenrollment.py). A 409 there means "not
 enrolled, or another launch": then the token path runs as at first boot.
+
+A Console that does not answer at boot (its address unreachable, a TLS or transport failure) is
+retried with backoff when the caller gives `retry_delays` (the proxy and forwarder give
+BOOT_RETRY_DELAYS: about five minutes, well inside the token's hour), each attempt said through
+`say`; then ConsoleUnreachable names the attempts. The Console marks a CVM that never enrolled
+before its token expired `failed` with the reason (console/enrollment.py, `umbra cvm list`).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import contextlib
 import hashlib
 import ipaddress
 import ssl
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +57,14 @@ Quoter = Callable[[bytes], tuple[bytes, Sequence[Event] | None]]
 
 class EnrollError(Exception):
     """Enrollment failed; the message says why (the Console's refusal reason when refused)."""
+
+
+class ConsoleUnreachable(EnrollError):
+    """No answer from the Console (connection, TLS or transport failure): worth retrying."""
+
+
+# Seconds between boot-time attempts: doubling to a minute, about five minutes in all.
+BOOT_RETRY_DELAYS: tuple[float, ...] = (2, 4, 8, 16, 32, 60, 60, 60, 60)
 
 
 def spent_marker(credential_file: Path) -> Path:
@@ -94,6 +109,42 @@ def ensure_credential(
     timeout: float = 30.0,
     connect_address: str | None = None,
     launch_events: Sequence[Event] | None = None,
+    retry_delays: Sequence[float] = (),
+    say: Callable[[str], None] | None = None,
+    sleep: Callable[[float], None] = time.sleep,
+) -> tuple[str, bool]:
+    """`_ensure_credential` with a Console that does not answer retried after each of
+    `retry_delays` (seconds); the last failure names how many attempts were made."""
+    attempts = len(retry_delays) + 1
+    for attempt, delay in enumerate((*retry_delays, None), 1):
+        try:
+            return _ensure_credential(
+                console_url=console_url, cvm_id=cvm_id, token_file=token_file,
+                credential_file=credential_file, quoter=quoter, verify=verify, timeout=timeout,
+                connect_address=connect_address, launch_events=launch_events,
+            )  # fmt: skip
+        except ConsoleUnreachable as exc:
+            if delay is None:
+                if attempts == 1:
+                    raise
+                raise ConsoleUnreachable(f"{exc}; gave up after {attempts} attempts") from None
+            if say is not None:
+                say(f"enrollment: {exc}; attempt {attempt}/{attempts}, retrying in {delay:g} s")
+            sleep(delay)
+    raise AssertionError("unreachable")  # the loop returns or raises
+
+
+def _ensure_credential(
+    *,
+    console_url: str,
+    cvm_id: str,
+    token_file: Path | None,
+    credential_file: Path,
+    quoter: Quoter,
+    verify: ssl.SSLContext | str | bool,
+    timeout: float,
+    connect_address: str | None,
+    launch_events: Sequence[Event] | None,
 ) -> tuple[str, bool]:
     """The persisted credential, enrolling first when there is none. Returns (credential,
     enrolled now). Raises EnrollError, never with the token or the credential in its text.
@@ -249,7 +300,7 @@ def _post(
     try:
         response = client.post(url, json=body, headers=headers, extensions=extensions)
     except httpx.HTTPError as exc:
-        raise EnrollError(f"Console unreachable at {url} ({type(exc).__name__})") from None
+        raise ConsoleUnreachable(f"Console unreachable at {url} ({type(exc).__name__})") from None
     if conflict and response.status_code == 409:
         return None
     if response.status_code != 200:

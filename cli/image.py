@@ -697,3 +697,37 @@ def disks_cmd(
         return
     for k, v in result.items():
         console.print(f"{k}: {v}")
+
+
+@app.command("os-release")
+def os_release_cmd(
+    disks: Annotated[Path, typer.Argument(help="`umbra image disks --json` output.")],
+    sb_cert: Annotated[
+        Path, typer.Option("--sb-cert", help="The release's Secure Boot certificate (PEM).")
+    ],
+    version: Annotated[str, typer.Option("--version", help="MAJOR.MINOR.PATCH")],
+    targets: Annotated[
+        Path,
+        typer.Option(
+            "--targets",
+            help="JSON: {gcp: {project, tarball_url}, azure: {resource_group, location, gallery, "
+            "storage_account_id, vhd_url}}, where the workflow uploaded the disks.",
+        ),
+    ],
+) -> None:
+    """The images stack's release document (umbra-images:release): one line of JSON."""
+    from umbra.images.publish import PublishError, os_release, release_json
+    from umbra.images.secure_boot import SecureBootError
+
+    try:
+        disks_doc = json.loads(disks.read_text())
+        targets_doc = json.loads(targets.read_text())
+    except (OSError, ValueError) as exc:
+        fail(f"cannot read the inputs: {exc}", EXIT_USAGE)
+    if not isinstance(disks_doc, dict) or not isinstance(targets_doc, dict):
+        fail(f"{disks} and {targets} must be JSON objects", EXIT_USAGE)
+    try:
+        release = os_release(disks_doc, sb_cert, version, targets_doc)
+    except (PublishError, SecureBootError) as exc:
+        fail(str(exc), EXIT_USAGE)
+    print(release_json(release))

@@ -151,6 +151,7 @@ def _launch_data(
             role=role,
             team=args.team,
             cvm_id=args.cvm_id or args.vm_name,
+            instance_name=args.vm_name,
             app_compose=v[0],
             measurement_manifest=v[1],
             ssh_authorized_keys=tuple(keys),

@@ -49,6 +49,9 @@ META_LB_IP = "umbra-security-lb-ip"
 # carries; the launch agent gives it to the enrolling service only (its launch directory, 0400).
 # Not measured (it is spent at first boot and differs per launch).
 META_ENROLLMENT_TOKEN = _ENROLLMENT_KEY
+# The cloud VM name the launch data was rendered for: the launch agent refuses it on a VM the
+# metadata service names otherwise (launch data copied to another CVM). Not measured.
+META_INSTANCE_NAME = "umbra-instance-name"
 # Every key launch data may carry: the launch agent refuses any other.
 META_KEYS = frozenset(
     {
@@ -69,6 +72,7 @@ META_KEYS = frozenset(
         META_DATABASE_CA,
         META_LB_IP,
         META_ENROLLMENT_TOKEN,
+        META_INSTANCE_NAME,
     }
 )
 # Same names as in umbra.images.measure (a test keeps them equal).
@@ -137,6 +141,8 @@ class LaunchData:
     # The cloud the VM runs on ("gcp" | "azure"): the host ruleset admits root's ready report to
     # that cloud's endpoint. Not a launch key: the launch agent knows its cloud (`--cloud`).
     cloud: str | None = None
+    # The cloud VM name it was rendered for (META_INSTANCE_NAME); None: not checked.
+    instance_name: str | None = None
 
     @property
     def host_firewall(self) -> str | None:
@@ -212,6 +218,7 @@ class LaunchData:
             (META_CONSOLE_CA, self.console_ca),
             (META_DATABASE_CA, self.database_ca),
             (META_ENROLLMENT_TOKEN, self.enrollment_token),
+            (META_INSTANCE_NAME, self.instance_name),
         ):
             if value:
                 meta[key] = value

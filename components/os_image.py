@@ -13,21 +13,28 @@ The uploads are not resources here: azure-native's `storage.Blob` makes only blo
 blobs, and a gallery image version needs a page blob, so the workflow uploads both disks and
 passes their URIs. Nothing here has been applied to a cloud (no Pulumi CLI, no credentials):
 the arguments are tested with `pulumi.runtime.set_mocks`.
+
+The images stack (`infra/images/`, its own Pulumi project `umbra-images`) runs `run_images`:
+one config value, `umbra-images:release`, the OsImageRelease document the release workflow
+writes (`umbra image os-release`), declares the image in the clouds it names.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
 import pulumi
 import pulumi_azure_native as azure
 import pulumi_gcp as gcp
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from umbra.contracts.secure_boot import SecureBootDb
+from umbra.contracts.validation import lines
 
 COMPONENT_TYPE = "umbra:images:OsImage"
+RELEASE_CONFIG = "release"  # umbra-images:release, the OsImageRelease document (JSON)
 # Azure gallery image versions are Major.Minor.Patch (each a 32-bit integer).
 _VERSION = re.compile(r"^(0|[1-9][0-9]{0,8})\.(0|[1-9][0-9]{0,8})\.(0|[1-9][0-9]{0,8})$")
 _SHA256 = r"^[0-9a-f]{64}$"
@@ -168,3 +175,31 @@ class OsImage(pulumi.ComponentResource):
                 opts=child,
             )
         self.register_outputs({})
+
+
+def load_release(raw: str | None, where: str = "umbra-images:release") -> OsImageRelease:
+    """The stack's release document; a bad one is refused naming the field, never a traceback."""
+    if not raw:
+        raise pulumi.RunError(f"{where} is not set: `umbra image os-release … > release.json`, "
+                              f"then `pulumi config set {where} \"$(cat release.json)\"`")  # fmt: skip
+    try:
+        release = OsImageRelease.model_validate(json.loads(raw))
+    except ValueError as exc:  # ValidationError is a ValueError
+        detail = lines(exc, "(top level)") if isinstance(exc, ValidationError) else [str(exc)]
+        raise pulumi.RunError(f"{where} is invalid:\n" + "\n".join(detail)) from None
+    if release.gcp is None and release.azure is None:
+        raise pulumi.RunError(f"{where} names no cloud: give gcp, azure or both")
+    return release
+
+
+def run_images() -> OsImage:
+    """The images stack's program: publish the release where it says, export what was made."""
+    release = load_release(pulumi.Config().get(RELEASE_CONFIG))
+    image = OsImage("umbra-os", release)
+    pulumi.export("version", release.version)
+    pulumi.export("raw_sha256", release.raw_sha256)
+    if image.gcp_image is not None:
+        pulumi.export("gcp_image", image.gcp_image.self_link)
+    if image.azure_version is not None:
+        pulumi.export("azure_image_version", image.azure_version.id)
+    return image

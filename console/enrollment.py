@@ -28,6 +28,12 @@ A CVM that never enrolled and whose valid token met a quote that does not verify
 token expired before it enrolled, is marked `failed` with the reason (it cannot be provisioned);
 a later successful enrollment with a new token brings it back to `running`. Refusals of unknown
 or reused tokens never touch the CVM (a replay cannot fail an enrolled one).
+
+A CVM that never reached the Console at all (the Console unreachable from it: its client retried
+with backoff and gave up, attest/enroll_client.py) presents nothing to refuse. Listing or reading
+CVMs marks one that never enrolled, whose every token expired unused, `failed` with
+`NEVER_CONTACTED` (same prefix: a new token and a successful enrollment still bring it back), so
+`umbra cvm list` shows why.
 """
 
 from __future__ import annotations
@@ -44,7 +50,7 @@ from datetime import datetime, timedelta
 
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PublicKey
 from pydantic import Field as PydanticField
-from sqlalchemy import Column, DateTime, update
+from sqlalchemy import Column, DateTime, func, select, update
 from sqlalchemy.orm import Session
 from sqlmodel import Field, SQLModel, col
 
@@ -85,6 +91,10 @@ _NONCE_CONTEXT = b"umbra-enroll-nonce-v1\x00"
 _NONCE_RANDOM = 12
 _NONCE_MAC = 32  # 4 + 12 + 32 bytes = 64 base64url characters, what EnrollEvidence accepts
 FAILED_PREFIX = "enrollment refused: "
+NEVER_CONTACTED = (
+    "no_contact: the CVM never reached the Console before its enrollment token expired at {at} "
+    "(is the Console reachable from it? its serial console says)"
+)
 _ = SUITE  # the suite the seal uses (release_protocol); named here for readers
 
 
@@ -208,6 +218,34 @@ def mark_unprovisionable(session: Session, token: str, reason: RefusalReason) ->
     cvm.updated_at = utcnow()
     session.add(cvm)
     return True
+
+
+def mark_never_contacted(session: Session, team: str, now: datetime | None = None) -> list[str]:
+    """Mark the team's running or pending CVMs that never enrolled and whose tokens all expired
+    unused `failed` (NEVER_CONTACTED); returns their ids."""
+    now = now or utcnow()
+    rows = session.execute(
+        select(col(CvmEnrollment.cvm_id), func.max(col(CvmEnrollment.expires_at)))
+        .join(Cvm, col(Cvm.id) == col(CvmEnrollment.cvm_id))
+        .where(col(Cvm.team) == team)
+        .where(col(Cvm.credential_hash).is_(None))
+        .where(col(Cvm.state).in_([CvmState.running, CvmState.pending]))
+        .group_by(col(CvmEnrollment.cvm_id))
+        .having(func.count(col(CvmEnrollment.used_at)) == 0)
+    ).all()
+    marked = []
+    for cvm_id, last in rows:
+        if _aware(last) >= now:
+            continue
+        cvm = session.get(Cvm, cvm_id)
+        if cvm is None:
+            continue
+        at = _aware(last).strftime("%Y-%m-%dT%H:%M:%SZ")
+        cvm.state, cvm.state_reason = CvmState.failed, FAILED_PREFIX + NEVER_CONTACTED.format(at=at)
+        cvm.updated_at = now
+        session.add(cvm)
+        marked.append(cvm_id)
+    return marked
 
 
 def refusal_target(session: Session, token: str) -> tuple[str, str]:

@@ -63,6 +63,7 @@ from umbra.components.launch_data import (
     META_ENROLLMENT_TOKEN,
     META_EVENTS,
     META_HOST_FIREWALL,
+    META_INSTANCE_NAME,
     META_KEYS,
     META_LB_IP,
     META_MANIFEST,
@@ -140,6 +141,10 @@ class LaunchError(Exception):
 class MetadataSource(Protocol):
     def fetch(self) -> dict[str, str]: ...
 
+    def instance_name(self) -> str:
+        """The VM's name as the cloud's metadata service gives it."""
+        ...
+
 
 @dataclass(frozen=True)
 class GcpMetadata:
@@ -162,6 +167,18 @@ class GcpMetadata:
         if not isinstance(doc, dict) or not all(isinstance(v, str) for v in doc.values()):
             raise LaunchError(Refusal.INVALID, "GCP metadata attributes are not a string map")
         return {k: v for k, v in doc.items() if k.startswith("umbra-")}
+
+    def instance_name(self) -> str:
+        try:
+            r = httpx.get(
+                f"{self.base}/computeMetadata/v1/instance/name",
+                headers={"Metadata-Flavor": "Google"},
+                timeout=self.timeout,
+            )
+            r.raise_for_status()
+        except httpx.HTTPError as exc:
+            raise LaunchError(Refusal.UNREACHABLE, f"GCP instance name: {exc}") from None
+        return r.text.strip()
 
 
 @dataclass(frozen=True)
@@ -197,6 +214,22 @@ class AzureUserData:
         if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
             raise LaunchError(Refusal.INVALID, "Azure user data's umbra map is not strings")
         return meta
+
+    def instance_name(self) -> str:
+        try:
+            r = httpx.get(
+                f"{self.base}/metadata/instance",
+                params={"api-version": "2021-02-01"},
+                headers={"Metadata": "true"},
+                timeout=self.timeout,
+            )
+            r.raise_for_status()
+            name = r.json()["compute"]["name"]
+        except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+            raise LaunchError(Refusal.UNREACHABLE, f"Azure instance name: {exc}") from None
+        if not isinstance(name, str):
+            raise LaunchError(Refusal.INVALID, "Azure IMDS compute.name is not a string")
+        return name
 
 
 # ---- validation -------------------------------------------------------------------------------
@@ -288,6 +321,7 @@ def parse_launch_data(meta: dict[str, str], cloud: str | None = None) -> LaunchD
         console_ca=meta.get(META_CONSOLE_CA),
         database_ca=meta.get(META_DATABASE_CA),
         cloud=cloud,
+        instance_name=meta.get(META_INSTANCE_NAME),
     )
     # The ruleset is a copy of what the addresses render to (components.host_firewall): the host
     # cannot slip other rules in, and what is loaded is measured (umbra.host-firewall).
@@ -700,6 +734,15 @@ class Agent:
         try:
             meta = self.source.fetch()
             data = parse_launch_data(meta, self.cloud)
+            if data.instance_name is not None:
+                # Launch data copied to another VM: refused before anything is measured.
+                actual = self.source.instance_name()
+                if actual != data.instance_name:
+                    raise LaunchError(
+                        Refusal.MISMATCH,
+                        f"{META_INSTANCE_NAME}: the launch data is for VM {data.instance_name!r}, "
+                        f"this VM is {actual!r}",
+                    )
             token = enrollment_token(meta)
             events = launch_event_list(data)
             boot = BootIdentity.generate() if data.role == "dev-cvm" else None

@@ -8,9 +8,10 @@ launch (console/reenrollment.py). Runs once, before any worker starts.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 
-from umbra.attest.enroll_client import EnrollError, ensure_credential
+from umbra.attest.enroll_client import BOOT_RETRY_DELAYS, EnrollError, ensure_credential
 from umbra.attest.eventlog import Event
 from umbra.proxy.config import ProxyConfig
 from umbra.proxy.startup import StartupError, config_evidence, console_verify
@@ -37,6 +38,9 @@ def ensure_console_credential(config: ProxyConfig) -> bool:
             verify=console_verify(config),
             # A reboot lost the credential (tmpfs): re-enroll by a fresh quote of this launch.
             launch_events=events() if events is not None else None,
+            # At boot the Console may not answer yet (or ever): retried, then failed with why.
+            retry_delays=BOOT_RETRY_DELAYS,
+            say=lambda line: print(line, file=sys.stderr, flush=True),
         )
     except EnrollError as exc:
         raise StartupError(f"enrollment: {exc}") from None

@@ -11,10 +11,11 @@ re-enrolls by a fresh quote of the same launch (console/reenrollment.py).
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from umbra.attest.enroll_client import EnrollError, ensure_credential
+from umbra.attest.enroll_client import BOOT_RETRY_DELAYS, EnrollError, ensure_credential
 from umbra.attest.errors import AttestError
 from umbra.attest.eventlog import Event, load_event_log
 from umbra.attest.quote_source import ConfigfsTsmSource, QuoteSource, SimulatedSource
@@ -80,6 +81,9 @@ def ensure_tunnel_credential(cfg: ForwarderConfig) -> bool:
             connect_address=address,
             # A reboot lost the credential (tmpfs): re-enroll by a fresh quote of this launch.
             launch_events=events,
+            # At boot the Console may not answer yet (or ever): retried, then failed with why.
+            retry_delays=BOOT_RETRY_DELAYS,
+            say=lambda line: print(line, file=sys.stderr, flush=True),
         )
     except EnrollError as exc:
         raise ForwarderConfigError(f"enrollment: {exc}") from None

@@ -216,6 +216,9 @@ def list_cvms(*, console: Console, user: User, team: str, include_destroyed: boo
         query = query.where(col(Cvm.owner) == user.subject)
     if not include_destroyed:
         query = query.where(col(Cvm.state) != CvmState.destroyed)
+    with console.write() as session:
+        # A CVM that never reached the Console says so here (nothing else would).
+        enrollment.mark_never_contacted(session, team)
     with console.session() as session:
         return list(session.execute(query.order_by(col(Cvm.created_at), col(Cvm.id))).scalars())
 

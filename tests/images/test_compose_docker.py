@@ -106,6 +106,9 @@ class Given:
     def fetch(self) -> dict[str, str]:
         return self.meta
 
+    def instance_name(self) -> str:
+        raise AssertionError("launch data without umbra-instance-name asks no name")
+
 
 def _docker(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     done = subprocess.run(["docker", *args], capture_output=True, text=True, timeout=300)

@@ -9,7 +9,7 @@ import json
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -60,6 +60,7 @@ class StandIn:
     guest_attributes: dict[str, str] = field(default_factory=dict)
     health: list[str] = field(default_factory=list)
     url: str = ""
+    vm_name: str = "umbra-acme-sec"
 
 
 @pytest.fixture
@@ -83,6 +84,11 @@ def standin() -> Iterator[StandIn]:
                 if self.headers.get("Metadata-Flavor") != "Google":
                     return self._send(403, "missing Metadata-Flavor")
                 return self._send(200, json.dumps(state.attributes), "application/json")
+            if self.path == "/computeMetadata/v1/instance/name":
+                return self._send(200, state.vm_name)
+            if self.path.startswith("/metadata/instance?"):
+                doc = {"compute": {"name": state.vm_name}}
+                return self._send(200, json.dumps(doc), "application/json")
             if self.path.startswith("/metadata/instance/compute/userData"):
                 if self.headers.get("Metadata") != "true":
                     return self._send(400, "missing Metadata: true")
@@ -304,7 +310,8 @@ def test_bad_launch_data_starts_nothing_and_says_why(
     assert exc.value.reason is reason, what
     assert tdx.event_log() == before and starter.started == []
     assert not (tmp_path / "l").exists()
-    assert lines and "REFUSED, nothing started" in lines[-1] and str(reason) in lines[-1]
+    # Exactly one line: the serial log a cloud shows is read by people, one cause per refusal.
+    assert len(lines) == 1 and "REFUSED, nothing started" in lines[0] and str(reason) in lines[0]
 
 
 def test_unreachable_metadata_starts_nothing(tmp_path: Path) -> None:
@@ -355,6 +362,78 @@ def test_cli_agent_runs_the_compose_command_or_refuses_on_the_console(
     assert refused.exit_code == 1
     assert "REFUSED, nothing started: copy_mismatch" in serial.read_text()
     assert not marker.exists()
+
+
+@pytest.mark.parametrize(
+    ("cloud", "user_data", "reason"),
+    [
+        ("azure", "not base64 at all", "invalid_field"),
+        ("azure", "eyJ1bWJyYSI6IFsxXX0=", "invalid_field"),  # {"umbra": [1]}
+        ("gcp", None, "missing_field"),
+    ],
+)
+def test_malformed_launch_data_writes_exactly_one_line_on_the_serial_console(
+    standin: StandIn, tmp_path: Path, cloud: str, user_data: str | None, reason: str
+) -> None:
+    """Through the boot's own command: nothing runs, one line says why (nothing else is written
+    to the console: no traceback, no partial progress)."""
+    serial, marker = tmp_path / "ttyS0", tmp_path / "compose-ran"
+    script = tmp_path / "compose"
+    script.write_text(f"#!/bin/sh\ntouch {marker}\n")
+    script.chmod(0o755)
+    extra: list[str] = []
+    if cloud == "azure":
+        blob = tmp_path / "user-data"
+        blob.write_text(user_data or "")
+        extra = ["--user-data-file", str(blob)]
+    else:
+        standin.attributes = {"umbra-role": "dev-cvm", "umbra-app-compose": "{not json"}
+    args = ["image", "launch-agent", "--cloud", cloud, "--tee", "simulated", "--no-ingress",
+            "--no-idle-stop", "--no-report-ready", "--metadata-url", standin.url,
+            "--launch-dir", str(tmp_path / "launch"), "--data-disk", "none",
+            "--console", str(serial), "--compose", str(script), *extra]  # fmt: skip
+    done = runner.invoke(app, args)
+    assert done.exit_code == 1, done.output
+    lines = serial.read_text().splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("umbra-launch: REFUSED, nothing started: ") and reason in lines[0]
+    assert not marker.exists() and not (tmp_path / "launch").exists()
+    assert "Traceback" not in done.output
+
+
+@pytest.mark.parametrize("cloud", ["gcp", "azure"])
+def test_launch_data_for_another_vm_starts_nothing(
+    standin: StandIn, pki: SimulatedPki, tmp_path: Path, cloud: str
+) -> None:
+    """Launch data names the VM it was rendered for; on a VM the metadata service names
+    otherwise (copied to another CVM) nothing is measured or started, one line says why. Fails
+    on the code before: the key was unknown (refused for that, not for the VM)."""
+    data, _ = _dev_launch()
+    named = replace(data, instance_name="umbra-acme-alice-main-s1234abcd")
+    standin.vm_name = "umbra-acme-bob-main-s9999ffff"
+    source: Any
+    if cloud == "gcp":
+        standin.attributes = named.as_metadata()
+        source = GcpMetadata(standin.url)
+    else:
+        (tmp_path / "ud").write_text(named.azure_user_data())
+        source = AzureUserData(standin.url, tmp_path / "ud")
+    tdx = SimulatedTdx(pki, image="umbra-dev-cvm")
+    before = tdx.event_log()
+    starter, lines = RecordingStarter(), []
+    agent = Agent(source, SimulatedRtmr(tdx), starter, None, tmp_path / "l", lines.append)
+    with pytest.raises(LaunchError) as exc:
+        agent.run()
+    assert exc.value.reason is Refusal.MISMATCH
+    assert len(lines) == 1 and "is for VM 'umbra-acme-alice-main-s1234abcd'" in lines[0]
+    assert "this VM is 'umbra-acme-bob-main-s9999ffff'" in lines[0]
+    assert tdx.event_log() == before and starter.started == []
+    assert not (tmp_path / "l").exists()
+    # On the VM it names, the same launch data runs.
+    standin.vm_name = "umbra-acme-alice-main-s1234abcd"
+    agent.launch_dir = tmp_path / "l2"
+    assert agent.run().instance_name == "umbra-acme-alice-main-s1234abcd"
+    assert len(starter.started) == 1
 
 
 def test_gcp_launch_data_is_read_and_reported_by_address_not_by_name() -> None:

@@ -52,6 +52,9 @@ class Given:
     def fetch(self) -> dict[str, str]:
         return self.meta
 
+    def instance_name(self) -> str:
+        raise AssertionError("launch data without umbra-instance-name asks no name")
+
 
 class Started:
     def __init__(self) -> None:

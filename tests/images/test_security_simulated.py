@@ -45,6 +45,9 @@ class _Given:
     def fetch(self) -> dict[str, str]:
         return self.meta
 
+    def instance_name(self) -> str:
+        raise AssertionError("launch data without umbra-instance-name asks no name")
+
 
 class _NoStart:
     def start(self, compose: Path) -> None:
