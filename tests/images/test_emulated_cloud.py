@@ -14,7 +14,6 @@ image is the boot tests' session build (tests/images/conftest.py). Run under
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import time
 from pathlib import Path
@@ -29,7 +28,7 @@ from umbra.images.measure import measure
 from umbra.images.uki import Uki
 
 from ..sandbox.fixtures import dev_definition
-from .test_qemu_boot import KEY, _need_qemu
+from .test_qemu_boot import KEY, _need_qemu, started_file
 
 pytestmark = pytest.mark.timeout(2400)
 BOOT_LIMIT = 900.0
@@ -51,7 +50,7 @@ def test_the_image_boots_as_the_cloud_reports_ready_and_survives_stop_and_start(
         ssh_authorized_keys=(KEY,),
         cloud=shape,
     )
-    compose = json.loads(data.app_compose)["docker_compose_file"].encode()
+    compose = started_file(data)
     vendor = SMBIOS[shape][0]
     data_disk = tmp_path / "data.raw"
     create_data_disk(data_disk, 1)

@@ -166,7 +166,7 @@ def test_os_image_boots_and_the_agent_starts_the_compose(
     built = time.monotonic()  # the disks are a session fixture (shared with the disk formats)
     serial = tmp_path / "serial.log"
     qemu = _qemu(disks.raw, serial, metadata, _vars(secure_vars_template, tmp_path))
-    want = f"umbra-compose-stub: up {hashlib.sha256(_compose(data)).hexdigest()}"
+    want = f"umbra-compose-stub: up {hashlib.sha256(started_file(data)).hexdigest()}"
     try:
         # The agent's last line comes after the stub (the compose command) has returned.
         text = _watch(qemu, serial, re.compile(r"umbra-launch: .*(started|REFUSED)"), 900)
@@ -306,9 +306,14 @@ def _first_block(rootfs: Path, path: str) -> int:
     return int(done.stdout)
 
 
-def _compose(data: LaunchData) -> bytes:
-    compose: str = json.loads(data.app_compose)["docker_compose_file"]
-    return compose.encode()
+def started_file(data: LaunchData) -> bytes:
+    """What the agent hands its starter (the stub here): the Security CVM's compose file or the
+    Dev CVM's host definition (dev-cvm.json), as the measured app-compose.json carries it."""
+    doc = json.loads(data.app_compose)
+    started: str = (
+        doc["docker_compose_file"] if "docker_compose_file" in doc else doc["dev_cvm_host"]
+    )
+    return started.encode()
 
 
 def test_secure_boot_runs_only_the_uki_the_release_key_signed(
