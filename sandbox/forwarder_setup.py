@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+import os
 from pathlib import Path
 
 from umbra.attest.collateral import (
@@ -23,6 +25,7 @@ from umbra.sandbox.forwarder_config import (
     read_first_ipv4,
 )
 from umbra.sandbox.models import Endpoint
+from umbra.sandbox.privileges import PrivilegeError, drop_to
 from umbra.sandbox.sandbox_ca import CaBundle
 
 
@@ -78,3 +81,28 @@ def build_forwarder(cfg: ForwarderConfig) -> Forwarder:
         ca_bundle=CaBundle.load(cfg.sandbox_ca.file) if cfg.sandbox_ca else None,
         ca_refresh=cfg.sandbox_ca.refresh if cfg.sandbox_ca else 300.0,
     )
+
+
+# asyncio's default executor (getaddrinfo, to_thread) and str hostnames' IDNA codec.
+_LAZY_IMPORTS = ("concurrent.futures.thread", "encodings.idna")
+
+
+def drop_forwarder_privileges(forwarder: Forwarder, uid: int) -> None:
+    """Once enrolled and bound: run on as `uid`. The only file it still writes is the sandbox's
+    CA bundle, so that directory becomes the uid's and is reached through a descriptor opened
+    now (its parents, the CVM's 0700 state directory, stay closed to the uid). The credential
+    file stays root's 0600: read at start, never again."""
+    # What serving imports lazily must be loaded now: the interpreter's own files may be closed
+    # to the uid (a Python under root's 0700 home); on a CVM they are world-readable anyway.
+    for module in _LAZY_IMPORTS:
+        importlib.import_module(module)
+    bundle = forwarder.ca_bundle
+    if bundle is not None:
+        directory = bundle.path.parent
+        try:
+            os.chown(directory, uid, uid)
+            fd = os.open(directory, os.O_PATH | os.O_DIRECTORY)  # kept for the process's life
+        except OSError as exc:
+            raise PrivilegeError(f"{directory}: {exc.strerror}") from None
+        bundle.path = Path(f"/proc/self/fd/{fd}") / bundle.path.name
+    drop_to(uid)
