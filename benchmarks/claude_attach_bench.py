@@ -5,8 +5,8 @@ forwarder, the Security CVM with the stand-in profiles), then per sample
 - through the CLI: `umbra ssh -- env … claude -p 'say hi' --output-format stream-json
   --include-partial-messages --verbose` on the developer's side (the Console's session info,
   the attested SSH ingress, sshd, the sandbox's login environment; `umbra claude` takes the same
-  path and adds dtach, whose attach is `benchmarks/session_bench.py`), with the warm SSH agent
-  `umbra claude` reuses;
+  path and adds dtach, whose attach is `benchmarks/session_bench.py`), with OpenSSH connection
+  reuse (ControlMaster), `umbra claude`'s default;
 - baseline: the same argv started inside the sandbox directly (nsenter, the same login
   environment), no CLI, no SSH;
 
