@@ -205,21 +205,39 @@ def launcher(sessions: SessionsDir = Path("/run/umbra/sessions")) -> None:
 def serve(
     config: Annotated[Path, typer.Option("--config", "-c", help="forwarder.json")],
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
+    run_as: Annotated[
+        int | None,
+        typer.Option(
+            "--run-as",
+            min=1,
+            help="started as root: enroll and bind, then run on as this uid (and gid)",
+        ),
+    ] = None,
 ) -> None:
     """Relay sandbox TCP to the attested Security CVM; refuse everything else."""
     from umbra.sandbox.forwarder_config import ForwarderConfigError, load_forwarder_config
     from umbra.sandbox.forwarder_enroll import ensure_tunnel_credential
-    from umbra.sandbox.forwarder_setup import build_forwarder
+    from umbra.sandbox.forwarder_setup import build_forwarder, drop_forwarder_privileges
+    from umbra.sandbox.privileges import PrivilegeError
 
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING)
+    if run_as is not None and os.geteuid() != 0:
+        fail(f"--run-as {run_as} needs the forwarder started as root", EXIT_USAGE)
     try:
         cfg = load_forwarder_config(config)
         ensure_tunnel_credential(cfg)  # enrolls at first start when the config says how
         forwarder = build_forwarder(cfg)
     except ForwarderConfigError as exc:
         fail(str(exc), EXIT_USAGE)
+
+    def started() -> None:
+        if run_as is not None:
+            drop_forwarder_privileges(forwarder, run_as)
+
     try:
-        asyncio.run(forwarder.serve_forever())
+        asyncio.run(forwarder.serve_forever(started))
+    except PrivilegeError as exc:
+        fail(f"cannot drop root: {exc}")
     except OSError as exc:
         fail(f"cannot listen: {exc}", EXIT_USAGE)
 

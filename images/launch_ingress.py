@@ -14,9 +14,8 @@ refuses shared pid/network namespaces), so it is a systemd unit, `umbra-ingress.
 What the agent writes (root-only, /run/umbra/ingress, 0700): `config.json` (validated by
 `IngressConfig` before it is written). On a Dev CVM its `sandbox.pid_file` is runc's own pid
 file of the dev host's sandbox (sandbox/dev_host.py), read per connection: after the supervisor
-restarts the sandbox, sessions enter the new process, never a stale PID. (With a
-`DockerSandbox` locator the agent writes `sandbox.pid` itself and names the container, which the
-ingress looks up again per connection.) The host key is the agent's (`host_key_file`, measured as
+restarts the sandbox, sessions enter the new process, never a stale PID. (Another locator's pid
+is written by the agent to `sandbox.pid`.) The host key is the agent's (`host_key_file`, measured as
 `umbra.ssh-host-key`); the quote source is the TD's configfs with the agent's event log.
 """
 
@@ -36,14 +35,12 @@ from umbra.sandbox.ingress_config import IngressConfig
 from umbra.sandbox.local_cvm import SANDBOX_SESSIONS
 from umbra.sandbox.render import canonical_json
 from umbra.sandbox.sandbox_locator import (
-    DockerSandbox,
     PidFileSandbox,
     SandboxLocateError,
     SandboxLocator,
 )
 
 __all__ = [
-    "DockerSandbox",
     "PidFileSandbox",
     "SandboxLocator",
 ]  # where the agent's callers import them from
@@ -91,7 +88,6 @@ def ingress_config(
     user: str,
     state_dir: Path = INGRESS_STATE,
     port: int = DEV_ATTESTED_SSH_PORT,
-    docker: DockerSandbox | None = None,
 ) -> dict[str, Any]:
     """The ingress's configuration as the agent writes it (a plain document: JSON on disk)."""
     ssh = launch_dir / "ssh"
@@ -112,9 +108,6 @@ def ingress_config(
         },
         "quote_source": quote_source,
     }
-    if docker is not None:
-        # Looked up again per connection (sandbox_locator.py): the container may restart.
-        doc["sandbox"]["docker"] = {"project": docker.project, "service": docker.service}
     return doc
 
 
@@ -146,8 +139,7 @@ class AttestedIngress:
             else (self.config_dir / PID_NAME)
         )
         source = {"event_log": str(launch_dir / "event-log.json"), **self.quote_source}
-        docker = self.locator if isinstance(self.locator, DockerSandbox) else None
-        doc = ingress_config(launch_dir, pid_file, source, user, self.state_dir, self.port, docker)
+        doc = ingress_config(launch_dir, pid_file, source, user, self.state_dir, self.port)
         try:
             config = IngressConfig.model_validate(doc)
         except ValidationError as exc:

@@ -64,7 +64,7 @@ RECIPES: dict[Rootfs, Recipe] = {
         Rootfs.RUNTIME,
         variant="essential",
         # libstdc++6: the proxy's hyperscan extension links it (found by running the image).
-        packages=(*PY_LIBS, "tini", "openssh-server", "libstdc++6"),
+        packages=(*PY_LIBS, "tini", "libstdc++6"),
         images={
             "proxy": _service(["umbra", "proxy", "serve"]),
             "console": _service(["umbra", "console", "serve"]),

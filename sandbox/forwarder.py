@@ -154,8 +154,11 @@ class Forwarder:
                 await s.wait_closed()
         self._servers.clear()
 
-    async def serve_forever(self) -> None:
+    async def serve_forever(self, started: Callable[[], None] | None = None) -> None:
+        """`started`: called once every listener is bound (the CLI drops root there)."""
         await self.start()
+        if started is not None:
+            started()
         tasks = []
         if self.ca_bundle is not None:
             tasks.append(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+import os
 from pathlib import Path
 
 from umbra.attest.collateral import (
@@ -23,6 +25,7 @@ from umbra.sandbox.forwarder_config import (
     read_first_ipv4,
 )
 from umbra.sandbox.models import Endpoint
+from umbra.sandbox.privileges import PrivilegeError, drop_to
 from umbra.sandbox.sandbox_ca import CaBundle
 
 
@@ -81,3 +84,36 @@ def build_forwarder(cfg: ForwarderConfig) -> Forwarder:
         env_base=dict(cfg.sandbox_env.base) if cfg.sandbox_env else {},
         env_refresh=cfg.sandbox_env.refresh if cfg.sandbox_env else 3.0,
     )
+
+
+# asyncio's default executor (getaddrinfo, to_thread) and str hostnames' IDNA codec.
+_LAZY_IMPORTS = ("concurrent.futures.thread", "encodings.idna")
+
+
+def drop_forwarder_privileges(forwarder: Forwarder, uid: int) -> None:
+    """Once enrolled and bound: run on as `uid`. The only files it still writes are the sandbox's
+    CA bundle and its environment file, so their directories become the uid's and are reached
+    through descriptors opened now (their parents, the CVM's 0700 state directory, stay closed to
+    the uid). The credential file stays root's 0600: read at start, never again."""
+    # What serving imports lazily must be loaded now: the interpreter's own files may be closed
+    # to the uid (a Python under root's 0700 home); on a CVM they are world-readable anyway.
+    for module in _LAZY_IMPORTS:
+        importlib.import_module(module)
+    bundle = forwarder.ca_bundle
+    if bundle is not None:
+        bundle.path = _kept_writable(bundle.path, uid)
+    if forwarder.env_file is not None:
+        forwarder.env_file = _kept_writable(forwarder.env_file, uid)
+    drop_to(uid)
+
+
+def _kept_writable(path: Path, uid: int) -> Path:
+    """`path` as the dropped uid will reach it: its directory made the uid's, through a
+    descriptor kept open for the process's life."""
+    directory = path.parent
+    try:
+        os.chown(directory, uid, uid)
+        fd = os.open(directory, os.O_PATH | os.O_DIRECTORY)
+    except OSError as exc:
+        raise PrivilegeError(f"{directory}: {exc.strerror}") from None
+    return Path(f"/proc/self/fd/{fd}") / path.name

@@ -24,7 +24,6 @@ from umbra.attest.measurement import canonical_ssh_key
 from umbra.contracts.files import write_atomic
 from umbra.contracts.session import LOGIN_USER
 from umbra.sandbox.ingress_config import IngressConfig, IngressConfigError
-from umbra.sandbox.sandbox_locator import DockerSandbox, SandboxLocateError
 
 HOST_KEY = "ssh_host_ed25519_key"
 CVM_ID = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
@@ -144,36 +143,10 @@ def sandbox_pid(config: IngressConfig) -> int | None:
         return entry.pid
     if entry.pid_file is None:
         return None
-    if entry.docker is not None:
-        # The container's process now (it may have restarted since launch); the session's
-        # enter script reads the file this writes.
-        locator = DockerSandbox(entry.docker.project, entry.docker.service)
-        try:
-            pid = locator.pid()
-        except SandboxLocateError as exc:
-            raise IngressConfigError(f"the sandbox is not running: {exc}") from None
-        if _read_pid(entry.pid_file) != pid:
-            _write_pid(entry.pid_file, pid)
-        return pid
     try:
         return int(entry.pid_file.read_text().strip())
     except (OSError, ValueError) as exc:
         raise IngressConfigError(f"{entry.pid_file}: no sandbox pid: {exc}") from None
-
-
-def _write_pid(path: Path, pid: int) -> None:
-    # Connections run concurrently: each writes its own temp file, the rename is atomic.
-    try:
-        write_atomic(path, f"{pid}\n", 0o600)
-    except OSError as exc:
-        raise IngressConfigError(f"{path}: cannot record the sandbox pid: {exc.strerror}") from None
-
-
-def _read_pid(path: Path) -> int | None:
-    try:
-        return int(path.read_text().strip())
-    except (OSError, ValueError):
-        return None
 
 
 def netns_path(config: IngressConfig) -> str:

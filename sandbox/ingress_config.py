@@ -24,23 +24,15 @@ class Listen(_Strict):
     port: int = Field(ge=1, le=65535)
 
 
-class DockerTarget(_Strict):
-    """The sandbox's container by docker-compose's labels (sandbox_locator.DockerSandbox)."""
-
-    project: str = Field(pattern=r"^[a-z0-9][a-z0-9_-]{0,62}$")
-    service: str = Field(pattern=r"^[a-z0-9][a-z0-9_-]{0,62}$")
-
-
 class SandboxEntry(_Strict):
     """How a session enters the sandbox.
 
     `pid`/`pid_file`: a process in the sandbox; sessions join all its namespaces (user, mount,
     pid, network, uts, ipc). `netns` only: sessions join that network namespace (under
     /run/netns) and drop to `uid`/`gid` on the host. sshd itself always sits in the sandbox's
-    network namespace so that `-L` forwards reach ports inside it.
-
-    `docker` (with `pid_file`): the container whose process is the sandbox; the ingress looks it
-    up for every connection and rewrites `pid_file`, so a restarted sandbox is entered anew.
+    network namespace so that `-L` forwards reach ports inside it. A `pid_file` is read per
+    connection (runc rewrites it when the sandbox restarts), so a restarted sandbox is entered
+    anew.
     """
 
     pid: int | None = Field(default=None, ge=2)
@@ -56,7 +48,6 @@ class SandboxEntry(_Strict):
         pattern=r"^/[^\s'\"\\$`]*$",
     )
     sessions_dir: str = Field(default="/run/umbra/sessions", pattern=r"^/[^\s'\"\\$`]*$")
-    docker: DockerTarget | None = None
 
     @model_validator(mode="after")
     def _one_target(self) -> SandboxEntry:
@@ -64,8 +55,6 @@ class SandboxEntry(_Strict):
             raise ValueError("give pid or pid_file, not both")
         if self.pid is None and self.pid_file is None and self.netns is None:
             raise ValueError("give pid, pid_file or netns: where the sandbox is")
-        if self.docker is not None and self.pid_file is None:
-            raise ValueError("docker needs pid_file (where the current sandbox pid is kept)")
         return self
 
 

@@ -69,6 +69,9 @@ SECURITY_CVM_ADDR = "10.232.0.1"
 UID_BASE = 200_000
 UID_COUNT = 65_536
 MAX_CVMS = 250
+# The forwarder drops host root to FORWARDER_UID_BASE + index once it has bound (below every
+# sandbox's range, so no sandbox's root is the same host uid).
+FORWARDER_UID_BASE = 150_000
 # Where sessions and checks find their way: the proxy, NO_PROXY, every tool's CA variable.
 NO_PROXY = "localhost,127.0.0.1,::1"
 # Written by umbra-sandbox-init once the Security CVM's CA is in the system store.
@@ -128,6 +131,11 @@ class LocalCvmPlan:
     def rootfs(self) -> Path:
         """The sandbox's tree as the host sees it (the mounted overlay, while it runs)."""
         return runtime.RUN_ROOT / self.cvm_id / "rootfs"
+
+    @property
+    def forwarder_uid(self) -> int:
+        """The unprivileged host uid (= gid) the forwarder runs as once it has bound."""
+        return FORWARDER_UID_BASE + self.index
 
     @property
     def proxy_url(self) -> str:
@@ -392,6 +400,7 @@ def start_forwarder(plan: LocalCvmPlan) -> int:
         [
             "ip", "netns", "exec", plan.forwarder_ns,
             umbra_executable(), "forwarder", "serve", "-c", str(plan.dir / "forwarder.json"),
+            "--run-as", str(plan.forwarder_uid),
         ],
     )  # fmt: skip
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import json
 import os
 import shutil
@@ -29,12 +30,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
 
 from umbra.attest.atls import ATLSConnection, serve_atls
 from umbra.attest.quote_source import SimulatedSource
 from umbra.attest.simpki import SimulatedPki
 from umbra.attest.simulator import SimulatedTdx
-from umbra.contracts.tunnel_header import TunnelHeader, read_header
+from umbra.contracts.tunnel_header import TunnelHeader, encode_ca_reply, read_header
 from umbra.images.measure import instance_events, measure
 from umbra.sandbox import image, local_cvm
 from umbra.sandbox.dev_definition import host_document, network, plan_for
@@ -64,17 +69,40 @@ def _free_index() -> int:
     return next(i for i in range(249, 100, -1) if i not in used)
 
 
+def _interception_ca() -> bytes:
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "dev host test interception CA")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    return cert.public_bytes(serialization.Encoding.PEM)
+
+
 @dataclass
 class SecurityCvm:
-    """The tunnel endpoint's stand-in: records each identity header, echoes with it."""
+    """The tunnel endpoint's stand-in: records each identity header, echoes with it, and hands
+    out its interception CA (`ca` mode) as the Security CVM does."""
 
     headers: list[TunnelHeader] = field(default_factory=list)
+    ca: bytes = field(default_factory=_interception_ca)
 
     async def handle(self, conn: ATLSConnection) -> None:
         header, rest = await read_header(conn.recv)
         self.headers.append(header)
+        if header.mode == "ca":
+            await conn.send(encode_ca_reply(self.ca))
+            return
         if header.mode != "proxy":
-            return  # no CA to serve: the forwarder's refresher backs off
+            return
         data = rest or await conn.recv()
         await conn.send(f"proxy saw {header.cvm_id}/{header.mode}: ".encode() + data)
 
@@ -201,8 +229,9 @@ def test_the_sandbox_reaches_the_security_cvm_only_through_the_attested_forwarde
 ) -> None:
     plan = cvm.plan
     done = _in_sandbox(cvm, EXCHANGE.format(addr=plan.forwarder_addr))
-    assert done.returncode == 0, done.stderr
-    assert done.stdout == f"proxy saw {cvm.cvm_id}/proxy: hello from the sandbox\n"
+    log = (plan.dir / "forwarder.log").read_text(errors="replace")[-1500:]
+    assert done.returncode == 0, done.stderr + log
+    assert done.stdout == f"proxy saw {cvm.cvm_id}/proxy: hello from the sandbox\n", log
     header = [h for h in cvm.sec.headers if h.mode == "proxy"][-1]
     assert header.credential == CREDENTIAL and header.cvm_id == cvm.cvm_id
     # The same resolver as `umbra up`: every name is the forwarder's sandbox-side address.
@@ -212,6 +241,38 @@ def test_the_sandbox_reaches_the_security_cvm_only_through_the_attested_forwarde
     for target in (plan.uplink_addr, plan.host_addr):
         probe = f"import socket; socket.create_connection(({target!r}, 8443), timeout=3)"
         assert _in_sandbox(cvm, probe).returncode != 0
+
+
+def test_the_forwarder_runs_as_an_unprivileged_uid_once_bound(cvm: Cvm) -> None:
+    """Started as host root (enrollment, the credential, the bind), the forwarder then runs as
+    its own uid: every id that uid, no groups, no capabilities, no_new_privs. It still works
+    after the drop: it relays (the test above) and writes the CA it attests into the sandbox's
+    CA directory, which the sandbox installs; the credential file stays root's 0600."""
+    plan = cvm.plan
+    pid = local_cvm.running_pid(plan, "forwarder")
+    assert pid is not None
+    status = dict(
+        line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+    )
+    uid = str(plan.forwarder_uid)
+    assert plan.forwarder_uid not in (0, plan.uid)
+    assert status["Uid"].split() == [uid] * 4 and status["Gid"].split() == [uid] * 4
+    assert status["Groups"].strip() == ""
+    assert int(status["CapEff"], 16) == 0 and int(status["CapPrm"], 16) == 0
+    assert status["NoNewPrivs"].strip() == "1"
+    bundle = plan.dir / "sandbox-ca" / CA_NAME
+    installed = plan.rootfs / local_cvm.CA_INSTALLED.lstrip("/")
+    end = time.monotonic() + 90
+    while time.monotonic() < end and not (
+        bundle.exists() and bundle.read_bytes() == cvm.sec.ca and installed.exists()
+    ):
+        time.sleep(0.5)
+    log = (plan.dir / "forwarder.log").read_text(errors="replace")[-800:]
+    assert bundle.exists() and bundle.read_bytes() == cvm.sec.ca, log
+    assert bundle.stat().st_uid == plan.forwarder_uid
+    assert installed.exists(), "the sandbox did not install the CA the forwarder wrote"
+    credential = Path(json.loads((plan.dir / "forwarder.json").read_text())["credential_file"])
+    assert credential.stat().st_uid == 0 and credential.stat().st_mode & 0o777 == 0o600
 
 
 def test_status_reports_the_measured_release_and_every_process(cvm: Cvm) -> None:

@@ -28,7 +28,7 @@ from umbra.components.launch_data import LaunchData
 from umbra.contracts.session import SessionState, SshIngress
 from umbra.images import launch_ingress, os_image
 from umbra.images.launch_agent import Agent, GcpMetadata, LaunchError, Refusal, SimulatedRtmr
-from umbra.images.launch_ingress import AttestedIngress, DockerSandbox, IngressStartError
+from umbra.images.launch_ingress import AttestedIngress, IngressStartError, PidFileSandbox
 from umbra.images.measure import HOST_FIREWALL_EVENT, measure
 from umbra.sandbox.ingress import Ingress
 from umbra.sandbox.ingress_config import IngressConfig, load_ingress_config
@@ -409,37 +409,6 @@ def test_the_os_image_installs_the_ingress_unit_for_the_agent_only(tmp_path: Pat
         assert "openssh-server" in os_image.load_os_definition(os_image.OS_DIR / name).packages
 
 
-def _docker_stub(tmp_path: Path, ps: str, pid: str) -> DockerSandbox:
-    """The docker CLI's two answers the locator reads (the real engine is the CI compose test's);
-    the stub records its arguments."""
-    stub = tmp_path / "docker"
-    stub.write_text(
-        f'#!/bin/sh\necho "$@" >> {tmp_path}/argv\n'
-        f'case "$1" in ps) printf "{ps}" ;; inspect) echo {pid} ;; esac\n'
-    )
-    stub.chmod(0o755)
-    return DockerSandbox(docker=str(stub))
-
-
-def test_the_sandbox_is_found_by_its_compose_labels_and_must_be_one_running_process(
-    tmp_path: Path,
-) -> None:
-    assert _docker_stub(tmp_path, "abc\\n", "4242").pid() == 4242
-    argv = (tmp_path / "argv").read_text().splitlines()
-    assert argv == [
-        "ps --quiet --filter label=com.docker.compose.project=umbra-dev "
-        "--filter label=com.docker.compose.service=sandbox",
-        "inspect --format {{.State.Pid}} abc",
-    ]
-    for ps, pid, says in (
-        ("", "1", "got 0"),
-        ("a\\nb\\n", "1", "got 2"),
-        ("abc\\n", "0", "has no process"),
-    ):
-        with pytest.raises(SandboxLocateError, match=says):
-            _docker_stub(tmp_path, ps, pid).pid()
-
-
 def _tiny_image(tmp_path: Path, tag: str) -> None:
     """A container image with only bash and three coreutils (and their libraries), imported
     from a tar of the host's files: no registry, no build."""
@@ -459,9 +428,10 @@ def _tiny_image(tmp_path: Path, tag: str) -> None:
 def test_the_agent_finds_a_real_sandbox_container_and_the_ingress_logs_into_it(
     standin: StandIn, client: SimulatedPki, tmp_path: Path
 ) -> None:
-    """The real engine: the agent's `DockerSandbox` finds the container by docker-compose's
-    labels (a project name of this test's own), and the ingress configured by the agent runs a
-    real ssh session inside that container (runc here: no user namespace of its own)."""
+    """A real sandbox process (a container, under runc here: no user namespace of its own)
+    whose pid file the agent's `PidFileSandbox` reads, as runc's on the dev host: the ingress
+    configured by the agent runs a real ssh session inside it, and after a restart (the pid file
+    rewritten, as runc does) enters the new process, never the stale one."""
     from .conftest import docker_up
 
     docker_up()
@@ -477,9 +447,13 @@ def test_the_agent_finds_a_real_sandbox_container_and_the_ingress_logs_into_it(
              f"{name}:test", "/usr/bin/sleep", "600"],
             check=True, capture_output=True,
         )  # fmt: skip
+        inspect = ["docker", "inspect", "--format", "{{.State.Pid}}", name]
+        pid = subprocess.run(inspect, capture_output=True, text=True, check=True).stdout.strip()
+        pid_file = tmp_path / "sandbox.pid"
+        pid_file.write_text(f"{pid}\n")
         started = Started()
         ingress_steps = AttestedIngress(
-            DockerSandbox(project=name),
+            PidFileSandbox(pid_file),
             started,
             {"kind": "configfs"},
             config_dir=tmp_path / "run-ingress",
@@ -488,9 +462,7 @@ def test_the_agent_finds_a_real_sandbox_container_and_the_ingress_logs_into_it(
         _tdx, data = _boot(
             standin, client, tmp_path, key=key, ingress=ingress_steps, starter=started
         )
-        inspect = ["docker", "inspect", "--format", "{{.State.Pid}}", name]
-        pid = subprocess.run(inspect, capture_output=True, text=True, check=True).stdout.strip()
-        assert (tmp_path / "run-ingress/sandbox.pid").read_text() == f"{pid}\n"
+        assert not (tmp_path / "run-ingress/sandbox.pid").exists()
         doc = json.loads((tmp_path / "run-ingress/config.json").read_text())
         doc["quote_source"] |= {"kind": "simulated", "simulated_pki": str(tmp_path / "pki")}
         doc["listen"] = {"host": "127.0.0.1", "port": free_port()}
@@ -502,15 +474,15 @@ def test_the_agent_finds_a_real_sandbox_container_and_the_ingress_logs_into_it(
         done = _ssh_through(ingress, info, tmp_path, key_file, "id -u; readlink /proc/self/ns/net")
         assert done.returncode == 0, done.stderr
         assert done.stdout.split() == ["1000", os.readlink(f"/proc/{pid}/ns/net")]
-        # The sandbox container restarts (a crash, `restart: unless-stopped`): a new process in
-        # new namespaces. The ingress finds it by the container's labels; never the stale PID.
+        # The sandbox restarts: a new process in new namespaces, its pid file rewritten (runc
+        # does it on the dev host). The ingress reads it per connection; never the stale PID.
         subprocess.run(["docker", "restart", "-t", "1", name], check=True, capture_output=True)
         new = subprocess.run(inspect, capture_output=True, text=True, check=True).stdout.strip()
         assert new != pid
+        pid_file.write_text(f"{new}\n")
         again = _ssh_through(ingress, info, tmp_path, key_file, "readlink /proc/self/ns/net")
         assert again.returncode == 0, again.stderr
         assert again.stdout.split() == [os.readlink(f"/proc/{new}/ns/net")]
-        assert (tmp_path / "run-ingress/sandbox.pid").read_text() == f"{new}\n"
     finally:
         subprocess.run(["docker", "rm", "-f", name], capture_output=True)
         subprocess.run(["docker", "rmi", "-f", f"{name}:test"], capture_output=True)
@@ -525,7 +497,6 @@ def test_on_the_dev_host_the_ingress_reads_runcs_own_pid_file(
     import os
 
     from umbra.images.launch_ingress import PidFileSandbox
-    from umbra.sandbox.sandbox_locator import SandboxLocateError
 
     pid_file = tmp_path / "dev-host/sandbox.pid"
     pid_file.parent.mkdir()

@@ -212,15 +212,15 @@ FETCHED = "http://deb.debian.org/debian/dists/trixie/Release"
 def test_docker_builds_with_a_network_step_and_runs_the_image_inside(sandbox: Sandbox) -> None:
     """A rootful dockerd in the sandbox (root = an unprivileged host uid) on Docker's own bridge
     and NAT, in the sandbox's network namespace: a build's RUN step fetches through the proxy
-    (the forwarder's address, the sandbox's one way out), and the built image runs. No registry:
-    the image is the sandbox's static busybox."""
+    (the forwarder's address, the sandbox's one way out) with no --build-arg, and the built
+    image runs. No registry: the image is the sandbox's static busybox."""
     _docker_ready(sandbox)
     out = sandbox.ok(
         "set -e; mkdir -p /tmp/img && cd /tmp/img && cp /bin/busybox . &&"
         " printf 'FROM scratch\\nCOPY busybox /bin/busybox\\n"
         f'RUN ["/bin/busybox", "wget", "-q", "-O", "/fetched", "{FETCHED}"]\\n'
         'CMD ["/bin/busybox", "grep", "-m1", "^Codename:", "/fetched"]\\n\' > Dockerfile &&'
-        ' docker build -q --build-arg "http_proxy=$http_proxy" -t umbra-inner . >/dev/null &&'
+        " docker build -q -t umbra-inner . >/dev/null &&"
         " docker run --rm umbra-inner",
         timeout=300,
     )
@@ -228,6 +228,28 @@ def test_docker_builds_with_a_network_step_and_runs_the_image_inside(sandbox: Sa
     # The bridge and the NAT rule are the nested dockerd's, in the sandbox's own namespace.
     assert "docker0" in sandbox.ok("ip -o link show docker0")
     assert "MASQUERADE" in sandbox.ok("sudo iptables -t nat -S POSTROUTING")
+
+
+def test_nested_containers_get_the_proxy_without_being_told(sandbox: Sandbox) -> None:
+    """`docker run` with no -e, as the user and as root: the Docker client's config (written by
+    the sandbox's init) hands the container HTTP(S)_PROXY, so busybox's wget reaches the mirror
+    through the proxy (without it, the name would not even resolve: no DNS but the forwarder's).
+    The daemon itself has the same proxy for its pulls."""
+    _docker_ready(sandbox)
+    sandbox.ok(
+        "set -e; mkdir -p /tmp/plain && cd /tmp/plain && cp /bin/busybox . &&"
+        " printf 'FROM scratch\\nCOPY busybox /bin/busybox\\n' > Dockerfile &&"
+        " docker build -q -t umbra-plain . >/dev/null",
+        timeout=300,
+    )
+    fetch = f"docker run --rm umbra-plain /bin/busybox wget -q -O - {FETCHED}"
+    for user in ("dev", "root"):
+        out = sandbox.ok(f"{fetch} | grep -m1 '^Codename:'", user=user, timeout=120)
+        assert out.strip() == "Codename: trixie", (user, out)
+    env = sandbox.ok("docker run --rm umbra-plain /bin/busybox env")
+    assert f"HTTPS_PROXY={sandbox.plan.proxy_url}" in env.splitlines(), env
+    info = sandbox.ok("docker info --format '{{.HTTPSProxy}}'")
+    assert info.strip() == sandbox.plan.proxy_url, info
 
 
 def test_strace_works(sandbox: Sandbox) -> None:

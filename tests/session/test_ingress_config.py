@@ -55,22 +55,16 @@ def test_bad_config_names_file_and_field(tmp_path: Path) -> None:
     assert done.returncode == 2 and "sandbox.uid" in done.stderr and "Traceback" not in done.stderr
 
 
-def test_a_docker_sandbox_needs_a_pid_file_and_a_running_container(tmp_path: Path) -> None:
-    """`sandbox.docker`: the ingress looks the container up per connection (it may have
-    restarted: tests/images/test_launch_agent_session.py runs that with a real engine)."""
-    from umbra.sandbox.gateway_sshd import sandbox_pid
-
-    target = {"project": "uca-none", "service": "sandbox"}
-    with pytest.raises(ValueError, match="docker needs pid_file"):
-        IngressConfig.model_validate(_config(tmp_path, sandbox={"netns": "x", "docker": target}))
+def test_the_old_docker_target_is_refused(tmp_path: Path) -> None:
+    """The old layout's `sandbox.docker` (a compose container looked up by its labels) is gone:
+    the sandbox is runc's, found by its pid file; a config naming it is refused by field."""
     pid_file = tmp_path / "sandbox.pid"
     pid_file.write_text(f"{os.getpid()}\n")
-    config = IngressConfig.model_validate(
-        _config(tmp_path, sandbox={"pid_file": str(pid_file), "docker": target})
-    )
-    # No such container (or no engine at all): refused, and the old PID is never used.
-    with pytest.raises(IngressConfigError, match="the sandbox is not running"):
-        sandbox_pid(config)
+    target = {"project": "uca-none", "service": "sandbox"}
+    with pytest.raises(ValueError, match="docker"):
+        IngressConfig.model_validate(
+            _config(tmp_path, sandbox={"pid_file": str(pid_file), "docker": target})
+        )
 
 
 def test_simulated_needs_a_pki_and_only_then(tmp_path: Path) -> None:
