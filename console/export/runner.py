@@ -89,7 +89,7 @@ def _traffic_batch(engine: Engine, after: int, limit: int) -> list[tuple[int, di
         # SQLite: writes are serial, so rowid order is commit order
         rowid = text("traffic_record.rowid")
         result = session.exec(
-            select(TrafficRecord, rowid)  # type: ignore[call-overload]
+            select(TrafficRecord, rowid)
             .where(text("traffic_record.rowid > :after"))
             .order_by(rowid)
             .limit(limit)

@@ -117,7 +117,7 @@ class Rsyslog:
         self.process: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
-        self.process = subprocess.Popen(  # noqa: S603
+        self.process = subprocess.Popen(
             [RSYSLOGD, "-n", "-f", str(self.config), "-i", str(self.directory / "pid")],
             stdout=subprocess.DEVNULL,
             stderr=(self.directory / "rsyslogd.err").open("ab"),
@@ -175,7 +175,7 @@ class OtlpReceiver:
             def log_message(self, *_args: Any) -> None:
                 pass
 
-            def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+            def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers["Content-Length"]))
                 receiver.requests += 1
                 if receiver.down or self.path != "/v1/logs":

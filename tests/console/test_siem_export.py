@@ -4,6 +4,9 @@ outages (backoff) and Console restarts (the cursor in the database)."""
 
 from __future__ import annotations
 
+import itertools
+import threading
+import time
 import uuid
 from collections import Counter
 from collections.abc import Iterator
@@ -16,13 +19,16 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
 from tests.console.conftest import new_database
+from tests.console.helpers import new_team, start_server
+from tests.console.oidc_issuer import LocalIssuer
 from tests.console.siem_receivers import OtlpReceiver, Pki, Rsyslog, make_pki
 from umbra.console import audit, db, traffic_store
 from umbra.console.enums import AuditAction
 from umbra.console.export import runner
 from umbra.console.export.mapping import Stream
-from umbra.console.export.sinks import OtlpSink, SyslogSink
+from umbra.console.export.sinks import OtlpSink, Sink, SyslogSink
 from umbra.contracts.traffic import TrafficRecord
+from umbra.policy.bundle import generate_key
 
 
 @pytest.fixture
@@ -102,7 +108,7 @@ def _audit(engine: Engine, count: int, team: str) -> set[str]:
 
 
 def _exporter(engine: Engine, otlp: OtlpReceiver, rsyslog: Rsyslog, ca: Path) -> runner.Exporter:
-    sinks = [OtlpSink(otlp.url, ca), SyslogSink(rsyslog.url, ca)]
+    sinks: list[Sink] = [OtlpSink(otlp.url, ca), SyslogSink(rsyslog.url, ca)]
     return runner.Exporter(engine=engine, sinks=sinks, interval=0.5, batch=100)
 
 
@@ -145,7 +151,7 @@ def test_each_entry_once_across_outage_and_restart(
         first.step(clock)
         clock += 0.1
     failed = [t for name, t, ok in first.attempts if name == "otlp" and not ok]
-    gaps = [b - a for a, b in zip(failed, failed[1:], strict=False)]
+    gaps = [b - a for a, b in itertools.pairwise(failed)]
     assert gaps == sorted(gaps) and gaps[-1] > 3 * gaps[0], gaps  # exponential, jittered
     assert len(rsyslog.wait_for(1530)) == 1530
     assert runner.cursor_position(engine, "otlp", Stream.TRAFFIC) < runner.cursor_position(
@@ -210,3 +216,99 @@ def test_mapping_and_no_values(
     assert attributes["http_request.url.port"] == {"intValue": "443"}
     [(msgid, line)] = rsyslog.wait_for(1)
     assert msgid == "traffic" and line == event
+
+
+def test_a_serving_console_streams_its_audit_without_secret_values(
+    request: pytest.FixtureRequest,
+    issuer: LocalIssuer,
+    otlp: OtlpReceiver,
+    rsyslog: Rsyslog,
+    pki: Pki,
+    tmp_path: Path,
+) -> None:
+    """The exporter the app's lifespan starts (settings `EXPORT_*`): a secret set through the API
+    reaches both receivers as a `secret.set` entry, and its value is in neither."""
+    url, sqlite_path = new_database("postgresql", request)
+    server = start_server(
+        "postgresql",
+        url,
+        sqlite_path,
+        issuer.url,
+        generate_key(),
+        tmp_path,
+        export_otlp_url=otlp.url,
+        export_syslog_url=rsyslog.url,
+        export_ca_file=pki.ca,
+        export_interval_seconds=0.2,
+    )
+    team = new_team(server, issuer)
+    try:
+        value = "siem-secret-" + uuid.uuid4().hex
+        base = f"/api/v1/teams/{team.name}"
+        assert team.admin.put(f"{base}/secrets/bot", json={"value": value}).status_code == 200
+        deadline = time.monotonic() + 20
+        while not any(e.get("api.operation") == "secret.set" for e in otlp.events()):
+            assert time.monotonic() < deadline, "no secret.set entry exported"
+            time.sleep(0.1)
+        lines = rsyslog.wait_for(len(otlp.events()))
+        assert any(e.get("api.operation") == "secret.set" for _, e in lines)
+        assert b"".join(otlp.raw).find(value.encode()) == -1
+        assert rsyslog.out.read_bytes().find(value.encode()) == -1
+    finally:
+        team.close()
+        server.stop()
+
+
+def test_export_while_ingesting_loses_nothing(
+    engine: Engine, otlp: OtlpReceiver, rsyslog: Rsyslog, pki: Pki
+) -> None:
+    """Sequence values are taken before their transaction commits; reading while 4 clients
+    ingest must still export every record once (the horizon, console/export/runner.py)."""
+    team = "t" + uuid.uuid4().hex[:8]
+    records = _records(team, 6000, datetime(2026, 12, 1, tzinfo=UTC))
+    batches = [records[i : i + 50] for i in range(0, 6000, 50)]
+    exporter = _exporter(engine, otlp, rsyslog, pki.ca)
+    done = threading.Event()
+
+    def export() -> None:
+        while not done.is_set():
+            exporter.step(0.0)
+
+    worker = threading.Thread(target=export)
+    worker.start()
+    parallel = 4 if engine.dialect.name == "postgresql" else 1
+    try:
+        expected = _ingest(engine, batches, parallel=parallel)
+    finally:
+        done.set()
+        worker.join()
+    _drain(exporter)
+    exporter.close()
+    assert _ids(otlp.events(), "traffic") == Counter(expected)
+
+
+def test_a_later_sequence_committed_first_does_not_skip_an_earlier_one(
+    request: pytest.FixtureRequest, otlp: OtlpReceiver, rsyslog: Rsyslog, pki: Pki
+) -> None:
+    """Ingest A takes export_seq 1..50 and is still open when ingest B (51..100) commits: an
+    exporter reading now must not move its cursor past A's records (PostgreSQL)."""
+    url, _ = new_database("postgresql", request)
+    db.upgrade(url)
+    engine = db.make_engine(url)
+    team = "t" + uuid.uuid4().hex[:8]
+    # B in another rollup slot than A, or B would wait for A's slot row
+    start = datetime(2026, 12, 1, tzinfo=UTC)
+    records = _records(team, 50, start) + _records(team, 50, start + timedelta(hours=1))
+    exporter = _exporter(engine, otlp, rsyslog, pki.ca)
+    try:
+        with Session(engine) as slow:
+            slow.begin()
+            traffic_store.insert_records(slow, records[:50], "scvm-1", datetime.now(UTC))
+            _ingest(engine, [records[50:]], parallel=1)
+            threading.Timer(1.0, slow.commit).start()  # A commits while the exporter reads
+            exporter.step(0.0)
+            _drain(exporter)
+        assert _ids(otlp.events(), "traffic") == Counter(str(r.id) for r in records)
+    finally:
+        exporter.close()
+        engine.dispose()
