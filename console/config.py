@@ -388,6 +388,8 @@ def settings_summary(settings: Settings) -> dict[str, Any]:
     summary["web_session_key"] = "set" if settings.web_session_key else None
     summary["kek_ids"] = sorted(settings.kek)
     summary["database_url"] = _redact_url(settings.database_url)
+    if settings.export_otlp_url:  # credentials in the URL's user part or query stay out of logs
+        summary["export_otlp_url"] = _redact_url(settings.export_otlp_url.split("?", 1)[0])
     return summary
 
 
