@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 from umbra.attest.measurement import COMPOSE_HASH_EVENT, SSH_KEYS_EVENT, ssh_keys_digest
 from umbra.components.host_firewall import HostFirewall, render_host_ruleset
+from umbra.contracts.canonical import canonical_text as canonical_json
 from umbra.contracts.enrollment import META_ENROLLMENT_TOKEN as _ENROLLMENT_KEY
-from umbra.sandbox.render import canonical_json
 
 # GCP metadata and Azure custom-data keys the image's launch agent reads.
 META_APP_COMPOSE = "umbra-app-compose"

@@ -32,5 +32,10 @@ def canonical_json(value: Any, *, ascii_only: bool = False) -> bytes:
     return text.encode()
 
 
+def canonical_text(value: Any) -> str:
+    """ASCII-only canonical JSON as text (measured documents: no byte depends on an encoding)."""
+    return canonical_json(value, ascii_only=True).decode("ascii")
+
+
 def content_hash(value: Any) -> str:
     return "sha256:" + hashlib.sha256(canonical_json(value)).hexdigest()

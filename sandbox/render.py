@@ -12,11 +12,10 @@ import hashlib
 import json
 from dataclasses import dataclass
 from importlib import resources
-from typing import Any
 
 import jinja2
 
-from umbra.contracts.canonical import canonical_json as _canonical
+from umbra.contracts.canonical import canonical_text
 from umbra.sandbox.models import SecurityCvmInputs
 from umbra.sandbox.validate import validate_security_compose
 
@@ -42,9 +41,7 @@ class Rendered:
         return hashlib.sha256(self.data).hexdigest()
 
 
-def canonical_json(doc: Any) -> str:
-    """The shared canonical JSON (`umbra.contracts.canonical`), ASCII-only, as text."""
-    return _canonical(doc, ascii_only=True).decode("ascii")
+canonical_json = canonical_text  # the shared canonical JSON (`umbra.contracts.canonical`), as text
 
 
 def _yaml_string(value: str) -> str:

@@ -165,7 +165,7 @@ def test_claude_and_codex_reach_the_stand_in_with_the_injected_key(
     assert any(s.stream for s in seen), "the agents streamed"
     assert all(s.key_ok for s in seen), "every call reached the stand-in with the real key"
     # The proxy injected each key, and wrote it nowhere; the agents never had it.
-    records = stack.proxy.log.records()[mark:]
+    records = stack.proxy.log.settled()[mark:]
     # Update checks, telemetry and catalogues are off: the agents called the stand-in only.
     assert {(r["connect_host"], r["decision"]) for r in records} == {(LLM, "allow")}, records
     assert any(r["injected_headers"] == ["x-api-key"] for r in records)

@@ -575,16 +575,20 @@ class TrafficLog:
                         out.append(json.loads(line))
         return out
 
-    def mark(self) -> int:
-        # The spool commits in groups (proxy/spool.FLUSH_INTERVAL): an earlier request's record can
-        # land up to one interval after its answer. Settle first, or it counts as "after the mark".
-        count = len(self.records())
+    def settled(self) -> list[dict[str, Any]]:
+        """The records once the spool is quiet: it commits in groups (proxy/spool.FLUSH_INTERVAL),
+        so a request's record can land up to one interval after its answer."""
+        records = self.records()
         while True:
             time.sleep(3 * FLUSH_INTERVAL)
-            settled = len(self.records())
-            if settled == count:
-                return count
-            count = settled
+            now = self.records()
+            if len(now) == len(records):
+                return now
+            records = now
+
+    def mark(self) -> int:
+        # Settle first, or an earlier request's late record counts as "after the mark".
+        return len(self.settled())
 
     def wait_for(
         self, mark: int, predicate: Callable[[dict[str, Any]], bool], timeout: float = 5.0

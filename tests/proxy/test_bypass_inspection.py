@@ -447,7 +447,7 @@ def test_a_fault_in_a_websocket_hook_closes_both_sides_and_is_recorded(env23: En
         time.sleep(0.05)
     assert env23.ws.ended[ended:] == ["close 1011"]
     time.sleep(0.3)
-    faults = [r for r in env23.log.records()[mark:] if r["reason"] == "internal_error"]
+    faults = [r for r in env23.log.settled()[mark:] if r["reason"] == "internal_error"]
     assert len(faults) == 1
 
 

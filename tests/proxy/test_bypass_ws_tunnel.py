@@ -159,7 +159,7 @@ def test_websocket_control_frames_are_answered_hop_by_hop_and_logged(env: Env) -
     assert origin_ping["bytes_received"] == len(ORIGIN_PING)
     close = control(f"close (code 1000) from client: {size}-byte reason emptied")
     assert close["bytes_sent"] == size
-    for record in env.proxy.log.records()[mark:]:
+    for record in env.proxy.log.settled()[mark:]:
         assert TEAM_SECRET not in json.dumps(record)
         assert ORIGIN_PING.decode() not in json.dumps(record)
 

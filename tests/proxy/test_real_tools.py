@@ -147,7 +147,7 @@ def test_git_clone_over_https_with_injected_credential(env: Env, tmp_path: Path)
     )
     assert result.returncode == 0, (
         result.stderr,
-        [(r["reason"], r["injected_headers"], r["status"]) for r in env.proxy.log.records()[mark:]],
+        [(r["reason"], r["injected_headers"], r["status"]) for r in env.proxy.log.settled()[mark:]],
         [
             x.header("authorization") == [_basic("x-access-token", TEAM_SECRET)]
             for x in env.recorder.snapshot()
@@ -156,7 +156,7 @@ def test_git_clone_over_https_with_injected_credential(env: Env, tmp_path: Path)
     )
     assert (clone / "README.md").read_text() == "hello from the git origin\n"
     env.proxy.log.wait_for(mark, lambda r: r["connect_host"] == "git.test")
-    records = env.proxy.log.records()[mark:]
+    records = env.proxy.log.settled()[mark:]
     allowed = [r for r in records if r["decision"] == "allow" and r["connect_host"] == "git.test"]
     assert allowed and all(r["injected_headers"] == ["Authorization"] for r in allowed)
     assert TEAM_SECRET not in result.stderr

@@ -238,7 +238,7 @@ def test_another_cvms_credential_never_changes_attribution(tun: Tun, alice: list
     assert not tun.env.recorder.contains(needle.encode())
     deadline = time.monotonic() + 5  # records are committed in writer batches
     while True:
-        new = tun.proxy.log.records()[mark:]
+        new = tun.proxy.log.settled()[mark:]
         conflicts = [r for r in new if r["reason"] == "identity_conflict"]
         if len(conflicts) >= 2 or time.monotonic() > deadline:
             break

@@ -70,7 +70,7 @@ def test_websockets_keepalive_holds_through_the_proxy(env: Env) -> None:
     assert int(str(summary["detail"]).split()[0]) >= 3, summary
     answered = [
         r
-        for r in env.proxy.log.records()[mark:]
+        for r in env.proxy.log.settled()[mark:]
         if r["reason"] == "ws_control_not_relayed" and r["path"] == "/stream"
     ]
     assert [str(r["detail"]).startswith("ping from client: 4-byte") for r in answered].count(
