@@ -27,6 +27,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from umbra.console import children, db, notify, provisioning, refusal_budget
 from umbra.console.config import ConfigError, Settings, settings_summary
 from umbra.console.envelope import EnvelopeError, LocalKeyring
+from umbra.console.export import runner as export_runner
+from umbra.console.export import sinks as export_sinks
 from umbra.console.limits import BodyLimitMiddleware, limit_for
 from umbra.console.oidc import OidcValidator
 from umbra.console.providers import ProviderError, build_providers
@@ -160,7 +162,12 @@ def create_app(
         )
         if console.watchdog is not None:
             console.watchdog.start()
+        exporter = _start_exporter(console)
         yield
+        if exporter is not None:
+            exporter.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await exporter
         summaries.cancel()
         if takeover is not None:
             takeover.cancel()
@@ -212,6 +219,23 @@ def create_app(
     app.add_middleware(MetricsMiddleware, console=console)
     app.add_middleware(ErrorMiddleware)
     return app
+
+
+def _start_exporter(console: Console) -> asyncio.Task[None] | None:
+    """The SIEM export (console/export) when a receiver is configured."""
+    settings = console.settings
+    sinks = export_sinks.from_settings(
+        settings.export_otlp_url, settings.export_syslog_url, settings.export_ca_file
+    )
+    if not sinks:
+        return None
+    exporter = export_runner.Exporter(
+        engine=console.engine,
+        sinks=sinks,
+        interval=settings.export_interval_seconds,
+        batch=settings.export_batch,
+    )
+    return asyncio.create_task(exporter.run())
 
 
 async def _flush_refusal_summaries(console: Console) -> None:

@@ -143,6 +143,23 @@ class Settings(_Strict):
         description="PostgreSQL: how often a serving Console takes over provider runs whose "
         "process died (rows unchanged this long, job lock free; 0: only at startup).",
     )
+    export_otlp_url: str | None = Field(
+        default=None,
+        description="OTLP/HTTP logs endpoint (`https://host:4318/v1/logs`) traffic and audit are "
+        "streamed to (console/export); none: no OTLP export.",
+    )
+    export_syslog_url: str | None = Field(
+        default=None,
+        description="RFC 5424 syslog over TLS (RFC 5425 framing) as `tls://host:port`; none: no "
+        "syslog export.",
+    )
+    export_ca_file: Path | None = Field(
+        default=None, description="CA bundle the export receivers' certificates chain to."
+    )
+    export_interval_seconds: float = Field(
+        default=2.0, gt=0, le=300, description="How often the exporter looks for new entries."
+    )
+    export_batch: int = Field(default=500, ge=1, le=10000, description="Entries per sent batch.")
     provider_workers: int = Field(
         default=4, ge=1, le=64, description="Concurrent cloud launches/updates/destroys."
     )
@@ -223,6 +240,22 @@ class Settings(_Strict):
             raise ValueError("must be a sqlite:// or postgresql+psycopg:// URL")
         if value.startswith("postgresql://"):
             value = "postgresql+psycopg://" + value.removeprefix("postgresql://")
+        return value
+
+    @field_validator("export_otlp_url")
+    @classmethod
+    def _check_otlp_url(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(("https://", "http://")):
+            raise ValueError("must be an http(s):// URL (the OTLP/HTTP logs endpoint)")
+        return value
+
+    @field_validator("export_syslog_url")
+    @classmethod
+    def _check_syslog_url(cls, value: str | None) -> str | None:
+        if value is not None:
+            host, _, port = value.removeprefix("tls://").rpartition(":")
+            if not value.startswith("tls://") or not host or not port.isdigit():
+                raise ValueError("must be tls://HOST:PORT (syslog over TLS only)")
         return value
 
     @field_validator("kek")
@@ -355,6 +388,8 @@ def settings_summary(settings: Settings) -> dict[str, Any]:
     summary["web_session_key"] = "set" if settings.web_session_key else None
     summary["kek_ids"] = sorted(settings.kek)
     summary["database_url"] = _redact_url(settings.database_url)
+    if settings.export_otlp_url:  # credentials in the URL's user part or query stay out of logs
+        summary["export_otlp_url"] = _redact_url(settings.export_otlp_url.split("?", 1)[0])
     return summary
 
 

@@ -17,6 +17,7 @@ from sqlalchemy import (
     DateTime,
     Index,
     LargeBinary,
+    Sequence,
     UniqueConstraint,
     text,
 )
@@ -26,6 +27,8 @@ from sqlmodel import AutoString, Field, SQLModel
 
 from umbra.console.enums import AuditAction, CvmKind, CvmState, Scope, SecretStatus
 from umbra.contracts.secret_kinds import SecretKind
+
+EXPORT_SEQUENCE = "traffic_record_export_seq"
 
 
 class EnumText[E: StrEnum](TypeDecorator[E]):
@@ -293,6 +296,24 @@ class TrafficRecord(SQLModel, table=True):
     llm_cache_write_tokens: int | None = Field(default=None, sa_type=BigInteger)
     truncated: list[str] = Field(default_factory=list, sa_column=Column(JSON, nullable=False))
     received_at: datetime = _ts()
+    # Insertion order for the SIEM export (revision 0013, console/export): PostgreSQL fills it
+    # from a sequence; SQLite leaves it NULL and the exporter reads `rowid` (writes are serial).
+    export_seq: int | None = Field(
+        default=None,
+        sa_column=Column(BigInteger, Sequence(EXPORT_SEQUENCE), nullable=True, index=True),
+    )
+
+
+class ExportCursor(SQLModel, table=True):
+    """How far one export sink has been acknowledged, per stream (revision 0013): `position` is
+    the last `traffic_record.export_seq` (SQLite: rowid) or `audit_entry.seq` its receiver took."""
+
+    __tablename__ = "export_cursor"
+
+    sink: str = Field(primary_key=True, max_length=16)  # otlp | syslog
+    stream: str = Field(primary_key=True, max_length=16)  # traffic | audit
+    position: int = Field(default=0, sa_type=BigInteger)
+    updated_at: datetime = _ts()
 
 
 class TrafficQuarantine(SQLModel, table=True):

@@ -41,6 +41,7 @@ _SQLITE_INSERT = (
     f"VALUES ({', '.join('?' for _ in COLUMNS)})"
 )
 QUARANTINE_CHUNK = 500
+EXPORT_HORIZON_LOCK = 0x756D62726145  # 'umbraE'
 _dumps = json.JSONEncoder(separators=(",", ":")).encode
 
 
@@ -73,6 +74,9 @@ def _insert_postgresql(
 ) -> int:
     document = RECORDS.dump_json(list(records)).decode()
     with connection.cursor() as cursor:
+        # Shared with every other ingest; the exporter takes it exclusively for an instant to read
+        # an `export_seq` horizon no in-flight insert can still fall below (console/export).
+        cursor.execute("SELECT pg_advisory_xact_lock_shared(%s)", (EXPORT_HORIZON_LOCK,))
         cursor.execute(_PG_INSERT_WITH_ROLLUPS, {"scvm": scvm, "now": now, "doc": document})
         row = cursor.fetchone()
         return int(row[0]) if row else 0

@@ -115,7 +115,7 @@ def query_traffic(
     page = traffic.page(console=console, team=team, filters=filters, limit=limit)
     records = [
         TrafficRecordOut.model_validate(
-            {**row.model_dump(exclude={"received_at"}), "time": as_utc(row.time)}
+            {**row.model_dump(exclude={"received_at", "export_seq"}), "time": as_utc(row.time)}
         )
         for row in page.rows
     ]

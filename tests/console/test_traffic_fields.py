@@ -14,12 +14,12 @@ CONTRACT = set(Contract.model_fields)
 
 def test_the_table_is_the_contract_plus_what_the_console_adds() -> None:
     columns = set(Table.__table__.c.keys())  # type: ignore[attr-defined]
-    assert columns == CONTRACT | {"security_cvm_id", "received_at"}
+    assert columns == CONTRACT | {"security_cvm_id", "received_at", "export_seq"}
 
 
 def test_the_insert_columns_are_derived_from_the_contract() -> None:
     assert tuple(Contract.model_fields) == traffic_store.RECORD_COLUMNS
-    assert set(traffic_store.COLUMNS) == set(Table.__table__.c.keys())  # type: ignore[attr-defined]
+    assert {*traffic_store.COLUMNS, "export_seq"} == set(Table.__table__.c.keys())  # type: ignore[attr-defined]
     assert traffic_store.JSON_COLUMNS <= CONTRACT
 
 
