@@ -47,7 +47,6 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from umbra.attest.eventlog import Event, dump_dstack_event_log
 from umbra.attest.measurement import canonical_ssh_key
-from umbra.attest.simulator import SimulatedTdx
 from umbra.components.idle_stop import CONFIG_PATH as IDLE_CONFIG_PATH
 from umbra.components.idle_stop import TIMER as IDLE_TIMER
 from umbra.components.idle_stop import IdleConfig, dev_cvm_config
@@ -455,16 +454,6 @@ class SysfsRtmr:
                 f.write(event.digest)
         except OSError as exc:
             raise LaunchError(Refusal.EXTEND_FAILED, f"{self.path}: {exc.strerror}") from None
-
-
-@dataclass(frozen=True)
-class SimulatedRtmr:
-    """Simulated TEE: extend the simulator's state (the quote source replays the same log)."""
-
-    tdx: SimulatedTdx
-
-    def extend(self, event: Event) -> None:
-        self.tdx.extend_runtime_event(event.name, event.payload, event.imr)
 
 
 @dataclass(frozen=True)

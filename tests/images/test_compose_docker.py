@@ -65,7 +65,6 @@ from umbra.images.launch_agent import (
     ComposeRunnerStart,
     DevHostStart,
     LogOnly,
-    SimulatedRtmr,
 )
 from umbra.images.measure import (
     boot_events,
@@ -90,6 +89,7 @@ from umbra.sandbox.render import CA_NAME, canonical_json
 from ..proxy.harness import TestCA as OriginCA
 from ..sandbox.fixtures import dev_definition, security_definition
 from .conftest import docker_up
+from .simulated_rtmr import SimulatedRtmr
 
 pytestmark = pytest.mark.timeout(1500)
 

@@ -35,7 +35,6 @@ from umbra.images.launch_agent import (
     LaunchError,
     LogOnly,
     Refusal,
-    SimulatedRtmr,
 )
 from umbra.images.measure import boot_events_of, measure
 from umbra.sandbox.render import canonical_json
@@ -46,6 +45,7 @@ from ..sandbox.fixtures import (
     security_definition,
     security_definition_doc,
 )
+from .simulated_rtmr import SimulatedRtmr
 
 ALICE = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIOMqqnkVzrm0SdG6UOoqKLsabgH5C9okWi0dh2l9GKJl alice"
 runner = CliRunner()

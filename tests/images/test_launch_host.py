@@ -28,7 +28,7 @@ from umbra.components import launch_data
 from umbra.components.launch_data import LaunchData
 from umbra.images import launch_agent
 from umbra.images import measure as measure_mod
-from umbra.images.launch_agent import Agent, LaunchError, Refusal, SimulatedRtmr
+from umbra.images.launch_agent import Agent, LaunchError, Refusal
 from umbra.images.launch_host import (
     DiscoveredDataDisk,
     Ext4DataDisk,
@@ -40,6 +40,7 @@ from umbra.images.launch_host import (
 from umbra.images.measure import measure
 
 from ..sandbox.fixtures import dev_definition, dev_definition_doc, security_definition
+from .simulated_rtmr import SimulatedRtmr
 
 ALICE = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIOMqqnkVzrm0SdG6UOoqKLsabgH5C9okWi0dh2l9GKJl alice"
 TOKEN = "u12-enroll-" + "Zx9" * 12
