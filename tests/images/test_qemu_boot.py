@@ -61,7 +61,7 @@ echo "umbra-compose-stub: write $(touch /umbra-probe 2>&1)" > /dev/ttyS0
 echo "umbra-compose-stub: rw $(grep -E ' /(etc|var|tmp) ' /proc/mounts | cut -d' ' -f1-3 | tr '\\n' ' ')" > /dev/ttyS0
 echo "umbra-compose-stub: etc $(touch /etc/umbra-probe && echo writable)" > /dev/ttyS0
 echo "umbra-compose-stub: secureboot $(dmesg | grep -o -m1 'Secure boot [a-z]*') lockdown $(cat /sys/kernel/security/lockdown)" > /dev/ttyS0
-w=/var/lib/umbra/data/workspace; n=$(($(cat $w/boots 2>/dev/null || echo 0) + 1)); echo $n > $w/boots; sync
+w=/var/lib/umbra/data/dev-host; mkdir -p $w; n=$(($(cat $w/boots 2>/dev/null || echo 0) + 1)); echo $n > $w/boots; sync
 echo "umbra-compose-stub: data $(grep ' /var/lib/umbra/data ' /proc/mounts | cut -d' ' -f1,3) boots $n cloud $(cat /sys/class/dmi/id/sys_vendor)" > /dev/ttyS0
 echo "umbra-compose-stub: kernel $(uname -r) tsm $(ls -d /sys/kernel/config/tsm/report) modules $(cut -d' ' -f1 /proc/modules | grep -E '^(tsm_report|tdx_guest|dm_verity|configfs)$' | sort | tr '\n' ' ')" > /dev/ttyS0
 """
