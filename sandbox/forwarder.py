@@ -23,12 +23,14 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 from umbra.attest.atls import ATLSConnection, client_handshake, relay
 from umbra.attest.errors import ATLSError
 from umbra.attest.verify import Verifier
 from umbra.contracts.tunnel_header import (
     HeaderError,
+    Mode,
     TunnelHeader,
     encode_header,
     read_ca_reply,
@@ -49,6 +51,7 @@ from umbra.sandbox.transparent import (
     read_request_head,
 )
 
+T = TypeVar("T")
 logger = logging.getLogger(__name__)
 
 HALF_CLOSE_GRACE = 60.0
@@ -180,39 +183,32 @@ class Forwarder:
     async def fetch_ca(self) -> bytes | None:
         """The Security CVM's interception CA (PEM), read inside an attested session; None (and
         logged) when it cannot be had."""
-        conn = await self._attest(None)
-        if conn is None:
-            return None
-        try:
-            await conn.send(
-                encode_header(TunnelHeader(self.cvm_id, "ca", credential=self.credential))
-            )
-            return await asyncio.wait_for(read_ca_reply(conn.recv), self.handshake_timeout)
-        except (ATLSError, HeaderError, ConnectionError, OSError, TimeoutError) as exc:
-            self.stats.refuse("ca_unavailable")
-            logger.warning(
-                "no interception CA from the Security CVM: %s", exc or type(exc).__name__
-            )
-            return None
-        finally:
-            await conn.close()
+        return await self._ask("ca", read_ca_reply, "ca_unavailable", "interception CA")
 
     async def fetch_env(self) -> dict[str, str] | None:
         """The attached profiles' `sandbox_env`, read inside an attested session; None (and
         logged) when it cannot be had."""
+        return await self._ask("env", read_env_reply, "env_unavailable", "sandbox environment")
+
+    async def _ask(
+        self,
+        kind: Mode,
+        read: Callable[[Callable[[int], Awaitable[bytes]]], Awaitable[T]],
+        refusal: str,
+        what: str,
+    ) -> T | None:
+        """One request of the forwarder's own (`kind`) in a fresh attested session."""
         conn = await self._attest(None)
         if conn is None:
             return None
         try:
             await conn.send(
-                encode_header(TunnelHeader(self.cvm_id, "env", credential=self.credential))
+                encode_header(TunnelHeader(self.cvm_id, kind, credential=self.credential))
             )
-            return await asyncio.wait_for(read_env_reply(conn.recv), self.handshake_timeout)
+            return await asyncio.wait_for(read(conn.recv), self.handshake_timeout)
         except (ATLSError, HeaderError, ConnectionError, OSError, TimeoutError) as exc:
-            self.stats.refuse("env_unavailable")
-            logger.warning(
-                "no sandbox environment from the Security CVM: %s", exc or type(exc).__name__
-            )
+            self.stats.refuse(refusal)
+            logger.warning("no %s from the Security CVM: %s", what, exc or type(exc).__name__)
             return None
         finally:
             await conn.close()
