@@ -27,7 +27,7 @@ from umbra.cli.ssh_attest import Check, Refused
 from umbra.components.launch_data import LaunchData
 from umbra.contracts.session import SessionState, SshIngress
 from umbra.images import launch_ingress, os_image
-from umbra.images.launch_agent import Agent, GcpMetadata, LaunchError, Refusal, SimulatedRtmr
+from umbra.images.launch_agent import Agent, GcpMetadata, LaunchError, Refusal
 from umbra.images.launch_ingress import AttestedIngress, IngressStartError, PidFileSandbox
 from umbra.images.measure import HOST_FIREWALL_EVENT, measure
 from umbra.sandbox.ingress import Ingress
@@ -37,6 +37,7 @@ from umbra.sandbox.sandbox_locator import SandboxLocateError
 from ..sandbox.fixtures import dev_definition
 from ..session import harness
 from ..session.harness import free_port
+from .simulated_rtmr import SimulatedRtmr
 from .test_launch_agent import ALICE, StandIn, standin
 
 __all__ = ["standin"]  # the metadata stand-in fixture, shared with test_launch_agent
