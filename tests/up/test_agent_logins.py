@@ -255,3 +255,8 @@ def test_codex_chatgpt_login_rotates_and_never_reaches_the_sandbox(up: Up, tmp_p
     print(f"codex with a stale last_refresh: exit {stale.returncode}: {stale.stderr[-600:]}")
     after_stale = _vendor(up, "GET", "/_umbra/state")["counts"]
     assert after_stale.get("refresh_refused", 0) == final["counts"].get("refresh_refused", 0)
+
+    # Disconnect takes the placeholder login out of the sandbox with the secret.
+    gone = up.client("disconnect", "codex", "--json")
+    assert gone.returncode == 0 and json.loads(gone.stdout)["deleted"] is True, gone.stderr
+    assert _ssh(up, "test -e ~/.codex/auth.json").returncode == 1
