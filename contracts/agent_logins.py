@@ -49,7 +49,8 @@ SELF_SERVICE_PROFILES: frozenset[str] = frozenset(a.profile for a in AGENT_LOGIN
 # proxy replaces `Authorization` on chatgpt.com with the minted access token.
 CODEX_PLACEHOLDER_REF = f"personal/{AGENT_LOGINS[Agent.codex].secret}"
 CODEX_PLACEHOLDER = f"umbra-placeholder:{CODEX_PLACEHOLDER_REF}"
-# Far ahead, so Codex never thinks its (placeholder) access token expired and refreshes it.
+# Far ahead: Codex (0.171) refreshes when the access token's `exp` has passed (or after a 401),
+# not on `last_refresh`'s age, so it never tries to refresh the placeholder by itself.
 CODEX_PLACEHOLDER_EXP = 4_102_444_800  # 2100-01-01
 OPENAI_AUTH_CLAIM = "https://api.openai.com/auth"
 
@@ -64,13 +65,18 @@ def _placeholder_jwt(claims: dict[str, Any]) -> str:
     return f"{header}.{body}.{_b64url(CODEX_PLACEHOLDER.encode())}"
 
 
-def codex_placeholder_auth(identity: dict[str, Any], account_id: str | None, now: float) -> str:
+def codex_placeholder_auth(
+    identity: dict[str, Any],
+    account_id: str | None,
+    now: float,
+    exp: int = CODEX_PLACEHOLDER_EXP,
+) -> str:
     """The placeholder `auth.json` for the sandbox, from the login's non-secret identity claims
     (`aud`, `email`, the `https://api.openai.com/auth` claim: account id and plan, which Codex
     sends as `chatgpt-account-id` and matches against its workspace discovery). `last_refresh`
     is `now`, so Codex does not decide on its own that the login is due a refresh."""
     keep = ("aud", "email", OPENAI_AUTH_CLAIM)
-    claims = {k: identity[k] for k in keep if k in identity} | {"exp": CODEX_PLACEHOLDER_EXP}
+    claims = {k: identity[k] for k in keep if k in identity} | {"exp": exp}
     auth = claims.get(OPENAI_AUTH_CLAIM)
     account = auth.get("chatgpt_account_id") if isinstance(auth, dict) else None
     account = account if isinstance(account, str) else account_id

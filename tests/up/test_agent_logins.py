@@ -9,6 +9,7 @@ Heavy (a whole `umbra up`): run under `flock /tmp/umbra-heavy.lock`.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import shlex
@@ -28,6 +29,7 @@ from tests.up.test_up import UMBRA, Up, _free_base, _require_root
 from umbra.cli import up_stack
 from umbra.cli.llm_origin import REPLY
 from umbra.cli.up_agents import CLAUDE_QUIET, Endpoints, agent_commands
+from umbra.contracts.agent_logins import codex_placeholder_auth
 from umbra.sandbox import image, local_cvm
 
 CLAUDE_PLACEHOLDER = "umbra-placeholder:personal/claude-oauth-token"
@@ -94,11 +96,13 @@ def _vendor(up: Up, method: str, path: str) -> dict[str, Any]:
     return result
 
 
-def _ssh(up: Up, command: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+def _ssh(
+    up: Up, command: str, timeout: float = 180, stdin: str = ""
+) -> subprocess.CompletedProcess[str]:
     """`umbra ssh -- COMMAND` as the developer runs it (the attested path into the sandbox)."""
     return subprocess.run(
         [str(UMBRA), "ssh", "--no-reuse", "--", command],
-        capture_output=True, text=True, env=up.env, timeout=timeout,
+        capture_output=True, text=True, env=up.env, timeout=timeout, input=stdin,
     )  # fmt: skip
 
 
@@ -248,13 +252,34 @@ def test_codex_chatgpt_login_rotates_and_never_reaches_the_sandbox(up: Up, tmp_p
     for secret in (refresh0, access0):
         _nowhere(up, secret, outputs, set())
 
-    # Codex itself refreshing (a login it thinks is stale): the Security CVM refuses to let the
-    # placeholder out to the login service; the stand-in never sees it.
-    stale = _ssh(up, "sed -i 's/\"last_refresh\": \"[^\"]*\"/\"last_refresh\": \"2020-01-01T00:00:00Z\"/' "
-                 "~/.codex/auth.json && " + CODEX)  # fmt: skip
-    print(f"codex with a stale last_refresh: exit {stale.returncode}: {stale.stderr[-600:]}")
-    after_stale = _vendor(up, "GET", "/_umbra/state")["counts"]
-    assert after_stale.get("refresh_refused", 0) == final["counts"].get("refresh_refused", 0)
+    # Codex refreshing by itself: with an expired (placeholder) access token it POSTs the
+    # placeholder refresh token to auth.openai.com; the Security CVM denies that (the profile's
+    # `no-login` rule), the stand-in never sees it, and Codex carries on with the token it has,
+    # which the proxy replaces anyway.
+    identity = json.loads(
+        base64.urlsafe_b64decode(login["tokens"]["id_token"].split(".")[1] + "===")
+    )
+    expired = codex_placeholder_auth(identity, login["tokens"]["account_id"], time.time(), exp=1)
+    wrote = _ssh(up, "cat > ~/.codex/auth.json", stdin=expired)
+    assert wrote.returncode == 0, wrote.stderr
+    refused_before = final["counts"].get("refresh_refused", 0) + final["counts"].get(
+        "refresh_reused", 0
+    )
+    itself = _ssh(up, CODEX)
+    tried = itself.stderr.count("Failed to refresh token")
+    print(f"codex with an expired placeholder: exit {itself.returncode}, {tried} refresh errors")
+    assert itself.returncode == 0 and REPLY in itself.stdout, itself.stderr[-2000:]
+    after = _vendor(up, "GET", "/_umbra/state")["counts"]
+    assert after.get("refresh_refused", 0) + after.get("refresh_reused", 0) == refused_before
+    end = time.monotonic() + 60  # the records reach the Console from the proxy's spool
+    while True:
+        logs = up.client("logs", "--cvm", cvm, "--host", "auth.openai.com", "--decision", "deny",
+                         "--since", "10m", "--json")  # fmt: skip
+        assert logs.returncode == 0, logs.stderr
+        if "auth.openai.com" in logs.stdout or time.monotonic() > end:
+            break
+        time.sleep(1)
+    assert "auth.openai.com" in logs.stdout, logs.stdout[-1000:]
 
     # Disconnect takes the placeholder login out of the sandbox with the secret.
     gone = up.client("disconnect", "codex", "--json")
