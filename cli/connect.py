@@ -231,6 +231,14 @@ def connect(
                      "`umbra connect codex` again when the CVM is reachable", style="yellow")  # fmt: skip
     result: dict[str, Any] = {"agent": agent, "secret": info.ref, "kind": info.kind,
                               "profile": login.profile, "cvms": ids}  # fmt: skip
+    shadowed = {c.id: found for c in cvms if (found := sorted(set(c.profiles)
+                                                                & set(login.shadowed_by)))}  # fmt: skip
+    for cvm_id, names in shadowed.items():
+        stderr.print(f"{cvm_id}: {', '.join(names)} also attached: its API key would be used "
+                     f"instead of your login; detach it (`umbra profile detach {cvm_id} "
+                     f"{names[0]}`, an admin's) to use the subscription", style="yellow")  # fmt: skip
+    if shadowed:
+        result["shadowed_by"] = shadowed
     if placeholder:
         result["placeholder_written"] = [i for i in ids if i not in failed]
     if as_json:

@@ -29,11 +29,19 @@ class AgentLogin:
     kind: SecretKind
     hosts: tuple[str, ...]
     profile: str
+    # API-key profiles that shadow the login when attached beside it: `anthropic` injects its
+    # x-api-key on the same host (the API then bills the key), `anthropic-standin` (umbra up)
+    # puts ANTHROPIC_API_KEY into the sandbox, which Claude Code prefers.
+    shadowed_by: tuple[str, ...] = ()
 
 
 AGENT_LOGINS: dict[Agent, AgentLogin] = {
     Agent.claude: AgentLogin(
-        "claude-oauth-token", SecretKind.static, ("api.anthropic.com",), "claude-subscription"
+        "claude-oauth-token",
+        SecretKind.static,
+        ("api.anthropic.com",),
+        "claude-subscription",
+        ("anthropic", "anthropic-standin"),
     ),
     Agent.codex: AgentLogin(
         "codex-chatgpt", SecretKind.oauth2_refresh, ("chatgpt.com",), "codex-chatgpt"

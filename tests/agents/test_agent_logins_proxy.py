@@ -146,7 +146,8 @@ def test_codex_chatgpt_login_minted_and_rotated(env: Env) -> None:
         if index:
             time.sleep(9)  # past the 8 s access token: the next run starts with a refresh
         started = time.monotonic()
-        done = _run(env, argv, {})
+        # As in `umbra up`, an API-key profile may put OPENAI_API_KEY beside the ChatGPT login.
+        done = _run(env, argv, {"OPENAI_API_KEY": "umbra-placeholder:personal/openai-api-key"})
         seconds.append(round(time.monotonic() - started, 2))
         assert done.returncode == 0 and REPLY in done.stdout, done.stdout + done.stderr[-3000:]
         assert env.refresh0 not in done.stdout + done.stderr

@@ -168,7 +168,9 @@ def test_claude_subscription_through_connect_and_ssh(up: Up) -> None:
     token = token_file.read_bytes().strip()
     connected = up.client("connect", "claude", "--token-file", str(token_file), "--json")
     assert connected.returncode == 0, connected.stderr
-    assert json.loads(connected.stdout)["cvms"] == [cvm]
+    result = json.loads(connected.stdout)
+    assert result["cvms"] == [cvm] and result["shadowed_by"] == {cvm: ["anthropic-standin"]}
+    assert f"umbra profile detach {cvm} anthropic-standin" in connected.stderr
     # umbra up's API-key stand-in profile would shadow the subscription (Claude Code prefers an
     # API key): detached, as the spec says.
     detached = up.client("profile", "detach", cvm, "anthropic-standin")
