@@ -373,8 +373,8 @@ def main() -> None:
 
         host, _, port = args.vendor_listen.rpartition(":")
         vendor = serve_vendor(
-            OriginConfig({}, reply=args.reply), VendorState(args.claude_oauth_sha256),
-            args.cert, args.key, host, int(port),
+            VendorState(args.claude_oauth_sha256), args.cert, args.key, host, int(port),
+            reply=args.reply,
         )  # fmt: skip
         threading.Thread(target=vendor.serve_forever, daemon=True).start()
     serve(config, args.cert, args.key, port=args.port).serve_forever()

@@ -196,11 +196,12 @@ class VendorServer(OriginServer):
 
 
 def serve_vendor(
-    config: OriginConfig, vendor: VendorState, cert: str, key: str, host: str, port: int
+    vendor: VendorState, cert: str, key: str, host: str, port: int, reply: str = llm_origin.REPLY
 ) -> VendorServer:
+    """A TLS listener on `host:port` (0: any free port); the caller runs `serve_forever`."""
     import ssl
 
-    server = VendorServer((host, port), config, vendor)
+    server = VendorServer((host, port), OriginConfig({}, reply=reply), vendor)
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.load_cert_chain(cert, key)
     server.socket = context.wrap_socket(

@@ -24,7 +24,7 @@ import pytest
 from tests.agents.test_agents_e2e import agent_bin
 from tests.proxy.harness import ALICE_TOKEN, ProxyProcess, start_proxy
 from tests.proxy.harness import TestCA as OriginCA
-from umbra.cli.llm_origin import REPLY, OriginConfig
+from umbra.cli.llm_origin import REPLY
 from umbra.cli.up_agents import CLAUDE_QUIET
 from umbra.cli.vendor_origin import CODEX_CLIENT_ID, VendorServer, VendorState, serve_vendor
 from umbra.contracts.agent_logins import codex_placeholder_auth
@@ -61,7 +61,7 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
     ca = OriginCA(workdir)
     cert, key = ca.issue(HOSTS)
     state = VendorState(hashlib.sha256(TOKEN.encode()).hexdigest(), access_ttl=8)
-    vendor = serve_vendor(OriginConfig({}), state, str(cert), str(key), ADDR, 443)
+    vendor = serve_vendor(state, str(cert), str(key), ADDR, 443)
     threading.Thread(target=vendor.serve_forever, daemon=True).start()
     login = state.login()
     policies = workdir / "policies"

@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from tests.proxy.harness import TestCA as OriginCA
-from umbra.cli.llm_origin import REPLY, OriginConfig
+from umbra.cli.llm_origin import REPLY
 from umbra.cli.vendor_origin import CODEX_CLIENT_ID, VendorServer, VendorState, serve_vendor
 from umbra.contracts.agent_logins import CODEX_PLACEHOLDER, codex_placeholder_auth
 
@@ -31,7 +31,7 @@ def vendor(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[VendorSer
     ca = OriginCA(workdir)
     cert, key = ca.issue(["api.anthropic.com", "chatgpt.com", "auth.openai.com"])
     state = VendorState(hashlib.sha256(TOKEN.encode()).hexdigest(), access_ttl=2)
-    server = serve_vendor(OriginConfig({}), state, str(cert), str(key), "127.0.0.1", 0)
+    server = serve_vendor(state, str(cert), str(key), "127.0.0.1", 0)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     yield server, ca.cert_path
     server.shutdown()
