@@ -345,6 +345,10 @@ class TeamStack(Strict):
         return self
 
 
+# Azure Database for PostgreSQL Flexible Server offers these storage sizes only (GiB).
+AZURE_DB_STORAGE_GB = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32767)
+
+
 class ConsoleStack(Strict):
     kind: Literal["console"]
     name: Name = "console"
@@ -359,6 +363,9 @@ class ConsoleStack(Strict):
     ]
     ingress_cidrs: list[IngressCidr] = Field(min_length=1)
     db_tier: str = Field(min_length=1)
+    # The managed PostgreSQL's storage (GB): GCP Cloud SQL 10-65536, Azure Flexible Server one of
+    # its fixed sizes (AZURE_DB_STORAGE_GB). Both clouds only grow a database disk, never shrink.
+    db_storage_gb: int = Field(default=64, ge=10, le=65536)
     # Exported for team stacks (StackReference): the Console's URL and the CA its TLS chains to
     # (a PEM file relative to the project root; unset when a public CA issues its certificate).
     url: HttpsUrl | None = None
@@ -385,6 +392,11 @@ class ConsoleStack(Strict):
         _check_image(self.cloud, "vm.image", self.vm.image)
         if not self.cidr.is_private or self.cidr.prefixlen > 24:
             raise ValueError(f"cidr {self.cidr} must be a private range of at least /24")
+        if self.cloud == "azure" and self.db_storage_gb not in AZURE_DB_STORAGE_GB:
+            raise ValueError(
+                f"db_storage_gb {self.db_storage_gb} is not an Azure Flexible Server size "
+                f"({', '.join(map(str, AZURE_DB_STORAGE_GB))})"
+            )
         return self
 
 

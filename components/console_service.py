@@ -33,6 +33,7 @@ class ConsoleServiceArgs:
     app_compose: pulumi.Input[str]
     db_tier: str
     db_password: pulumi.Input[str]
+    db_storage_gb: int = 64  # bounds: components/config.py ConsoleStack.db_storage_gb
     gcp: GcpPlacement | None = None
     azure: AzurePlacement | None = None
     # GCP: where the provisioner launches Dev CVMs (default: this project) and the state bucket.
@@ -242,6 +243,10 @@ def _gcp_base(
         deletion_protection=True,
         settings=gcp.sql.DatabaseInstanceSettingsArgs(
             tier=args.db_tier,
+            # The configured size is the size: an auto-grown disk would make the next `up`
+            # try to shrink it (refused by Cloud SQL).
+            disk_size=args.db_storage_gb,
+            disk_autoresize=False,
             availability_type="REGIONAL",
             backup_configuration=gcp.sql.DatabaseInstanceSettingsBackupConfigurationArgs(
                 enabled=True, point_in_time_recovery_enabled=True
@@ -359,7 +364,7 @@ def _azure_base(
         location=location,
         version="16",
         sku=azure.dbforpostgresql.SkuArgs(name=args.db_tier, tier="GeneralPurpose"),
-        storage=azure.dbforpostgresql.StorageArgs(storage_size_gb=64),
+        storage=azure.dbforpostgresql.StorageArgs(storage_size_gb=args.db_storage_gb),
         administrator_login=DB_USER,
         administrator_login_password=password,
         network=azure.dbforpostgresql.NetworkArgs(

@@ -343,6 +343,7 @@ def build_console(cfg: ConsoleStack, root: Path) -> None:
             app_compose=files.app_compose,
             db_tier=cfg.db_tier,
             db_password=password,
+            db_storage_gb=cfg.db_storage_gb,
             team_projects=list(cfg.team_projects),
             state_bucket=cfg.state_bucket,
             team_resource_groups=list(cfg.team_resource_groups),

@@ -213,3 +213,49 @@ def test_the_gcp_console_has_a_reserved_static_address() -> None:
         None,
         [],
     )
+
+
+@pytest.mark.parametrize(("cloud", "size"), [("gcp", 250), ("azure", 512)])
+def test_the_database_size_is_stack_config(cloud: str, size: int) -> None:
+    """Azure's database was fixed at 64 GB: the stack's `db_storage_gb` now sizes it on both."""
+    raw = _raw(cloud)
+    doc = json.loads(raw["umbra:stack"]) | {"db_storage_gb": size}
+    raw["umbra:stack"] = json.dumps(doc)
+    cfg = parse_stack_config(raw, frozenset({"umbra:consoleDbPassword"}))
+    assert isinstance(cfg, ConsoleStack) and cfg.db_storage_gb == size
+
+    def body() -> Any:
+        build_console(cfg, ROOT)
+        return None
+
+    mocks, _ = run_program(body, config=raw)
+    if cloud == "gcp":
+        (db,) = mocks.of_type("gcp:sql/databaseInstance:DatabaseInstance")
+        assert db.inputs["settings"]["diskSize"] == size
+        assert db.inputs["settings"]["diskAutoresize"] is False
+    else:
+        (db,) = mocks.of_type("azure-native:dbforpostgresql:Server")
+        assert db.inputs["storage"]["storageSizeGB"] == size
+
+
+@pytest.mark.parametrize(
+    ("cloud", "size", "problem"),
+    [
+        ("azure", 100, "not an Azure Flexible Server size"),
+        ("gcp", 5, "db_storage_gb"),
+        ("gcp", 70000, "db_storage_gb"),
+    ],
+)
+def test_a_database_size_out_of_bounds_is_refused(cloud: str, size: int, problem: str) -> None:
+    from umbra.components.config import ConfigError
+
+    raw = _raw(cloud)
+    raw["umbra:stack"] = json.dumps(json.loads(raw["umbra:stack"]) | {"db_storage_gb": size})
+    with pytest.raises(ConfigError) as err:
+        parse_stack_config(raw, frozenset({"umbra:consoleDbPassword"}))
+    assert problem in str(err.value) and "umbra:stack" in str(err.value)
+
+
+def test_the_database_size_defaults_to_64() -> None:
+    cfg = parse_stack_config(_raw("azure"), frozenset({"umbra:consoleDbPassword"}))
+    assert isinstance(cfg, ConsoleStack) and cfg.db_storage_gb == 64
