@@ -222,7 +222,7 @@ def test_disk_bounds_and_the_developers_disk_quota(team: Team) -> None:
 
 
 class DefaultDisk(Recording):
-    default_data_disk_gb = 100
+    default_data_disk_gb: int | None = 100
 
 
 @pytest.fixture
