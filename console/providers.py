@@ -104,7 +104,7 @@ class LocalProvider:
     name = "local"
     background = False
     resumable = False
-    default_data_disk_gb = None
+    default_data_disk_gb: int | None = None
 
     def check(self, spec: CvmSpec) -> None:
         return None

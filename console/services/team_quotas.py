@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from sqlalchemy import func, select
+from sqlalchemy import ColumnElement, and_, func, select
 from sqlalchemy.orm import Session
 from sqlmodel import col
 
@@ -44,23 +44,23 @@ class QuotaRefused(Conflict):
         self.used, self.asked, self.limit = used, asked, limit
 
 
-def _live_dev(team: str) -> list[object]:
-    return [
+def _live_dev(team: str) -> ColumnElement[bool]:
+    return and_(
         col(Cvm.team) == team,
         col(Cvm.kind) == CvmKind.dev,
         col(Cvm.state) != CvmState.destroyed,
-    ]
+    )
 
 
 def _usage(session: Session, team: str, owner: str) -> QuotaUsage:
     # Data disks recorded before revision 0016_disk_quotas (NULL) count 0 GB.
     disk = func.coalesce(func.sum(col(Cvm.data_disk_gb)), 0)
-    total = session.execute(select(disk).where(*_live_dev(team))).scalar_one()
+    total = session.execute(select(disk).where(_live_dev(team))).scalar_one()
     count, mine = session.execute(
-        select(func.count(), disk).where(*_live_dev(team), col(Cvm.owner) == owner)
+        select(func.count(), disk).where(_live_dev(team), col(Cvm.owner) == owner)
     ).one()
     return QuotaUsage(
-        owner=owner, dev_cvms=count, data_disk_gb=int(mine), team_data_disk_gb=int(total)
+        owner=owner, dev_cvms=count, data_disk_gb=int(mine or 0), team_data_disk_gb=int(total or 0)
     )
 
 
