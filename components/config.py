@@ -363,8 +363,9 @@ class ConsoleStack(Strict):
     ]
     ingress_cidrs: list[IngressCidr] = Field(min_length=1)
     db_tier: str = Field(min_length=1)
-    # The managed PostgreSQL's storage (GB): GCP Cloud SQL 10-65536, Azure Flexible Server one of
-    # its fixed sizes (AZURE_DB_STORAGE_GB). Both clouds only grow a database disk, never shrink.
+    # The managed PostgreSQL's storage (GB). Azure Flexible Server: one of its fixed sizes
+    # (AZURE_DB_STORAGE_GB), the size (raise it to grow; never shrinks). GCP Cloud SQL: 10-65536,
+    # the size it is created with; Cloud SQL's auto-resize grows it from there.
     db_storage_gb: int = Field(default=64, ge=10, le=65536)
     # Exported for team stacks (StackReference): the Console's URL and the CA its TLS chains to
     # (a PEM file relative to the project root; unset when a public CA issues its certificate).

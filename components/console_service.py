@@ -243,10 +243,11 @@ def _gcp_base(
         deletion_protection=True,
         settings=gcp.sql.DatabaseInstanceSettingsArgs(
             tier=args.db_tier,
-            # The configured size is the size: an auto-grown disk would make the next `up`
-            # try to shrink it (refused by Cloud SQL).
+            # The size it is created with; Cloud SQL grows it when it fills (a full database
+            # stops the Console), and `ignore_changes` below keeps a grown disk from making the
+            # next `up` plan a replacement to "shrink" it back.
             disk_size=args.db_storage_gb,
-            disk_autoresize=False,
+            disk_autoresize=True,
             availability_type="REGIONAL",
             backup_configuration=gcp.sql.DatabaseInstanceSettingsBackupConfigurationArgs(
                 enabled=True, point_in_time_recovery_enabled=True
@@ -255,7 +256,10 @@ def _gcp_base(
                 ipv4_enabled=False, private_network=vpc.id, ssl_mode="ENCRYPTED_ONLY"
             ),
         ),
-        opts=pulumi.ResourceOptions.merge(opts, pulumi.ResourceOptions(depends_on=[psa])),
+        opts=pulumi.ResourceOptions.merge(
+            opts,
+            pulumi.ResourceOptions(depends_on=[psa], ignore_changes=["settings.diskSize"]),
+        ),
     )
     gcp.sql.Database(f"{name}-db-umbra", name=DB_NAME, instance=db.name, project=project, opts=opts)
     gcp.sql.User(

@@ -232,7 +232,7 @@ def test_the_database_size_is_stack_config(cloud: str, size: int) -> None:
     if cloud == "gcp":
         (db,) = mocks.of_type("gcp:sql/databaseInstance:DatabaseInstance")
         assert db.inputs["settings"]["diskSize"] == size
-        assert db.inputs["settings"]["diskAutoresize"] is False
+        assert db.inputs["settings"]["diskAutoresize"] is True  # and a grown disk is kept
     else:
         (db,) = mocks.of_type("azure-native:dbforpostgresql:Server")
         assert db.inputs["storage"]["storageSizeGB"] == size
