@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-revision: str = "0016_disk_quotas"
+revision: str = "0014"
 # main's head when written; the lead rechains it at merge
 down_revision: str | None = "0013"
 branch_labels: str | Sequence[str] | None = None
