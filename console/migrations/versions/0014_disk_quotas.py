@@ -1,6 +1,6 @@
 """disk quotas: each Dev CVM's data disk size, and the team's disk bounds and quotas
 
-Revision ID: 0016_disk_quotas
+Revision ID: 0014
 Revises: 0013
 Create Date: 2026-12-06 07:45:00.000000
 """
@@ -13,7 +13,6 @@ import sqlalchemy as sa
 from alembic import op
 
 revision: str = "0014"
-# main's head when written; the lead rechains it at merge
 down_revision: str | None = "0013"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
