@@ -504,10 +504,12 @@ def launch_agent_cmd(
     compose, report ready. Refuses (exit 1, reason on the serial console) on bad launch data."""
     from umbra.images import launch_agent as la
     from umbra.images import launch_ingress as li
+    from umbra.images import launch_secrets as ls
     from umbra.images.launch_host import DataDisk, DiscoveredDataDisk, Ext4DataDisk
 
     source: la.MetadataSource
     reporter: la.Reporter | None
+    secrets: ls.SecretReader
     if cloud == "smbios":
         from umbra.images.cloud_id import UnknownCloud, cloud_from_smbios
 
@@ -519,9 +521,11 @@ def launch_agent_cmd(
     if cloud == "gcp":
         source = la.GcpMetadata(metadata_url or la.GCP_METADATA)
         reporter = la.GcpGuestAttribute(metadata_url or la.GCP_METADATA)
+        secrets = ls.GcpSecretManager(metadata_url or ls.METADATA)
     elif cloud == "azure":
         source = la.AzureUserData(metadata_url or la.AZURE_IMDS, user_data_file)
         reporter = la.AzureWireServer()
+        secrets = ls.AzureKeyVault(metadata_url or ls.METADATA)
     else:
         fail(f"--cloud must be gcp, azure or smbios, got {cloud!r}", EXIT_USAGE)
     extender: la.Extender
@@ -572,6 +576,7 @@ def launch_agent_cmd(
         else None,
         cloud=cloud,
         idle_stop=la.SystemdIdleStop() if idle_stop else None,
+        secrets=secrets,
     )
     try:
         agent.run()

@@ -12,7 +12,7 @@ import pulumi
 
 from umbra.components.config import AzurePlacement, GcpPlacement
 from umbra.components.cvm import CvmArgs, Placement, VmParts, VmSpec
-from umbra.components.launch_data import LaunchData
+from umbra.components.launch_data import DATABASE_CA_PATH, LaunchData
 from umbra.components.network import Cloud
 from umbra.components.ports import ROLE_CONSOLE, ROLE_LABEL
 
@@ -53,7 +53,6 @@ PROVISIONER_BUCKET_ROLE = "roles/storage.objectAdmin"
 # NICs and joining a subnet; Storage Blob Data Contributor covers the Pulumi state blobs.
 AZURE_VM_CONTRIBUTOR = "9980e02c-c2be-4d73-94e8-173b1dc7cf3c"
 AZURE_BLOB_DATA_CONTRIBUTOR = "ba92f5b4-2d11-453d-a403-e96b0029c9fe"
-DATABASE_CA_PATH = "/run/umbra/launch/database-ca.pem"
 CONSOLE_APIS = (
     "compute.googleapis.com",
     "iam.googleapis.com",
