@@ -282,9 +282,8 @@ def test_a_bad_console_launch_starts_nothing_and_says_why_once(
 
 
 def test_console_keys_are_refused_on_other_roles(tmp_path: Path) -> None:
-    from umbra.images.launch_agent import parse_launch_data
-
     from umbra.components.launch_data import placeholder_app_compose
+    from umbra.images.launch_agent import parse_launch_data
 
     data = replace(_gcp(), role="security-cvm", app_compose=placeholder_app_compose("security"))
     meta = data.as_metadata()
