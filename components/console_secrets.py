@@ -111,7 +111,11 @@ def azure_console_secrets(
             properties=azure.keyvault.SecretPropertiesArgs(value=pulumi.Output.secret(value)),
             opts=opts,
         )
-        refs[kind] = secret.properties.apply(lambda p: p.secret_uri_with_version or "")
+        # The URI is no secret (the `properties` it comes from are, as a whole, for `value`):
+        # launch data and its diffs stay readable.
+        refs[kind] = pulumi.Output.unsecret(
+            secret.properties.apply(lambda p: p.secret_uri_with_version or "")
+        )
     return refs, vault.id
 
 

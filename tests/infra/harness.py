@@ -79,9 +79,17 @@ class Recorder(Mocks):
         if args.typ == "gcp:secretmanager/secretVersion:SecretVersion":
             out["name"] = f"{args.inputs['secret']}/versions/1"
             out["version"] = "1"
+        if args.typ == "azure-native:dbforpostgresql:Server":
+            out["fullyQualifiedDomainName"] = (
+                f"{args.inputs['serverName']}.postgres.database.azure.com"
+            )
+        if args.typ == "azure-native:keyvault:Vault":
+            out["name"] = args.inputs["vaultName"]  # as Azure names it
         if args.typ == "azure-native:keyvault:Secret":
             vault, secret = args.inputs["vaultName"], args.inputs["secretName"]
-            out["properties"] = dict(out.get("properties", {})) | {
+            props = dict(out.get("properties", {}))
+            props = dict(props.get("value", {})) if len(props) == 2 and "value" in props else props
+            out["properties"] = props | {
                 "secretUriWithVersion": f"https://{vault}.vault.azure.net/secrets/{secret}/{'0' * 32}"
             }
         if args.typ == "azure-native:compute:VirtualMachine":
