@@ -576,7 +576,7 @@ def launch_agent_cmd(
         else None,
         cloud=cloud,
         idle_stop=la.SystemdIdleStop() if idle_stop else None,
-        secrets=secrets,
+        secrets=ls.Retrying(secrets, say=say),
     )
     try:
         agent.run()
