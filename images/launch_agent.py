@@ -874,8 +874,9 @@ class Agent:
                 write_hosts(self.etc_dir, data.security_cvm_ips)
             if data.dns_resolvers:
                 write_resolv_conf(self.etc_dir, data.dns_resolvers)
-            if self.data_disk is not None:
+            if self.data_disk is not None and data.role != "console":
                 # Dev: the workspace. Security: the proxy's spool (unshipped traffic records).
+                # The Console has none: its state is the managed database.
                 self.say(f"umbra-launch: {self.data_disk.mount()}")
             if data.role == "security-cvm" and self.spool_dir is not None:
                 # The compose's `spool` volume binds it; the proxy (SERVICE_UID) owns it alone.

@@ -194,6 +194,20 @@ def test_a_console_launch_reads_its_secrets_measures_and_starts_its_compose(
     assert lines[-1].startswith("umbra-launch: console umbra-console started")
 
 
+def test_a_console_mounts_no_data_disk(tmp_path: Path) -> None:
+    """The CLI's default is a disk found in sysfs, which a Console VM does not have: mounting
+    one would refuse every Console launch ("no data disk")."""
+
+    class NoDisk:
+        def mount(self) -> str:
+            raise AssertionError("a Console has no data disk")
+
+    agent, rec, _ = _agent(_gcp().gcp_metadata(), _good_secrets(), tmp_path)
+    agent.data_disk = NoDisk()
+    agent.run()
+    assert len(rec.started) == 1
+
+
 def test_an_azure_console_reads_key_vault_references_and_needs_no_database_ca(
     tmp_path: Path,
 ) -> None:
