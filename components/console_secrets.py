@@ -95,7 +95,9 @@ def azure_console_secrets(
         location=location,
         properties=azure.keyvault.VaultPropertiesArgs(
             tenant_id=client.tenant_id,
-            sku=azure.keyvault.SkuArgs(family="A", name="standard"),
+            sku=azure.keyvault.SkuArgs(
+                family=azure.keyvault.SkuFamily.A, name=azure.keyvault.SkuName.STANDARD
+            ),
             enable_rbac_authorization=True,
             enable_purge_protection=True,
         ),

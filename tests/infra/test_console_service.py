@@ -13,7 +13,8 @@ import pytest
 from tests.infra.harness import FAKE_DB_CA, ROOT, example_raw, example_stack, run_program
 from tests.infra.test_policy_pack import violations
 from umbra.components.config import ConsoleStack, parse_stack_config
-from umbra.components.console_service import DATABASE_CA_PATH, ConsoleService
+from umbra.components.console_service import ConsoleService
+from umbra.components.launch_data import DATABASE_CA_PATH
 from umbra.components.program import build_console
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
