@@ -312,7 +312,9 @@ def build_cmd(
     ] = None,
     pulumi_sha256: Annotated[
         str | None,
-        typer.Option("--pulumi-sha256", envvar="PULUMI_SHA256", help="The tarball's pinned SHA-256."),
+        typer.Option(
+            "--pulumi-sha256", envvar="PULUMI_SHA256", help="The tarball's pinned SHA-256."
+        ),
     ] = None,
     without_tools: Annotated[
         bool,

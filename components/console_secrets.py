@@ -15,11 +15,11 @@ import pulumi
 
 
 class ConsoleSecret(StrEnum):
-    DATABASE_PASSWORD = "db-password"
+    DATABASE_PASSWORD = "db-password"  # noqa: S105 (a secret's name)
     TLS_KEY = "tls-key"
 
 
-GCP_SECRET_ACCESSOR = "roles/secretmanager.secretAccessor"
+GCP_SECRET_ACCESSOR = "roles/secretmanager.secretAccessor"  # noqa: S105 (a role)
 # Azure built-in "Key Vault Secrets User" (read secret contents), fixed id.
 AZURE_KEY_VAULT_SECRETS_USER = "4633458b-17de-408a-b874-0445c86b69e6"
 
@@ -122,7 +122,10 @@ def azure_console_secrets(
 
 
 def azure_console_reader(
-    name: str, principal_id: pulumi.Input[str], vault_id: pulumi.Input[str], opts: pulumi.ResourceOptions
+    name: str,
+    principal_id: pulumi.Input[str],
+    vault_id: pulumi.Input[str],
+    opts: pulumi.ResourceOptions,
 ) -> None:
     """The Console VM's system identity reads the vault's secrets (exists only once the VM does:
     the launch agent's Key Vault reads retry while the assignment propagates)."""

@@ -50,7 +50,7 @@ DATABASE_CA_PATH = "/run/umbra/launch/database-ca.pem"
 # a Secret Manager version or a Key Vault secret URI, read at boot with the VM's identity). The
 # values never ride in launch data. All four are measured (umbra.console-launch).
 META_DATABASE_URL = "umbra-database-url"
-META_DATABASE_PASSWORD_REF = "umbra-database-password-ref"
+META_DATABASE_PASSWORD_REF = "umbra-database-password-ref"  # noqa: S105 (a key name)
 META_CONSOLE_TLS_CERT = "umbra-console-tls-cert"
 META_CONSOLE_TLS_KEY_REF = "umbra-console-tls-key-ref"
 # Security CVM replicas: the internal load balancer's address, added as a local route.

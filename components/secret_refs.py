@@ -16,7 +16,7 @@ from enum import StrEnum
 
 
 class SecretStore(StrEnum):
-    GCP_SECRET_MANAGER = "gcp-secret-manager"
+    GCP_SECRET_MANAGER = "gcp-secret-manager"  # noqa: S105 (a store's name)
     AZURE_KEY_VAULT = "azure-key-vault"
 
 

@@ -49,7 +49,7 @@ class ConsoleProblem(StrEnum):
     MISSING = "missing"
     INVALID = "invalid"
     MISMATCH = "mismatch"
-    SECRET_UNREADABLE = "secret_unreadable"
+    SECRET_UNREADABLE = "secret_unreadable"  # noqa: S105 (a reason)
 
 
 class ConsoleLaunchError(Exception):
@@ -71,7 +71,9 @@ def check_console_meta(meta: dict[str, str], role: str, cloud: str | None) -> No
     present = [k for k in CONSOLE_KEYS if k in meta]
     if role != "console":
         if present:
-            raise ConsoleLaunchError(ConsoleProblem.INVALID, f"{present}: only a Console takes these")
+            raise ConsoleLaunchError(
+                ConsoleProblem.INVALID, f"{present}: only a Console takes these"
+            )
         return
     missing = [k for k in CONSOLE_KEYS if k not in meta]
     if missing:

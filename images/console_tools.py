@@ -31,7 +31,12 @@ PULUMI_DIR = "/opt/pulumi/bin"
 POLICY_PACK_DIR = "/opt/umbra/policy_pack"
 POLICY_PACK_ENV = "UMBRA_POLICY_PACK"
 REPO_POLICY_PACK = Path(__file__).resolve().parents[1] / "infra" / "policy_pack"
-POLICY_PACK_FILES = ("PulumiPolicy.yaml", "__main__.py", "umbra_policy_rules.py", "requirements.txt")
+POLICY_PACK_FILES = (
+    "PulumiPolicy.yaml",
+    "__main__.py",
+    "umbra_policy_rules.py",
+    "requirements.txt",
+)
 # The upstream tarball's members kept (under its top `pulumi/` directory).
 _KEEP_PREFIXES = ("pulumi-language-python", "pulumi-analyzer-policy")
 _REQUIRED_BINARIES = ("pulumi", "pulumi-language-python")

@@ -145,7 +145,7 @@ class Refusal(StrEnum):
     HOST_SETUP_FAILED = "host_setup_failed"
     START_FAILED = "start_failed"
     INGRESS_FAILED = "ingress_failed"
-    SECRET_UNREADABLE = "secret_unreadable"
+    SECRET_UNREADABLE = "secret_unreadable"  # noqa: S105 (a reason)
 
 
 class LaunchError(Exception):

@@ -20,7 +20,7 @@ from umbra.components.secret_refs import SecretStore, secret_store
 
 # By address (the same reasons as the launch agent's metadata reads).
 METADATA = "http://169.254.169.254"
-SECRET_MANAGER_API = "https://secretmanager.googleapis.com"
+SECRET_MANAGER_API = "https://secretmanager.googleapis.com"  # noqa: S105 (an endpoint)
 KEY_VAULT_RESOURCE = "https://vault.azure.net"
 KEY_VAULT_API = "7.4"
 

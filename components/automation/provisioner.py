@@ -50,8 +50,7 @@ PROJECT = "umbra-dev-cvm"
 # repository's.
 POLICY_PACK_ENV = "UMBRA_POLICY_PACK"
 POLICY_PACK = Path(
-    os.environ.get(POLICY_PACK_ENV)
-    or Path(__file__).resolve().parents[2] / "infra" / "policy_pack"
+    os.environ.get(POLICY_PACK_ENV) or Path(__file__).resolve().parents[2] / "infra" / "policy_pack"
 )
 
 
