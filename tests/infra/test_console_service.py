@@ -13,7 +13,8 @@ import pytest
 from tests.infra.harness import FAKE_DB_CA, ROOT, example_raw, example_stack, run_program
 from tests.infra.test_policy_pack import violations
 from umbra.components.config import ConsoleStack, parse_stack_config
-from umbra.components.console_service import DATABASE_CA_PATH, ConsoleService
+from umbra.components.console_service import ConsoleService
+from umbra.components.launch_data import DATABASE_CA_PATH
 from umbra.components.program import build_console
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -63,11 +64,13 @@ def test_console_service(cloud: str) -> None:
         assert db.inputs["network"]["publicNetworkAccess"] == "Disabled"
         (vm,) = mocks.of_type("azure-native:compute:VirtualMachine")
         assert vm.inputs["securityProfile"]["securityType"] == "ConfidentialVM"
-    # The password reaches the database resource and nothing else in clear.
+    # The password reaches the database resource and the Console's secret store, nothing else.
     holders = [r for r in mocks.resources if PASSWORD in json.dumps(r.inputs)]
     assert {r.typ for r in holders} <= {
         "gcp:sql/user:User",
+        "gcp:secretmanager/secretVersion:SecretVersion",
         "azure-native:dbforpostgresql:Server",
+        "azure-native:keyvault:Secret",
     }, [r.typ for r in holders]
     for r in mocks.resources:
         assert violations(r.typ, dict(r.inputs)) == {}, (r.typ, r.name)
@@ -194,6 +197,8 @@ def test_on_azure_the_console_identity_holds_exactly_the_provisioner_roles() -> 
             "/subscriptions/sub-0000/resourceGroups/umbra-globex",
             "9980e02c-c2be-4d73-94e8-173b1dc7cf3c",
         ),
+        # And reads its launch secrets: Key Vault Secrets User on its own vault only.
+        ("console-kv-id", "4633458b-17de-408a-b874-0445c86b69e6"),
     ]
 
 
