@@ -69,7 +69,8 @@ class RetentionRun:
     def details(self) -> dict[str, Any]:
         values = asdict(self)
         values["cutoff"] = self.cutoff.isoformat()
-        values["seconds"] = round(self.seconds, 3)
+        del values["seconds"]
+        values["milliseconds"] = round(self.seconds * 1000)  # canonical JSON has no floats
         return values
 
 

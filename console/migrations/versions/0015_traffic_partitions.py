@@ -86,11 +86,12 @@ def _swap_table(partitioned: bool) -> None:
     if partitioned:
         op.execute(f"CREATE TABLE {DEFAULT_PARTITION} PARTITION OF traffic_record DEFAULT")
         today = datetime.now(UTC).date()
-        oldest = bind.execute(sa.text(f"SELECT min(time) FROM {_OLD}")).scalar()  # noqa: S608
-        first = today
-        if oldest is not None:
-            first = max(oldest.astimezone(UTC).date(), today - timedelta(days=BACKFILL_DAYS))
-            first = min(first, today)
+        since = datetime.combine(today - timedelta(days=BACKFILL_DAYS), datetime.min.time(), UTC)
+        oldest = bind.execute(
+            sa.text(f"SELECT min(time) FROM {_OLD} WHERE time >= :since"),  # noqa: S608
+            {"since": since},
+        ).scalar()
+        first = today if oldest is None else min(oldest.astimezone(UTC).date(), today)
         day = first
         while day <= today + timedelta(days=AHEAD_DAYS):
             op.execute(_partition_sql(day))
