@@ -8,7 +8,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +30,6 @@ from umbra.console import (
     notify,
     provisioning,
     refusal_budget,
-    traffic_partitions,
     traffic_retention,
 )
 from umbra.console.config import ConfigError, Settings, settings_summary
@@ -249,19 +248,7 @@ def _start_exporter(console: Console) -> asyncio.Task[None] | None:
 
 
 def _traffic_maintenance_round(console: Console) -> None:
-    """Partitions for today and the days ahead (PostgreSQL), then retention when it is set."""
-    settings = console.settings
-    made = traffic_partitions.ensure(console.engine, datetime.now(UTC))
-    if made:
-        log.info("traffic partitions made: %s", made)
-    if settings.traffic_retention_days is not None:
-        sinks = export_sinks.configured(settings.export_otlp_url, settings.export_syslog_url)
-        traffic_retention.run(
-            console.engine,
-            days=settings.traffic_retention_days,
-            sinks=sinks,
-            write_gate=console.write_gate,
-        )
+    traffic_retention.maintain(console.engine, console.settings, write_gate=console.write_gate)
 
 
 async def _maintain_traffic(console: Console) -> None:

@@ -43,9 +43,11 @@ from sqlalchemy.exc import OperationalError
 from sqlmodel import Session
 
 from umbra.console import audit, traffic_partitions, traffic_rollup
+from umbra.console.config import Settings
 from umbra.console.enums import AuditAction
 from umbra.console.export.mapping import Stream
 from umbra.console.export.runner import cursor_position
+from umbra.console.export.sinks import configured
 from umbra.console.state import lock_key
 
 log = logging.getLogger(__name__)
@@ -145,6 +147,31 @@ def run(
         deleted,
     )
     return outcome
+
+
+def maintain(
+    engine: Engine,
+    settings: Settings,
+    *,
+    write_gate: AbstractContextManager[Any] | None = None,
+    now: datetime | None = None,
+) -> RetentionRun | None:
+    """One maintenance round (the Console's periodic task and `umbra console retention`): the
+    partitions of today and the days ahead (PostgreSQL), then retention when it is set."""
+    when = now or datetime.now(UTC)
+    made = traffic_partitions.ensure(engine, when)
+    if made:
+        log.info("traffic partitions made: %s", made)
+    if settings.traffic_retention_days is None:
+        return None
+    sinks = configured(settings.export_otlp_url, settings.export_syslog_url)
+    return run(
+        engine,
+        days=settings.traffic_retention_days,
+        sinks=sinks,
+        now=when,
+        write_gate=write_gate,
+    )
 
 
 @contextlib.contextmanager

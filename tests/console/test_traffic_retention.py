@@ -18,9 +18,11 @@ import pytest
 import sqlalchemy
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
+from typer.testing import CliRunner
 
 from tests.console.conftest import new_database
 from tests.console.siem_receivers import OtlpReceiver, make_pki
+from umbra.cli.app import app as umbra_app
 from umbra.console import (
     db,
     traffic_partitions,
@@ -409,3 +411,28 @@ def test_retention_during_ingest_and_export_loses_and_repeats_nothing(
         _rollups_match(engine)
     finally:
         engine.dispose()
+
+
+def test_cli_runs_one_round_and_says_what_waits(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url, _ = new_database("sqlite", request)
+    db.upgrade(url)
+    engine = db.make_engine(url)
+    team = "t" + uuid.uuid4().hex[:8]
+    old = _records(team, 6, datetime.now(UTC) - timedelta(days=20), timedelta(minutes=1))
+    _ingest(engine, old)
+    _set_cursor(engine, SinkName.SYSLOG, _position(engine, str(old[2].id)))
+    engine.dispose()
+    invoke = ["console", "retention", "--database-url", url]
+    monkeypatch.delenv("UMBRA_CONSOLE_TRAFFIC_RETENTION_DAYS", raising=False)
+    result = CliRunner().invoke(umbra_app, invoke)
+    assert result.exit_code == 2
+    assert "UMBRA_CONSOLE_TRAFFIC_RETENTION_DAYS is not set" in result.output
+    monkeypatch.setenv("UMBRA_CONSOLE_TRAFFIC_RETENTION_DAYS", "7")
+    monkeypatch.setenv("UMBRA_CONSOLE_EXPORT_SYSLOG_URL", "tls://127.0.0.1:6514")
+    result = CliRunner().invoke(umbra_app, invoke)
+    assert result.exit_code == 0, result.output
+    said = " ".join(result.output.split())
+    assert "0 day partitions dropped, 3 records deleted" in said
+    assert "3 expired records kept until SIEM export has them (traffic cursors syslog=3)" in said
