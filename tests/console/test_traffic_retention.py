@@ -21,6 +21,8 @@ from sqlmodel import Session, col, select
 from typer.testing import CliRunner
 
 from tests.console.conftest import new_database
+from tests.console.helpers import start_server
+from tests.console.oidc_issuer import LocalIssuer
 from tests.console.siem_receivers import OtlpReceiver, make_pki
 from umbra.cli.app import app as umbra_app
 from umbra.console import (
@@ -38,6 +40,7 @@ from umbra.console.export.sinks import OtlpSink, SinkName
 from umbra.console.models import AuditEntry, ExportCursor
 from umbra.console.models import TrafficRecord as Row
 from umbra.contracts.traffic import TrafficRecord
+from umbra.policy.bundle import generate_key
 
 NOW = datetime.now(UTC)
 
@@ -436,3 +439,37 @@ def test_cli_runs_one_round_and_says_what_waits(
     said = " ".join(result.output.split())
     assert "0 day partitions dropped, 3 records deleted" in said
     assert "3 expired records kept until SIEM export has them (traffic cursors syslog=3)" in said
+
+
+def test_a_serving_console_makes_partitions_and_runs_retention(
+    request: pytest.FixtureRequest, issuer: LocalIssuer, tmp_path: Path
+) -> None:
+    """The app's lifespan runs a maintenance round at startup (PostgreSQL): tomorrow's missing
+    partition is made, an expired day is dropped, and the run is audited."""
+    url, sqlite_path = new_database("postgresql", request)
+    db.upgrade(url)
+    engine = db.make_engine(url)
+    tomorrow = traffic_partitions.name_of(datetime.now(UTC).date() + timedelta(days=1))
+    with engine.begin() as connection:
+        connection.execute(sqlalchemy.text(f"DROP TABLE {tomorrow}"))
+    traffic_partitions.ensure(engine, datetime.now(UTC) - timedelta(days=20), ahead=0)
+    old = _records(
+        "t" + uuid.uuid4().hex[:8], 3, datetime.now(UTC) - timedelta(days=20), timedelta(minutes=1)
+    )
+    _ingest(engine, old)
+    server = start_server(
+        "postgresql", url, sqlite_path, issuer.url, generate_key(), tmp_path,
+        traffic_retention_days=7,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 20
+        while not _retention_entries(engine):
+            assert time.monotonic() < deadline, "no retention run at startup"
+            time.sleep(0.1)
+        with engine.connect() as connection:
+            names = {p.name for p in traffic_partitions.partitions(connection)}
+        assert tomorrow in names
+        assert not _ids(engine)
+    finally:
+        server.stop()
+        engine.dispose()
