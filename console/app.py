@@ -24,7 +24,14 @@ from sqlalchemy.exc import TimeoutError as SqlTimeoutError
 from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from umbra.console import children, db, notify, provisioning, refusal_budget
+from umbra.console import (
+    children,
+    db,
+    notify,
+    provisioning,
+    refusal_budget,
+    traffic_retention,
+)
 from umbra.console.config import ConfigError, Settings, settings_summary
 from umbra.console.envelope import EnvelopeError, LocalKeyring
 from umbra.console.export import runner as export_runner
@@ -163,7 +170,9 @@ def create_app(
         if console.watchdog is not None:
             console.watchdog.start()
         exporter = _start_exporter(console)
+        maintenance = asyncio.create_task(_maintain_traffic(console))
         yield
+        maintenance.cancel()
         if exporter is not None:
             exporter.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -236,6 +245,21 @@ def _start_exporter(console: Console) -> asyncio.Task[None] | None:
         batch=settings.export_batch,
     )
     return asyncio.create_task(exporter.run())
+
+
+def _traffic_maintenance_round(console: Console) -> None:
+    traffic_retention.maintain(console.engine, console.settings, write_gate=console.write_gate)
+
+
+async def _maintain_traffic(console: Console) -> None:
+    """The first round at startup (a partition for today exists before the first busy hour),
+    then every `TRAFFIC_MAINTENANCE_INTERVAL_SECONDS`."""
+    while True:
+        try:
+            await run_in_threadpool(_traffic_maintenance_round, console)
+        except Exception as exc:  # a database outage or a busy table: the next round retries
+            log.warning("traffic maintenance failed (%s); retrying", type(exc).__name__)
+        await asyncio.sleep(console.settings.traffic_maintenance_interval_seconds)
 
 
 async def _flush_refusal_summaries(console: Console) -> None:

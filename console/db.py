@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import re
 import threading
 from datetime import UTC, datetime
 from pathlib import Path
@@ -59,6 +60,15 @@ def make_lock_engine(url: str, *, connect_timeout_s: int = 3) -> Engine:
         "keepalives_interval": 3, "keepalives_count": 3,
     }  # fmt: skip
     return create_engine(url, poolclass=NullPool, connect_args=connect_args)
+
+
+_PARTITION = re.compile(r"^traffic_record_(p\d{8}|default)$")
+
+
+def include_name(name: str | None, type_: str, _parents: object) -> bool:
+    """Alembic's autogenerate filter: the traffic table's partitions (console/traffic_partitions.py)
+    are made at run time, not by the models, so a schema comparison leaves them out."""
+    return not (type_ == "table" and name is not None and _PARTITION.match(name))
 
 
 def alembic_config(url: str) -> Config:

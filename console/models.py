@@ -217,7 +217,11 @@ class TrafficSlot(SQLModel, table=True):
     (console/traffic_rollup.py). '' stands for a record without owner or CVM."""
 
     __tablename__ = "traffic_slot"
-    __table_args__ = (Index("ix_traffic_slot_team_slot", "team", "slot"),)
+    # by slot alone (revision 0015): retention deletes a dropped day's slots for every team
+    __table_args__ = (
+        Index("ix_traffic_slot_team_slot", "team", "slot"),
+        Index("ix_traffic_slot_slot", "slot"),
+    )
 
     team: str = Field(primary_key=True, max_length=64)
     owner: str = Field(primary_key=True, max_length=255)
@@ -231,7 +235,10 @@ class TrafficSlotDenial(SQLModel, table=True):
     """Denials per slot by host, reason and rule (`dimension`): the overview's top lists."""
 
     __tablename__ = "traffic_slot_denial"
-    __table_args__ = (Index("ix_traffic_slot_denial_team_slot", "team", "dimension", "slot"),)
+    __table_args__ = (
+        Index("ix_traffic_slot_denial_team_slot", "team", "dimension", "slot"),
+        Index("ix_traffic_slot_denial_slot", "slot"),
+    )
 
     team: str = Field(primary_key=True, max_length=64)
     owner: str = Field(primary_key=True, max_length=255)
@@ -246,7 +253,10 @@ class TrafficRecord(SQLModel, table=True):
     """One proxy decision (`umbra.contracts.traffic.TrafficRecord`); never values or bodies.
 
     The record id is the shipper's idempotency key, scoped per team (revision 0004): one team's
-    Security CVM cannot suppress another team's records by reusing their ids."""
+    Security CVM cannot suppress another team's records by reusing their ids. The key includes
+    `time` (revision 0015): PostgreSQL partitions the table by day on `time`, and a partitioned
+    table's keys must hold its partition column; a shipper's retry re-sends the same time, so it is
+    still skipped (console/traffic_partitions.py)."""
 
     __tablename__ = "traffic_record"
     # Every developer/dashboard query is per team, newest first, optionally filtered by one of
@@ -272,7 +282,7 @@ class TrafficRecord(SQLModel, table=True):
     team: str = Field(primary_key=True, max_length=64)
     id: str = Field(primary_key=True, max_length=36)
     security_cvm_id: str = Field(max_length=40)
-    time: datetime = Field(sa_type=DateTime(timezone=True))
+    time: datetime = Field(primary_key=True, sa_type=DateTime(timezone=True))
     cvm_id: str | None = Field(default=None, max_length=40)
     owner: str | None = Field(default=None, max_length=255)
     kind: str = Field(default="http", max_length=16)
