@@ -56,7 +56,8 @@ from umbra.contracts.agent_logins import SELF_SERVICE_PROFILES
 
 
 def cvm_info(cvm: Cvm) -> CvmInfo:
-    return CvmInfo.model_validate(cvm.model_dump(exclude={"credential_hash", "created_by"}))
+    internal = {"credential_hash", "created_by", "lease_owner", "lease_until"}
+    return CvmInfo.model_validate(cvm.model_dump(exclude=internal))
 
 
 def _security_cvm_in_team(session: Session, team: str, cvm_id: str) -> Cvm:
@@ -181,6 +182,8 @@ def launch(*, console: Console, user: User, team: str, request: CvmCreate) -> Cv
             cvm.provider_ref, cvm.provider_state = launched.ref, launched.state
             session.add(cvm)
             session.flush()
+        else:
+            console.leases.take(session, cvm_id)  # this replica's job from the commit on
         info = cvm_info(cvm)
     # Committed: a cloud launch now runs outside the transaction and records its own outcome.
     if provider.background:
@@ -316,6 +319,8 @@ def update(*, console: Console, user: User, cvm_id: str, change: CvmUpdate) -> C
         if changes:
             _stamp_and_audit(session, user, cvm, AuditAction.cvm_update, changes)
         session.flush()
+        if background is not None:
+            console.leases.take(session, cvm.id)
         info = cvm_info(cvm)
     if background is not None:
         runner, target, operation = background
@@ -360,6 +365,8 @@ def destroy(*, console: Console, user: User, cvm_id: str) -> CvmInfo:
             cvm.profiles = []
             _stamp_and_audit(session, user, cvm, AuditAction.cvm_destroy, {})
         session.flush()
+        if background is not None:
+            console.leases.take(session, cvm.id)
         info = cvm_info(cvm)
     if background is not None:
         provisioning.submit(console, background[0], Operation.destroy, background[1])
