@@ -123,6 +123,7 @@ def reconcile(console: Console, *, limit: int = 100) -> list[str]:
                     select(col(Cvm.id)).where(col(Cvm.state).in_(BUSY_STATES))
                 ).scalars()
             )
+        limit = max(limit, len(pending))  # only at startup: every one of them, now
     skipped = console.leases.held()  # ours, even if a late renewal let them lapse
     for _ in range(limit):
         if console.settings.is_sqlite:
