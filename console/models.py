@@ -95,6 +95,12 @@ class TeamSettings(SQLModel, table=True):
     # machine types Dev CVMs may have (empty: whatever the provider accepts).
     max_dev_cvms_per_owner: int | None = None
     machine_types: list[str] = Field(default_factory=list, sa_column=Column(JSON, nullable=False))
+    # Data disks (revision 0016_disk_quotas; None: no limit): each Dev CVM's size within
+    # [min, max], and the sum over a developer's and over the team's non-destroyed Dev CVMs.
+    min_data_disk_gb: int | None = None
+    max_data_disk_gb: int | None = None
+    max_data_disk_gb_per_owner: int | None = None
+    max_data_disk_gb_total: int | None = None
     updated_by: str = Field(max_length=255)
     updated_at: datetime = _ts()
 
@@ -113,7 +119,7 @@ class Cvm(SQLModel, table=True):
     owner: str = Field(index=True, max_length=255)
     provider: str = Field(max_length=32)
     provider_ref: str | None = Field(default=None, max_length=255)
-    # Indexed for the job takeover's scan of transitional rows (revision 0014).
+    # Indexed for the job takeover's scan of transitional rows (revision 0014_job_leases).
     state: CvmState = Field(sa_type=EnumText(CvmState, 16), index=True)
     security_cvm_id: str | None = Field(default=None, index=True, max_length=40)
     # Security CVM replicas (revision 0007): each replica is its own CVM with its own enrolled
@@ -127,6 +133,9 @@ class Cvm(SQLModel, table=True):
     # Launch inputs and what the provider reported (revision 0003). Public keys, not secrets.
     ssh_keys: list[str] = Field(default_factory=list, sa_column=Column(JSON, nullable=False))
     size: str | None = Field(default=None, max_length=64)
+    # The Dev CVM's data disk (GB, revision 0016_disk_quotas): asked at launch or the provider's
+    # default; what the team's disk quotas count (None, from before 0016 or `local`: 0).
+    data_disk_gb: int | None = None
     provider_state: dict[str, Any] = Field(
         default_factory=dict, sa_column=Column(JSON, nullable=False)
     )
@@ -138,7 +147,7 @@ class Cvm(SQLModel, table=True):
     created_at: datetime = _ts()
     updated_at: datetime = _ts()
     # The replica running this CVM's provider job and until when (database time), PostgreSQL
-    # (revision 0014, console/leases.py); NULL when no job runs or on SQLite.
+    # (revision 0014_job_leases, console/leases.py); NULL when no job runs or on SQLite.
     lease_owner: str | None = Field(default=None, max_length=96)
     lease_until: datetime | None = Field(
         default=None, sa_type=DateTime(timezone=True), nullable=True

@@ -2,7 +2,7 @@
 and an index on `cvm.state` for the takeover's scan of transitional rows
 
 Revision ID: 0014_job_leases
-Revises: 0013
+Revises: 0014
 Create Date: 2026-12-06 08:00:00.000000
 """
 
@@ -15,7 +15,7 @@ from alembic import op
 
 revision: str = "0014_job_leases"
 # main's head when written; the lead rechains it at merge
-down_revision: str | None = "0013"
+down_revision: str | None = "0014"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
