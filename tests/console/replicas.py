@@ -38,6 +38,7 @@ class RecorderProvider:
     name = "recorder"
     background = True
     resumable = True
+    default_data_disk_gb: int | None = 64
 
     def __init__(self, journal: Path, delay: float) -> None:
         self.journal, self.delay = journal, delay

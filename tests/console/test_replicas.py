@@ -128,6 +128,8 @@ def test_replicas_behind_a_load_balancer_survive_a_kill(
                 live = [r for rs in runs.values() for r in rs if r.pid == victim and r.end is None]
                 if len(live) >= 2:
                     break
+                failed = [f for f in futures if f.done() and f.exception() is not None]
+                assert not failed, failed[0].exception()
                 assert time.monotonic() < deadline, "the victim never ran a job"
                 time.sleep(0.05)
             cluster.kill(1)
