@@ -8,7 +8,6 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -159,6 +158,7 @@ def create_app(
         if console.oidc is not None:
             console.oidc.refresh_soon()  # keys arrive in the background, before most requests
         await run_in_threadpool(provisioning.reconcile, console)
+        console.leases.start()  # renews the leases of the jobs this replica runs
         if owns_process:
             notify.chain_exit_signals()  # long polls answer at SIGTERM, before the deadline
         summaries = asyncio.create_task(_flush_refusal_summaries(console))
@@ -183,11 +183,10 @@ def create_app(
         if console.watchdog is not None:
             await run_in_threadpool(console.watchdog.stop)
         await run_in_threadpool(_stop_jobs, console, owns_process)
+        await run_in_threadpool(console.leases.stop)
         with contextlib.suppress(Exception):  # a database that is down loses only the counts
             await run_in_threadpool(lambda: refusal_budget.flush(console, final=True))
         console.engine.dispose()
-        if console.lock_engine is not None:
-            console.lock_engine.dispose()
 
     app = FastAPI(
         title="Umbra Console",
@@ -273,15 +272,14 @@ async def _flush_refusal_summaries(console: Console) -> None:
 
 
 async def _reconcile_periodically(console: Console) -> None:
-    """Runs whose Console process died are taken over by this one (provisioning.reconcile)."""
+    """Jobs whose replica died (lease expired) are taken over by this one (provisioning.reconcile)."""
     interval = console.settings.reconcile_interval_seconds
-    age = timedelta(seconds=interval)
     while True:
         await asyncio.sleep(interval)
         if console.stopping.is_set():
             return
         try:
-            await run_in_threadpool(lambda: provisioning.reconcile(console, min_age=age))
+            await run_in_threadpool(provisioning.reconcile, console)
         except Exception:  # a database outage: the next round retries
             log.warning("periodic reconcile failed; retrying")
 

@@ -141,10 +141,18 @@ class Settings(_Strict):
         default=None, description="Settings of the `azure` provider (JSON in UMBRA_CONSOLE_AZURE)."
     )
     reconcile_interval_seconds: float = Field(
-        default=30.0,
+        default=10.0,
         ge=0,
-        description="PostgreSQL: how often a serving Console takes over provider runs whose "
-        "process died (rows unchanged this long, job lock free; 0: only at startup).",
+        description="PostgreSQL: how often a serving Console takes over provider jobs whose "
+        "lease expired (their replica died; 0: only at startup).",
+    )
+    job_lease_seconds: float = Field(
+        default=30.0,
+        ge=1,
+        le=3600,
+        description="PostgreSQL: how long a provider job's lease lasts unless its replica renews "
+        "it (every third of this): a killed replica's job is taken over after at most this plus "
+        "the reconcile interval.",
     )
     export_otlp_url: str | None = Field(
         default=None,

@@ -15,7 +15,6 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import Engine, create_engine, event, text
 from sqlalchemy.exc import SQLAlchemyError
-from sqlalchemy.pool import NullPool
 
 MIGRATIONS_DIR = Path(__file__).parent / "migrations"
 
@@ -49,17 +48,6 @@ def make_engine(
     connect_args.setdefault("keepalives_interval", 3)
     connect_args.setdefault("keepalives_count", 3)
     return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20, **kwargs)
-
-
-def make_lock_engine(url: str, *, connect_timeout_s: int = 3) -> Engine:
-    """Connections that hold a provider run's job lock for minutes: each its own, opened for the
-    run and closed after it (NullPool), so cloud runs never take the request pool's connections
-    (10 + 20) and any number of them cannot starve requests."""
-    connect_args = {
-        "connect_timeout": connect_timeout_s, "keepalives": 1, "keepalives_idle": 10,
-        "keepalives_interval": 3, "keepalives_count": 3,
-    }  # fmt: skip
-    return create_engine(url, poolclass=NullPool, connect_args=connect_args)
 
 
 _PARTITION = re.compile(r"^traffic_record_(p\d{8}|default)$")

@@ -119,7 +119,8 @@ class Cvm(SQLModel, table=True):
     owner: str = Field(index=True, max_length=255)
     provider: str = Field(max_length=32)
     provider_ref: str | None = Field(default=None, max_length=255)
-    state: CvmState = Field(sa_type=EnumText(CvmState, 16))
+    # Indexed for the job takeover's scan of transitional rows (revision 0016).
+    state: CvmState = Field(sa_type=EnumText(CvmState, 16), index=True)
     security_cvm_id: str | None = Field(default=None, index=True, max_length=40)
     # Security CVM replicas (revision 0007): each replica is its own CVM with its own enrolled
     # credential; `replica_of` names the pool's first Security CVM, the one Dev CVMs route to
@@ -145,6 +146,12 @@ class Cvm(SQLModel, table=True):
     created_by: str = Field(max_length=255)
     created_at: datetime = _ts()
     updated_at: datetime = _ts()
+    # The replica running this CVM's provider job and until when (database time), PostgreSQL
+    # (revision 0016, console/leases.py); NULL when no job runs or on SQLite.
+    lease_owner: str | None = Field(default=None, max_length=96)
+    lease_until: datetime | None = Field(
+        default=None, sa_type=DateTime(timezone=True), nullable=True
+    )
 
 
 class Secret(SQLModel, table=True):
