@@ -352,6 +352,10 @@ class TeamStack(Strict):
 AZURE_DB_STORAGE_GB = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32767)
 
 
+# Bounded by the database: each replica holds its own connection pool on the one PostgreSQL.
+MAX_CONSOLE_REPLICAS = 8
+
+
 class ConsoleStack(Strict):
     kind: Literal["console"]
     name: Name = "console"
@@ -370,6 +374,10 @@ class ConsoleStack(Strict):
     # (AZURE_DB_STORAGE_GB), the size (raise it to grow; never shrinks). GCP Cloud SQL: 10-65536,
     # the size it is created with; Cloud SQL's auto-resize grows it from there.
     db_storage_gb: int = Field(default=64, ge=10, le=65536)
+    # Console replicas (docs/specs/infra.md "Console replicas"). 1: one VM holding the static
+    # address (today's resources, unchanged). >1: GCP a regional managed instance group, Azure N
+    # VMs, behind a passthrough TCP load balancer on that address; TLS stays on the VMs.
+    replicas: int = Field(default=1, ge=1, le=MAX_CONSOLE_REPLICAS)
     # Exported for team stacks (StackReference): the Console's URL and the CA its TLS chains to
     # (a PEM file relative to the project root; unset when a public CA issues its certificate).
     url: HttpsUrl | None = None

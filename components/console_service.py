@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import ipaddress
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import pulumi
 
@@ -54,6 +54,8 @@ class ConsoleServiceArgs:
     # them the Console VM's launch agent refuses to start it.
     tls_cert: str | None = None
     tls_key: pulumi.Input[str] | None = None
+    # >1: replicas behind a passthrough load balancer on the static address (console_pool.py).
+    replicas: int = 1
 
 
 # Exactly what the Dev CVM provisioner does on GCP: create/delete/stop instances and their disks
@@ -100,7 +102,9 @@ class ConsoleService(pulumi.ComponentResource):
         vault_id: pulumi.Output[str] | None = None
         if args.cloud == "gcp":
             assert args.gcp is not None
-            subnet_id, identity, db_host, place, db_ca = _gcp_base(name, args, password, child)
+            subnet_id, network_id, identity, db_host, place, db_ca = _gcp_base(
+                name, args, password, child
+            )
             member = pulumi.Output.concat("serviceAccount:", identity)
             refs, grants = gcp_console_secrets(
                 name, args.name, args.gcp.project, member, values, child
@@ -156,7 +160,45 @@ class ConsoleService(pulumi.ComponentResource):
         self.database_ca_pem = pulumi.Output.from_input(db_ca or "")
         spec = VmSpec(ROLE_CONSOLE, cvm, launch, private_ip=None, public_ip=True, ssh_keys=())
         parts: VmParts
-        if args.cloud == "gcp":
+        if args.replicas > 1 and args.cloud == "gcp":
+            from umbra.components.console_pool import build_gcp_console_pool, gcp_static_address
+            from umbra.components.gcp_vm import _region
+            from umbra.components.naming import labels as make_labels
+
+            assert args.gcp is not None and identity is not None
+            labels = {**cvm.labels, **make_labels(args.name, ROLE_CONSOLE)}
+            # The same resource (name, parent) the single VM's address is: scaling out keeps it.
+            address = gcp_static_address(
+                f"{name}-vm", cvm.vm_name, args.gcp.project, _region(args.gcp.zone), labels, vm_opts
+            )
+            build_gcp_console_pool(
+                f"{name}-pool",
+                prefix=cvm.vm_name,
+                project=args.gcp.project,
+                region=args.gcp.region,
+                zone=args.gcp.zone,
+                network_id=network_id,
+                subnet_id=subnet_id,
+                identity=identity,
+                size=cvm.size,
+                image=cvm.image,
+                disk_gb=cvm.disk_gb,
+                labels=labels,
+                launch=launch,
+                address=address,
+                replicas=args.replicas,
+                opts=vm_opts,
+            )
+            # The group names its instances; their private addresses are the subnet's.
+            parts = VmParts(
+                instance_id=pulumi.Output.from_input(""),
+                private_ip=pulumi.Output.from_input(""),
+                public_ip=address,
+            )
+        elif args.replicas > 1:
+            assert vault_id is not None
+            parts = _azure_replicas(name, args, cvm, launch, vault_id, child)
+        elif args.cloud == "gcp":
             from umbra.components.gcp_vm import build_gcp_vm
 
             parts = build_gcp_vm(f"{name}-vm", spec, vm_opts)
@@ -193,10 +235,67 @@ class ConsoleService(pulumi.ComponentResource):
         )
 
 
+def _azure_replicas(
+    name: str,
+    args: ConsoleServiceArgs,
+    cvm: CvmArgs,
+    launch: pulumi.Output[LaunchData],
+    vault_id: pulumi.Output[str],
+    opts: pulumi.ResourceOptions,
+) -> VmParts:
+    """N Console VMs with the same launch data, their NICs in a public Standard load
+    balancer's pool (no address of their own); each VM's identity gets the provisioner's
+    roles and the vault reader. Replica 0 keeps the single VM's names."""
+    from umbra.components.azure_vm import build_azure_vm
+    from umbra.components.console_pool import build_azure_console_lb
+    from umbra.components.naming import labels as make_labels
+
+    assert args.azure is not None and cvm.placement.resource_group_name is not None
+    pool, address = build_azure_console_lb(
+        f"{name}-vm",
+        vm_name=cvm.vm_name,
+        resource_group=cvm.placement.resource_group_name,
+        location=args.azure.location,
+        zone=args.azure.zone,
+        tags={**cvm.labels, **make_labels(args.name, ROLE_CONSOLE)},
+        opts=opts,
+    )
+    first: VmParts | None = None
+    for i in range(args.replicas):
+        suffix = f"-{i}" if i else ""
+        replica = ConsoleCvmArgs(
+            **{f.name: getattr(cvm, f.name) for f in fields(cvm)}
+            | {"vm_name": cvm.vm_name + suffix, "lb_backend_pool": pool}
+        )
+        spec = VmSpec(ROLE_CONSOLE, replica, launch, private_ip=None, public_ip=False, ssh_keys=())
+        parts = build_azure_vm(f"{name}-vm{suffix}", spec, opts)
+        _azure_provisioner_roles(f"{name}{suffix}", args, parts, opts)
+        assert parts.principal_id is not None
+        azure_console_reader(f"{name}{suffix}", parts.principal_id, vault_id, opts)
+        first = first or parts
+    assert first is not None
+    return VmParts(
+        instance_id=first.instance_id,
+        private_ip=pulumi.Output.from_input(""),
+        public_ip=address,
+    )
+
+
+@dataclass(frozen=True)
+class ConsoleCvmArgs(CvmArgs):
+    # Azure replicas: the public load balancer's backend pool the replica's NIC joins.
+    lb_backend_pool: pulumi.Input[str] | None = None
+
+
 def _gcp_base(
     name: str, args: ConsoleServiceArgs, password: pulumi.Output[str], opts: pulumi.ResourceOptions
 ) -> tuple[
-    pulumi.Output[str], pulumi.Output[str], pulumi.Output[str], Placement, pulumi.Output[str]
+    pulumi.Output[str],
+    pulumi.Output[str],
+    pulumi.Output[str],
+    pulumi.Output[str],
+    Placement,
+    pulumi.Output[str],
 ]:
     import pulumi_gcp as gcp
 
@@ -319,7 +418,7 @@ def _gcp_base(
     )
     place = Placement(cloud="gcp", project=project, zone=args.gcp.zone)
     ca = db.server_ca_certs.apply(lambda certs: (certs[0].cert or "") if certs else "")
-    return subnet.id, sa.email, db.private_ip_address, place, ca
+    return subnet.id, vpc.id, sa.email, db.private_ip_address, place, ca
 
 
 def _azure_base(
@@ -348,6 +447,25 @@ def _azure_base(
                 source_port_range="*",
                 destination_address_prefix=vm_cidr,
                 destination_port_range=str(CONSOLE_PORT),
+            ),
+            *(
+                # The rule below denies everything else, Azure's default allow for its load
+                # balancer's probes included: admit them to the Console's port only.
+                [
+                    azure.network.SecurityRuleArgs(
+                        name="lb-probe-in",
+                        priority=105,
+                        direction="Inbound",
+                        access="Allow",
+                        protocol="Tcp",
+                        source_address_prefix="AzureLoadBalancer",
+                        source_port_range="*",
+                        destination_address_prefix=vm_cidr,
+                        destination_port_range=str(CONSOLE_PORT),
+                    )
+                ]
+                if args.replicas > 1
+                else []
             ),
             azure.network.SecurityRuleArgs(
                 name="deny-all-inbound",

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pulumi
 import pulumi_gcp as gcp
 
+from umbra.components.console_pool import gcp_static_address
 from umbra.components.cvm import VmParts, VmSpec
 from umbra.components.naming import labels as make_labels
 from umbra.components.ports import ROLE_SECURITY, SECURITY_ROUTE_TAG
@@ -48,24 +49,17 @@ def build_gcp_vm(name: str, spec: VmSpec, opts: pulumi.ResourceOptions) -> VmPar
     # only the Console, which serves HTTPS to the internet, asks for an external address: a
     # reserved static one, its own resource, so a release that replaces the VM keeps it (team
     # stacks pin it as `console_ips`, and the policy pack as declared Console addresses).
-    address = None
+    address: pulumi.Output[str] | None = None
     if spec.public_ip:
-        address = gcp.compute.Address(
-            f"{name}-ip",
-            name=f"{args.vm_name}-ip",
-            project=place.project,
-            region=_region(place.zone),
-            address_type="EXTERNAL",
-            network_tier="PREMIUM",
-            labels=labels,
-            opts=opts,
+        address = gcp_static_address(
+            name, args.vm_name, place.project, _region(place.zone), labels, opts
         )
     ni = gcp.compute.InstanceNetworkInterfaceArgs(
         subnetwork=args.subnet_id,
         network_ip=spec.private_ip,
         access_configs=[
             gcp.compute.InstanceNetworkInterfaceAccessConfigArgs(
-                nat_ip=address.address, network_tier="PREMIUM"
+                nat_ip=address, network_tier="PREMIUM"
             )
         ]
         if address is not None
@@ -116,7 +110,7 @@ def build_gcp_vm(name: str, spec: VmSpec, opts: pulumi.ResourceOptions) -> VmPar
         ),
     )
     private_ip = vm.network_interfaces.apply(lambda nis: nis[0].network_ip or "")
-    public_ip = address.address if address is not None else None
+    public_ip = address
     return VmParts(
         instance_id=vm.instance_id,
         private_ip=private_ip,

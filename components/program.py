@@ -364,6 +364,7 @@ def build_console(cfg: ConsoleStack, root: Path) -> None:
             state_scope=cfg.state_scope,
             tls_cert=tls_cert,
             tls_key=pulumi.Output.secret(raw[CONSOLE_TLS_KEY_KEY]) if tls_cert else None,
+            replicas=cfg.replicas,
         ),
     )
     # What team stacks read through their StackReference (`console_stack`).

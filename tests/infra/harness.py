@@ -69,6 +69,12 @@ class Recorder(Mocks):
             out["privateIpAddress"] = "10.10.128.5"
         if args.typ == "gcp:compute/address:Address":
             out["address"] = "198.51.100.7"  # what GCP reserves (documentation range here)
+        if args.typ == "gcp:compute/instanceTemplate:InstanceTemplate":
+            out["selfLinkUnique"] = f"global/instanceTemplates/{args.name}?uniqueId=1"
+        if args.typ == "gcp:compute/regionInstanceGroupManager:RegionInstanceGroupManager":
+            out["instanceGroup"] = f"regions/{args.inputs['region']}/instanceGroups/{args.name}"
+        if args.typ == "azure-native:network:PublicIPAddress":
+            out["ipAddress"] = "203.0.113.80"
         if args.typ == "gcp:compute/disk:Disk":
             out["selfLink"] = f"zones/{args.inputs.get('zone')}/disks/{args.inputs['name']}"
         if args.typ == "gcp:secretmanager/secret:Secret":

@@ -1,0 +1,311 @@
+"""Console replicas behind the cloud's passthrough TCP load balancer (docs/specs/infra.md
+"Console replicas"). The LB forwards TCP 443 unchanged, so TLS (the Console's certificate, whose
+chain is measured in its launch data) still terminates on each Console CVM: the cloud never holds
+the key and a client's TLS session ends inside the attested VM.
+
+GCP: a TDX instance template carrying the launch data, a regional managed instance group of N
+replicas (auto-healed on the health check), a regional HTTPS health check on `/healthz`, an
+EXTERNAL regional backend service and a forwarding rule on the Console's static address, and a
+Cloud NAT for the replicas' egress (they have no external address). Azure: a public Standard
+load balancer on the Console's static address whose backend pool each replica VM's NIC joins,
+an HTTPS probe on `/healthz`, and an outbound rule for egress."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import pulumi
+
+from umbra.components.launch_data import LaunchData
+
+CONSOLE_PORT = 443
+HEALTH_PATH = "/healthz"  # public, never touches the database's issuer (console.md)
+# Where GCP's health checks for a backend-service-based external passthrough LB come from.
+GCP_NLB_HEALTH_RANGES = ("35.191.0.0/16", "209.85.152.0/22", "209.85.204.0/22")
+# A new replica boots the OS image, its launch agent and the Console before it answers.
+AUTOHEAL_DELAY_SECONDS = 600
+
+
+def gcp_static_address(
+    name: str,
+    vm_name: str,
+    project: str | None,
+    region: str,
+    labels: Mapping[str, str],
+    opts: pulumi.ResourceOptions,
+) -> pulumi.Output[str]:
+    """The Console's reserved external address: the same resource whether one VM holds it or
+    the load balancer's forwarding rule does, so scaling out keeps the address team stacks pin."""
+    import pulumi_gcp as gcp
+
+    return gcp.compute.Address(
+        f"{name}-ip",
+        name=f"{vm_name}-ip",
+        project=project,
+        region=region,
+        address_type="EXTERNAL",
+        network_tier="PREMIUM",
+        labels=dict(labels),
+        opts=opts,
+    ).address
+
+
+def build_gcp_console_pool(
+    name: str,
+    *,
+    prefix: str,
+    project: str,
+    region: str,
+    zone: str,
+    network_id: pulumi.Input[str],
+    subnet_id: pulumi.Input[str],
+    identity: pulumi.Input[str],
+    size: str,
+    image: str,
+    disk_gb: int,
+    labels: Mapping[str, str],
+    launch: pulumi.Output[LaunchData],
+    address: pulumi.Input[str],
+    replicas: int,
+    opts: pulumi.ResourceOptions,
+) -> None:
+    import pulumi_gcp as gcp
+
+    from umbra.components.gcp_vm import API_SCOPES
+
+    # Only the health checkers, only on the Console's port, only to the Console's identity.
+    gcp.compute.Firewall(
+        f"{name}-lb-health-in",
+        name=f"{prefix}-lb-health-in",
+        project=project,
+        network=network_id,
+        direction="INGRESS",
+        target_service_accounts=[identity],
+        source_ranges=list(GCP_NLB_HEALTH_RANGES),
+        allows=[gcp.compute.FirewallAllowArgs(protocol="tcp", ports=[str(CONSOLE_PORT)])],
+        opts=opts,
+    )
+    router = gcp.compute.Router(
+        f"{name}-router",
+        name=f"{prefix}-router",
+        project=project,
+        region=region,
+        network=network_id,
+        opts=opts,
+    )
+    gcp.compute.RouterNat(
+        f"{name}-nat",
+        name=f"{prefix}-nat",
+        project=project,
+        region=region,
+        router=router.name,
+        nat_ip_allocate_option="AUTO_ONLY",
+        source_subnetwork_ip_ranges_to_nat="ALL_SUBNETWORKS_ALL_IP_RANGES",
+        opts=opts,
+    )
+    # Every replica boots the same measured launch data. A template is immutable: a launch-data
+    # change is a new template (name_prefix, created before the old one goes), and the group
+    # replaces its instances one by one (surge 1, none unavailable).
+    template = gcp.compute.InstanceTemplate(
+        f"{name}-template",
+        name_prefix=f"{prefix}-",
+        project=project,
+        machine_type=size,
+        confidential_instance_config=gcp.compute.InstanceTemplateConfidentialInstanceConfigArgs(
+            confidential_instance_type="TDX"
+        ),
+        scheduling=gcp.compute.InstanceTemplateSchedulingArgs(
+            on_host_maintenance="TERMINATE", automatic_restart=True, provisioning_model="STANDARD"
+        ),
+        shielded_instance_config=gcp.compute.InstanceTemplateShieldedInstanceConfigArgs(
+            enable_secure_boot=True, enable_vtpm=True, enable_integrity_monitoring=True
+        ),
+        disks=[
+            gcp.compute.InstanceTemplateDiskArgs(
+                boot=True,
+                auto_delete=True,
+                source_image=image,
+                disk_size_gb=disk_gb,
+                disk_type="pd-balanced",
+                labels=dict(labels),
+            )
+        ],
+        # No access config: the LB's address is the only public one; egress via Cloud NAT.
+        network_interfaces=[gcp.compute.InstanceTemplateNetworkInterfaceArgs(subnetwork=subnet_id)],
+        can_ip_forward=False,
+        service_account=gcp.compute.InstanceTemplateServiceAccountArgs(
+            email=identity, scopes=API_SCOPES
+        ),
+        metadata=launch.apply(lambda d: d.gcp_metadata()),
+        labels=dict(labels),
+        opts=opts,
+    )
+    check = gcp.compute.RegionHealthCheck(
+        f"{name}-health",
+        name=f"{prefix}-health",
+        project=project,
+        region=region,
+        check_interval_sec=5,
+        timeout_sec=5,
+        healthy_threshold=2,
+        unhealthy_threshold=3,
+        https_health_check=gcp.compute.RegionHealthCheckHttpsHealthCheckArgs(
+            port=CONSOLE_PORT, request_path=HEALTH_PATH
+        ),
+        opts=opts,
+    )
+    group = gcp.compute.RegionInstanceGroupManager(
+        f"{name}-group",
+        name=f"{prefix}-group",
+        base_instance_name=prefix,
+        project=project,
+        region=region,
+        # TDX C3 capacity is per zone: the stack's zone, the one its placement names.
+        distribution_policy_zones=[zone],
+        target_size=replicas,
+        versions=[
+            gcp.compute.RegionInstanceGroupManagerVersionArgs(
+                name="console", instance_template=template.self_link_unique
+            )
+        ],
+        named_ports=[
+            gcp.compute.RegionInstanceGroupManagerNamedPortArgs(name="https", port=CONSOLE_PORT)
+        ],
+        auto_healing_policies=gcp.compute.RegionInstanceGroupManagerAutoHealingPoliciesArgs(
+            health_check=check.id, initial_delay_sec=AUTOHEAL_DELAY_SECONDS
+        ),
+        update_policy=gcp.compute.RegionInstanceGroupManagerUpdatePolicyArgs(
+            type="PROACTIVE",
+            minimal_action="REPLACE",
+            replacement_method="SUBSTITUTE",
+            max_surge_fixed=1,
+            max_unavailable_fixed=0,
+        ),
+        opts=opts,
+    )
+    backend = gcp.compute.RegionBackendService(
+        f"{name}-backend",
+        name=f"{prefix}-backend",
+        project=project,
+        region=region,
+        load_balancing_scheme="EXTERNAL",
+        protocol="TCP",
+        # One browser on one replica while it lives: a web session's key is per replica until
+        # the launch delivers a shared WEB_SESSION_KEY (infra.md "Console replicas").
+        session_affinity="CLIENT_IP",
+        health_checks=check.id,
+        backends=[
+            gcp.compute.RegionBackendServiceBackendArgs(
+                group=group.instance_group, balancing_mode="CONNECTION"
+            )
+        ],
+        opts=opts,
+    )
+    gcp.compute.ForwardingRule(
+        f"{name}-lb",
+        name=f"{prefix}-lb",
+        project=project,
+        region=region,
+        load_balancing_scheme="EXTERNAL",
+        ip_protocol="TCP",
+        ip_address=address,
+        ports=[str(CONSOLE_PORT)],
+        network_tier="PREMIUM",
+        backend_service=backend.id,
+        opts=opts,
+    )
+
+
+def build_azure_console_lb(
+    name: str,
+    *,
+    vm_name: str,
+    resource_group: pulumi.Input[str],
+    location: str,
+    zone: str | None,
+    tags: Mapping[str, str],
+    opts: pulumi.ResourceOptions,
+) -> tuple[pulumi.Output[str], pulumi.Output[str]]:
+    """A public Standard load balancer on the Console's static address (the same resource name
+    the single VM's address has). Returns (its backend pool's id, the address)."""
+    import pulumi_azure_native as azure
+
+    zones = [zone] if zone else None
+    pip = azure.network.PublicIPAddress(
+        f"{name}-pip",
+        public_ip_address_name=f"{vm_name}-pip",
+        resource_group_name=resource_group,
+        location=location,
+        sku=azure.network.PublicIPAddressSkuArgs(name="Standard"),
+        public_ip_allocation_method="Static",
+        zones=zones,
+        tags=dict(tags),
+        opts=opts,
+    )
+    client = azure.authorization.get_client_config_output()
+    lb_name = f"{vm_name}-lb"
+    lb_id = pulumi.Output.concat(
+        "/subscriptions/",
+        client.subscription_id,
+        "/resourceGroups/",
+        resource_group,
+        "/providers/Microsoft.Network/loadBalancers/",
+        lb_name,
+    )
+
+    def sub(kind: str, part: str) -> azure.network.SubResourceArgs:
+        return azure.network.SubResourceArgs(id=pulumi.Output.concat(lb_id, f"/{kind}/{part}"))
+
+    lb = azure.network.LoadBalancer(
+        f"{name}-lb",
+        load_balancer_name=lb_name,
+        resource_group_name=resource_group,
+        location=location,
+        sku=azure.network.LoadBalancerSkuArgs(name="Standard"),
+        frontend_ip_configurations=[
+            azure.network.FrontendIPConfigurationArgs(
+                name="console", public_ip_address=azure.network.PublicIPAddressArgs(id=pip.id)
+            )
+        ],
+        backend_address_pools=[azure.network.BackendAddressPoolArgs(name="replicas")],
+        probes=[
+            azure.network.ProbeArgs(
+                name="healthz",
+                protocol="Https",
+                port=CONSOLE_PORT,
+                request_path=HEALTH_PATH,
+                interval_in_seconds=5,
+                number_of_probes=2,
+            )
+        ],
+        load_balancing_rules=[
+            azure.network.LoadBalancingRuleArgs(
+                name="https",
+                protocol="Tcp",
+                frontend_port=CONSOLE_PORT,
+                backend_port=CONSOLE_PORT,
+                frontend_ip_configuration=sub("frontendIPConfigurations", "console"),
+                backend_address_pool=sub("backendAddressPools", "replicas"),
+                probe=sub("probes", "healthz"),
+                load_distribution="SourceIP",  # as GCP's CLIENT_IP affinity above
+                enable_floating_ip=False,
+                enable_tcp_reset=True,
+                # Egress goes by the outbound rule below, explicitly.
+                disable_outbound_snat=True,
+                idle_timeout_in_minutes=30,
+            )
+        ],
+        outbound_rules=[
+            azure.network.OutboundRuleArgs(
+                name="egress",
+                protocol="All",
+                frontend_ip_configurations=[sub("frontendIPConfigurations", "console")],
+                backend_address_pool=sub("backendAddressPools", "replicas"),
+                enable_tcp_reset=True,
+            )
+        ],
+        tags=dict(tags),
+        opts=opts,
+    )
+    pool = lb.id.apply(lambda i: f"{i}/backendAddressPools/replicas")
+    return pool, pip.ip_address.apply(lambda a: a or "")

@@ -1,0 +1,207 @@
+"""Console replicas in the Console stack (`replicas`), under mocks: GCP a regional managed
+instance group of TDX instances behind an external passthrough TCP load balancer on the
+Console's static address, Azure N confidential VMs behind a public Standard load balancer; the
+same launch data on every replica, TLS on the VMs (TCP forwarding, never an HTTPS proxy), and
+health checkers admitted on the Console's port only. `replicas: 1` declares today's resources."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from tests.infra.harness import ROOT, Recorder, run_program
+from tests.infra.test_console_service import PASSWORD, _raw
+from tests.infra.test_policy_pack import violations
+from umbra.components.config import ConfigError, ConsoleStack, parse_stack_config
+from umbra.components.console_pool import GCP_NLB_HEALTH_RANGES
+from umbra.components.program import build_console
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+SECRETS = frozenset({"umbra:consoleDbPassword"})
+LB_TYPES = {
+    "gcp:compute/instanceTemplate:InstanceTemplate",
+    "gcp:compute/regionInstanceGroupManager:RegionInstanceGroupManager",
+    "gcp:compute/regionHealthCheck:RegionHealthCheck",
+    "gcp:compute/regionBackendService:RegionBackendService",
+    "gcp:compute/forwardingRule:ForwardingRule",
+    "gcp:compute/router:Router",
+    "gcp:compute/routerNat:RouterNat",
+    "azure-native:network:LoadBalancer",
+}
+
+
+def _build(cloud: str, **changes: Any) -> tuple[Recorder, dict[str, Any]]:
+    raw = _raw(cloud)
+    if changes:
+        raw["umbra:stack"] = json.dumps(json.loads(raw["umbra:stack"]) | changes)
+    cfg = parse_stack_config(raw, SECRETS)
+    assert isinstance(cfg, ConsoleStack)
+    exported: dict[str, Any] = {}
+    import pulumi
+
+    original = pulumi.export
+
+    def body() -> Any:
+        pulumi.export = lambda name, value: exported.__setitem__(name, value)  # type: ignore[assignment]
+        try:
+            build_console(cfg, ROOT)
+        finally:
+            pulumi.export = original  # type: ignore[assignment]
+        return pulumi.Output.all(**exported)
+
+    mocks, values = run_program(body, config=raw)
+    return mocks, dict(values)
+
+
+def _urns(mocks: Recorder) -> set[tuple[str, str]]:
+    return {(r.typ, r.name) for r in mocks.resources}
+
+
+@pytest.mark.parametrize("cloud", ["gcp", "azure"])
+def test_one_replica_declares_exactly_todays_resources(cloud: str) -> None:
+    """Existing stacks don't churn: `replicas: 1` (and no setting) is the single VM."""
+    default, _ = _build(cloud)
+    one, _ = _build(cloud, replicas=1)
+    assert _urns(default) == _urns(one)
+    assert not {r.typ for r in one.resources} & LB_TYPES
+    vm = (
+        "gcp:compute/instance:Instance" if cloud == "gcp" else "azure-native:compute:VirtualMachine"
+    )
+    assert len(one.of_type(vm)) == 1
+    if cloud == "azure":
+        (nsg,) = one.of_type("azure-native:network:NetworkSecurityGroup")
+        assert [r["name"] for r in nsg.inputs["securityRules"]] == ["https-in", "deny-all-inbound"]
+
+
+@pytest.mark.parametrize("bad", [0, 9, "two"])
+def test_replicas_out_of_bounds_is_refused(bad: Any) -> None:
+    raw = _raw("gcp")
+    raw["umbra:stack"] = json.dumps(json.loads(raw["umbra:stack"]) | {"replicas": bad})
+    with pytest.raises(ConfigError) as err:
+        parse_stack_config(raw, SECRETS)
+    assert "replicas" in str(err.value)
+
+
+def test_gcp_replicas_are_a_managed_group_behind_a_passthrough_lb() -> None:
+    single, single_out = _build("gcp")
+    mocks, exported = _build("gcp", replicas=3)
+    assert not mocks.of_type("gcp:compute/instance:Instance")
+    (template,) = mocks.of_type("gcp:compute/instanceTemplate:InstanceTemplate")
+    assert template.inputs["confidentialInstanceConfig"]["confidentialInstanceType"] == "TDX"
+    assert template.inputs["scheduling"]["onHostMaintenance"] == "TERMINATE"
+    assert template.inputs["shieldedInstanceConfig"]["enableVtpm"] is True
+    (ni,) = template.inputs["networkInterfaces"]
+    assert not ni.get("accessConfigs")  # no public address on a replica
+    # Every replica boots exactly the launch data the single VM boots.
+    (vm,) = single.of_type("gcp:compute/instance:Instance")
+    assert template.inputs["metadata"] == vm.inputs["metadata"]
+    assert template.inputs["serviceAccount"] == vm.inputs["serviceAccount"]
+
+    (check,) = mocks.of_type("gcp:compute/regionHealthCheck:RegionHealthCheck")
+    assert check.inputs["httpsHealthCheck"] == {"port": 443, "requestPath": "/healthz"}
+    (group,) = mocks.of_type("gcp:compute/regionInstanceGroupManager:RegionInstanceGroupManager")
+    assert group.inputs["targetSize"] == 3
+    assert group.inputs["region"] == "us-central1"
+    assert group.inputs["distributionPolicyZones"] == ["us-central1-a"]
+    assert group.inputs["versions"][0]["instanceTemplate"] == template.outputs["selfLinkUnique"]
+    assert group.inputs["autoHealingPolicies"]["healthCheck"] == f"{check.name}-id"
+    (backend,) = mocks.of_type("gcp:compute/regionBackendService:RegionBackendService")
+    # TCP passthrough: the LB never terminates TLS, the Console VMs do.
+    assert (backend.inputs["loadBalancingScheme"], backend.inputs["protocol"]) == (
+        "EXTERNAL",
+        "TCP",
+    )
+    assert backend.inputs["sessionAffinity"] == "CLIENT_IP"
+    assert backend.inputs["backends"][0]["group"] == group.outputs["instanceGroup"]
+    (rule,) = mocks.of_type("gcp:compute/forwardingRule:ForwardingRule")
+    assert rule.inputs["ipProtocol"] == "TCP" and rule.inputs["ports"] == ["443"]
+    assert rule.inputs["loadBalancingScheme"] == "EXTERNAL"
+    # The same reserved address (same resource) team stacks pin, now the LB's.
+    (address,) = mocks.of_type("gcp:compute/address:Address")
+    (single_address,) = single.of_type("gcp:compute/address:Address")
+    assert address.name == single_address.name
+    assert rule.inputs["ipAddress"] == "198.51.100.7" == exported["console_public_ip"]
+    assert single_out["console_public_ip"] == exported["console_public_ip"]
+    # No HTTPS proxy, SSL certificate or target proxy anywhere: the key stays in the CVM.
+    assert not [r for r in mocks.resources if "ssl" in r.typ.lower() or "Proxy" in r.typ]
+    assert mocks.of_type("gcp:compute/routerNat:RouterNat")  # egress without public addresses
+
+
+def test_gcp_health_checkers_are_admitted_on_the_console_port_only() -> None:
+    single, _ = _build("gcp")
+    mocks, _ = _build("gcp", replicas=2)
+    before = {f.name: f.inputs for f in single.of_type("gcp:compute/firewall:Firewall")}
+    after = {f.name: f.inputs for f in mocks.of_type("gcp:compute/firewall:Firewall")}
+    added = set(after) - set(before)
+    assert added == {"console-pool-lb-health-in"}
+    assert {k: after[k] for k in before} == before  # client ingress unchanged
+    health = after["console-pool-lb-health-in"]
+    assert sorted(health["sourceRanges"]) == sorted(GCP_NLB_HEALTH_RANGES)
+    assert health["allows"] == [{"protocol": "tcp", "ports": ["443"]}]
+    assert health["targetServiceAccounts"] == before["console-https-in"]["targetServiceAccounts"]
+
+
+def test_azure_replicas_are_confidential_vms_behind_a_standard_lb() -> None:
+    single, _ = _build("azure")
+    mocks, exported = _build("azure", replicas=3)
+    vms = mocks.of_type("azure-native:compute:VirtualMachine")
+    assert sorted(v.inputs["vmName"] for v in vms) == [
+        "umbra-console",
+        "umbra-console-1",
+        "umbra-console-2",
+    ]
+    (one,) = single.of_type("azure-native:compute:VirtualMachine")
+    for vm in vms:
+        assert vm.inputs["securityProfile"]["securityType"] == "ConfidentialVM"
+        assert vm.inputs["userData"] == one.inputs["userData"]  # the same launch data
+    (lb,) = mocks.of_type("azure-native:network:LoadBalancer")
+    assert lb.inputs["sku"] == {"name": "Standard"}
+    (probe,) = lb.inputs["probes"]
+    assert (probe["protocol"], probe["port"], probe["requestPath"]) == ("Https", 443, "/healthz")
+    (rule,) = lb.inputs["loadBalancingRules"]
+    assert (rule["protocol"], rule["frontendPort"], rule["backendPort"]) == ("Tcp", 443, 443)
+    assert rule["enableFloatingIP"] is False and rule["loadDistribution"] == "SourceIP"
+    # Only the LB's frontend holds a public address; each NIC joins its pool.
+    (pip,) = mocks.of_type("azure-native:network:PublicIPAddress")
+    assert lb.inputs["frontendIPConfigurations"][0]["publicIPAddress"] == {"id": f"{pip.name}-id"}
+    assert exported["console_public_ip"] == "203.0.113.80"
+    nics = mocks.of_type("azure-native:network:NetworkInterface")
+    assert len(nics) == 3
+    for nic in nics:
+        (cfg,) = nic.inputs["ipConfigurations"]
+        assert "publicIPAddress" not in cfg
+        assert cfg["loadBalancerBackendAddressPools"] == [
+            {"id": f"{lb.name}-id/backendAddressPools/replicas"}
+        ]
+    # Each replica's identity reads the launch secrets and holds the provisioner's role.
+    roles = [
+        r.inputs["roleDefinitionId"].rsplit("/", 1)[1]
+        for r in mocks.of_type("azure-native:authorization:RoleAssignment")
+    ]
+    assert roles.count("4633458b-17de-408a-b874-0445c86b69e6") == 3
+    assert roles.count("9980e02c-c2be-4d73-94e8-173b1dc7cf3c") == 3
+    # The NSG admits Azure's probe to 443 only; the deny-all still follows.
+    (nsg,) = mocks.of_type("azure-native:network:NetworkSecurityGroup")
+    rules = {r["name"]: r for r in nsg.inputs["securityRules"]}
+    assert set(rules) == {"https-in", "lb-probe-in", "deny-all-inbound"}
+    probe_rule = rules["lb-probe-in"]
+    assert probe_rule["sourceAddressPrefix"] == "AzureLoadBalancer"
+    assert probe_rule["destinationPortRange"] == "443" and probe_rule["access"] == "Allow"
+    assert probe_rule["priority"] < rules["deny-all-inbound"]["priority"]
+
+
+@pytest.mark.parametrize("cloud", ["gcp", "azure"])
+def test_replicas_pass_the_policy_pack_and_keep_the_password_in_its_holders(cloud: str) -> None:
+    mocks, _ = _build(cloud, replicas=2)
+    for r in mocks.resources:
+        assert violations(r.typ, dict(r.inputs)) == {}, (r.typ, r.name)
+    holders = {r.typ for r in mocks.resources if PASSWORD in json.dumps(r.inputs)}
+    assert holders <= {
+        "gcp:sql/user:User",
+        "gcp:secretmanager/secretVersion:SecretVersion",
+        "azure-native:dbforpostgresql:Server",
+        "azure-native:keyvault:Secret",
+    }
