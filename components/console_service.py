@@ -56,6 +56,8 @@ class ConsoleServiceArgs:
     tls_key: pulumi.Input[str] | None = None
     # >1: replicas behind a passthrough load balancer on the static address (console_pool.py).
     replicas: int = 1
+    # GCP: declare the Dev CVM stacks' state bucket and secrets-provider key (dev_state_names).
+    dev_state: bool = False
 
 
 # Exactly what the Dev CVM provisioner does on GCP: create/delete/stop instances and their disks
@@ -74,6 +76,59 @@ CONSOLE_APIS = (
     "servicenetworking.googleapis.com",
     "sqladmin.googleapis.com",
 )
+
+
+DEV_STATE_APIS = ("cloudkms.googleapis.com", "storage.googleapis.com")
+# The Console's service account encrypts and decrypts the Dev CVM stacks' secrets with the key.
+KMS_ROLE = "roles/cloudkms.cryptoKeyEncrypterDecrypter"
+
+
+def dev_state_names(project: str, region: str, name: str) -> tuple[str, str, str, str]:
+    """(bucket, key ring, key, secrets provider URL): fixed names, so the Console's settings
+    can be written before `up` and a re-run finds the same resources."""
+    bucket = f"{project}-umbra-{name}-state"
+    ring, key = f"umbra-{name}", "dev-cvm-stacks"
+    provider = f"gcpkms://projects/{project}/locations/{region}/keyRings/{ring}/cryptoKeys/{key}"
+    return bucket, ring, key, provider
+
+
+def _gcp_dev_state(
+    name: str, args: ConsoleServiceArgs, member: pulumi.Input[str], opts: pulumi.ResourceOptions
+) -> pulumi.Output[str]:
+    """The Dev CVM stacks' state bucket (private, versioned: a bad run's state can be restored)
+    and the KMS key encrypting their secrets; the Console's identity may use the key only."""
+    import pulumi_gcp as gcp
+
+    assert args.gcp is not None
+    project, region = args.gcp.project, args.gcp.region
+    bucket_name, ring_name, key_name, _ = dev_state_names(project, region, args.name)
+    bucket = gcp.storage.Bucket(
+        f"{name}-dev-state",
+        name=bucket_name,
+        project=project,
+        location=region.upper(),
+        uniform_bucket_level_access=True,
+        public_access_prevention="enforced",
+        versioning=gcp.storage.BucketVersioningArgs(enabled=True),
+        force_destroy=False,
+        opts=opts,
+    )
+    ring = gcp.kms.KeyRing(
+        f"{name}-dev-state-ring", name=ring_name, project=project, location=region, opts=opts
+    )
+    key = gcp.kms.CryptoKey(
+        f"{name}-dev-state-key",
+        name=key_name,
+        key_ring=ring.id,
+        purpose="ENCRYPT_DECRYPT",
+        rotation_period=f"{90 * 24 * 3600}s",
+        # Destroying the key would make every stack's secrets unreadable.
+        opts=pulumi.ResourceOptions.merge(opts, pulumi.ResourceOptions(protect=True)),
+    )
+    gcp.kms.CryptoKeyIAMMember(
+        f"{name}-dev-state-key-user", crypto_key_id=key.id, role=KMS_ROLE, member=member, opts=opts
+    )
+    return bucket.name
 
 
 def _halves(cidr: str) -> tuple[str, str]:
@@ -311,7 +366,7 @@ def _gcp_base(
             disable_on_destroy=False,
             opts=opts,
         )
-        for api in CONSOLE_APIS
+        for api in CONSOLE_APIS + (DEV_STATE_APIS if args.dev_state else ())
     ]
     opts = pulumi.ResourceOptions.merge(opts, pulumi.ResourceOptions(depends_on=services))
     vpc = gcp.compute.Network(
@@ -343,10 +398,13 @@ def _gcp_base(
                 member=member,
                 opts=opts,
             )
-    if args.state_bucket:
+    state_bucket: pulumi.Input[str] | None = args.state_bucket
+    if args.dev_state:
+        state_bucket = _gcp_dev_state(name, args, member, opts)
+    if state_bucket:
         gcp.storage.BucketIAMMember(
             f"{name}-state",
-            bucket=args.state_bucket,
+            bucket=state_bucket,
             role=PROVISIONER_BUCKET_ROLE,
             member=member,
             opts=opts,

@@ -365,6 +365,7 @@ def build_console(cfg: ConsoleStack, root: Path) -> None:
             tls_cert=tls_cert,
             tls_key=pulumi.Output.secret(raw[CONSOLE_TLS_KEY_KEY]) if tls_cert else None,
             replicas=cfg.replicas,
+            dev_state=cfg.dev_state,
         ),
     )
     # What team stacks read through their StackReference (`console_stack`).
@@ -379,6 +380,13 @@ def build_console(cfg: ConsoleStack, root: Path) -> None:
     pulumi.export("console_private_ip", console.private_ip)
     pulumi.export("console_public_ip", console.public_ip)
     pulumi.export("database_url", console.database_url)
+    if cfg.dev_state and cfg.gcp is not None:
+        from umbra.components.console_service import dev_state_names
+
+        bucket, _, _, provider = dev_state_names(cfg.gcp.project, cfg.gcp.region, cfg.name)
+        # The Console's settings: gcp.state_backend_url and gcp.secrets_provider.
+        pulumi.export("dev_state_backend_url", f"gs://{bucket}")
+        pulumi.export("dev_secrets_provider", provider)
 
 
 def run(root: Path) -> None:

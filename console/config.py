@@ -71,6 +71,11 @@ class _CloudProvider(_Strict):
     disk_gb: int = Field(default=50, ge=10, le=4096)
     # The Dev CVM's data disk when its launch names none (the team's bounds may ask otherwise).
     data_disk_gb: int = Field(default=100, ge=10, le=65536)
+    # Where every Dev CVM's Automation API stack keeps its state and what encrypts its secrets:
+    # the Console stack's `dev_state_backend_url` and `dev_secrets_provider` outputs (both or
+    # neither; the provisioner checks their form). Unset: the pulumi CLI's own login, per replica.
+    state_backend_url: str | None = Field(default=None, max_length=512)
+    secrets_provider: str | None = Field(default=None, max_length=512)
 
     @field_validator("app_compose")
     @classmethod

@@ -77,7 +77,12 @@ class PulumiCvmProvider:
         self.app_compose = config.app_compose.read_text()
         self._provisioners = {
             team: PulumiDevCvmProvisioner(
-                target, org=config.org, env=env, stack_factory=stack_factory
+                target,
+                org=config.org,
+                env=env,
+                stack_factory=stack_factory,
+                backend_url=config.state_backend_url,
+                secrets_provider=config.secrets_provider,
             )
             for team, target in targets.items()
         }

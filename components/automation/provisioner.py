@@ -45,6 +45,13 @@ from umbra.components.automation.spec import (
 from umbra.components.naming import Owner, dev_cvm_name
 
 PROJECT = "umbra-dev-cvm"
+# The self-managed backends and KMS secrets providers the Console stack declares.
+BACKEND_URL = re.compile(r"^(gs://[a-z0-9][a-z0-9._-]{1,220}[a-z0-9]|azblob://[a-z0-9-]{3,63})$")
+SECRETS_PROVIDER = re.compile(
+    r"^(gcpkms://projects/[a-z][a-z0-9-]{4,28}[a-z0-9]/locations/[a-z0-9-]+/keyRings/"
+    r"[A-Za-z0-9_-]+/cryptoKeys/[A-Za-z0-9_-]+"
+    r"|azurekeyvault://[A-Za-z0-9-]{3,24}\.vault\.azure\.net/keys/[A-Za-z0-9-]+)$"
+)
 # The policy pack every Console launch runs under (the same one team stacks use): in the Console
 # image, where its environment says (images/console_tools.py copies it there); in a checkout, the
 # repository's.
@@ -89,8 +96,31 @@ class PulumiDevCvmProvisioner:
         backoff_s: float = 5.0,
         sleep: Callable[[float], None] = time.sleep,
         work_root: Path | None = None,
+        backend_url: str | None = None,
+        secrets_provider: str | None = None,
     ) -> None:
         self.target = target
+        # Where every Dev CVM stack's state lives and what encrypts its secrets (the Console
+        # stack declares both: infra.md "Dev CVM stacks' state"). Unset: the CLI's defaults
+        # (its login, and a passphrase), which a Console replica cannot share. A backend without
+        # a secrets provider is refused: the default passphrase provider would need a passphrase
+        # in every replica's environment.
+        if backend_url is not None and not BACKEND_URL.match(backend_url):
+            raise ProvisionerError(
+                f"state backend {backend_url!r} is not gs://BUCKET or azblob://CONTAINER"
+            )
+        if secrets_provider is not None and not SECRETS_PROVIDER.match(secrets_provider):
+            raise ProvisionerError(
+                f"secrets provider {secrets_provider!r} is not gcpkms://projects/… or "
+                "azurekeyvault://VAULT.vault.azure.net/keys/KEY"
+            )
+        if (backend_url is None) != (secrets_provider is None):
+            raise ProvisionerError(
+                "a Dev CVM state backend and secrets provider come together (the Console "
+                "stack exports both: dev_state_backend_url, dev_secrets_provider)"
+            )
+        self.backend_url = backend_url
+        self.secrets_provider = secrets_provider
         # The Automation API's workspace (Pulumi.yaml, the stack's settings) lives in one directory
         # per stack, reused by every run: without `work_dir` each run left a new temp dir behind.
         self.work_root = work_root or Path(tempfile.gettempdir()) / f"umbra-pulumi-{os.getuid()}"
@@ -247,7 +277,14 @@ class PulumiDevCvmProvisioner:
 
     def _local_stack(self, name: str, program: auto.PulumiFn, create: bool) -> StackLike:
         opts = auto.LocalWorkspaceOptions(
-            work_dir=str(self.work_dir(name)), env_vars=self.env or None
+            work_dir=str(self.work_dir(name)),
+            env_vars=self.env or None,
+            project_settings=auto.ProjectSettings(
+                name=PROJECT, runtime="python", backend=auto.ProjectBackend(self.backend_url)
+            )
+            if self.backend_url
+            else None,
+            secrets_provider=self.secrets_provider,
         )
         if create:
             stack = auto.create_or_select_stack(

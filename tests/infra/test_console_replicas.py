@@ -205,3 +205,56 @@ def test_replicas_pass_the_policy_pack_and_keep_the_password_in_its_holders(clou
         "azure-native:dbforpostgresql:Server",
         "azure-native:keyvault:Secret",
     }
+
+
+# --- the Dev CVM stacks' state backend and secrets provider (`dev_state`) ----------------------
+
+
+def test_dev_state_declares_a_private_bucket_and_a_kms_key_for_the_console_only() -> None:
+    plain, _ = _build("gcp")
+    assert not plain.of_type("gcp:storage/bucket:Bucket")  # default: nothing new
+    mocks, exported = _build("gcp", dev_state=True)
+    (bucket,) = mocks.of_type("gcp:storage/bucket:Bucket")
+    assert bucket.inputs["name"] == "umbra-control-umbra-console-state"
+    assert bucket.inputs["publicAccessPrevention"] == "enforced"
+    assert bucket.inputs["uniformBucketLevelAccess"] is True
+    assert bucket.inputs["versioning"] == {"enabled": True}
+    (key,) = mocks.of_type("gcp:kms/cryptoKey:CryptoKey")
+    assert mocks.options[("gcp:kms/cryptoKey:CryptoKey", key.name)].protect is True
+    sa = "serviceAccount:umbra-console@umbra-control.iam.gserviceaccount.com"
+    (use,) = mocks.of_type("gcp:kms/cryptoKeyIAMMember:CryptoKeyIAMMember")
+    assert (use.inputs["role"], use.inputs["member"]) == (
+        "roles/cloudkms.cryptoKeyEncrypterDecrypter",
+        sa,
+    )
+    (grant,) = mocks.of_type("gcp:storage/bucketIAMMember:BucketIAMMember")
+    assert (grant.inputs["bucket"], grant.inputs["member"]) == (bucket.inputs["name"], sa)
+    assert exported["dev_state_backend_url"] == "gs://umbra-control-umbra-console-state"
+    assert exported["dev_secrets_provider"] == (
+        "gcpkms://projects/umbra-control/locations/us-central1/keyRings/umbra-console/"
+        "cryptoKeys/dev-cvm-stacks"
+    )
+    # What the stack exports is what the Console's provisioner accepts.
+    from tests.infra.test_automation import GCP
+    from umbra.components.automation import PulumiDevCvmProvisioner
+
+    PulumiDevCvmProvisioner(
+        GCP,
+        backend_url=exported["dev_state_backend_url"],
+        secrets_provider=exported["dev_secrets_provider"],
+    )
+
+
+@pytest.mark.parametrize(
+    ("cloud", "changes", "problem"),
+    [
+        ("azure", {"dev_state": True}, "GCP only"),
+        ("gcp", {"dev_state": True, "state_bucket": "umbra-state"}, "unset state_bucket"),
+    ],
+)
+def test_dev_state_conflicts_are_refused(cloud: str, changes: dict[str, Any], problem: str) -> None:
+    raw = _raw(cloud)
+    raw["umbra:stack"] = json.dumps(json.loads(raw["umbra:stack"]) | changes)
+    with pytest.raises(ConfigError) as err:
+        parse_stack_config(raw, SECRETS)
+    assert problem in str(err.value)

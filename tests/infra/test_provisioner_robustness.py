@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, MutableMapping
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -223,3 +224,50 @@ def test_stopping_on_azure_removes_the_vm_and_keeps_disk_and_nic() -> None:
     assert mocks.of_type("azure-native:compute:VirtualMachine") == []
     assert len(mocks.of_type("azure-native:compute:Disk")) == 1
     assert len(mocks.of_type("azure-native:network:NetworkInterface")) == 1
+
+
+BACKEND = "gs://umbra-control-umbra-console-state"
+KMS = (
+    "gcpkms://projects/umbra-control/locations/us-central1/keyRings/umbra-console/"
+    "cryptoKeys/dev-cvm-stacks"
+)
+
+
+def test_every_dev_cvm_stack_uses_the_declared_backend_and_secrets_provider(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Before, the workspace named neither: each replica's `pulumi` used its own login and the
+    passphrase provider. Captured at the Automation API boundary (no CLI here)."""
+    from pulumi import automation as auto
+
+    seen: dict[str, Any] = {}
+
+    def fake(name: str, project_name: str, program: Any, opts: auto.LocalWorkspaceOptions) -> Any:
+        seen.update(name=name, opts=opts)
+        return object()
+
+    monkeypatch.setattr(auto, "create_or_select_stack", fake)
+    prov = PulumiDevCvmProvisioner(
+        GCP, backend_url=BACKEND, secrets_provider=KMS, work_root=tmp_path / "w"
+    )
+    prov._local_stack("acme-alice-box", lambda: None, create=True)
+    opts = seen["opts"]
+    assert opts.secrets_provider == KMS
+    assert opts.project_settings.backend.url == BACKEND
+    assert opts.project_settings.name == "umbra-dev-cvm"
+
+
+@pytest.mark.parametrize(
+    ("backend", "provider", "problem"),
+    [
+        (BACKEND, None, "come together"),
+        (None, KMS, "come together"),
+        ("file:///tmp/state", KMS, "not gs://"),
+        (BACKEND, "passphrase", "not gcpkms://"),
+    ],
+)
+def test_a_backend_without_a_kms_secrets_provider_is_refused(
+    backend: str | None, provider: str | None, problem: str
+) -> None:
+    with pytest.raises(ProvisionerError, match=problem):
+        PulumiDevCvmProvisioner(GCP, backend_url=backend, secrets_provider=provider)
