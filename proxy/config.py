@@ -144,6 +144,17 @@ class ProxyConfig(BaseModel):
             "seconds an attested session may take to send its identity header",
         ),
     ] = Field(default=10.0, gt=0)
+    tunnel_collateral_pccs: Annotated[
+        list[Annotated[str, Field(pattern=r"^https?://[A-Za-z0-9.:\[\]/_-]+$")]],
+        Flag(
+            "PCCS / Intel PCS URL the tunnel endpoint fetches its own collateral from (repeat).",
+            "the tunnel endpoint sends the Intel-signed collateral for its own quote with it, "
+            "fetched from these PCCS / PCS URLs in turn through this CVM's egress and renewed "
+            "before it lapses, so a forwarder that reaches no PCCS verifies it (see Tunnel "
+            "endpoint)",
+            metavar="URL",
+        ),
+    ] = Field(default_factory=list)
     policy_dir: Annotated[
         Path | None,
         Flag(
@@ -368,6 +379,8 @@ class ProxyConfig(BaseModel):
             # The endpoint registers loopback sources; a proxy listener others can reach would
             # accept connections the endpoint never authenticated.
             raise ValueError("with --tunnel-listen, --listen must be a loopback address")
+        if self.tunnel_collateral_pccs and self.tunnel_listen_host is None:
+            raise ValueError("--tunnel-collateral-pccs needs --tunnel-listen")
         if self.workers > 1 and (
             self.listen_port == 0
             or (self.tunnel_listen_host is not None and self.tunnel_listen_port == 0)

@@ -14,6 +14,8 @@ from typing import NamedTuple
 
 import httpx
 
+from umbra.attest.collateral import CollateralRelay, PccsCollateral
+
 from umbra.policy import BundleError, PolicyError
 from umbra.policy.bundle import load_public_key
 from umbra.policy.loader import load_policy_dir
@@ -66,6 +68,13 @@ def tunnel_evidence(config: ProxyConfig) -> Evidence | None:
     if config.tunnel_listen_host is None and not config.secrets_from_console:
         return None
     return config_evidence(config, "attestation evidence")
+
+
+def collateral_relay(config: ProxyConfig) -> CollateralRelay | None:
+    """The tunnel endpoint's own collateral, sent with its quote (`--tunnel-collateral-pccs`)."""
+    if not config.tunnel_collateral_pccs:
+        return None
+    return CollateralRelay(PccsCollateral(config.tunnel_collateral_pccs))
 
 
 def console_verify(config: ProxyConfig) -> ssl.SSLContext | bool:
