@@ -274,10 +274,10 @@ async def server_handshake(
         if collateral is not None:
             try:
                 relayed = await collateral(td_quote_of(quote))
-            except AttestError:
-                relayed = None  # the client refuses (missing) and says so; we do not guess
-            if relayed is not None:
-                evidence["collateral"] = relayed.decode()
+                if relayed is not None:
+                    evidence["collateral"] = relayed.decode()
+            except (AttestError, UnicodeDecodeError):
+                pass  # nothing is sent: the client refuses (missing) and says so
         await write_frame(tls, FRAME_EVIDENCE, json.dumps(evidence).encode())
         try:
             result = json.loads(await frames.read(FRAME_VERDICT))

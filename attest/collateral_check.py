@@ -15,6 +15,7 @@ signature (a form feed for a newline, `A` for `a`) would pass unnoticed.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import warnings
 
 from cryptography import x509
@@ -29,7 +30,14 @@ from umbra.attest.errors import CollateralRefusal, CollateralRefused
 
 _TAMPERED = CollateralRefusal.TAMPERED
 # Everything cryptography raises on hostile certificates, CRLs and signatures.
-_BAD = (ValueError, TypeError, IndexError, InvalidSignature, UnsupportedAlgorithm, x509.InvalidVersion)
+_BAD = (
+    ValueError,
+    TypeError,
+    IndexError,
+    InvalidSignature,
+    UnsupportedAlgorithm,
+    x509.InvalidVersion,
+)
 
 
 def _chain(doc: dict[str, str], field: str, root_der: bytes) -> list[x509.Certificate]:
@@ -42,7 +50,7 @@ def _chain(doc: dict[str, str], field: str, root_der: bytes) -> list[x509.Certif
             raise CollateralRefused(_TAMPERED, f"{field} is not canonical PEM")
         if certs[-1].public_bytes(Encoding.DER) != root_der:
             raise CollateralRefused(_TAMPERED, f"{field} does not end in the pinned root CA")
-        for cert, issuer in zip(certs, certs[1:], strict=False):
+        for cert, issuer in itertools.pairwise(certs):
             _strict_signature_bits(cert.public_bytes(Encoding.DER))
             cert.verify_directly_issued_by(issuer)
     except _BAD:
@@ -93,7 +101,9 @@ def _signed(doc: dict[str, str], field: str, signer: x509.Certificate) -> None:
         raise CollateralRefused(_TAMPERED, f"the {field} signature does not verify") from None
 
 
-def _crl(doc: dict[str, str], field: str, issuer: x509.Certificate) -> x509.CertificateRevocationList:
+def _crl(
+    doc: dict[str, str], field: str, issuer: x509.Certificate
+) -> x509.CertificateRevocationList:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -107,7 +117,9 @@ def _crl(doc: dict[str, str], field: str, issuer: x509.Certificate) -> x509.Cert
     return crl
 
 
-def _revoked(crl: x509.CertificateRevocationList, cert: x509.Certificate, what: str, field: str) -> None:
+def _revoked(
+    crl: x509.CertificateRevocationList, cert: x509.Certificate, what: str, field: str
+) -> None:
     if crl.get_revoked_certificate_by_serial_number(cert.serial_number) is not None:
         raise CollateralRefused(
             CollateralRefusal.REVOKED, f"{field} revokes the {what} (serial {cert.serial_number:x})"

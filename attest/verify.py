@@ -102,9 +102,11 @@ class Verdict:
         return sorted({f.step for f in self.failures}, key=list(Step).index)
 
     def to_json(self) -> dict[str, Any]:
-        extra = {} if self.collateral_refusal is None else {
-            "collateral_refusal": self.collateral_refusal.value
-        }
+        extra = (
+            {}
+            if self.collateral_refusal is None
+            else {"collateral_refusal": self.collateral_refusal.value}
+        )
         return {
             **extra,
             "ok": self.ok,

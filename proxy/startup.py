@@ -15,7 +15,6 @@ from typing import NamedTuple
 import httpx
 
 from umbra.attest.collateral import CollateralRelay, PccsCollateral
-
 from umbra.policy import BundleError, PolicyError
 from umbra.policy.bundle import load_public_key
 from umbra.policy.loader import load_policy_dir

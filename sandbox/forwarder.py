@@ -326,8 +326,7 @@ class Forwarder:
                 # The Security CVM's collateral (relayed or fetched) was refused: say which way.
                 self.stats.refuse(f"collateral_{refusal}")
                 logger.warning(
-                    "refusing sandbox connection: Security CVM %s not verified: collateral "
-                    "refused (%s): %s",
+                    "refusing sandbox connection: Security CVM %s not verified (collateral_%s): %s",
                     target,
                     refusal,
                     exc,

@@ -156,9 +156,7 @@ def test_signature_unused_bits_changed_is_refused(relayed: Verifier, real_quote:
     der[at] = 1
     edited = x509.load_der_x509_certificate(bytes(der))
     doc[field] = "".join(c.public_bytes(Encoding.PEM).decode() for c in [edited, *certs[1:]])
-    verdict = relayed.verify(
-        real_quote, now=T_INSIDE, relayed_collateral=json.dumps(doc).encode()
-    )
+    verdict = relayed.verify(real_quote, now=T_INSIDE, relayed_collateral=json.dumps(doc).encode())
     assert verdict.collateral_refusal is CollateralRefusal.TAMPERED, verdict.reasons
     assert field in verdict.reasons[0]
 
