@@ -9,6 +9,7 @@ Only pydantic here: `umbra --help` must not import mitmproxy.
 from __future__ import annotations
 
 import ipaddress
+import re
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.fields import FieldInfo
 
 DEFAULT_MAX_BODY = 32 << 20
+_PCCS_URL = re.compile(r"^https?://[A-Za-z0-9.:\[\]/_-]+$")
 QuoteSource = Literal["configfs", "azure", "simulated"]
 
 
@@ -145,7 +147,7 @@ class ProxyConfig(BaseModel):
         ),
     ] = Field(default=10.0, gt=0)
     tunnel_collateral_pccs: Annotated[
-        list[Annotated[str, Field(pattern=r"^https?://[A-Za-z0-9.:\[\]/_-]+$")]],
+        list[str],
         Flag(
             "PCCS / Intel PCS URL the tunnel endpoint fetches its own collateral from (repeat).",
             "the tunnel endpoint sends the Intel-signed collateral for its own quote with it, "
@@ -381,6 +383,9 @@ class ProxyConfig(BaseModel):
             raise ValueError("with --tunnel-listen, --listen must be a loopback address")
         if self.tunnel_collateral_pccs and self.tunnel_listen_host is None:
             raise ValueError("--tunnel-collateral-pccs needs --tunnel-listen")
+        for url in self.tunnel_collateral_pccs:
+            if not _PCCS_URL.match(url):
+                raise ValueError(f"--tunnel-collateral-pccs {url[:80]!r} is not an http(s) URL")
         if self.workers > 1 and (
             self.listen_port == 0
             or (self.tunnel_listen_host is not None and self.tunnel_listen_port == 0)
