@@ -296,7 +296,9 @@ class PccsCollateral:
             if collateral.fmspc and collateral.fmspc != key[1]:
                 errors.append(f"{endpoint}: answered for FMSPC {collateral.fmspc}, not {key[1]}")
                 continue
-            expires = min(collateral.next_update, now + self.max_ttl_seconds)
+            # The set's earliest lapse, CRLs included: a cache entry outliving a CRL would hand
+            # out a set every verifier refuses as expired until max_ttl ran out.
+            expires = min(collateral.expires_at, now + self.max_ttl_seconds)
             self.cache.put(key, collateral, expires)
             return collateral
         raise CollateralError("no PCCS endpoint supplied collateral: " + "; ".join(errors))
@@ -411,7 +413,9 @@ class CollateralRelay:
         now = int(self.clock())
         key = pck_identity(raw_quote)
         held = self._held.get(key)
-        if held is None or now + self.refresh_margin >= held.expires_at:
+        renewing = self._lock.locked() and held is not None and now < held.expires_at
+        if not renewing and (held is None or now + self.refresh_margin >= held.expires_at):
+            # (While one handshake renews, the others serve the still-valid held set.)
             async with self._lock:
                 held = await self._renew(key, raw_quote, now)
         if held is None or now >= held.expires_at:

@@ -4,9 +4,11 @@ refused with its own reason, whichever bit of them is changed."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 import re
+from typing import Any
 
 import pytest
 from cryptography import x509
@@ -16,6 +18,8 @@ from umbra.attest.collateral import (
     MAX_RELAYED_COLLATERAL,
     RELAYED_CACHE_ENTRIES,
     Collateral,
+    CollateralRelay,
+    PccsCollateral,
     RelayedCollateral,
     StaticCollateral,
 )
@@ -227,3 +231,58 @@ def test_parsed_sets_cache_is_bounded(real_quote: bytes) -> None:
         source.accept(real_quote, RAW + b" " * i, T_INSIDE)  # distinct bytes, same set
     assert len(source._parsed) == RELAYED_CACHE_ENTRIES
     assert source.misses == RELAYED_CACHE_ENTRIES * 3
+
+
+async def test_relay_serves_the_held_set_while_one_handshake_renews(
+    pki: SimulatedPki, tdx: SimulatedTdx
+) -> None:
+    """Held, then renewed inside the margin by one caller while the others keep getting the
+    held set without waiting. (A simulated set: the recorded Intel set's window between its
+    last issue date and its first lapse is one second.)"""
+    collateral = pki.collateral(T_SIM - 3600)
+    expected = Collateral.from_qvl(collateral.qvl).json_text.encode()  # as a PCCS answer reads
+    quote = tdx.quote(bytes(64))
+    gate = asyncio.Event()
+    calls: list[str] = []
+
+    async def fetch(url: str, raw_quote: bytes) -> Any:
+        calls.append(url)
+        if len(calls) > 1:
+            await gate.wait()
+        return collateral.qvl
+
+    now = [float(T_SIM)]
+    relay = CollateralRelay(
+        PccsCollateral(["https://pccs.invalid"], fetch=fetch),
+        refresh_margin=3600,
+        clock=lambda: now[0],
+    )
+    assert await relay(quote) == expected
+    now[0] = collateral.expires_at - 600  # inside the margin: the next caller renews
+    renewing = asyncio.create_task(relay(quote))
+    await asyncio.sleep(0.01)
+    assert len(calls) == 2 and not renewing.done()
+    assert await relay(quote) == expected  # not held up
+    gate.set()
+    assert await renewing == expected
+    assert relay.fetches == 2
+
+
+def test_pccs_cache_entry_lapses_with_the_sets_first_crl(real_quote: bytes) -> None:
+    """The recorded set's CRLs lapse before its TCB info (`expires_at` < `next_update`): the
+    cache (the relay's source) must not keep handing it out past that (it did until issue 22,
+    so a relay renewing inside its margin got the lapsed set back)."""
+    collateral = Collateral.from_json(RAW)
+    assert collateral.expires_at < collateral.next_update
+    calls: list[str] = []
+
+    async def fetch(url: str, raw_quote: bytes) -> Any:
+        calls.append(url)
+        return collateral.qvl
+
+    source = PccsCollateral(["https://pccs.invalid"], fetch=fetch)
+    source.collateral_for(real_quote, collateral.expires_at - 100)
+    source.collateral_for(real_quote, collateral.expires_at - 1)
+    assert len(calls) == 1  # a fresh entry answers
+    source.collateral_for(real_quote, collateral.expires_at)
+    assert len(calls) == 2  # lapsed with its CRL: fetched again
