@@ -31,6 +31,7 @@ from umbra.attest.simpccs import SimulatedPccs
 from umbra.attest.simpki import SimulatedPki
 from umbra.attest.simulator import SimulatedTdx
 from umbra.proxy.identity import CvmEntry, StaticIdentities, hash_credential
+from umbra.proxy.startup import logged
 from umbra.proxy.tunnel import TunnelEndpoint
 from umbra.proxy.tunnel_identities import TunnelIdentities
 from umbra.sandbox.forwarder import Forwarder
@@ -236,14 +237,20 @@ async def test_bit_flips_in_the_relayed_set_never_pass(
 
 
 async def test_pccs_down_the_relay_sends_nothing_and_the_forwarder_refuses(
-    tmp_path: Path, tdx: SimulatedTdx, cfg: ForwarderConfig
+    tmp_path: Path, tdx: SimulatedTdx, cfg: ForwarderConfig, caplog: pytest.LogCaptureFixture
 ) -> None:
     relay = CollateralRelay(PccsCollateral(["http://127.0.0.1:9"]))
-    async with endpoint(tmp_path, SimulatedSource(tdx), relay, tdx.event_log) as (_, port):
+    provider = logged(relay)  # as `umbra proxy serve --tunnel-collateral-pccs` wires it
+    async with endpoint(tmp_path, SimulatedSource(tdx), provider, tdx.event_log) as (_, port):
         fwd = forwarder(cfg, port)
-        assert await fwd.fetch_ca() is None
-    assert fwd.stats.refused == {"collateral_missing": 1}
+        with caplog.at_level(logging.WARNING):
+            assert await fwd.fetch_ca() is None
+            assert await fwd.fetch_ca() is None
+    assert fwd.stats.refused == {"collateral_missing": 2}
     assert relay.last_error is not None and "127.0.0.1:9" in relay.last_error
+    # The Security CVM says why, once (not once per handshake).
+    said = [r.getMessage() for r in caplog.records if r.name == "umbra.proxy.startup"]
+    assert len(said) == 1 and "fetch failed" in said[0] and "sending none" in said[0]
 
 
 async def test_relay_renews_before_next_update_and_keeps_serving_while_the_pccs_is_down(
