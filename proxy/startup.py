@@ -88,7 +88,9 @@ def logged(relay: CollateralRelay) -> CollateralProvider:
         if error != said[0]:
             said[0] = error
             if error is None:
-                logging.getLogger(__name__).warning("tunnel collateral: fetched again after failing")
+                logging.getLogger(__name__).warning(
+                    "tunnel collateral: fetched again after failing"
+                )
             else:
                 logging.getLogger(__name__).warning(
                     "tunnel collateral: fetch failed (%s); %s",
