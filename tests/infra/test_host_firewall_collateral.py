@@ -5,11 +5,14 @@ nothing to the ruleset: the forwarder's only path is the tunnel port it already 
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -90,7 +93,18 @@ def test_forwarder_verifies_with_relayed_collateral_and_reaches_no_pccs(
         lab.ns["n"], lambda: SimulatedPccs(pki, int(time.time()) - 60, host=WEB).__enter__()
     )
     try:
-        relay = CollateralRelay(PccsCollateral([pccs.url]))
+        collateral = pccs.collateral
+
+        async def fetch(url: str, raw_quote: bytes) -> Any:
+            # dcap-qvl's HTTP client runs on a process-wide runtime whose threads keep the
+            # network namespace of the thread that first used it (another test's, in a full
+            # run): the TCB info is fetched here instead, over HTTP from this loop's own
+            # namespace (the cloud network's), and the PCCS's set is what the relay holds.
+            tcb = f"{url}/tdx/certification/v4/tcb?fmspc={collateral.fmspc}"
+            await asyncio.to_thread(lambda: urllib.request.urlopen(tcb, timeout=5).read())  # noqa: S310 -- http to the stand-in
+            return collateral.qvl
+
+        relay = CollateralRelay(PccsCollateral([pccs.url], fetch=fetch))
         endpoint = TunnelEndpoint(
             identities=StaticIdentities(
                 [
