@@ -122,6 +122,14 @@ def check(host: DevHost) -> None:
             f"forwarder.sandbox_ca.file must be {want_ca}: the directory bound read-only into "
             "the sandbox, or the sandbox would never trust the CA the forwarder attested"
         )
+    want_env = local_cvm.sandbox_env_config(plan)
+    env = d.forwarder.sandbox_env
+    if env is None or (str(env.file), env.base) != (want_env["file"], want_env["base"]):
+        raise DevHostError(
+            f"forwarder.sandbox_env must be {want_env['file']} with this topology's own values: "
+            "the file bound read-only into the sandbox, or sessions would never see the attached "
+            "profiles' sandbox_env"
+        )
 
 
 def _use_image(host: DevHost) -> None:
