@@ -16,14 +16,15 @@ ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]{0,127}$"
 MAX_ENV_VALUE = 4096
 MAX_ENV_VARS = 64  # per profile (the linter); the forwarder bounds the answer's bytes instead
 # Variables that change how every program in the sandbox loads or finds code, or where its
-# traffic goes: a profile may not set them (the sandbox image and the forwarder own them).
+# traffic goes: a profile may not set them (the sandbox image and the forwarder own them). Every
+# name of a CVM's own values (local_cvm.sandbox_env_base) is here: a test keeps them in step.
 RESERVED_ENV = frozenset(
     {
         "PATH", "HOME", "USER", "SHELL", "LD_PRELOAD", "LD_LIBRARY_PATH", "LD_AUDIT",
         "PYTHONPATH", "PYTHONSTARTUP", "NODE_OPTIONS", "BASH_ENV", "ENV", "PROMPT_COMMAND",
         "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY", "http_proxy", "https_proxy",
         "all_proxy", "no_proxy", "SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE",
-        "NODE_EXTRA_CA_CERTS", "CURL_CA_BUNDLE", "GIT_SSL_CAINFO", "AWS_CA_BUNDLE",
+        "NODE_EXTRA_CA_CERTS", "CURL_CA_BUNDLE", "GIT_SSL_CAINFO", "AWS_CA_BUNDLE", "PIP_CERT",
     }
 )  # fmt: skip
 _NAME = re.compile(ENV_NAME)

@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 
 from umbra.cli.app import app
 from umbra.components import ports
+from umbra.contracts.sandbox_env import RESERVED_ENV
 from umbra.images.definition import DefinitionError, load_definition, parse_definition
 from umbra.images.measure import measure
 from umbra.sandbox import image, local_cvm
@@ -71,6 +72,9 @@ def test_rendering_is_deterministic_canonical_and_the_runc_topology() -> None:
         "base": local_cvm.sandbox_env_base(local_cvm.LocalCvmPlan("cvm_x", 1, "umbra", "/x", 0)),
     }
     assert doc["forwarder"]["sandbox_env"]["base"]["HTTPS_PROXY"] == plan.proxy_url
+    # Every one of the CVM's own names is one a profile may not set (the linter and the
+    # forwarder refuse it), so a profile can never shadow or be silently shadowed by them.
+    assert set(doc["forwarder"]["sandbox_env"]["base"]) <= RESERVED_ENV
     assert doc["sandbox_image"] == {
         "recipe_key": image.recipe_key(),
         "files_key": image.files_key(),
