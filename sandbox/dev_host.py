@@ -13,6 +13,9 @@ sandbox/local_cvm.py's functions, with what differs on a CVM:
 - the forwarder's namespace gets a default route to the host end of its uplink, and the host
   forwards (ip_forward=1): the measured host ruleset (components/host_firewall.py) admits the
   uplink only to the Security CVM's tunnel port and the Console's 443, and masquerades it;
+- the forwarder keeps the sandbox's attested CA and its `sandbox.env` (the CVM's values, then
+  the attached profiles' `sandbox_env`) current in the directories bound read-only into it, with
+  the same config blocks as `umbra up`'s (`local_cvm.sandbox_env_config`): checked at start;
 - a supervisor process (`umbra sandbox host supervise`, its pid in `supervisor.pid`, found again
   by the same marker check as every local CVM process) restarts a dead sandbox or forwarder.
 
