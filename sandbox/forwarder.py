@@ -210,7 +210,11 @@ class Forwarder:
             return await asyncio.wait_for(read(conn.recv), self.handshake_timeout)
         except (ATLSError, HeaderError, ConnectionError, OSError, TimeoutError) as exc:
             self.stats.refuse(refusal)
-            logger.warning("no %s from the Security CVM: %s", what, exc or type(exc).__name__)
+            # Fail closed: the caller keeps what it last had from an attested answer.
+            logger.warning(
+                "no %s from the Security CVM: %s; keeping the last attested one",
+                what, exc or type(exc).__name__,
+            )  # fmt: skip
             return None
         finally:
             await conn.close()
