@@ -12,6 +12,9 @@
   per connection. No packet of the guest's leaves the host.
 - **Disks**: the boot disk read through a throw-away overlay (`snapshot=on`: as a cloud image,
   never changed by a boot), and a raw data disk file that persists across stop and start.
+- **TEE**: with `tdx_module`, a virtio-serial port `org.umbra.tdx-module` connected to the host's
+  simulated TDX module (emulated.tdx_module): the guest's `--tee emulated` extends RTMR3 and
+  quotes there.
 - **Stop**: ACPI power button (`system_powerdown` on QMP), as `gcloud compute instances stop`
   and an Azure deallocation shut the guest down; a guest that does not stop in time is killed.
 """
@@ -28,6 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from umbra.attest.tdx_port import TDX_PORT_NAME
 from umbra.emulated import relay
 from umbra.emulated.metadata import METADATA_ADDRESS, WIRE_SERVER_ADDRESS, Shape
 
@@ -73,6 +77,9 @@ class VmConfig:
     metadata_port: int
     wire_port: int
     firmware: Firmware = Firmware()
+    # The host's simulated TDX module (emulated.tdx_module) this VM's port connects to; None:
+    # no port (the guest then cannot measure or quote with `--tee emulated`).
+    tdx_module: Path | None = None
     memory_mb: int = 1024
     accel: str = "tcg"
     python: str = sys.executable
@@ -94,8 +101,19 @@ def netdev(config: VmConfig) -> str:
     return ",".join(parts)
 
 
+def tdx_port(socket_path: Path) -> list[str]:
+    """The guest's virtio-serial port `org.umbra.tdx-module`, connected to the host's TDX module
+    on `socket_path` (QEMU dials it at start, and exits if it is not there: fail closed)."""
+    return [
+        "-device", "virtio-serial-pci,id=vs0",
+        "-chardev", f"socket,id=tdx,path={socket_path}",
+        "-device", f"virtserialport,bus=vs0.0,chardev=tdx,name={TDX_PORT_NAME}",
+    ]  # fmt: skip
+
+
 def qemu_argv(config: VmConfig) -> list[str]:
     manufacturer, product = SMBIOS[config.shape]
+    module = [] if config.tdx_module is None else tdx_port(config.tdx_module)
     return [
         "qemu-system-x86_64", *config.firmware.argv(), "-accel", config.accel,
         # TCG: -cpu max, for RDRAND, which seeds the kernel's CRNG at once (see tests/images/
@@ -107,7 +125,7 @@ def qemu_argv(config: VmConfig) -> list[str]:
         "-smbios", f"type=1,manufacturer={manufacturer},product={product}",
         "-drive", f"file={config.disk},format=raw,if=virtio,snapshot=on",
         "-drive", f"file={config.data_disk},format=raw,if=virtio",
-        "-netdev", netdev(config), "-device", "virtio-net-pci,netdev=n0",
+        "-netdev", netdev(config), "-device", "virtio-net-pci,netdev=n0", *module,
         "-display", "none", "-monitor", "none", "-serial", f"file:{config.serial}",
         "-qmp", f"unix:{config.qmp},server=on,wait=off", "-no-reboot",
     ]  # fmt: skip
