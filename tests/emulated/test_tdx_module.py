@@ -5,13 +5,8 @@ virtio-serial port QEMU would connect (the same byte stream, the same file API i
 
 from __future__ import annotations
 
-import contextlib
 import os
-import pty
-import socket
-import threading
 import time
-import tty
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -34,6 +29,7 @@ from umbra.images.launch_agent import Agent, GcpMetadata, LaunchError, TdxModule
 from umbra.images.measure import measure
 
 from ..sandbox.fixtures import dev_definition
+from .port_relay import port_to
 
 IMAGE = "umbra-dev-cvm-emulated"
 KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIOMqqnkVzrm0SdG6UOoqKLsabgH5C9okWi0dh2l9GKJl alice"
@@ -42,40 +38,6 @@ KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIOMqqnkVzrm0SdG6UOoqKLsabgH5C9okWi0dh
 @pytest.fixture(scope="module")
 def pki() -> SimulatedPki:
     return SimulatedPki.generate()
-
-
-@contextlib.contextmanager
-def port_to(module: TdxModule) -> Iterator[Path]:
-    """A character device whose bytes reach `module` as the guest's port's do: QEMU's chardev
-    is one connection to the module's socket for the VM's life."""
-    master, slave = pty.openpty()
-    tty.setraw(slave)  # a virtio-serial port has no line discipline
-    path = Path(os.ttyname(slave))
-    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    conn.connect(str(module.socket_path))
-    stop = threading.Event()
-
-    def up() -> None:
-        with contextlib.suppress(OSError):  # closed at the end of the test
-            while not stop.is_set():
-                conn.sendall(os.read(master, 65536))
-
-    def down() -> None:
-        with contextlib.suppress(OSError):
-            while chunk := conn.recv(65536):
-                while chunk:
-                    chunk = chunk[os.write(master, chunk) :]
-
-    threads = [threading.Thread(target=f, daemon=True) for f in (up, down)]
-    for t in threads:
-        t.start()
-    try:
-        yield path
-    finally:
-        stop.set()
-        conn.close()
-        os.close(slave)
-        os.close(master)
 
 
 @pytest.fixture
