@@ -9,7 +9,9 @@
   metadata address 169.254.169.254 and Azure's wire server 168.63.129.16 (slirp forwards only
   addresses inside its network), with `restrict=on`: the guest reaches nothing but the two
   forwards, each to a stand-in on 127.0.0.1 (emulated.metadata) through emulated.relay, started
-  per connection. No packet of the guest's leaves the host.
+  per connection, and the `forwards` a Dev workload needs (the Console's and its Security CVM's
+  addresses, inside the network, to their loopback ports); the SSH ingress is published on a
+  loopback port (`hostfwd`). No packet of the guest's leaves the host.
 - **Disks**: the boot disk read through a throw-away overlay (`snapshot=on`: as a cloud image,
   never changed by a boot), and a raw data disk file that persists across stop and start.
 - **TEE**: with `tdx_module`, a virtio-serial port `org.umbra.tdx-module` connected to the host's
@@ -22,6 +24,7 @@
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import json
 import socket
 import subprocess
@@ -32,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from umbra.attest.tdx_port import TDX_PORT_NAME
+from umbra.components.ports import DEV_ATTESTED_SSH_PORT
 from umbra.emulated import relay
 from umbra.emulated.metadata import METADATA_ADDRESS, WIRE_SERVER_ADDRESS, Shape
 
@@ -68,6 +72,17 @@ class Firmware:
 
 
 @dataclass(frozen=True)
+class Forward:
+    """A guest connection to `address:port` (inside NETWORK) relayed to 127.0.0.1:`host_port`:
+    how the Dev CVM reaches the Console and its Security CVM by address (launch data's
+    `console_ips`, `security_cvm_ips`), and nothing else."""
+
+    address: str
+    port: int
+    host_port: int
+
+
+@dataclass(frozen=True)
 class VmConfig:
     shape: Shape
     disk: Path  # the OS image's disk.raw (not written: snapshot=on)
@@ -80,14 +95,39 @@ class VmConfig:
     # The host's simulated TDX module (emulated.tdx_module) this VM's port connects to; None:
     # no port (the guest then cannot measure or quote with `--tee emulated`).
     tdx_module: Path | None = None
+    # The Dev workload's network: exactly these guest destinations (guestfwd), and the attested
+    # SSH ingress published on 127.0.0.1:`ssh_host_port` (hostfwd to the guest's `ssh_port`).
+    forwards: tuple[Forward, ...] = ()
+    ssh_host_port: int | None = None
+    ssh_port: int = DEV_ATTESTED_SSH_PORT
     memory_mb: int = 1024
     accel: str = "tcg"
     python: str = sys.executable
 
 
-def guestfwd(address: str, port: int, python: str) -> str:
+def guestfwd(address: str, port: int, python: str, guest_port: int = 80) -> str:
     # QEMU's option syntax: a comma inside a value is written twice (none here).
-    return f"guestfwd=tcp:{address}:80-cmd:{python} -I -S {relay.__file__} 127.0.0.1 {port}"
+    return (
+        f"guestfwd=tcp:{address}:{guest_port}-cmd:{python} -I -S {relay.__file__} 127.0.0.1 {port}"
+    )
+
+
+RESERVED = {GATEWAY, DNS, METADATA_ADDRESS, WIRE_SERVER_ADDRESS}
+
+
+def check_forward(forward: Forward) -> None:
+    """slirp relays only addresses inside its network; the stand-ins' and slirp's own are taken."""
+    try:
+        address = ipaddress.IPv4Address(forward.address)
+    except ValueError:
+        raise VmError(f"forward {forward.address!r}: not an IPv4 address") from None
+    if address not in ipaddress.IPv4Network(NETWORK) or forward.address in RESERVED:
+        raise VmError(
+            f"forward {forward.address}: must be inside {NETWORK} and not one of "
+            f"{', '.join(sorted(RESERVED))} (QEMU user networking relays only its own network)"
+        )
+    if not (0 < forward.port < 65536 and 0 < forward.host_port < 65536):
+        raise VmError(f"forward {forward.address}:{forward.port}: ports must be 1-65535")
 
 
 def netdev(config: VmConfig) -> str:
@@ -98,6 +138,11 @@ def netdev(config: VmConfig) -> str:
     ]  # fmt: skip
     if config.shape is Shape.azure:
         parts.append(guestfwd(WIRE_SERVER_ADDRESS, config.wire_port, config.python))
+    for forward in config.forwards:
+        check_forward(forward)
+        parts.append(guestfwd(forward.address, forward.host_port, config.python, forward.port))
+    if config.ssh_host_port is not None:
+        parts.append(f"hostfwd=tcp:127.0.0.1:{config.ssh_host_port}-:{config.ssh_port}")
     return ",".join(parts)
 
 
