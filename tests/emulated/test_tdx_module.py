@@ -167,6 +167,7 @@ def test_the_launch_agents_log_verifies_a_module_quote_as_the_services_present_i
         cvm_id="dev-emulated-1",
         app_compose=m.app_compose.decode(),
         ssh_authorized_keys=(KEY,),
+        cloud=Shape.gcp,
     )
     lines: list[str] = []
     starter = _Recorder()
