@@ -88,6 +88,11 @@ def test_the_guests_extends_and_quote_verify_against_its_event_log(
     # A production verifier (no simulated root) refuses the same quote.
     strict = Verifier(policy, collateral).verify(quote, event_log=log)
     assert not strict.ok
+    # So does one given the simulated root for a production (`tee: tdx`) release.
+    tdx = MeasurementPolicy(release=release.model_copy(update={"tee": "tdx"}))
+    refused = Verifier(tdx, collateral, True, pki.root_der).verify(quote, event_log=log)
+    assert not refused.ok and not refused.simulated
+    assert "does not end in the Intel SGX Root CA" in refused.reasons[0]
     # A log that does not replay to the quoted RTMR3 fails.
     forged = [*firmware, events[0]]
     assert not Verifier(policy, collateral, True, pki.root_der).verify(quote, event_log=forged).ok
