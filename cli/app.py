@@ -43,6 +43,11 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
         "Attach policy profiles to Dev CVMs and set team defaults (admins).",
     ),
     "proxy": ("umbra.cli.proxy", "app", "The Security CVM's policy-enforcing egress proxy."),
+    "quota": (
+        "umbra.cli.quota",
+        "app",
+        "The team's Dev CVM quotas: show (everyone), set (admins).",
+    ),
     "sandbox": (
         "umbra.cli.sandbox",
         "app",
@@ -96,6 +101,11 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "umbra.cli.ssh",
         "cursor_app",
         "Open Cursor on your sandbox via Remote-SSH (writes the ~/.ssh/config block first).",
+    ),
+    "machine-types": (
+        "umbra.cli.quota",
+        "machine_types_app",
+        "The machine types and data disk sizes Dev CVMs of the team may launch with.",
     ),
     "version": ("umbra.cli.version", "app", "Print umbra's version and the Python running it."),
     "shell": (

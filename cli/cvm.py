@@ -33,6 +33,15 @@ SshKeyOption = Annotated[
     typer.Option("--ssh-key", help="An SSH public key file (repeat); cloud providers need one."),
 ]
 SizeOption = Annotated[str | None, typer.Option(help="Machine type (provider default if unset).")]
+DiskOption = Annotated[
+    int | None,
+    typer.Option(
+        "--data-disk-gb",
+        min=1,
+        max=65536,
+        help="Dev CVMs: data disk size in GB, within the team's bounds (`umbra machine-types`).",
+    ),
+]
 WaitFlag = Annotated[bool, typer.Option("--wait", help="Follow the CVM until it settles.")]
 TRANSITIONAL = (CvmState.launching, CvmState.updating, CvmState.destroying)
 
@@ -106,7 +115,8 @@ def _show(cvm: CvmInfo, as_json: bool, credential: str | None = None) -> None:
         where = cvm.provider_state.get("private_ip") or "-"
         console.print(
             f"{cvm.id} [bold]{cvm.name}[/] ({cvm.kind}, {cvm.provider}) is [bold]{cvm.state}[/]"
-            f" private IP {where}",
+            f" private IP {where}"
+            + (f", data disk {cvm.data_disk_gb} GB" if cvm.data_disk_gb is not None else ""),
             highlight=False,
         )
         if cvm.kind == CvmKind.dev:
@@ -139,6 +149,7 @@ def launch(
     kind: Annotated[CvmKind, typer.Option(help="dev or security.")] = CvmKind.dev,
     ssh_key: SshKeyOption = None,
     size: SizeOption = None,
+    data_disk_gb: DiskOption = None,
     security_cvm: Annotated[
         str | None, typer.Option("--security-cvm", help="Dev CVMs: route egress via this id.")
     ] = None,
@@ -164,6 +175,7 @@ def launch(
                 owner=owner,
                 ssh_keys=keys,
                 size=size,
+                data_disk_gb=data_disk_gb,
             )
             cvm: CvmInfo = _wait(client, created) if wait else created
     except api_errors() as exc:
@@ -212,17 +224,24 @@ def update(
     state: Annotated[Power | None, typer.Option(help="Start or stop (local).")] = None,
     ssh_key: SshKeyOption = None,
     size: SizeOption = None,
+    data_disk_gb: Annotated[
+        int | None,
+        typer.Option(
+            "--data-disk-gb", min=1, max=65536, help="Grow the Dev CVM's data disk to this (GB)."
+        ),
+    ] = None,
     security_cvm: Annotated[
         str | None, typer.Option("--security-cvm", help="Re-route a Dev CVM (admins).")
     ] = None,
     wait: WaitFlag = False,
     as_json: JsonFlag = False,
 ) -> None:
-    """Start/stop a CVM, re-route it, or change its SSH keys or size."""
+    """Start/stop a CVM, re-route it, or change its SSH keys, size or data disk."""
     keys = _keys(ssh_key, as_json)
-    if state is None and keys is None and size is None and security_cvm is None:
+    asked = (state, keys, size, data_disk_gb, security_cvm)
+    if all(value is None for value in asked):
         fail(
-            "nothing to change: pass --state, --ssh-key, --size or --security-cvm",
+            "nothing to change: pass --state, --ssh-key, --size, --data-disk-gb or --security-cvm",
             EXIT_USAGE,
             as_json=as_json,
         )
@@ -230,7 +249,12 @@ def update(
     try:
         with client:
             cvm = client.update_cvm(
-                cvm_id, state=state, security_cvm_id=security_cvm, ssh_keys=keys, size=size
+                cvm_id,
+                state=state,
+                security_cvm_id=security_cvm,
+                ssh_keys=keys,
+                size=size,
+                data_disk_gb=data_disk_gb,
             )
             cvm = _wait(client, cvm) if wait else cvm
     except api_errors() as exc:

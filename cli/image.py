@@ -303,6 +303,23 @@ def build_cmd(
         bool, typer.Option("--update-lock", help="Rewrite images/packages.lock from this build.")
     ] = False,
     builder_id: Annotated[str, typer.Option("--builder-id")] = "local",
+    pulumi_cli: Annotated[
+        Path | None,
+        typer.Option("--pulumi-cli", help="The Pulumi CLI tarball (linux-x64) for the Console."),
+    ] = None,
+    pulumi_version: Annotated[
+        str | None, typer.Option("--pulumi-version", envvar="PULUMI_VERSION")
+    ] = None,
+    pulumi_sha256: Annotated[
+        str | None,
+        typer.Option(
+            "--pulumi-sha256", envvar="PULUMI_SHA256", help="The tarball's pinned SHA-256."
+        ),
+    ] = None,
+    without_tools: Annotated[
+        bool,
+        typer.Option("--without-tools", help="Development: no Pulumi CLI or policy pack layer."),
+    ] = False,
     as_json: JsonFlag = False,
 ) -> None:
     """Build the images of one rootfs reproducibly; write provenance (signed with --sign-key)."""
@@ -321,6 +338,20 @@ def build_cmd(
     when = epoch if epoch is not None else int(os.environ.get("SOURCE_DATE_EPOCH", "0") or 0)
     if when <= 0:
         fail("give --source-date-epoch or SOURCE_DATE_EPOCH (e.g. the commit time)", EXIT_USAGE)
+    tools = None
+    if pulumi_cli is not None:
+        from pydantic import ValidationError
+
+        from umbra.images.console_tools import ConsoleTools, PulumiPin
+
+        try:
+            pin = PulumiPin(version=pulumi_version or "", sha256=pulumi_sha256 or "")
+        except ValidationError:
+            fail(
+                "--pulumi-cli needs --pulumi-version X.Y.Z and --pulumi-sha256 (64 hex)",
+                EXIT_USAGE,
+            )
+        tools = ConsoleTools(pulumi_cli, pin)
     key = None
     try:
         key = load_private_key(sign_key) if sign_key is not None else None
@@ -332,6 +363,8 @@ def build_cmd(
             host_python_prefix=Path(sys.base_prefix),
             epoch=when,
             update_lock=update_lock,
+            tools=tools,
+            without_tools=without_tools,
         )
     except (BuildError, SignatureError) as exc:
         fail(str(exc), as_json=as_json)
@@ -511,10 +544,12 @@ def launch_agent_cmd(
     compose, report ready. Refuses (exit 1, reason on the serial console) on bad launch data."""
     from umbra.images import launch_agent as la
     from umbra.images import launch_ingress as li
+    from umbra.images import launch_secrets as ls
     from umbra.images.launch_host import DataDisk, DiscoveredDataDisk, Ext4DataDisk
 
     source: la.MetadataSource
     reporter: la.Reporter | None
+    secrets: ls.SecretReader
     if cloud == "smbios":
         from umbra.images.cloud_id import UnknownCloud, cloud_from_smbios
 
@@ -526,9 +561,11 @@ def launch_agent_cmd(
     if cloud == "gcp":
         source = la.GcpMetadata(metadata_url or la.GCP_METADATA)
         reporter = la.GcpGuestAttribute(metadata_url or la.GCP_METADATA)
+        secrets = ls.GcpSecretManager(metadata_url or ls.METADATA)
     elif cloud == "azure":
         source = la.AzureUserData(metadata_url or la.AZURE_IMDS, user_data_file)
         reporter = la.AzureWireServer()
+        secrets = ls.AzureKeyVault(metadata_url or ls.METADATA)
     else:
         fail(f"--cloud must be gcp, azure or smbios, got {cloud!r}", EXIT_USAGE)
     extender: la.Extender
@@ -586,6 +623,7 @@ def launch_agent_cmd(
         cloud=cloud,
         idle_stop=la.SystemdIdleStop() if idle_stop else None,
         firmware_log=firmware_log,
+        secrets=ls.Retrying(secrets, say=say),
     )
     try:
         agent.run()

@@ -33,7 +33,10 @@ from umbra.contracts.model import Strict
 NAMESPACE = "umbra"
 STACK_KEY = f"{NAMESPACE}:stack"
 CONSOLE_DB_PASSWORD_KEY = f"{NAMESPACE}:consoleDbPassword"
-KNOWN_KEYS = frozenset({STACK_KEY, CONSOLE_DB_PASSWORD_KEY})
+# The Console's TLS private key (PEM), with `tls_cert_file`: stored in the cloud's secret store
+# for the Console VM (components/console_secrets.py), never in its launch data.
+CONSOLE_TLS_KEY_KEY = f"{NAMESPACE}:consoleTlsKey"
+KNOWN_KEYS = frozenset({STACK_KEY, CONSOLE_DB_PASSWORD_KEY, CONSOLE_TLS_KEY_KEY})
 # Team stacks: replica i's one-time enrollment token, a Pulumi secret (`umbra cvm security-replica`).
 SECURITY_TOKEN_KEY_RE = re.compile(
     "^" + re.escape(SECURITY_REPLICA_TOKEN_KEY).replace(r"\{replica\}", "([0-7])") + "$"
@@ -345,6 +348,10 @@ class TeamStack(Strict):
         return self
 
 
+# Azure Database for PostgreSQL Flexible Server offers these storage sizes only (GiB).
+AZURE_DB_STORAGE_GB = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32767)
+
+
 class ConsoleStack(Strict):
     kind: Literal["console"]
     name: Name = "console"
@@ -359,10 +366,18 @@ class ConsoleStack(Strict):
     ]
     ingress_cidrs: list[IngressCidr] = Field(min_length=1)
     db_tier: str = Field(min_length=1)
+    # The managed PostgreSQL's storage (GB). Azure Flexible Server: one of its fixed sizes
+    # (AZURE_DB_STORAGE_GB), the size (raise it to grow; never shrinks). GCP Cloud SQL: 10-65536,
+    # the size it is created with; Cloud SQL's auto-resize grows it from there.
+    db_storage_gb: int = Field(default=64, ge=10, le=65536)
     # Exported for team stacks (StackReference): the Console's URL and the CA its TLS chains to
     # (a PEM file relative to the project root; unset when a public CA issues its certificate).
     url: HttpsUrl | None = None
     tls_ca_file: str | None = None
+    # The Console's own certificate chain (PEM file relative to the project root), measured in
+    # its launch data; its key is the secret `umbra:consoleTlsKey`. Unset: the Console VM's
+    # launch agent refuses to start it (a warning at `pulumi up`).
+    tls_cert_file: str | None = None
     # GCP: the projects whose Dev CVMs the Console's provisioner launches (default: its own) and
     # the bucket holding the Pulumi state (`pulumi login gs://…`); the Console's service account
     # gets exactly the provisioner's roles there.
@@ -385,6 +400,11 @@ class ConsoleStack(Strict):
         _check_image(self.cloud, "vm.image", self.vm.image)
         if not self.cidr.is_private or self.cidr.prefixlen > 24:
             raise ValueError(f"cidr {self.cidr} must be a private range of at least /24")
+        if self.cloud == "azure" and self.db_storage_gb not in AZURE_DB_STORAGE_GB:
+            raise ValueError(
+                f"db_storage_gb {self.db_storage_gb} is not an Azure Flexible Server size "
+                f"({', '.join(map(str, AZURE_DB_STORAGE_GB))})"
+            )
         return self
 
 
@@ -497,6 +517,16 @@ def parse_stack_config(raw: Mapping[str, str], secret_keys: frozenset[str]) -> S
             )
         if len(raw[CONSOLE_DB_PASSWORD_KEY]) < 16:
             raise ConfigError(f"{CONSOLE_DB_PASSWORD_KEY}: must be at least 16 characters")
+        if (stack.tls_cert_file is None) != (CONSOLE_TLS_KEY_KEY not in raw):
+            raise ConfigError(
+                f"{CONSOLE_TLS_KEY_KEY} and umbra:stack.tls_cert_file come together "
+                f"(set the key with `pulumi config set --secret {CONSOLE_TLS_KEY_KEY.split(':')[1]} "
+                "< key.pem`)"
+            )
+        if CONSOLE_TLS_KEY_KEY in raw and CONSOLE_TLS_KEY_KEY not in secret_keys:
+            raise ConfigError(
+                f"{CONSOLE_TLS_KEY_KEY}: stored in plain text; set it with `pulumi config set --secret`"
+            )
         if any(SECURITY_TOKEN_KEY_RE.match(k) or DEV_TOKEN_KEY_RE.match(k) for k in raw):
             raise ConfigError("enrollment token keys belong to team stacks")
         return stack

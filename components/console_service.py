@@ -11,8 +11,14 @@ from dataclasses import dataclass
 import pulumi
 
 from umbra.components.config import AzurePlacement, GcpPlacement
+from umbra.components.console_secrets import (
+    ConsoleSecret,
+    azure_console_reader,
+    azure_console_secrets,
+    gcp_console_secrets,
+)
 from umbra.components.cvm import CvmArgs, Placement, VmParts, VmSpec
-from umbra.components.launch_data import LaunchData
+from umbra.components.launch_data import DATABASE_CA_PATH, LaunchData
 from umbra.components.network import Cloud
 from umbra.components.ports import ROLE_CONSOLE, ROLE_LABEL
 
@@ -33,6 +39,7 @@ class ConsoleServiceArgs:
     app_compose: pulumi.Input[str]
     db_tier: str
     db_password: pulumi.Input[str]
+    db_storage_gb: int = 64  # bounds: components/config.py ConsoleStack.db_storage_gb
     gcp: GcpPlacement | None = None
     azure: AzurePlacement | None = None
     # GCP: where the provisioner launches Dev CVMs (default: this project) and the state bucket.
@@ -42,6 +49,11 @@ class ConsoleServiceArgs:
     # own) and the resource id of the state's storage account or container.
     team_resource_groups: Sequence[str] = ()
     state_scope: str | None = None
+    # The Console's TLS certificate chain (PEM, measured in its launch data) and private key (a
+    # secret: stored in the cloud's secret store, never in launch data). Both or neither; without
+    # them the Console VM's launch agent refuses to start it.
+    tls_cert: str | None = None
+    tls_key: pulumi.Input[str] | None = None
 
 
 # Exactly what the Dev CVM provisioner does on GCP: create/delete/stop instances and their disks
@@ -53,10 +65,10 @@ PROVISIONER_BUCKET_ROLE = "roles/storage.objectAdmin"
 # NICs and joining a subnet; Storage Blob Data Contributor covers the Pulumi state blobs.
 AZURE_VM_CONTRIBUTOR = "9980e02c-c2be-4d73-94e8-173b1dc7cf3c"
 AZURE_BLOB_DATA_CONTRIBUTOR = "ba92f5b4-2d11-453d-a403-e96b0029c9fe"
-DATABASE_CA_PATH = "/run/umbra/launch/database-ca.pem"
 CONSOLE_APIS = (
     "compute.googleapis.com",
     "iam.googleapis.com",
+    "secretmanager.googleapis.com",
     "servicenetworking.googleapis.com",
     "sqladmin.googleapis.com",
 )
@@ -81,11 +93,27 @@ class ConsoleService(pulumi.ComponentResource):
         child = pulumi.ResourceOptions(parent=self)
         password = pulumi.Output.secret(args.db_password)
         identity: pulumi.Output[str] | None
+        values: dict[ConsoleSecret, pulumi.Input[str]] = {ConsoleSecret.DATABASE_PASSWORD: password}
+        if args.tls_key is not None:
+            values[ConsoleSecret.TLS_KEY] = pulumi.Output.secret(args.tls_key)
+        vm_opts = child
+        vault_id: pulumi.Output[str] | None = None
         if args.cloud == "gcp":
+            assert args.gcp is not None
             subnet_id, identity, db_host, place, db_ca = _gcp_base(name, args, password, child)
+            member = pulumi.Output.concat("serviceAccount:", identity)
+            refs, grants = gcp_console_secrets(
+                name, args.name, args.gcp.project, member, values, child
+            )
+            # Its first boot reads the secrets: the grants exist before the VM does.
+            vm_opts = pulumi.ResourceOptions.merge(child, pulumi.ResourceOptions(depends_on=grants))
         else:
             subnet_id, identity, db_host, place = _azure_base(name, args, password, child)
+            assert args.azure is not None and place.resource_group_name is not None
             db_ca = None  # Azure Flexible Server chains to public roots: the system store
+            refs, vault_id = azure_console_secrets(
+                name, args.name, place.resource_group_name, args.azure.location, values, child
+            )
         cvm = CvmArgs(
             team=args.name,
             vm_name=f"umbra-{args.name}",
@@ -98,13 +126,31 @@ class ConsoleService(pulumi.ComponentResource):
             labels={ROLE_LABEL: ROLE_CONSOLE},
             api_access=True,
         )
-        launch = pulumi.Output.all(args.app_compose, db_ca).apply(
+        # Launch data names the database without its password, and the secrets by reference.
+        launch_url = pulumi.Output.format(
+            "postgresql://{0}@{1}:5432/{2}?sslmode=verify-full{3}",
+            DB_USER,
+            db_host,
+            DB_NAME,
+            f"&sslrootcert={DATABASE_CA_PATH}" if db_ca is not None else "",
+        )
+        launch = pulumi.Output.all(
+            args.app_compose,
+            db_ca,
+            launch_url,
+            refs[ConsoleSecret.DATABASE_PASSWORD],
+            refs.get(ConsoleSecret.TLS_KEY),
+        ).apply(
             lambda v: LaunchData(
                 role=ROLE_CONSOLE,
                 team=args.name,
                 cvm_id=f"umbra-{args.name}",
                 app_compose=v[0],
                 database_ca=v[1] or None,
+                database_url=v[2],
+                database_password_ref=v[3],
+                console_tls_cert=args.tls_cert,
+                console_tls_key_ref=v[4] or None,
             )
         )
         self.database_ca_pem = pulumi.Output.from_input(db_ca or "")
@@ -113,12 +159,14 @@ class ConsoleService(pulumi.ComponentResource):
         if args.cloud == "gcp":
             from umbra.components.gcp_vm import build_gcp_vm
 
-            parts = build_gcp_vm(f"{name}-vm", spec, child)
+            parts = build_gcp_vm(f"{name}-vm", spec, vm_opts)
         else:
             from umbra.components.azure_vm import build_azure_vm
 
-            parts = build_azure_vm(f"{name}-vm", spec, child)
+            parts = build_azure_vm(f"{name}-vm", spec, vm_opts)
             _azure_provisioner_roles(name, args, parts, child)
+            assert parts.principal_id is not None and vault_id is not None
+            azure_console_reader(name, parts.principal_id, vault_id, child)
         self.private_ip = parts.private_ip
         self.public_ip = parts.public_ip
         self.database_host = db_host
@@ -242,6 +290,11 @@ def _gcp_base(
         deletion_protection=True,
         settings=gcp.sql.DatabaseInstanceSettingsArgs(
             tier=args.db_tier,
+            # The size it is created with; Cloud SQL grows it when it fills (a full database
+            # stops the Console), and `ignore_changes` below keeps a grown disk from making the
+            # next `up` plan a replacement to "shrink" it back.
+            disk_size=args.db_storage_gb,
+            disk_autoresize=True,
             availability_type="REGIONAL",
             backup_configuration=gcp.sql.DatabaseInstanceSettingsBackupConfigurationArgs(
                 enabled=True, point_in_time_recovery_enabled=True
@@ -250,7 +303,10 @@ def _gcp_base(
                 ipv4_enabled=False, private_network=vpc.id, ssl_mode="ENCRYPTED_ONLY"
             ),
         ),
-        opts=pulumi.ResourceOptions.merge(opts, pulumi.ResourceOptions(depends_on=[psa])),
+        opts=pulumi.ResourceOptions.merge(
+            opts,
+            pulumi.ResourceOptions(depends_on=[psa], ignore_changes=["settings.diskSize"]),
+        ),
     )
     gcp.sql.Database(f"{name}-db-umbra", name=DB_NAME, instance=db.name, project=project, opts=opts)
     gcp.sql.User(
@@ -359,7 +415,7 @@ def _azure_base(
         location=location,
         version="16",
         sku=azure.dbforpostgresql.SkuArgs(name=args.db_tier, tier="GeneralPurpose"),
-        storage=azure.dbforpostgresql.StorageArgs(storage_size_gb=64),
+        storage=azure.dbforpostgresql.StorageArgs(storage_size_gb=args.db_storage_gb),
         administrator_login=DB_USER,
         administrator_login_password=password,
         network=azure.dbforpostgresql.NetworkArgs(

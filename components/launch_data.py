@@ -43,6 +43,16 @@ META_CONSOLE_CA = "umbra-console-ca"
 META_CONSOLE_IPS = "umbra-console-ips"
 # Console: the CA its database's TLS certificate chains to (verify-full against exactly this).
 META_DATABASE_CA = "umbra-database-ca"
+# Where the launch agent writes it; the stack's database URL names it as its sslrootcert.
+DATABASE_CA_PATH = "/run/umbra/launch/database-ca.pem"
+# Console: its database (a postgresql:// URL without a password, verify-full), its TLS
+# certificate chain (PEM), and references to the two secrets it needs (components.secret_refs:
+# a Secret Manager version or a Key Vault secret URI, read at boot with the VM's identity). The
+# values never ride in launch data. All four are measured (umbra.console-launch).
+META_DATABASE_URL = "umbra-database-url"
+META_DATABASE_PASSWORD_REF = "umbra-database-password-ref"  # noqa: S105 (a key name)
+META_CONSOLE_TLS_CERT = "umbra-console-tls-cert"
+META_CONSOLE_TLS_KEY_REF = "umbra-console-tls-key-ref"
 # Security CVM replicas: the internal load balancer's address, added as a local route.
 META_LB_IP = "umbra-security-lb-ip"
 # The one-time enrollment token (contracts/enrollment.py): the only credential launch data
@@ -70,6 +80,10 @@ META_KEYS = frozenset(
         META_CONSOLE_CA,
         META_CONSOLE_IPS,
         META_DATABASE_CA,
+        META_DATABASE_URL,
+        META_DATABASE_PASSWORD_REF,
+        META_CONSOLE_TLS_CERT,
+        META_CONSOLE_TLS_KEY_REF,
         META_LB_IP,
         META_ENROLLMENT_TOKEN,
         META_INSTANCE_NAME,
@@ -78,6 +92,7 @@ META_KEYS = frozenset(
 # Same names as in umbra.images.measure (a test keeps them equal).
 CVM_ID_EVENT = "umbra.cvm-id"
 HOST_FIREWALL_EVENT = "umbra.host-firewall"
+CONSOLE_LAUNCH_EVENT = "umbra.console-launch"
 
 # Azure limits user data to 64 KiB after base64.
 AZURE_USER_DATA_MAX = 65536
@@ -106,6 +121,20 @@ def placeholder_app_compose(role: str) -> str:
             "runner": "docker-compose",
         }
     )
+
+
+def console_launch_digest(
+    database_url: str, database_ca: str | None, tls_cert: str, password_ref: str, tls_key_ref: str
+) -> bytes:
+    """The umbra.console-launch payload (one definition: the agent and verifiers both call it)."""
+    doc = {
+        "database_ca": database_ca or "",
+        "database_password_ref": password_ref,
+        "database_url": database_url,
+        "tls_cert": tls_cert,
+        "tls_key_ref": tls_key_ref,
+    }
+    return hashlib.sha256(canonical_json(doc).encode()).digest()
 
 
 def measured_document(doc: object) -> str | None:
@@ -137,6 +166,11 @@ class LaunchData:
     console_ca: str | None = None
     console_ips: Sequence[str] = field(default_factory=tuple)
     database_ca: str | None = None
+    # Console only (META_DATABASE_URL …): see console_launch_sha256.
+    database_url: str | None = None
+    database_password_ref: str | None = None
+    console_tls_cert: str | None = None
+    console_tls_key_ref: str | None = None
     enrollment_token: str | None = field(default=None, repr=False)
     # The cloud the VM runs on ("gcp" | "azure"): the host ruleset admits root's ready report to
     # that cloud's endpoint. Not a launch key: the launch agent knows its cloud (`--cloud`).
@@ -155,6 +189,21 @@ class LaunchData:
                 cloud=self.cloud,
             )
         )
+
+    @property
+    def console_launch_sha256(self) -> str | None:
+        """The Console's launch-bound configuration (umbra.console-launch): SHA-256 of the
+        canonical JSON of its database URL and CA, TLS certificate and the two secret references
+        (what it connects to, what it presents, and where its secrets are read from)."""
+        if self.database_url is None:
+            return None
+        return console_launch_digest(
+            self.database_url,
+            self.database_ca,
+            self.console_tls_cert or "",
+            self.database_password_ref or "",
+            self.console_tls_key_ref or "",
+        ).hex()
 
     @property
     def compose_sha256(self) -> str:
@@ -188,6 +237,9 @@ class LaunchData:
         ruleset = self.host_firewall
         if ruleset is not None:
             events[HOST_FIREWALL_EVENT] = hashlib.sha256(ruleset.encode()).hexdigest()
+        console = self.console_launch_sha256
+        if console is not None:
+            events[CONSOLE_LAUNCH_EVENT] = console
         return events
 
     def as_metadata(self) -> dict[str, str]:
@@ -217,6 +269,10 @@ class LaunchData:
             (META_CONSOLE_URL, self.console_url),
             (META_CONSOLE_CA, self.console_ca),
             (META_DATABASE_CA, self.database_ca),
+            (META_DATABASE_URL, self.database_url),
+            (META_DATABASE_PASSWORD_REF, self.database_password_ref),
+            (META_CONSOLE_TLS_CERT, self.console_tls_cert),
+            (META_CONSOLE_TLS_KEY_REF, self.console_tls_key_ref),
             (META_ENROLLMENT_TOKEN, self.enrollment_token),
             (META_INSTANCE_NAME, self.instance_name),
         ):

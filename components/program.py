@@ -12,6 +12,7 @@ from pulumi.runtime import config as runtime_config
 
 from umbra.components.config import (
     CONSOLE_DB_PASSWORD_KEY,
+    CONSOLE_TLS_KEY_KEY,
     ConfigError,
     ConsoleStack,
     CvmConfig,
@@ -126,6 +127,11 @@ def placement_for(
 
 
 DEFAULT_DEV_DATA_DISK_GB = 100
+NO_CONSOLE_TLS_WARNING = (
+    "umbra:stack.tls_cert_file is unset: the Console VM's launch data has no TLS certificate or "
+    "key, and its launch agent refuses to start the Console (set tls_cert_file and the secret "
+    "umbra:consoleTlsKey)"
+)
 NO_CONSOLE_IPS_WARNING = (
     "umbra:stack.console_ips is empty: Dev CVMs cannot enroll at the Console (their forwarder "
     "has no DNS and the team network opens tcp 443 only to these addresses), so they get no "
@@ -328,6 +334,14 @@ def build_console(cfg: ConsoleStack, root: Path) -> None:
     raw, _ = read_runtime_config()
     password = pulumi.Output.secret(raw[CONSOLE_DB_PASSWORD_KEY])
     files = read_launch_files(root, cfg.vm, "console", "vm")
+    tls_cert: str | None = None
+    if cfg.tls_cert_file:
+        cert = root / cfg.tls_cert_file
+        if not cert.is_file():
+            raise ConfigError(f"umbra:stack.tls_cert_file: {cfg.tls_cert_file} is not a file")
+        tls_cert = cert.read_text()
+    else:
+        pulumi.log.warn(NO_CONSOLE_TLS_WARNING)
     console = ConsoleService(
         cfg.name,
         ConsoleServiceArgs(
@@ -343,10 +357,13 @@ def build_console(cfg: ConsoleStack, root: Path) -> None:
             app_compose=files.app_compose,
             db_tier=cfg.db_tier,
             db_password=password,
+            db_storage_gb=cfg.db_storage_gb,
             team_projects=list(cfg.team_projects),
             state_bucket=cfg.state_bucket,
             team_resource_groups=list(cfg.team_resource_groups),
             state_scope=cfg.state_scope,
+            tls_cert=tls_cert,
+            tls_key=pulumi.Output.secret(raw[CONSOLE_TLS_KEY_KEY]) if tls_cert else None,
         ),
     )
     # What team stacks read through their StackReference (`console_stack`).

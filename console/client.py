@@ -26,6 +26,8 @@ from umbra.console.schemas import (
     SecretInfo,
     SecurityReplicaToken,
     TeamDefaultProfiles,
+    TeamQuotas,
+    TeamQuotasInfo,
     TrafficPage,
     UsageReportOut,
 )
@@ -144,6 +146,15 @@ class ConsoleClient(_Base):
             headers=headers,
         )
 
+    # Quotas and the machine-type catalog
+    def quotas(self, team: str) -> TeamQuotasInfo:
+        return self._model(TeamQuotasInfo, "GET", f"/api/v1/teams/{team}/quotas")
+
+    def set_quotas(self, team: str, quotas: TeamQuotas) -> TeamQuotasInfo:
+        return self._model(
+            TeamQuotasInfo, "PUT", f"/api/v1/teams/{team}/quotas", json=quotas.model_dump()
+        )
+
     # CVMs
     def create_cvm(
         self,
@@ -156,9 +167,15 @@ class ConsoleClient(_Base):
         owner: str | None = None,
         ssh_keys: list[str] | None = None,
         size: str | None = None,
+        data_disk_gb: int | None = None,
     ) -> CvmInfo:
         body: dict[str, Any] = {"name": name, "kind": kind, "provider": provider}
-        optional = {"security_cvm_id": security_cvm_id, "owner": owner, "ssh_keys": ssh_keys}
+        optional = {
+            "security_cvm_id": security_cvm_id,
+            "owner": owner,
+            "ssh_keys": ssh_keys,
+            "data_disk_gb": data_disk_gb,
+        }
         body |= {key: value for key, value in optional.items() if value is not None}
         if size is not None:
             body["size"] = size
@@ -181,12 +198,14 @@ class ConsoleClient(_Base):
         security_cvm_id: str | None = None,
         ssh_keys: list[str] | None = None,
         size: str | None = None,
+        data_disk_gb: int | None = None,
     ) -> CvmInfo:
         fields = {
             "state": state,
             "security_cvm_id": security_cvm_id,
             "ssh_keys": ssh_keys,
             "size": size,
+            "data_disk_gb": data_disk_gb,
         }
         body = {k: v for k, v in fields.items() if v}
         return self._model(CvmInfo, "PATCH", f"/api/v1/cvms/{cvm_id}", json=body)

@@ -68,6 +68,8 @@ class _CloudProvider(_Strict):
     measurement_manifest: str | None = Field(default=None, max_length=2048)
     default_size: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
     disk_gb: int = Field(default=50, ge=10, le=4096)
+    # The Dev CVM's data disk when its launch names none (the team's bounds may ask otherwise).
+    data_disk_gb: int = Field(default=100, ge=10, le=65536)
 
     @field_validator("app_compose")
     @classmethod

@@ -69,6 +69,7 @@ class AuditAction(StrEnum):
     cvm_reenroll_refused = "cvm.reenroll_refused"
     cvm_enrollment_token = "cvm.enrollment_token"
     cvm_provisioned = "cvm.provisioned"
+    cvm_quota_refused = "cvm.quota_refused"
     cvm_resumed = "cvm.resumed"
     cvm_register_replica = "cvm.register_replica"
     policy_upload = "policy.upload"

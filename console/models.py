@@ -95,6 +95,12 @@ class TeamSettings(SQLModel, table=True):
     # machine types Dev CVMs may have (empty: whatever the provider accepts).
     max_dev_cvms_per_owner: int | None = None
     machine_types: list[str] = Field(default_factory=list, sa_column=Column(JSON, nullable=False))
+    # Data disks (revision 0016_disk_quotas; None: no limit): each Dev CVM's size within
+    # [min, max], and the sum over a developer's and over the team's non-destroyed Dev CVMs.
+    min_data_disk_gb: int | None = None
+    max_data_disk_gb: int | None = None
+    max_data_disk_gb_per_owner: int | None = None
+    max_data_disk_gb_total: int | None = None
     updated_by: str = Field(max_length=255)
     updated_at: datetime = _ts()
 
@@ -126,6 +132,9 @@ class Cvm(SQLModel, table=True):
     # Launch inputs and what the provider reported (revision 0003). Public keys, not secrets.
     ssh_keys: list[str] = Field(default_factory=list, sa_column=Column(JSON, nullable=False))
     size: str | None = Field(default=None, max_length=64)
+    # The Dev CVM's data disk (GB, revision 0016_disk_quotas): asked at launch or the provider's
+    # default; what the team's disk quotas count (None, from before 0016 or `local`: 0).
+    data_disk_gb: int | None = None
     provider_state: dict[str, Any] = Field(
         default_factory=dict, sa_column=Column(JSON, nullable=False)
     )

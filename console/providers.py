@@ -48,6 +48,7 @@ class CvmSpec:
     owner: str
     ssh_keys: tuple[str, ...] = ()
     size: str | None = None
+    data_disk_gb: int | None = None  # None: the provider's default_data_disk_gb
     # Launch only: the one-time enrollment token the provider puts in the CVM's launch data
     # (`umbra-enrollment-token`), the only credential launch data ever carries. Held in memory
     # for the launch run (the database keeps its hash), never shown (repr).
@@ -75,6 +76,9 @@ class CvmProvider(Protocol):
     # Every operation may simply be run again after an interruption (Pulumi converges a stack):
     # `provisioning.reconcile` then resumes an interrupted run instead of failing it.
     resumable: bool
+    # The data disk (GB) a Dev CVM launched without `data_disk_gb` gets; what the Console records
+    # and the team's disk quotas count. None: the provider allocates no disk of its own (local).
+    default_data_disk_gb: int | None
 
     def check(self, spec: CvmSpec) -> None:
         """Refuse (ProviderError) a spec this provider cannot launch, before anything is stored."""
@@ -100,6 +104,7 @@ class LocalProvider:
     name = "local"
     background = False
     resumable = False
+    default_data_disk_gb: int | None = None
 
     def check(self, spec: CvmSpec) -> None:
         return None

@@ -59,6 +59,7 @@ class LocalCvmProvider:
     # forwarder, SSH ingress), which also record `provider_state` (the SSH client's launch data).
     background = True
     resumable = False  # an interrupted local build is failed at restart, not re-run
+    default_data_disk_gb: int | None = None  # the sandbox lives on this machine's disk
 
     def __init__(self, settings: LocalCvmSettings) -> None:
         self.settings = settings

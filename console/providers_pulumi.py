@@ -70,6 +70,7 @@ class PulumiCvmProvider:
     ) -> None:
         self.name: str = name
         self.config = config
+        self.default_data_disk_gb: int | None = config.data_disk_gb
         # The Dev CVM release (the one enrollments are verified against): what `umbra ssh`
         # checks this cloud's Dev CVMs' quotes against. None: not served, the client refuses.
         self.release = release
@@ -136,6 +137,7 @@ class PulumiCvmProvider:
                 app_compose=self.app_compose,
                 measurement_manifest=self.config.measurement_manifest,
                 disk_gb=self.config.disk_gb,
+                data_disk_gb=spec.data_disk_gb or self.config.data_disk_gb,
                 cvm_id=spec.id,
                 enrollment_token=spec.enrollment_token,
             )

@@ -105,6 +105,7 @@ class QemuCvmProvider:
         self._factory = vm_factory or QemuVm
         self._vms: dict[str, _Vm] = {}
         self._lock = threading.Lock()
+        self.default_data_disk_gb: int | None = settings.data_disk_gb
 
     # ---- the Protocol -----------------------------------------------------------------------
 
@@ -149,7 +150,7 @@ class QemuCvmProvider:
         d = self.settings.runtime_dir / spec.id
         try:
             d.mkdir(parents=True, exist_ok=True, mode=0o700)
-            create_data_disk(d / "data.raw", self.settings.data_disk_gb)
+            create_data_disk(d / "data.raw", spec.data_disk_gb or self.settings.data_disk_gb)
         except OSError as exc:
             raise ProviderError(f"qemu CVM {spec.id}: {exc.strerror}") from None
         module = TdxModule(d / "tdx.sock", self._pki, self.settings.tee_image).start()
@@ -163,6 +164,10 @@ class QemuCvmProvider:
         vm = self._vm(ref)
         vm.stand_in.set_launch(self.launch_data(spec))
         self._halt(vm)
+        try:  # a resize grows the kept disk (the guest grows its filesystem at boot)
+            create_data_disk(vm.dir / "data.raw", spec.data_disk_gb or self.settings.data_disk_gb)
+        except OSError as exc:
+            raise ProviderError(f"qemu CVM {spec.id}: {exc.strerror}") from None
         vm.stand_in.restart()
         self._boot(spec.id, vm, on_event)
         return Provisioned(ref, self._state(vm))

@@ -68,6 +68,7 @@ def spec_of(cvm: Cvm) -> CvmSpec:
         owner=cvm.owner,
         ssh_keys=tuple(cvm.ssh_keys),
         size=cvm.size,
+        data_disk_gb=cvm.data_disk_gb,
     )
 
 

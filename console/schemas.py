@@ -11,6 +11,7 @@ from pydantic import (
     Field,
     ValidationInfo,
     field_validator,
+    model_validator,
 )
 
 from umbra.console.enums import AuditAction, CvmKind, CvmState, Power, Role, Scope, SecretStatus
@@ -79,6 +80,8 @@ def _ssh_key(value: str) -> str:
 
 SshKey = Annotated[str, Field(min_length=1, max_length=16384), AfterValidator(_ssh_key)]
 MachineSize = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")]
+# A data disk's size in GB (GCP persistent disks and Azure managed disks both stop at 64 TiB).
+DiskGb = Annotated[int, Field(ge=1, le=65536)]
 ShortToken = Annotated[str, Field(pattern=r"^[A-Za-z0-9._:/-]{1,160}$")]
 
 
@@ -117,6 +120,9 @@ class CvmCreate(Strict):
         description="Owner's SSH public keys (cloud: required).",
     )
     size: MachineSize | None = Field(default=None, description="Machine type; provider default.")
+    data_disk_gb: DiskGb | None = Field(
+        default=None, description="Data disk (GB) within the team's bounds; provider default."
+    )
 
 
 class CvmUpdate(Strict):
@@ -124,6 +130,7 @@ class CvmUpdate(Strict):
     security_cvm_id: Annotated[str, Field(pattern=CVM_ID_PATTERN)] | None = None
     ssh_keys: list[SshKey] | None = Field(default=None, min_length=1, max_length=32)
     size: MachineSize | None = None
+    data_disk_gb: DiskGb | None = Field(default=None, description="Grow the data disk (GB).")
 
 
 class CvmEvent(Strict):
@@ -151,6 +158,7 @@ class CvmInfo(Strict):
     )
     ssh_keys: list[str] = Field(default_factory=list)
     size: str | None = None
+    data_disk_gb: int | None = None
     provider_state: dict[str, Any] = Field(
         default_factory=dict, description="Stack, instance id, private IP, digests, events."
     )
@@ -210,12 +218,37 @@ class TeamQuotas(Strict):
 
     max_dev_cvms_per_owner: int | None = Field(default=None, ge=0, le=1000)
     machine_types: list[MachineSize] = Field(default_factory=list, max_length=64)
+    min_data_disk_gb: DiskGb | None = Field(default=None, description="Each Dev CVM's data disk.")
+    max_data_disk_gb: DiskGb | None = Field(default=None, description="Each Dev CVM's data disk.")
+    max_data_disk_gb_per_owner: int | None = Field(
+        default=None, ge=0, le=10_000_000, description="Sum of one developer's data disks."
+    )
+    max_data_disk_gb_total: int | None = Field(
+        default=None, ge=0, le=100_000_000, description="Sum of the team's data disks."
+    )
+
+    @model_validator(mode="after")
+    def _bounds(self) -> TeamQuotas:
+        low, high = self.min_data_disk_gb, self.max_data_disk_gb
+        if low is not None and high is not None and low > high:
+            raise ValueError(f"min_data_disk_gb {low} is above max_data_disk_gb {high}")
+        return self
+
+
+class QuotaUsage(Strict):
+    """What the quotas count now for one developer (the caller) and their team."""
+
+    owner: str
+    dev_cvms: int
+    data_disk_gb: int
+    team_data_disk_gb: int
 
 
 class TeamQuotasInfo(TeamQuotas):
     team: str
     updated_by: str | None = None
     updated_at: datetime | None = None
+    usage: QuotaUsage | None = Field(default=None, description="The caller's use of the quotas.")
 
 
 # -- secrets --------------------------------------------------------------------------------

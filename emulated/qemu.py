@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -178,8 +179,10 @@ def qemu_argv(config: VmConfig) -> list[str]:
 
 def create_data_disk(path: Path, size_gb: int) -> None:
     """A blank sparse raw disk (the launch agent formats it on the first boot); kept if it
-    exists: it is the VM's persistent disk."""
+    exists: it is the VM's persistent disk, grown (never shrunk) to `size_gb`."""
     if path.exists():
+        if path.stat().st_size < size_gb * 1024**3:
+            os.truncate(path, size_gb * 1024**3)
         return
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("wb") as f:

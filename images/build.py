@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from umbra.images.console_tools import ConsoleTools, ToolError, install_console_tools
 from umbra.images.oci import BuiltImage, file_sha256, write_archive, write_layer
 from umbra.images.recipes import (
     MIRRORS,
@@ -279,8 +280,18 @@ def build_rootfs(
     host_python_prefix: Path,
     epoch: int,
     update_lock: bool = False,
+    tools: ConsoleTools | None = None,
+    without_tools: bool = False,
 ) -> BuildResult:
+    """`tools`: the fetched Pulumi CLI (checked against its pin) and the policy pack, for the
+    images whose recipe names them; `without_tools`: a development build without them."""
     recipe = RECIPES[rootfs]
+    if recipe.tools and tools is None and not without_tools:
+        raise BuildError(
+            f"{', '.join(sorted(recipe.tools))}: the image carries the Pulumi CLI and the policy "
+            "pack; give --pulumi-cli with --pulumi-version/--pulumi-sha256 (the release workflow "
+            "fetches it) or --without-tools for a development build"
+        )
     out.mkdir(parents=True, exist_ok=True)
     with _workdir() as work:
         root = work / "rootfs"
@@ -306,8 +317,36 @@ def build_rootfs(
         layer = work / "layer.tar"
         with layer.open("wb") as f:
             layer_hex, _ = write_layer(root, f, epoch)
+        extra: list[tuple[Path, str]] = []
+        if recipe.tools and tools is not None:
+            extra = [_tools_layer(tools, work, epoch, inputs)]
         images = [
-            write_archive(name, layer, layer_hex, cfg, out / f"{name}.docker.tar", epoch)
+            write_archive(
+                name,
+                layer,
+                layer_hex,
+                cfg,
+                out / f"{name}.docker.tar",
+                epoch,
+                extra if name in recipe.tools else (),
+            )
             for name, cfg in sorted(recipe.images.items())
         ]
     return BuildResult(rootfs, epoch, images, inputs)
+
+
+def _tools_layer(
+    tools: ConsoleTools, work: Path, epoch: int, inputs: list[Input]
+) -> tuple[Path, str]:
+    """The tools' own layer (images/console_tools.py), its inputs recorded for provenance."""
+    tree = work / "tools"
+    try:
+        digest = install_console_tools(tools, tree)
+    except (ToolError, OSError) as exc:
+        raise BuildError(str(exc)) from None
+    inputs.append(Input(tools.pin.url, digest))
+    inputs.append(Input("file:infra/policy_pack", tree_sha256(tree / "opt/umbra", epoch)))
+    path = work / "tools.tar"
+    with path.open("wb") as f:
+        hex_digest, _ = write_layer(tree, f, epoch)
+    return path, hex_digest

@@ -15,6 +15,10 @@ else Umbra starts.
 4. Write /run/umbra/launch/; start the Security CVM's compose, or on a Dev CVM the dev host
    (`umbra sandbox host up`: the forwarder and the runc sandbox, sandbox/dev_host.py), then the
    attested SSH ingress on the host (umbra.images.launch_ingress); report ready.
+   A Console VM (umbra.images.console_launch): before step 3 its database password and TLS key
+   are read by reference with the VM's identity and the key checked against the measured
+   certificate; its launch-bound configuration is measured (umbra.console-launch); its files are
+   written 0400 for its uid and its compose is started like the Security CVM's.
 
 The host controls the metadata, so nothing is trusted for being there: it is measured before use,
 and a verifier refuses a quote whose replayed events differ from the release and the binding.
@@ -57,9 +61,13 @@ from umbra.components.launch_data import (
     META_COMPOSE_HASH,
     META_CONSOLE_CA,
     META_CONSOLE_IPS,
+    META_CONSOLE_TLS_CERT,
+    META_CONSOLE_TLS_KEY_REF,
     META_CONSOLE_URL,
     META_CVM_ID,
     META_DATABASE_CA,
+    META_DATABASE_PASSWORD_REF,
+    META_DATABASE_URL,
     META_DNS_RESOLVERS,
     META_ENROLLMENT_TOKEN,
     META_EVENTS,
@@ -77,6 +85,15 @@ from umbra.components.launch_data import (
 )
 from umbra.contracts.files import write_atomic
 from umbra.contracts.names import CVM_ID_PATTERN
+from umbra.images.console_launch import (
+    ConsoleLaunchError,
+    ConsoleProblem,
+    ConsoleSecrets,
+    check_console_compose,
+    check_console_meta,
+    read_console_secrets,
+    write_console_files,
+)
 from umbra.images.launch_host import (
     DataDisk,
     Firewall,
@@ -86,6 +103,7 @@ from umbra.images.launch_host import (
     write_resolv_conf,
 )
 from umbra.images.launch_ingress import AttestedIngress, IngressStartError
+from umbra.images.launch_secrets import SecretReader
 from umbra.images.measure import boot_events, release_events
 from umbra.images.measure import instance_events as launch_events
 from umbra.sandbox.dev_definition import DEFINITION_NAME as DEV_HOST_DEFINITION
@@ -116,6 +134,7 @@ _TOKEN = re.compile(r"^[A-Za-z0-9._~+/=-]{16,1024}$")
 DATA_MOUNT = Path("/var/lib/umbra/data")
 SPOOL = Path(SPOOL_DIR)
 _REQUIRED = {META_ROLE, META_TEAM, META_CVM_ID, META_APP_COMPOSE, META_COMPOSE_HASH}
+_ROLES = ("dev-cvm", "security-cvm", "console")
 
 
 class Refusal(StrEnum):
@@ -128,12 +147,25 @@ class Refusal(StrEnum):
     HOST_SETUP_FAILED = "host_setup_failed"
     START_FAILED = "start_failed"
     INGRESS_FAILED = "ingress_failed"
+    SECRET_UNREADABLE = "secret_unreadable"  # noqa: S105 (a reason)
 
 
 class LaunchError(Exception):
     def __init__(self, reason: Refusal, detail: str) -> None:
         super().__init__(f"{reason}: {detail}")
         self.reason = reason
+
+
+_CONSOLE_REFUSAL = {
+    ConsoleProblem.MISSING: Refusal.MISSING,
+    ConsoleProblem.INVALID: Refusal.INVALID,
+    ConsoleProblem.MISMATCH: Refusal.MISMATCH,
+    ConsoleProblem.SECRET_UNREADABLE: Refusal.SECRET_UNREADABLE,
+}
+
+
+def _console_refusal(exc: ConsoleLaunchError) -> LaunchError:
+    return LaunchError(_CONSOLE_REFUSAL[exc.problem], str(exc))
 
 
 # ---- where launch data comes from ------------------------------------------------------------
@@ -266,8 +298,8 @@ def parse_launch_data(meta: dict[str, str], cloud: str | None = None) -> LaunchD
     if missing:
         raise LaunchError(Refusal.MISSING, f"missing launch keys {missing}")
     role, team, cvm_id = meta[META_ROLE], meta[META_TEAM], meta[META_CVM_ID]
-    if role not in ("dev-cvm", "security-cvm"):
-        raise LaunchError(Refusal.INVALID, f"{META_ROLE}: {role!r} is not dev-cvm or security-cvm")
+    if role not in _ROLES:
+        raise LaunchError(Refusal.INVALID, f"{META_ROLE}: {role!r} is not one of {_ROLES}")
     if not _ID.match(team):
         raise LaunchError(Refusal.INVALID, f"{META_TEAM}: {team!r} is not [a-z0-9-], 1-63 chars")
     # The Console's ids (`cvm_<hex>`): the wire pattern every other end checks them with.
@@ -283,9 +315,15 @@ def parse_launch_data(meta: dict[str, str], cloud: str | None = None) -> LaunchD
             raise LaunchError(Refusal.INVALID, f"{META_SSH_KEYS} line {n}: {exc}") from None
     if role == "dev-cvm" and not keys:
         raise LaunchError(Refusal.MISSING, "a Dev CVM needs at least one SSH authorized key")
-    if role == "security-cvm" and keys:
-        raise LaunchError(Refusal.INVALID, "a Security CVM takes no SSH authorized keys")
-    enrollment_token(meta)
+    if role != "dev-cvm" and keys:
+        raise LaunchError(Refusal.INVALID, f"a {role} takes no SSH authorized keys")
+    if enrollment_token(meta) is not None and role == "console":
+        # The Console is the enrollment authority: it enrolls nowhere.
+        raise LaunchError(Refusal.INVALID, f"{META_ENROLLMENT_TOKEN}: a Console takes none")
+    try:
+        check_console_meta(meta, role, cloud)
+    except ConsoleLaunchError as exc:
+        raise _console_refusal(exc) from None
     sec_ips = meta.get(META_SECURITY_CVM_IPS)
     if (sec_ips is None) != (META_HOST_FIREWALL not in meta):
         raise LaunchError(
@@ -321,6 +359,10 @@ def parse_launch_data(meta: dict[str, str], cloud: str | None = None) -> LaunchD
         console_url=meta.get(META_CONSOLE_URL),
         console_ca=meta.get(META_CONSOLE_CA),
         database_ca=meta.get(META_DATABASE_CA),
+        database_url=meta.get(META_DATABASE_URL),
+        database_password_ref=meta.get(META_DATABASE_PASSWORD_REF),
+        console_tls_cert=meta.get(META_CONSOLE_TLS_CERT),
+        console_tls_key_ref=meta.get(META_CONSOLE_TLS_KEY_REF),
         cloud=cloud,
         instance_name=meta.get(META_INSTANCE_NAME),
     )
@@ -377,6 +419,8 @@ def _check_app_compose(text: str, role: str) -> None:
     try:
         if compose.startswith(PLACEHOLDER_MARK):
             load_compose(compose)  # starts nothing useful; no verifier accepts its hash
+        elif role == "console":
+            check_console_compose(compose)
         elif role == "dev-cvm":
             raise LaunchError(
                 Refusal.INVALID,
@@ -405,8 +449,13 @@ def sandbox_user(data: LaunchData) -> str:
 def launch_event_list(data: LaunchData) -> list[Event]:
     """The RTMR3 events, in extend order, from the one definition verifiers replay."""
     compose_hash = hashlib.sha256(data.app_compose.encode()).digest()
+    console = data.console_launch_sha256
     return release_events(compose_hash) + launch_events(
-        data.role, data.cvm_id, list(data.ssh_authorized_keys), data.host_firewall
+        data.role,
+        data.cvm_id,
+        list(data.ssh_authorized_keys),
+        data.host_firewall,
+        bytes.fromhex(console) if console is not None else None,
     )
 
 
@@ -546,7 +595,7 @@ def write_launch_dir(
         _write(ssh / "ssh_host_ed25519_key.pub", boot.public_line + "\n")
         _write(ssh / "cvm-id", data.cvm_id + "\n")  # the attested ingress's launch_dir
         _write(ssh / "boot-id", boot.boot_id + "\n")
-    else:
+    elif data.role == "security-cvm":
         _write(service / "security-cvm-id", data.cvm_id + "\n")
         _write(service / "event-log.json", log)
         # Dev CVMs are known from the Console's attachments (each enrolled Dev CVM's credential
@@ -741,6 +790,11 @@ class Agent:
     # TDX module serves its CCEL; None: RTMR3's events only (TDX today: the CCEL table is not
     # read yet, docs/specs/images.md).
     firmware_log: Callable[[], Sequence[Event]] | None = None
+    # Consoles: reads its database password and TLS key by reference with the VM's identity
+    # (launch_secrets). None: a Console launch is refused (nothing to read its secrets with).
+    secrets: SecretReader | None = None
+    # Consoles: the uid its secret files belong to (None: the agent's own; tests).
+    console_uid: int | None = SERVICE_UID
 
     def run(self) -> LaunchData:
         """Raises LaunchError (after saying why) when it refuses; starts nothing then."""
@@ -757,6 +811,9 @@ class Agent:
                         f"this VM is {actual!r}",
                     )
             token = enrollment_token(meta)
+            # Read and checked before anything is measured: a key that is not the measured
+            # certificate's, or a secret that cannot be read, starts nothing.
+            console = self._console_secrets(data) if data.role == "console" else None
             events = launch_event_list(data)
             boot = BootIdentity.generate() if data.role == "dev-cvm" else None
             if boot is not None:
@@ -768,6 +825,11 @@ class Agent:
                 self.extender.extend(event)
             logged = [*self._firmware_events(), *events]
             compose = write_launch_dir(self.launch_dir, data, logged, token, boot)
+            if console is not None:
+                try:
+                    write_console_files(self.launch_dir, data, console, self.console_uid)
+                except OSError as exc:
+                    raise LaunchError(Refusal.HOST_SETUP_FAILED, f"console files: {exc}") from None
             self._host(data)
             if self.dev_host is not None and compose.name == DEV_HOST_DEFINITION:
                 self.dev_host.start(compose)
@@ -808,6 +870,14 @@ class Agent:
         except QuoteSourceError as exc:
             raise LaunchError(Refusal.EXTEND_FAILED, f"the firmware's event log: {exc}") from None
 
+    def _console_secrets(self, data: LaunchData) -> ConsoleSecrets:
+        if self.secrets is None:
+            raise LaunchError(Refusal.SECRET_UNREADABLE, "no secret reader for this cloud")
+        try:
+            return read_console_secrets(data, self.secrets)
+        except ConsoleLaunchError as exc:
+            raise _console_refusal(exc) from None
+
     def _arm_idle_stop(self, data: LaunchData) -> None:
         """Not fatal: idle auto-stop saves cost, it guards nothing. Said loudly when it fails."""
         assert self.idle_stop is not None
@@ -837,8 +907,9 @@ class Agent:
                 write_hosts(self.etc_dir, data.security_cvm_ips)
             if data.dns_resolvers:
                 write_resolv_conf(self.etc_dir, data.dns_resolvers)
-            if self.data_disk is not None:
+            if self.data_disk is not None and data.role != "console":
                 # Dev: the workspace. Security: the proxy's spool (unshipped traffic records).
+                # The Console has none: its state is the managed database.
                 self.say(f"umbra-launch: {self.data_disk.mount()}")
             if data.role == "security-cvm" and self.spool_dir is not None:
                 # The compose's `spool` volume binds it; the proxy (SERVICE_UID) owns it alone.

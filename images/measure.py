@@ -38,6 +38,8 @@ from umbra.sandbox.dev_definition import render_dev_host
 from umbra.sandbox.render import Rendered, canonical_json, render_security_cvm
 
 CVM_ID_EVENT = "umbra.cvm-id"
+# A Console VM's launch-bound configuration (components.launch_data.console_launch_digest).
+CONSOLE_LAUNCH_EVENT = "umbra.console-launch"
 # HOST_FIREWALL_EVENT's payload: SHA-256 of the nftables ruleset the launch agent loads.
 RTMR3 = 3
 
@@ -56,10 +58,16 @@ def release_events(compose_hash: bytes) -> list[Event]:
 
 
 def instance_events(
-    role: str, cvm_id: str, ssh_keys: Sequence[str] = (), host_firewall: str | None = None
+    role: str,
+    cvm_id: str,
+    ssh_keys: Sequence[str] = (),
+    host_firewall: str | None = None,
+    console_launch: bytes | None = None,
 ) -> list[Event]:
     """The launch-bound events, in the order the launch agent extends them."""
     events = [make_runtime_event(RTMR3, CVM_ID_EVENT, cvm_id.encode())]
+    if (role == "console") != (console_launch is not None):
+        raise ValueError("a Console launch, and only one, is measured with umbra.console-launch")
     if role == "dev-cvm":
         if not ssh_keys:
             raise ValueError("a Dev CVM launch needs at least one SSH authorized key")
@@ -72,6 +80,8 @@ def instance_events(
         events.append(
             make_runtime_event(RTMR3, HOST_FIREWALL_EVENT, firewall_digest(host_firewall))
         )
+    if console_launch is not None:
+        events.append(make_runtime_event(RTMR3, CONSOLE_LAUNCH_EVENT, console_launch))
     return events
 
 

@@ -14,6 +14,7 @@ import io
 import os
 import stat
 import tarfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -106,21 +107,29 @@ class BuiltImage:
         return f"umbra/{self.name}@{self.manifest_digest}"
 
 
-def image_config(layer_digest: str, cfg: ImageConfig, epoch: int) -> bytes:
+def image_config(
+    layer_digest: str, cfg: ImageConfig, epoch: int, extra: Sequence[str] = ()
+) -> bytes:
+    """`extra`: the digests of layers on top of the shared one (the Console's tools)."""
     created = datetime.fromtimestamp(epoch, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    layers = [layer_digest, *extra]
+    history = [{"created": created, "created_by": "umbra image build"}]
+    history += [{"created": created, "created_by": "umbra image build (tools)"} for _ in extra]
     return canonical_json(
         {
             "architecture": "amd64",
             "os": "linux",
             "created": created,
             "config": cfg.model_dump(exclude_none=True),
-            "rootfs": {"type": "layers", "diff_ids": [f"sha256:{layer_digest}"]},
-            "history": [{"created": created, "created_by": "umbra image build"}],
+            "rootfs": {"type": "layers", "diff_ids": [f"sha256:{d}" for d in layers]},
+            "history": history,
         }
     )
 
 
-def oci_manifest(config: bytes, layer_digest: str, layer_size: int) -> bytes:
+def oci_manifest(
+    config: bytes, layer_digest: str, layer_size: int, extra: Sequence[tuple[str, int]] = ()
+) -> bytes:
     return canonical_json(
         {
             "schemaVersion": 2,
@@ -131,7 +140,8 @@ def oci_manifest(config: bytes, layer_digest: str, layer_size: int) -> bytes:
                 "size": len(config),
             },
             "layers": [
-                {"mediaType": OCI_LAYER, "digest": f"sha256:{layer_digest}", "size": layer_size}
+                {"mediaType": OCI_LAYER, "digest": f"sha256:{digest}", "size": size}
+                for digest, size in [(layer_digest, layer_size), *extra]
             ],
         }
     )
@@ -144,30 +154,41 @@ def _add_bytes(tar: tarfile.TarFile, name: str, data: bytes, epoch: int) -> None
 
 
 def write_archive(
-    name: str, layer: Path, layer_digest: str, cfg: ImageConfig, out: Path, epoch: int
+    name: str,
+    layer: Path,
+    layer_digest: str,
+    cfg: ImageConfig,
+    out: Path,
+    epoch: int,
+    extra: Sequence[tuple[Path, str]] = (),
 ) -> BuiltImage:
-    """A docker-archive around an already written layer; the OCI manifest rides along in it."""
-    config = image_config(layer_digest, cfg, epoch)
+    """A docker-archive around already written layers (the shared one, then `extra`: path and
+    digest of each layer on top); the OCI manifest rides along in it."""
+    layers = [(layer, layer_digest), *extra]
+    config = image_config(layer_digest, cfg, epoch, [d for _, d in extra])
     config_hex = hashlib.sha256(config).hexdigest()
     layer_size = layer.stat().st_size
-    manifest = oci_manifest(config, layer_digest, layer_size)
+    manifest = oci_manifest(
+        config, layer_digest, layer_size, [(d, p.stat().st_size) for p, d in extra]
+    )
     docker_manifest = canonical_json(
         [
             {
                 "Config": f"{config_hex}.json",
                 "RepoTags": [f"umbra/{name}:{config_hex[:12]}"],
-                "Layers": [f"{layer_digest}/layer.tar"],
+                "Layers": [f"{d}/layer.tar" for _, d in layers],
             }
         ]
     )
     with tarfile.open(out, "w", format=tarfile.PAX_FORMAT) as tar:
-        dirinfo = tarfile.TarInfo(layer_digest)
-        dirinfo.type, dirinfo.mtime, dirinfo.mode = tarfile.DIRTYPE, epoch, 0o755
-        tar.addfile(dirinfo)
-        info = tarfile.TarInfo(f"{layer_digest}/layer.tar")
-        info.size, info.mtime, info.mode = layer_size, epoch, 0o644
-        with layer.open("rb") as f:
-            tar.addfile(info, f)
+        for path, digest in layers:
+            dirinfo = tarfile.TarInfo(digest)
+            dirinfo.type, dirinfo.mtime, dirinfo.mode = tarfile.DIRTYPE, epoch, 0o755
+            tar.addfile(dirinfo)
+            info = tarfile.TarInfo(f"{digest}/layer.tar")
+            info.size, info.mtime, info.mode = path.stat().st_size, epoch, 0o644
+            with path.open("rb") as f:
+                tar.addfile(info, f)
         _add_bytes(tar, f"{config_hex}.json", config, epoch)
         _add_bytes(tar, "manifest.json", docker_manifest, epoch)
         _add_bytes(tar, "oci-manifest.json", manifest, epoch)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from umbra.images.console_tools import POLICY_PACK_DIR, POLICY_PACK_ENV, PULUMI_DIR, Tool
 from umbra.images.oci import ImageConfig
 
 SUITE = "bookworm"
@@ -37,6 +38,10 @@ class Recipe:
     npm: tuple[str, ...] = ()  # name@version, installed globally
     with_python: bool = True
     images: dict[str, ImageConfig] = field(default_factory=dict)
+    # Images that get a second layer on top of the shared one, with these tools
+    # (images/console_tools.py): the Console's Automation API runs need the Pulumi CLI and
+    # the policy pack; the proxy does not carry them.
+    tools: dict[str, tuple[Tool, ...]] = field(default_factory=dict)
 
 
 PY_LIBS = (
@@ -55,8 +60,16 @@ PY_LIBS = (
 _ENV = [f"PATH={PYTHON_PREFIX}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"]
 
 
-def _service(cmd: list[str], user: str = "65534:65534") -> ImageConfig:
-    return ImageConfig(Entrypoint=["/usr/bin/tini", "--"], Cmd=cmd, User=user, Env=_ENV)
+def _service(
+    cmd: list[str], user: str = "65534:65534", env: list[str] | None = None
+) -> ImageConfig:
+    return ImageConfig(Entrypoint=["/usr/bin/tini", "--"], Cmd=cmd, User=user, Env=env or _ENV)
+
+
+_CONSOLE_ENV = [
+    f"PATH={PULUMI_DIR}:{_ENV[0].removeprefix('PATH=')}",
+    f"{POLICY_PACK_ENV}={POLICY_PACK_DIR}",
+]
 
 
 RECIPES: dict[Rootfs, Recipe] = {
@@ -67,7 +80,8 @@ RECIPES: dict[Rootfs, Recipe] = {
         packages=(*PY_LIBS, "tini", "libstdc++6"),
         images={
             "proxy": _service(["umbra", "proxy", "serve"]),
-            "console": _service(["umbra", "console", "serve"]),
+            "console": _service(["umbra", "console", "serve"], env=_CONSOLE_ENV),
         },
+        tools={"console": (Tool.PULUMI_CLI, Tool.POLICY_PACK)},
     ),
 }

@@ -45,8 +45,13 @@ from umbra.components.automation.spec import (
 from umbra.components.naming import Owner, dev_cvm_name
 
 PROJECT = "umbra-dev-cvm"
-# The policy pack every Console launch runs under (the same one team stacks use).
-POLICY_PACK = Path(__file__).resolve().parents[2] / "infra" / "policy_pack"
+# The policy pack every Console launch runs under (the same one team stacks use): in the Console
+# image, where its environment says (images/console_tools.py copies it there); in a checkout, the
+# repository's.
+POLICY_PACK_ENV = "UMBRA_POLICY_PACK"
+POLICY_PACK = Path(
+    os.environ.get(POLICY_PACK_ENV) or Path(__file__).resolve().parents[2] / "infra" / "policy_pack"
+)
 
 
 class StackLike(Protocol):

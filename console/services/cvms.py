@@ -94,6 +94,13 @@ def launch(*, console: Console, user: User, team: str, request: CvmCreate) -> Cv
         raise Invalid(f"provider: {request.provider!r} is not configured")
     if request.kind == CvmKind.security and request.security_cvm_id is not None:
         raise Invalid("security_cvm_id: only Dev CVMs route through one")
+    dev = request.kind == CvmKind.dev
+    if not dev and request.data_disk_gb is not None:
+        raise Invalid("data_disk_gb: only Dev CVMs are launched with a data disk size")
+    # The size recorded (and counted by the disk quotas) is the size the provider creates.
+    data_disk_gb = request.data_disk_gb
+    if dev and data_disk_gb is None:
+        data_disk_gb = provider.default_data_disk_gb
     cvm_id = "cvm_" + secrets.token_hex(8)
     spec = CvmSpec(
         id=cvm_id,
@@ -103,6 +110,7 @@ def launch(*, console: Console, user: User, team: str, request: CvmCreate) -> Cv
         owner=owner,
         ssh_keys=tuple(request.ssh_keys),
         size=request.size,
+        data_disk_gb=data_disk_gb,
     )
     try:
         provider.check(spec)
@@ -113,6 +121,31 @@ def launch(*, console: Console, user: User, team: str, request: CvmCreate) -> Cv
         locks.append(policy_lock(team))  # gets exactly the defaults committed before it
     if request.security_cvm_id is not None:
         locks.append(cvm_lock(request.security_cvm_id))  # not destroyed while we route through it
+    try:
+        info, cvm, token = _launch_row(console, user, team, request, spec, provider, locks)
+    except team_quotas.QuotaRefused as refused:
+        team_quotas.audit_refusal(
+            console, user, refused, operation="launch", target=f"{owner}/{request.name}"
+        )
+        raise
+    # Committed: a cloud launch now runs outside the transaction and records its own outcome.
+    if provider.background:
+        provisioning.submit(console, provider, Operation.launch, cvm, enrollment_token=token)
+    console.notifier.notify()
+    return info
+
+
+def _launch_row(
+    console: Console,
+    user: User,
+    team: str,
+    request: CvmCreate,
+    spec: CvmSpec,
+    provider: CvmProvider,
+    locks: list[str],
+) -> tuple[CvmInfo, Cvm, str | None]:
+    """The launch's transaction: the row, its audit entries and a synchronous provider's run."""
+    owner, cvm_id, dev = spec.owner, spec.id, spec.kind == CvmKind.dev
     with console.write(*locks) as session:
         security_cvm_id = request.security_cvm_id
         if security_cvm_id is not None:
@@ -126,9 +159,11 @@ def launch(*, console: Console, user: User, team: str, request: CvmCreate) -> Cv
         ).first()
         if taken is not None:
             raise _name_taken(owner, request.name)
-        dev = request.kind == CvmKind.dev
         if dev:
-            team_quotas.check_launch(session, team, owner, request.size)
+            team_quotas.check_launch(
+                session, team, owner, request.size, spec.data_disk_gb,
+                default_disk=request.data_disk_gb is None,
+            )  # fmt: skip
         profiles = team_defaults.default_profiles(session, team) if dev else []
         cvm = Cvm(
             id=cvm_id,
@@ -142,6 +177,7 @@ def launch(*, console: Console, user: User, team: str, request: CvmCreate) -> Cv
             profiles=profiles,
             ssh_keys=list(request.ssh_keys),
             size=request.size,
+            data_disk_gb=spec.data_disk_gb,
             created_by=user.subject,
         )
         session.add(cvm)
@@ -162,6 +198,7 @@ def launch(*, console: Console, user: User, team: str, request: CvmCreate) -> Cv
                 "kind": request.kind,
                 "owner": owner,
                 "provider": request.provider,
+                "data_disk_gb": spec.data_disk_gb,
             },
         )
         team_defaults.audit_attached(
@@ -181,12 +218,7 @@ def launch(*, console: Console, user: User, team: str, request: CvmCreate) -> Cv
             cvm.provider_ref, cvm.provider_state = launched.ref, launched.state
             session.add(cvm)
             session.flush()
-        info = cvm_info(cvm)
-    # Committed: a cloud launch now runs outside the transaction and records its own outcome.
-    if provider.background:
-        provisioning.submit(console, provider, Operation.launch, cvm, enrollment_token=token)
-    console.notifier.notify()
-    return info
+        return cvm_info(cvm), cvm, token
 
 
 def _ignore(_event: ProviderEvent) -> None:
@@ -243,7 +275,16 @@ def _may_manage(cvm: Cvm, role: Role | None) -> None:
 
 
 def update(*, console: Console, user: User, cvm_id: str, change: CvmUpdate) -> CvmInfo:
-    """Re-route, change launch inputs (SSH keys, size) or start/stop: one of the last two."""
+    """Re-route, change launch inputs (SSH keys, size, a larger data disk) or start/stop: one of
+    the last two."""
+    try:
+        return _update(console=console, user=user, cvm_id=cvm_id, change=change)
+    except team_quotas.QuotaRefused as refused:
+        team_quotas.audit_refusal(console, user, refused, operation="resize", target=cvm_id)
+        raise
+
+
+def _update(*, console: Console, user: User, cvm_id: str, change: CvmUpdate) -> CvmInfo:
     background: tuple[CvmProvider, Cvm, Operation] | None = None
     update_token: str | None = None
     locks = [cvm_lock(cvm_id)]
@@ -266,7 +307,7 @@ def update(*, console: Console, user: User, cvm_id: str, change: CvmUpdate) -> C
             cvm.security_cvm_id = change.security_cvm_id
             changes["security_cvm_id"] = change.security_cvm_id
         provider = console.providers.get(cvm.provider)
-        relaunch = change.ssh_keys is not None or change.size is not None
+        relaunch = any(v is not None for v in (change.ssh_keys, change.size, change.data_disk_gb))
         asked = CvmState(change.state) if change.state is not None else None
         wants_provider = (asked is not None and asked != cvm.state) or relaunch
         if wants_provider and cvm.provider == security_pool.TEAM_STACK_PROVIDER:
@@ -281,9 +322,21 @@ def update(*, console: Console, user: User, cvm_id: str, change: CvmUpdate) -> C
             if change.size is not None and cvm.kind == CvmKind.dev:
                 team_quotas.check_machine_type(session, cvm.team, change.size)
             cvm.size = change.size if change.size is not None else cvm.size
+            if change.data_disk_gb is not None:
+                if cvm.kind != CvmKind.dev:
+                    raise Invalid("data_disk_gb: only Dev CVMs have a data disk to grow")
+                # Resizes and launches of the team count each other (after the CVM lock).
+                console.lock(session, policy_lock(cvm.team))
+                current = cvm.data_disk_gb or provider.default_data_disk_gb or 0
+                team_quotas.check_resize(session, cvm, current, change.data_disk_gb)
+                cvm.data_disk_gb = change.data_disk_gb
             spec = provisioning.spec_of(cvm)
             _call(lambda: provider.check(spec))
-            changes["launch_inputs"] = {"ssh_keys": len(cvm.ssh_keys), "size": cvm.size}
+            changes["launch_inputs"] = {
+                "ssh_keys": len(cvm.ssh_keys),
+                "size": cvm.size,
+                "data_disk_gb": cvm.data_disk_gb,
+            }
             if provider.background:
                 cvm.state, cvm.state_reason = CvmState.updating, None
                 background = (provider, cvm, Operation.update)

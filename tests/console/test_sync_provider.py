@@ -15,6 +15,7 @@ from umbra.console.providers import CvmProvider, CvmSpec, OnProviderEvent, Provi
 class Recording:
     name = "local"
     background = False
+    default_data_disk_gb: int | None = None
 
     def __init__(self) -> None:
         self.launched: list[CvmSpec] = []

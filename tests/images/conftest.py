@@ -78,7 +78,7 @@ def build_runtime(out: Path, wheel: Path, req: Path) -> dict[str, dict[str, str]
     done = CliRunner().invoke(
         app,
         ["image", "build", "runtime", "--out", str(out), "--wheel", str(wheel),
-         "--requirements", str(req), "--source-date-epoch", EPOCH, "--json"],
+         "--requirements", str(req), "--source-date-epoch", EPOCH, "--without-tools", "--json"],
     )  # fmt: skip
     assert done.exit_code == 0, done.output
     images: dict[str, dict[str, str]] = json.loads(done.stdout)["images"]

@@ -16,7 +16,19 @@ import yaml
 from pulumi.runtime import MockCallArgs, MockResourceArgs, Mocks
 
 ROOT = Path(__file__).resolve().parents[2]
-FAKE_DB_CA = "-----BEGIN CERTIFICATE-----\nMIIfakeCloudSqlServerCa\n-----END CERTIFICATE-----\n"
+# A real (self-signed, throwaway) certificate: the launch agent parses what the stack delivers.
+FAKE_DB_CA = """-----BEGIN CERTIFICATE-----
+MIIBnDCCAUGgAwIBAgIULmFKRx8TSMZ67xOab8XGW7fAKgEwCgYIKoZIzj0EAwIw
+IzEhMB8GA1UEAwwYRmFrZSBDbG91ZCBTUUwgU2VydmVyIENBMB4XDTI2MTIwNjA4
+MDkwOFoXDTM2MTIwMzA4MDkwOFowIzEhMB8GA1UEAwwYRmFrZSBDbG91ZCBTUUwg
+U2VydmVyIENBMFkwEwYHKoZIzj0CAQYIKoZIzj0DAQcDQgAEZhX+5v8sFhr+BDpX
+MYBrbCmsVQZqp4ZBhe19rOViSNLijbGkHZag9X1ap4OW79+odvrDK8ToS+LrhJJC
+/bE9jaNTMFEwHQYDVR0OBBYEFIPSvghZMeyoWJiiCnRPdjmX2/fnMB8GA1UdIwQY
+MBaAFIPSvghZMeyoWJiiCnRPdjmX2/fnMA8GA1UdEwEB/wQFMAMBAf8wCgYIKoZI
+zj0EAwIDSQAwRgIhAMi3l764HKVIQwZJfZUsrWMJIL7kNOC9NB2pupGaw7JHAiEA
+4niJib42dqpAS8SgH+AZxR0OuUHYqUodzCs11RosUbc=
+-----END CERTIFICATE-----
+"""
 STACKS = ROOT / "stacks"
 
 
@@ -59,6 +71,27 @@ class Recorder(Mocks):
             out["address"] = "198.51.100.7"  # what GCP reserves (documentation range here)
         if args.typ == "gcp:compute/disk:Disk":
             out["selfLink"] = f"zones/{args.inputs.get('zone')}/disks/{args.inputs['name']}"
+        if args.typ == "gcp:secretmanager/secret:Secret":
+            out["secretId"] = args.inputs["secretId"]
+            out["id"] = f"projects/{args.inputs['project']}/secrets/{args.inputs['secretId']}"
+            self.resources.append(Res(args.typ, args.name, dict(args.inputs), out))
+            return out["id"], out
+        if args.typ == "gcp:secretmanager/secretVersion:SecretVersion":
+            out["name"] = f"{args.inputs['secret']}/versions/1"
+            out["version"] = "1"
+        if args.typ == "azure-native:dbforpostgresql:Server":
+            out["fullyQualifiedDomainName"] = (
+                f"{args.inputs['serverName']}.postgres.database.azure.com"
+            )
+        if args.typ == "azure-native:keyvault:Vault":
+            out["name"] = args.inputs["vaultName"]  # as Azure names it
+        if args.typ == "azure-native:keyvault:Secret":
+            vault, secret = args.inputs["vaultName"], args.inputs["secretName"]
+            props = dict(out.get("properties", {}))
+            props = dict(props.get("value", {})) if len(props) == 2 and "value" in props else props
+            out["properties"] = props | {
+                "secretUriWithVersion": f"https://{vault}.vault.azure.net/secrets/{secret}/{'0' * 32}"
+            }
         if args.typ == "azure-native:compute:VirtualMachine":
             out["vmId"] = f"{args.name}-vm-id"
         if args.typ == "pulumi:pulumi:StackReference":

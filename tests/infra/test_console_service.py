@@ -13,7 +13,8 @@ import pytest
 from tests.infra.harness import FAKE_DB_CA, ROOT, example_raw, example_stack, run_program
 from tests.infra.test_policy_pack import violations
 from umbra.components.config import ConsoleStack, parse_stack_config
-from umbra.components.console_service import DATABASE_CA_PATH, ConsoleService
+from umbra.components.console_service import ConsoleService
+from umbra.components.launch_data import DATABASE_CA_PATH
 from umbra.components.program import build_console
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -63,11 +64,13 @@ def test_console_service(cloud: str) -> None:
         assert db.inputs["network"]["publicNetworkAccess"] == "Disabled"
         (vm,) = mocks.of_type("azure-native:compute:VirtualMachine")
         assert vm.inputs["securityProfile"]["securityType"] == "ConfidentialVM"
-    # The password reaches the database resource and nothing else in clear.
+    # The password reaches the database resource and the Console's secret store, nothing else.
     holders = [r for r in mocks.resources if PASSWORD in json.dumps(r.inputs)]
     assert {r.typ for r in holders} <= {
         "gcp:sql/user:User",
+        "gcp:secretmanager/secretVersion:SecretVersion",
         "azure-native:dbforpostgresql:Server",
+        "azure-native:keyvault:Secret",
     }, [r.typ for r in holders]
     for r in mocks.resources:
         assert violations(r.typ, dict(r.inputs)) == {}, (r.typ, r.name)
@@ -194,6 +197,8 @@ def test_on_azure_the_console_identity_holds_exactly_the_provisioner_roles() -> 
             "/subscriptions/sub-0000/resourceGroups/umbra-globex",
             "9980e02c-c2be-4d73-94e8-173b1dc7cf3c",
         ),
+        # And reads its launch secrets: Key Vault Secrets User on its own vault only.
+        ("console-kv-id", "4633458b-17de-408a-b874-0445c86b69e6"),
     ]
 
 
@@ -213,3 +218,49 @@ def test_the_gcp_console_has_a_reserved_static_address() -> None:
         None,
         [],
     )
+
+
+@pytest.mark.parametrize(("cloud", "size"), [("gcp", 250), ("azure", 512)])
+def test_the_database_size_is_stack_config(cloud: str, size: int) -> None:
+    """Azure's database was fixed at 64 GB: the stack's `db_storage_gb` now sizes it on both."""
+    raw = _raw(cloud)
+    doc = json.loads(raw["umbra:stack"]) | {"db_storage_gb": size}
+    raw["umbra:stack"] = json.dumps(doc)
+    cfg = parse_stack_config(raw, frozenset({"umbra:consoleDbPassword"}))
+    assert isinstance(cfg, ConsoleStack) and cfg.db_storage_gb == size
+
+    def body() -> Any:
+        build_console(cfg, ROOT)
+        return None
+
+    mocks, _ = run_program(body, config=raw)
+    if cloud == "gcp":
+        (db,) = mocks.of_type("gcp:sql/databaseInstance:DatabaseInstance")
+        assert db.inputs["settings"]["diskSize"] == size
+        assert db.inputs["settings"]["diskAutoresize"] is True  # and a grown disk is kept
+    else:
+        (db,) = mocks.of_type("azure-native:dbforpostgresql:Server")
+        assert db.inputs["storage"]["storageSizeGB"] == size
+
+
+@pytest.mark.parametrize(
+    ("cloud", "size", "problem"),
+    [
+        ("azure", 100, "not an Azure Flexible Server size"),
+        ("gcp", 5, "db_storage_gb"),
+        ("gcp", 70000, "db_storage_gb"),
+    ],
+)
+def test_a_database_size_out_of_bounds_is_refused(cloud: str, size: int, problem: str) -> None:
+    from umbra.components.config import ConfigError
+
+    raw = _raw(cloud)
+    raw["umbra:stack"] = json.dumps(json.loads(raw["umbra:stack"]) | {"db_storage_gb": size})
+    with pytest.raises(ConfigError) as err:
+        parse_stack_config(raw, frozenset({"umbra:consoleDbPassword"}))
+    assert problem in str(err.value) and "umbra:stack" in str(err.value)
+
+
+def test_the_database_size_defaults_to_64() -> None:
+    cfg = parse_stack_config(_raw("azure"), frozenset({"umbra:consoleDbPassword"}))
+    assert isinstance(cfg, ConsoleStack) and cfg.db_storage_gb == 64
