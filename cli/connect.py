@@ -12,6 +12,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -19,7 +20,13 @@ import typer
 
 from umbra.cli.auth import api_errors, api_failure, open_client, resolve_team
 from umbra.cli.output import EXIT_USAGE, console, fail, print_json, stderr
-from umbra.contracts.agent_logins import AGENT_LOGINS, Agent, AgentLogin
+from umbra.contracts.agent_logins import (
+    AGENT_LOGINS,
+    CODEX_PLACEHOLDER,
+    Agent,
+    AgentLogin,
+    codex_placeholder_auth,
+)
 
 if TYPE_CHECKING:
     from umbra.console.client import ConsoleClient
@@ -83,10 +90,11 @@ def _jwt_claims(token: str) -> dict[str, Any]:
     return claims if isinstance(claims, dict) else {}
 
 
-def codex_document(auth_file: str, as_json: bool) -> str:
+def codex_document(auth_file: str, as_json: bool) -> tuple[str, str]:
     """An `oauth2-refresh` document from Codex's ChatGPT login (`~/.codex/auth.json`): the
     refresh and access tokens, the access token's expiry and the client id from the id token's
-    `aud` (not hard-coded). Runs `codex login` first when the file holds no tokens."""
+    `aud` (not hard-coded); and the sandbox's placeholder `auth.json` (identity claims only).
+    Runs `codex login` first when the file holds no tokens."""
     path = Path(auth_file).expanduser()
     login_first = auth_file != "-" and not path.exists() and shutil.which("codex") is not None
     if login_first and subprocess.run(["codex", "login"], stdout=subprocess.DEVNULL).returncode:
@@ -99,7 +107,8 @@ def codex_document(auth_file: str, as_json: bool) -> str:
     except (ValueError, KeyError, TypeError):
         fail(f"{auth_file}: no ChatGPT login in it (tokens.refresh_token, access_token, id_token): "
              "run `codex login` first", EXIT_USAGE, as_json=as_json)  # fmt: skip
-    aud = _jwt_claims(str(id_token)).get("aud")
+    identity = _jwt_claims(str(id_token))
+    aud = identity.get("aud")
     client_id = aud[0] if isinstance(aud, list) and aud else aud
     if not isinstance(client_id, str) or not client_id:
         fail(f"{auth_file}: the id token names no client (aud)", EXIT_USAGE, as_json=as_json)
@@ -110,7 +119,35 @@ def codex_document(auth_file: str, as_json: bool) -> str:
     exp = _jwt_claims(str(access)).get("exp")
     if isinstance(exp, int | float):
         document["expires_at"] = float(exp)
-    return json.dumps(document)
+    account = tokens.get("account_id")
+    placeholder = codex_placeholder_auth(
+        identity, account if isinstance(account, str) else None, time.time()
+    )
+    return json.dumps(document), placeholder
+
+
+# Written as the developer in the sandbox, atomically; the text (no secret) comes on stdin.
+INSTALL_CODEX_AUTH = (
+    "umask 077 && mkdir -p ~/.codex && cat > ~/.codex/auth.json.umbra && "
+    "mv ~/.codex/auth.json.umbra ~/.codex/auth.json"
+)
+REMOVE_CODEX_AUTH = f"! grep -qs {CODEX_PLACEHOLDER} ~/.codex/auth.json || rm -f ~/.codex/auth.json"
+
+
+def _in_sandbox(cvm_id: str, command: str, text: str = "") -> str | None:
+    """Run `command` in the Dev CVM's sandbox as the developer through `umbra ssh` (the attested
+    path); None when done, else why not (the caller warns: the login itself is stored)."""
+    umbra = str(Path(sys.executable).parent / "umbra")
+    try:
+        done = subprocess.run(
+            [umbra, "ssh", "--no-reuse", cvm_id, "--", command],
+            input=text, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return type(exc).__name__
+    if done.returncode != 0:
+        return " ".join(done.stderr.split())[-300:] or f"exit {done.returncode}"
+    return None
 
 
 def _checked(login: AgentLogin, value: str, as_json: bool) -> str:
@@ -168,10 +205,11 @@ def connect(
     """Store your agent login as a personal secret and attach its profile to your Dev CVM(s)."""
     login = AGENT_LOGINS[agent]
     client, user = open_client(as_json)  # before any login flow: fail fast
+    placeholder = ""
     if agent == Agent.claude:
         value = claude_token(token_file, as_json)
     else:
-        value = codex_document(auth_file, as_json)
+        value, placeholder = codex_document(auth_file, as_json)
     value = _checked(login, value, as_json)
     try:
         with client:
@@ -185,14 +223,34 @@ def connect(
     except api_errors() as exc:
         api_failure(exc, as_json)
     ids = [c.id for c in cvms]
+    # Codex reads its login from a file: each sandbox gets the placeholder one.
+    failed = {i: why for i in ids if placeholder and (why := _in_sandbox(i, INSTALL_CODEX_AUTH,
+                                                                        placeholder))}  # fmt: skip
+    for cvm_id, why in failed.items():
+        stderr.print(f"{cvm_id}: the placeholder ~/.codex/auth.json was not written ({why}); run "
+                     "`umbra connect codex` again when the CVM is reachable", style="yellow")  # fmt: skip
+    result: dict[str, Any] = {"agent": agent, "secret": info.ref, "kind": info.kind,
+                              "profile": login.profile, "cvms": ids}  # fmt: skip
+    shadowed = {c.id: found for c in cvms if (found := sorted(set(c.profiles)
+                                                                & set(login.shadowed_by)))}  # fmt: skip
+    for cvm_id, names in shadowed.items():
+        stderr.print(f"{cvm_id}: {', '.join(names)} also attached: its API key would be used "
+                     f"instead of your login; detach it (`umbra profile detach {cvm_id} "
+                     f"{names[0]}`, an admin's) to use the subscription", style="yellow")  # fmt: skip
+    if shadowed:
+        result["shadowed_by"] = shadowed
+    if placeholder:
+        result["placeholder_written"] = [i for i in ids if i not in failed]
     if as_json:
-        print_json({"agent": agent, "secret": info.ref, "kind": info.kind,
-                    "profile": login.profile, "cvms": ids})  # fmt: skip
+        print_json(result)
     else:
         console.print(
             f"Connected {agent}: [bold]{info.ref}[/] ({info.kind}); profile {login.profile} "
             f"attached to {', '.join(ids) or 'no Dev CVM yet (run connect again after one)'}"
         )
+        if placeholder and result["placeholder_written"]:
+            console.print("Placeholder ~/.codex/auth.json written in "
+                          + ", ".join(result["placeholder_written"]))  # fmt: skip
     if agent == Agent.codex:
         stderr.print("The refresh token rotates on use: run `codex logout` here so this machine "
                       "and the Security CVM do not both spend it.", style="yellow")  # fmt: skip
@@ -223,6 +281,10 @@ def disconnect(
     except api_errors() as exc:
         api_failure(exc, as_json)
     ids = [c.id for c in cvms]
+    if agent == Agent.codex:  # the placeholder login goes too (a real one is left alone)
+        for cvm_id in ids:
+            if (why := _in_sandbox(cvm_id, REMOVE_CODEX_AUTH)) is not None:
+                stderr.print(f"{cvm_id}: ~/.codex/auth.json not checked ({why})", style="yellow")
     if as_json:
         print_json({"agent": agent, "deleted": deleted, "profile": login.profile, "cvms": ids})
     else:

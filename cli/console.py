@@ -1,4 +1,5 @@
-"""`umbra console ...`: run the Console, migrate its database, verify its audit chain."""
+"""`umbra console ...`: run the Console, migrate its database, verify its audit chain, run
+traffic retention."""
 
 from __future__ import annotations
 
@@ -114,3 +115,38 @@ def audit_verify(
             "(entries were removed or the chain was rewritten)"
         )
     out.print(f"audit chain OK: {report.entries} entries, head {report.head}")
+
+
+@app.command()
+def retention(database_url: DatabaseUrl = None) -> None:
+    """Run one traffic maintenance round now: partitions ahead (PostgreSQL), then retention
+    (UMBRA_CONSOLE_TRAFFIC_RETENTION_DAYS), waiting for the SIEM export cursors when export is
+    configured. A serving Console does the same every TRAFFIC_MAINTENANCE_INTERVAL_SECONDS."""
+    from umbra.console import db, traffic_retention
+
+    settings = _settings(database_url)
+    if settings.traffic_retention_days is None:
+        fail(
+            "UMBRA_CONSOLE_TRAFFIC_RETENTION_DAYS is not set: traffic records are kept forever",
+            EXIT_USAGE,
+        )
+    engine = db.make_engine(settings.database_url)
+    try:
+        run = traffic_retention.maintain(engine, settings)
+    finally:
+        engine.dispose()
+    if run is None:
+        out.print("another Console process is running retention now; nothing done")
+        return
+    out.print(
+        f"traffic before {run.cutoff.isoformat()} expired: {len(run.partitions_dropped)} day "
+        f"partitions dropped, {run.records_deleted} records deleted"
+    )
+    if run.waiting_for_export:
+        cursors = ", ".join(f"{sink}={pos}" for sink, pos in run.export_positions.items())
+        out.print(
+            f"{run.waiting_for_export} expired records kept until SIEM export has them "
+            f"(traffic cursors {cursors})"
+        )
+    if run.busy:
+        out.print(f"busy, retried next round: {', '.join(run.busy)}")

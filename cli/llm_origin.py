@@ -360,11 +360,23 @@ def main() -> None:
     parser.add_argument("--anthropic-key-sha256", required=True)
     parser.add_argument("--openai-key-sha256", required=True)
     parser.add_argument("--reply", default=REPLY)
+    # Opt-in, tests only: also answer as the agents' own hosts (cli/vendor_origin.py).
+    parser.add_argument("--vendor-listen", help="ADDR:PORT for api.anthropic.com, chatgpt.com, …")
+    parser.add_argument("--claude-oauth-sha256", default="")
     args = parser.parse_args()
     config = OriginConfig(
         {Api.ANTHROPIC: args.anthropic_key_sha256, Api.OPENAI: args.openai_key_sha256},
         reply=args.reply,
     )
+    if args.vendor_listen:
+        from umbra.cli.vendor_origin import VendorState, serve_vendor
+
+        host, _, port = args.vendor_listen.rpartition(":")
+        vendor = serve_vendor(
+            VendorState(args.claude_oauth_sha256), args.cert, args.key, host, int(port),
+            reply=args.reply,
+        )  # fmt: skip
+        threading.Thread(target=vendor.serve_forever, daemon=True).start()
     serve(config, args.cert, args.key, port=args.port).serve_forever()
 
 

@@ -99,6 +99,10 @@ def up(
             if prefix:
                 stack.state["name_prefix"] = prefix
             stack.state["internet"] = internet
+            stack.state["vendor_standins"] = os.environ.get(s.VENDOR_ENV) == "1"
+            if stack.state["vendor_standins"]:
+                step(f"warning: {s.VENDOR_ENV}=1: {', '.join(s.VENDOR_HOSTS)} are answered by the "
+                     "stand-in model API (tests only)")  # fmt: skip
             stack.save()
             step("Preparing keys, the simulated TEE and golden values")
             s.prepare_material(stack)

@@ -8,7 +8,6 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +23,14 @@ from sqlalchemy.exc import TimeoutError as SqlTimeoutError
 from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from umbra.console import children, db, notify, provisioning, refusal_budget
+from umbra.console import (
+    children,
+    db,
+    notify,
+    provisioning,
+    refusal_budget,
+    traffic_retention,
+)
 from umbra.console.config import ConfigError, Settings, settings_summary
 from umbra.console.envelope import EnvelopeError, LocalKeyring
 from umbra.console.export import runner as export_runner
@@ -152,6 +158,7 @@ def create_app(
         if console.oidc is not None:
             console.oidc.refresh_soon()  # keys arrive in the background, before most requests
         await run_in_threadpool(provisioning.reconcile, console)
+        console.leases.start()  # renews the leases of the jobs this replica runs
         if owns_process:
             notify.chain_exit_signals()  # long polls answer at SIGTERM, before the deadline
         summaries = asyncio.create_task(_flush_refusal_summaries(console))
@@ -163,7 +170,9 @@ def create_app(
         if console.watchdog is not None:
             console.watchdog.start()
         exporter = _start_exporter(console)
+        maintenance = asyncio.create_task(_maintain_traffic(console))
         yield
+        maintenance.cancel()
         if exporter is not None:
             exporter.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -174,11 +183,10 @@ def create_app(
         if console.watchdog is not None:
             await run_in_threadpool(console.watchdog.stop)
         await run_in_threadpool(_stop_jobs, console, owns_process)
+        await run_in_threadpool(console.leases.stop)
         with contextlib.suppress(Exception):  # a database that is down loses only the counts
             await run_in_threadpool(lambda: refusal_budget.flush(console, final=True))
         console.engine.dispose()
-        if console.lock_engine is not None:
-            console.lock_engine.dispose()
 
     app = FastAPI(
         title="Umbra Console",
@@ -238,6 +246,21 @@ def _start_exporter(console: Console) -> asyncio.Task[None] | None:
     return asyncio.create_task(exporter.run())
 
 
+def _traffic_maintenance_round(console: Console) -> None:
+    traffic_retention.maintain(console.engine, console.settings, write_gate=console.write_gate)
+
+
+async def _maintain_traffic(console: Console) -> None:
+    """The first round at startup (a partition for today exists before the first busy hour),
+    then every `TRAFFIC_MAINTENANCE_INTERVAL_SECONDS`."""
+    while True:
+        try:
+            await run_in_threadpool(_traffic_maintenance_round, console)
+        except Exception as exc:  # a database outage or a busy table: the next round retries
+            log.warning("traffic maintenance failed (%s); retrying", type(exc).__name__)
+        await asyncio.sleep(console.settings.traffic_maintenance_interval_seconds)
+
+
 async def _flush_refusal_summaries(console: Console) -> None:
     """Refusal summaries of ended minutes reach the audit log even when no refusal follows."""
     while True:
@@ -249,15 +272,14 @@ async def _flush_refusal_summaries(console: Console) -> None:
 
 
 async def _reconcile_periodically(console: Console) -> None:
-    """Runs whose Console process died are taken over by this one (provisioning.reconcile)."""
+    """Jobs whose replica died (lease expired) are taken over by this one (provisioning.reconcile)."""
     interval = console.settings.reconcile_interval_seconds
-    age = timedelta(seconds=interval)
     while True:
         await asyncio.sleep(interval)
         if console.stopping.is_set():
             return
         try:
-            await run_in_threadpool(lambda: provisioning.reconcile(console, min_age=age))
+            await run_in_threadpool(provisioning.reconcile, console)
         except Exception:  # a database outage: the next round retries
             log.warning("periodic reconcile failed; retrying")
 

@@ -29,6 +29,7 @@ from umbra.contracts.validation import location
 
 ENV_PREFIX = "UMBRA_CONSOLE_"
 DEFAULT_DATABASE_URL = "sqlite:///umbra-console.db"
+MAX_RETENTION_DAYS = 400  # 400 daily partitions still plan quickly (console/traffic_partitions.py)
 
 
 class ConfigError(Exception):
@@ -140,10 +141,18 @@ class Settings(_Strict):
         default=None, description="Settings of the `azure` provider (JSON in UMBRA_CONSOLE_AZURE)."
     )
     reconcile_interval_seconds: float = Field(
-        default=30.0,
+        default=10.0,
         ge=0,
-        description="PostgreSQL: how often a serving Console takes over provider runs whose "
-        "process died (rows unchanged this long, job lock free; 0: only at startup).",
+        description="PostgreSQL: how often a serving Console takes over provider jobs whose "
+        "lease expired (their replica died; 0: only at startup).",
+    )
+    job_lease_seconds: float = Field(
+        default=30.0,
+        ge=1,
+        le=3600,
+        description="PostgreSQL: how long a provider job's lease lasts unless its replica renews "
+        "it (every third of this): a killed replica's job is taken over after at most this plus "
+        "the reconcile interval.",
     )
     export_otlp_url: str | None = Field(
         default=None,
@@ -162,6 +171,21 @@ class Settings(_Strict):
         default=2.0, gt=0, le=300, description="How often the exporter looks for new entries."
     )
     export_batch: int = Field(default=500, ge=1, le=10000, description="Entries per sent batch.")
+    traffic_retention_days: int | None = Field(
+        default=None,
+        ge=1,
+        le=MAX_RETENTION_DAYS,
+        description="Traffic records older than this many whole UTC days are removed (PostgreSQL: "
+        "whole day partitions dropped), never before every configured SIEM sink has taken them; "
+        "none: kept forever. The audit log is never removed.",
+    )
+    traffic_maintenance_interval_seconds: float = Field(
+        default=3600.0,
+        ge=10,
+        le=86400,
+        description="How often the Console makes traffic partitions ahead (PostgreSQL) and runs "
+        "retention.",
+    )
     provider_workers: int = Field(
         default=4, ge=1, le=64, description="Concurrent cloud launches/updates/destroys."
     )
@@ -243,6 +267,16 @@ class Settings(_Strict):
         if value.startswith("postgresql://"):
             value = "postgresql+psycopg://" + value.removeprefix("postgresql://")
         return value
+
+    @field_validator("traffic_retention_days", mode="before")
+    @classmethod
+    def _whole_days(cls, value: object) -> object:
+        # "30d", "1.5", "true" or "" are refused, not read as something else
+        if value is None or (isinstance(value, int) and not isinstance(value, bool)):
+            return value
+        if isinstance(value, str) and value.isascii() and value.isdigit():
+            return int(value)
+        raise ValueError(f"a whole number of days from 1 to {MAX_RETENTION_DAYS}")
 
     @field_validator("export_otlp_url")
     @classmethod

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import re
 import threading
 from datetime import UTC, datetime
 from pathlib import Path
@@ -14,7 +15,6 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import Engine, create_engine, event, text
 from sqlalchemy.exc import SQLAlchemyError
-from sqlalchemy.pool import NullPool
 
 MIGRATIONS_DIR = Path(__file__).parent / "migrations"
 
@@ -50,15 +50,13 @@ def make_engine(
     return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20, **kwargs)
 
 
-def make_lock_engine(url: str, *, connect_timeout_s: int = 3) -> Engine:
-    """Connections that hold a provider run's job lock for minutes: each its own, opened for the
-    run and closed after it (NullPool), so cloud runs never take the request pool's connections
-    (10 + 20) and any number of them cannot starve requests."""
-    connect_args = {
-        "connect_timeout": connect_timeout_s, "keepalives": 1, "keepalives_idle": 10,
-        "keepalives_interval": 3, "keepalives_count": 3,
-    }  # fmt: skip
-    return create_engine(url, poolclass=NullPool, connect_args=connect_args)
+_PARTITION = re.compile(r"^traffic_record_(p\d{8}|default)$")
+
+
+def include_name(name: str | None, type_: str, _parents: object) -> bool:
+    """Alembic's autogenerate filter: the traffic table's partitions (console/traffic_partitions.py)
+    are made at run time, not by the models, so a schema comparison leaves them out."""
+    return not (type_ == "table" and name is not None and _PARTITION.match(name))
 
 
 def alembic_config(url: str) -> Config:

@@ -119,7 +119,8 @@ class Cvm(SQLModel, table=True):
     owner: str = Field(index=True, max_length=255)
     provider: str = Field(max_length=32)
     provider_ref: str | None = Field(default=None, max_length=255)
-    state: CvmState = Field(sa_type=EnumText(CvmState, 16))
+    # Indexed for the job takeover's scan of transitional rows (revision 0016).
+    state: CvmState = Field(sa_type=EnumText(CvmState, 16), index=True)
     security_cvm_id: str | None = Field(default=None, index=True, max_length=40)
     # Security CVM replicas (revision 0007): each replica is its own CVM with its own enrolled
     # credential; `replica_of` names the pool's first Security CVM, the one Dev CVMs route to
@@ -145,6 +146,12 @@ class Cvm(SQLModel, table=True):
     created_by: str = Field(max_length=255)
     created_at: datetime = _ts()
     updated_at: datetime = _ts()
+    # The replica running this CVM's provider job and until when (database time), PostgreSQL
+    # (revision 0016, console/leases.py); NULL when no job runs or on SQLite.
+    lease_owner: str | None = Field(default=None, max_length=96)
+    lease_until: datetime | None = Field(
+        default=None, sa_type=DateTime(timezone=True), nullable=True
+    )
 
 
 class Secret(SQLModel, table=True):
@@ -217,7 +224,11 @@ class TrafficSlot(SQLModel, table=True):
     (console/traffic_rollup.py). '' stands for a record without owner or CVM."""
 
     __tablename__ = "traffic_slot"
-    __table_args__ = (Index("ix_traffic_slot_team_slot", "team", "slot"),)
+    # by slot alone (revision 0015): retention deletes a dropped day's slots for every team
+    __table_args__ = (
+        Index("ix_traffic_slot_team_slot", "team", "slot"),
+        Index("ix_traffic_slot_slot", "slot"),
+    )
 
     team: str = Field(primary_key=True, max_length=64)
     owner: str = Field(primary_key=True, max_length=255)
@@ -231,7 +242,10 @@ class TrafficSlotDenial(SQLModel, table=True):
     """Denials per slot by host, reason and rule (`dimension`): the overview's top lists."""
 
     __tablename__ = "traffic_slot_denial"
-    __table_args__ = (Index("ix_traffic_slot_denial_team_slot", "team", "dimension", "slot"),)
+    __table_args__ = (
+        Index("ix_traffic_slot_denial_team_slot", "team", "dimension", "slot"),
+        Index("ix_traffic_slot_denial_slot", "slot"),
+    )
 
     team: str = Field(primary_key=True, max_length=64)
     owner: str = Field(primary_key=True, max_length=255)
@@ -246,7 +260,10 @@ class TrafficRecord(SQLModel, table=True):
     """One proxy decision (`umbra.contracts.traffic.TrafficRecord`); never values or bodies.
 
     The record id is the shipper's idempotency key, scoped per team (revision 0004): one team's
-    Security CVM cannot suppress another team's records by reusing their ids."""
+    Security CVM cannot suppress another team's records by reusing their ids. The key includes
+    `time` (revision 0015): PostgreSQL partitions the table by day on `time`, and a partitioned
+    table's keys must hold its partition column; a shipper's retry re-sends the same time, so it is
+    still skipped (console/traffic_partitions.py)."""
 
     __tablename__ = "traffic_record"
     # Every developer/dashboard query is per team, newest first, optionally filtered by one of
@@ -272,7 +289,7 @@ class TrafficRecord(SQLModel, table=True):
     team: str = Field(primary_key=True, max_length=64)
     id: str = Field(primary_key=True, max_length=36)
     security_cvm_id: str = Field(max_length=40)
-    time: datetime = Field(sa_type=DateTime(timezone=True))
+    time: datetime = Field(primary_key=True, sa_type=DateTime(timezone=True))
     cvm_id: str | None = Field(default=None, max_length=40)
     owner: str | None = Field(default=None, max_length=255)
     kind: str = Field(default="http", max_length=16)

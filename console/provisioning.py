@@ -6,21 +6,20 @@ entry in one transaction, commits, and hands the run to `Console.jobs` (a thread
 reports progress events (each a short transaction keeping the last `MAX_EVENTS` on the row), and
 its outcome is recorded in one more transaction: `running`/`destroyed` with the provider's facts,
 or `failed` with a one-line reason and nothing of the half-finished run. The outcome is written
-only if the row is still in the state the run started from (compare-and-set). At startup
-`reconcile` resumes interrupted runs of resumable providers and fails the others.
+only if the row is still in the state the run started from and (PostgreSQL) this replica still
+holds the job's lease (compare-and-set). `reconcile` takes over runs no live process runs
+(SQLite: at startup; PostgreSQL: rows with an expired or missing lease, console/leases.py),
+resuming those of resumable providers and failing the others.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future
-from contextlib import contextmanager
 from dataclasses import replace
-from datetime import timedelta
-from typing import Literal
 
-from sqlalchemy import Connection, select, text
+from sqlalchemy import select, text
 from sqlalchemy.orm import Session
 from sqlmodel import col
 
@@ -88,61 +87,6 @@ def record_event(console: Console, cvm_id: str, event: ProviderEvent) -> None:
         log.warning("could not record a provider event for %s (%s)", cvm_id, type(exc).__name__)
 
 
-def _job_key(cvm_id: str) -> int:
-    return lock_key(f"job:{cvm_id}")
-
-
-@contextmanager
-def job_guard(console: Console, cvm_id: str, held: Connection | None = None) -> Iterator[None]:
-    """Held while a provider run for the CVM is alive in this process: on PostgreSQL a
-    session-level advisory lock on its own connection, which the server releases when the process
-    dies, so `reconcile` in any worker can tell a live run from an orphaned one. `held`: a
-    connection that already holds the lock (a run `reconcile` resumes), released at the end."""
-    if console.settings.is_sqlite:
-        yield  # one process: everything transitional at startup is orphaned
-        return
-    connection = held if held is not None else _lock_connection(console)
-    try:
-        if held is None:
-            connection.execute(text("SELECT pg_advisory_lock(:key)"), {"key": _job_key(cvm_id)})
-            connection.commit()
-        yield
-    finally:
-        try:
-            connection.execute(text("SELECT pg_advisory_unlock(:key)"), {"key": _job_key(cvm_id)})
-            connection.commit()
-        finally:
-            connection.close()
-
-
-def _lock_connection(console: Console) -> Connection:
-    """Never one of the request pool's: a run holds it for minutes (db.make_lock_engine)."""
-    assert console.lock_engine is not None
-    return console.lock_engine.connect()
-
-
-def _claim(console: Console, cvm_id: str) -> Connection | Literal[False] | None:
-    """Take the CVM's job lock for `reconcile` without waiting: its connection (PostgreSQL),
-    None (SQLite: one process, nothing to take), or False when another worker's run holds it."""
-    if console.settings.is_sqlite:
-        return None
-    connection = _lock_connection(console)
-    taken = connection.execute(
-        text("SELECT pg_try_advisory_lock(:key)"), {"key": _job_key(cvm_id)}
-    ).scalar_one()
-    connection.commit()
-    if not taken:
-        connection.close()
-        return False
-    return connection
-
-
-def _release(console: Console, cvm_id: str, held: Connection | None) -> None:
-    if held is not None:
-        with job_guard(console, cvm_id, held):
-            pass
-
-
 def interrupted_operation(session: Session, cvm: Cvm) -> Operation:
     """What the interrupted run was doing. `updating` covers an update and a stop/start: the
     `cvm.update` audit entry that put the row there (same transaction) says which."""
@@ -160,83 +104,114 @@ def interrupted_operation(session: Session, cvm: Cvm) -> Operation:
     return Operation.stop if asked == Power.stopped else Operation.update
 
 
-def reconcile(console: Console, *, min_age: timedelta | None = None) -> list[str]:
-    """At startup: every CVM left transitional by a crash, restart or kill whose run is not alive
-    in any Console process is resumed when its provider is `resumable` (the run is submitted again
-    for the same operation: Pulumi converges the stack), else marked `failed` with a reason saying
-    what was interrupted (the owner or an admin then updates or destroys it; a destroy is
-    idempotent). Returns the ids handled.
+def reconcile(console: Console, *, limit: int = 100) -> list[str]:
+    """Take over provider runs no live Console process runs: each is resumed when its provider is
+    `resumable` (the run is submitted again for the same operation: Pulumi converges the stack),
+    else marked `failed` with a reason saying what was interrupted (the owner or an admin then
+    updates or destroys it; a destroy is idempotent). Returns the ids handled.
 
-    Also every `RECONCILE_INTERVAL_SECONDS` while serving (PostgreSQL), with `min_age`: only rows
-    unchanged for that long, so a run another replica just committed and is about to claim is
-    never taken; a run whose process died (its job lock went with its connection) is taken over
-    by a live replica without waiting for a restart."""
-    query = select(col(Cvm.id)).where(col(Cvm.state).in_(BUSY_STATES))
-    if min_age is not None:
-        query = query.where(col(Cvm.updated_at) < utcnow() - min_age)
-    with console.session() as session:
-        busy = list(session.execute(query).scalars())
-    handled, resumed = [], 0
-    for cvm_id in busy:
-        # The job lock stays held from here into the resumed run: no other worker's reconcile can
-        # resume (or fail) the same CVM in between.
-        held = _claim(console, cvm_id)
-        if held is False:
-            continue  # another worker's run is alive
+    SQLite (one process): at startup, every transitional row is orphaned. PostgreSQL: at startup
+    and every `RECONCILE_INTERVAL_SECONDS`, rows whose job lease is missing or expired (console/
+    leases.py) are claimed one at a time with `SELECT … FOR UPDATE SKIP LOCKED` and leased to this
+    replica in the same transaction, so concurrent replicas never claim the same job and a job
+    whose replica died (kill -9: its heartbeat stopped) is taken over exactly once."""
+    handled: list[str] = []
+    resumed = 0
+    if console.settings.is_sqlite:
+        with console.session() as session:
+            pending = list(
+                session.execute(
+                    select(col(Cvm.id)).where(col(Cvm.state).in_(BUSY_STATES))
+                ).scalars()
+            )
+        limit = max(limit, len(pending))  # only at startup: every one of them, now
+    skipped = console.leases.held()  # ours, even if a late renewal let them lapse
+    for _ in range(limit):
+        if console.settings.is_sqlite:
+            if not pending:
+                break
+            target: str | None = pending.pop(0)
+        else:
+            target = None
         resume: tuple[CvmProvider, Operation, Cvm] | None = None
         token: str | None = None
-        try:
-            with console.write(f"cvm:{cvm_id}") as session:
-                cvm = session.get(Cvm, cvm_id)
+        with console.write(*([f"cvm:{target}"] if target else [])) as session:
+            if target is None:
+                query = (
+                    select(Cvm)
+                    .where(col(Cvm.state).in_(BUSY_STATES), console.leases.claimable())
+                    .order_by(col(Cvm.updated_at))
+                    .limit(1)
+                    .with_for_update(skip_locked=True)
+                )
+                if skipped:
+                    query = query.where(col(Cvm.id).not_in(sorted(skipped)))
+                cvm = session.execute(query).scalar_one_or_none()
+                if cvm is None:
+                    break
+                # The CVM's write lock, without waiting (a writer holding it while we hold the
+                # row would deadlock): a run recording its outcome right now is left alone.
+                if not session.execute(
+                    text("SELECT pg_try_advisory_xact_lock(:key)"),
+                    {"key": lock_key(f"cvm:{cvm.id}")},
+                ).scalar_one():
+                    skipped.add(cvm.id)
+                    continue
+            else:
+                cvm = session.get(Cvm, target)
                 if cvm is None or cvm.state not in BUSY_STATES:
                     continue
-                operation = interrupted_operation(session, cvm)
-                provider = console.providers.get(cvm.provider)
-                if provider is not None and provider.background and provider.resumable:
-                    entry = {
-                        "time": utcnow().isoformat(),
-                        "kind": "resumed",
-                        "message": f"{operation}: resumed after a Console restart",
-                    }
-                    cvm.events = [*cvm.events, entry][-MAX_EVENTS:]
-                    details: dict[str, object] = {"operation": operation, "state": cvm.state}
-                    action = AuditAction.cvm_resumed
-                    resume = (provider, operation, cvm)
-                else:
-                    reason = (
-                        f"{operation}: interrupted by a Console restart; update or destroy the "
-                        "CVM (the provider may have left resources behind)"
-                    )
-                    cvm.state, cvm.state_reason = CvmState.failed, reason
-                    details = {"operation": operation, "state": CvmState.failed, "reason": reason}
-                    action = AuditAction.cvm_provisioned
-                cvm.updated_at = utcnow()
-                session.add(cvm)
-                audit.append(
-                    session, actor=ACTOR, team=cvm.team, action=action, target=cvm.id,
-                    details=details,
-                )  # fmt: skip
-                if (
-                    resume is not None
-                    and cvm.kind == CvmKind.dev
-                    and operation in (Operation.launch, Operation.update)
-                ):
-                    # The resumed run renders launch data again: a fresh one-time token, as a
-                    # launch or update gets (the interrupted run's may be lost or spent).
-                    token, _expires = enrollment.issue_token(session, cvm, ACTOR)
-                handled.append(cvm_id)
-        finally:
-            if resume is None:
-                _release(console, cvm_id, held)
+            resume, token = _take_over(console, session, cvm)
+            handled.append(cvm.id)
         if resume is not None:
             resumed += 1
-            submit(console, resume[0], resume[1], resume[2], held=held, enrollment_token=token)
+            submit(console, resume[0], resume[1], resume[2], enrollment_token=token)
     if handled:
         log.warning(
-            "reconciled %d interrupted provider runs: %d resumed, %d failed",
+            "took over %d interrupted provider runs: %d resumed, %d failed",
             len(handled), resumed, len(handled) - resumed,
         )  # fmt: skip
     return handled
+
+
+def _take_over(
+    console: Console, session: Session, cvm: Cvm
+) -> tuple[tuple[CvmProvider, Operation, Cvm] | None, str | None]:
+    """Resume (lease it to this replica) or fail one orphaned run, audited, in the caller's
+    transaction. Returns what to submit after commit and the resumed launch's fresh token."""
+    operation = interrupted_operation(session, cvm)
+    provider = console.providers.get(cvm.provider)
+    resume: tuple[CvmProvider, Operation, Cvm] | None = None
+    token: str | None = None
+    if provider is not None and provider.background and provider.resumable:
+        entry = {
+            "time": utcnow().isoformat(),
+            "kind": "resumed",
+            "message": f"{operation}: resumed after its Console process stopped",
+        }
+        cvm.events = [*cvm.events, entry][-MAX_EVENTS:]
+        details: dict[str, object] = {"operation": operation, "state": cvm.state}
+        action = AuditAction.cvm_resumed
+        resume = (provider, operation, cvm)
+    else:
+        reason = (
+            f"{operation}: interrupted by a Console restart; update or destroy the "
+            "CVM (the provider may have left resources behind)"
+        )
+        cvm.state, cvm.state_reason = CvmState.failed, reason
+        details = {"operation": operation, "state": CvmState.failed, "reason": reason}
+        action = AuditAction.cvm_provisioned
+        cvm.lease_owner = cvm.lease_until = None
+    cvm.updated_at = utcnow()
+    session.add(cvm)
+    audit.append(session, actor=ACTOR, team=cvm.team, action=action, target=cvm.id, details=details)
+    if resume is not None:
+        console.leases.take(session, cvm.id)
+        if cvm.kind == CvmKind.dev and operation in (Operation.launch, Operation.update):
+            # The resumed run renders launch data again: a fresh one-time token, as a
+            # launch or update gets (the interrupted run's may be lost or spent).
+            token, _expires = enrollment.issue_token(session, cvm, ACTOR)
+    return resume, token
 
 
 def submit(
@@ -245,32 +220,24 @@ def submit(
     operation: Operation,
     cvm: Cvm,
     *,
-    held: Connection | None = None,
     enrollment_token: str | None = None,
 ) -> None:
+    """Queue the run of a job whose lease this replica took in the transaction that committed
+    the transitional state (`console.leases.take`)."""
     spec, ref = replace(spec_of(cvm), enrollment_token=enrollment_token), cvm.provider_ref
-    if held is None:
-        # Claimed now, not when a worker thread picks the run up: a queued run is alive too, and
-        # another replica's periodic `reconcile` must see it so.
-        claimed = _claim(console, spec.id)
-        if claimed is False:
-            log.warning("%s of %s: another Console process runs it", operation, spec.id)
-            return
-        held = claimed
+    console.leases.hold(spec.id)
     try:
-        future = console.jobs.submit(run, console, provider, operation, spec, ref, held)
-        if held is not None:
-            lock = held
+        future = console.jobs.submit(run, console, provider, operation, spec, ref)
 
-            def release_if_cancelled(done: Future[None]) -> None:
-                if done.cancelled():  # queued at shutdown: never ran, so never released
-                    _release(console, spec.id, lock)
+        def release_if_cancelled(done: Future[None]) -> None:
+            if done.cancelled():  # queued at shutdown: never ran; another replica takes it
+                console.leases.release(spec.id)
 
-            future.add_done_callback(release_if_cancelled)
+        future.add_done_callback(release_if_cancelled)
     except RuntimeError:  # the pool is shutting down
-        _release(console, spec.id, held)
+        console.leases.release(spec.id)
         if provider.resumable:
-            return  # left transitional: the next start's `reconcile` resumes it
+            return  # left transitional: another replica or the next start resumes it
         finish(
             console,
             spec,
@@ -287,7 +254,6 @@ def run(
     operation: Operation,
     spec: CvmSpec,
     ref: str | None,
-    held: Connection | None = None,
 ) -> None:
     def on_event(event: ProviderEvent) -> None:
         record_event(console, spec.id, event)
@@ -313,22 +279,21 @@ def run(
             return f"{operation}: the provider failed unexpectedly ({type(exc).__name__})", None
 
     try:
-        with job_guard(console, spec.id, held):
-            reason, result = attempt()
-            # Recorded while the job lock is still held: a `reconcile` starting in another
-            # worker meanwhile sees a live run, never a finished run still marked transitional.
-            if reason is not None and console.stopping.is_set() and provider.resumable:
-                # Shutdown ended the provider's children: not the cloud's verdict. Left
-                # transitional like after kill -9; the next start resumes the run.
-                log.warning(
-                    "%s of %s interrupted by shutdown; resumed at start", operation, spec.id
-                )
-                return
-            state = CvmState.failed if reason is not None else SETTLED[operation]
-            finish(console, spec, operation, state, reason, result)
-    except Exception as exc:  # the job lock itself failed (database unreachable)
-        reason = f"{operation}: could not take the job lock ({type(exc).__name__})"
-        finish(console, spec, operation, CvmState.failed, reason, None)
+        # No database connection is held during the provider call: the lease is renewed by the
+        # replica's heartbeat (console/leases.py).
+        reason, result = attempt()
+        if reason is not None and console.stopping.is_set() and provider.resumable:
+            # Shutdown ended the provider's children: not the cloud's verdict. Left transitional
+            # like after kill -9, its lease given up: another replica (or the next start)
+            # resumes the run.
+            log.warning("%s of %s interrupted by shutdown; resumed elsewhere", operation, spec.id)
+            console.leases.release(spec.id)
+            return
+        console.leases.drop(spec.id)  # not renewed past here: `finish` clears the lease
+        state = CvmState.failed if reason is not None else SETTLED[operation]
+        finish(console, spec, operation, state, reason, result)
+    finally:
+        console.leases.drop(spec.id)
 
 
 def finish(
@@ -347,6 +312,15 @@ def finish(
                     "%s of %s finished but the CVM moved on; not recorded", operation, spec.id
                 )
                 return
+            if not console.leases.owns(cvm):
+                # Taken over while this replica could not renew its lease: the run that took
+                # over records the outcome, never both.
+                log.warning(
+                    "%s of %s finished after its lease was taken over; not recorded",
+                    operation, spec.id,
+                )  # fmt: skip
+                return
+            cvm.lease_owner = cvm.lease_until = None
             cvm.state = state
             cvm.state_reason = reason[:512] if reason else None
             if result is not None:

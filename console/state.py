@@ -17,9 +17,10 @@ from sqlalchemy.orm import Session
 from umbra.console import audit
 from umbra.console.config import Settings
 from umbra.console.console_keys import SharedKeys
-from umbra.console.db import WriteGate, make_lock_engine
+from umbra.console.db import WriteGate
 from umbra.console.db_watchdog import DatabaseWatchdog
 from umbra.console.envelope import KeyEncryptionKeys
+from umbra.console.leases import JobLeases
 from umbra.console.metrics import Metrics
 from umbra.console.notify import ChangeNotifier
 from umbra.console.oidc import OidcValidator
@@ -57,14 +58,11 @@ class Console:
         # Set when shutdown begins: a resumable provider's run that fails from then on (its
         # `pulumi` child was ended) stays transitional, as after kill -9, and is resumed.
         self.stopping = Event()
-        # PostgreSQL: provider runs hold their job lock on connections of their own (db.py).
-        self.lock_engine = (
-            None
-            if self.settings.is_sqlite
-            else make_lock_engine(
-                self.settings.database_url,
-                connect_timeout_s=self.settings.db_connect_timeout_seconds,
-            )
+        # PostgreSQL: which replica runs each provider job (row leases, console/leases.py).
+        self.leases = JobLeases(
+            self.engine,
+            enabled=not self.settings.is_sqlite,
+            ttl_seconds=self.settings.job_lease_seconds,
         )
         self.watchdog: DatabaseWatchdog | None = None
         if not self.settings.is_sqlite and self.settings.db_unresponsive_seconds > 0:

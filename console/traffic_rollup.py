@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable, Sequence
+from datetime import datetime
 from typing import Any
 
 from umbra.contracts.traffic import Decision, TrafficRecord
@@ -51,19 +52,28 @@ def slot_of(epoch_seconds: float) -> int:
     return int(epoch_seconds) // SLOT_SECONDS * SLOT_SECONDS
 
 
-def sqlite_stored_ids(cursor: Any, records: Sequence[TrafficRecord]) -> set[tuple[str, str]]:
-    """(team, id) of the batch's records already stored (before the insert)."""
-    stored: set[tuple[str, str]] = set()
-    keys = sorted({(r.team or "", str(r.id)) for r in records})
-    for start in range(0, len(keys), 400):
-        chunk = keys[start : start + 400]
-        clause = " OR ".join("(team = ? AND id = ?)" for _ in chunk)
+def sqlite_stored_ids(cursor: Any, records: Sequence[TrafficRecord]) -> set[tuple[str, str, str]]:
+    """(team, id, stored time) of the batch's records already stored (before the insert): the
+    table's key (revision 0015)."""
+    stored: set[tuple[str, str, str]] = set()
+    keys = sorted({(r.team or "", str(r.id), sqlite_time(r.time)) for r in records})
+    for start in range(0, len(keys), 300):
+        chunk = keys[start : start + 300]
+        clause = " OR ".join("(team = ? AND id = ? AND time = ?)" for _ in chunk)
         cursor.execute(
-            f"SELECT team, id FROM traffic_record WHERE {clause}",  # noqa: S608 (placeholders)
+            f"SELECT team, id, time FROM traffic_record WHERE {clause}",  # noqa: S608 (placeholders)
             [value for key in chunk for value in key],
         )
-        stored.update((str(team), str(ident)) for team, ident in cursor.fetchall())
+        stored.update((str(t), str(i), str(when)) for t, i, when in cursor.fetchall())
     return stored
+
+
+def sqlite_time(value: datetime) -> str:
+    """SQLAlchemy's SQLite DATETIME storage format, so comparisons compare like with like."""
+    return (
+        f"{value.year:04d}-{value.month:02d}-{value.day:02d} "
+        f"{value.hour:02d}:{value.minute:02d}:{value.second:02d}.{value.microsecond:06d}"
+    )
 
 
 def sqlite_add(cursor: Any, inserted: Iterable[TrafficRecord]) -> None:
@@ -98,3 +108,58 @@ def sqlite_add(cursor: Any, inserted: Iterable[TrafficRecord]) -> None:
         "SET count = count + excluded.count",
         [(*key, count) for key, count in sorted(denials.items())],
     )
+
+
+# What a deleted record's RETURNING gives, slot computed by the database (both dialects).
+DELETED_COLUMNS = (
+    "team, coalesce(owner, ''), coalesce(cvm_id, ''), {slot}, decision, host, reason, rule_id"
+)
+PG_SLOT_OF_TIME = f"(floor(extract(epoch FROM time) / {SLOT_SECONDS}) * {SLOT_SECONDS})::bigint"
+SQLITE_SLOT_OF_TIME = f"(CAST(strftime('%s', time) AS INTEGER) / {SLOT_SECONDS} * {SLOT_SECONDS})"
+
+
+def subtract(connection: Any, deleted: Iterable[Sequence[Any]]) -> None:
+    """Take records that were just deleted (rows of `DELETED_COLUMNS`) out of the rollups, in the
+    deleting transaction, so the overview never counts a record retention removed. Rows are
+    touched in key order, like the ingest's upserts (no deadlock with a concurrent batch); a slot
+    or denial row that reaches zero is deleted. `connection`: a SQLAlchemy Connection/Session."""
+    from sqlalchemy import text
+
+    slots: Counter[tuple[str, str, str, int]] = Counter()
+    denied: Counter[tuple[str, str, str, int]] = Counter()
+    denials: Counter[tuple[str, str, str, int, str, str]] = Counter()
+    for team, owner, cvm_id, slot, decision, host, reason, rule_id in deleted:
+        key = (str(team), str(owner), str(cvm_id), int(slot))
+        slots[key] += 1
+        if decision == Decision.DENY.value:
+            denied[key] += 1
+            for dimension, value in zip(DIMENSIONS, (host, reason, rule_id), strict=True):
+                denials[(*key, dimension, value or "")] += 1
+    where = "team = :team AND owner = :owner AND cvm_id = :cvm AND slot = :slot"
+    slot_rows = [
+        {"team": k[0], "owner": k[1], "cvm": k[2], "slot": k[3], "n": n, "d": denied[k]}
+        for k, n in sorted(slots.items())
+    ]
+    denial_rows = [
+        {"team": k[0], "owner": k[1], "cvm": k[2], "slot": k[3], "dim": k[4], "value": k[5], "n": n}
+        for k, n in sorted(denials.items())
+    ]
+    if slot_rows:
+        connection.execute(
+            text(f"UPDATE traffic_slot SET total = total - :n, denied = denied - :d WHERE {where}"),  # noqa: S608
+            slot_rows,
+        )
+        connection.execute(
+            text(f"DELETE FROM traffic_slot WHERE {where} AND total <= 0"),  # noqa: S608
+            [{k: row[k] for k in ("team", "owner", "cvm", "slot")} for row in slot_rows],
+        )
+    if denial_rows:
+        match = f"{where} AND dimension = :dim AND value = :value"
+        connection.execute(
+            text(f"UPDATE traffic_slot_denial SET count = count - :n WHERE {match}"),  # noqa: S608
+            denial_rows,
+        )
+        connection.execute(
+            text(f"DELETE FROM traffic_slot_denial WHERE {match} AND count <= 0"),  # noqa: S608
+            [{k: v for k, v in row.items() if k != "n"} for row in denial_rows],
+        )

@@ -1,9 +1,10 @@
 """Bulk, idempotent storage of traffic records: the fast path behind `POST /traffic/batches`.
 
 PostgreSQL: the validated batch goes to the server as one JSON document and is expanded there by
-`json_populate_recordset` into a single `INSERT ... ON CONFLICT (id) DO NOTHING` (no per-row
-Python work). SQLite: one `executemany` of `INSERT OR IGNORE`. Either way a record id already
-stored is skipped, so shipper retries never duplicate (ids are scoped per team), and the number actually inserted comes back.
+`json_populate_recordset` into a single `INSERT ... ON CONFLICT (team, id, time) DO NOTHING` (no per-row
+Python work). SQLite: one `executemany` of `INSERT OR IGNORE`. Either way a record already
+stored (same team, id and time: a retry re-sends all three) is skipped, so shipper retries never
+duplicate, and the number actually inserted comes back.
 The same statement (PostgreSQL) or transaction (SQLite) adds the inserted records to the
 overview's rollups (traffic_rollup.py).
 """
@@ -33,7 +34,7 @@ _PG_INSERT = (
     f"INSERT INTO traffic_record ({_COLUMN_LIST}) "  # noqa: S608 (constant names, no input)
     f"SELECT {', '.join('r.' + c for c in RECORD_COLUMNS)}, %(scvm)s, %(now)s "
     "FROM json_populate_recordset(NULL::traffic_record, %(doc)s::json) AS r "
-    "ON CONFLICT (team, id) DO NOTHING"
+    "ON CONFLICT (team, id, time) DO NOTHING"
 )
 _PG_INSERT_WITH_ROLLUPS = traffic_rollup.pg_insert_with_rollups(_PG_INSERT)
 _SQLITE_INSERT = (
@@ -45,12 +46,7 @@ EXPORT_HORIZON_LOCK = 0x756D62726145  # 'umbraE'
 _dumps = json.JSONEncoder(separators=(",", ":")).encode
 
 
-def _sqlite_time(value: datetime) -> str:
-    # SQLAlchemy's SQLite DATETIME storage format, so range queries compare like with like.
-    return (
-        f"{value.year:04d}-{value.month:02d}-{value.day:02d} "
-        f"{value.hour:02d}:{value.minute:02d}:{value.second:02d}.{value.microsecond:06d}"
-    )
+_sqlite_time = traffic_rollup.sqlite_time
 
 
 def insert_records(
@@ -107,9 +103,9 @@ def _insert_sqlite(
         stored = traffic_rollup.sqlite_stored_ids(cursor, records)
         cursor.executemany(_SQLITE_INSERT, values)
         inserted = int(cursor.rowcount)
-        fresh: dict[tuple[str, str], TrafficRecord] = {}
+        fresh: dict[tuple[str, str, str], TrafficRecord] = {}
         for record in records:
-            key = (record.team or "", str(record.id))
+            key = (record.team or "", str(record.id), _sqlite_time(record.time))
             if key not in stored:
                 fresh.setdefault(key, record)
         traffic_rollup.sqlite_add(cursor, fresh.values())

@@ -48,6 +48,7 @@ from umbra.cli.up_stack.devcvm import (
 )
 from umbra.cli.up_stack.errors import UpError
 from umbra.cli.up_stack.material import (
+    claude_oauth_token,
     llm_keys,
     prepare_material,
     save_client_opt_ins,
@@ -65,6 +66,8 @@ from umbra.cli.up_stack.names import (
     SIMULATED_IMAGE,
     SUBJECT,
     TEAM,
+    VENDOR_ENV,
+    VENDOR_HOSTS,
     Component,
     Health,
     Port,
@@ -107,12 +110,15 @@ __all__ = [
     "SUBJECT",
     "SYSTEM_CA_BUNDLES",
     "TEAM",
+    "VENDOR_ENV",
+    "VENDOR_HOSTS",
     "Component",
     "Health",
     "Port",
     "Stack",
     "UpError",
     "api",
+    "claude_oauth_token",
     "component_health",
     "console_env",
     "console_settings",

@@ -11,8 +11,16 @@ import time
 from collections.abc import Callable
 
 from umbra.cli.up_stack.errors import UpError
-from umbra.cli.up_stack.material import llm_keys
-from umbra.cli.up_stack.names import SIMULATED_IMAGE, SUBJECT, TEAM, Component, Port
+from umbra.cli.up_stack.material import claude_oauth_token, llm_keys, vendor_standins
+from umbra.cli.up_stack.names import (
+    SIMULATED_IMAGE,
+    SUBJECT,
+    TEAM,
+    VENDOR_ADDR,
+    VENDOR_PORT,
+    Component,
+    Port,
+)
 from umbra.cli.up_stack.status import tcp_ok
 from umbra.cli.up_stack.supervise import Stack, umbra_executable
 from umbra.cli.up_stack.upstream import allowed_upstreams
@@ -125,6 +133,7 @@ def start_llm_origin(stack: Stack) -> bool:
             stack, "umbra.cli.llm_origin", Port.LLM,
             "--anthropic-key-sha256", hashlib.sha256(keys["anthropic-api-key"].encode()).hexdigest(),
             "--openai-key-sha256", hashlib.sha256(keys["openai-api-key"].encode()).hexdigest(),
+            *_vendor_args(stack),
         )  # fmt: skip
 
     return _start(
@@ -133,6 +142,13 @@ def start_llm_origin(stack: Stack) -> bool:
         argv,
         lambda: stack.wait_tcp(Component.LLM, stack.port(Port.LLM), 20),
     )
+
+
+def _vendor_args(stack: Stack) -> list[str]:
+    if not vendor_standins(stack):
+        return []
+    digest = hashlib.sha256(claude_oauth_token(stack).encode()).hexdigest()
+    return ["--vendor-listen", f"{VENDOR_ADDR}:{VENDOR_PORT}", "--claude-oauth-sha256", digest]
 
 
 def wait_tunnel(stack: Stack, timeout: float) -> None:

@@ -16,7 +16,14 @@ from pathlib import Path
 from typing import Any
 
 from umbra.cli.up_stack.errors import UpError
-from umbra.cli.up_stack.names import DEMO_HOSTS, ORIGIN_NAMES, SIMULATED_IMAGE, Port
+from umbra.cli.up_stack.names import (
+    DEMO_HOSTS,
+    ORIGIN_NAMES,
+    SIMULATED_IMAGE,
+    VENDOR_ADDR,
+    VENDOR_HOSTS,
+    Port,
+)
 from umbra.cli.up_stack.supervise import Stack
 from umbra.cli.up_stack.upstream import find_mirrors, upstream_trust
 from umbra.contracts.files import write_atomic
@@ -42,14 +49,23 @@ def _names(cert: Path) -> set[str]:
     return set(sans.value.get_values_for_type(x509.DNSName))
 
 
-def _demo_ca(directory: Path) -> None:
+def origin_names(stack: Stack) -> frozenset[str]:
+    """The names the stand-in origins answer to (the agents' own hosts only when opted in)."""
+    return ORIGIN_NAMES | (frozenset(VENDOR_HOSTS) if vendor_standins(stack) else frozenset())
+
+
+def vendor_standins(stack: Stack) -> bool:
+    return bool(stack.state.get("vendor_standins"))
+
+
+def _demo_ca(directory: Path, names: frozenset[str] = ORIGIN_NAMES) -> None:
     """A CA of its own for the stand-in origin, and the origin's certificate."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-    if (directory / "origin.pem").exists() and _names(directory / "origin.pem") >= ORIGIN_NAMES:
+    if (directory / "origin.pem").exists() and _names(directory / "origin.pem") >= names:
         return
     directory.mkdir(parents=True, exist_ok=True)
     now = datetime.datetime.now(datetime.UTC)
@@ -67,7 +83,7 @@ def _demo_ca(directory: Path) -> None:
         .sign(ca_key, hashes.SHA256())
     )
     key = ec.generate_private_key(ec.SECP256R1())
-    sans: list[x509.GeneralName] = [x509.DNSName(h) for h in sorted(ORIGIN_NAMES)]
+    sans: list[x509.GeneralName] = [x509.DNSName(h) for h in sorted(names)]
     sans.append(x509.IPAddress(ipaddress.ip_address("127.0.0.1")))
     cert = (
         x509.CertificateBuilder()
@@ -118,10 +134,12 @@ def prepare_material(stack: Stack) -> None:
     release_doc = release.model_dump(mode="json", exclude_none=True)
     stack.p("security-cvm").mkdir(exist_ok=True, mode=0o700)
     stack.p("security-cvm", "release.json").write_text(json.dumps(release_doc, indent=2))
-    _demo_ca(stack.p("demo-origin"))
+    _demo_ca(stack.p("demo-origin"), origin_names(stack))
     # The proxy resolves real names with the system resolver; the stand-in origin's names are
     # the one static exception (`--test-hosts`).
     resolver: dict[str, list[str]] = {host: ["127.0.0.1"] for host in sorted(ORIGIN_NAMES)}
+    if vendor_standins(stack):
+        resolver |= {host: [VENDOR_ADDR] for host in VENDOR_HOSTS}
     stack.p("security-cvm", "resolver.json").write_text(json.dumps(resolver))
     find_mirrors(stack, skip=set(resolver))
     upstream_trust(stack)
@@ -193,3 +211,12 @@ def save_client_opt_ins(stack: Stack, identity: Path) -> None:
             ssh_identity=str(identity),
         )
     )
+
+
+def claude_oauth_token(stack: Stack) -> str:
+    """With the vendor stand-ins: the subscription token the stand-in accepts (random, 0600, made
+    once), for `umbra connect claude --token-file` (the shape `claude setup-token` prints)."""
+    path = stack.p("keys", "claude-oauth-token")
+    if not path.exists():
+        write_secret(path, ("sk-ant-oat01-umbra-" + secrets.token_urlsafe(32)).encode())
+    return path.read_text().strip()

@@ -14,6 +14,14 @@ DEMO_HOSTS = ("api.demo.test", "evil.demo.test")
 LLM_HOST = "llm.demo.test"
 # The names the stand-in origins' one certificate covers (material.py), resolved statically.
 ORIGIN_NAMES = frozenset({*DEMO_HOSTS, LLM_HOST})
+# Opt-in, tests only (UMBRA_UP_VENDOR_STANDINS=1, kept in the state as `vendor_standins`): the
+# stand-in model API also answers as the agents' own hosts (cli/vendor_origin.py), at this
+# loopback address on port 443, so `umbra connect` runs end to end against the shipped profiles.
+# Never for real use: the embedded proxy then sends those names to the stand-in.
+VENDOR_HOSTS = ("api.anthropic.com", "auth.openai.com", "chatgpt.com")
+VENDOR_ADDR = "127.0.0.25"
+VENDOR_PORT = 443
+VENDOR_ENV = "UMBRA_UP_VENDOR_STANDINS"
 SIMULATED_IMAGE = "umbra-security-cvm"
 
 

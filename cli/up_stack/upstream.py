@@ -99,7 +99,11 @@ def allowed_upstreams(stack: Stack) -> list[str]:
     """Loopback for the stand-in origin, and the non-public addresses the daily-work hosts
     resolved to (a network's own mirror): the proxy refuses non-global addresses unless told, and
     here it is told only for this embedded stack, with a warning naming host and address."""
+    from umbra.cli.up_stack.names import VENDOR_ADDR
+
     allowed = ["127.0.0.1/32"]
+    if stack.state.get("vendor_standins"):
+        allowed.append(f"{VENDOR_ADDR}/32")
     for host, addresses in sorted(stack.state.get("mirrors", {}).items()):
         for address in addresses:
             ip = ipaddress.ip_address(address)

@@ -125,3 +125,8 @@ def from_settings(otlp_url: str | None, syslog_url: str | None, ca_file: Path | 
     if syslog_url:
         sinks.append(SyslogSink(syslog_url, ca_file))
     return sinks
+
+
+def configured(otlp_url: str | None, syslog_url: str | None) -> list[SinkName]:
+    """The sinks the settings name (what traffic retention waits for), without connecting."""
+    return [name for name, url in ((SinkName.OTLP, otlp_url), (SinkName.SYSLOG, syslog_url)) if url]

@@ -7,6 +7,7 @@ from sqlalchemy import create_engine
 from sqlmodel import SQLModel
 
 import umbra.console.models  # noqa: F401  (registers the tables on SQLModel.metadata)
+from umbra.console.db import include_name
 
 config = context.config
 target_metadata = SQLModel.metadata
@@ -18,6 +19,7 @@ def run_migrations_offline() -> None:
         target_metadata=target_metadata,
         literal_binds=True,
         render_as_batch=True,
+        include_name=include_name,
     )
     with context.begin_transaction():
         context.run_migrations()
@@ -27,7 +29,10 @@ def run_migrations_online() -> None:
     connectable = config.attributes.get("connection")
     if connectable is not None:
         context.configure(
-            connection=connectable, target_metadata=target_metadata, render_as_batch=True
+            connection=connectable,
+            target_metadata=target_metadata,
+            render_as_batch=True,
+            include_name=include_name,
         )
         with context.begin_transaction():
             context.run_migrations()
@@ -38,7 +43,10 @@ def run_migrations_online() -> None:
     try:
         with engine.connect() as connection:
             context.configure(
-                connection=connection, target_metadata=target_metadata, render_as_batch=True
+                connection=connection,
+                target_metadata=target_metadata,
+                render_as_batch=True,
+                include_name=include_name,
             )
             with context.begin_transaction():
                 context.run_migrations()

@@ -56,7 +56,8 @@ from umbra.contracts.agent_logins import SELF_SERVICE_PROFILES
 
 
 def cvm_info(cvm: Cvm) -> CvmInfo:
-    return CvmInfo.model_validate(cvm.model_dump(exclude={"credential_hash", "created_by"}))
+    internal = {"credential_hash", "created_by", "lease_owner", "lease_until"}
+    return CvmInfo.model_validate(cvm.model_dump(exclude=internal))
 
 
 def _security_cvm_in_team(session: Session, team: str, cvm_id: str) -> Cvm:
@@ -218,6 +219,8 @@ def _launch_row(
             cvm.provider_ref, cvm.provider_state = launched.ref, launched.state
             session.add(cvm)
             session.flush()
+        else:
+            console.leases.take(session, cvm_id)  # this replica's job from the commit on
         return cvm_info(cvm), cvm, token
 
 
@@ -369,6 +372,8 @@ def _update(*, console: Console, user: User, cvm_id: str, change: CvmUpdate) -> 
         if changes:
             _stamp_and_audit(session, user, cvm, AuditAction.cvm_update, changes)
         session.flush()
+        if background is not None:
+            console.leases.take(session, cvm.id)
         info = cvm_info(cvm)
     if background is not None:
         runner, target, operation = background
@@ -413,6 +418,8 @@ def destroy(*, console: Console, user: User, cvm_id: str) -> CvmInfo:
             cvm.profiles = []
             _stamp_and_audit(session, user, cvm, AuditAction.cvm_destroy, {})
         session.flush()
+        if background is not None:
+            console.leases.take(session, cvm.id)
         info = cvm_info(cvm)
     if background is not None:
         provisioning.submit(console, background[0], Operation.destroy, background[1])

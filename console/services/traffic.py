@@ -15,6 +15,7 @@ from typing import Any
 
 from sqlalchemy import Select, Table, and_, or_, select
 from sqlalchemy.sql.elements import ColumnElement
+from sqlmodel import col
 
 from umbra.console import ingest as ingest_batch
 from umbra.console.db import as_utc
@@ -156,8 +157,12 @@ def record(*, console: Console, user: User, team: str, record_id: str) -> Traffi
     except ValueError:
         raise not_found("traffic record") from None
     with console.session() as session:
-        # Record ids are unique per team: the primary key is (team, id).
-        row = session.get(TrafficRecord, (team, key))
+        # The key is (team, id, time) (revision 0015); a shipper never reuses an id, so one row.
+        row = session.execute(
+            select(TrafficRecord)
+            .where(col(TrafficRecord.team) == team, col(TrafficRecord.id) == key)
+            .limit(1)
+        ).scalar_one_or_none()
     if row is None or row.team != team or (role != Role.admin and row.owner != user.subject):
         raise not_found("traffic record")
     return row

@@ -1,6 +1,7 @@
-"""Cloud runs hold no connection of the request pool (PostgreSQL): a run's job lock lives on a
-connection of its own for the minutes the cloud takes, so any number of concurrent launches
-cannot starve requests. Before, each run held one pooled connection (pool 10 + 20) throughout."""
+"""Cloud runs hold no database connection during the cloud call (PostgreSQL): a run's claim is a
+lease on its row, renewed by the replica's heartbeat, so any number of concurrent launches cannot
+starve requests or the server's connections. Before, each run held a connection throughout (first
+a pooled one, pool 10 + 20, then one of its own for its advisory job lock)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import os
 import threading
 import time
 from pathlib import Path
+
+from sqlalchemy import text
 
 from tests.console.fake_pulumi import FakeClouds
 from tests.console.helpers import new_team, start_server, unique
@@ -55,6 +58,22 @@ def test_cloud_runs_hold_no_pooled_connection(
             time.sleep(0.05)
         time.sleep(0.3)
         assert server.console.engine.pool.checkedout() == 0  # type: ignore[attr-defined]
+        # Nor a connection of its own holding a lock: while the three runs are inside the cloud
+        # call no advisory lock is held (before: one session lock, on its own connection, each),
+        # and each is claimed by a live lease on its row instead.
+        with server.console.engine.connect() as connection:
+            locks = connection.execute(
+                text(
+                    "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND database = "
+                    "(SELECT oid FROM pg_database WHERE datname = current_database())"
+                )
+            ).scalar_one()
+            leased = connection.execute(
+                text("SELECT count(*) FROM cvm WHERE lease_owner = :me AND lease_until > now()"),
+                {"me": server.console.leases.replica_id},
+            ).scalar_one()
+        assert locks == 0
+        assert leased == RUNS
         assert team.dev.get(f"/api/v1/teams/{team.name}/cvms").status_code == 200
         for gate in gates.values():
             gate.set()
@@ -75,8 +94,8 @@ def test_cloud_runs_hold_no_pooled_connection(
 def test_a_dead_process_run_is_taken_over_while_serving(
     postgres: PostgresServer, issuer: LocalIssuer, tmp_path: Path
 ) -> None:
-    """A row left `launching` by a Console process that died (its job lock went with its
-    connection) is resumed by a serving Console within its reconcile interval, no restart."""
+    """A row left `launching` by a Console process that died (its lease expired) is resumed by a
+    serving Console within its reconcile interval, no restart."""
     from datetime import timedelta
 
     from sqlalchemy.orm import Session
@@ -98,8 +117,8 @@ def test_a_dead_process_run_is_taken_over_while_serving(
     engine = db.make_engine(url)
     try:
         orphan = _cvm(
-            "launching", team=team_name, name="orph", ssh_keys=[KEY],
-            updated_at=utcnow() - timedelta(minutes=5),
+            "launching", team=team_name, name="orph", ssh_keys=[KEY], lease_owner="dead:1:ab",
+            lease_until=utcnow() - timedelta(seconds=1),
         )  # fmt: skip
         orphan_id = orphan.id
         with Session(engine) as session, session.begin():
@@ -115,13 +134,20 @@ def test_a_dead_process_run_is_taken_over_while_serving(
             assert time.monotonic() < deadline, "the orphaned launch was not taken over"
             time.sleep(0.1)
         assert state == "running"
-        # A row changed within `min_age` (a run another replica just committed and is about to
-        # claim) is never taken.
+        # A row whose lease another replica still holds is never taken.
         fresh = _cvm("launching", team=team_name, name="fresh", ssh_keys=[KEY], provider="local")
         fresh_id = fresh.id
         with Session(engine) as session, session.begin():
             session.add(fresh)
-        assert provisioning.reconcile(server.console, min_age=timedelta(hours=1)) == []
+            session.flush()
+            session.execute(
+                text(
+                    "UPDATE cvm SET lease_owner = 'other:1:ab', "
+                    "lease_until = now() + interval '1 hour' WHERE id = :id"
+                ),
+                {"id": fresh_id},
+            )
+        assert provisioning.reconcile(server.console) == []
         with Session(engine) as session:
             young = session.get(Cvm, fresh_id)
             assert young is not None and young.state == "launching"

@@ -17,7 +17,7 @@ def _schema_diff(url: str) -> list[object]:
     engine = db.make_engine(url)
     try:
         with engine.connect() as connection:
-            context = MigrationContext.configure(connection)
+            context = MigrationContext.configure(connection, opts={"include_name": db.include_name})
             return list(compare_metadata(context, SQLModel.metadata))
     finally:
         engine.dispose()

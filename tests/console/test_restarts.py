@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import psycopg
 import pytest
 from sqlalchemy import text
 
@@ -26,7 +25,6 @@ from tests.console.oidc_issuer import LocalIssuer
 from tests.console.postgres import PostgresServer, free_port
 from umbra.console import db
 from umbra.console.models import Cvm
-from umbra.console.provisioning import _job_key
 from umbra.policy.bundle import generate_key
 
 UMBRA = str(Path(sys.executable).parent / "umbra")
@@ -52,14 +50,18 @@ def test_interrupted_runs_are_reconciled_at_start(
     url = postgres.create_database("r_" + os.urandom(6).hex())
     db.upgrade(url)
     rows = {state: _cvm(state) for state in ("launching", "updating", "destroying", "running")}
-    live = _cvm("launching")  # another worker is still running this one
+    # Another replica is still running this one: its lease is live (database time).
+    live = _cvm("launching", lease_owner="other-replica:1:ab")
     engine = db.make_engine(url)
     from sqlalchemy.orm import Session
 
     with Session(engine, expire_on_commit=False) as session, session.begin():
         session.add_all([*rows.values(), live])
-    holder = psycopg.connect(url.replace("postgresql+psycopg", "postgresql"), autocommit=True)
-    holder.execute("SELECT pg_advisory_lock(%s)", (_job_key(live.id),))
+        session.flush()
+        session.execute(
+            text("UPDATE cvm SET lease_until = now() + interval '1 hour' WHERE id = :id"),
+            {"id": live.id},
+        )
     server = start_server("postgresql", url, None, issuer.url, generate_key(), tmp_path)
     try:
         with engine.connect() as connection:
@@ -75,7 +77,6 @@ def test_interrupted_runs_are_reconciled_at_start(
         assert states[live.id] == "launching"  # a live run is never failed under its feet
     finally:
         server.stop()
-        holder.close()
         engine.dispose()
 
 

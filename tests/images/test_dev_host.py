@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import datetime
 import json
 import os
 import shutil
@@ -30,10 +29,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 
 from umbra.attest.atls import ATLSConnection, serve_atls
 from umbra.attest.quote_source import SimulatedSource
@@ -45,6 +40,7 @@ from umbra.sandbox import image, local_cvm
 from umbra.sandbox.dev_definition import host_document, network, plan_for
 from umbra.sandbox.render import CA_NAME, canonical_json
 
+from ..certs import self_signed
 from ..sandbox.fixtures import dev_definition, security_definition
 
 pytestmark = pytest.mark.timeout(900)
@@ -70,21 +66,7 @@ def _free_index() -> int:
 
 
 def _interception_ca() -> bytes:
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "dev host test interception CA")])
-    now = datetime.datetime.now(datetime.UTC)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .sign(key, hashes.SHA256())
-    )
-    return cert.public_bytes(serialization.Encoding.PEM)
+    return self_signed("dev host test interception CA", ca=True).cert_pem
 
 
 @dataclass

@@ -8,7 +8,6 @@ appear in no output but the Console's own 0400 files."""
 from __future__ import annotations
 
 import base64
-import datetime
 import json
 import stat
 from collections.abc import Callable
@@ -17,10 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 
 from umbra.attest.eventlog import Event, load_event_log
 from umbra.components.launch_data import DATABASE_CA_PATH, LaunchData
@@ -28,6 +23,8 @@ from umbra.images.launch_agent import Agent, LaunchError, Refusal
 from umbra.images.launch_secrets import SecretReadError
 from umbra.images.measure import CONSOLE_LAUNCH_EVENT, instance_events, release_events
 from umbra.sandbox.render import canonical_json
+
+from ..certs import self_signed
 
 PASSWORD = "pw-Zq8v!not-in-any-output-7c1e"
 IMAGE = "ghcr.io/example/umbra-console@sha256:" + "ab" * 32
@@ -40,26 +37,8 @@ AZ_DB_URL = "postgresql://umbra_console@umbra-console.postgres.database.azure.co
 
 
 def _cert(cn: str) -> tuple[str, str]:
-    """A self-signed certificate and its key (PEM)."""
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
-    now = datetime.datetime.now(datetime.UTC)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now)
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .sign(key, hashes.SHA256())
-    )
-    pem_key = key.private_bytes(
-        serialization.Encoding.PEM,
-        serialization.PrivateFormat.PKCS8,
-        serialization.NoEncryption(),
-    ).decode()
-    return cert.public_bytes(serialization.Encoding.PEM).decode(), pem_key
+    made = self_signed(cn)
+    return made.cert_pem.decode(), made.key_pem.decode()
 
 
 TLS_CERT, TLS_KEY = _cert("console.example.org")

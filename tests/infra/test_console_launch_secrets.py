@@ -8,17 +8,12 @@ from __future__ import annotations
 
 import base64
 import copy
-import datetime
 import json
 from pathlib import Path
 from typing import Any
 
 import pulumi
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 
 from tests.infra.harness import ROOT, Recorder, example_stack, run_program
 from umbra.components.config import ConfigError, ConsoleStack, parse_stack_config
@@ -31,6 +26,8 @@ from umbra.components.program import NO_CONSOLE_TLS_WARNING, build_console
 from umbra.components.secret_refs import SecretStore, secret_store
 from umbra.images.launch_agent import parse_launch_data
 
+from ..certs import self_signed
+
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 PASSWORD = "console-db-password-Qx81-never-shown"
@@ -39,25 +36,8 @@ SA = "serviceAccount:umbra-console@umbra-control.iam.gserviceaccount.com"
 
 
 def _tls() -> tuple[str, str]:
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "console.umbra.example.com")])
-    now = datetime.datetime.now(datetime.UTC)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now)
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .sign(key, hashes.SHA256())
-    )
-    pem = key.private_bytes(
-        serialization.Encoding.PEM,
-        serialization.PrivateFormat.PKCS8,
-        serialization.NoEncryption(),
-    ).decode()
-    return cert.public_bytes(serialization.Encoding.PEM).decode(), pem
+    made = self_signed("console.umbra.example.com")
+    return made.cert_pem.decode(), made.key_pem.decode()
 
 
 CERT, KEY = _tls()

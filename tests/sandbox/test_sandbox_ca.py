@@ -4,35 +4,20 @@ replica's CA it meets (the fetch over aTLS itself: tests/proxy/test_tunnel_endpo
 
 from __future__ import annotations
 
-import datetime
 from pathlib import Path
 
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 
 from umbra.sandbox import sandbox_ca
 from umbra.sandbox.sandbox_ca import MAX_CAS, CaBundle, CaError, keep_ca_fresh
 
+from ..certs import self_signed
+
 
 def _cert(name: str, ca: bool = True) -> bytes:
-    key = ec.generate_private_key(ec.SECP256R1())
-    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
-    now = datetime.datetime.now(datetime.UTC)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(subject)
-        .issuer_name(subject)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now)
-        .not_valid_after(now + datetime.timedelta(days=30))
-        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
-        .sign(key, hashes.SHA256())
-    )
-    return cert.public_bytes(serialization.Encoding.PEM)
+    return self_signed(name, ca=ca, days=30).cert_pem
 
 
 def test_bundle_keeps_each_attested_ca_once(tmp_path: Path) -> None:
