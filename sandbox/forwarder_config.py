@@ -77,11 +77,12 @@ class Enrollment(Strict):
     """How this Dev CVM gets its tunnel credential (sandbox/forwarder_enroll.py): the one-time
     token from launch data, traded at the Console for the credential after attestation.
     `simulated`: a simulated TD of `simulated_image` signed by `simulated_pki` (embedded mode);
-    `configfs`: this TD's quotes, with the launch agent's RTMR3 event log."""
+    `configfs`: this TD's quotes, with the launch agent's RTMR3 event log; `emulated`: the same
+    from the emulated clouds' TDX module (attest.tdx_port)."""
 
     console_url: Annotated[str, Field(pattern=r"^https?://[^\s/?#]+(/[^\s?#]*)?$")]
     token_file: Path
-    quote_source: Literal["configfs", "simulated"]
+    quote_source: Literal["configfs", "emulated", "simulated"]
     event_log: Path | None = None
     simulated_pki: Path | None = None
     simulated_image: str = "umbra-dev-cvm"
