@@ -10,14 +10,12 @@ QEMU is tests/images/test_emulated_cloud.py's."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from tests.console import enroll
-from tests.console.helpers import Server, new_team, start_server
+from tests.console.helpers import Server, new_team
 from tests.console.oidc_issuer import LocalIssuer
 from tests.emulated.port_relay import port_to
 from tests.sandbox.fixtures import dev_definition
@@ -27,28 +25,14 @@ from umbra.attest.tdx_port import TdxModulePort
 from umbra.contracts.session import CVM_ID_EVENT
 from umbra.emulated.tdx_module import TdxModule
 from umbra.images.launch_agent import TdxModuleRtmr
-from umbra.policy.bundle import generate_key
 from umbra.proxy.identity import hash_credential
 from umbra.sandbox.dev_definition import render_dev_host
 from umbra.sandbox.forwarder_config import ForwarderConfig, ForwarderConfigError
 from umbra.sandbox.forwarder_enroll import ensure_tunnel_credential
 
+from .test_enrollment import _audit_actions, console
 
-@pytest.fixture(scope="module")
-def console(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, LocalIssuer]]:
-    issuer = LocalIssuer()
-    tmp = tmp_path_factory.mktemp("enroll-emulated")
-    db = tmp / "console.db"
-    server = start_server("sqlite", f"sqlite:///{db}", db, issuer.url, generate_key(), tmp)
-    yield server, issuer
-    server.stop()
-    issuer.close()
-
-
-def _audit(team: Any) -> list[str]:
-    page = team.admin.get(f"/api/v1/teams/{team.name}/audit", params={"limit": 200}).json()
-    entries = page["entries"] if isinstance(page, dict) else page
-    return [e["action"] for e in entries]
+__all__ = ["console"]  # the module Console fixture, shared with test_enrollment
 
 
 def _measure(port: Path, launch: Path, cvm_id: str) -> None:
@@ -106,7 +90,7 @@ def test_the_forwarder_enrolls_with_module_quotes_and_reenrolls_after_a_reboot(
             # Reboot: a fresh TD, the credential gone with tmpfs, the same launch data (and
             # spent token) written again; the forwarder re-enrolls by a fresh quote.
             (state / "tunnel-credential").unlink()
-            audited = len(_audit(team))
+            audited = len(_audit_actions(team))
             with port_to(module) as device:  # boot 2
                 monkeypatch.setattr(tdx_port, "TDX_PORT", device)
                 _measure(device, launch, dev_cvm)
@@ -116,7 +100,7 @@ def test_the_forwarder_enrolls_with_module_quotes_and_reenrolls_after_a_reboot(
             assert renewed.startswith("umbra_tun_") and renewed != credential
             attached = team.scvm.get(f"/api/v1/security-cvms/{team.scvm_id}/attachments").json()
             assert attached["cvms"][dev_cvm]["credential_sha256"] == hash_credential(renewed)
-            assert _audit(team)[audited:] == ["cvm.reenroll"]
+            assert [a for a, _ in _audit_actions(team)[audited:]] == ["cvm.reenroll"]
             # A quote whose log does not match its TD (boot 3 measures nothing): refused.
             (state / "tunnel-credential").unlink()
             with port_to(module) as device:
