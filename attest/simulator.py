@@ -17,6 +17,7 @@ from umbra.attest.errors import AttestError
 from umbra.attest.eventlog import (
     EV_EFI_ACTION,
     EV_SEPARATOR,
+    RUNTIME_EVENT_TYPE,
     Event,
     make_event,
     make_runtime_event,
@@ -102,6 +103,14 @@ class SimulatedTdx:
         with self._lock:
             self.events.append(ev)
         return ev
+
+    def extend_digest(self, digest: bytes, imr: int = 3) -> None:
+        """What the RTMR sysfs file does: extend a digest, with no name or payload logged (the
+        guest's own event log says them)."""
+        if imr != 3 or len(digest) != 48:
+            raise AttestError("only RTMR3 is extended at runtime, by a 48-byte SHA-384 digest")
+        with self._lock:
+            self.events.append(Event(imr, RUNTIME_EVENT_TYPE, digest, "", b"", False))
 
     def event_log(self) -> list[Event]:
         with self._lock:

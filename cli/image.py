@@ -450,7 +450,14 @@ def launch_agent_cmd(
         str,
         typer.Option("--cloud", help="gcp | azure | smbios (the firmware's system vendor says)"),
     ],
-    tee: Annotated[str, typer.Option("--tee", help="tdx | simulated")] = "tdx",
+    tee: Annotated[
+        str,
+        typer.Option(
+            "--tee",
+            help="tdx | emulated (the emulated clouds: the host's simulated TDX module over "
+            "virtio-serial) | simulated (the event log only)",
+        ),
+    ] = "tdx",
     metadata_url: Annotated[
         str | None, typer.Option("--metadata-url", help="Metadata service base URL (tests).")
     ] = None,
@@ -562,13 +569,19 @@ def launch_agent_cmd(
     else:
         fail(f"--cloud must be gcp, azure or smbios, got {cloud!r}", EXIT_USAGE)
     extender: la.Extender
+    firmware_log = None
     if tee == "tdx":
         extender = la.SysfsRtmr()
+    elif tee == "emulated":
+        module = la.TdxModuleRtmr()
+        extender, firmware_log = module, module.firmware_events
     elif tee == "simulated":
         extender = la.LogOnly()  # the simulated quote source replays the written event log
     else:
-        fail(f"--tee must be tdx or simulated, got {tee!r}", EXIT_USAGE)
-    quote_source: dict[str, str] = {"kind": "configfs"}
+        fail(f"--tee must be tdx, emulated or simulated, got {tee!r}", EXIT_USAGE)
+    # The ingress quotes where the agent measured: configfs-tsm on TDX, the host's module on the
+    # emulated clouds (both serve the agent's event log).
+    quote_source: dict[str, str] = {"kind": "emulated" if tee == "emulated" else "configfs"}
     if tee == "simulated":
         if ingress and simulated_pki is None:
             fail(
@@ -609,6 +622,7 @@ def launch_agent_cmd(
         else None,
         cloud=cloud,
         idle_stop=la.SystemdIdleStop() if idle_stop else None,
+        firmware_log=firmware_log,
         secrets=ls.Retrying(secrets, say=say),
     )
     try:

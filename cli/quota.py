@@ -106,16 +106,20 @@ def _show(info: TeamQuotasInfo, as_json: bool) -> None:
         )
 
 
-@app.command()
-def show(team: TeamOption = None, as_json: JsonFlag = False) -> None:
-    """The team's quotas and what you use of them (admins and developers)."""
+def _quotas(team: str | None, as_json: bool) -> TeamQuotasInfo:
+    """The team's quotas as the Console gives them (any member may read them)."""
     client, login = open_client(as_json)
     try:
         with client:
-            team_name = resolve_team(client, login, team, as_json)
-            info = client.quotas(team_name)
+            return client.quotas(resolve_team(client, login, team, as_json))
     except api_errors() as exc:
         api_failure(exc, as_json)
+
+
+@app.command()
+def show(team: TeamOption = None, as_json: JsonFlag = False) -> None:
+    """The team's quotas and what you use of them (admins and developers)."""
+    info = _quotas(team, as_json)
     _show(info, as_json)
 
 
@@ -201,13 +205,7 @@ def set_(
 @machine_types_app.command("machine-types")
 def machine_types(team: TeamOption = None, as_json: JsonFlag = False) -> None:
     """The machine types and data disk sizes Dev CVMs of the team may launch with."""
-    client, login = open_client(as_json)
-    try:
-        with client:
-            team_name = resolve_team(client, login, team, as_json)
-            info = client.quotas(team_name)
-    except api_errors() as exc:
-        api_failure(exc, as_json)
+    info = _quotas(team, as_json)
     catalog = {
         "team": info.team,
         "machine_types": info.machine_types,

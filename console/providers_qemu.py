@@ -14,6 +14,10 @@ components.azure_vm does), the enrollment token included.
   Console restart a VM it launched is unknown here (refused, said so), and its QEMU is gone with
   the process. Emulation, not a cloud: nothing of it is durable but the data disk.
 - The enrollment token is held in the stand-in's memory only (no file, no provider state).
+- Each VM has the host's simulated TDX module (umbra.emulated.tdx_module) on its port, signing
+  with `simulated_pki` (the PKI whose root the Console's `release_simulated_root` trusts for a
+  `tee: simulated` Dev release): the image's `--tee emulated` agent measures into it and its
+  services quote from it. Each boot is a fresh TD.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError
 
+from umbra.attest.errors import AttestError
+from umbra.attest.simpki import SimulatedPki
 from umbra.components.launch_data import LaunchData
 from umbra.console.enums import CvmKind
 from umbra.console.providers import (
@@ -40,6 +46,7 @@ from umbra.contracts.model import Strict
 from umbra.contracts.validation import first_problem
 from umbra.emulated.metadata import EmulatedMetadata, Shape
 from umbra.emulated.qemu import OVMF, Firmware, QemuVm, VmConfig, VmError, create_data_disk
+from umbra.emulated.tdx_module import TdxModule
 
 
 class QemuCvmSettings(Strict):
@@ -58,6 +65,10 @@ class QemuCvmSettings(Strict):
     data_disk_gb: int = Field(default=4, ge=1, le=256)
     console_url: str | None = None
     console_ca: Path | None = None
+    # The simulated PKI directory (`umbra attest simulate`'s) the VMs' TDX modules sign with, and
+    # the simulated image name whose boot values their RTMR0-2 hold (the Dev release's).
+    simulated_pki: Path
+    tee_image: str = "umbra-dev-cvm"
 
 
 def load_settings(path: Path) -> QemuCvmSettings:
@@ -72,6 +83,7 @@ def load_settings(path: Path) -> QemuCvmSettings:
 @dataclass
 class _Vm:
     stand_in: EmulatedMetadata
+    module: TdxModule
     dir: Path
     boot: int = 0
     qemu: QemuVm | None = None
@@ -84,6 +96,12 @@ class QemuCvmProvider:
 
     def __init__(self, settings: QemuCvmSettings, vm_factory: type[QemuVm] | None = None) -> None:
         self.settings = settings
+        try:
+            self._pki = SimulatedPki.load(settings.simulated_pki)
+        except (OSError, AttestError, ValueError) as exc:
+            raise ProviderError(
+                f"qemu provider: simulated_pki {settings.simulated_pki}: {exc}"
+            ) from None
         self._factory = vm_factory or QemuVm
         self._vms: dict[str, _Vm] = {}
         self._lock = threading.Lock()
@@ -135,7 +153,8 @@ class QemuCvmProvider:
             create_data_disk(d / "data.raw", spec.data_disk_gb or self.settings.data_disk_gb)
         except OSError as exc:
             raise ProviderError(f"qemu CVM {spec.id}: {exc.strerror}") from None
-        vm = _Vm(EmulatedMetadata(self.settings.shape, data, spec.id).start(), d)
+        module = TdxModule(d / "tdx.sock", self._pki, self.settings.tee_image).start()
+        vm = _Vm(EmulatedMetadata(self.settings.shape, data, spec.id).start(), module, d)
         with self._lock:
             self._vms[spec.id] = vm
         self._boot(spec.id, vm, on_event)
@@ -168,6 +187,7 @@ class QemuCvmProvider:
             if vm.qemu is not None:
                 vm.qemu.kill()
             vm.stand_in.stop()
+            vm.module.close()
         shutil.rmtree(self.settings.runtime_dir / spec.id, ignore_errors=True)
         on_event(ProviderEvent("destroyed", f"qemu VM {spec.id} and its data disk removed"))
 
@@ -196,6 +216,7 @@ class QemuCvmProvider:
             firmware=firmware,
             memory_mb=s.memory_mb,
             accel=s.accel,
+            tdx_module=vm.module.socket_path,
         )
 
     def _boot(self, cvm_id: str, vm: _Vm, on_event: OnProviderEvent) -> None:

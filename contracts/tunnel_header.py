@@ -31,6 +31,7 @@ from typing import Any, Literal
 
 from umbra.contracts.canonical import canonical_json
 from umbra.contracts.names import CVM_ID_PATTERN, check_host
+from umbra.contracts.sandbox_env import check_env
 
 VERSION = 1
 MAX_HEADER = 4096
@@ -188,7 +189,8 @@ def encode_env_reply(env: dict[str, str]) -> bytes:
 
 
 async def read_env_reply(recv: Callable[[int], Awaitable[bytes]]) -> dict[str, str]:
-    """The forwarder's side: one env reply, bounded first, then a JSON object of strings."""
+    """The forwarder's side: one env reply, bounded first, then a JSON object of strings, every
+    entry one a profile may set (contracts/sandbox_env.py): anything else refuses it whole."""
     buf = b""
     need = 4
     while len(buf) < need:
@@ -209,4 +211,8 @@ async def read_env_reply(recv: Callable[[int], Awaitable[bytes]]) -> dict[str, s
         isinstance(k, str) and isinstance(v, str) for k, v in doc.items()
     ):
         raise HeaderError("env reply is not an object of strings")
+    try:
+        check_env(doc)  # the names the sandbox owns, control characters, lengths
+    except ValueError as exc:
+        raise HeaderError(f"env reply refused: {exc}") from None
     return doc

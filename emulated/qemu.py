@@ -9,9 +9,14 @@
   metadata address 169.254.169.254 and Azure's wire server 168.63.129.16 (slirp forwards only
   addresses inside its network), with `restrict=on`: the guest reaches nothing but the two
   forwards, each to a stand-in on 127.0.0.1 (emulated.metadata) through emulated.relay, started
-  per connection. No packet of the guest's leaves the host.
+  per connection, and the `forwards` a Dev workload needs (the Console's and its Security CVM's
+  addresses, inside the network, to their loopback ports); the SSH ingress is published on a
+  loopback port (`hostfwd`). No packet of the guest's leaves the host.
 - **Disks**: the boot disk read through a throw-away overlay (`snapshot=on`: as a cloud image,
   never changed by a boot), and a raw data disk file that persists across stop and start.
+- **TEE**: with `tdx_module`, a virtio-serial port `org.umbra.tdx-module` connected to the host's
+  simulated TDX module (emulated.tdx_module): the guest's `--tee emulated` extends RTMR3 and
+  quotes there.
 - **Stop**: ACPI power button (`system_powerdown` on QMP), as `gcloud compute instances stop`
   and an Azure deallocation shut the guest down; a guest that does not stop in time is killed.
 """
@@ -19,6 +24,7 @@
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import json
 import os
 import socket
@@ -29,6 +35,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from umbra.attest.tdx_port import TDX_PORT_NAME
+from umbra.components.ports import DEV_ATTESTED_SSH_PORT
 from umbra.emulated import relay
 from umbra.emulated.metadata import METADATA_ADDRESS, WIRE_SERVER_ADDRESS, Shape
 
@@ -65,6 +73,17 @@ class Firmware:
 
 
 @dataclass(frozen=True)
+class Forward:
+    """A guest connection to `address:port` (inside NETWORK) relayed to 127.0.0.1:`host_port`:
+    how the Dev CVM reaches the Console and its Security CVM by address (launch data's
+    `console_ips`, `security_cvm_ips`), and nothing else."""
+
+    address: str
+    port: int
+    host_port: int
+
+
+@dataclass(frozen=True)
 class VmConfig:
     shape: Shape
     disk: Path  # the OS image's disk.raw (not written: snapshot=on)
@@ -74,14 +93,42 @@ class VmConfig:
     metadata_port: int
     wire_port: int
     firmware: Firmware = Firmware()
+    # The host's simulated TDX module (emulated.tdx_module) this VM's port connects to; None:
+    # no port (the guest then cannot measure or quote with `--tee emulated`).
+    tdx_module: Path | None = None
+    # The Dev workload's network: exactly these guest destinations (guestfwd), and the attested
+    # SSH ingress published on 127.0.0.1:`ssh_host_port` (hostfwd to the guest's `ssh_port`).
+    forwards: tuple[Forward, ...] = ()
+    ssh_host_port: int | None = None
+    ssh_port: int = DEV_ATTESTED_SSH_PORT
     memory_mb: int = 1024
     accel: str = "tcg"
     python: str = sys.executable
 
 
-def guestfwd(address: str, port: int, python: str) -> str:
+def guestfwd(address: str, port: int, python: str, guest_port: int = 80) -> str:
     # QEMU's option syntax: a comma inside a value is written twice (none here).
-    return f"guestfwd=tcp:{address}:80-cmd:{python} -I -S {relay.__file__} 127.0.0.1 {port}"
+    return (
+        f"guestfwd=tcp:{address}:{guest_port}-cmd:{python} -I -S {relay.__file__} 127.0.0.1 {port}"
+    )
+
+
+RESERVED = {GATEWAY, DNS, METADATA_ADDRESS, WIRE_SERVER_ADDRESS}
+
+
+def check_forward(forward: Forward) -> None:
+    """slirp relays only addresses inside its network; the stand-ins' and slirp's own are taken."""
+    try:
+        address = ipaddress.IPv4Address(forward.address)
+    except ValueError:
+        raise VmError(f"forward {forward.address!r}: not an IPv4 address") from None
+    if address not in ipaddress.IPv4Network(NETWORK) or forward.address in RESERVED:
+        raise VmError(
+            f"forward {forward.address}: must be inside {NETWORK} and not one of "
+            f"{', '.join(sorted(RESERVED))} (QEMU user networking relays only its own network)"
+        )
+    if not (0 < forward.port < 65536 and 0 < forward.host_port < 65536):
+        raise VmError(f"forward {forward.address}:{forward.port}: ports must be 1-65535")
 
 
 def netdev(config: VmConfig) -> str:
@@ -92,11 +139,27 @@ def netdev(config: VmConfig) -> str:
     ]  # fmt: skip
     if config.shape is Shape.azure:
         parts.append(guestfwd(WIRE_SERVER_ADDRESS, config.wire_port, config.python))
+    for forward in config.forwards:
+        check_forward(forward)
+        parts.append(guestfwd(forward.address, forward.host_port, config.python, forward.port))
+    if config.ssh_host_port is not None:
+        parts.append(f"hostfwd=tcp:127.0.0.1:{config.ssh_host_port}-:{config.ssh_port}")
     return ",".join(parts)
+
+
+def tdx_port(socket_path: Path) -> list[str]:
+    """The guest's virtio-serial port `org.umbra.tdx-module`, connected to the host's TDX module
+    on `socket_path` (QEMU dials it at start, and exits if it is not there: fail closed)."""
+    return [
+        "-device", "virtio-serial-pci,id=vs0",
+        "-chardev", f"socket,id=tdx,path={socket_path}",
+        "-device", f"virtserialport,bus=vs0.0,chardev=tdx,name={TDX_PORT_NAME}",
+    ]  # fmt: skip
 
 
 def qemu_argv(config: VmConfig) -> list[str]:
     manufacturer, product = SMBIOS[config.shape]
+    module = [] if config.tdx_module is None else tdx_port(config.tdx_module)
     return [
         "qemu-system-x86_64", *config.firmware.argv(), "-accel", config.accel,
         # TCG: -cpu max, for RDRAND, which seeds the kernel's CRNG at once (see tests/images/
@@ -108,7 +171,7 @@ def qemu_argv(config: VmConfig) -> list[str]:
         "-smbios", f"type=1,manufacturer={manufacturer},product={product}",
         "-drive", f"file={config.disk},format=raw,if=virtio,snapshot=on",
         "-drive", f"file={config.data_disk},format=raw,if=virtio",
-        "-netdev", netdev(config), "-device", "virtio-net-pci,netdev=n0",
+        "-netdev", netdev(config), "-device", "virtio-net-pci,netdev=n0", *module,
         "-display", "none", "-monitor", "none", "-serial", f"file:{config.serial}",
         "-qmp", f"unix:{config.qmp},server=on,wait=off", "-no-reboot",
     ]  # fmt: skip

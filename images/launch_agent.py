@@ -49,8 +49,10 @@ import httpx
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from umbra.attest.errors import QuoteSourceError
 from umbra.attest.eventlog import Event, dump_dstack_event_log
 from umbra.attest.measurement import canonical_ssh_key
+from umbra.attest.tdx_port import TdxModulePort
 from umbra.components.idle_stop import CONFIG_PATH as IDLE_CONFIG_PATH
 from umbra.components.idle_stop import TIMER as IDLE_TIMER
 from umbra.components.idle_stop import IdleConfig, dev_cvm_config
@@ -506,6 +508,23 @@ class SysfsRtmr:
 
 
 @dataclass(frozen=True)
+class TdxModuleRtmr:
+    """Emulated clouds (QEMU/TCG, no TDX): the host's simulated TDX module keeps RTMR3; the digest
+    goes over its virtio-serial port (attest.tdx_port), as SysfsRtmr's goes to the kernel."""
+
+    port: TdxModulePort = field(default_factory=lambda: TdxModulePort(wait=60.0))
+
+    def firmware_events(self) -> list[Event]:
+        return self.port.firmware_events()
+
+    def extend(self, event: Event) -> None:
+        try:
+            self.port.extend(3, event.digest)
+        except QuoteSourceError as exc:
+            raise LaunchError(Refusal.EXTEND_FAILED, str(exc)) from None
+
+
+@dataclass(frozen=True)
 class LogOnly:
     """Simulated TEE in a separate process: the written event log *is* the simulator's input
     (`umbra proxy serve --quote-source simulated --event-log …`)."""
@@ -766,6 +785,11 @@ class Agent:
     idle_stop: IdleStop | None = None
     # The cloud this runs on: the host ruleset must admit exactly its ready report.
     cloud: str | None = None
+    # The firmware's events of RTMR0-2 (a TD's CCEL), written ahead of RTMR3's into the event
+    # log the services serve, so that a verifier can replay every RTMR. The emulated clouds'
+    # TDX module serves its CCEL; None: RTMR3's events only (TDX today: the CCEL table is not
+    # read yet, docs/specs/images.md).
+    firmware_log: Callable[[], Sequence[Event]] | None = None
     # Consoles: reads its database password and TLS key by reference with the VM's identity
     # (launch_secrets). None: a Console launch is refused (nothing to read its secrets with).
     secrets: SecretReader | None = None
@@ -799,7 +823,8 @@ class Agent:
             # Measure first: whatever runs afterwards is already bound into RTMR3.
             for event in events:
                 self.extender.extend(event)
-            compose = write_launch_dir(self.launch_dir, data, events, token, boot)
+            logged = [*self._firmware_events(), *events]
+            compose = write_launch_dir(self.launch_dir, data, logged, token, boot)
             if console is not None:
                 try:
                     write_console_files(self.launch_dir, data, console, self.console_uid)
@@ -836,6 +861,14 @@ class Agent:
             except (httpx.HTTPError, LaunchError) as exc:
                 self.say(f"umbra-launch: could not report ready: {exc}")
         return data
+
+    def _firmware_events(self) -> list[Event]:
+        if self.firmware_log is None:
+            return []
+        try:
+            return list(self.firmware_log())
+        except QuoteSourceError as exc:
+            raise LaunchError(Refusal.EXTEND_FAILED, f"the firmware's event log: {exc}") from None
 
     def _console_secrets(self, data: LaunchData) -> ConsoleSecrets:
         if self.secrets is None:

@@ -24,6 +24,7 @@ from pydantic import (
     model_validator,
 )
 
+from umbra.contracts.sandbox_env import ENV_NAME, MAX_ENV_VARS, check_env_value
 from umbra.contracts.traffic import Decision
 from umbra.policy.normalize import (
     NormalizationError,
@@ -31,7 +32,7 @@ from umbra.policy.normalize import (
     normalize_host,
     normalize_path,
 )
-from umbra.policy.sandbox_env import ENV_NAME, MAX_ENV_VARS, check_env_value, credential_rule
+from umbra.policy.sandbox_env import credential_rule
 
 API_VERSION = "umbra/v1"
 METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")

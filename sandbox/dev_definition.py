@@ -5,7 +5,8 @@ forwarder with its resolver and transparent ports, sandbox/local_cvm.py's namesp
 release is not a compose file but this document. It names:
 - `sandbox_image`: the image's two cache keys (sandbox/image.py); the OS image ships that tree;
 - `network`: the runc topology's addresses (index 1 of local_cvm's scheme) and `forwarder`, the
-  forwarder's whole configuration, with the Security CVM's golden values;
+  forwarder's whole configuration, with the Security CVM's golden values, the attested CA's and
+  the sandbox environment's files (local_cvm.sandbox_env_config, as `umbra up`'s);
 - `ssh_ingress`: where the attested SSH ingress lets a developer in.
 
 It is canonical JSON (sorted keys, no whitespace, ASCII), wrapped by the release's
@@ -36,6 +37,8 @@ from umbra.sandbox.local_cvm import (
     UID_BASE,
     UID_COUNT,
     LocalCvmPlan,
+    sandbox_env_base,
+    sandbox_env_config,
 )
 from umbra.sandbox.models import ATTESTED_SSH_PORT, DevCvmInputs, Port, SandboxImageKeys
 from umbra.sandbox.render import CA_NAME, Rendered, canonical_json
@@ -52,6 +55,9 @@ FORWARDER_STATE_DIR: Final = "/var/lib/umbra/forwarder"
 # rendered /etc/umbra): on the data disk, so the developer's work survives a stop.
 DEV_HOST_ROOT: Final = "/var/lib/umbra/data/dev-host"
 SANDBOX_CA_FILE: Final = f"{DEV_HOST_ROOT}/sandbox-ca/{CA_NAME}"
+# The sandbox's environment (the CVM's values, then the attached profiles' `sandbox_env`), kept
+# current by the forwarder; the same file and refresh as `umbra up` (sandbox_env_sync.py).
+SANDBOX_ENV_FILE: Final = f"{DEV_HOST_ROOT}/sandbox-etc/sandbox.env"
 # The one sandbox of a cloud Dev CVM takes local_cvm's subnet index 1: 10.231.1.0/30 (sandbox ↔
 # forwarder) and 10.232.1.0/30 (forwarder ↔ host, masqueraded by the host firewall).
 NETWORK_INDEX: Final = 1
@@ -129,6 +135,21 @@ class DevCvmHost(Strict):
                 f"forwarder.sandbox_ca.file must be <root>/sandbox-ca/{CA_NAME} (the directory "
                 f"bound read-only into the sandbox; {SANDBOX_CA_FILE} on a CVM)"
             )
+        env = fwd.sandbox_env
+        if env is None or (env.file.parent.name, env.file.name) != ("sandbox-etc", "sandbox.env"):
+            # Sessions get the attached profiles' `sandbox_env` only through this file, which
+            # the dev host binds read-only at /etc/umbra (a definition's is SANDBOX_ENV_FILE).
+            raise ValueError(
+                "forwarder.sandbox_env.file must be <root>/sandbox-etc/sandbox.env (the directory "
+                f"bound read-only into the sandbox; {SANDBOX_ENV_FILE} on a CVM)"
+            )
+        base = sandbox_env_base(plan_for("cvm_0", self.network.index, Path(DEV_HOST_ROOT)))
+        if env.base != base:
+            # The sandbox's start renders this CVM's values itself: two bases would flap.
+            raise ValueError(
+                "forwarder.sandbox_env.base must be the runc topology's own values (the proxy, "
+                f"NO_PROXY, the CA variables) for index {self.network.index}"
+            )
         return self
 
     @property
@@ -179,10 +200,14 @@ def forwarder_config(inputs: DevCvmInputs, index: int = NETWORK_INDEX) -> dict[s
         "security_cvm_release": inputs.security_cvm_release.model_dump(
             mode="json", exclude_none=True
         ),
-        "collateral": {"pccs_urls": list(inputs.pccs_urls)},
+        # No PCCS is reachable from a cloud Dev CVM: by default the Security CVM relays its own.
+        "collateral": {"pccs_urls": list(inputs.pccs_urls)}
+        if inputs.pccs_urls
+        else {"relayed": True},
         "cvm_id_file": f"{FORWARDER_LAUNCH_DIR}/cvm-id",
         "credential_file": f"{FORWARDER_STATE_DIR}/tunnel-credential",
         "sandbox_ca": {"file": SANDBOX_CA_FILE},
+        "sandbox_env": sandbox_env_config(plan_for("cvm_0", index, Path(DEV_HOST_ROOT))),
         # The Dev CVM resolves nothing: the launch agent's Security CVM address(es), by file.
         "security_cvm_ips_file": f"{FORWARDER_LAUNCH_DIR}/security-cvm-ips",
         "enrollment": {

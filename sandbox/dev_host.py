@@ -13,6 +13,9 @@ sandbox/local_cvm.py's functions, with what differs on a CVM:
 - the forwarder's namespace gets a default route to the host end of its uplink, and the host
   forwards (ip_forward=1): the measured host ruleset (components/host_firewall.py) admits the
   uplink only to the Security CVM's tunnel port and the Console's 443, and masquerades it;
+- the forwarder keeps the sandbox's attested CA and its `sandbox.env` (the CVM's values, then
+  the attached profiles' `sandbox_env`) current in the directories bound read-only into it, with
+  the same config blocks as `umbra up`'s (`local_cvm.sandbox_env_config`): checked at start;
 - a supervisor process (`umbra sandbox host supervise`, its pid in `supervisor.pid`, found again
   by the same marker check as every local CVM process) restarts a dead sandbox or forwarder.
 
@@ -121,6 +124,14 @@ def check(host: DevHost) -> None:
         raise DevHostError(
             f"forwarder.sandbox_ca.file must be {want_ca}: the directory bound read-only into "
             "the sandbox, or the sandbox would never trust the CA the forwarder attested"
+        )
+    want_env = local_cvm.sandbox_env_config(plan)
+    env = d.forwarder.sandbox_env
+    if env is None or (str(env.file), env.base) != (want_env["file"], want_env["base"]):
+        raise DevHostError(
+            f"forwarder.sandbox_env must be {want_env['file']} with this topology's own values: "
+            "the file bound read-only into the sandbox, or sessions would never see the attached "
+            "profiles' sandbox_env"
         )
 
 

@@ -58,13 +58,18 @@ class Listen(Strict):
 
 
 class Collateral(Strict):
+    """Where the Security CVM's collateral comes from: PCCS endpoints, a file, or `relayed`: the
+    set the Security CVM's tunnel endpoint sends with its quote (a cloud Dev CVM reaches no
+    PCCS). All three are verified alike, every signature up to the pinned root."""
+
     pccs_urls: list[str] = Field(default_factory=list)
     file: Path | None = None
+    relayed: bool = False
 
     @model_validator(mode="after")
     def _one(self) -> Collateral:
-        if bool(self.pccs_urls) == (self.file is not None):
-            raise ValueError("collateral needs exactly one of pccs_urls or file")
+        if [bool(self.pccs_urls), self.file is not None, self.relayed].count(True) != 1:
+            raise ValueError("collateral needs exactly one of pccs_urls, file or relayed")
         return self
 
 
@@ -72,11 +77,12 @@ class Enrollment(Strict):
     """How this Dev CVM gets its tunnel credential (sandbox/forwarder_enroll.py): the one-time
     token from launch data, traded at the Console for the credential after attestation.
     `simulated`: a simulated TD of `simulated_image` signed by `simulated_pki` (embedded mode);
-    `configfs`: this TD's quotes, with the launch agent's RTMR3 event log."""
+    `configfs`: this TD's quotes, with the launch agent's RTMR3 event log; `emulated`: the same
+    from the emulated clouds' TDX module (attest.tdx_port)."""
 
     console_url: Annotated[str, Field(pattern=r"^https?://[^\s/?#]+(/[^\s?#]*)?$")]
     token_file: Path
-    quote_source: Literal["configfs", "simulated"]
+    quote_source: Literal["configfs", "emulated", "simulated"]
     event_log: Path | None = None
     simulated_pki: Path | None = None
     simulated_image: str = "umbra-dev-cvm"

@@ -21,6 +21,7 @@ from umbra.attest.eventlog import Event, load_event_log
 from umbra.attest.quote_source import ConfigfsTsmSource, QuoteSource, SimulatedSource
 from umbra.attest.simpki import SimulatedPki
 from umbra.attest.simulator import SimulatedTdx
+from umbra.attest.tdx_port import TdxModuleSource
 from umbra.contracts.session import CVM_ID_EVENT
 from umbra.sandbox.forwarder_config import (
     Enrollment,
@@ -49,6 +50,8 @@ def _quoter(enrollment: Enrollment, cvm_id: str) -> tuple[QuoteSource, Sequence[
             events = load_event_log(enrollment.event_log.read_bytes())
         except (OSError, AttestError) as exc:
             raise ForwarderConfigError(f"{enrollment.event_log}: {exc}") from None
+    if enrollment.quote_source == "emulated":
+        return TdxModuleSource(), events
     return ConfigfsTsmSource(), events
 
 

@@ -25,6 +25,7 @@ from umbra.attest.measurement import SSH_KEYS_EVENT, ssh_keys_digest
 from umbra.attest.quote_source import ConfigfsTsmSource, QuoteSource, SimulatedSource
 from umbra.attest.simpki import SimulatedPki
 from umbra.attest.simulator import SimulatedTdx
+from umbra.attest.tdx_port import TdxModuleSource
 from umbra.contracts.session import BOOT_ID_EVENT, CVM_ID_EVENT, SSH_HOST_KEY_EVENT
 from umbra.sandbox import gateway_sshd
 from umbra.sandbox.ingress_config import IngressConfig, IngressConfigError
@@ -75,13 +76,14 @@ def build_evidence(
                 f"({BOOT_ID_EVENT} must appear once)"
             )
 
-    if qs.kind == "configfs":
+    if qs.kind in ("configfs", "emulated"):
         # The launch agent generated the key, extended the events and wrote the log before us.
         if events is None:
-            raise IngressConfigError("quote_source.event_log is required with kind configfs")
+            raise IngressConfigError(f"quote_source.event_log is required with kind {qs.kind}")
         check_agent_bound()
         fixed = list(events)
-        return Evidence(ConfigfsTsmSource(), lambda: fixed)
+        td: QuoteSource = ConfigfsTsmSource() if qs.kind == "configfs" else TdxModuleSource()
+        return Evidence(td, lambda: fixed)
     assert qs.simulated_pki is not None  # the model requires it
     try:
         tdx = SimulatedTdx(SimulatedPki.load(qs.simulated_pki), image=qs.simulated_image)

@@ -60,10 +60,12 @@ class SandboxEntry(_Strict):
 
 class QuoteSourceConfig(_Strict):
     """`configfs`: the TD's configfs-tsm; the launch agent has already extended the host-key
-    event, and `event_log` (served as is) must show it. `simulated`: the embedded default; the
-    ingress extends the events itself into a simulated TD signed by `simulated_pki`."""
+    event, and `event_log` (served as is) must show it. `emulated`: the same, with the quotes of
+    the emulated clouds' TDX module (attest.tdx_port) instead of configfs-tsm. `simulated`: the
+    embedded default; the ingress extends the events itself into a simulated TD signed by
+    `simulated_pki`."""
 
-    kind: Literal["configfs", "simulated"]
+    kind: Literal["configfs", "emulated", "simulated"]
     event_log: Path | None = None
     simulated_pki: Path | None = None
     simulated_image: str = "umbra-dev-cvm"

@@ -415,6 +415,13 @@ def sandbox_env_base(plan: LocalCvmPlan) -> dict[str, str]:
     return dict(pairs)
 
 
+def sandbox_env_config(plan: LocalCvmPlan) -> dict[str, Any]:
+    """The forwarder's `sandbox_env` (forwarder_config.SandboxEnv) for this sandbox, `umbra up`'s
+    and a cloud Dev CVM's alike: the file in the directory bound read-only at ENV_DIR, and the
+    same base the sandbox's start renders (so the two never disagree about the CVM's values)."""
+    return {"file": str(plan.dir / "sandbox-etc" / "sandbox.env"), "base": sandbox_env_base(plan)}
+
+
 def sandbox_env(plan: LocalCvmPlan) -> str:
     """`/etc/umbra/sandbox.env` at the sandbox's start: this CVM's own values; the forwarder
     adds the attached profiles' `sandbox_env` within seconds (sandbox_env_sync.py)."""
@@ -708,10 +715,7 @@ def create(
         # read-only into the sandbox, as in the cloud (sandbox_ca.py, umbra-sandbox-init).
         config["sandbox_ca"] = {"file": str(plan.dir / "sandbox-ca" / CA_NAME)}
         # The attached profiles' `sandbox_env`, asked of the Security CVM the same way.
-        config["sandbox_env"] = {
-            "file": str(plan.dir / "sandbox-etc" / "sandbox.env"),
-            "base": sandbox_env_base(plan),
-        }
+        config["sandbox_env"] = sandbox_env_config(plan)
         (plan.dir / "forwarder.json").write_text(json.dumps(config, indent=2))
         enroll(plan)
         create_network(plan, SANDBOX_TCP_PORTS)

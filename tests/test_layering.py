@@ -32,7 +32,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     "proxy": frozenset({"policy", "attest", "contracts"}),
     "components": frozenset({"sandbox", "attest", "contracts"}),
     "images": frozenset({"components", "sandbox", "attest", "contracts"}),
-    "emulated": frozenset({"components", "contracts"}),
+    "emulated": frozenset({"components", "attest", "contracts"}),
     "console": frozenset({"emulated", "components", "sandbox", "policy", "attest", "contracts"}),
     "cli": frozenset(
         {"console", "images", "emulated", "components", "proxy", "sandbox", "policy"}

@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 import httpx
 import pytest
 
+from umbra.attest.simpki import SimulatedPki
 from umbra.components.launch_data import LaunchData
 from umbra.console.config import Settings
 from umbra.console.enums import CvmKind
@@ -63,9 +64,11 @@ def settings(tmp_path: Path) -> QemuCvmSettings:
     disk.write_bytes(b"\0" * 512)
     compose = tmp_path / "app-compose.json"
     compose.write_text(APP_COMPOSE)
+    SimulatedPki.generate().save(tmp_path / "pki")
     return QemuCvmSettings(
         shape=Shape.gcp, disk=disk, app_compose=compose, runtime_dir=tmp_path / "run",
         console_url="https://console.example.test", data_disk_gb=2,
+        simulated_pki=tmp_path / "pki",
     )  # fmt: skip
 
 
@@ -126,6 +129,8 @@ def test_launch_serves_the_components_launch_data_and_stores_no_token(
     # The data disk: a sparse file of the configured size, the VM's own directory.
     assert config.data_disk.stat().st_size == 2 * 1024**3
     assert config.shape is Shape.gcp and config.disk == settings.disk
+    # The VM's TDX module: the port QEMU connects, listening, root-only.
+    assert config.tdx_module is not None and config.tdx_module.stat().st_mode & 0o777 == 0o600
     assert events and events[0].kind == "booting"
     # The token is in the stand-in's memory only: not in provider_state, not in any file.
     assert TOKEN not in json.dumps(done.state)
@@ -283,3 +288,11 @@ def _settle(team: Any, cvm_id: str, timeout: float = 20) -> dict[str, Any]:
             return cvm
         assert time.monotonic() < deadline, f"CVM stayed {cvm['state']}"
         time.sleep(0.05)
+
+
+def test_a_missing_simulated_pki_is_refused_at_start(settings: QemuCvmSettings) -> None:
+    """Without the PKI its TDX modules sign with, no VM could measure or enroll: refused with
+    the path, before anything boots."""
+    bad = settings.model_copy(update={"simulated_pki": settings.runtime_dir / "no-pki"})
+    with pytest.raises(ProviderError, match=r"simulated_pki .*no-pki"):
+        QemuCvmProvider(bad, RecordingVm)

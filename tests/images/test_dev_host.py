@@ -34,7 +34,13 @@ from umbra.attest.atls import ATLSConnection, serve_atls
 from umbra.attest.quote_source import SimulatedSource
 from umbra.attest.simpki import SimulatedPki
 from umbra.attest.simulator import SimulatedTdx
-from umbra.contracts.tunnel_header import TunnelHeader, encode_ca_reply, read_header
+from umbra.contracts.tunnel_header import (
+    MAX_ENV_REPLY,
+    TunnelHeader,
+    encode_ca_reply,
+    encode_env_reply,
+    read_header,
+)
 from umbra.images.measure import instance_events, measure
 from umbra.sandbox import image, local_cvm
 from umbra.sandbox.dev_definition import host_document, network, plan_for
@@ -42,6 +48,7 @@ from umbra.sandbox.render import CA_NAME, canonical_json
 
 from ..certs import self_signed
 from ..sandbox.fixtures import dev_definition, security_definition
+from ..sandbox.login_shells import LOGIN_SHELLS, login_shells_see, pam_env_assignments
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -76,12 +83,17 @@ class SecurityCvm:
 
     headers: list[TunnelHeader] = field(default_factory=list)
     ca: bytes = field(default_factory=_interception_ca)
+    # The `env` answer's exact bytes (the attached profiles' `sandbox_env`): tests swap it.
+    env_reply: bytes = field(default_factory=lambda: encode_env_reply({}))
 
     async def handle(self, conn: ATLSConnection) -> None:
         header, rest = await read_header(conn.recv)
         self.headers.append(header)
         if header.mode == "ca":
             await conn.send(encode_ca_reply(self.ca))
+            return
+        if header.mode == "env":
+            await conn.send(self.env_reply)
             return
         if header.mode != "proxy":
             return
@@ -158,6 +170,7 @@ def _definition(tmp: Path, cvm_id: str, index: int, pki: SimulatedPki) -> Path:
         simulated_root=str(launch / "simulated-root.der"),
         credential_file=str(tmp / "credential"),
         sandbox_ca={"file": str(root / "sandbox-ca" / CA_NAME)},
+        sandbox_env=local_cvm.sandbox_env_config(plan_for(cvm_id, index, root)),
     )
     path = launch / "dev-cvm.json"
     path.write_text(canonical_json(doc))
@@ -255,6 +268,142 @@ def test_the_forwarder_runs_as_an_unprivileged_uid_once_bound(cvm: Cvm) -> None:
     assert installed.exists(), "the sandbox did not install the CA the forwarder wrote"
     credential = Path(json.loads((plan.dir / "forwarder.json").read_text())["credential_file"])
     assert credential.stat().st_uid == 0 and credential.stat().st_mode & 0o777 == 0o600
+
+
+def _session_env(cvm: Cvm, name: str) -> str:
+    """`name` as a new session sees it: the attested ingress's ForceCommand and run_argv alike
+    enter the sandbox with an empty environment and run a login shell (/etc/profile.d)."""
+    done = local_cvm.run_in_sandbox(cvm.plan, ["bash", "-c", f'echo "${{{name}-unset}}"'])
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def _wait_session_env(cvm: Cvm, name: str, want: str, within: float = 30) -> float:
+    start = time.monotonic()
+    while (got := _session_env(cvm, name)) != want:
+        log = (cvm.plan.dir / "forwarder.log").read_text(errors="replace")[-800:]
+        assert time.monotonic() - start < within, f"{name} is {got!r}, not {want!r}: {log}"
+        time.sleep(0.2)
+    return time.monotonic() - start
+
+
+def _env_asks(cvm: Cvm) -> int:
+    return sum(1 for h in cvm.sec.headers if h.mode == "env")
+
+
+def _two_more_asks(cvm: Cvm) -> None:
+    """Until the forwarder has asked twice more: the first of them was answered and handled
+    (its loop asks again only after writing, or refusing, the last answer)."""
+    before, end = _env_asks(cvm), time.monotonic() + 30
+    while _env_asks(cvm) < before + 2:
+        assert time.monotonic() < end, "the forwarder stopped asking for the sandbox environment"
+        time.sleep(0.2)
+
+
+PLACEHOLDER = "umbra-placeholder:personal/claude-oauth-token"
+
+
+def test_the_profiles_sandbox_env_reaches_new_sessions_within_the_poll_interval(
+    cvm: Cvm,
+) -> None:
+    """The cloud host's forwarder asks the (simulated) Security CVM for the attached profiles'
+    `sandbox_env` inside an attested session every 3 s, as `umbra up`'s does, and a new session
+    has it: an attach, a changed value and a detach each reach the next login shell within the
+    poll interval (plus the attested fetch and a session's start). The CVM's values stay."""
+    plan = cvm.plan
+    config = json.loads((plan.dir / "forwarder.json").read_text())["sandbox_env"]
+    refresh = config.get("refresh", 3.0)
+    assert _session_env(cvm, "CLAUDE_CODE_OAUTH_TOKEN") == "unset"
+    cvm.sec.env_reply = encode_env_reply(
+        {"CLAUDE_CODE_OAUTH_TOKEN": PLACEHOLDER, "AWS_REGION": "eu-west-1", "Q": "it's $HOME"}
+    )
+    attach = _wait_session_env(cvm, "CLAUDE_CODE_OAUTH_TOKEN", PLACEHOLDER)
+    # Quoting survives the file: the value is what the profile said, not what a shell made of it.
+    assert _session_env(cvm, "Q") == "it's $HOME"
+    cvm.sec.env_reply = encode_env_reply(
+        {"CLAUDE_CODE_OAUTH_TOKEN": PLACEHOLDER, "AWS_REGION": "us-east-1"}
+    )
+    change = _wait_session_env(cvm, "AWS_REGION", "us-east-1")
+    cvm.sec.env_reply = encode_env_reply({})
+    detach = _wait_session_env(cvm, "CLAUDE_CODE_OAUTH_TOKEN", "unset")
+    print(
+        f"cloud dev host: sandbox_env in a new session {attach:.1f} s after the attach, "
+        f"{change:.1f} s after a change, {detach:.1f} s after the detach (poll {refresh:.0f} s)"
+    )
+    # One poll, the attested fetch and a session's start: never a second poll's worth late.
+    assert max(attach, change, detach) < 2 * refresh + 5
+    assert _session_env(cvm, "HTTPS_PROXY") == plan.proxy_url
+    env_file = plan.dir / "sandbox-etc" / "sandbox.env"
+    assert env_file.stat().st_uid == plan.forwarder_uid  # written after the drop, as its uid
+
+
+def test_su_and_sudo_login_shells_read_the_current_sandbox_env(cvm: Cvm) -> None:
+    """Login shells inside the sandbox (`sudo -i`, `su - dev`, a new `bash -l`) read the
+    sandbox.env of now (profile.d), and nothing else sets it: a value set, changed and removed
+    after the sandbox started is exactly what each of them sees."""
+    name = "UMBRA_LOGIN_PROBE"
+    # PAM's own file holds no start-time copy that pam_env would apply before the profile (a
+    # variable removed since would outlive its detach in su/sudo sessions).
+    assert pam_env_assignments(cvm.plan) == "0"
+    for value in ("one", "two", None):
+        cvm.sec.env_reply = encode_env_reply({name: value} if value else {})
+        _wait_session_env(cvm, name, value or "unset")
+        want = value or "unset"
+        assert login_shells_see(cvm.plan, name) == dict.fromkeys(LOGIN_SHELLS, want), value
+
+
+BAD_ENV_ANSWERS = {
+    "PATH": (encode_env_reply({"PATH": "/tmp/evil"}), "PATH is set by the sandbox itself"),
+    "LD_PRELOAD": (
+        encode_env_reply({"AWS_REGION": "x", "LD_PRELOAD": "/tmp/evil.so"}),
+        "LD_PRELOAD is set by the sandbox itself",
+    ),
+    "HTTPS_PROXY": (
+        encode_env_reply({"HTTPS_PROXY": "http://198.51.100.9:3128"}),
+        "HTTPS_PROXY is set by the sandbox itself",
+    ),
+    "a name a shell would run": (
+        encode_env_reply({"X=$(touch /tmp/pwned)": "1"}),
+        "does not match",
+    ),
+    "a newline": (
+        encode_env_reply({"AWS_REGION": "x\nPATH=/tmp/evil"}),
+        "AWS_REGION: contains a control character",
+    ),
+    "not JSON": (b"\x00\x00\x00\x05{nope", "env reply is not JSON"),
+    "oversized": (
+        (MAX_ENV_REPLY + 1).to_bytes(4, "big") + b"{" * 4096,
+        f"env reply length {MAX_ENV_REPLY + 1} is outside",
+    ),
+}
+
+
+def test_a_bad_env_answer_is_refused_whole_and_the_last_one_stays(cvm: Cvm) -> None:
+    """The forwarder checks the Security CVM's answer against the names the sandbox owns (the
+    linter's rule, contracts/sandbox_env.py) before a byte reaches `sandbox.env`: a malformed,
+    oversized or forbidden answer is refused whole with one log line saying why, and sessions
+    keep the last attested environment. The refused values are never logged."""
+    plan = cvm.plan
+    good = encode_env_reply({"CLAUDE_CODE_OAUTH_TOKEN": PLACEHOLDER})
+    cvm.sec.env_reply = good
+    _wait_session_env(cvm, "CLAUDE_CODE_OAUTH_TOKEN", PLACEHOLDER)
+    env_file = plan.dir / "sandbox-etc" / "sandbox.env"
+    kept = env_file.read_bytes()
+    log_path = plan.dir / "forwarder.log"
+    for case, (answer, reason) in BAD_ENV_ANSWERS.items():
+        offset = log_path.stat().st_size
+        cvm.sec.env_reply = answer
+        _two_more_asks(cvm)
+        log = log_path.read_bytes()[offset:].decode(errors="replace")
+        assert reason in log and "keeping the last attested one" in log, (case, log)
+        assert b"evil" not in log_path.read_bytes()[offset:], case
+        assert env_file.read_bytes() == kept, case
+    assert _session_env(cvm, "CLAUDE_CODE_OAUTH_TOKEN") == PLACEHOLDER
+    assert _session_env(cvm, "LD_PRELOAD") == "unset"
+    assert _session_env(cvm, "PATH").split(":")[0] != "/tmp/evil"
+    # A good answer is taken again at once.
+    cvm.sec.env_reply = encode_env_reply({})
+    _wait_session_env(cvm, "CLAUDE_CODE_OAUTH_TOKEN", "unset")
 
 
 def test_status_reports_the_measured_release_and_every_process(cvm: Cvm) -> None:

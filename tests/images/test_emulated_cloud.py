@@ -13,22 +13,31 @@ image is the boot tests' session build (tests/images/conftest.py). Run under
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import os
+import re
 import time
 from pathlib import Path
 
 import pytest
 
+from umbra.attest.collateral import StaticCollateral
+from umbra.attest.eventlog import load_event_log
+from umbra.attest.measurement import MeasurementPolicy
+from umbra.attest.quote import parse_quote
+from umbra.attest.simpki import SimulatedPki
+from umbra.attest.verify import Verifier
 from umbra.components.launch_data import LaunchData
 from umbra.emulated.metadata import EmulatedMetadata, Shape
 from umbra.emulated.qemu import SMBIOS, QemuVm, VmConfig, create_data_disk
+from umbra.emulated.tdx_module import TdxModule
 from umbra.images.disk_formats import CloudDisks
 from umbra.images.measure import measure
 from umbra.images.uki import Uki
 
 from ..sandbox.fixtures import dev_definition
-from .test_qemu_boot import KEY, _need_qemu, started_file
+from .test_qemu_boot import KEY, NONCE, _need_qemu, started_file
 
 pytestmark = pytest.mark.timeout(2400)
 BOOT_LIMIT = 900.0
@@ -42,24 +51,34 @@ def test_the_image_boots_as_the_cloud_reports_ready_and_survives_stop_and_start(
 ) -> None:
     _need_qemu()
     _uki, disks = qemu_disks
+    m = measure(dev_definition())
     data = LaunchData(
         role="dev-cvm",
         team="team-a",
         cvm_id=f"cvm_emulated_{shape}",
-        app_compose=measure(dev_definition()).app_compose.decode(),
+        app_compose=m.app_compose.decode(),
         ssh_authorized_keys=(KEY,),
         cloud=shape,
     )
+    pki = SimulatedPki.generate()
+    verifier = Verifier(
+        MeasurementPolicy(release=m.release, binding=m.binding(data.cvm_id, [KEY])),
+        StaticCollateral(pki.collateral(int(time.time()) - 60)),
+        allow_simulated=True,
+        simulated_root_der=pki.root_der,
+    )
+    rtmr3s: list[bytes] = []
     compose = started_file(data)
     vendor = SMBIOS[shape][0]
     data_disk = tmp_path / "data.raw"
     create_data_disk(data_disk, 1)
-    with EmulatedMetadata(shape, data, f"vm-{shape}").serving() as stand_in:
+    module = TdxModule(tmp_path / "tdx.sock", pki, "umbra-dev-cvm")
+    with module.serving(), EmulatedMetadata(shape, data, f"vm-{shape}").serving() as stand_in:
         for boot in (1, 2):
             config = VmConfig(
                 shape, disks.raw, data_disk, tmp_path / f"serial-{boot}.log",
                 tmp_path / "qmp.sock", stand_in.metadata_port, stand_in.wire_port,
-                accel=ACCEL,
+                accel=ACCEL, tdx_module=module.socket_path,
             )  # fmt: skip
             start = time.monotonic()
             vm = QemuVm(config).start()
@@ -90,12 +109,15 @@ def test_the_image_boots_as_the_cloud_reports_ready_and_survives_stop_and_start(
                 assert f"umbra-launch: data disk /dev/vdb {found}" in text, text[-3000:]
                 # Idle stop is installed in the image and armed on a Dev CVM.
                 assert "umbra-launch: idle auto-stop armed (60 min)" in text
+                rtmr3s.append(_guest_quote_verifies(verifier, text, boot))
                 start = time.monotonic()
                 assert vm.stop(300), f"boot {boot}: the guest ignored the ACPI power button"
                 print(f"{shape} boot {boot}: stop {time.monotonic() - start:.0f} s")
             finally:
                 vm.kill()
             stand_in.restart()
+    # Each boot is a fresh TD: RTMR3 from zero, with this boot's id and host key in it.
+    assert len(module.boots) == 2 and rtmr3s[0] != rtmr3s[1]
     requests = stand_in.requests
     if shape is Shape.gcp:
         want = "metadata GET /computeMetadata/v1/instance/attributes/?recursive=true"
@@ -110,3 +132,21 @@ def test_the_image_boots_as_the_cloud_reports_ready_and_survives_stop_and_start(
             == 2
         )
         assert requests.count("wire POST /machine/?comp=health") == 2
+
+
+def _guest_quote_verifies(verifier: Verifier, text: str, boot: int) -> bytes:
+    """The quote the guest took from the host's TDX module (the stub's), with the event log the
+    agent wrote for its services: accepted for the release and this instance's binding, over
+    the stub's report data. Returns the quoted RTMR3."""
+    quote = re.search(r"umbra-compose-stub: quote (\S*)", text)
+    log = re.search(r"umbra-compose-stub: event-log (\S*)", text)
+    assert quote is not None and log is not None, text[-3000:]
+    try:
+        raw = base64.b64decode(quote[1], validate=True)
+    except ValueError:
+        raise AssertionError(f"boot {boot}: no quote in the guest: {quote[1][:500]}") from None
+    events = load_event_log(base64.b64decode(log[1]))
+    verdict = verifier.verify(raw, event_log=events, expected_report_data=NONCE)
+    assert verdict.ok, (boot, verdict.reasons)
+    assert any(e.name == "umbra.boot-id" for e in events)
+    return parse_quote(raw).td_report.rtmrs[3]

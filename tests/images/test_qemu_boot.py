@@ -11,7 +11,7 @@ The boot is the emulated GCP's (umbra.emulated): SMBIOS says Google, so the agen
 and reads its launch data from the metadata stand-in at 169.254.169.254:80 (QEMU user networking
 forwards it to loopback). The compose command is a stub that prints the compose file's SHA-256 on
 the serial console (the image has no Docker: the container path is tested under real Docker); the
-TEE is simulated. tests/images/test_emulated_cloud.py boots the same disk in both cloud shapes
+TEE is the host's simulated TDX module (umbra.emulated.tdx_module) on a virtio-serial port. tests/images/test_emulated_cloud.py boots the same disk in both cloud shapes
 through stop and start.
 """
 
@@ -29,9 +29,11 @@ from typing import Any
 
 import pytest
 
+from umbra.attest.simpki import SimulatedPki
 from umbra.components.launch_data import LaunchData
 from umbra.emulated.metadata import EmulatedMetadata, Shape
 from umbra.emulated.qemu import Firmware, VmConfig, create_data_disk, qemu_argv
+from umbra.emulated.tdx_module import TdxModule
 from umbra.images.disk_formats import ROOT_PART_UUID, VERITY_PART_UUID, CloudDisks, esp_image
 from umbra.images.measure import measure
 from umbra.images.os_image import OsImage
@@ -50,10 +52,13 @@ from .conftest import need_root_and
 from .sb_keys import make_signer
 
 OVMF = Path("/usr/share/ovmf/OVMF.fd")
+TDX_SOCKET = "tdx.sock"
 KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIOMqqnkVzrm0SdG6UOoqKLsabgH5C9okWi0dh2l9GKJl alice"
+NONCE = hashlib.sha512(b"umbra-emulated-boot").digest()
 STUB = """#!/bin/sh
 # CI boot test only: report the compose file the agent handed over, and what the root is, on the
 # serial console.
+QUOTE='import base64, hashlib; from umbra.attest.tdx_port import TdxModuleSource as S; print(base64.b64encode(S().get_quote(hashlib.sha512(b"umbra-emulated-boot").digest())).decode())'
 echo "umbra-compose-stub: up $(sha256sum "$2" | cut -d' ' -f1)" > /dev/ttyS0
 echo "umbra-compose-stub: root $(grep ' / ' /proc/mounts | cut -d' ' -f1,3,4)" > /dev/ttyS0
 echo "umbra-compose-stub: verity $(veritysetup status umbra-root | tr -s ' \\n' ' ')" > /dev/ttyS0
@@ -64,13 +69,18 @@ echo "umbra-compose-stub: secureboot $(dmesg | grep -o -m1 'Secure boot [a-z]*')
 w=/var/lib/umbra/data/dev-host; mkdir -p $w; n=$(($(cat $w/boots 2>/dev/null || echo 0) + 1)); echo $n > $w/boots; sync
 echo "umbra-compose-stub: data $(grep ' /var/lib/umbra/data ' /proc/mounts | cut -d' ' -f1,3) boots $n cloud $(cat /sys/class/dmi/id/sys_vendor)" > /dev/ttyS0
 echo "umbra-compose-stub: kernel $(uname -r) tsm $(ls -d /sys/kernel/config/tsm/report) modules $(cut -d' ' -f1 /proc/modules | grep -E '^(tsm_report|tdx_guest|dm_verity|configfs)$' | sort | tr '\n' ' ')" > /dev/ttyS0
+# The emulated TEE: a quote from the host's TDX module over the guest's port, and the log the
+# services serve with it (the host verifies both).
+echo "umbra-compose-stub: quote $(/opt/python/bin/python -c "$QUOTE" 2>&1 | tr -d '\n')" > /dev/ttyS0
+echo "umbra-compose-stub: event-log $(base64 -w0 /run/umbra/launch/event-log.json)" > /dev/ttyS0
 """
 pytestmark = pytest.mark.timeout(1500)
 
 
 @pytest.fixture
-def metadata() -> Iterator[EmulatedMetadata]:
-    """The emulated GCP's metadata server with a Dev CVM's launch data."""
+def metadata(tmp_path: Path) -> Iterator[EmulatedMetadata]:
+    """The emulated GCP's metadata server with a Dev CVM's launch data, and the host's TDX
+    module the image's agent measures into (`--tee emulated`), on the test's TDX_SOCKET."""
     m = measure(dev_definition())
     data = LaunchData(
         role="dev-cvm",
@@ -79,7 +89,8 @@ def metadata() -> Iterator[EmulatedMetadata]:
         app_compose=m.app_compose.decode(),
         ssh_authorized_keys=(KEY,),
     )
-    with EmulatedMetadata(Shape.gcp, data, "dev-qemu-1").serving() as stand_in:
+    module = TdxModule(tmp_path / TDX_SOCKET, SimulatedPki.generate(), "umbra-dev-cvm")
+    with module.serving(), EmulatedMetadata(Shape.gcp, data, "dev-qemu-1").serving() as stand_in:
         yield stand_in
 
 
@@ -102,6 +113,7 @@ def _qemu(
             VmConfig(
                 stand_in.shape, disk, data_disk, serial, serial.parent / "qmp.sock",
                 stand_in.metadata_port, stand_in.wire_port, firmware,
+                tdx_module=serial.parent / TDX_SOCKET,  # the `metadata` fixture's, same tmp_path
             )
         )  # fmt: skip
         return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

@@ -13,12 +13,14 @@ from typer.testing import CliRunner
 
 from umbra.cli.app import app
 from umbra.components import ports
+from umbra.contracts.sandbox_env import RESERVED_ENV
 from umbra.images.definition import DefinitionError, load_definition, parse_definition
 from umbra.images.measure import measure
 from umbra.sandbox import image, local_cvm
 from umbra.sandbox.dev_definition import (
     RUNNER,
     SANDBOX_CA_FILE,
+    SANDBOX_ENV_FILE,
     DevHostError,
     load_dev_host,
     network,
@@ -64,6 +66,15 @@ def test_rendering_is_deterministic_canonical_and_the_runc_topology() -> None:
     assert (listen["proxy_port"], listen["dns_port"]) == (3128, 53)
     assert listen["transparent"] == {"https_port": 443, "http_port": 80}
     assert doc["forwarder"]["sandbox_ca"]["file"] == SANDBOX_CA_FILE
+    # The sandbox environment: the file and base `umbra up`'s forwarder gets (one code path).
+    assert doc["forwarder"]["sandbox_env"] == {
+        "file": SANDBOX_ENV_FILE,
+        "base": local_cvm.sandbox_env_base(local_cvm.LocalCvmPlan("cvm_x", 1, "umbra", "/x", 0)),
+    }
+    assert doc["forwarder"]["sandbox_env"]["base"]["HTTPS_PROXY"] == plan.proxy_url
+    # Every one of the CVM's own names is one a profile may not set (the linter and the
+    # forwarder refuse it), so a profile can never shadow or be silently shadowed by them.
+    assert set(doc["forwarder"]["sandbox_env"]["base"]) <= RESERVED_ENV
     assert doc["sandbox_image"] == {
         "recipe_key": image.recipe_key(),
         "files_key": image.files_key(),
@@ -101,6 +112,14 @@ def test_app_compose_wraps_the_host_definition_and_its_hash_covers_every_byte() 
         (lambda d: d["forwarder"]["sandbox_ca"].update(file="/tmp/ca.pem"),
          f"forwarder.sandbox_ca.file must be <root>/sandbox-ca/security-cvm-ca.pem (the "
          f"directory bound read-only into the sandbox; {SANDBOX_CA_FILE} on a CVM)"),
+        (lambda d: d["forwarder"].pop("sandbox_env"),
+         "forwarder.sandbox_env.file must be <root>/sandbox-etc/sandbox.env"),
+        (lambda d: d["forwarder"]["sandbox_env"].update(file="/tmp/etc/sandbox.env"),
+         f"(the directory bound read-only into the sandbox; {SANDBOX_ENV_FILE} on a CVM)"),
+        (lambda d: d["forwarder"]["sandbox_env"]["base"].update(HTTPS_PROXY="http://x:1"),
+         "forwarder.sandbox_env.base must be the runc topology's own values"),
+        (lambda d: d["forwarder"]["sandbox_env"].update(refresh=0),
+         "forwarder.sandbox_env.refresh: Input should be greater than or equal to 1"),
         (lambda d: d["sandbox_image"].update(recipe_key="latest"),
          "sandbox_image.recipe_key: String should match pattern"),
         (lambda d: d["ssh_ingress"].update(user="root"),

@@ -385,6 +385,8 @@ def test_cli_forwarder_runs_from_its_rendered_config(
     assert "ingress" not in cfg  # SSH is the attested ingress's, not a forwarder relay
     # The CA fetch has its own test (tests/proxy/test_sandbox_ca.py); this stand-in relays only.
     assert cfg.pop("sandbox_ca")["file"].startswith("/var/lib/umbra/data/dev-host/sandbox-ca/")
+    # So does the sandbox environment's (tests/images/test_dev_host.py): a path of the CVM's.
+    assert cfg.pop("sandbox_env")["file"] == "/var/lib/umbra/data/dev-host/sandbox-etc/sandbox.env"
     (tmp_path / "collateral.json").write_text(pki.collateral(int(time.time()) - 60).json_text)
     (tmp_path / "root.der").write_bytes(pki.root_der)
     (tmp_path / "cvm-id").write_text("dev-bob-7\n")

@@ -28,6 +28,7 @@ from typing import Any
 
 import pytest
 
+from tests.sandbox.login_shells import LOGIN_SHELLS, login_shells_see, pam_env_assignments
 from tests.session.harness import simulated_pki, stop_agents
 from umbra.attest.simulator import simulated_boot_values
 from umbra.cli import up_stack
@@ -545,8 +546,9 @@ def _wait_session_env(up: Up, name: str, want: str, within: float = 30) -> float
 
 def test_attached_profiles_sandbox_env_reaches_sessions_within_seconds(up: Up) -> None:
     """An attach puts the profile's `sandbox_env` into the next session (ssh and
-    run_in_sandbox's login shell alike) within seconds; a detach takes it out again. The agent
-    keys' placeholders come from the stand-in profiles attached by default, not the image."""
+    run_in_sandbox's login shell alike, and `sudo -i`/`su -` inside one) within seconds; a
+    detach takes it out again. The agent keys' placeholders come from the stand-in profiles
+    attached by default, not the image."""
     cvm = up.stack().state["dev_cvm_id"]
     plan = local_cvm.load_plan(up.state / "cvms", cvm)
     assert plan is not None
@@ -559,9 +561,16 @@ def test_attached_profiles_sandbox_env_reaches_sessions_within_seconds(up: Up) -
     print(f"sandbox_env reached a session {seconds:.1f} s after the attach")
     done = local_cvm.run_in_sandbox(plan, ["printenv", "CLAUDE_CODE_OAUTH_TOKEN"])
     assert done.stdout.strip() == placeholder
+    # Login shells started inside a session after the attach read the file of now too.
+    assert login_shells_see(plan, "CLAUDE_CODE_OAUTH_TOKEN") == dict.fromkeys(
+        LOGIN_SHELLS, placeholder
+    )
     detached = up.client("profile", "detach", cvm, "claude-subscription")
     assert detached.returncode == 0, detached.stderr
     _wait_session_env(up, "CLAUDE_CODE_OAUTH_TOKEN", "unset")
+    # ...and a detach takes it out of them: nothing (PAM's /etc/environment) keeps a copy.
+    assert login_shells_see(plan, "CLAUDE_CODE_OAUTH_TOKEN") == dict.fromkeys(LOGIN_SHELLS, "unset")
+    assert pam_env_assignments(plan) == "0"
     # The CVM's own values stay whatever the profiles say.
     assert _session_env(up, "HTTPS_PROXY") == plan.proxy_url
 

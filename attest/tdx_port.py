@@ -1,0 +1,148 @@
+"""The emulated clouds' TDX module, seen from the guest: a virtio-serial port to the host.
+
+On a QEMU/TCG guest there is no TDX module, so the host plays it, as QEMU plays the rest of the
+hardware (umbra.emulated.tdx_module): it keeps the TD's RTMRs and signs quotes with the
+simulated Intel-style PKI. The guest reaches it only through the character device
+`/dev/virtio-ports/org.umbra.tdx-module` (root-only, like the TDCALLs the kernel makes for
+configfs-tsm and the RTMR sysfs file): no network address, nothing a container can dial.
+
+Wire format: one JSON object per line each way. Requests `{"id", "op": "extend", "rtmr": 3,
+"digest": hex}`, `{"id", "op": "quote", "report_data": hex}` or `{"id", "op": "ccel"}` (the
+firmware's event log of RTMR0-2, as a TD's CCEL ACPI table holds it, which a verifier replays
+with the guest's RTMR3 events); answers `{"id", "ok": true}`, `{"id", "quote": base64}`,
+`{"id", "ccel": base64}` or `{"id", "error": text}`. One port carries one byte stream, so a
+client holds an exclusive `flock` on it for its exchange, and skips answers with another id
+(a client killed mid-exchange leaves its answer behind).
+
+Its quotes chain to the simulated root: a verifier accepts them only where a `tee: simulated`
+release and the simulated root are configured (never in production).
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import fcntl
+import json
+import os
+import select
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from umbra.attest.errors import AttestError, QuoteSourceError
+from umbra.attest.eventlog import Event, parse_ccel
+
+TDX_PORT_NAME = "org.umbra.tdx-module"
+TDX_PORT = Path("/dev/virtio-ports") / TDX_PORT_NAME
+MAX_LINE = 1 << 20  # a quote is ~5 KiB; base64 and JSON around it stay far below
+
+
+def find_port(sys_class: Path = Path("/sys/class/virtio-ports"), dev: Path = Path("/dev")) -> Path:
+    """The port's device: udev's symlink, else its node found by name in sysfs (udev may not
+    have made the link yet this early in boot)."""
+    if TDX_PORT.exists():
+        return TDX_PORT
+    with contextlib.suppress(OSError):
+        for port in sorted(sys_class.iterdir()):
+            with contextlib.suppress(OSError):
+                if (port / "name").read_text().strip() == TDX_PORT_NAME:
+                    return dev / port.name
+    return TDX_PORT
+
+
+class TdxModulePort:
+    """One exchange per call, under an exclusive lock on the port. `wait`: how long to wait for
+    the port's device to appear (the virtio_console module and udev, early in boot)."""
+
+    def __init__(self, path: Path | None = None, timeout: float = 30.0, wait: float = 0.0) -> None:
+        self.path = path
+        self.timeout = timeout
+        self.wait = wait
+
+    def _device(self) -> Path:
+        deadline = time.monotonic() + self.wait
+        while True:
+            path = self.path or find_port()
+            if path.exists() or time.monotonic() >= deadline:
+                return path
+            time.sleep(0.5)
+
+    def extend(self, rtmr: int, digest: bytes) -> None:
+        self._ask({"op": "extend", "rtmr": rtmr, "digest": digest.hex()})
+
+    def quote(self, report_data: bytes) -> bytes:
+        answer = self._ask({"op": "quote", "report_data": report_data.hex()})
+        try:
+            return base64.b64decode(answer["quote"], validate=True)
+        except (KeyError, TypeError, ValueError):
+            raise QuoteSourceError("the TDX module's answer has no quote") from None
+
+    def firmware_events(self) -> list[Event]:
+        """RTMR0-2's events, from the module's CCEL (the firmware's part of the TD's log)."""
+        answer = self._ask({"op": "ccel"})
+        try:
+            return parse_ccel(base64.b64decode(answer["ccel"], validate=True))
+        except (KeyError, TypeError, ValueError, AttestError):
+            raise QuoteSourceError("the TDX module's answer has no valid CCEL") from None
+
+    def _ask(self, request: dict[str, Any]) -> dict[str, Any]:
+        ident = uuid.uuid4().hex
+        path = self._device()
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_NOCTTY)
+        except OSError as exc:
+            raise QuoteSourceError(
+                f"cannot open {path} ({exc.strerror}); is this an emulated-cloud VM "
+                "with the host's TDX module attached?"
+            ) from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            os.write(fd, json.dumps({"id": ident, **request}).encode() + b"\n")
+            return self._answer(fd, ident, path)
+        except OSError as exc:
+            raise QuoteSourceError(f"{path}: {exc.strerror or exc}") from None
+        finally:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def _answer(self, fd: int, ident: str, path: Path) -> dict[str, Any]:
+        deadline = time.monotonic() + self.timeout
+        buf = b""
+        while True:
+            while b"\n" in buf:
+                line, buf = buf.split(b"\n", 1)
+                try:
+                    answer = json.loads(line)
+                except ValueError:
+                    continue  # a torn line from an earlier, killed exchange
+                if not isinstance(answer, dict) or answer.get("id") != ident:
+                    continue
+                if "error" in answer:
+                    raise QuoteSourceError(f"the TDX module refused: {answer['error']}")
+                return answer
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                raise QuoteSourceError(f"{path}: no answer from the TDX module")
+            chunk = os.read(fd, 65536)
+            if not chunk:  # virtio-serial: the host end is not connected
+                time.sleep(0.1)
+            buf += chunk
+            if len(buf) > MAX_LINE:
+                raise QuoteSourceError(f"{path}: the TDX module's answer is too long")
+
+
+class TdxModuleSource:
+    """The quoting interface (quote_source.QuoteSource) over the host's TDX module. `simulated`:
+    its quotes chain to the simulated root."""
+
+    simulated = True
+
+    def __init__(self, port: TdxModulePort | None = None) -> None:
+        self.port = port or TdxModulePort()
+
+    def get_quote(self, report_data: bytes) -> bytes:
+        if len(report_data) != 64:
+            raise QuoteSourceError(f"report_data must be 64 bytes, got {len(report_data)}")
+        return self.port.quote(report_data)
