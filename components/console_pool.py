@@ -20,8 +20,10 @@ from umbra.components.launch_data import LaunchData
 
 CONSOLE_PORT = 443
 HEALTH_PATH = "/healthz"  # public, never touches the database's issuer (console.md)
-# Where GCP's health checks for a backend-service-based external passthrough LB come from.
-GCP_NLB_HEALTH_RANGES = ("35.191.0.0/16", "209.85.152.0/22", "209.85.204.0/22")
+# Where GCP's health checks come from: a backend-service-based external passthrough LB's
+# (35.191.0.0/16, 209.85.152.0/22, 209.85.204.0/22) and the group's autohealing probes
+# (35.191.0.0/16, 130.211.0.0/22); one regional health check serves both.
+GCP_NLB_HEALTH_RANGES = ("35.191.0.0/16", "130.211.0.0/22", "209.85.152.0/22", "209.85.204.0/22")
 # A new replica boots the OS image, its launch agent and the Console before it answers.
 AUTOHEAL_DELAY_SECONDS = 600
 
