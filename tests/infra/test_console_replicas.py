@@ -45,11 +45,11 @@ def _build(cloud: str, **changes: Any) -> tuple[Recorder, dict[str, Any]]:
     original = pulumi.export
 
     def body() -> Any:
-        pulumi.export = lambda name, value: exported.__setitem__(name, value)  # type: ignore[assignment]
+        pulumi.export = lambda name, value: exported.__setitem__(name, value)
         try:
             build_console(cfg, ROOT)
         finally:
-            pulumi.export = original  # type: ignore[assignment]
+            pulumi.export = original
         return pulumi.Output.all(**exported)
 
     mocks, values = run_program(body, config=raw)
