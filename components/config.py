@@ -400,8 +400,9 @@ class ConsoleStack(Strict):
         default_factory=list
     )
     state_scope: Annotated[str, Field(pattern=r"^/subscriptions/[^\s]+$")] | None = None
-    # GCP: declare the Dev CVM stacks' state bucket and the KMS key their secrets provider uses
-    # (exported as dev_state_backend_url / dev_secrets_provider for the Console's settings).
+    # Declare the Dev CVM stacks' state (GCP: a bucket, Azure: a blob container) and the key
+    # their secrets provider uses (Cloud KMS, Key Vault); exported as dev_state_backend_url /
+    # dev_secrets_provider for the Console's settings.
     # Default off: an existing stack declares nothing new.
     dev_state: bool = False
 
@@ -412,10 +413,8 @@ class ConsoleStack(Strict):
         _check_image(self.cloud, "vm.image", self.vm.image)
         if not self.cidr.is_private or self.cidr.prefixlen > 24:
             raise ValueError(f"cidr {self.cidr} must be a private range of at least /24")
-        if self.dev_state and self.cloud != "gcp":
-            raise ValueError("dev_state is declared on GCP only (Azure: not built yet)")
-        if self.dev_state and self.state_bucket:
-            raise ValueError("dev_state declares the state bucket: unset state_bucket")
+        if self.dev_state and (self.state_bucket or self.state_scope):
+            raise ValueError("dev_state declares the state storage: unset state_bucket/state_scope")
         if self.cloud == "azure" and self.db_storage_gb not in AZURE_DB_STORAGE_GB:
             raise ValueError(
                 f"db_storage_gb {self.db_storage_gb} is not an Azure Flexible Server size "

@@ -4,9 +4,10 @@ reachable only on a private address. One per deployment, not per team: team stac
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import pulumi
 
@@ -48,7 +49,7 @@ class ConsoleServiceArgs:
     # Azure: the team resource groups the provisioner launches into (default: the Console's
     # own) and the resource id of the state's storage account or container.
     team_resource_groups: Sequence[str] = ()
-    state_scope: str | None = None
+    state_scope: pulumi.Input[str] | None = None
     # The Console's TLS certificate chain (PEM, measured in its launch data) and private key (a
     # secret: stored in the cloud's secret store, never in launch data). Both or neither; without
     # them the Console VM's launch agent refuses to start it.
@@ -155,6 +156,9 @@ class ConsoleService(pulumi.ComponentResource):
             values[ConsoleSecret.TLS_KEY] = pulumi.Output.secret(args.tls_key)
         vm_opts = child
         vault_id: pulumi.Output[str] | None = None
+        key_id: pulumi.Output[str] | None = None
+        self.dev_state_backend_url: pulumi.Output[str] | None = None
+        self.dev_secrets_provider: pulumi.Output[str] | None = None
         if args.cloud == "gcp":
             assert args.gcp is not None
             subnet_id, network_id, identity, db_host, place, db_ca = _gcp_base(
@@ -164,6 +168,10 @@ class ConsoleService(pulumi.ComponentResource):
             refs, grants = gcp_console_secrets(
                 name, args.name, args.gcp.project, member, values, child
             )
+            if args.dev_state:
+                bucket, _, _, kms = dev_state_names(args.gcp.project, args.gcp.region, args.name)
+                self.dev_state_backend_url = pulumi.Output.from_input(f"gs://{bucket}")
+                self.dev_secrets_provider = pulumi.Output.from_input(kms)
             # Its first boot reads the secrets: the grants exist before the VM does.
             vm_opts = pulumi.ResourceOptions.merge(child, pulumi.ResourceOptions(depends_on=grants))
         else:
@@ -173,6 +181,11 @@ class ConsoleService(pulumi.ComponentResource):
             refs, vault_id = azure_console_secrets(
                 name, args.name, place.resource_group_name, args.azure.location, values, child
             )
+            if args.dev_state:
+                scope, key_id, self.dev_state_backend_url, self.dev_secrets_provider = (
+                    _azure_dev_state(name, args, place.resource_group_name, child)
+                )
+                args = replace(args, state_scope=scope)
         cvm = CvmArgs(
             team=args.name,
             vm_name=f"umbra-{args.name}",
@@ -252,7 +265,7 @@ class ConsoleService(pulumi.ComponentResource):
             )
         elif args.replicas > 1:
             assert vault_id is not None
-            parts = _azure_replicas(name, args, cvm, launch, vault_id, child)
+            parts = _azure_replicas(name, args, cvm, launch, vault_id, key_id, child)
         elif args.cloud == "gcp":
             from umbra.components.gcp_vm import build_gcp_vm
 
@@ -261,9 +274,8 @@ class ConsoleService(pulumi.ComponentResource):
             from umbra.components.azure_vm import build_azure_vm
 
             parts = build_azure_vm(f"{name}-vm", spec, vm_opts)
-            _azure_provisioner_roles(name, args, parts, child)
-            assert parts.principal_id is not None and vault_id is not None
-            azure_console_reader(name, parts.principal_id, vault_id, child)
+            assert vault_id is not None
+            _azure_identity_roles(name, args, parts, vault_id, key_id, child)
         self.private_ip = parts.private_ip
         self.public_ip = parts.public_ip
         self.database_host = db_host
@@ -296,6 +308,7 @@ def _azure_replicas(
     cvm: CvmArgs,
     launch: pulumi.Output[LaunchData],
     vault_id: pulumi.Output[str],
+    key_id: pulumi.Output[str] | None,
     opts: pulumi.ResourceOptions,
 ) -> VmParts:
     """N Console VMs with the same launch data, their NICs in a public Standard load
@@ -324,9 +337,7 @@ def _azure_replicas(
         )
         spec = VmSpec(ROLE_CONSOLE, replica, launch, private_ip=None, public_ip=False, ssh_keys=())
         parts = build_azure_vm(f"{name}-vm{suffix}", spec, opts)
-        _azure_provisioner_roles(f"{name}{suffix}", args, parts, opts)
-        assert parts.principal_id is not None
-        azure_console_reader(f"{name}{suffix}", parts.principal_id, vault_id, opts)
+        _azure_identity_roles(f"{name}{suffix}", args, parts, vault_id, key_id, opts)
         first = first or parts
     assert first is not None
     return VmParts(
@@ -613,6 +624,108 @@ def _azure_base(
     )
     host = server.fully_qualified_domain_name.apply(lambda h: h or "")
     return vm_subnet.id, None, host, place
+
+
+# Key Vault Crypto User (built-in, fixed id): use a vault's keys (encrypt, decrypt, wrap).
+AZURE_KEY_VAULT_CRYPTO_USER = "12338af0-0e69-4776-bea7-57ae8d297424"
+DEV_STATE_CONTAINER = "dev-cvm-stacks"
+DEV_STATE_KEY = "dev-cvm-stacks"
+
+
+def azure_dev_state_account(stack_name: str, subscription: str) -> str:
+    """A storage account name: global, 3-24 lowercase letters and digits, fixed per
+    deployment so the Console's settings can be written before `up`."""
+    digest = hashlib.sha256(f"{subscription}/{stack_name}".encode()).hexdigest()
+    return f"umbrast{digest[:12]}"
+
+
+def _azure_dev_state(
+    name: str, args: ConsoleServiceArgs, rg: pulumi.Input[str], opts: pulumi.ResourceOptions
+) -> tuple[pulumi.Output[str], pulumi.Output[str], pulumi.Output[str], pulumi.Output[str]]:
+    """The Dev CVM stacks' state container (no shared keys, no public blobs) and a key in the
+    Console's vault for their secrets. Returns (container id: the identities' Blob Data
+    Contributor scope, key id, backend URL, secrets provider URL)."""
+    import pulumi_azure_native as azure
+
+    from umbra.components.console_secrets import azure_key_vault_name
+
+    assert args.azure is not None
+    sub = azure.authorization.get_client_config_output().subscription_id
+    account_name = sub.apply(lambda s: azure_dev_state_account(args.name, s))
+    vault_name = sub.apply(lambda s: azure_key_vault_name(args.name, s))
+    account = azure.storage.StorageAccount(
+        f"{name}-dev-state",
+        account_name=account_name,
+        resource_group_name=rg,
+        location=args.azure.location,
+        kind="StorageV2",
+        sku=azure.storage.SkuArgs(name="Standard_ZRS"),
+        allow_blob_public_access=False,
+        # Identities only (the Console's managed identity): no account keys, no SAS.
+        allow_shared_key_access=False,
+        minimum_tls_version="TLS1_2",
+        enable_https_traffic_only=True,
+        opts=opts,
+    )
+    container = azure.storage.BlobContainer(
+        f"{name}-dev-state-container",
+        container_name=DEV_STATE_CONTAINER,
+        account_name=account.name,
+        resource_group_name=rg,
+        public_access=azure.storage.PublicAccess.NONE,
+        opts=opts,
+    )
+    key = azure.keyvault.Key(
+        f"{name}-kv-dev-state",
+        key_name=DEV_STATE_KEY,
+        vault_name=vault_name,
+        resource_group_name=rg,
+        properties=azure.keyvault.KeyPropertiesArgs(
+            kty="RSA", key_size=3072, key_ops=["encrypt", "decrypt", "wrapKey", "unwrapKey"]
+        ),
+        # Deleting it makes every Dev CVM stack's secrets unreadable.
+        opts=pulumi.ResourceOptions.merge(opts, pulumi.ResourceOptions(protect=True)),
+    )
+    backend = pulumi.Output.format(
+        "azblob://{0}?storage_account={1}", DEV_STATE_CONTAINER, account_name
+    )
+    provider = pulumi.Output.format(
+        "azurekeyvault://{0}.vault.azure.net/keys/{1}", vault_name, DEV_STATE_KEY
+    )
+    return container.id, key.id, backend, provider
+
+
+def _azure_identity_roles(
+    name: str,
+    args: ConsoleServiceArgs,
+    parts: VmParts,
+    vault_id: pulumi.Input[str],
+    key_id: pulumi.Input[str] | None,
+    opts: pulumi.ResourceOptions,
+) -> None:
+    """One Console VM identity's roles: the provisioner's, the launch secrets' reader and,
+    with dev_state, the Dev CVM stacks' key user (the container is its state scope)."""
+    import pulumi_azure_native as azure
+
+    _azure_provisioner_roles(name, args, parts, opts)
+    assert parts.principal_id is not None
+    azure_console_reader(name, parts.principal_id, vault_id, opts)
+    if key_id is None:
+        return
+    sub = azure.authorization.get_client_config_output().subscription_id
+    azure.authorization.RoleAssignment(
+        f"{name}-kv-dev-state-user",
+        principal_id=parts.principal_id,
+        principal_type="ServicePrincipal",
+        role_definition_id=pulumi.Output.concat(
+            "/subscriptions/",
+            sub,
+            "/providers/Microsoft.Authorization/roleDefinitions/",
+            AZURE_KEY_VAULT_CRYPTO_USER,
+        ),
+        scope=key_id,
+        opts=opts,
+    )
 
 
 def _azure_provisioner_roles(

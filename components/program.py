@@ -380,13 +380,10 @@ def build_console(cfg: ConsoleStack, root: Path) -> None:
     pulumi.export("console_private_ip", console.private_ip)
     pulumi.export("console_public_ip", console.public_ip)
     pulumi.export("database_url", console.database_url)
-    if cfg.dev_state and cfg.gcp is not None:
-        from umbra.components.console_service import dev_state_names
-
-        bucket, _, _, provider = dev_state_names(cfg.gcp.project, cfg.gcp.region, cfg.name)
-        # The Console's settings: gcp.state_backend_url and gcp.secrets_provider.
-        pulumi.export("dev_state_backend_url", f"gs://{bucket}")
-        pulumi.export("dev_secrets_provider", provider)
+    if console.dev_state_backend_url is not None and console.dev_secrets_provider is not None:
+        # The Console's settings: <cloud>.state_backend_url and <cloud>.secrets_provider.
+        pulumi.export("dev_state_backend_url", console.dev_state_backend_url)
+        pulumi.export("dev_secrets_provider", console.dev_secrets_provider)
 
 
 def run(root: Path) -> None:

@@ -46,7 +46,10 @@ from umbra.components.naming import Owner, dev_cvm_name
 
 PROJECT = "umbra-dev-cvm"
 # The self-managed backends and KMS secrets providers the Console stack declares.
-BACKEND_URL = re.compile(r"^(gs://[a-z0-9][a-z0-9._-]{1,220}[a-z0-9]|azblob://[a-z0-9-]{3,63})$")
+BACKEND_URL = re.compile(
+    r"^(gs://[a-z0-9][a-z0-9._-]{1,220}[a-z0-9]"
+    r"|azblob://[a-z0-9-]{3,63}(\?storage_account=[a-z0-9]{3,24})?)$"
+)
 SECRETS_PROVIDER = re.compile(
     r"^(gcpkms://projects/[a-z][a-z0-9-]{4,28}[a-z0-9]/locations/[a-z0-9-]+/keyRings/"
     r"[A-Za-z0-9_-]+/cryptoKeys/[A-Za-z0-9_-]+"

@@ -248,8 +248,8 @@ def test_dev_state_declares_a_private_bucket_and_a_kms_key_for_the_console_only(
 @pytest.mark.parametrize(
     ("cloud", "changes", "problem"),
     [
-        ("azure", {"dev_state": True}, "GCP only"),
         ("gcp", {"dev_state": True, "state_bucket": "umbra-state"}, "unset state_bucket"),
+        ("azure", {"dev_state": True, "state_scope": "/subscriptions/s/x"}, "state_scope"),
     ],
 )
 def test_dev_state_conflicts_are_refused(cloud: str, changes: dict[str, Any], problem: str) -> None:
@@ -258,3 +258,43 @@ def test_dev_state_conflicts_are_refused(cloud: str, changes: dict[str, Any], pr
     with pytest.raises(ConfigError) as err:
         parse_stack_config(raw, SECRETS)
     assert problem in str(err.value)
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_azure_dev_state_is_a_keyless_container_and_a_vault_key_for_each_identity(
+    replicas: int,
+) -> None:
+    mocks, exported = _build("azure", dev_state=True, replicas=replicas)
+    for r in mocks.resources:
+        assert violations(r.typ, dict(r.inputs)) == {}, (r.typ, r.name)
+    (account,) = mocks.of_type("azure-native:storage:StorageAccount")
+    assert account.inputs["allowSharedKeyAccess"] is False
+    assert account.inputs["allowBlobPublicAccess"] is False
+    (container,) = mocks.of_type("azure-native:storage:BlobContainer")
+    assert container.inputs["publicAccess"] == "None"
+    (key,) = mocks.of_type("azure-native:keyvault:Key")
+    assert mocks.options[("azure-native:keyvault:Key", key.name)].protect is True
+    by_role: dict[str, list[str]] = {}
+    for r in mocks.of_type("azure-native:authorization:RoleAssignment"):
+        by_role.setdefault(r.inputs["roleDefinitionId"].rsplit("/", 1)[1], []).append(
+            r.inputs["scope"]
+        )
+    # Every replica's identity: blob data on the container only, crypto on the key only.
+    assert by_role["ba92f5b4-2d11-453d-a403-e96b0029c9fe"] == [f"{container.name}-id"] * replicas
+    assert by_role["12338af0-0e69-4776-bea7-57ae8d297424"] == [f"{key.name}-id"] * replicas
+    account_name = account.inputs["accountName"]
+    assert exported["dev_state_backend_url"] == (
+        f"azblob://dev-cvm-stacks?storage_account={account_name}"
+    )
+    vault = key.inputs["vaultName"]
+    assert exported["dev_secrets_provider"] == (
+        f"azurekeyvault://{vault}.vault.azure.net/keys/dev-cvm-stacks"
+    )
+    from tests.infra.test_automation import AZURE
+    from umbra.components.automation import PulumiDevCvmProvisioner
+
+    PulumiDevCvmProvisioner(
+        AZURE,
+        backend_url=exported["dev_state_backend_url"],
+        secrets_provider=exported["dev_secrets_provider"],
+    )
