@@ -4,11 +4,11 @@ chain is measured in its launch data) still terminates on each Console CVM: the 
 the key and a client's TLS session ends inside the attested VM.
 
 GCP: a TDX instance template carrying the launch data, a regional managed instance group of N
-replicas (auto-healed on the health check), a regional HTTPS health check on `/healthz`, an
-EXTERNAL regional backend service and a forwarding rule on the Console's static address, and a
-Cloud NAT for the replicas' egress (they have no external address). Azure: a public Standard
+replicas, regional HTTPS health checks (`/readyz` routes the LB, `/healthz` drives autohealing),
+an EXTERNAL regional backend service and a forwarding rule on the Console's static address, and
+a Cloud NAT for the replicas' egress (they have no external address). Azure: a public Standard
 load balancer on the Console's static address whose backend pool each replica VM's NIC joins,
-an HTTPS probe on `/healthz`, and an outbound rule for egress."""
+an HTTPS probe on `/readyz`, and an outbound rule for egress."""
 
 from __future__ import annotations
 
@@ -19,10 +19,14 @@ import pulumi
 from umbra.components.launch_data import LaunchData
 
 CONSOLE_PORT = 443
-HEALTH_PATH = "/healthz"  # public, never touches the database's issuer (console.md)
+# The load balancers route to replicas that are ready (the database answers, migrated to this
+# build's head: console.md); autohealing recreates only a replica that does not answer at all,
+# so a database outage never has the group recreate every Console.
+READY_PATH = "/readyz"
+LIVE_PATH = "/healthz"
 # Where GCP's health checks come from: a backend-service-based external passthrough LB's
 # (35.191.0.0/16, 209.85.152.0/22, 209.85.204.0/22) and the group's autohealing probes
-# (35.191.0.0/16, 130.211.0.0/22); one regional health check serves both.
+# (35.191.0.0/16, 130.211.0.0/22).
 GCP_NLB_HEALTH_RANGES = ("35.191.0.0/16", "130.211.0.0/22", "209.85.152.0/22", "209.85.204.0/22")
 # A new replica boots the OS image, its launch agent and the Console before it answers.
 AUTOHEAL_DELAY_SECONDS = 600
@@ -142,20 +146,25 @@ def build_gcp_console_pool(
         labels=dict(labels),
         opts=opts,
     )
-    check = gcp.compute.RegionHealthCheck(
-        f"{name}-health",
-        name=f"{prefix}-health",
-        project=project,
-        region=region,
-        check_interval_sec=5,
-        timeout_sec=5,
-        healthy_threshold=2,
-        unhealthy_threshold=3,
-        https_health_check=gcp.compute.RegionHealthCheckHttpsHealthCheckArgs(
-            port=CONSOLE_PORT, request_path=HEALTH_PATH
-        ),
-        opts=opts,
-    )
+
+    def health(suffix: str, path: str, unhealthy: int) -> gcp.compute.RegionHealthCheck:
+        return gcp.compute.RegionHealthCheck(
+            f"{name}-{suffix}",
+            name=f"{prefix}-{suffix}",
+            project=project,
+            region=region,
+            check_interval_sec=5,
+            timeout_sec=5,
+            healthy_threshold=2,
+            unhealthy_threshold=unhealthy,
+            https_health_check=gcp.compute.RegionHealthCheckHttpsHealthCheckArgs(
+                port=CONSOLE_PORT, request_path=path
+            ),
+            opts=opts,
+        )
+
+    ready = health("ready", READY_PATH, 3)
+    live = health("live", LIVE_PATH, 6)
     group = gcp.compute.RegionInstanceGroupManager(
         f"{name}-group",
         name=f"{prefix}-group",
@@ -174,7 +183,7 @@ def build_gcp_console_pool(
             gcp.compute.RegionInstanceGroupManagerNamedPortArgs(name="https", port=CONSOLE_PORT)
         ],
         auto_healing_policies=gcp.compute.RegionInstanceGroupManagerAutoHealingPoliciesArgs(
-            health_check=check.id, initial_delay_sec=AUTOHEAL_DELAY_SECONDS
+            health_check=live.id, initial_delay_sec=AUTOHEAL_DELAY_SECONDS
         ),
         update_policy=gcp.compute.RegionInstanceGroupManagerUpdatePolicyArgs(
             type="PROACTIVE",
@@ -195,7 +204,7 @@ def build_gcp_console_pool(
         # One browser on one replica while it lives: a web session's key is per replica until
         # the launch delivers a shared WEB_SESSION_KEY (infra.md "Console replicas").
         session_affinity="CLIENT_IP",
-        health_checks=check.id,
+        health_checks=ready.id,
         backends=[
             gcp.compute.RegionBackendServiceBackendArgs(
                 group=group.instance_group, balancing_mode="CONNECTION"
@@ -272,10 +281,10 @@ def build_azure_console_lb(
         backend_address_pools=[azure.network.BackendAddressPoolArgs(name="replicas")],
         probes=[
             azure.network.ProbeArgs(
-                name="healthz",
+                name="readyz",
                 protocol="Https",
                 port=CONSOLE_PORT,
-                request_path=HEALTH_PATH,
+                request_path=READY_PATH,
                 interval_in_seconds=5,
                 number_of_probes=2,
             )
@@ -288,7 +297,7 @@ def build_azure_console_lb(
                 backend_port=CONSOLE_PORT,
                 frontend_ip_configuration=sub("frontendIPConfigurations", "console"),
                 backend_address_pool=sub("backendAddressPools", "replicas"),
-                probe=sub("probes", "healthz"),
+                probe=sub("probes", "readyz"),
                 load_distribution="SourceIP",  # as GCP's CLIENT_IP affinity above
                 enable_floating_ip=False,
                 enable_tcp_reset=True,

@@ -100,14 +100,17 @@ def test_gcp_replicas_are_a_managed_group_behind_a_passthrough_lb() -> None:
     assert template.inputs["metadata"] == vm.inputs["metadata"]
     assert template.inputs["serviceAccount"] == vm.inputs["serviceAccount"]
 
-    (check,) = mocks.of_type("gcp:compute/regionHealthCheck:RegionHealthCheck")
-    assert check.inputs["httpsHealthCheck"] == {"port": 443, "requestPath": "/healthz"}
+    checks = {c.name: c for c in mocks.of_type("gcp:compute/regionHealthCheck:RegionHealthCheck")}
+    ready, live = checks["console-pool-ready"], checks["console-pool-live"]
+    assert ready.inputs["httpsHealthCheck"] == {"port": 443, "requestPath": "/readyz"}
+    assert live.inputs["httpsHealthCheck"] == {"port": 443, "requestPath": "/healthz"}
     (group,) = mocks.of_type("gcp:compute/regionInstanceGroupManager:RegionInstanceGroupManager")
     assert group.inputs["targetSize"] == 3
     assert group.inputs["region"] == "us-central1"
     assert group.inputs["distributionPolicyZones"] == ["us-central1-a"]
     assert group.inputs["versions"][0]["instanceTemplate"] == template.outputs["selfLinkUnique"]
-    assert group.inputs["autoHealingPolicies"]["healthCheck"] == f"{check.name}-id"
+    # Autohealing on liveness only: a database outage must not recreate every replica.
+    assert group.inputs["autoHealingPolicies"]["healthCheck"] == f"{live.name}-id"
     (backend,) = mocks.of_type("gcp:compute/regionBackendService:RegionBackendService")
     # TCP passthrough: the LB never terminates TLS, the Console VMs do.
     assert (backend.inputs["loadBalancingScheme"], backend.inputs["protocol"]) == (
@@ -115,6 +118,7 @@ def test_gcp_replicas_are_a_managed_group_behind_a_passthrough_lb() -> None:
         "TCP",
     )
     assert backend.inputs["sessionAffinity"] == "CLIENT_IP"
+    assert backend.inputs["healthChecks"] == f"{ready.name}-id"  # traffic to ready replicas
     assert backend.inputs["backends"][0]["group"] == group.outputs["instanceGroup"]
     (rule,) = mocks.of_type("gcp:compute/forwardingRule:ForwardingRule")
     assert rule.inputs["ipProtocol"] == "TCP" and rule.inputs["ports"] == ["443"]
@@ -160,7 +164,7 @@ def test_azure_replicas_are_confidential_vms_behind_a_standard_lb() -> None:
     (lb,) = mocks.of_type("azure-native:network:LoadBalancer")
     assert lb.inputs["sku"] == {"name": "Standard"}
     (probe,) = lb.inputs["probes"]
-    assert (probe["protocol"], probe["port"], probe["requestPath"]) == ("Https", 443, "/healthz")
+    assert (probe["protocol"], probe["port"], probe["requestPath"]) == ("Https", 443, "/readyz")
     (rule,) = lb.inputs["loadBalancingRules"]
     assert (rule["protocol"], rule["frontendPort"], rule["backendPort"]) == ("Tcp", 443, 443)
     assert rule["enableFloatingIP"] is False and rule["loadDistribution"] == "SourceIP"
