@@ -5,9 +5,12 @@ audited; only an admin may, never on themselves; on both backends."""
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import httpx
 from sqlalchemy import func, select
 from sqlmodel import col
 
@@ -123,3 +126,38 @@ def test_reactivate_a_developer(team: Team, tmp_path: Path) -> None:
     assert team.dev.get(f"/api/v1/teams/{team.name}/cvms").status_code == 403
     assert not any(PERSONAL in out for out in admin.outputs)
     assert not any(PERSONAL.encode() in body for body in team.server.responses)
+
+
+PARALLEL = 6
+
+
+def test_parallel_reactivations_and_deactivations_count_once(team: Team) -> None:
+    """Parallel admins (real clients, both backends): of 6 reactivations of one developer exactly
+    one is `newly` and one audit entry says so; then the same for 6 deactivations."""
+    token = str(team.admin.headers["Authorization"]).removeprefix("Bearer ")
+    members = f"/api/v1/teams/{team.name}/members/{team.dev_subject}"
+    assert team.admin.post(f"{members}/deactivate").json()["newly"] is True
+
+    def race(verb: str) -> list[httpx.Response]:
+        clients = [team.server.client(token) for _ in range(PARALLEL)]
+        barrier = threading.Barrier(PARALLEL)
+
+        def call(client: httpx.Client) -> httpx.Response:
+            barrier.wait()
+            return client.post(f"{members}/{verb}")
+
+        try:
+            with ThreadPoolExecutor(PARALLEL) as pool:
+                return list(pool.map(call, clients))
+        finally:
+            for client in clients:
+                client.close()
+
+    for verb, action in (("reactivate", "user.reactivate"), ("deactivate", "user.deactivate")):
+        responses = race(verb)
+        assert [r.status_code for r in responses] == [200] * PARALLEL, [r.text for r in responses]
+        assert sum(r.json()["newly"] for r in responses) == 1, verb
+        entries = team.admin.get(f"/api/v1/teams/{team.name}/audit?limit=1000").json()["entries"]
+        fresh = [e for e in entries if e["action"] == action and not e["details"]["already"]]
+        assert len(fresh) == (1 if verb == "reactivate" else 2), verb  # + the first deactivation
+    assert team.dev.get(f"/api/v1/teams/{team.name}/cvms").status_code == 403
