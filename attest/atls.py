@@ -5,6 +5,12 @@
                                 "format": "tdx-quote" | "azure-tdx"}
     client → server  VERDICT   {"ok": bool, "reasons": [...], "failures": [{step, reason}]}
 
+Optional **collateral** (`"collateral": <DCAP collateral JSON text>`): a server that relays its
+own collateral (`serve_atls(collateral=CollateralRelay(...))`) sends the Intel-signed set for its
+quote's platform, so a client that reaches no PCCS can verify it. The set is untrusted bytes: a
+client whose verifier takes relayed collateral (`RelayedCollateral`) checks every signature up to
+its pinned root before DCAP; any other client ignores the field.
+
 `quote` is whatever the server's `QuoteSource` returns: a bare TDX quote, or on Azure the
 evidence envelope of `umbra.attest.azure` (TD quote, HCL report, vTPM quote), which the same
 `Verifier.verify` recognises by its magic. `format` and `failures` are informational additions
@@ -37,8 +43,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from umbra.attest.azure import is_azure_envelope
-from umbra.attest.errors import ATLSError, AttestError, EventLogError
+from umbra.attest.azure import decode_envelope, is_azure_envelope
+from umbra.attest.errors import ATLSError, ATLSRefused, AttestError, EventLogError
 from umbra.attest.eventlog import Event, dump_dstack_event_log, parse_dstack_event_log
 from umbra.attest.quote_source import QuoteSource
 from umbra.attest.tlsstream import TlsStream, client_context, server_context
@@ -67,6 +73,13 @@ def report_data_for(nonce: bytes, exporter: bytes, binding: bytes | None = None)
 
 # What a client checks about a verified peer beyond the quote: reasons to refuse, or [].
 Accept = Callable[[Verdict, bytes | None], list[str]]
+# A server's collateral for its own TD quote (JSON bytes), or None when it has none to send.
+CollateralProvider = Callable[[bytes], Awaitable[bytes | None]]
+
+
+def td_quote_of(evidence: bytes) -> bytes:
+    """The TD quote in evidence (an Azure envelope carries one): whose collateral to send."""
+    return decode_envelope(evidence).td_quote if is_azure_envelope(evidence) else evidence
 
 
 async def write_frame(tls: TlsStream, kind: int, payload: bytes) -> None:
@@ -133,6 +146,7 @@ class _Evidence:
     quote: bytes
     log: list[Event] | None
     binding: bytes | None
+    collateral: bytes | None = None
 
 
 def _decode_evidence(payload: bytes) -> _Evidence:
@@ -142,16 +156,20 @@ def _decode_evidence(payload: bytes) -> _Evidence:
         log_text = doc.get("event_log")
         raw_binding = doc.get("binding")
         binding = None if raw_binding is None else base64.b64decode(raw_binding, validate=True)
+        relayed = doc.get("collateral")
     except (ValueError, KeyError, TypeError, binascii.Error, RecursionError):
         raise ATLSError("EVIDENCE frame is malformed") from None
     if binding is not None and len(binding) > MAX_BINDING:
         raise ATLSError(f"EVIDENCE binding exceeds {MAX_BINDING} bytes")
+    if relayed is not None and not isinstance(relayed, str):
+        raise ATLSError("EVIDENCE collateral must be a string")
+    collateral = None if relayed is None else relayed.encode()
     if log_text is None:
-        return _Evidence(quote, None, binding)
+        return _Evidence(quote, None, binding, collateral)
     if not isinstance(log_text, str):
         raise ATLSError("EVIDENCE event_log must be a string")
     try:
-        return _Evidence(quote, parse_dstack_event_log(log_text), binding)
+        return _Evidence(quote, parse_dstack_event_log(log_text), binding, collateral)
     except EventLogError as exc:
         raise ATLSError(f"EVIDENCE event log is invalid: {exc}") from None
 
@@ -184,6 +202,7 @@ async def client_handshake(
             event_log=evidence.log,
             expected_report_data=expected,
             now=now,
+            relayed_collateral=evidence.collateral,
         )
         if verdict.ok and accept is not None:
             for reason in accept(verdict, evidence.binding):
@@ -200,7 +219,10 @@ async def client_handshake(
             ).encode(),
         )
         if not verdict.ok:
-            raise ATLSError("peer attestation refused: " + "; ".join(verdict.reasons))
+            raise ATLSRefused(
+                "peer attestation refused: " + "; ".join(verdict.reasons),
+                verdict.collateral_refusal,
+            )
         return ATLSConnection(tls, verdict, frames.leftover(), evidence.binding)
     except BaseException:
         await tls.close()
@@ -216,10 +238,12 @@ async def server_handshake(
     ctx: Any = None,
     max_frame: int = MAX_FRAME,
     bind: Callable[[], bytes] | None = None,
+    collateral: CollateralProvider | None = None,
 ) -> ATLSConnection:
     """Run TLS 1.3 and the attestation exchange as the attested server.
 
-    `bind`, called once per connection, returns what this session's quote commits to."""
+    `bind`, called once per connection, returns what this session's quote commits to;
+    `collateral`, the Intel-signed collateral sent with the quote (None: nothing is sent)."""
     tls = TlsStream(ctx or server_context(), reader, writer, server=True)
     try:
         await tls.handshake()
@@ -247,6 +271,13 @@ async def server_handshake(
         }
         if binding is not None:
             evidence["binding"] = base64.b64encode(binding).decode()
+        if collateral is not None:
+            try:
+                relayed = await collateral(td_quote_of(quote))
+                if relayed is not None:
+                    evidence["collateral"] = relayed.decode()
+            except (AttestError, UnicodeDecodeError):
+                pass  # nothing is sent: the client refuses (missing) and says so
         await write_frame(tls, FRAME_EVIDENCE, json.dumps(evidence).encode())
         try:
             result = json.loads(await frames.read(FRAME_VERDICT))
@@ -302,6 +333,7 @@ async def serve_atls(
     handshake_timeout: float = HANDSHAKE_TIMEOUT,
     on_error: Callable[[ATLSError], None] | None = None,
     bind: Callable[[], bytes] | None = None,
+    collateral: CollateralProvider | None = None,
 ) -> asyncio.Server:
     """Start an attested server; `handler` runs only for clients that accepted our quote."""
     ctx = server_context()
@@ -310,7 +342,13 @@ async def serve_atls(
         try:
             conn = await asyncio.wait_for(
                 server_handshake(
-                    reader, writer, quote_source, event_log=event_log, ctx=ctx, bind=bind
+                    reader,
+                    writer,
+                    quote_source,
+                    event_log=event_log,
+                    ctx=ctx,
+                    bind=bind,
+                    collateral=collateral,
                 ),
                 handshake_timeout,
             )

@@ -1,7 +1,13 @@
-"""DCAP collateral: load from a file, fetch from PCCS endpoints in turn, cache with expiry.
+"""DCAP collateral: load from a file, fetch from PCCS endpoints in turn, cache with expiry, or
+take it from the attested peer that quotes (relayed, below).
 
 The cache key is (PCCS URL, FMSPC, CA): collateral is per platform family and per issuing CA,
 and two PCCS instances may lag each other, so one's answer never stands in for another's.
+
+Relayed collateral: a verifier that reaches no PCCS (a cloud Dev CVM's forwarder) takes the set
+its peer sends with its quote (`RelayedCollateral`); the peer fetches it through its own egress
+(`CollateralRelay`). Collateral is Intel-signed, so the relay is untrusted: the verifier checks
+every signature up to its pinned root (collateral_check.py) and DCAP runs as for a PCCS answer.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ import hashlib
 import json
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -21,7 +28,12 @@ from typing import Any, Protocol
 import dcap_qvl
 from cryptography import x509
 
-from umbra.attest.errors import CollateralError, QuoteParseError
+from umbra.attest.errors import (
+    CollateralError,
+    CollateralRefusal,
+    CollateralRefused,
+    QuoteParseError,
+)
 from umbra.contracts.files import write_atomic
 
 _FIELDS = (
@@ -60,6 +72,12 @@ class Collateral:
     next_update: int  # the earlier of the two nextUpdate times
 
     @cached_property
+    def document(self) -> dict[str, str]:
+        """The nine fields as text (from_json checked they are all there)."""
+        doc = json.loads(self.json_text)
+        return {k: str(doc[k]) for k in _FIELDS}
+
+    @cached_property
     def expires_at(self) -> int:
         """When the first part of the set lapses: TCB info, QE identity, or either CRL."""
         when = self.next_update
@@ -69,8 +87,8 @@ class Collateral:
                 crl = x509.load_der_x509_crl(bytes.fromhex(str(doc.get(key, ""))))
                 if crl.next_update_utc is not None:
                     when = min(when, int(crl.next_update_utc.timestamp()))
-        except ValueError:
-            pass  # unreadable CRLs are dcap-qvl's to refuse; the dates above still hold
+        except (ValueError, TypeError, x509.InvalidVersion):
+            pass  # unreadable CRLs are refused by collateral_check; the dates above still hold
         return when
 
     @property
@@ -278,7 +296,9 @@ class PccsCollateral:
             if collateral.fmspc and collateral.fmspc != key[1]:
                 errors.append(f"{endpoint}: answered for FMSPC {collateral.fmspc}, not {key[1]}")
                 continue
-            expires = min(collateral.next_update, now + self.max_ttl_seconds)
+            # The set's earliest lapse, CRLs included: a cache entry outliving a CRL would hand
+            # out a set every verifier refuses as expired until max_ttl ran out.
+            expires = min(collateral.expires_at, now + self.max_ttl_seconds)
             self.cache.put(key, collateral, expires)
             return collateral
         raise CollateralError("no PCCS endpoint supplied collateral: " + "; ".join(errors))
@@ -288,3 +308,137 @@ class PccsCollateral:
         when = int(time.time()) if now is None else now
         hit = self.cached(raw_quote, when)  # no event loop needed for a cache hit
         return hit if hit is not None else asyncio.run(self.acollateral_for(raw_quote, when))
+
+
+# Real sets are 16-19 KB (tests/data/tdx); a PCK CRL grows with revocations, never by 10x.
+MAX_RELAYED_COLLATERAL = 256 * 1024
+RELAYED_CACHE_ENTRIES = 8
+
+
+class RelayedCollateral:
+    """Collateral the attested peer sends with its quote (atls.py EVIDENCE `collateral`).
+
+    The bytes are untrusted: refused here when missing, oversized, malformed, for another
+    FMSPC or past a nextUpdate; the verifier then checks every signature and CRL up to its
+    pinned root and runs DCAP on them exactly as on a PCCS answer. Parsed sets are kept by the
+    SHA-256 of their bytes (at most RELAYED_CACHE_ENTRIES), so a peer sending the same set each
+    handshake is parsed once; a changed byte is another key, parsed and checked afresh."""
+
+    def __init__(
+        self, max_bytes: int = MAX_RELAYED_COLLATERAL, entries: int = RELAYED_CACHE_ENTRIES
+    ) -> None:
+        self.max_bytes = max_bytes
+        self.entries = entries
+        self._parsed: OrderedDict[bytes, Collateral] = OrderedDict()
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+
+    def collateral_for(self, raw_quote: bytes, now: int) -> Collateral:
+        """As a plain source (nothing relayed): refused as missing."""
+        return self.accept(raw_quote, None, now)
+
+    def accept(self, raw_quote: bytes, relayed: bytes | None, now: int) -> Collateral:
+        if relayed is None:
+            raise CollateralRefused(
+                CollateralRefusal.MISSING, "the peer sent no collateral with its quote"
+            )
+        if len(relayed) > self.max_bytes:
+            raise CollateralRefused(
+                CollateralRefusal.OVERSIZED,
+                f"{len(relayed)} bytes, more than the {self.max_bytes} allowed",
+            )
+        collateral = self._parse(relayed)
+        fmspc = pck_identity(raw_quote)[0]
+        if collateral.fmspc != fmspc:
+            raise CollateralRefused(
+                CollateralRefusal.WRONG_FMSPC,
+                f"TCB info is for FMSPC {collateral.fmspc or '(none)'}, the quote's PCK is {fmspc}",
+            )
+        if now < collateral.issue_date or now >= collateral.expires_at:
+            raise CollateralRefused(
+                CollateralRefusal.STALE,
+                f"valid from {collateral.issue_date} until {collateral.expires_at}, now is {now}",
+            )
+        return collateral
+
+    def _parse(self, relayed: bytes) -> Collateral:
+        key = hashlib.sha256(relayed).digest()
+        with self._lock:
+            hit = self._parsed.get(key)
+            if hit is not None:
+                self._parsed.move_to_end(key)
+                self.hits += 1
+                return hit
+        try:
+            collateral = Collateral.from_json(relayed)
+        except CollateralError as exc:
+            raise CollateralRefused(CollateralRefusal.MALFORMED, str(exc)) from None
+        with self._lock:
+            self.misses += 1
+            self._parsed[key] = collateral
+            while len(self._parsed) > self.entries:
+                self._parsed.popitem(last=False)
+        return collateral
+
+
+class CollateralRelay:
+    """The attested server's side: the collateral for its own quote, sent with its EVIDENCE.
+
+    Fetched from `source` (PCCS / Intel PCS, through this CVM's own egress) and held per
+    (FMSPC, CA); renewed once less than `refresh_margin` seconds of it remain, at most one fetch
+    per `retry_seconds`. While a renewal fails the held set is served until it lapses; after
+    that nothing is sent and the peer refuses (missing), never a lapsed set."""
+
+    def __init__(
+        self,
+        source: PccsCollateral,
+        *,
+        refresh_margin: int = 6 * 3600,
+        retry_seconds: int = 300,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.source = source
+        self.refresh_margin = refresh_margin
+        self.retry_seconds = retry_seconds
+        self.clock = clock
+        self._held: dict[tuple[str, str], Collateral] = {}
+        self._next_fetch: dict[tuple[str, str], int] = {}
+        self._lock = asyncio.Lock()
+        self.fetches = 0
+        self.served = 0
+        self.last_error: str | None = None
+
+    async def __call__(self, raw_quote: bytes) -> bytes | None:
+        now = int(self.clock())
+        key = pck_identity(raw_quote)
+        held = self._held.get(key)
+        renewing = self._lock.locked() and held is not None and now < held.expires_at
+        if not renewing and (held is None or now + self.refresh_margin >= held.expires_at):
+            # (While one handshake renews, the others serve the still-valid held set.)
+            async with self._lock:
+                held = await self._renew(key, raw_quote, now)
+        if held is None or now >= held.expires_at:
+            return None
+        self.served += 1
+        return held.json_text.encode()
+
+    async def _renew(self, key: tuple[str, str], raw_quote: bytes, now: int) -> Collateral | None:
+        held = self._held.get(key)
+        fresh_enough = held is not None and now + self.refresh_margin < held.expires_at
+        if fresh_enough or now < self._next_fetch.get(key, 0):
+            return held  # renewed meanwhile, or tried too recently
+        self._next_fetch[key] = now + self.retry_seconds
+        self.fetches += 1
+        try:
+            # Looked up as of the end of the margin: a cached set lapsing before then is a miss.
+            fresh = await self.source.acollateral_for(raw_quote, now + self.refresh_margin)
+        except CollateralError as exc:
+            self.last_error = str(exc)
+            return held
+        if len(self._held) >= 8 and key not in self._held:
+            self._held.clear()  # one platform per CVM; bounded all the same
+        if held is None or fresh.expires_at >= held.expires_at:
+            self._held[key] = fresh
+        self.last_error = None
+        return self._held[key]

@@ -165,9 +165,14 @@ def _cert(
     return b.sign(issuer_key, hashes.SHA256())
 
 
-def _crl(issuer: x509.Certificate, key: ec.EllipticCurvePrivateKey, at: int) -> bytes:
+def _crl(
+    issuer: x509.Certificate,
+    key: ec.EllipticCurvePrivateKey,
+    at: int,
+    revoked: x509.Certificate | None = None,
+) -> bytes:
     now = dt.datetime.fromtimestamp(at, dt.UTC)
-    crl = (
+    builder = (
         x509.CertificateRevocationListBuilder()
         .issuer_name(issuer.subject)
         .last_update(now)
@@ -176,9 +181,15 @@ def _crl(issuer: x509.Certificate, key: ec.EllipticCurvePrivateKey, at: int) -> 
         .add_extension(
             x509.AuthorityKeyIdentifier.from_issuer_public_key(key.public_key()), critical=False
         )
-        .sign(key, hashes.SHA256())
     )
-    return crl.public_bytes(Encoding.DER)
+    if revoked is not None:
+        builder = builder.add_revoked_certificate(
+            x509.RevokedCertificateBuilder()
+            .serial_number(revoked.serial_number)
+            .revocation_date(now)
+            .build()
+        )
+    return builder.sign(key, hashes.SHA256()).public_bytes(Encoding.DER)
 
 
 def _pem(*certs: x509.Certificate) -> str:
@@ -222,8 +233,11 @@ class SimulatedPki:
             c.public_bytes(Encoding.PEM) for c in (self.pck, self.platform_ca, self.root)
         )
 
-    def collateral(self, issued_at: int, *, tcb_status: str = "UpToDate") -> Collateral:
-        """Collateral valid for 30 days from `issued_at`, as a PCCS would serve it."""
+    def collateral(
+        self, issued_at: int, *, tcb_status: str = "UpToDate", revoke_pck: bool = False
+    ) -> Collateral:
+        """Collateral valid for 30 days from `issued_at`, as a PCCS would serve it;
+        `revoke_pck`: its PCK CRL lists this PKI's PCK certificate."""
         nxt = issued_at + VALIDITY_DAYS * 24 * 3600
         tdx_comps = [{"svn": v} for v in SIM_TEE_TCB_SVN]
         sgx_comps = [{"svn": v} for v in SIM_CPUSVN]
@@ -290,7 +304,9 @@ class SimulatedPki:
         doc = {
             "pck_crl_issuer_chain": _pem(self.platform_ca, self.root),
             "root_ca_crl": _crl(self.root, self.root_key, issued_at).hex(),
-            "pck_crl": _crl(self.platform_ca, self.platform_ca_key, issued_at).hex(),
+            "pck_crl": _crl(
+                self.platform_ca, self.platform_ca_key, issued_at, self.pck if revoke_pck else None
+            ).hex(),
             "tcb_info_issuer_chain": _pem(self.tcb_signing, self.root),
             "tcb_info": tcb_text,
             "tcb_info_signature": raw_signature(self.tcb_signing_key, tcb_text.encode()).hex(),

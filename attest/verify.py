@@ -22,9 +22,20 @@ from umbra.attest.azure import (
     parse_hcl_report,
     tpm_nonce_for,
 )
-from umbra.attest.collateral import Collateral, CollateralSource, StaticCollateral
+from umbra.attest.collateral import (
+    Collateral,
+    CollateralSource,
+    RelayedCollateral,
+    StaticCollateral,
+)
+from umbra.attest.collateral_check import check_collateral
 from umbra.attest.dcap import CAUSE, verify_dcap
-from umbra.attest.errors import AttestError, QuoteParseError
+from umbra.attest.errors import (
+    AttestError,
+    CollateralRefusal,
+    CollateralRefused,
+    QuoteParseError,
+)
 from umbra.attest.eventlog import (
     RUNTIME_EVENT_TYPE,
     RUNTIME_IMR,
@@ -78,6 +89,8 @@ class Verdict:
     failures: list[Failure] = field(default_factory=list)
     platform: str = "tdx"
     pcrs: dict[int, str] = field(default_factory=dict)
+    # Set when the collateral itself was refused (missing, stale, tampered, revoked, ...).
+    collateral_refusal: CollateralRefusal | None = None
 
     def with_failure(self, step: Step, reason: str) -> Verdict:
         """This verdict with one more failure (e.g. an event log that did not even parse)."""
@@ -89,7 +102,13 @@ class Verdict:
         return sorted({f.step for f in self.failures}, key=list(Step).index)
 
     def to_json(self) -> dict[str, Any]:
+        extra = (
+            {}
+            if self.collateral_refusal is None
+            else {"collateral_refusal": self.collateral_refusal.value}
+        )
         return {
+            **extra,
             "ok": self.ok,
             "verdict": "PASS" if self.ok else "FAIL",
             "simulated": self.simulated,
@@ -131,6 +150,10 @@ class Verifier:
     Simulated quotes are verified by the same code with a different root CA, and only when
     *both* the caller sets `allow_simulated` (and supplies the simulated root) *and* the
     measurement policy says `tee: simulated`.
+
+    With a `RelayedCollateral` source, the collateral is what the peer sent with its evidence
+    (`verify(..., relayed_collateral=...)`); any other source ignores relayed bytes. Either way
+    the set's signatures and CRLs are checked up to the pinned root, then DCAP runs.
     """
 
     policy: MeasurementPolicy
@@ -145,12 +168,15 @@ class Verifier:
         event_log: Sequence[Event] | None = None,
         expected_report_data: bytes | None = None,
         now: int | None = None,
+        relayed_collateral: bytes | None = None,
     ) -> Verdict:
         """Verify a bare TDX quote or an Azure evidence envelope (`umbra.attest.azure`): the
         bytes say which, the policy's `platform` says which is acceptable."""
         when = int(time.time()) if now is None else now
         try:
-            return self._verify(raw_quote, event_log, expected_report_data, when)
+            return self._verify(
+                raw_quote, event_log, expected_report_data, when, relayed_collateral
+            )
         except AttestError as exc:  # an error from a deeper layer is a failed verdict, not a crash
             reason = str(exc)
         except (ValueError, TypeError, OverflowError, RecursionError) as exc:
@@ -170,6 +196,7 @@ class Verifier:
         event_log: Sequence[Event] | None,
         expected_report_data: bytes | None,
         now: int,
+        relayed: bytes | None = None,
     ) -> Verdict:
         simulated = self.policy.tee == "simulated"
         platform = self.policy.release.platform
@@ -237,7 +264,13 @@ class Verifier:
             )
 
         try:
-            collateral = self.collateral.collateral_for(raw_quote, now)
+            if isinstance(self.collateral, RelayedCollateral):
+                collateral = self.collateral.accept(raw_quote, relayed, now)
+            else:
+                collateral = self.collateral.collateral_for(raw_quote, now)
+        except CollateralRefused as exc:
+            add(Step.COLLATERAL, str(exc))
+            return done(quote=summary, collateral_refusal=exc.refusal)
         except AttestError as exc:
             add(Step.COLLATERAL, f"collateral unavailable: {exc}")
             return done(quote=summary)
@@ -245,7 +278,12 @@ class Verifier:
         if now >= collateral.expires_at:
             # Said plainly rather than as dcap-qvl's CRL/TCB-info error text.
             add(Step.COLLATERAL, f"collateral expired at {_iso(collateral.expires_at)}")
-            return done(quote=summary)
+            return done(quote=summary, collateral_refusal=CollateralRefusal.STALE)
+        try:
+            check_collateral(collateral, q.pck_chain_pem, anchor)
+        except CollateralRefused as exc:
+            add(Step.COLLATERAL, str(exc))
+            return done(quote=summary, collateral_refusal=exc.refusal)
         dcap = verify_dcap(raw_quote, collateral, now, self.policy.release.tcb, root_ca_der=root)
         for reason in dcap.reasons:
             add(_dcap_step(reason, dcap.status), reason)

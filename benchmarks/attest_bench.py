@@ -11,6 +11,11 @@
    JSON), against one SHA-384 pass over the same bytes as the baseline; target < 50 ms each.
 4. aTLS handshake (TLS 1.3 + nonce + simulated quote + full verification) vs a plain TLS 1.3
    handshake over the same pyOpenSSL transport on loopback, and the ratio between them.
+5. The same aTLS handshake with relayed collateral (issue 22): the server's CollateralRelay
+   sends its set with the quote and the client's RelayedCollateral takes it, against the client
+   holding the set itself (StaticCollateral, as a PCCS cache hit), interleaved; and the cold
+   first handshake (the relay fetches from a loopback PCCS, the client parses and checks the
+   set's signatures), each with a fresh relay and client.
 
 Run: .venv/bin/python benchmarks/attest_bench.py [--iterations N]
 """
@@ -27,8 +32,16 @@ from pathlib import Path
 
 import dcap_qvl
 
+from umbra.attest import collateral_check
 from umbra.attest.atls import ATLSConnection, atls_connect, serve_atls
-from umbra.attest.collateral import Collateral, CollateralCache, PccsCollateral, StaticCollateral
+from umbra.attest.collateral import (
+    Collateral,
+    CollateralCache,
+    CollateralRelay,
+    PccsCollateral,
+    RelayedCollateral,
+    StaticCollateral,
+)
 from umbra.attest.dcap import verify_dcap
 from umbra.attest.eventlog import (
     MAX_EVENTS,
@@ -41,6 +54,7 @@ from umbra.attest.measurement import MeasurementPolicy, ReleaseManifest
 from umbra.attest.quote import parse_quote
 from umbra.attest.quote_source import SimulatedSource
 from umbra.attest.simazure import SimulatedAzureCvm
+from umbra.attest.simpccs import SimulatedPccs
 from umbra.attest.simpki import SimulatedPki
 from umbra.attest.simulator import SimulatedTdx
 from umbra.attest.tcb import TcbPolicy
@@ -254,6 +268,73 @@ async def bench_handshakes(n: int) -> tuple[float, float]:
     return statistics.median(plain), statistics.median(atls)
 
 
+async def bench_relayed(n: int) -> tuple[float, float, float]:
+    pki = SimulatedPki.generate()
+    tdx = SimulatedTdx(pki)
+    tdx.extend_runtime_event("compose-hash", bytes(32))
+    now = int(time.time())
+    release = tdx.release_manifest(events=[{"name": "compose-hash", "payloads": [bytes(32).hex()]}])
+
+    def verifier(source: StaticCollateral | RelayedCollateral) -> Verifier:
+        return Verifier(
+            MeasurementPolicy(release=release),
+            source,
+            allow_simulated=True,
+            simulated_root_der=pki.root_der,
+        )
+
+    async def idle(conn: ATLSConnection) -> None:
+        await conn.recv(1)
+
+    with SimulatedPccs(pki, now - 60) as pccs:
+        relay = CollateralRelay(PccsCollateral([pccs.url]))
+        plain = await serve_atls(
+            "127.0.0.1", 0, idle, SimulatedSource(tdx), event_log=tdx.event_log
+        )
+        relayed = await serve_atls(
+            "127.0.0.1", 0, idle, SimulatedSource(tdx), event_log=tdx.event_log, collateral=relay
+        )
+        static_v = verifier(StaticCollateral(pki.collateral(now - 60)))
+        relayed_v = verifier(RelayedCollateral())
+
+        async def once(server: object, v: Verifier) -> float:
+            port = server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
+            t0 = time.perf_counter()
+            conn = await atls_connect("127.0.0.1", port, v, now=now)
+            dt = time.perf_counter() - t0
+            assert conn.verdict is not None and conn.verdict.ok, conn.verdict
+            await conn.close()
+            return dt * 1000
+
+        await once(plain, static_v)
+        await once(relayed, relayed_v)
+        held: list[float] = []
+        sent: list[float] = []
+        for _ in range(n):
+            held.append(await once(plain, static_v))
+            sent.append(await once(relayed, relayed_v))
+        cold: list[float] = []
+        for _ in range(max(5, n // 5)):
+            fresh = CollateralRelay(PccsCollateral([pccs.url]))
+            server = await serve_atls(
+                "127.0.0.1", 0, idle, SimulatedSource(tdx), event_log=tdx.event_log,
+                collateral=fresh,
+            )  # fmt: skip
+            collateral_check._MEMO.clear()
+            cold.append(await once(server, verifier(RelayedCollateral())))
+            server.close()
+            await server.wait_closed()
+        for server in (plain, relayed):
+            server.close()
+            await server.wait_closed()
+    size = len(pki.collateral(now - 60).json_text)
+    print(f"== relayed collateral (set of {size} bytes in EVIDENCE; same run, interleaved) ==")
+    print(_fmt("aTLS, collateral held by the client", held))
+    print(_fmt("aTLS, collateral relayed (cache hit)", sent))
+    print(_fmt("aTLS, relayed, cold (PCCS fetch + check)", cold))
+    return statistics.median(held), statistics.median(sent), statistics.median(cold)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--iterations", "-n", type=int, default=200)
@@ -267,6 +348,10 @@ def main() -> None:
     print(f"aTLS / plain TLS handshake:            {atls_ms / plain_ms:6.1f}x")
     print(f"aTLS overhead over plain TLS:          {atls_ms - plain_ms:8.3f} ms")
     print(f"real-quote verification / plain TLS:   {verify_ms / plain_ms:6.1f}x")
+    held_ms, sent_ms, cold_ms = asyncio.run(bench_relayed(max(20, args.iterations // 4)))
+    print(f"relayed (cache hit) / held collateral: {sent_ms / held_ms:6.2f}x")
+    print(f"added by relaying (cache hit):         {sent_ms - held_ms:8.3f} ms")
+    print(f"added by relaying (cold, first):       {cold_ms - held_ms:8.3f} ms")
 
 
 if __name__ == "__main__":

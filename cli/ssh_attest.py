@@ -121,9 +121,14 @@ class CapturingVerifier(Verifier):
         event_log: Sequence[Event] | None = None,
         expected_report_data: bytes | None = None,
         now: int | None = None,
+        relayed_collateral: bytes | None = None,
     ) -> Verdict:
         verdict = super().verify(
-            raw_quote, event_log=event_log, expected_report_data=expected_report_data, now=now
+            raw_quote,
+            event_log=event_log,
+            expected_report_data=expected_report_data,
+            now=now,
+            relayed_collateral=relayed_collateral,
         )
         self.verdict = verdict
         self.log = list(event_log) if event_log is not None else None

@@ -9,6 +9,7 @@ Only pydantic here: `umbra --help` must not import mitmproxy.
 from __future__ import annotations
 
 import ipaddress
+import re
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.fields import FieldInfo
 
 DEFAULT_MAX_BODY = 32 << 20
+_PCCS_URL = re.compile(r"^https?://[A-Za-z0-9.:\[\]/_-]+$")
 QuoteSource = Literal["configfs", "azure", "simulated"]
 
 
@@ -144,6 +146,17 @@ class ProxyConfig(BaseModel):
             "seconds an attested session may take to send its identity header",
         ),
     ] = Field(default=10.0, gt=0)
+    tunnel_collateral_pccs: Annotated[
+        list[str],
+        Flag(
+            "PCCS / Intel PCS URL the tunnel endpoint fetches its own collateral from (repeat).",
+            "the tunnel endpoint sends the Intel-signed collateral for its own quote with it, "
+            "fetched from these PCCS / PCS URLs in turn through this CVM's egress and renewed "
+            "before it lapses, so a forwarder that reaches no PCCS verifies it (see Tunnel "
+            "endpoint)",
+            metavar="URL",
+        ),
+    ] = Field(default_factory=list)
     policy_dir: Annotated[
         Path | None,
         Flag(
@@ -368,6 +381,11 @@ class ProxyConfig(BaseModel):
             # The endpoint registers loopback sources; a proxy listener others can reach would
             # accept connections the endpoint never authenticated.
             raise ValueError("with --tunnel-listen, --listen must be a loopback address")
+        if self.tunnel_collateral_pccs and self.tunnel_listen_host is None:
+            raise ValueError("--tunnel-collateral-pccs needs --tunnel-listen")
+        for url in self.tunnel_collateral_pccs:
+            if not _PCCS_URL.match(url):
+                raise ValueError(f"--tunnel-collateral-pccs {url[:80]!r} is not an http(s) URL")
         if self.workers > 1 and (
             self.listen_port == 0
             or (self.tunnel_listen_host is not None and self.tunnel_listen_port == 0)

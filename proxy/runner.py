@@ -21,7 +21,14 @@ from umbra.proxy.clock import OffsetClock
 from umbra.proxy.config import ProxyConfig
 from umbra.proxy.identity import CvmIdentity, StaticIdentities
 from umbra.proxy.spool import Spool
-from umbra.proxy.startup import StartupError, console_client, load, log_to_stderr, tunnel_evidence
+from umbra.proxy.startup import (
+    StartupError,
+    collateral_relay,
+    console_client,
+    load,
+    log_to_stderr,
+    tunnel_evidence,
+)
 from umbra.proxy.state import PolicyState
 from umbra.proxy.tunnel import TunnelEndpoint
 from umbra.proxy.tunnel_identities import ChainedIdentities, TunnelIdentities
@@ -174,6 +181,7 @@ class UmbraProxy:
             header_timeout=config.tunnel_header_timeout,
             ca_file=config.confdir / "mitmproxy-ca-cert.pem",
             sandbox_env=self._sandbox_env,
+            collateral=collateral_relay(config),
         )
         quote_source, event_log = evidence
         try:

@@ -14,6 +14,8 @@ from typing import NamedTuple
 
 import httpx
 
+from umbra.attest.atls import CollateralProvider
+from umbra.attest.collateral import CollateralRelay, PccsCollateral
 from umbra.policy import BundleError, PolicyError
 from umbra.policy.bundle import load_public_key
 from umbra.policy.loader import load_policy_dir
@@ -66,6 +68,38 @@ def tunnel_evidence(config: ProxyConfig) -> Evidence | None:
     if config.tunnel_listen_host is None and not config.secrets_from_console:
         return None
     return config_evidence(config, "attestation evidence")
+
+
+def collateral_relay(config: ProxyConfig) -> CollateralProvider | None:
+    """The tunnel endpoint's own collateral, sent with its quote (`--tunnel-collateral-pccs`)."""
+    if not config.tunnel_collateral_pccs:
+        return None
+    return logged(CollateralRelay(PccsCollateral(config.tunnel_collateral_pccs)))
+
+
+def logged(relay: CollateralRelay) -> CollateralProvider:
+    """`relay`, saying once per change when a fetch fails and when nothing can be sent: the
+    forwarders then refuse us (`collateral_missing`), and the operator must see why here."""
+    said: list[str | None] = [None]
+
+    async def provide(raw_quote: bytes) -> bytes | None:
+        data = await relay(raw_quote)
+        error = relay.last_error
+        if error != said[0]:
+            said[0] = error
+            if error is None:
+                logging.getLogger(__name__).warning(
+                    "tunnel collateral: fetched again after failing"
+                )
+            else:
+                logging.getLogger(__name__).warning(
+                    "tunnel collateral: fetch failed (%s); %s",
+                    error,
+                    "still sending the held set" if data is not None else "sending none",
+                )
+        return data
+
+    return provide
 
 
 def console_verify(config: ProxyConfig) -> ssl.SSLContext | bool:

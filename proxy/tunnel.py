@@ -15,6 +15,10 @@ Dev CVM until mutual attestation exists.
 
 A `ca` header (same checks) is answered with the interception CA certificate instead of a relay:
 the forwarder installs it for its sandbox, authenticated by this attested session.
+
+With `collateral` (a `CollateralRelay`), every EVIDENCE frame carries the Intel-signed collateral
+for our own quote, fetched through this CVM's egress and renewed before it lapses: a cloud Dev
+CVM's forwarder reaches no PCCS, and needs no new route for this (attest/atls.py).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from umbra.attest.atls import ATLSConnection, relay, serve_atls
+from umbra.attest.atls import ATLSConnection, CollateralProvider, relay, serve_atls
 from umbra.attest.errors import ATLSError
 from umbra.attest.eventlog import Event
 from umbra.attest.quote_source import QuoteSource
@@ -74,6 +78,9 @@ class TunnelEndpoint:
     # The composed `sandbox_env` of the profiles attached to a CVM now (`env` mode); None: an
     # endpoint without policy (tests) answers every CVM with an empty environment.
     sandbox_env: Callable[[CvmIdentity], dict[str, str]] | None = None
+    # The collateral for our own quote, sent with it (`--tunnel-collateral-pccs`: a
+    # `CollateralRelay`); None: forwarders fetch their own from a PCCS.
+    collateral: CollateralProvider | None = None
     stats: EndpointStats = field(default_factory=EndpointStats)
 
     async def serve(
@@ -92,6 +99,7 @@ class TunnelEndpoint:
             event_log=event_log,
             handshake_timeout=handshake_timeout,
             on_error=self._atls_failed,
+            collateral=self.collateral,
         )
 
     def _refuse(self, reason: Reason, detail: str, identity: CvmIdentity | None = None) -> None:

@@ -179,7 +179,10 @@ def forwarder_config(inputs: DevCvmInputs, index: int = NETWORK_INDEX) -> dict[s
         "security_cvm_release": inputs.security_cvm_release.model_dump(
             mode="json", exclude_none=True
         ),
-        "collateral": {"pccs_urls": list(inputs.pccs_urls)},
+        # No PCCS is reachable from a cloud Dev CVM: by default the Security CVM relays its own.
+        "collateral": {"pccs_urls": list(inputs.pccs_urls)}
+        if inputs.pccs_urls
+        else {"relayed": True},
         "cvm_id_file": f"{FORWARDER_LAUNCH_DIR}/cvm-id",
         "credential_file": f"{FORWARDER_STATE_DIR}/tunnel-credential",
         "sandbox_ca": {"file": SANDBOX_CA_FILE},

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from umbra.attest.atls import ATLSConnection, client_handshake, relay
-from umbra.attest.errors import ATLSError
+from umbra.attest.errors import ATLSError, ATLSRefused
 from umbra.attest.verify import Verifier
 from umbra.contracts.tunnel_header import (
     HeaderError,
@@ -105,6 +105,8 @@ class Forwarder:
     dns: DnsResponder | None = None
     peek_timeout: float = PEEK_TIMEOUT
     dial: Dialer = tcp_dial
+    # The verification time (None: now); tests of recorded Intel quotes set their collateral's.
+    clock: Callable[[], float] | None = None
     stats: ForwarderStats = field(default_factory=ForwarderStats)
     _servers: list[asyncio.Server] = field(default_factory=list)
     _slots: asyncio.Semaphore | None = None
@@ -313,17 +315,29 @@ class Forwarder:
             if client is not None:
                 await _abort(client)
             return None
+        now = None if self.clock is None else int(self.clock())
         try:
             return await asyncio.wait_for(
-                client_handshake(up_r, up_w, self.verifier), self.handshake_timeout
+                client_handshake(up_r, up_w, self.verifier, now=now), self.handshake_timeout
             )
         except Exception as exc:  # anything unforeseen refuses, never passes
-            self.stats.refuse("attestation_failed")
-            logger.warning(
-                "refusing sandbox connection: Security CVM %s not verified: %s",
-                target,
-                str(exc) or type(exc).__name__,
-            )
+            refusal = exc.collateral_refusal if isinstance(exc, ATLSRefused) else None
+            if refusal is not None:
+                # The Security CVM's collateral (relayed or fetched) was refused: say which way.
+                self.stats.refuse(f"collateral_{refusal}")
+                logger.warning(
+                    "refusing sandbox connection: Security CVM %s not verified (collateral_%s): %s",
+                    target,
+                    refusal,
+                    exc,
+                )
+            else:
+                self.stats.refuse("attestation_failed")
+                logger.warning(
+                    "refusing sandbox connection: Security CVM %s not verified: %s",
+                    target,
+                    str(exc) or type(exc).__name__,
+                )
             up_w.close()
             if client is not None:
                 await _abort(client)

@@ -58,13 +58,18 @@ class Listen(Strict):
 
 
 class Collateral(Strict):
+    """Where the Security CVM's collateral comes from: PCCS endpoints, a file, or `relayed`: the
+    set the Security CVM's tunnel endpoint sends with its quote (a cloud Dev CVM reaches no
+    PCCS). All three are verified alike, every signature up to the pinned root."""
+
     pccs_urls: list[str] = Field(default_factory=list)
     file: Path | None = None
+    relayed: bool = False
 
     @model_validator(mode="after")
     def _one(self) -> Collateral:
-        if bool(self.pccs_urls) == (self.file is not None):
-            raise ValueError("collateral needs exactly one of pccs_urls or file")
+        if [bool(self.pccs_urls), self.file is not None, self.relayed].count(True) != 1:
+            raise ValueError("collateral needs exactly one of pccs_urls, file or relayed")
         return self
 
 

@@ -11,6 +11,7 @@ from umbra.attest.collateral import (
     CollateralCache,
     CollateralSource,
     PccsCollateral,
+    RelayedCollateral,
     StaticCollateral,
 )
 from umbra.attest.errors import AttestError
@@ -34,6 +35,8 @@ def build_verifier(cfg: ForwarderConfig, cache_dir: Path | None = None) -> Verif
     try:
         if cfg.collateral.file is not None:
             collateral = StaticCollateral(Collateral.from_file(cfg.collateral.file))
+        elif cfg.collateral.relayed:
+            collateral = RelayedCollateral()
         else:
             collateral = PccsCollateral(cfg.collateral.pccs_urls, cache=CollateralCache(cache_dir))
     except AttestError as exc:

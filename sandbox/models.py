@@ -77,6 +77,9 @@ class SecurityImages(Strict):
 ATTESTED_SSH_PORT: Final = 8022
 
 
+PccsUrl = Annotated[str, Field(pattern=r"^https?://[A-Za-z0-9.:\[\]/_-]+$")]
+
+
 class DevCvmInputs(Strict):
     """Everything the Dev CVM's host definition (`dev-cvm.json`, sandbox/dev_definition.py)
     depends on. Same inputs, same bytes. The sandbox's addresses and the forwarder's sandbox-side
@@ -89,9 +92,10 @@ class DevCvmInputs(Strict):
     # The Security CVM's golden values: the forwarder verifies against exactly these, and they are
     # measured with the host definition, so changing them changes the Dev CVM's compose hash.
     security_cvm_release: ReleaseManifest
-    pccs_urls: list[Annotated[str, Field(pattern=r"^https?://[A-Za-z0-9.:\[\]/_-]+$")]] = Field(
-        min_length=1
-    )
+    # Where the forwarder's collateral for the Security CVM comes from: these PCCS endpoints, or
+    # none (the default): the set the Security CVM's tunnel endpoint sends with its quote
+    # (`collateral: {relayed: true}`), since a cloud Dev CVM's host ruleset reaches no PCCS.
+    pccs_urls: list[PccsUrl] = Field(default_factory=list)
     tunnels: list[Tunnel] = Field(default_factory=list)
     allow_simulated: bool = False
     # The Console the forwarder enrolls at, once, at first start: the launch data's one-time
@@ -142,6 +146,10 @@ class SecurityCvmInputs(Strict):
     # The launch data carries the CA the Console's TLS chains to (`umbra-console-ca`); False: a
     # public CA. Measured, like the Dev CVM's.
     console_ca: bool = False
+    # PCCS / Intel PCS endpoints the tunnel endpoint fetches the collateral for its own quote
+    # from (through this CVM's egress) and sends with it (`--tunnel-collateral-pccs`): what a
+    # Dev CVM whose forwarder has no `pccs_urls` verifies against. Empty: nothing is sent.
+    pccs_urls: list[PccsUrl] = Field(default_factory=list)
     simulated: SimulatedQuotes | None = None
     test_options: SecurityTestOptions | None = None
 

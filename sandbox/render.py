@@ -80,6 +80,8 @@ def security_options(
                  "--simulated-image", inputs.simulated.image]  # fmt: skip
     if inputs.console_ca:
         args += ["--console-ca", f"{LAUNCH_DIR}/console-ca.pem"]
+    for url in inputs.pccs_urls:
+        args += ["--tunnel-collateral-pccs", url]
     test = inputs.test_options
     if test is not None:
         for net in test.allow_upstream:
