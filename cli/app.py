@@ -62,7 +62,11 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "status": ("umbra.cli.up", "status_app", "What `umbra up` started, and whether it is healthy."),
     "up": ("umbra.cli.up", "up_app", "Start Umbra on this machine (embedded defaults)."),
     "usage": ("umbra.cli.usage", "app", "LLM token usage per day, developer, CVM and model."),
-    "user": ("umbra.cli.user", "app", "People in a team: deactivate a developer (admins)."),
+    "user": (
+        "umbra.cli.user",
+        "app",
+        "People in a team: deactivate or reactivate a developer (admins).",
+    ),
 }
 # name -> (module, attribute holding a one-command typer.Typer, one-line help): top-level
 # commands rather than groups

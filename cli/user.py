@@ -1,5 +1,6 @@
 """`umbra user`: people in a team (admins). `deactivate SUBJECT`: no role in the team from the
-next request on, personal secrets erased, their Dev CVMs detached and stopped (audited)."""
+next request on, personal secrets erased, their Dev CVMs detached and stopped (audited).
+`reactivate SUBJECT`: their roles count again; what deactivation erased or detached stays so."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ import typer
 from umbra.cli.auth import api_errors, api_failure, open_client, resolve_team
 from umbra.cli.output import console, print_json
 
-app = typer.Typer(help="People in a team: deactivate a developer (admins).", no_args_is_help=True)
+app = typer.Typer(
+    help="People in a team: deactivate or reactivate a developer (admins).", no_args_is_help=True
+)
 
 JsonFlag = Annotated[bool, typer.Option("--json", help="Machine-readable output on stdout.")]
 TeamOption = Annotated[str | None, typer.Option("--team", help="Team (default: yours).")]
@@ -42,3 +45,29 @@ def deactivate(
             console.print(f"  {label}: {', '.join(ids)}")
     for cvm_id, reason in done.cvms_skipped.items():
         console.print(f"  [yellow]left as is[/]: {cvm_id} ({reason}); run this again later")
+
+
+@app.command()
+def reactivate(
+    subject: Annotated[str, typer.Argument(help="The developer's OIDC subject (`sub`).")],
+    team: TeamOption = None,
+    as_json: JsonFlag = False,
+) -> None:
+    """Reactivate a developer: their roles count again (secrets stay erased, CVMs detached)."""
+    client, login = open_client(as_json)
+    try:
+        with client:
+            team_name = resolve_team(client, login, team, as_json)
+            done = client.reactivate_user(team_name, subject)
+    except api_errors() as exc:
+        api_failure(exc, as_json)
+    if as_json:
+        print_json(done.model_dump(mode="json"))
+        return
+    if not done.newly:
+        console.print(f"{subject} was not deactivated in {team_name}: nothing changed")
+        return
+    console.print(
+        f"{subject} reactivated in {team_name} (deactivated by {done.deactivated_by}); "
+        "personal secrets set again by them, profiles attached again by an admin"
+    )

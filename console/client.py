@@ -23,6 +23,7 @@ from umbra.console.schemas import (
     EnrollmentToken,
     Me,
     QuarantinePage,
+    Reactivated,
     SecretInfo,
     SecurityReplicaToken,
     TeamDefaultProfiles,
@@ -238,6 +239,13 @@ class ConsoleClient(_Base):
             Deactivated,
             "POST",
             f"/api/v1/teams/{team}/members/{quote(subject, safe='')}/deactivate",
+        )
+
+    def reactivate_user(self, team: str, subject: str) -> Reactivated:
+        return self._model(
+            Reactivated,
+            "POST",
+            f"/api/v1/teams/{team}/members/{quote(subject, safe='')}/reactivate",
         )
 
     def set_team_secret(

@@ -82,6 +82,7 @@ class AuditAction(StrEnum):
     secret_refresh = "secret.refresh"  # a Security CVM wrote back a rotated refresh token
     secret_refresh_failed = "secret.refresh_failed"  # the token endpoint refused: needs a login
     user_deactivate = "user.deactivate"
+    user_reactivate = "user.reactivate"
     traffic_retention = "traffic.retention"  # a retention run (console/traffic_retention.py)
 
 

@@ -413,3 +413,13 @@ class Deactivated(Strict):
     cvms_detached: list[str]
     cvms_stopped: list[str]
     cvms_skipped: dict[str, str] = Field(description="CVM id -> why it was left as it is.")
+
+
+class Reactivated(Strict):
+    """What `POST /teams/{team}/members/{subject}/reactivate` did (services/people.py)."""
+
+    team: str
+    subject: str
+    newly: bool = Field(description="False: they were not deactivated (nothing changed).")
+    deactivated_at: datetime | None = Field(description="When the undone deactivation was.")
+    deactivated_by: str | None = Field(description="Who deactivated them.")

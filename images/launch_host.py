@@ -73,11 +73,13 @@ class DataDisk(Protocol):
 @dataclass(frozen=True)
 class Ext4DataDisk:
     """The persistent disk: formatted (ext4) only when it carries no filesystem signature at all,
-    so a disk with data, or with any other filesystem, is never formatted over."""
+    so a disk with data, or with any other filesystem, is never formatted over; on every later
+    boot, before it is mounted, grown to the device's size when the device is larger."""
 
     device: Path
     mountpoint: Path
     label: str = "umbra-data"
+    resize2fs: tuple[str, ...] = ("resize2fs",)
 
     def mount(self) -> str:
         if not self.device.exists():
@@ -89,6 +91,7 @@ class Ext4DataDisk:
             text=True,
             check=False,
         )
+        grown = ""
         # blkid -p: exit 2 means no signature found; anything else non-zero is an error.
         if probe.returncode == 2:
             _run(["mkfs.ext4", "-q", "-L", self.label, dev], f"mkfs.ext4 {dev}")
@@ -100,12 +103,73 @@ class Ext4DataDisk:
                     "not ext4: refusing to mount or format it"
                 )
             what = "mounted"
+            if not os.path.ismount(self.mountpoint):
+                grown = self._grow(dev)
         else:
             raise HostSetupError(f"blkid -p {dev} failed (exit {probe.returncode})")
         self.mountpoint.mkdir(parents=True, exist_ok=True, mode=0o755)
         if not os.path.ismount(self.mountpoint):
             _run(["mount", "-o", "nodev,nosuid", dev, str(self.mountpoint)], f"mount {dev}")
-        return f"data disk {self.device} {what} at {self.mountpoint}"
+        return f"data disk {self.device} {what} at {self.mountpoint}{grown}"
+
+    def _grow(self, dev: str) -> str:
+        """Grow the ext4 to the device's size when the disk was grown (the Console's `PATCH
+        /cvms/{id} {"data_disk_gb"}`), before it is mounted: `e2fsck -f -p` then `resize2fs`,
+        the offline path resize2fs itself asks for (it checks the filesystem before changing
+        its metadata; the online ioctl also needs CAP_SYS_RESOURCE). Never fatal: a failed grow
+        leaves the filesystem as it was, so the developer keeps their workspace at the old size;
+        refusing the boot would lock them out of it over spare space. The outcome is part of the
+        mount's one serial line."""
+        try:
+            device_bytes = _device_bytes(dev)
+            fs_bytes = _ext4_bytes(dev)
+            if device_bytes - fs_bytes < GROW_THRESHOLD:
+                return ""
+            _fsck(dev)
+            _run([*self.resize2fs, dev], f"resize2fs {dev}")
+            grown = _ext4_bytes(dev)
+        except HostSetupError as exc:
+            return f"; WARNING filesystem not grown, it keeps its size: {exc}"
+        return f"; filesystem grown from {fs_bytes >> 20} MiB to {grown >> 20} MiB"
+
+
+def _fsck(dev: str) -> None:
+    """`e2fsck -f -p`: exit 0 clean, 1 errors fixed; anything else leaves it for a human."""
+    try:
+        done = subprocess.run(
+            ["e2fsck", "-f", "-p", dev], capture_output=True, text=True, check=False, timeout=600
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise HostSetupError(f"e2fsck -f -p {dev}: {exc}") from None
+    if done.returncode not in (0, 1):
+        tail = " / ".join((done.stderr or done.stdout).strip().splitlines()[-2:])
+        raise HostSetupError(f"e2fsck -f -p {dev} failed (exit {done.returncode}): {tail}")
+
+
+# Less than this between the device and the filesystem is not a grown disk: ext4 rounds its
+# size down to whole blocks (and resize2fs to whole block groups' worth at the end).
+GROW_THRESHOLD = 1 << 20
+
+
+def _device_bytes(dev: str) -> int:
+    try:
+        fd = os.open(dev, os.O_RDONLY)
+    except OSError as exc:
+        raise HostSetupError(f"open {dev}: {exc.strerror}") from None
+    try:
+        return os.lseek(fd, 0, os.SEEK_END)
+    finally:
+        os.close(fd)
+
+
+def _ext4_bytes(dev: str) -> int:
+    """The filesystem's size from its superblock (`dumpe2fs -h`, fine while mounted)."""
+    out = _run(["dumpe2fs", "-h", dev], f"dumpe2fs -h {dev}")
+    fields = dict(ln.split(":", 1) for ln in out.splitlines() if ":" in ln)
+    try:
+        return int(fields["Block count"]) * int(fields["Block size"])
+    except (KeyError, ValueError):
+        raise HostSetupError(f"dumpe2fs -h {dev}: no block count or size") from None
 
 
 # ---- finding the data disk without the clouds' udev rules ------------------------------------
@@ -193,6 +257,8 @@ class DiscoveredDataDisk:
     dev_dir: Path = Path("/dev")
     probe: Probe = blkid_probe
 
+    resize2fs: tuple[str, ...] = ("resize2fs",)
+
     def mount(self) -> str:
         device = find_data_disk(self.sys_block, self.dev_dir, self.probe)
-        return Ext4DataDisk(device, self.mountpoint).mount()
+        return Ext4DataDisk(device, self.mountpoint, resize2fs=self.resize2fs).mount()

@@ -1,4 +1,5 @@
-"""People: deactivate a developer in a team (admin); the work is services/people.py."""
+"""People: deactivate or reactivate a developer in a team (admin); the work is
+services/people.py."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from fastapi import APIRouter, Path
 
 from umbra.console.deps import ConsoleDep, UserDep
 from umbra.console.routes.common import TeamPath
-from umbra.console.schemas import Deactivated
+from umbra.console.schemas import Deactivated, Reactivated
 from umbra.console.services import people
 
 router = APIRouter(prefix="/api/v1/teams/{team}/members", tags=["people"])
@@ -29,3 +30,15 @@ def deactivate(
 ) -> Deactivated:
     done = people.deactivate(console=console, user=user, team=team, subject=subject)
     return Deactivated.model_validate(asdict(done))
+
+
+@router.post(
+    "/{subject}/reactivate",
+    summary="Reactivate a developer: their roles in the team count again; erased secrets stay "
+    "erased, CVMs stay detached (admin; audited; idempotent).",
+)
+def reactivate(
+    team: TeamPath, subject: SubjectPath, console: ConsoleDep, user: UserDep
+) -> Reactivated:
+    done = people.reactivate(console=console, user=user, team=team, subject=subject)
+    return Reactivated.model_validate(asdict(done))

@@ -1,4 +1,4 @@
-"""People who leave: `deactivate` a developer in a team (admin).
+"""People who leave, and come back: `deactivate` a developer in a team, `reactivate` them (admin).
 
 In one transaction: the subject is recorded in `deactivated_user` (their OIDC tokens and web
 sessions carry no role in the team from the next request on: `active_roles`, applied where a
@@ -7,11 +7,17 @@ flagged), and `user.deactivate` is audited with what was erased. Then each of th
 the team is detached (no profiles: its egress is closed at the next attachments poll) and
 stopped, each change audited as an admin's would be; a CVM busy with a provider run is reported
 `skipped` with the reason, and deactivating again retries it (idempotent).
+
+Reactivating deletes the `deactivated_user` row (audited `user.reactivate`): their tokens carry
+their IdP roles in the team again from the next request on. Nothing else is undone: erased
+secrets are gone, their CVMs stay detached and as they are (idempotent: `newly` false when they
+were not deactivated).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import datetime
 
 from sqlalchemy import delete, select
 from sqlmodel import col
@@ -102,3 +108,27 @@ def deactivate(*, console: Console, user: User, team: str, subject: str) -> Deac
             result.cvms_skipped[cvm_id] = exc.detail
     console.notifier.notify()
     return result
+
+
+@dataclass
+class Reactivation:
+    team: str
+    subject: str
+    newly: bool  # False: they were not deactivated (nothing changed)
+    deactivated_at: datetime | None  # the deactivation this undid
+    deactivated_by: str | None
+
+
+def reactivate(*, console: Console, user: User, team: str, subject: str) -> Reactivation:
+    require_role(user, team, Role.admin)
+    with console.write(user_lock(team, subject)) as session:
+        row = session.get(DeactivatedUser, (team, subject))
+        at, by = (row.deactivated_at, row.deactivated_by) if row is not None else (None, None)
+        if row is not None:
+            session.delete(row)
+        audit.append(
+            session, actor=user.subject, team=team, action=AuditAction.user_reactivate,
+            target=subject, details={"already": row is None, "deactivated_by": by,
+                                     "deactivated_at": at.isoformat() if at else None},
+        )  # fmt: skip
+    return Reactivation(team, subject, row is not None, at, by)

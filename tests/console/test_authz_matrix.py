@@ -234,6 +234,12 @@ USER_MATRIX: dict[tuple[str, str], tuple[Case, dict[str, int]]] = {
         ),
         expect(200, 403, 403, 403, 403, 401),
     ),
+    ("POST", T + "/members/{subject}/reactivate"): (
+        lambda w, p: w.call(
+            p, "POST", f"/api/v1/teams/{w.team_a}/members/{unique('back')}/reactivate"
+        ),
+        expect(200, 403, 403, 403, 403, 401),
+    ),
     ("GET", T + "/quotas"): (
         lambda w, p: w.call(p, "GET", f"/api/v1/teams/{w.team_a}/quotas"),
         expect(200, 200, 403, 403, 403, 401),

@@ -412,3 +412,44 @@ def test_the_discovered_disk_is_formatted_once_and_kept(loop_disk: Path, tmp_pat
     subprocess.run(["umount", str(mnt)], check=True)
     assert blkid_probe(dev / "vdb") == ("ext4", "umbra-data")
     assert "(it was empty)" not in disk.mount()
+
+
+def _fs_bytes(mnt: Path) -> int:
+    st = os.statvfs(mnt)
+    return st.f_blocks * st.f_frsize
+
+
+def test_a_grown_data_disk_is_grown_in_the_guest(loop_disk: Path, tmp_path: Path) -> None:
+    """The Console grew the disk (`PATCH /cvms/{id} {"data_disk_gb"}`): the next boot's disk step
+    grows the filesystem online and keeps the workspace. Fails before the fix: the filesystem
+    stayed at its first size."""
+    block = _sysfs(tmp_path, {"vda": BOOT, "vdb": {}})
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    (dev / "vdb").symlink_to(loop_disk)
+    mnt = tmp_path / "mnt"
+    disk = DiscoveredDataDisk(mnt, block, dev)
+    first = disk.mount()
+    assert "formatted (it was empty)" in first and "filesystem grown" not in first
+    (mnt / "work.txt").write_text("the developer's work")
+    before = _fs_bytes(mnt)
+    subprocess.run(["umount", str(mnt)], check=True)
+    assert "filesystem grown" not in disk.mount()  # same size: nothing to do
+    subprocess.run(["umount", str(mnt)], check=True)
+
+    img = tmp_path / "u12-data.img"
+    os.truncate(img, 160 << 20)  # the provider extends the disk (qemu: the sparse file)
+    subprocess.run(["losetup", "-c", str(loop_disk)], check=True)
+    # A grow that fails does not stop the boot: mounted at the old size, one warning.
+    failing = DiscoveredDataDisk(mnt, block, dev, resize2fs=("false",))
+    said = failing.mount()
+    assert "mounted at" in said and "WARNING filesystem not grown, it keeps its size" in said
+    assert _fs_bytes(mnt) == before and (mnt / "work.txt").read_text() == "the developer's work"
+    subprocess.run(["umount", str(mnt)], check=True)
+
+    said = disk.mount()
+    assert "filesystem grown from 64 MiB to 160 MiB" in said, said
+    assert _fs_bytes(mnt) > before * 2
+    assert (mnt / "work.txt").read_text() == "the developer's work"
+    subprocess.run(["umount", str(mnt)], check=True)
+    assert "filesystem grown" not in disk.mount()  # the next boot: already the device's size
