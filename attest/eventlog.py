@@ -214,6 +214,8 @@ def parse_ccel(data: bytes) -> list[Event]:
         if records > MAX_EVENTS:
             raise EventLogError(f"CCEL has more than {MAX_EVENTS} events")
         start = pos
+        if data[pos : pos + 8] in (b"\xff" * 8, bytes(8)):  # no record: padding, then more
+            raise EventLogError(f"CCEL has data after the padding that starts at byte {pos}")
         index, event_type, count = _HEADER.unpack(take(12, "event header"))
         # Checked before the digests are read: bytes after the padding (or anything else that
         # is no record) stop here with the offset, not as a misleading digest-count error.

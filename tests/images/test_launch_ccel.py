@@ -179,7 +179,7 @@ def _garbled(blob: bytes) -> bytes:
         (None, "No such file"),
         (lambda fw: tdvf_ccel(fw)[: len(HEADER) + 30], "truncated"),
         (lambda fw: _garbled(tdvf_ccel(fw)), "Spec ID"),
-        (lambda fw: tdvf_ccel(fw)[:-8] + b"junk\0\0\0\0", "not a measurement register"),
+        (lambda fw: tdvf_ccel(fw)[:-8] + b"junk\0\0\0\0", "data after the padding"),
         (lambda fw: tdvf_ccel(fw, laml=MAX_LOG_BYTES + 1), f"larger than {MAX_LOG_BYTES}"),
         (lambda fw: tdvf_ccel([]), "no measurement event"),
         (lambda fw: tdvf_ccel([*fw, make_runtime_event(3, "x", b"")]), "event on RTMR3"),
