@@ -14,6 +14,7 @@ from umbra.attest.eventlog import (
     EV_SEPARATOR,
     MAX_DIGESTS_PER_EVENT,
     TPM_ALG_SHA384,
+    Event,
     dump_ccel,
     make_event,
     parse_ccel,
@@ -29,7 +30,7 @@ FIRMWARE = [
 ]
 
 
-def records(events: list) -> bytes:  # type: ignore[type-arg]
+def records(events: list[Event]) -> bytes:
     return dump_ccel(events)[len(HEADER) :]
 
 
