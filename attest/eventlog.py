@@ -168,8 +168,10 @@ def parse_ccel(data: bytes) -> list[Event]:
 
     CCEL MR index 0 is MRTD (not extendable at runtime, so refused here); 1-4 are RTMR0-3.
     EV_NO_ACTION events are informational and not extended (index 0-3 only: index 4 is RTMR3,
-    which accepts runtime events only). The log ends at the data's end
-    or at padding (0xFF.. or 0x00.. after the last event).
+    which accepts runtime events only), wherever they appear in the log. The log ends at the
+    data's end or where only padding follows: TDVF fills the whole log area (LAML bytes, which
+    is what /sys/firmware/acpi/tables/data/CCEL holds) with 0xFF before logging; 0x00 is
+    accepted too. Anything else after the last event is refused.
     """
     _check_size(len(data))
     pos = 0
@@ -211,11 +213,21 @@ def parse_ccel(data: bytes) -> list[Event]:
         records += 1
         if records > MAX_EVENTS:
             raise EventLogError(f"CCEL has more than {MAX_EVENTS} events")
+        start = pos
+        if data[pos : pos + 8] in (b"\xff" * 8, bytes(8)):  # no record: padding, then more
+            raise EventLogError(f"CCEL has data after the padding that starts at byte {pos}")
         index, event_type, count = _HEADER.unpack(take(12, "event header"))
+        # Checked before the digests are read: bytes after the padding (or anything else that
+        # is no record) stop here with the offset, not as a misleading digest-count error.
+        if not 0 <= index <= RTMR_COUNT:
+            raise EventLogError(
+                f"CCEL record at byte {start} is for MR index {index}: not a measurement register"
+            )
         digests: dict[int, bytes] = {}
         if count > MAX_DIGESTS_PER_EVENT:
+            bound = MAX_DIGESTS_PER_EVENT
             raise EventLogError(
-                f"CCEL event has {count} digests, more than {MAX_DIGESTS_PER_EVENT}"
+                f"CCEL event at byte {start} has {count} digests, more than {bound}"
             )
         for _ in range(count):
             alg = int(struct.unpack("<H", take(2, "event.alg"))[0])
@@ -227,8 +239,6 @@ def parse_ccel(data: bytes) -> list[Event]:
         if size > MAX_PAYLOAD:
             raise EventLogError(f"CCEL event payload of {size} bytes is too large")
         payload = take(size, "event.data")
-        if not 0 <= index <= RTMR_COUNT:
-            raise EventLogError(f"CCEL event for MR index {index}: not a measurement register")
         if index == RUNTIME_IMR + 1 and event_type != RUNTIME_EVENT_TYPE:
             raise EventLogError(not_runtime(event_type))  # EV_NO_ACTION too: no hiding there
         if event_type == EV_NO_ACTION:

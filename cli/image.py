@@ -24,6 +24,9 @@ from umbra.images.image_store import IMAGES_DIR
 from umbra.sandbox.validate import ComposeError
 
 if TYPE_CHECKING:  # measuring and signing load attestation and templates: not for --help
+    from collections.abc import Callable, Sequence
+
+    from umbra.attest.eventlog import Event
     from umbra.images.manifest import BootEntry
 
 app = typer.Typer(
@@ -539,6 +542,14 @@ def launch_agent_cmd(
             help="With --tee simulated: the PKI the ingress's simulated quotes are signed by.",
         ),
     ] = None,
+    ccel: Annotated[
+        Path | None,
+        typer.Option(
+            "--ccel",
+            help="With --tee tdx: the firmware's event log (the ACPI CCEL table's log area; "
+            "default /sys/firmware/acpi/tables/data/CCEL).",
+        ),
+    ] = None,
 ) -> None:
     """Boot-time: read launch data, measure it into RTMR3, write /run/umbra/launch, start the
     compose, report ready. Refuses (exit 1, reason on the serial console) on bad launch data."""
@@ -569,9 +580,14 @@ def launch_agent_cmd(
     else:
         fail(f"--cloud must be gcp, azure or smbios, got {cloud!r}", EXIT_USAGE)
     extender: la.Extender
-    firmware_log = None
+    firmware_log: Callable[[], Sequence[Event]] | None = None
+    if ccel is not None and tee != "tdx":
+        fail("--ccel is only for --tee tdx", EXIT_USAGE)
     if tee == "tdx":
+        from umbra.images.launch_ccel import CCEL_DATA, CcelReader
+
         extender = la.SysfsRtmr()
+        firmware_log = CcelReader(ccel or CCEL_DATA)
     elif tee == "emulated":
         module = la.TdxModuleRtmr()
         extender, firmware_log = module, module.firmware_events

@@ -94,6 +94,7 @@ from umbra.images.console_launch import (
     read_console_secrets,
     write_console_files,
 )
+from umbra.images.launch_ccel import FirmwareLogError
 from umbra.images.launch_host import (
     DataDisk,
     Firewall,
@@ -148,6 +149,8 @@ class Refusal(StrEnum):
     START_FAILED = "start_failed"
     INGRESS_FAILED = "ingress_failed"
     SECRET_UNREADABLE = "secret_unreadable"  # noqa: S105 (a reason)
+    # The firmware's event log (a TD's CCEL, the emulated module's) is missing or unusable.
+    FIRMWARE_LOG = "firmware_log_unusable"
 
 
 class LaunchError(Exception):
@@ -785,10 +788,10 @@ class Agent:
     idle_stop: IdleStop | None = None
     # The cloud this runs on: the host ruleset must admit exactly its ready report.
     cloud: str | None = None
-    # The firmware's events of RTMR0-2 (a TD's CCEL), written ahead of RTMR3's into the event
-    # log the services serve, so that a verifier can replay every RTMR. The emulated clouds'
-    # TDX module serves its CCEL; None: RTMR3's events only (TDX today: the CCEL table is not
-    # read yet, docs/specs/images.md).
+    # The firmware's events of RTMR0-2, written ahead of RTMR3's into the event log the
+    # services serve, so that a verifier can replay every RTMR: a TD's CCEL (`CcelReader`), the
+    # emulated clouds' TDX module's. Read before anything is measured; a failure refuses.
+    # None: RTMR3's events only (`--tee simulated`, whose quote source replays that log).
     firmware_log: Callable[[], Sequence[Event]] | None = None
     # Consoles: reads its database password and TLS key by reference with the VM's identity
     # (launch_secrets). None: a Console launch is refused (nothing to read its secrets with).
@@ -814,6 +817,8 @@ class Agent:
             # Read and checked before anything is measured: a key that is not the measured
             # certificate's, or a secret that cannot be read, starts nothing.
             console = self._console_secrets(data) if data.role == "console" else None
+            # Read before anything is measured: without it no verifier accepts this CVM.
+            firmware = self._firmware_events()
             events = launch_event_list(data)
             boot = BootIdentity.generate() if data.role == "dev-cvm" else None
             if boot is not None:
@@ -823,7 +828,7 @@ class Agent:
             # Measure first: whatever runs afterwards is already bound into RTMR3.
             for event in events:
                 self.extender.extend(event)
-            logged = [*self._firmware_events(), *events]
+            logged = [*firmware, *events]
             compose = write_launch_dir(self.launch_dir, data, logged, token, boot)
             if console is not None:
                 try:
@@ -867,8 +872,8 @@ class Agent:
             return []
         try:
             return list(self.firmware_log())
-        except QuoteSourceError as exc:
-            raise LaunchError(Refusal.EXTEND_FAILED, f"the firmware's event log: {exc}") from None
+        except (QuoteSourceError, FirmwareLogError) as exc:
+            raise LaunchError(Refusal.FIRMWARE_LOG, f"the firmware's event log: {exc}") from None
 
     def _console_secrets(self, data: LaunchData) -> ConsoleSecrets:
         if self.secrets is None:

@@ -622,3 +622,30 @@ def test_the_app_compose_must_fit_the_role(standin: StandIn, tmp_path: Path) -> 
         parse_launch_data(bad.gcp_metadata())
     assert exc.value.reason is Refusal.INVALID
     assert "network.forwarder: 10.232.1.1 is not the runc topology's 10.231.1.1" in str(exc.value)
+
+
+def test_cli_on_tdx_without_a_ccel_writes_one_line_and_measures_nothing(
+    standin: StandIn, tmp_path: Path
+) -> None:
+    """`--tee tdx` reads the firmware's log before measuring: a machine without the CCEL table
+    refuses in one line (and never reaches the RTMR3 file, which this host does not have)."""
+    data, _ = _dev_launch()
+    standin.attributes = data.gcp_metadata()
+    serial, marker = tmp_path / "ttyS0", tmp_path / "compose-ran"
+    script = tmp_path / "compose"
+    script.write_text(f"#!/bin/sh\ntouch {marker}\n")
+    script.chmod(0o755)
+    args = ["image", "launch-agent", "--cloud", "gcp", "--tee", "tdx", "--no-ingress",
+            "--no-idle-stop", "--no-report-ready", "--metadata-url", standin.url,
+            "--launch-dir", str(tmp_path / "launch"), "--data-disk", "none",
+            "--console", str(serial), "--compose", str(script),
+            "--ccel", str(tmp_path / "no-CCEL")]  # fmt: skip
+    done = runner.invoke(app, args)
+    assert done.exit_code == 1, done.output
+    lines = serial.read_text().splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("umbra-launch: REFUSED, nothing started: firmware_log_unusable")
+    assert "no-CCEL" in lines[0]
+    assert not marker.exists() and not (tmp_path / "launch").exists()
+    usage = runner.invoke(app, [*args[:5], "simulated", *args[6:]])
+    assert usage.exit_code == 2 and "--ccel is only for --tee tdx" in usage.output
