@@ -554,6 +554,7 @@ def launch_agent_cmd(
     """Boot-time: read launch data, measure it into RTMR3, write /run/umbra/launch, start the
     compose, report ready. Refuses (exit 1, reason on the serial console) on bad launch data."""
     from umbra.images import launch_agent as la
+    from umbra.images import launch_host as lh
     from umbra.images import launch_ingress as li
     from umbra.images import launch_secrets as ls
     from umbra.images.launch_host import DataDisk, DiscoveredDataDisk, Ext4DataDisk
@@ -640,6 +641,7 @@ def launch_agent_cmd(
         idle_stop=la.SystemdIdleStop() if idle_stop else None,
         firmware_log=firmware_log,
         secrets=ls.Retrying(secrets, say=say),
+        local_routes=lh.LocalRoutes(),
     )
     try:
         agent.run()

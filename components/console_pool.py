@@ -13,6 +13,7 @@ an HTTPS probe on `/readyz`, and an outbound rule for egress."""
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 
 import pulumi
 
@@ -142,7 +143,10 @@ def build_gcp_console_pool(
         service_account=gcp.compute.InstanceTemplateServiceAccountArgs(
             email=identity, scopes=API_SCOPES
         ),
-        metadata=launch.apply(lambda d: d.gcp_metadata()),
+        # Each replica takes the balancer's address as a local route (launch agent: LocalRoutes).
+        metadata=pulumi.Output.all(launch, address).apply(
+            lambda v: replace(v[0], lb_ip=v[1]).gcp_metadata()
+        ),
         labels=dict(labels),
         opts=opts,
     )

@@ -54,7 +54,7 @@ META_DATABASE_PASSWORD_REF = "umbra-database-password-ref"  # noqa: S105 (a key 
 META_CONSOLE_TLS_CERT = "umbra-console-tls-cert"
 META_CONSOLE_TLS_KEY_REF = "umbra-console-tls-key-ref"
 # Security CVM replicas: the internal load balancer's address, added as a local route.
-META_LB_IP = "umbra-security-lb-ip"
+META_LB_IP = "umbra-lb-ip"
 # The one-time enrollment token (contracts/enrollment.py): the only credential launch data
 # carries; the launch agent gives it to the enrolling service only (its launch directory, 0400).
 # Not measured (it is spent at first boot and differs per launch).

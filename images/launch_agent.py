@@ -99,6 +99,7 @@ from umbra.images.launch_host import (
     DataDisk,
     Firewall,
     HostSetupError,
+    LocalRoutes,
     Nft,
     write_hosts,
     write_resolv_conf,
@@ -344,6 +345,10 @@ def parse_launch_data(meta: dict[str, str], cloud: str | None = None) -> LaunchD
         # host's namespace (CVE-2024-29018): never configure one.
         raise LaunchError(Refusal.INVALID, f"{META_DNS_RESOLVERS}: loopback resolvers refused")
     lb_ip = meta.get(META_LB_IP)
+    if lb_ip is not None and role not in ("security-cvm", "console"):
+        # Only replicas sit behind a load balancer; on a Dev CVM it would be one more local
+        # address outside the measured host ruleset's view.
+        raise LaunchError(Refusal.INVALID, f"{META_LB_IP}: only a Security CVM or Console replica")
     console_ips = meta.get(META_CONSOLE_IPS)
     if console_ips is not None and sec_ips is None:
         # The Console path is a rule of the measured host ruleset: no ruleset, no path.
@@ -798,6 +803,9 @@ class Agent:
     secrets: SecretReader | None = None
     # Consoles: the uid its secret files belong to (None: the agent's own; tests).
     console_uid: int | None = SERVICE_UID
+    # Replicas behind a GCP passthrough load balancer (`umbra-lb-ip`): adds the
+    # balancer's address as a local route. None: not added, said on the serial console.
+    local_routes: LocalRoutes | None = None
 
     def run(self) -> LaunchData:
         """Raises LaunchError (after saying why) when it refuses; starts nothing then."""
@@ -908,6 +916,13 @@ class Agent:
                 self.say("umbra-launch: host firewall loaded (measured: umbra.host-firewall)")
             elif data.role == "dev-cvm":
                 self.say("umbra-launch: WARNING no umbra-host-firewall in the launch data")
+            if data.lb_ip is not None:
+                if self.local_routes is None:
+                    self.say(f"umbra-launch: WARNING no local route for {data.lb_ip}: the load "
+                             "balancer's packets will be dropped")  # fmt: skip
+                else:
+                    self.local_routes.add(data.lb_ip)
+                    self.say(f"umbra-launch: load balancer address {data.lb_ip} is local")
             if data.security_cvm_ips:
                 write_hosts(self.etc_dir, data.security_cvm_ips)
             if data.dns_resolvers:

@@ -49,6 +49,33 @@ class Nft:
         _run([*self.argv, "-f", "-"], "nft -f (umbra-host-firewall)", stdin=ruleset)
 
 
+@dataclass(frozen=True)
+class LocalRoutes:
+    """`ip route replace local ADDR/32 dev lo table local`. A passthrough load balancer (GCP's
+    internal and external ones) hands the VM packets still addressed to the balancer's address;
+    Google's guest agent, which the image does not run, is what normally adds this route. Without
+    it the kernel does not take those packets as its own and drops them (forwarding is off), so a
+    replica behind the balancer answers its health check on its own address and nothing else."""
+
+    argv: tuple[str, ...] = ("ip",)
+
+    def add(self, address: str) -> None:
+        _run(
+            [
+                *self.argv,
+                "route",
+                "replace",
+                "local",
+                f"{address}/32",
+                "dev",
+                "lo",
+                "table",
+                "local",
+            ],
+            f"local route for the load balancer's {address}",
+        )
+
+
 def write_hosts(etc: Path, security_cvm_ips: Sequence[str]) -> None:
     """The Dev CVM resolves nothing: the Security CVM's name is a static entry."""
     lines = ["127.0.0.1 localhost", "::1 localhost ip6-localhost ip6-loopback"]

@@ -95,9 +95,15 @@ def test_gcp_replicas_are_a_managed_group_behind_a_passthrough_lb() -> None:
     assert template.inputs["shieldedInstanceConfig"]["enableVtpm"] is True
     (ni,) = template.inputs["networkInterfaces"]
     assert not ni.get("accessConfigs")  # no public address on a replica
-    # Every replica boots exactly the launch data the single VM boots.
+    # Every replica boots the launch data the single VM boots, plus the balancer's address
+    # (`umbra-lb-ip`, fails before the fix: without it a replica drops the balancer's packets).
     (vm,) = single.of_type("gcp:compute/instance:Instance")
-    assert template.inputs["metadata"] == vm.inputs["metadata"]
+    (address,) = mocks.of_type("gcp:compute/address:Address")
+    replica_meta = dict(template.inputs["metadata"])
+    assert address.outputs["address"]
+    assert replica_meta.pop("umbra-lb-ip") == address.outputs["address"]
+    assert replica_meta == vm.inputs["metadata"]
+    assert "umbra-lb-ip" not in vm.inputs["metadata"]
     assert template.inputs["serviceAccount"] == vm.inputs["serviceAccount"]
 
     checks = {c.name: c for c in mocks.of_type("gcp:compute/regionHealthCheck:RegionHealthCheck")}

@@ -391,7 +391,7 @@ def test_security_cvm_replicas_sit_behind_an_internal_passthrough_lb_on_the_fixe
     (group,) = mocks.of_type("gcp:compute/instanceGroup:InstanceGroup")
     assert len(group.inputs["instances"]) == 3
     meta = mocks.one(INSTANCE, "acme-security-2").inputs["metadata"]
-    assert meta["umbra-security-lb-ip"] == "10.20.1.10"
+    assert meta["umbra-lb-ip"] == "10.20.1.10"
     dev_meta = mocks.one(INSTANCE, "acme-alice-main").inputs["metadata"]
     assert dev_meta["umbra-security-cvm-ips"] == "10.20.1.10"
     hc = mocks.one("gcp:compute/firewall:Firewall", "acme-security-health-check").inputs
