@@ -4,7 +4,8 @@ Security CVM (which parses what a release carries).
 
 `static` is a value injected as is. The others are documents (JSON objects with these fields) the
 Security CVM turns into what a request needs: an OAuth access token minted from a refresh token,
-client credentials or a Google service-account key (JWT bearer grant), or an AWS SigV4 signature
+client credentials or a Google service-account key (JWT bearer grant), a GitHub App installation
+token (a JWT signed as the app), or an AWS SigV4 signature
 made with the real key in place of the sandbox's placeholder one. No document ever prints a value
 (its repr is its kind), and a validation error never quotes its input
 (`contracts.validation`).
@@ -13,6 +14,7 @@ made with the real key in place of the sandbox's placeholder one. No document ev
 from __future__ import annotations
 
 import json
+import re
 from enum import StrEnum
 from typing import Annotated, Literal
 from urllib.parse import urlsplit
@@ -30,6 +32,7 @@ class SecretKind(StrEnum):
     oauth2_client_credentials = "oauth2-client-credentials"
     google_service_account = "google-service-account"
     aws_sigv4 = "aws-sigv4"
+    github_app = "github-app"
 
 
 MINTED_KINDS = frozenset(
@@ -37,6 +40,7 @@ MINTED_KINDS = frozenset(
         SecretKind.oauth2_refresh,
         SecretKind.oauth2_client_credentials,
         SecretKind.google_service_account,
+        SecretKind.github_app,
     }
 )
 
@@ -121,6 +125,38 @@ class GoogleServiceAccount(_Document):
         return [self.private_key]
 
 
+def _rsa_pem(value: str) -> str:
+    # An RSA key as GitHub issues it (PKCS#1) or converted to PKCS#8; the Security CVM loads it.
+    # Anything else (EC, encrypted, a public key, a certificate) is refused here, unquoted.
+    text = value.strip()
+    if not _RSA_PEM.fullmatch(text):
+        raise ValueError(
+            "must be an unencrypted RSA private key in PEM "
+            "(-----BEGIN RSA PRIVATE KEY----- or -----BEGIN PRIVATE KEY-----)"
+        )
+    return value
+
+
+_RSA_PEM = re.compile(
+    r"-----BEGIN (RSA )?PRIVATE KEY-----\r?\n[A-Za-z0-9+/=\r\n]+-----END \1PRIVATE KEY-----"
+)
+
+
+class GitHubApp(_Document):
+    """A GitHub App's installation: the Security CVM signs an RS256 JWT as the app (`app_id`) and
+    exchanges it for an installation access token (`POST /app/installations/{id}/access_tokens`
+    on `api_url`)."""
+
+    kind: Literal[SecretKind.github_app]
+    app_id: Annotated[int, Field(ge=1, le=2**53)]
+    installation_id: Annotated[int, Field(ge=1, le=2**53)]
+    private_key: Annotated[SecretText, AfterValidator(_rsa_pem)]
+    api_url: TokenUrl = "https://api.github.com"
+
+    def sensitive(self) -> list[str]:
+        return [self.private_key]
+
+
 class AwsSigv4(_Document):
     kind: Literal[SecretKind.aws_sigv4]
     access_key_id: Annotated[str, Field(pattern=r"^[A-Z0-9]{16,128}$")]
@@ -132,10 +168,15 @@ class AwsSigv4(_Document):
 
 
 SecretMaterial = Annotated[
-    StaticSecret | OAuth2Refresh | OAuth2ClientCredentials | GoogleServiceAccount | AwsSigv4,
+    StaticSecret
+    | OAuth2Refresh
+    | OAuth2ClientCredentials
+    | GoogleServiceAccount
+    | GitHubApp
+    | AwsSigv4,
     Field(discriminator="kind"),
 ]
-MintedMaterial = OAuth2Refresh | OAuth2ClientCredentials | GoogleServiceAccount
+MintedMaterial = OAuth2Refresh | OAuth2ClientCredentials | GoogleServiceAccount | GitHubApp
 _ADAPTER: TypeAdapter[SecretMaterial] = TypeAdapter(SecretMaterial)
 
 # Informational fields of a Google key file that minting does not need.
@@ -184,6 +225,7 @@ __all__ = [
     "MAX_MATERIAL_BYTES",
     "MINTED_KINDS",
     "AwsSigv4",
+    "GitHubApp",
     "GoogleServiceAccount",
     "MintedMaterial",
     "OAuth2ClientCredentials",

@@ -1,5 +1,6 @@
-"""Access tokens minted on the Security CVM: from a refresh token, client credentials or a Google
-service-account key (JWT bearer grant, RFC 7523), cached and refreshed before they expire.
+"""Access tokens minted on the Security CVM: from a refresh token, client credentials, a Google
+service-account key (JWT bearer grant, RFC 7523) or a GitHub App's key (a JWT signed as the app,
+exchanged for an installation token), cached and refreshed before they expire.
 
 - Warm path: a cached token with more than `margin` seconds left is returned without awaiting
   anything; one inside the margin is still used while a refresh runs in the background.
@@ -23,12 +24,14 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import logging
 import ssl
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -37,6 +40,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import padding, rsa
 
 from umbra.contracts.secret_kinds import (
+    GitHubApp,
     GoogleServiceAccount,
     OAuth2ClientCredentials,
     OAuth2Refresh,
@@ -100,17 +104,34 @@ def google_assertion(material: GoogleServiceAccount, now: float) -> str:
         "iat": issued,
         "exp": issued + 3600,
     }
+    return _rs256(header, claims, material.private_key, "the service account's")
+
+
+# GitHub's rules for an app's JWT: `iat` 60 s in the past (clock drift), `exp` at most 10 min
+# after the time of the call; 9 min after `iat` keeps inside both.
+GITHUB_JWT_BACKDATE = 60
+GITHUB_JWT_LIFETIME = 540
+
+
+def github_app_jwt(material: GitHubApp, now: float) -> str:
+    """The RS256 JWT a GitHub App authenticates as itself with (`iss` = the app id)."""
+    issued = int(now) - GITHUB_JWT_BACKDATE
+    claims = {"iss": str(material.app_id), "iat": issued, "exp": issued + GITHUB_JWT_LIFETIME}
+    return _rs256({"alg": "RS256", "typ": "JWT"}, claims, material.private_key, "the app's")
+
+
+def _rs256(header: dict[str, str], claims: dict[str, Any], pem: str, whose: str) -> str:
     signing_input = (
         _b64url(json.dumps(header, separators=(",", ":")).encode())
         + "."
         + _b64url(json.dumps(claims, separators=(",", ":")).encode())
     )
     try:
-        key = serialization.load_pem_private_key(material.private_key.encode(), password=None)
+        key = serialization.load_pem_private_key(pem.encode(), password=None)
     except (ValueError, TypeError):
-        raise CredentialRefused("the service account's private key does not load") from None
+        raise CredentialRefused(f"{whose} private key does not load") from None
     if not isinstance(key, rsa.RSAPrivateKey):
-        raise CredentialRefused("the service account's private key is not RSA")
+        raise CredentialRefused(f"{whose} private key is not RSA")
     signature = key.sign(signing_input.encode(), padding.PKCS1v15(), hashes.SHA256())
     return signing_input + "." + _b64url(signature)
 
@@ -220,6 +241,8 @@ class Minter:
                     "assertion": google_assertion(document, self.clock()),
                 }
                 minted, _ = await self._call(document.token_uri, form, {})
+            elif isinstance(document, GitHubApp):
+                minted = await self._github_app(document)
             else:
                 raise CredentialRefused(f"a {document.kind} secret mints no token")
         except CredentialRefused:
@@ -245,6 +268,36 @@ class Minter:
             form["audience"] = document.audience
         minted, _ = await self._call(document.token_url, form, headers)
         return minted
+
+    async def _github_app(self, document: GitHubApp) -> Minted:
+        """An installation access token: GitHub answers 201 `{token, expires_at}` (an hour); 401
+        (a JWT it does not accept), 403 (a suspended installation), 404 (no such installation or
+        app) and 422 are refusals."""
+        self.calls += 1
+        url = f"{document.api_url.rstrip('/')}/app/installations/{document.installation_id}"
+        url += "/access_tokens"
+        host = urlsplit(url).hostname or "?"
+        headers = {
+            "Authorization": "Bearer " + github_app_jwt(document, self.clock()),
+            "Accept": "application/vnd.github+json",
+            "X-GitHub-Api-Version": "2022-11-28",
+        }
+        status, body = await self.dialer.post(url, None, headers)
+        if status in (401, 403, 404, 422):
+            raise CredentialRefused(f"GitHub at {host} refused the app's token (HTTP {status})")
+        if status not in (200, 201) or body is None:
+            raise CredentialUnavailable(f"GitHub at {host} answered HTTP {status}")
+        token, expires = body.get("token"), body.get("expires_at")
+        if not isinstance(token, str) or not token or len(token) > 16384:
+            raise CredentialUnavailable(f"GitHub at {host} sent no usable token")
+        now = self.clock()
+        lifetime = 3600.0
+        if isinstance(expires, str):
+            with contextlib.suppress(ValueError):  # unparsable: GitHub's documented hour
+                lifetime = datetime.fromisoformat(expires.replace("Z", "+00:00")).timestamp() - now
+        if lifetime <= 0:
+            raise CredentialUnavailable(f"GitHub at {host} sent a token already expired")
+        return self._minted(token, now, min(lifetime, 86400))
 
     async def _refresh(
         self, key: SecretKey, material: Material, document: OAuth2Refresh, entry: _Entry

@@ -20,7 +20,7 @@ MAX_TOKEN_RESPONSE = 64 << 10
 
 
 class TokenDialer:
-    """POSTs a form to a token endpoint, dialling only addresses the proxy may dial."""
+    """POSTs a form (or nothing) to a token endpoint, dialling only addresses the proxy may dial."""
 
     def __init__(
         self,
@@ -35,8 +35,10 @@ class TokenDialer:
         self._client = httpx.AsyncClient(verify=verify, timeout=timeout, follow_redirects=False)
 
     async def post(
-        self, url: str, form: dict[str, str], headers: dict[str, str]
+        self, url: str, form: dict[str, str] | None, headers: dict[str, str]
     ) -> tuple[int, dict[str, Any] | None]:
+        """POST `form` (None: an empty body, as GitHub's token exchange takes); `headers` may
+        replace the default `Accept`."""
         parts = urlsplit(url)
         host, port = (parts.hostname or "").lower(), parts.port or 443
         address = parse_ip(host)
@@ -58,9 +60,9 @@ class TokenDialer:
                 target,
                 data=form,
                 headers={
+                    "Accept": "application/json",
                     **headers,
                     "Host": parts.netloc.rpartition("@")[2],
-                    "Accept": "application/json",
                 },
                 extensions={"sni_hostname": host},
             )

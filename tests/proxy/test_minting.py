@@ -7,6 +7,7 @@ another call to the endpoint; a slow endpoint is waited on, bounded, without sta
 
 from __future__ import annotations
 
+import base64
 import json
 import ssl
 import threading
@@ -33,11 +34,15 @@ from tests.proxy.harness import (
     start_proxy,
     write_identities,
 )
-from tests.proxy.token_endpoint import TokenEndpoint
+from tests.proxy.token_endpoint import GitHubAppEndpoint, TokenEndpoint
 
 CC_SECRET = "cc-secret-5b1e0f7a9d3c2e84"
 SA_EMAIL = "robot@proj.iam.gserviceaccount.com"
 API_HOSTS = ["cc.test", "gsa.test", "codex.test", "slow.test", "free.test", "internal-api.test"]
+# A GitHub App: the token exchange and the API on one host (as api.github.com), git over HTTPS on
+# another (as github.com), and an installation GitHub does not know.
+GITHUB_HOSTS = ["ghapp.test", "gitgh.test", "ghapp-bad.test"]
+APP_ID, INSTALLATION = 123456, 7890123
 AUTH_HOSTS = ["auth.test", "codex-auth.test", "slow-auth.test", "internal-auth.test"]
 
 
@@ -52,6 +57,8 @@ class MintEnv:
     slow: TokenEndpoint
     private_pem: str
     first_refresh: str
+    github: GitHubAppEndpoint
+    app_pem: str
 
 
 def _api(endpoints: list[TokenEndpoint]) -> object:
@@ -74,11 +81,17 @@ def policy(port: int) -> str:
         ("codex", "personal/codex", "codex.test"),
         ("slow", "team/slow", "slow.test"),
         ("internal", "team/internal", "internal-api.test"),
+        ("ghapp", "team/ghapp", "ghapp.test"),
+        ("ghapp-bad", "team/ghapp-bad", "ghapp-bad.test"),
     ]
     inject = "\n".join(
         f'  - {{id: {rid}, header: Authorization, format: "Bearer {{secret}}", secret: {ref}, '
         f"hosts: [{host}], {target}}}"
         for rid, ref, host in rules
+    )
+    inject += (
+        '\n  - {id: ghgit, header: Authorization, format: "Basic {basic:x-access-token}", '
+        f"secret: team/ghapp, hosts: [gitgh.test], {target}}}"
     )
     return f"""
 apiVersion: umbra/v1
@@ -86,7 +99,7 @@ kind: Profile
 name: testing
 egress:
   - id: api
-    allow: {{hosts: [{", ".join(API_HOSTS)}], {target}}}
+    allow: {{hosts: [{", ".join(API_HOSTS + GITHUB_HOSTS)}], {target}}}
 inject:
 {inject}
 """
@@ -96,7 +109,7 @@ inject:
 def menv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MintEnv]:
     workdir = tmp_path_factory.mktemp("minting")
     ca = TestCA(workdir)
-    cert, key = ca.issue(API_HOSTS + AUTH_HOSTS)
+    cert, key = ca.issue(API_HOSTS + AUTH_HOSTS + GITHUB_HOSTS)
     tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     tls.load_cert_chain(cert, key)
     recorder = Recorder()
@@ -123,11 +136,21 @@ def menv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MintEnv]:
     }
     for host in API_HOSTS:
         origin.routes[host] = _api([auth, codex, slow])  # type: ignore[assignment]
+    github = GitHubAppEndpoint()
+    app_key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    github.register(APP_ID, INSTALLATION, app_key.public_key())
+    app_pem = app_key.private_bytes(  # PKCS#1, as GitHub's download is
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.TraditionalOpenSSL,
+        serialization.NoEncryption(),
+    ).decode()
+    for host in GITHUB_HOSTS:
+        origin.routes[host] = github.handle  # type: ignore[assignment]
     policy_dir = workdir / "policies"
     policy_dir.mkdir()
     (policy_dir / "testing.yaml").write_text(policy(port))
     resolver = workdir / "resolver.json"
-    answers = {name: ["127.0.0.1"] for name in API_HOSTS + AUTH_HOSTS}
+    answers = {name: ["127.0.0.1"] for name in API_HOSTS + AUTH_HOSTS + GITHUB_HOSTS}
     resolver.write_text(json.dumps(answers | {"internal-auth.test": ["10.0.0.9"]}))
     identities = workdir / "identities.json"
     write_identities(identities)
@@ -148,7 +171,15 @@ def menv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MintEnv]:
             "token_uri": auth.token_url,
             "scopes": ["https://www.googleapis.com/auth/cloud-platform"],
         },
+        "ghapp": {
+            "kind": "github-app",
+            "app_id": APP_ID,
+            "installation_id": INSTALLATION,
+            "private_key": app_pem,
+            "api_url": f"https://ghapp.test:{port}",
+        },
     }
+    team["ghapp-bad"] = team["ghapp"] | {"installation_id": INSTALLATION + 1}
     codex_doc = {
         "kind": "oauth2-refresh",
         "token_url": codex.token_url,
@@ -166,7 +197,10 @@ def menv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MintEnv]:
         ],
         workdir,
     )
-    env = MintEnv(workdir, recorder, origin, proxy, auth, codex, slow, private_pem, first_refresh)
+    env = MintEnv(
+        workdir, recorder, origin, proxy, auth, codex, slow, private_pem, first_refresh, github,
+        app_pem,
+    )  # fmt: skip
     yield env
     output = proxy.stop().encode()
     origin.shutdown()
@@ -180,6 +214,8 @@ def forms(env: MintEnv) -> dict[str, bytes]:
     """Every secret field and every token the endpoints minted or rotated."""
     key_body = "".join(env.private_pem.splitlines()[1:4])
     values = {"client secret": CC_SECRET, "private key": key_body, "refresh": env.first_refresh}
+    values |= {f"app key line {i}": line for i, line in enumerate(env.app_pem.splitlines()[1:-1])}
+    values |= {f"installation token {t[:8]}": t for t in env.github.issued}
     for endpoint in (env.auth, env.codex, env.slow):
         values |= {f"token {t[:8]}": t for t in endpoint.issued}
         values |= {f"spent {t[:8]}": t for t in endpoint.spent}
@@ -212,6 +248,41 @@ def test_google_service_account_mints_by_jwt_bearer(menv: MintEnv) -> None:
     status, text = get(menv, "gsa.test", "/gsa")
     assert status == 200, text
     assert menv.auth.calls.get("urn:ietf:params:oauth:grant-type:jwt-bearer") == 1
+    sandbox_saw_nothing(menv, text)
+
+
+def test_a_github_app_installation_token_is_minted_and_injected(menv: MintEnv) -> None:
+    """The app's JWT is verified by the stand-in with the app's public key; the installation token
+    it returns reaches the API as a Bearer and git as `Basic x-access-token:<token>`, minted once
+    for both (one secret, one cache)."""
+    api = get(menv, "ghapp.test", "/repos/acme/widgets")
+    git = get(menv, "gitgh.test", "/acme/widgets.git/info/refs")
+    again = get(menv, "ghapp.test", "/repos/acme/widgets/pulls")
+    assert api[0] == 200 and git[0] == 200 and again[0] == 200, api[1] + git[1]
+    assert menv.github.exchanges == 1 and menv.github.refused == 0
+    assert menv.github.headers[0]["accept"] == "application/vnd.github+json"
+    seen = {s.path: s.header("authorization")[0] for s in menv.recorder.snapshot()}
+    token = seen["/repos/acme/widgets"].removeprefix("Bearer ")
+    assert token.startswith("ghs_") and menv.github.valid(token)
+    assert seen["/repos/acme/widgets/pulls"] == f"Bearer {token}"
+    assert base64.b64decode(seen["/acme/widgets.git/info/refs"][6:]).decode() == (
+        f"x-access-token:{token}"
+    )
+    sandbox_saw_nothing(menv, api[1] + git[1] + again[1])
+
+
+def test_a_refused_github_app_mint_is_403(menv: MintEnv) -> None:
+    """GitHub answers 404 for an installation the app does not have: a refusal, recorded, never
+    retried, and the API is never reached."""
+    mark = menv.proxy.log.mark()
+    status, text = get(menv, "ghapp-bad.test", "/repos/acme/bad")
+    assert status == 403 and "credential_refresh_failed" in text, text
+    record = menv.proxy.log.wait_for(mark, lambda r: r.get("path") == "/repos/acme/bad")
+    assert record["reason"] == "credential_refresh_failed" and record["decision"] == "deny"
+    refused = menv.github.refused
+    assert get(menv, "ghapp-bad.test", "/repos/acme/bad-again")[0] == 403
+    assert menv.github.refused == refused  # remembered for this version: no second call
+    assert not any(s.path.startswith("/repos/acme/bad") for s in menv.recorder.snapshot())
     sandbox_saw_nothing(menv, text)
 
 

@@ -151,3 +151,84 @@ class TokenEndpoint:
         ):
             return {"error": "invalid_grant", "error_description": "bad claims"}
         return self._issue()
+
+
+class GitHubAppEndpoint:
+    """GitHub's installation-token exchange (`POST /app/installations/{id}/access_tokens`) as
+    GitHub checks it: `Authorization: Bearer <JWT>`, RS256, verified with the app's public key,
+    `iss` = the app id, `iat` not in the future (60 s drift allowed), `exp` after now and at most
+    10 min after `iat`... and the API behind it, which answers 200 only to
+    `Authorization: Bearer <a live installation token>` or git's `Basic x-access-token:<token>`.
+    An unknown installation is 404, a bad JWT 401 (as GitHub answers)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.apps: dict[str, rsa.RSAPublicKey] = {}  # app id -> public key
+        self.installations: dict[int, str] = {}  # installation id -> app id
+        self.issued: dict[str, float] = {}  # installation token -> expiry
+        self.exchanges = 0
+        self.refused = 0
+        self.headers: list[dict[str, str]] = []
+
+    def register(self, app_id: int, installation_id: int, key: rsa.RSAPublicKey) -> None:
+        self.apps[str(app_id)] = key
+        self.installations[installation_id] = str(app_id)
+
+    def valid(self, token: str) -> bool:
+        with self.lock:
+            return self.issued.get(token, 0) > time.time()
+
+    def handle(self, handler: OriginHandler, seen: Seen) -> None:
+        parts = seen.path.strip("/").split("/")
+        if seen.method == "POST" and len(parts) == 4 and parts[:2] == ["app", "installations"]:
+            self._exchange(handler, seen, parts[2])
+            return
+        auth = " ".join(seen.header("authorization"))
+        token = ""
+        if auth.startswith("Bearer "):
+            token = auth.removeprefix("Bearer ")
+        elif auth.startswith("Basic "):
+            user, _, token = base64.b64decode(auth[6:]).decode().partition(":")
+            token = token if user == "x-access-token" else ""
+        ok = bool(token) and self.valid(token)
+        handler.send(200 if ok else 401, b"github ok\n" if ok else b"Bad credentials\n")
+
+    def _exchange(self, handler: OriginHandler, seen: Seen, installation: str) -> None:
+        with self.lock:
+            self.exchanges += 1
+            self.headers.append({k: " ".join(seen.header(k)) for k in ("accept",)})
+        status, answer = self._check(" ".join(seen.header("authorization")), installation)
+        if status != 201:
+            with self.lock:
+                self.refused += 1
+        handler.send(status, json.dumps(answer).encode(), {"content-type": "application/json"})
+
+    def _check(self, auth: str, installation: str) -> tuple[int, dict[str, Any]]:
+        bad = 401, {"message": "A JSON web token could not be decoded"}
+        try:
+            head, body, signature = auth.removeprefix("Bearer ").split(".")
+            header, claims = json.loads(_unb64(head)), json.loads(_unb64(body))
+            key = self.apps[str(claims["iss"])]
+            key.verify(
+                _unb64(signature), f"{head}.{body}".encode(), padding.PKCS1v15(), hashes.SHA256()
+            )
+        except (ValueError, KeyError, InvalidSignature):
+            return bad
+        now = time.time()
+        iat, exp = claims.get("iat", 0), claims.get("exp", 0)
+        if (
+            not auth.startswith("Bearer ")
+            or header.get("alg") != "RS256"
+            or not iat - 60 <= now < exp
+            or exp - iat > 600
+        ):
+            return bad
+        app = self.installations.get(int(installation)) if installation.isdigit() else None
+        if app != str(claims["iss"]):
+            return 404, {"message": "Not Found"}
+        token = "ghs_" + secrets.token_hex(18)
+        expires = now + 3600
+        with self.lock:
+            self.issued[token] = expires
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(expires))
+        return 201, {"token": token, "expires_at": stamp, "permissions": {"contents": "read"}}
