@@ -34,7 +34,8 @@ PersonalFlag = Annotated[
 
 KIND_HELP = (
     "static (a value), oauth2-refresh, oauth2-client-credentials, google-service-account (a Google "
-    "key file is accepted as is) or aws-sigv4: the kinds but static take a JSON document"
+    "key file is accepted as is), github-app (app_id, installation_id, private_key, api_url) or "
+    "aws-sigv4: the kinds but static take a JSON document"
 )
 
 

@@ -138,7 +138,7 @@ def _rsa_pem(value: str) -> str:
 
 
 _RSA_PEM = re.compile(
-    r"-----BEGIN (RSA )?PRIVATE KEY-----\r?\n[A-Za-z0-9+/=\r\n]+-----END \1PRIVATE KEY-----"
+    r"-----BEGIN ((?:RSA )?)PRIVATE KEY-----\r?\n[A-Za-z0-9+/=\r\n]+-----END \1PRIVATE KEY-----"
 )
 
 
