@@ -40,8 +40,8 @@ CC_SECRET = "cc-secret-5b1e0f7a9d3c2e84"
 SA_EMAIL = "robot@proj.iam.gserviceaccount.com"
 API_HOSTS = ["cc.test", "gsa.test", "codex.test", "slow.test", "free.test", "internal-api.test"]
 # A GitHub App: the token exchange and the API on one host (as api.github.com), git over HTTPS on
-# another (as github.com), and an installation GitHub does not know.
-GITHUB_HOSTS = ["ghapp.test", "gitgh.test", "ghapp-bad.test"]
+# another (as github.com), an installation GitHub does not know and a key that is not the app's.
+GITHUB_HOSTS = ["ghapp.test", "gitgh.test", "ghapp-bad.test", "ghapp-forged.test"]
 APP_ID, INSTALLATION = 123456, 7890123
 AUTH_HOSTS = ["auth.test", "codex-auth.test", "slow-auth.test", "internal-auth.test"]
 
@@ -83,6 +83,7 @@ def policy(port: int) -> str:
         ("internal", "team/internal", "internal-api.test"),
         ("ghapp", "team/ghapp", "ghapp.test"),
         ("ghapp-bad", "team/ghapp-bad", "ghapp-bad.test"),
+        ("ghapp-forged", "team/ghapp-forged", "ghapp-forged.test"),
     ]
     inject = "\n".join(
         f'  - {{id: {rid}, header: Authorization, format: "Bearer {{secret}}", secret: {ref}, '
@@ -180,6 +181,14 @@ def menv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MintEnv]:
         },
     }
     team["ghapp-bad"] = team["ghapp"] | {"installation_id": INSTALLATION + 1}
+    other_key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    team["ghapp-forged"] = team["ghapp"] | {
+        "private_key": other_key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        ).decode()
+    }
     codex_doc = {
         "kind": "oauth2-refresh",
         "token_url": codex.token_url,
@@ -261,7 +270,10 @@ def test_a_github_app_installation_token_is_minted_and_injected(menv: MintEnv) -
     assert api[0] == 200 and git[0] == 200 and again[0] == 200, api[1] + git[1]
     assert menv.github.exchanges == 1 and menv.github.refused == 0
     assert menv.github.headers[0]["accept"] == "application/vnd.github+json"
-    seen = {s.path: s.header("authorization")[0] for s in menv.recorder.snapshot()}
+    paths = ("/repos/acme/widgets", "/repos/acme/widgets/pulls", "/acme/widgets.git/info/refs")
+    seen = {
+        s.path: s.header("authorization")[0] for s in menv.recorder.snapshot() if s.path in paths
+    }
     token = seen["/repos/acme/widgets"].removeprefix("Bearer ")
     assert token.startswith("ghs_") and menv.github.valid(token)
     assert seen["/repos/acme/widgets/pulls"] == f"Bearer {token}"
@@ -271,16 +283,17 @@ def test_a_github_app_installation_token_is_minted_and_injected(menv: MintEnv) -
     sandbox_saw_nothing(menv, api[1] + git[1] + again[1])
 
 
-def test_a_refused_github_app_mint_is_403(menv: MintEnv) -> None:
-    """GitHub answers 404 for an installation the app does not have: a refusal, recorded, never
-    retried, and the API is never reached."""
+@pytest.mark.parametrize("host", ["ghapp-bad.test", "ghapp-forged.test"])
+def test_a_refused_github_app_mint_is_403(menv: MintEnv, host: str) -> None:
+    """GitHub answers 404 for an installation the app does not have and 401 for a JWT its key
+    does not verify: a refusal, recorded, never retried, and the API is never reached."""
     mark = menv.proxy.log.mark()
-    status, text = get(menv, "ghapp-bad.test", "/repos/acme/bad")
+    status, text = get(menv, host, "/repos/acme/bad")
     assert status == 403 and "credential_refresh_failed" in text, text
     record = menv.proxy.log.wait_for(mark, lambda r: r.get("path") == "/repos/acme/bad")
     assert record["reason"] == "credential_refresh_failed" and record["decision"] == "deny"
     refused = menv.github.refused
-    assert get(menv, "ghapp-bad.test", "/repos/acme/bad-again")[0] == 403
+    assert get(menv, host, "/repos/acme/bad-again")[0] == 403
     assert menv.github.refused == refused  # remembered for this version: no second call
     assert not any(s.path.startswith("/repos/acme/bad") for s in menv.recorder.snapshot())
     sandbox_saw_nothing(menv, text)
