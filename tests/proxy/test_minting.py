@@ -146,7 +146,7 @@ def menv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MintEnv]:
         serialization.NoEncryption(),
     ).decode()
     for host in GITHUB_HOSTS:
-        origin.routes[host] = github.handle  # type: ignore[assignment]
+        origin.routes[host] = github.handle
     policy_dir = workdir / "policies"
     policy_dir.mkdir()
     (policy_dir / "testing.yaml").write_text(policy(port))
@@ -161,6 +161,13 @@ def menv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MintEnv]:
         "client_id": "cc-client",
         "client_secret": CC_SECRET,
     }
+    app: dict[str, object] = {
+        "kind": "github-app",
+        "app_id": APP_ID,
+        "installation_id": INSTALLATION,
+        "private_key": app_pem,
+        "api_url": f"https://ghapp.test:{port}",
+    }
     team = {
         "cc": cc,
         "slow": cc | {"token_url": slow.token_url},
@@ -172,17 +179,11 @@ def menv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MintEnv]:
             "token_uri": auth.token_url,
             "scopes": ["https://www.googleapis.com/auth/cloud-platform"],
         },
-        "ghapp": {
-            "kind": "github-app",
-            "app_id": APP_ID,
-            "installation_id": INSTALLATION,
-            "private_key": app_pem,
-            "api_url": f"https://ghapp.test:{port}",
-        },
+        "ghapp": app,
+        "ghapp-bad": app | {"installation_id": INSTALLATION + 1},
     }
-    team["ghapp-bad"] = team["ghapp"] | {"installation_id": INSTALLATION + 1}
     other_key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
-    team["ghapp-forged"] = team["ghapp"] | {
+    team["ghapp-forged"] = app | {
         "private_key": other_key.private_bytes(
             serialization.Encoding.PEM,
             serialization.PrivateFormat.PKCS8,
