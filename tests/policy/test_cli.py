@@ -243,6 +243,10 @@ def test_decide_explains_one_request() -> None:
         "decide",
         "POST https://api.github.com/repos/acme/w/hooks/1",
         str(SHIPPED),
+        # github and github-app are alternatives (both inject Authorization for GitHub): a CVM
+        # attaches one, and deciding with both attached is refused as a conflict.
+        "-p",
+        "github",
         "--json",
     )
     assert code == 0
