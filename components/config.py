@@ -6,8 +6,6 @@ cross-field checks and the per-CVM token derivations need every model of it."""
 
 from __future__ import annotations
 
-import base64
-import binascii
 import ipaddress
 import json
 import re
@@ -31,6 +29,7 @@ from umbra.contracts.enrollment import (
     security_token_key,
 )
 from umbra.contracts.model import Strict
+from umbra.contracts.web_session_key import decode_web_session_key
 
 NAMESPACE = "umbra"
 STACK_KEY = f"{NAMESPACE}:stack"
@@ -576,11 +575,9 @@ def _check_web_session_key(
     if key not in secret_keys:
         raise ConfigError(f"{key}: stored in plain text; {how}")
     try:
-        raw_key = base64.b64decode(value, validate=True)
-    except binascii.Error:
-        raw_key = b""
-    if len(raw_key) != 32:
-        raise ConfigError(f"{key}: want base64 of 32 bytes; {how}")
+        decode_web_session_key(value)
+    except ValueError as exc:
+        raise ConfigError(f"{key}: {exc} (want base64 of 32 bytes); {how}") from None
 
 
 def _dev_tokens(

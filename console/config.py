@@ -26,6 +26,7 @@ from pydantic import (
 from umbra.components.launch_data import measured_document
 from umbra.contracts.model import Strict as _Strict
 from umbra.contracts.validation import location
+from umbra.contracts.web_session_key import decode_web_session_key
 
 ENV_PREFIX = "UMBRA_CONSOLE_"
 DEFAULT_DATABASE_URL = "sqlite:///umbra-console.db"
@@ -315,12 +316,7 @@ class Settings(_Strict):
     @classmethod
     def _check_web_session_key(cls, value: str | None) -> str | None:
         if value is not None:
-            try:
-                raw = base64.b64decode(value, validate=True)
-            except binascii.Error:
-                raise ValueError("not valid base64") from None
-            if len(raw) != 32:
-                raise ValueError("must be 32 bytes")
+            decode_web_session_key(value)
         return value
 
     @model_validator(mode="after")

@@ -8,8 +8,6 @@ cannot be read starts nothing."""
 
 from __future__ import annotations
 
-import base64
-import binascii
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -30,6 +28,7 @@ from umbra.components.launch_data import (
 )
 from umbra.components.secret_refs import CLOUD_STORE, secret_store
 from umbra.contracts.files import write_atomic
+from umbra.contracts.web_session_key import decode_web_session_key
 from umbra.images.launch_secrets import SecretReader, SecretReadError
 from umbra.sandbox.models import check_image_ref
 from umbra.sandbox.render import SERVICE_UID
@@ -186,14 +185,13 @@ def read_console_secrets(data: LaunchData, reader: SecretReader) -> ConsoleSecre
     if data.web_session_key_ref:
         web_key = _read(reader, META_WEB_SESSION_KEY_REF, data.web_session_key_ref).strip()
         try:
-            raw = base64.b64decode(web_key, validate=True)
-        except binascii.Error:
-            raw = b""
-        if len(raw) != 32:
+            decode_web_session_key(web_key)
+        except ValueError as exc:
             # Refused here, not by a Console that would fail to start after the launch is measured.
             raise ConsoleLaunchError(
-                ConsoleProblem.INVALID, f"{META_WEB_SESSION_KEY_REF}: not base64 of 32 bytes"
-            )
+                ConsoleProblem.INVALID,
+                f"{META_WEB_SESSION_KEY_REF}: {exc} (want base64 of 32 bytes)",
+            ) from None
     leaf = _certificates(META_CONSOLE_TLS_CERT, data.console_tls_cert)[0]
     try:
         private = serialization.load_pem_private_key(tls_key.encode(), password=None)

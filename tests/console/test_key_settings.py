@@ -102,6 +102,7 @@ def test_consoles_given_the_same_web_session_key_file_accept_each_others_cookies
     from fastapi import FastAPI
 
     from umbra.console.app import create_app
+    from umbra.console.enums import Role
     from umbra.console.web.session import WebSession
 
     encoded = base64.b64encode(os.urandom(32)).decode()
@@ -114,7 +115,7 @@ def test_consoles_given_the_same_web_session_key_file_accept_each_others_cookies
 
     shared = {"UMBRA_CONSOLE_WEB_SESSION_KEY_FILE": str(key_file)}
     one, two, alone = app("one", shared), app("two", shared), app("alone", {})
-    session = WebSession("alice", {"t": "admin"}, "csrf", int(time.time()) + 60)
+    session = WebSession("alice", {"t": Role.admin}, "csrf", int(time.time()) + 60)
     cookie = one.state.web_keys.seal_session(session)
     assert two.state.web_keys.open_session(cookie) == session
     assert alone.state.web_keys.open_session(cookie) is None
