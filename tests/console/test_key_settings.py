@@ -48,12 +48,13 @@ def test_web_session_key_is_shared_by_workers_and_never_summarised() -> None:
     import time
 
     from umbra.console.config import settings_summary
+    from umbra.console.enums import Role
     from umbra.console.serve import serve
     from umbra.console.web.session import WebKeys, WebSession
 
     raw = os.urandom(32)
     encoded = base64.b64encode(raw).decode()
-    session = WebSession("alice", {"t": "admin"}, "csrf", int(time.time()) + 60)
+    session = WebSession("alice", {"t": Role.admin}, "csrf", int(time.time()) + 60)
     cookie = WebKeys(raw).seal_session(session)
     assert WebKeys(raw).open_session(cookie) == session  # another worker, same setting
     assert WebKeys().open_session(cookie) is None  # a per-process random key: refused
