@@ -290,7 +290,7 @@ def test_the_web_session_key_is_a_secret_of_the_consoles_shape(tmp_path: Path) -
     short = base64.b64encode(b"sixteen-bytes!!!").decode()
     for bad in (short, "not base64 at all!"):
         with pytest.raises(
-            ConfigError, match="consoleWebSessionKey: .*want base64 of 32 bytes"
+            ConfigError, match=r"consoleWebSessionKey: .*want base64 of 32 bytes"
         ) as err:
             parse_stack_config(base | {"umbra:consoleWebSessionKey": bad}, SECRET_KEYS)
         assert bad not in str(err.value)
