@@ -29,6 +29,7 @@ from umbra.contracts.enrollment import (
     security_token_key,
 )
 from umbra.contracts.model import Strict
+from umbra.contracts.web_session_key import decode_web_session_key
 
 NAMESPACE = "umbra"
 STACK_KEY = f"{NAMESPACE}:stack"
@@ -36,7 +37,13 @@ CONSOLE_DB_PASSWORD_KEY = f"{NAMESPACE}:consoleDbPassword"
 # The Console's TLS private key (PEM), with `tls_cert_file`: stored in the cloud's secret store
 # for the Console VM (components/console_secrets.py), never in its launch data.
 CONSOLE_TLS_KEY_KEY = f"{NAMESPACE}:consoleTlsKey"
-KNOWN_KEYS = frozenset({STACK_KEY, CONSOLE_DB_PASSWORD_KEY, CONSOLE_TLS_KEY_KEY})
+# The Console's WEB_SESSION_KEY (base64 of 32 bytes), the same for every replica so a browser's
+# login on one is accepted by the others: a secret in the cloud's secret store like the TLS key.
+# Required for replicas > 1; unset on one replica, the Console keys its cookies at random.
+CONSOLE_WEB_SESSION_KEY_KEY = f"{NAMESPACE}:consoleWebSessionKey"
+KNOWN_KEYS = frozenset(
+    {STACK_KEY, CONSOLE_DB_PASSWORD_KEY, CONSOLE_TLS_KEY_KEY, CONSOLE_WEB_SESSION_KEY_KEY}
+)
 # Team stacks: replica i's one-time enrollment token, a Pulumi secret (`umbra cvm security-replica`).
 SECURITY_TOKEN_KEY_RE = re.compile(
     "^" + re.escape(SECURITY_REPLICA_TOKEN_KEY).replace(r"\{replica\}", "([0-7])") + "$"
@@ -542,11 +549,35 @@ def parse_stack_config(raw: Mapping[str, str], secret_keys: frozenset[str]) -> S
             raise ConfigError(
                 f"{CONSOLE_TLS_KEY_KEY}: stored in plain text; set it with `pulumi config set --secret`"
             )
+        _check_web_session_key(stack, raw, secret_keys)
         if any(SECURITY_TOKEN_KEY_RE.match(k) or DEV_TOKEN_KEY_RE.match(k) for k in raw):
             raise ConfigError("enrollment token keys belong to team stacks")
         return stack
     stack = stack.with_security_tokens(_security_tokens(stack, raw, secret_keys))
     return stack.with_dev_tokens(_dev_tokens(stack, raw, secret_keys))
+
+
+def _check_web_session_key(
+    stack: ConsoleStack, raw: Mapping[str, str], secret_keys: frozenset[str]
+) -> None:
+    """Required for replicas > 1 (each would otherwise key cookies at random), a secret, and what
+    the Console's WEB_SESSION_KEY validator takes (base64 of 32 bytes); named, never echoed."""
+    key = CONSOLE_WEB_SESSION_KEY_KEY
+    how = f"set it with `head -c 32 /dev/urandom | base64 | pulumi config set --secret {key.split(':')[1]}`"
+    value = raw.get(key)
+    if value is None:
+        if stack.replicas > 1:
+            raise ConfigError(
+                f"{key}: required with replicas {stack.replicas} (a browser's login must be "
+                f"accepted by every replica); {how}"
+            )
+        return
+    if key not in secret_keys:
+        raise ConfigError(f"{key}: stored in plain text; {how}")
+    try:
+        decode_web_session_key(value)
+    except ValueError as exc:
+        raise ConfigError(f"{key}: {exc} (want base64 of 32 bytes); {how}") from None
 
 
 def _dev_tokens(

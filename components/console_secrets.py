@@ -1,4 +1,4 @@
-"""The Console VM's two launch secrets (its database password and TLS private key) in the cloud's
+"""The Console VM's launch secrets (its database password, TLS private key and web session key) in the cloud's
 secret store, readable by the Console VM's identity alone; launch data carries only references
 (components.secret_refs). Why a store and not the launch data itself: instance metadata and Azure
 user data are readable by anyone who can read the VM (`compute.instances.get`, VM Reader) and are
@@ -17,6 +17,7 @@ import pulumi
 class ConsoleSecret(StrEnum):
     DATABASE_PASSWORD = "db-password"  # noqa: S105 (a secret's name)
     TLS_KEY = "tls-key"
+    WEB_SESSION_KEY = "web-session-key"
 
 
 GCP_SECRET_ACCESSOR = "roles/secretmanager.secretAccessor"  # noqa: S105 (a role)

@@ -55,6 +55,9 @@ class ConsoleServiceArgs:
     # them the Console VM's launch agent refuses to start it.
     tls_cert: str | None = None
     tls_key: pulumi.Input[str] | None = None
+    # The Console's WEB_SESSION_KEY (a secret, stored like the TLS key): every replica keys its
+    # cookies with it. Required for replicas > 1 (components/config.py checks the stack's config).
+    web_session_key: pulumi.Input[str] | None = None
     # >1: replicas behind a passthrough load balancer on the static address (console_pool.py).
     replicas: int = 1
     # GCP: declare the Dev CVM stacks' state bucket and secrets-provider key (dev_state_names).
@@ -154,6 +157,8 @@ class ConsoleService(pulumi.ComponentResource):
         values: dict[ConsoleSecret, pulumi.Input[str]] = {ConsoleSecret.DATABASE_PASSWORD: password}
         if args.tls_key is not None:
             values[ConsoleSecret.TLS_KEY] = pulumi.Output.secret(args.tls_key)
+        if args.web_session_key is not None:
+            values[ConsoleSecret.WEB_SESSION_KEY] = pulumi.Output.secret(args.web_session_key)
         vm_opts = child
         vault_id: pulumi.Output[str] | None = None
         key_id: pulumi.Output[str] | None = None
@@ -212,6 +217,7 @@ class ConsoleService(pulumi.ComponentResource):
             launch_url,
             refs[ConsoleSecret.DATABASE_PASSWORD],
             refs.get(ConsoleSecret.TLS_KEY),
+            refs.get(ConsoleSecret.WEB_SESSION_KEY),
         ).apply(
             lambda v: LaunchData(
                 role=ROLE_CONSOLE,
@@ -223,6 +229,7 @@ class ConsoleService(pulumi.ComponentResource):
                 database_password_ref=v[3],
                 console_tls_cert=args.tls_cert,
                 console_tls_key_ref=v[4] or None,
+                web_session_key_ref=v[5] or None,
             )
         )
         self.database_ca_pem = pulumi.Output.from_input(db_ca or "")

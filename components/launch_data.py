@@ -53,6 +53,9 @@ META_DATABASE_URL = "umbra-database-url"
 META_DATABASE_PASSWORD_REF = "umbra-database-password-ref"  # noqa: S105 (a key name)
 META_CONSOLE_TLS_CERT = "umbra-console-tls-cert"
 META_CONSOLE_TLS_KEY_REF = "umbra-console-tls-key-ref"
+# Console, optional (required by the stack for replicas > 1): a reference to its WEB_SESSION_KEY,
+# written to console/web-session-key; measured with the four above when present.
+META_WEB_SESSION_KEY_REF = "umbra-console-web-session-key-ref"
 # Security CVM replicas: the internal load balancer's address, added as a local route.
 META_LB_IP = "umbra-lb-ip"
 # The one-time enrollment token (contracts/enrollment.py): the only credential launch data
@@ -84,6 +87,7 @@ META_KEYS = frozenset(
         META_DATABASE_PASSWORD_REF,
         META_CONSOLE_TLS_CERT,
         META_CONSOLE_TLS_KEY_REF,
+        META_WEB_SESSION_KEY_REF,
         META_LB_IP,
         META_ENROLLMENT_TOKEN,
         META_INSTANCE_NAME,
@@ -124,9 +128,15 @@ def placeholder_app_compose(role: str) -> str:
 
 
 def console_launch_digest(
-    database_url: str, database_ca: str | None, tls_cert: str, password_ref: str, tls_key_ref: str
+    database_url: str,
+    database_ca: str | None,
+    tls_cert: str,
+    password_ref: str,
+    tls_key_ref: str,
+    web_session_key_ref: str | None = None,
 ) -> bytes:
-    """The umbra.console-launch payload (one definition: the agent and verifiers both call it)."""
+    """The umbra.console-launch payload (one definition: the agent and verifiers both call it).
+    The web session key's reference is a member only when there is one."""
     doc = {
         "database_ca": database_ca or "",
         "database_password_ref": password_ref,
@@ -134,6 +144,8 @@ def console_launch_digest(
         "tls_cert": tls_cert,
         "tls_key_ref": tls_key_ref,
     }
+    if web_session_key_ref:
+        doc["web_session_key_ref"] = web_session_key_ref
     return hashlib.sha256(canonical_json(doc).encode()).digest()
 
 
@@ -171,6 +183,7 @@ class LaunchData:
     database_password_ref: str | None = None
     console_tls_cert: str | None = None
     console_tls_key_ref: str | None = None
+    web_session_key_ref: str | None = None
     enrollment_token: str | None = field(default=None, repr=False)
     # The cloud the VM runs on ("gcp" | "azure"): the host ruleset admits root's ready report to
     # that cloud's endpoint. Not a launch key: the launch agent knows its cloud (`--cloud`).
@@ -193,7 +206,7 @@ class LaunchData:
     @property
     def console_launch_sha256(self) -> str | None:
         """The Console's launch-bound configuration (umbra.console-launch): SHA-256 of the
-        canonical JSON of its database URL and CA, TLS certificate and the two secret references
+        canonical JSON of its database URL and CA, TLS certificate and the secret references
         (what it connects to, what it presents, and where its secrets are read from)."""
         if self.database_url is None:
             return None
@@ -203,6 +216,7 @@ class LaunchData:
             self.console_tls_cert or "",
             self.database_password_ref or "",
             self.console_tls_key_ref or "",
+            self.web_session_key_ref,
         ).hex()
 
     @property
@@ -273,6 +287,7 @@ class LaunchData:
             (META_DATABASE_PASSWORD_REF, self.database_password_ref),
             (META_CONSOLE_TLS_CERT, self.console_tls_cert),
             (META_CONSOLE_TLS_KEY_REF, self.console_tls_key_ref),
+            (META_WEB_SESSION_KEY_REF, self.web_session_key_ref),
             (META_ENROLLMENT_TOKEN, self.enrollment_token),
             (META_INSTANCE_NAME, self.instance_name),
         ):

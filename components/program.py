@@ -13,6 +13,7 @@ from pulumi.runtime import config as runtime_config
 from umbra.components.config import (
     CONSOLE_DB_PASSWORD_KEY,
     CONSOLE_TLS_KEY_KEY,
+    CONSOLE_WEB_SESSION_KEY_KEY,
     ConfigError,
     ConsoleStack,
     CvmConfig,
@@ -364,6 +365,11 @@ def build_console(cfg: ConsoleStack, root: Path) -> None:
             state_scope=cfg.state_scope,
             tls_cert=tls_cert,
             tls_key=pulumi.Output.secret(raw[CONSOLE_TLS_KEY_KEY]) if tls_cert else None,
+            web_session_key=(
+                pulumi.Output.secret(raw[CONSOLE_WEB_SESSION_KEY_KEY])
+                if CONSOLE_WEB_SESSION_KEY_KEY in raw
+                else None
+            ),
             replicas=cfg.replicas,
             dev_state=cfg.dev_state,
         ),

@@ -26,6 +26,7 @@ from pydantic import (
 from umbra.components.launch_data import measured_document
 from umbra.contracts.model import Strict as _Strict
 from umbra.contracts.validation import location
+from umbra.contracts.web_session_key import decode_web_session_key
 
 ENV_PREFIX = "UMBRA_CONSOLE_"
 DEFAULT_DATABASE_URL = "sqlite:///umbra-console.db"
@@ -315,12 +316,7 @@ class Settings(_Strict):
     @classmethod
     def _check_web_session_key(cls, value: str | None) -> str | None:
         if value is not None:
-            try:
-                raw = base64.b64decode(value, validate=True)
-            except binascii.Error:
-                raise ValueError("not valid base64") from None
-            if len(raw) != 32:
-                raise ValueError("must be 32 bytes")
+            decode_web_session_key(value)
         return value
 
     @model_validator(mode="after")
@@ -354,7 +350,8 @@ _LIST_FIELDS = {"oidc_algorithms", "bundle_public_keys", "providers", "release_p
 
 def settings_from_env(environ: dict[str, str] | None = None, **overrides: Any) -> Settings:
     """Build settings from `UMBRA_CONSOLE_<FIELD>` variables; lists are comma separated, `KEK` is
-    `id=base64,id2=base64`, and `KEK_FILE` names a file holding that same text."""
+    `id=base64,id2=base64`, and `KEK_FILE` names a file holding that same text
+    (`WEB_SESSION_KEY_FILE` likewise for `WEB_SESSION_KEY`)."""
     env = dict(os.environ if environ is None else environ)
     _refuse_unknown(env)
     data: dict[str, Any] = {}
@@ -380,6 +377,19 @@ def settings_from_env(environ: dict[str, str] | None = None, **overrides: Any) -
         except OSError as exc:
             raise ConfigError(f"{ENV_PREFIX}KEK_FILE: cannot read ({exc.strerror})") from None
         data["kek"] = _parse_keks(text.replace("\n", ","), ENV_PREFIX + "KEK_FILE")
+    web_key_file = env.get(ENV_PREFIX + "WEB_SESSION_KEY_FILE")
+    if web_key_file:
+        # What a Console VM's launch writes (images/console_launch.py, console/web-session-key).
+        if "web_session_key" in data:
+            raise ConfigError(
+                f"{ENV_PREFIX}WEB_SESSION_KEY and {ENV_PREFIX}WEB_SESSION_KEY_FILE: set one"
+            )
+        try:
+            data["web_session_key"] = Path(web_key_file).read_text().strip()
+        except OSError as exc:
+            raise ConfigError(
+                f"{ENV_PREFIX}WEB_SESSION_KEY_FILE: cannot read ({exc.strerror})"
+            ) from None
     data.update(overrides)
     try:
         return Settings.model_validate(data)
@@ -391,7 +401,7 @@ def settings_from_env(environ: dict[str, str] | None = None, **overrides: Any) -
 
 # Read here but not a field; `UMBRA_CONSOLE__*` (two underscores) is the Console's own hand-off to
 # its worker processes (serve.SETTINGS_ENV).
-_NOT_FIELDS = frozenset({"KEK_FILE"})
+_NOT_FIELDS = frozenset({"KEK_FILE", "WEB_SESSION_KEY_FILE"})
 
 
 def _refuse_unknown(env: dict[str, str]) -> None:

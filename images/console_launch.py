@@ -1,5 +1,5 @@
 """The Console VM's part of the launch (the launch agent calls these; docs/specs/infra.md "The
-Console VM's launch"): its launch data checked for consistency, its two secrets read with the VM's
+Console VM's launch"): its launch data checked for consistency, its secrets read with the VM's
 identity and checked against what is measured, and the files the Console's compose mounts.
 
 Everything here runs before anything is measured or started: a Console whose TLS key does not
@@ -23,10 +23,12 @@ from umbra.components.launch_data import (
     META_DATABASE_CA,
     META_DATABASE_PASSWORD_REF,
     META_DATABASE_URL,
+    META_WEB_SESSION_KEY_REF,
     LaunchData,
 )
 from umbra.components.secret_refs import CLOUD_STORE, secret_store
 from umbra.contracts.files import write_atomic
+from umbra.contracts.web_session_key import decode_web_session_key
 from umbra.images.launch_secrets import SecretReader, SecretReadError
 from umbra.sandbox.models import check_image_ref
 from umbra.sandbox.render import SERVICE_UID
@@ -43,6 +45,8 @@ CONSOLE_DIR = "console"
 DATABASE_URL_FILE = "database-url"  # the full URL, password included (0400, the service uid)
 TLS_KEY_FILE = "tls.key"
 TLS_CERT_FILE = "tls.crt"
+# The Console's UMBRA_CONSOLE_WEB_SESSION_KEY_FILE (0400, the service uid), when the launch has one.
+WEB_SESSION_KEY_FILE = "web-session-key"
 
 
 class ConsoleProblem(StrEnum):
@@ -64,11 +68,12 @@ class ConsoleSecrets:
 
     database_password: str = field(repr=False)
     tls_key: str = field(repr=False)
+    web_session_key: str | None = field(default=None, repr=False)
 
 
 def check_console_meta(meta: dict[str, str], role: str, cloud: str | None) -> None:
     """The Console's keys come together, only on a Console, with references for this cloud."""
-    present = [k for k in CONSOLE_KEYS if k in meta]
+    present = [k for k in (*CONSOLE_KEYS, META_WEB_SESSION_KEY_REF) if k in meta]
     if role != "console":
         if present:
             raise ConsoleLaunchError(
@@ -78,7 +83,9 @@ def check_console_meta(meta: dict[str, str], role: str, cloud: str | None) -> No
     missing = [k for k in CONSOLE_KEYS if k not in meta]
     if missing:
         raise ConsoleLaunchError(ConsoleProblem.MISSING, f"a Console launch needs {missing}")
-    for key in (META_DATABASE_PASSWORD_REF, META_CONSOLE_TLS_KEY_REF):
+    for key in (META_DATABASE_PASSWORD_REF, META_CONSOLE_TLS_KEY_REF, META_WEB_SESSION_KEY_REF):
+        if key not in meta:  # the web session key's is optional
+            continue
         try:
             store = secret_store(meta[key])
         except ValueError as exc:
@@ -158,22 +165,33 @@ def check_console_compose(compose: str) -> None:
         raise ComposeError(problems)
 
 
+def _read(reader: SecretReader, key: str, ref: str) -> str:
+    try:
+        value = reader.read(ref)
+    except (SecretReadError, ValueError) as exc:
+        raise ConsoleLaunchError(ConsoleProblem.SECRET_UNREADABLE, f"{key}: {exc}") from None
+    if not value:
+        raise ConsoleLaunchError(ConsoleProblem.SECRET_UNREADABLE, f"{key}: empty secret")
+    return value
+
+
 def read_console_secrets(data: LaunchData, reader: SecretReader) -> ConsoleSecrets:
-    """Both secrets, the TLS key checked against the measured certificate's public key."""
+    """Its secrets, the TLS key checked against the measured certificate's public key and the web
+    session key (if referenced) against the Console's WEB_SESSION_KEY shape."""
     assert data.database_password_ref and data.console_tls_key_ref and data.console_tls_cert
-    values: list[str] = []
-    for key, ref in (
-        (META_DATABASE_PASSWORD_REF, data.database_password_ref),
-        (META_CONSOLE_TLS_KEY_REF, data.console_tls_key_ref),
-    ):
+    password = _read(reader, META_DATABASE_PASSWORD_REF, data.database_password_ref)
+    tls_key = _read(reader, META_CONSOLE_TLS_KEY_REF, data.console_tls_key_ref)
+    web_key = None
+    if data.web_session_key_ref:
+        web_key = _read(reader, META_WEB_SESSION_KEY_REF, data.web_session_key_ref).strip()
         try:
-            value = reader.read(ref)
-        except (SecretReadError, ValueError) as exc:
-            raise ConsoleLaunchError(ConsoleProblem.SECRET_UNREADABLE, f"{key}: {exc}") from None
-        if not value:
-            raise ConsoleLaunchError(ConsoleProblem.SECRET_UNREADABLE, f"{key}: empty secret")
-        values.append(value)
-    password, tls_key = values
+            decode_web_session_key(web_key)
+        except ValueError as exc:
+            # Refused here, not by a Console that would fail to start after the launch is measured.
+            raise ConsoleLaunchError(
+                ConsoleProblem.INVALID,
+                f"{META_WEB_SESSION_KEY_REF}: {exc} (want base64 of 32 bytes)",
+            ) from None
     leaf = _certificates(META_CONSOLE_TLS_CERT, data.console_tls_cert)[0]
     try:
         private = serialization.load_pem_private_key(tls_key.encode(), password=None)
@@ -188,7 +206,7 @@ def read_console_secrets(data: LaunchData, reader: SecretReader) -> ConsoleSecre
             ConsoleProblem.MISMATCH,
             f"{META_CONSOLE_TLS_KEY_REF}: the key is not {META_CONSOLE_TLS_CERT}'s",
         )
-    return ConsoleSecrets(password, tls_key)
+    return ConsoleSecrets(password, tls_key, web_key)
 
 
 def database_url_with_password(url: str, password: str) -> str:
@@ -205,8 +223,8 @@ def _write(path: Path, data: str, mode: int, owner: int | None = None) -> None:
 def write_console_files(
     root: Path, data: LaunchData, secrets: ConsoleSecrets, owner: int | None = SERVICE_UID
 ) -> None:
-    """The Console's files: its database URL (with the password) and TLS key readable by its
-    uid alone, its certificate chain, the database CA where the URL's sslrootcert names it.
+    """The Console's files: its database URL (with the password), TLS key and web session key
+    (if any) readable by its uid alone, its certificate chain, the database CA where the URL's sslrootcert names it.
     `owner`: None in tests that do not run as root."""
     assert data.database_url and data.console_tls_cert
     console = root / CONSOLE_DIR
@@ -214,5 +232,7 @@ def write_console_files(
     _write(console / DATABASE_URL_FILE, url + "\n", 0o400, owner)
     _write(console / TLS_KEY_FILE, secrets.tls_key, 0o400, owner)
     _write(console / TLS_CERT_FILE, data.console_tls_cert, 0o644)
+    if secrets.web_session_key is not None:
+        _write(console / WEB_SESSION_KEY_FILE, secrets.web_session_key + "\n", 0o400, owner)
     if data.database_ca:
         _write(root / Path(DATABASE_CA_PATH).name, data.database_ca, 0o644)

@@ -80,6 +80,7 @@ from umbra.components.launch_data import (
     META_SECURITY_CVM_IPS,
     META_SSH_KEYS,
     META_TEAM,
+    META_WEB_SESSION_KEY_REF,
     PLACEHOLDER_MARK,
     LaunchData,
 )
@@ -371,6 +372,7 @@ def parse_launch_data(meta: dict[str, str], cloud: str | None = None) -> LaunchD
         database_password_ref=meta.get(META_DATABASE_PASSWORD_REF),
         console_tls_cert=meta.get(META_CONSOLE_TLS_CERT),
         console_tls_key_ref=meta.get(META_CONSOLE_TLS_KEY_REF),
+        web_session_key_ref=meta.get(META_WEB_SESSION_KEY_REF),
         cloud=cloud,
         instance_name=meta.get(META_INSTANCE_NAME),
     )

@@ -30,6 +30,9 @@ PASSWORD = "pw-Zq8v!not-in-any-output-7c1e"
 IMAGE = "ghcr.io/example/umbra-console@sha256:" + "ab" * 32
 GCP_PW_REF = "projects/umbra-control/secrets/umbra-console-db-password/versions/1"
 GCP_KEY_REF = "projects/umbra-control/secrets/umbra-console-tls-key/versions/1"
+GCP_WEB_REF = "projects/umbra-control/secrets/umbra-console-web-session-key/versions/1"
+WEB_KEY = base64.b64encode(b"web-session-key-not-in-output-32").decode()
+AZ_WEB_REF = "https://umbra-console-kv.vault.azure.net/secrets/web-session-key"
 AZ_PW_REF = "https://umbra-console-kv.vault.azure.net/secrets/db-password"
 AZ_KEY_REF = "https://umbra-console-kv.vault.azure.net/secrets/tls-key"
 DB_URL = f"postgresql://umbra_console@10.10.0.200:5432/umbra?sslmode=verify-full&sslrootcert={DATABASE_CA_PATH}"
@@ -173,6 +176,46 @@ def test_a_console_launch_reads_its_secrets_measures_and_starts_its_compose(
     assert lines[-1].startswith("umbra-launch: console umbra-console started")
 
 
+def _web() -> LaunchData:
+    return replace(_gcp(), web_session_key_ref=GCP_WEB_REF)
+
+
+def _web_secrets(value: str = WEB_KEY) -> Secrets:
+    return Secrets(_good_secrets().values | {GCP_WEB_REF: value})
+
+
+def test_a_console_with_a_web_session_key_reads_it_and_writes_it_for_its_uid_alone(
+    tmp_path: Path,
+) -> None:
+    data = _web()
+    secrets = _web_secrets()
+    agent, rec, _ = _agent(data.gcp_metadata(), secrets, tmp_path)
+    agent.run()
+    assert GCP_WEB_REF in secrets.reads and len(rec.started) == 1
+    key_file = tmp_path / "launch/console/web-session-key"
+    assert key_file.read_text().strip() == WEB_KEY
+    assert stat.S_IMODE(key_file.stat().st_mode) == 0o400
+    # Its reference is measured: the launch event is the one naming it, not the one without.
+    (event,) = [e for e in rec.extended if e.name == CONSOLE_LAUNCH_EVENT]
+    assert event.payload.hex() == data.console_launch_sha256
+    assert data.console_launch_sha256 != _gcp().console_launch_sha256
+    # What the Console reads (UMBRA_CONSOLE_WEB_SESSION_KEY_FILE) is what the file holds.
+    from umbra.console.config import settings_from_env
+
+    settings = settings_from_env(
+        {"UMBRA_CONSOLE_WEB_SESSION_KEY_FILE": str(key_file)}, database_url="sqlite://"
+    )
+    assert settings.web_session_key == WEB_KEY
+
+
+def test_without_a_web_session_key_reference_nothing_is_read_or_written(tmp_path: Path) -> None:
+    secrets = _good_secrets()
+    agent, _, _ = _agent(_gcp().gcp_metadata(), secrets, tmp_path)
+    agent.run()
+    assert GCP_WEB_REF not in secrets.reads
+    assert not (tmp_path / "launch/console/web-session-key").exists()
+
+
 def test_a_console_mounts_no_data_disk(tmp_path: Path) -> None:
     """The CLI's default is a disk found in sysfs, which a Console VM does not have: mounting
     one would refuse every Console launch ("no data disk")."""
@@ -254,6 +297,14 @@ CASES: list[tuple[str, Refusal, Mutation, Secrets | None]] = [
     ("an image not pinned by digest", Refusal.INVALID, _bad_compose, _good_secrets()),
     ("a measured copy that differs", Refusal.MISMATCH,
      _put("umbra-rtmr3-events", "{}"), _good_secrets()),
+    ("an unreadable web session key", Refusal.SECRET_UNREADABLE,
+     lambda m: _web().gcp_metadata(), _good_secrets()),
+    ("a web session key of the wrong length", Refusal.INVALID,
+     lambda m: _web().gcp_metadata(), _web_secrets(base64.b64encode(b"short").decode())),
+    ("a web session key that is no base64", Refusal.INVALID,
+     lambda m: _web().gcp_metadata(), _web_secrets("not base64 " + WEB_KEY)),
+    ("a Key Vault web session key reference on GCP", Refusal.MISMATCH,
+     _put("umbra-console-web-session-key-ref", AZ_WEB_REF), _good_secrets()),
 ]  # fmt: skip
 
 
@@ -270,7 +321,7 @@ def test_a_bad_console_launch_starts_nothing_and_says_why_once(
     assert len(lines) == 1 and lines[0].startswith(
         f"umbra-launch: REFUSED, nothing started: {reason}"
     )
-    for secret in (PASSWORD, TLS_KEY, OTHER_KEY):
+    for secret in (PASSWORD, TLS_KEY, OTHER_KEY, WEB_KEY):
         assert secret not in lines[0]
 
 
@@ -284,6 +335,13 @@ def test_console_keys_are_refused_on_other_roles(tmp_path: Path) -> None:
         parse_launch_data(meta, "gcp")
     assert err.value.reason == Refusal.INVALID
     assert "only a Console takes" in str(err.value)
+    placeholder = placeholder_app_compose("security")
+    only_web = LaunchData(
+        role="security-cvm", team="t", cvm_id="c", app_compose=placeholder,
+        web_session_key_ref=GCP_WEB_REF,
+    )  # fmt: skip
+    with pytest.raises(LaunchError, match="only a Console takes"):
+        parse_launch_data(only_web.as_metadata(), "gcp")
 
 
 def _all_bytes(root: Path, skip: set[Path]) -> dict[str, bytes]:
@@ -291,11 +349,12 @@ def _all_bytes(root: Path, skip: set[Path]) -> dict[str, bytes]:
 
 
 def test_the_secrets_are_in_no_output_but_the_consoles_own_files(tmp_path: Path) -> None:
-    data = _gcp()
-    agent, rec, lines = _agent(data.gcp_metadata(), _good_secrets(), tmp_path)
+    data = _web()
+    agent, rec, lines = _agent(data.gcp_metadata(), _web_secrets(), tmp_path)
     returned = agent.run()
     launch = tmp_path / "launch"
     own = {launch / "console/database-url", launch / "console/tls.key"}
+    own.add(launch / "console/web-session-key")
     outputs: dict[str, Any] = _all_bytes(launch, own)
     outputs |= {
         "serial": "\n".join(lines).encode(),
@@ -306,9 +365,10 @@ def test_the_secrets_are_in_no_output_but_the_consoles_own_files(tmp_path: Path)
     }
     key_body = "".join(TLS_KEY.splitlines()[1:-1]).encode()
     for where, blob in outputs.items():
-        for secret in (PASSWORD.encode(), TLS_KEY.encode(), key_body[:40]):
+        for secret in (PASSWORD.encode(), TLS_KEY.encode(), key_body[:40], WEB_KEY.encode()):
             assert secret not in blob, where
     from umbra.images.console_launch import ConsoleSecrets
 
     assert PASSWORD not in repr(ConsoleSecrets(PASSWORD, TLS_KEY))
     assert TLS_KEY not in repr(ConsoleSecrets(PASSWORD, TLS_KEY))
+    assert WEB_KEY not in repr(ConsoleSecrets(PASSWORD, TLS_KEY, WEB_KEY))

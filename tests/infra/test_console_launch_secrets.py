@@ -31,7 +31,10 @@ from ..certs import self_signed
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 PASSWORD = "console-db-password-Qx81-never-shown"
-SECRET_KEYS = frozenset({"umbra:consoleDbPassword", "umbra:consoleTlsKey"})
+SECRET_KEYS = frozenset(
+    {"umbra:consoleDbPassword", "umbra:consoleTlsKey", "umbra:consoleWebSessionKey"}
+)
+WEB_KEY = base64.b64encode(b"web-session-key-32-bytes-never!!").decode()
 SA = "serviceAccount:umbra-console@umbra-control.iam.gserviceaccount.com"
 
 
@@ -65,7 +68,9 @@ def _doc(cloud: str, cert_file: Path) -> dict[str, Any]:
     return doc
 
 
-def _build(cloud: str, tmp_path: Path) -> tuple[Recorder, dict[str, Any]]:
+def _build(
+    cloud: str, tmp_path: Path, web_key: str | None = None
+) -> tuple[Recorder, dict[str, Any]]:
     cert_file = tmp_path / "console.crt"
     cert_file.write_text(CERT)
     raw = {
@@ -73,6 +78,8 @@ def _build(cloud: str, tmp_path: Path) -> tuple[Recorder, dict[str, Any]]:
         "umbra:consoleDbPassword": PASSWORD,
         "umbra:consoleTlsKey": KEY,
     }
+    if web_key is not None:
+        raw["umbra:consoleWebSessionKey"] = web_key
     cfg = parse_stack_config(raw, SECRET_KEYS)
     assert isinstance(cfg, ConsoleStack)
     exported: dict[str, Any] = {}
@@ -92,7 +99,7 @@ def _build(cloud: str, tmp_path: Path) -> tuple[Recorder, dict[str, Any]]:
 
 def _no_secret_outside(mocks: Recorder, exported: dict[str, Any], holders: set[str]) -> None:
     key_body = "".join(KEY.splitlines()[1:-1])[:40]
-    for secret in (PASSWORD, KEY, key_body):
+    for secret in (PASSWORD, KEY, key_body, WEB_KEY):
         for r in mocks.resources:
             if r.typ in holders:
                 continue
@@ -208,3 +215,82 @@ def test_the_tls_key_comes_with_a_certificate_and_only_as_a_secret(tmp_path: Pat
 
 def test_without_a_tls_certificate_the_stack_warns_that_the_console_will_not_start() -> None:
     assert "refuses to start the Console" in NO_CONSOLE_TLS_WARNING
+
+
+def test_gcp_web_session_key_is_a_third_secret_with_its_own_grant_and_measured_ref(
+    tmp_path: Path,
+) -> None:
+    mocks, exported = _build("gcp", tmp_path, WEB_KEY)
+    versions = {
+        r.inputs["secret"]: _secret(r.inputs["secretData"])
+        for r in mocks.of_type("gcp:secretmanager/secretVersion:SecretVersion")
+    }
+    assert versions["projects/umbra-control/secrets/umbra-console-web-session-key"] == WEB_KEY
+    grants = sorted(
+        (r.inputs["secretId"], r.inputs["role"], r.inputs["member"])
+        for r in mocks.of_type("gcp:secretmanager/secretIamMember:SecretIamMember")
+    )
+    assert ("umbra-console-web-session-key", GCP_SECRET_ACCESSOR, SA) in grants
+    assert len(grants) == 3
+    (vm,) = mocks.of_type("gcp:compute/instance:Instance")
+    depends = mocks.options[("gcp:compute/instance:Instance", vm.name)].depends_on
+    assert isinstance(depends, list) and len(depends) == 3
+    meta = vm.inputs["metadata"]
+    ref = "projects/umbra-control/secrets/umbra-console-web-session-key/versions/1"
+    assert meta["umbra-console-web-session-key-ref"] == ref
+    data = parse_launch_data({k: v for k, v in meta.items() if k.startswith("umbra-")}, "gcp")
+    assert data.web_session_key_ref == ref
+    # The reference is measured: the same launch without it hashes differently.
+    from dataclasses import replace
+
+    assert (
+        data.console_launch_sha256 != replace(data, web_session_key_ref=None).console_launch_sha256
+    )
+    _no_secret_outside(
+        mocks,
+        exported,
+        {"gcp:secretmanager/secretVersion:SecretVersion", "gcp:sql/user:User"},
+    )
+
+
+def test_azure_web_session_key_is_a_third_vault_secret(tmp_path: Path) -> None:
+    mocks, exported = _build("azure", tmp_path, WEB_KEY)
+    (vault,) = mocks.of_type("azure-native:keyvault:Vault")
+    values = {
+        r.inputs["secretName"]: _secret(r.inputs["properties"])["value"]
+        for r in mocks.of_type("azure-native:keyvault:Secret")
+    }
+    assert values["web-session-key"] == WEB_KEY
+    (vm,) = mocks.of_type("azure-native:compute:VirtualMachine")
+    meta = json.loads(base64.b64decode(vm.inputs["userData"]))["umbra"]
+    vault_url = f"https://{vault.inputs['vaultName']}.vault.azure.net/secrets"
+    assert meta["umbra-console-web-session-key-ref"] == f"{vault_url}/web-session-key/{'0' * 32}"
+    assert parse_launch_data(meta, "azure").web_session_key_ref is not None
+    _no_secret_outside(
+        mocks,
+        exported,
+        {"azure-native:keyvault:Secret", "azure-native:dbforpostgresql:Server"},
+    )
+
+
+def test_the_web_session_key_is_a_secret_of_the_consoles_shape(tmp_path: Path) -> None:
+    doc = _doc("gcp", tmp_path / "console.crt")
+    base = {
+        "umbra:stack": json.dumps(doc),
+        "umbra:consoleDbPassword": PASSWORD,
+        "umbra:consoleTlsKey": KEY,
+    }
+    assert parse_stack_config(base, SECRET_KEYS)  # optional for one replica
+    with pytest.raises(ConfigError, match="consoleWebSessionKey: stored in plain text") as err:
+        parse_stack_config(
+            base | {"umbra:consoleWebSessionKey": WEB_KEY},
+            SECRET_KEYS - {"umbra:consoleWebSessionKey"},
+        )
+    assert WEB_KEY not in str(err.value)
+    short = base64.b64encode(b"sixteen-bytes!!!").decode()
+    for bad in (short, "not base64 at all!"):
+        with pytest.raises(
+            ConfigError, match=r"consoleWebSessionKey: .*want base64 of 32 bytes"
+        ) as err:
+            parse_stack_config(base | {"umbra:consoleWebSessionKey": bad}, SECRET_KEYS)
+        assert bad not in str(err.value)

@@ -6,6 +6,7 @@ health checkers admitted on the Console's port only. `replicas: 1` declares toda
 
 from __future__ import annotations
 
+import base64
 import json
 from typing import Any
 
@@ -20,7 +21,9 @@ from umbra.components.program import build_console
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
-SECRETS = frozenset({"umbra:consoleDbPassword"})
+SECRETS = frozenset({"umbra:consoleDbPassword", "umbra:consoleWebSessionKey"})
+# Every replica keys its web cookies with it (required for replicas > 1).
+WEB_KEY = base64.b64encode(b"replicas-share-this-web-key-32b!").decode()
 LB_TYPES = {
     "gcp:compute/instanceTemplate:InstanceTemplate",
     "gcp:compute/regionInstanceGroupManager:RegionInstanceGroupManager",
@@ -34,7 +37,7 @@ LB_TYPES = {
 
 
 def _build(cloud: str, **changes: Any) -> tuple[Recorder, dict[str, Any]]:
-    raw = _raw(cloud)
+    raw = _raw(cloud) | {"umbra:consoleWebSessionKey": WEB_KEY}
     if changes:
         raw["umbra:stack"] = json.dumps(json.loads(raw["umbra:stack"]) | changes)
     cfg = parse_stack_config(raw, SECRETS)
@@ -85,6 +88,17 @@ def test_replicas_out_of_bounds_is_refused(bad: Any) -> None:
     assert "replicas" in str(err.value)
 
 
+@pytest.mark.parametrize("cloud", ["gcp", "azure"])
+def test_replicas_need_a_shared_web_session_key(cloud: str) -> None:
+    """Without one each replica keys its cookies at random: a login on one is refused by the
+    others. Refused by name; one replica may go without."""
+    raw = _raw(cloud)
+    raw["umbra:stack"] = json.dumps(json.loads(raw["umbra:stack"]) | {"replicas": 2})
+    with pytest.raises(ConfigError, match=r"umbra:consoleWebSessionKey: required with replicas 2"):
+        parse_stack_config(raw, SECRETS)
+    assert isinstance(parse_stack_config(_raw(cloud), SECRETS), ConsoleStack)
+
+
 def test_gcp_replicas_are_a_managed_group_behind_a_passthrough_lb() -> None:
     single, single_out = _build("gcp")
     mocks, exported = _build("gcp", replicas=3)
@@ -103,6 +117,8 @@ def test_gcp_replicas_are_a_managed_group_behind_a_passthrough_lb() -> None:
     assert address.outputs["address"]
     assert replica_meta.pop("umbra-lb-ip") == address.outputs["address"]
     assert replica_meta == vm.inputs["metadata"]
+    # ... which names the one web session key every replica reads (by reference, measured).
+    assert replica_meta["umbra-console-web-session-key-ref"].endswith("web-session-key/versions/1")
     assert "umbra-lb-ip" not in vm.inputs["metadata"]
     assert template.inputs["serviceAccount"] == vm.inputs["serviceAccount"]
 
@@ -208,7 +224,12 @@ def test_replicas_pass_the_policy_pack_and_keep_the_password_in_its_holders(clou
     mocks, _ = _build(cloud, replicas=2)
     for r in mocks.resources:
         assert violations(r.typ, dict(r.inputs)) == {}, (r.typ, r.name)
-    holders = {r.typ for r in mocks.resources if PASSWORD in json.dumps(r.inputs)}
+    holders = {
+        r.typ
+        for r in mocks.resources
+        for secret in (PASSWORD, WEB_KEY)
+        if secret in json.dumps(r.inputs)
+    }
     assert holders <= {
         "gcp:sql/user:User",
         "gcp:secretmanager/secretVersion:SecretVersion",
