@@ -1,6 +1,11 @@
 """The full verification: quote → DCAP → TCB policy → TD checks → event log → named events.
 
 Every check runs and every failure is reported; the verdict is OK only when there are none.
+
+Why one module: the checks are one ordered pipeline over one quote and its evidence, each step's
+input the previous step's output; split, the order and the one verdict that make it fail
+closed would be spread over files. The parsers, collateral, the TCB policy
+and the event log are their own modules.
 """
 
 from __future__ import annotations
