@@ -18,6 +18,7 @@ from dataclasses import replace
 import pulumi
 
 from umbra.components.launch_data import LaunchData
+from umbra.components.security_pool import azure_lb_part
 
 CONSOLE_PORT = 443
 # The load balancers route to replicas that are ready (the database answers, migrated to this
@@ -257,19 +258,8 @@ def build_azure_console_lb(
         tags=dict(tags),
         opts=opts,
     )
-    client = azure.authorization.get_client_config_output()
     lb_name = f"{vm_name}-lb"
-    lb_id = pulumi.Output.concat(
-        "/subscriptions/",
-        client.subscription_id,
-        "/resourceGroups/",
-        resource_group,
-        "/providers/Microsoft.Network/loadBalancers/",
-        lb_name,
-    )
-
-    def sub(kind: str, part: str) -> azure.network.SubResourceArgs:
-        return azure.network.SubResourceArgs(id=pulumi.Output.concat(lb_id, f"/{kind}/{part}"))
+    sub = azure_lb_part(resource_group, lb_name)
 
     lb = azure.network.LoadBalancer(
         f"{name}-lb",

@@ -7,7 +7,8 @@ forwarder attests like any other. CLIENT_IP affinity keeps one Dev CVM on one re
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import pulumi
 import pulumi_gcp as gcp
@@ -91,20 +92,8 @@ def build_azure_security_lb(
     one Dev CVM on one replica."""
     import pulumi_azure_native as azure
 
-    client = azure.authorization.get_client_config_output()
     lb_name = f"{prefix}-sec"
-    # Sub-resources of one load balancer name each other by id, which Azure derives from names.
-    lb_id = pulumi.Output.concat(
-        "/subscriptions/",
-        client.subscription_id,
-        "/resourceGroups/",
-        resource_group,
-        "/providers/Microsoft.Network/loadBalancers/",
-        lb_name,
-    )
-
-    def sub(kind: str, part: str) -> azure.network.SubResourceArgs:
-        return azure.network.SubResourceArgs(id=pulumi.Output.concat(lb_id, f"/{kind}/{part}"))
+    sub = azure_lb_part(resource_group, lb_name)
 
     lb = azure.network.LoadBalancer(
         f"{name}-security-lb",
@@ -149,3 +138,25 @@ def build_azure_security_lb(
         opts=opts,
     )
     return lb.id.apply(lambda i: f"{i}/backendAddressPools/replicas")
+
+
+def azure_lb_part(resource_group: pulumi.Input[str], lb_name: str) -> Callable[[str, str], Any]:
+    """`part(kind, name)`: a sub-resource reference inside load balancer `lb_name`. Sub-resources
+    of one load balancer name each other by id, which Azure derives from names, so the ids are
+    known before the balancer exists."""
+    import pulumi_azure_native as azure
+
+    client = azure.authorization.get_client_config_output()
+    lb_id = pulumi.Output.concat(
+        "/subscriptions/",
+        client.subscription_id,
+        "/resourceGroups/",
+        resource_group,
+        "/providers/Microsoft.Network/loadBalancers/",
+        lb_name,
+    )
+
+    def part(kind: str, name: str) -> Any:
+        return azure.network.SubResourceArgs(id=pulumi.Output.concat(lb_id, f"/{kind}/{name}"))
+
+    return part
