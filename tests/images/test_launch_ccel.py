@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import struct
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,16 +30,13 @@ from umbra.attest.quote import parse_quote
 from umbra.attest.simpki import SimulatedPki
 from umbra.attest.simulator import SimulatedTdx
 from umbra.attest.verify import Verifier
-from umbra.components.launch_data import LaunchData
 from umbra.images.launch_agent import Agent, LaunchError, Refusal
 from umbra.images.launch_ccel import CcelReader, FirmwareLogError
-from umbra.images.measure import measure
 
-from ..sandbox.fixtures import dev_definition
 from .simulated_rtmr import SimulatedRtmr
+from .test_launch_agent import ALICE, RecordingStarter, _dev_launch, pki
 
 DSTACK = Path(__file__).resolve().parent.parent / "data" / "tdx" / "dstack_quote_report.json"
-ALICE = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIOMqqnkVzrm0SdG6UOoqKLsabgH5C9okWi0dh2l9GKJl alice"
 LAML = 64 * 1024  # TDVF's log area (PcdTcgLogAreaMinLen), all 0xFF before the first event
 HEADER = dump_ccel([])  # the Spec ID event alone
 
@@ -94,35 +91,13 @@ class Metadata:
         return "umbra-acme-dev"
 
 
-@dataclass
-class RecordingStarter:
-    started: list[str] = field(default_factory=list)
-
-    def start(self, compose: Path) -> None:
-        self.started.append(compose.read_text())
-
-
-@pytest.fixture(scope="module")
-def pki() -> SimulatedPki:
-    return SimulatedPki.generate()
-
-
-def _launch() -> tuple[LaunchData, Any]:
-    m = measure(dev_definition())
-    data = LaunchData(
-        role="dev-cvm",
-        team="team-a",
-        cvm_id="dev-alice-1",
-        app_compose=m.app_compose.decode(),
-        ssh_authorized_keys=(ALICE,),
-    )
-    return data, m
+__all__ = ["pki"]  # the module PKI fixture, shared with test_launch_agent
 
 
 def _agent(
     tdx: SimulatedTdx, tmp_path: Path, lines: list[str], ccel: Path | None
 ) -> tuple[Agent, RecordingStarter]:
-    data, _ = _launch()
+    data, _ = _dev_launch()
     starter = RecordingStarter()
     agent = Agent(
         source=Metadata(data.gcp_metadata()),
@@ -142,7 +117,7 @@ def test_the_agent_on_a_td_serves_a_log_the_verifier_accepts(
     """A simulated TD whose firmware logged its RTMR0-2 events into the CCEL: the agent's log
     replays every quoted RTMR and the verifier accepts it; the RTMR3-only log the agent wrote
     before (no CCEL reader) is refused for RTMR0."""
-    _, m = _launch()
+    _, m = _dev_launch()
     policy = MeasurementPolicy(release=m.release, binding=m.binding("dev-alice-1", [ALICE]))
     verifier = Verifier(
         policy,
