@@ -141,11 +141,12 @@ def build_os_image(
     epoch: int,
     extra_files: dict[str, str] | None = None,
     image_archives: Sequence[Path] = (),
-    size: str = "3G",
+    size: str | None = None,
     update_lock: bool = False,
 ) -> OsImage:
     """The installed packages must be exactly the lock's for `d.cloud` (images/os/packages.lock,
-    os_lock); `update_lock` rewrites those lines from this build first."""
+    os_lock); `update_lock` rewrites those lines from this build first. `size`: the root file
+    system's (default 3G; 6G with the sandbox image, whose tree alone is over 2 GiB)."""
     import os
 
     out.mkdir(parents=True, exist_ok=True)
@@ -192,7 +193,8 @@ def build_os_image(
         image.unlink(missing_ok=True)
         _run(
             ["mke2fs", "-q", "-t", "ext4", "-E", f"root_owner=0:0,hash_seed={_SEED}",
-             "-U", _SEED, "-L", "umbra-root", "-d", str(root), str(image), size],
+             "-U", _SEED, "-L", "umbra-root", "-d", str(root), str(image),
+             size or ("6G" if d.sandbox_image else "3G")],
             "mke2fs",
             env=env,
         )  # fmt: skip

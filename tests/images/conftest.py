@@ -15,7 +15,14 @@ from typer.testing import CliRunner
 
 from umbra.cli.app import app
 from umbra.images.disk_formats import CloudDisks
-from umbra.images.os_image import OS_DIR, OsImage, build_os_image, load_os_definition
+from umbra.images.os_image import (
+    OS_DIR,
+    LaunchAgentConfig,
+    OsDefinition,
+    OsImage,
+    build_os_image,
+    load_os_definition,
+)
 from umbra.images.uki import Uki, UkiSigner, pack_os_image
 
 from .sb_keys import make_signer
@@ -92,26 +99,64 @@ def docker_up() -> None:
         pytest.fail(f"scripts/docker-up could not start a Docker engine:\n{done.stderr}")
 
 
+def stub_variant(d: OsDefinition) -> OsDefinition:
+    """The boot tests' variant of `qemu.yaml`: the same packages and kernel, but the agent hands
+    the compose to a stub that reports the root, Secure Boot, the data disk and a quote on the
+    serial console (`--compose … --no-ingress`: no dev host, no ingress), and no sandbox image
+    (2 GiB the stub never runs). The real Dev workload boots in test_emulated_dev_cvm.py."""
+    env = d.launch_agent.env | {
+        "UMBRA_AGENT_ARGS": "--console /dev/ttyS0 --compose /usr/local/bin/umbra-compose-stub "
+        "--no-ingress"
+    }
+    return d.model_copy(update={"sandbox_image": False, "launch_agent": LaunchAgentConfig(env=env)})
+
+
 @pytest.fixture(scope="session")
 def qemu_os_image(
     build_inputs: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
 ) -> OsImage:
-    """The `qemu` OS image, built once: packed once into `qemu_disks` (booted by the boot test),
-    and once more by the disk-format test (reproducibility)."""
+    """The `qemu` OS image's stub variant (`stub_variant`), built once: packed once into
+    `qemu_disks` (booted by the boot tests), and once more by the disk-format test
+    (reproducibility)."""
     from .test_qemu_boot import STUB
 
     if PREBUILT and (Path(PREBUILT) / "os-qemu").is_dir():
-        d = Path(PREBUILT) / "os-qemu"
-        return OsImage(d / "rootfs.ext4", d / "vmlinuz", d / "initrd.img", d / "linuxx64.efi.stub")
+        return _prebuilt_os(Path(PREBUILT) / "os-qemu")
     wheel, req = build_inputs
     return build_os_image(
-        load_os_definition(OS_DIR / "qemu.yaml"),
+        stub_variant(load_os_definition(OS_DIR / "qemu.yaml")),
         tmp_path_factory.mktemp("uim-os"),
         wheel=wheel,
         requirements=req,
         host_python_prefix=Path(sys.base_prefix),
         epoch=int(EPOCH),
         extra_files={"/usr/local/bin/umbra-compose-stub": STUB},
+    )
+
+
+def _prebuilt_os(d: Path) -> OsImage:
+    return OsImage(d / "rootfs.ext4", d / "vmlinuz", d / "initrd.img", d / "linuxx64.efi.stub")
+
+
+@pytest.fixture(scope="session")
+def qemu_dev_os_image(
+    build_inputs: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
+) -> OsImage:
+    """`qemu.yaml` as it is: the dev host, the sandbox image (this build host's cache, built
+    first if missing) and the attested ingress. `UMBRA_TEST_PREBUILT/os-qemu-dev` stands in."""
+    from umbra.sandbox import image
+
+    if PREBUILT and (Path(PREBUILT) / "os-qemu-dev").is_dir():
+        return _prebuilt_os(Path(PREBUILT) / "os-qemu-dev")
+    wheel, req = build_inputs
+    image.ensure_image()
+    return build_os_image(
+        load_os_definition(OS_DIR / "qemu.yaml"),
+        tmp_path_factory.mktemp("uim-os-dev"),
+        wheel=wheel,
+        requirements=req,
+        host_python_prefix=Path(sys.base_prefix),
+        epoch=int(EPOCH),
     )
 
 
@@ -131,4 +176,19 @@ def qemu_disks(
     need_root_and("osslsigncode")
     return pack_os_image(
         qemu_os_image.rootfs.parent, tmp_path_factory.mktemp("uim-disks"), int(EPOCH), sb_signer
+    )
+
+
+@pytest.fixture(scope="session")
+def qemu_dev_disks(
+    qemu_dev_os_image: OsImage, sb_signer: UkiSigner, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Uki, CloudDisks]:
+    """`qemu_dev_os_image` packed as bootable disks, once."""
+    need_root_and("sfdisk")
+    need_root_and("osslsigncode")
+    return pack_os_image(
+        qemu_dev_os_image.rootfs.parent,
+        tmp_path_factory.mktemp("uim-dev-disks"),
+        int(EPOCH),
+        sb_signer,
     )
