@@ -14,6 +14,12 @@ components.azure_vm does), the enrollment token included.
   Console restart a VM it launched is unknown here (refused, said so), and its QEMU is gone with
   the process. Emulation, not a cloud: nothing of it is durable but the data disk.
 - The enrollment token is held in the stand-in's memory only (no file, no provider state).
+- The Dev workload's network (`forwards`): the guest reaches exactly the Console's and its
+  Security CVM's addresses (launch data's `console_ips`, `security_cvm_ips`, inside QEMU's
+  168.0.0.0/6), each relayed to a loopback port of this host; the attested SSH ingress is
+  published on a loopback port of its own (chosen at launch, kept across stop/start), recorded
+  with the Dev release (`release_manifest`) and the launch data's expected events in
+  `provider_state` for `umbra ssh`, which checks all of it against the CVM's quote.
 - Each VM has the host's simulated TDX module (umbra.emulated.tdx_module) on its port, signing
   with `simulated_pki` (the PKI whose root the Console's `release_simulated_root` trusts for a
   `tee: simulated` Dev release): the image's `--tee emulated` agent measures into it and its
@@ -23,6 +29,7 @@ components.azure_vm does), the enrollment token included.
 from __future__ import annotations
 
 import shutil
+import socket
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +38,7 @@ from typing import Any, Literal
 from pydantic import Field, ValidationError
 
 from umbra.attest.errors import AttestError
+from umbra.attest.measurement import load_release_manifest
 from umbra.attest.simpki import SimulatedPki
 from umbra.components.launch_data import LaunchData
 from umbra.console.enums import CvmKind
@@ -42,11 +50,29 @@ from umbra.console.providers import (
     ProviderUnsupported,
     Provisioned,
 )
+from umbra.console.session_info import EVENTS_KEY, INGRESS_KEY, RELEASE_KEY
 from umbra.contracts.model import Strict
 from umbra.contracts.validation import first_problem
 from umbra.emulated.metadata import EmulatedMetadata, Shape
-from umbra.emulated.qemu import OVMF, Firmware, QemuVm, VmConfig, VmError, create_data_disk
+from umbra.emulated.qemu import (
+    OVMF,
+    Firmware,
+    Forward,
+    QemuVm,
+    VmConfig,
+    VmError,
+    check_forward,
+    create_data_disk,
+)
 from umbra.emulated.tdx_module import TdxModule
+
+
+class QemuForward(Strict):
+    """A guest destination `address:port` relayed to 127.0.0.1:`host_port` (emulated.qemu)."""
+
+    address: str
+    port: int = Field(ge=1, le=65535)
+    host_port: int = Field(ge=1, le=65535)
 
 
 class QemuCvmSettings(Strict):
@@ -69,6 +95,13 @@ class QemuCvmSettings(Strict):
     # the simulated image name whose boot values their RTMR0-2 hold (the Dev release's).
     simulated_pki: Path
     tee_image: str = "umbra-dev-cvm"
+    # The Dev workload's addresses (launch data) and the forwards that make them reachable.
+    console_ips: list[str] = Field(default_factory=list)
+    security_cvm_ips: list[str] = Field(default_factory=list)
+    forwards: list[QemuForward] = Field(default_factory=list)
+    # The Dev release's manifest (the Console's `dev_cvm_release_policy`): with it, each VM's
+    # attested SSH ingress is published on a loopback port and recorded for `umbra ssh`.
+    release_manifest: Path | None = None
 
 
 def load_settings(path: Path) -> QemuCvmSettings:
@@ -85,6 +118,8 @@ class _Vm:
     stand_in: EmulatedMetadata
     module: TdxModule
     dir: Path
+    data: LaunchData
+    ssh_port: int | None = None  # the ingress's loopback port (hostfwd), kept across boots
     boot: int = 0
     qemu: QemuVm | None = None
 
@@ -101,6 +136,20 @@ class QemuCvmProvider:
         except (OSError, AttestError, ValueError) as exc:
             raise ProviderError(
                 f"qemu provider: simulated_pki {settings.simulated_pki}: {exc}"
+            ) from None
+        self._release: dict[str, Any] | None = None
+        try:
+            for forward in settings.forwards:
+                check_forward(Forward(forward.address, forward.port, forward.host_port))
+            if settings.release_manifest is not None:
+                self._release = load_release_manifest(settings.release_manifest).model_dump(
+                    mode="json", exclude_none=True
+                )
+        except VmError as exc:
+            raise ProviderError(f"qemu provider: {exc}") from None
+        except (OSError, AttestError, ValueError) as exc:
+            raise ProviderError(
+                f"qemu provider: release_manifest {settings.release_manifest}: {exc}"
             ) from None
         self._factory = vm_factory or QemuVm
         self._vms: dict[str, _Vm] = {}
@@ -140,6 +189,8 @@ class QemuCvmProvider:
             ssh_authorized_keys=tuple(spec.ssh_keys),
             console_url=s.console_url,
             console_ca=ca,
+            console_ips=tuple(s.console_ips),
+            security_cvm_ips=tuple(s.security_cvm_ips),
             enrollment_token=spec.enrollment_token,
             cloud=s.shape,
         )
@@ -154,7 +205,9 @@ class QemuCvmProvider:
         except OSError as exc:
             raise ProviderError(f"qemu CVM {spec.id}: {exc.strerror}") from None
         module = TdxModule(d / "tdx.sock", self._pki, self.settings.tee_image).start()
-        vm = _Vm(EmulatedMetadata(self.settings.shape, data, spec.id).start(), module, d)
+        vm = _Vm(EmulatedMetadata(self.settings.shape, data, spec.id).start(), module, d, data)
+        if self._release is not None:
+            vm.ssh_port = _free_port()
         with self._lock:
             self._vms[spec.id] = vm
         self._boot(spec.id, vm, on_event)
@@ -162,7 +215,8 @@ class QemuCvmProvider:
 
     def update(self, spec: CvmSpec, ref: str, on_event: OnProviderEvent) -> Provisioned:
         vm = self._vm(ref)
-        vm.stand_in.set_launch(self.launch_data(spec))
+        vm.data = self.launch_data(spec)
+        vm.stand_in.set_launch(vm.data)
         self._halt(vm)
         try:  # a resize grows the kept disk (the guest grows its filesystem at boot)
             create_data_disk(vm.dir / "data.raw", spec.data_disk_gb or self.settings.data_disk_gb)
@@ -217,6 +271,8 @@ class QemuCvmProvider:
             memory_mb=s.memory_mb,
             accel=s.accel,
             tdx_module=vm.module.socket_path,
+            forwards=tuple(Forward(f.address, f.port, f.host_port) for f in s.forwards),
+            ssh_host_port=vm.ssh_port,
         )
 
     def _boot(self, cvm_id: str, vm: _Vm, on_event: OnProviderEvent) -> None:
@@ -245,11 +301,23 @@ class QemuCvmProvider:
         return vm
 
     def _state(self, vm: _Vm) -> dict[str, Any]:
-        """`provider_state`: where to look (no launch data: the token must not be stored)."""
-        return {
+        """`provider_state`: where to look (no launch data: the token must not be stored), and
+        what `umbra ssh` needs (checked by it against the quote, never trusted on its own)."""
+        state: dict[str, Any] = {
             "runtime": "qemu",
             "shape": str(self.settings.shape),
             "boot": vm.boot,
             "serial": str(vm.dir / f"serial-{vm.boot}.log"),
             "data_disk": str(vm.dir / "data.raw"),
         }
+        if vm.ssh_port is not None and self._release is not None:
+            state[INGRESS_KEY] = {"host": "127.0.0.1", "port": vm.ssh_port}
+            state[RELEASE_KEY] = self._release
+            state[EVENTS_KEY] = vm.data.expected_events()
+        return state
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])

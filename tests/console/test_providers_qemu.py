@@ -25,7 +25,7 @@ from umbra.console.providers import (
     ProviderUnsupported,
     build_providers,
 )
-from umbra.console.providers_qemu import QemuCvmProvider, QemuCvmSettings
+from umbra.console.providers_qemu import QemuCvmProvider, QemuCvmSettings, QemuForward
 from umbra.emulated.metadata import Shape
 from umbra.emulated.qemu import QemuVm, VmConfig, qemu_argv
 
@@ -296,3 +296,62 @@ def test_a_missing_simulated_pki_is_refused_at_start(settings: QemuCvmSettings) 
     bad = settings.model_copy(update={"simulated_pki": settings.runtime_dir / "no-pki"})
     with pytest.raises(ProviderError, match=r"simulated_pki .*no-pki"):
         QemuCvmProvider(bad, RecordingVm)
+
+
+def test_the_dev_workload_network_and_what_umbra_ssh_is_told(
+    settings: QemuCvmSettings, tmp_path: Path
+) -> None:
+    """With the Console's and the Security CVM's addresses, their forwards and the Dev release:
+    launch data names the addresses (the host firewall is rendered from them), QEMU relays
+    exactly those, the ingress is published on a loopback port kept across stop/start, and
+    provider_state tells `umbra ssh` where, against which release and firewall."""
+    from umbra.console.session_info import EVENTS_KEY, INGRESS_KEY, RELEASE_KEY
+    from umbra.images.measure import measure
+
+    from ..sandbox.fixtures import dev_definition
+
+    release = measure(dev_definition()).release
+    (tmp_path / "release.json").write_text(release.model_dump_json(exclude_none=True))
+    dev = QemuCvmSettings.model_validate(
+        settings.model_dump()
+        | {
+            "console_ips": ["168.1.0.10"],
+            "security_cvm_ips": ["168.1.0.20"],
+            "forwards": [
+                {"address": "168.1.0.10", "port": 443, "host_port": 4443},
+                {"address": "168.1.0.20", "port": 8443, "host_port": 4444},
+            ],
+            "release_manifest": tmp_path / "release.json",
+        }
+    )
+    RecordingVm.boots, RecordingVm.stops = [], []
+    p = QemuCvmProvider(dev, RecordingVm)
+    try:
+        done = p.launch(_spec(), lambda _e: None)
+        p.set_running(done.ref, False)
+        p.set_running(done.ref, True)
+        first, second = RecordingVm.boots
+        served = _attributes(first.metadata_port)
+        assert served["umbra-console-ips"] == "168.1.0.10"
+        assert served["umbra-security-cvm-ips"] == "168.1.0.20"
+        netdev = qemu_argv(first)[qemu_argv(first).index("-netdev") + 1]
+        assert "guestfwd=tcp:168.1.0.10:443-cmd:" in netdev and "127.0.0.1 4443" in netdev
+        assert "guestfwd=tcp:168.1.0.20:8443-cmd:" in netdev and "127.0.0.1 4444" in netdev
+        assert first.ssh_host_port is not None and second.ssh_host_port == first.ssh_host_port
+        assert f"hostfwd=tcp:127.0.0.1:{first.ssh_host_port}-:" in netdev
+        state = done.state
+        assert state[INGRESS_KEY] == {"host": "127.0.0.1", "port": first.ssh_host_port}
+        assert state[RELEASE_KEY] == release.model_dump(mode="json", exclude_none=True)
+        want = p.launch_data(_spec()).expected_events()
+        assert state[EVENTS_KEY] == want and "umbra.host-firewall" in want
+    finally:
+        p.destroy(_spec(), p.ref(_spec().id), lambda _e: None)
+    # A forward QEMU cannot relay, and a release that does not load: refused at start.
+    outside = dev.model_copy(
+        update={"forwards": [QemuForward(address="10.0.0.1", port=443, host_port=4443)]}
+    )
+    with pytest.raises(ProviderError, match=r"must be inside 168\.0\.0\.0/6"):
+        QemuCvmProvider(outside, RecordingVm)
+    (tmp_path / "release.json").write_text("{}")
+    with pytest.raises(ProviderError, match=r"release_manifest .*release\.json"):
+        QemuCvmProvider(dev, RecordingVm)
