@@ -137,10 +137,13 @@ def start_server(
     stack_factory: Any = None,
     listen: str = "127.0.0.1",
     tls: tuple[Path, Path, str] | None = None,
+    port: int = 0,
     **overrides: Any,
 ) -> Server:
     """`tls`: (certificate, key, the host name or address its URL names), e.g. for a Console that
-    containers reach on the Docker bridge's gateway; clients then need to trust its CA."""
+    containers reach on the Docker bridge's gateway; clients then need to trust its CA. `port`:
+    0 picks one; a fixed one when a setting must name it before the Console starts (the
+    emulated cloud's forwards)."""
     from cryptography.hazmat.primitives import serialization
 
     from umbra.console import db
@@ -164,7 +167,7 @@ def start_server(
     )
     app = create_app(settings, stack_factory=stack_factory)
     enroll.install(app.state.console)
-    sock = listening_socket(listen, 0)
+    sock = listening_socket(listen, port)
     port = sock.getsockname()[1]
     config = uvicorn.Config(
         app,
