@@ -40,6 +40,7 @@ EV_EFI_BOOT_SERVICES_APPLICATION = 0x80000003
 EV_EFI_GPT_EVENT = 0x80000006
 
 CALLING = b"Calling EFI Application from Boot Option"
+RETURNING = b"Returning from EFI Application from Boot Option"
 EXIT_BOOT_SERVICES = (b"Exit Boot Services Invocation", b"Exit Boot Services Returned with Success")
 SEPARATOR = bytes(4)
 # Linux's EFI stub (drivers/firmware/efi/libstub): its tagged events into PCR 9.
@@ -160,9 +161,49 @@ def _utf16(text: str) -> bytes:
     return text.encode("utf-16-le")
 
 
-def boot_measurements(uki: bytes, gpt: bytes, source: str = "UKI") -> list[Measured]:
+def _pad4(data: bytes) -> bytes:
+    return data + bytes(-len(data) % 4)
+
+
+def _cpio_entry(inode: int, mode: int, size: int, name: bytes) -> bytes:
+    fields = (inode, mode, 0, 0, 1, 0, size, 0, 0, 0, 0, len(name) + 1, 0)
+    return _pad4(b"070701" + b"".join(b"%08x" % f for f in fields) + name + b"\0")
+
+
+# systemd's literal trailer (nlink 1, an upper-case name size): bytes as the stub writes them.
+CPIO_TRAILER = (
+    b"070701" + b"00000000" * 4 + b"00000001" + b"00000000" * 6 + b"0000000B" + b"00000000"
+    + b"TRAILER!!!\0\0\0\0"
+)  # fmt: skip
+
+
+def extra_cpio(filename: bytes, data: bytes) -> bytes:
+    """systemd-stub's pack_cpio_literal into `.extra` (newc, mtime 0, inodes from 1): how 257
+    hands the UKI's `.osrel` to the initrd as /.extra/os-release."""
+    return (
+        _cpio_entry(1, 0o040555, 0, b".extra")
+        + _cpio_entry(2, 0o100444, len(data), b".extra/" + filename)
+        + _pad4(data)
+        + CPIO_TRAILER
+    )
+
+
+def kernel_initrd(loaded: dict[str, bytes]) -> bytes:
+    """The initrd systemd-stub hands the kernel (combine_initrds): its initrds in the stub's
+    order, each padded to 4 bytes: the `.initrd` section, then (257) `.osrel` as a cpio."""
+    out = _pad4(loaded[".initrd"])
+    if ".osrel" in loaded:
+        out += extra_cpio(b"os-release", loaded[".osrel"])
+    return out
+
+
+def boot_measurements(
+    uki: bytes, gpt: bytes, source: str = "UKI", returned_attempts: int = 0
+) -> list[Measured]:
     """The image-dependent measurements of one boot of our disk, in extend order (a TD's; a TPM
-    firmware adds one separator per PCR 0-6 where the TD has one, see `tpm_separators`)."""
+    firmware adds one separator per PCR 0-6 where the TD has one, see `tpm_separators`).
+    `returned_attempts`: boot options the firmware tried, and came back from, before ours
+    (each logs "Returning from…" then "Calling…" again); none on the clouds."""
     loaded = _sections(uki, source)
     stub: list[Measured] = []
     for name, contents in loaded.items():
@@ -178,14 +219,16 @@ def boot_measurements(uki: bytes, gpt: bytes, source: str = "UKI") -> list[Measu
         bytes.fromhex(authenticode_digest(uki, "sha384")),
         b"",  # EFI_IMAGE_LOAD_EVENT: load address and device path, not in the digest
     )
+    retries = [_action(4, text) for _ in range(returned_attempts) for text in (RETURNING, CALLING)]
     return [
         _action(4, CALLING),
         _separator(4),
+        *retries,
         _hashed(5, EV_EFI_GPT_EVENT, "GPT", gpt, gpt),
         app,
         *stub,
         _tagged(9, LOAD_OPTIONS_TAG, LOAD_OPTIONS_DESC, _utf16(cmdline + "\0")),
-        _tagged(9, INITRD_TAG, INITRD_DESC, loaded[".initrd"]),
+        _tagged(9, INITRD_TAG, INITRD_DESC, kernel_initrd(loaded)),
         *(_action(5, text) for text in EXIT_BOOT_SERVICES),
     ]
 
@@ -216,7 +259,7 @@ class TdBootGolden:
         return td_events(self.measured)
 
 
-def golden_rtmrs(uki_path: Path, disk_path: Path) -> TdBootGolden:
+def golden_rtmrs(uki_path: Path, disk_path: Path, returned_attempts: int = 0) -> TdBootGolden:
     """RTMR1 and RTMR2 of a TD booting `disk_path` (the GPT is read from it) whose ESP holds
     `uki_path`. Raises TdBootError naming the file."""
     try:
@@ -225,6 +268,7 @@ def golden_rtmrs(uki_path: Path, disk_path: Path) -> TdBootGolden:
             head = f.read(1 << 20)  # LBA 0-2047: the primary header and entries live there
     except OSError as exc:
         raise TdBootError(f"{exc.filename}: cannot read: {exc.strerror}") from None
-    measured = boot_measurements(uki, gpt_event_data(head, str(disk_path)), str(uki_path))
+    gpt = gpt_event_data(head, str(disk_path))
+    measured = boot_measurements(uki, gpt, str(uki_path), returned_attempts)
     r = replay(td_events(measured))
     return TdBootGolden(r[1], r[2], tuple(measured))

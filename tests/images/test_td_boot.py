@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import struct
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -31,11 +33,12 @@ from umbra.images.td_boot import (
     TdBootError,
     TdBootGolden,
     boot_measurements,
+    extra_cpio,
     golden_rtmrs,
     gpt_event_data,
     rtmr_of_pcr,
 )
-from umbra.images.uki import build_uki, kernel_cmdline
+from umbra.images.uki import OS_RELEASE, build_uki, kernel_cmdline
 
 from .test_uki import STUB, _need
 
@@ -106,6 +109,11 @@ def test_the_events_are_the_boot_paths_and_replay_to_the_golden_rtmrs(
     assert cmdline.sha384 == hashlib.sha384(CMDLINE.encode()).digest()
     options = next(x for x in m if x.label == "LOADED_IMAGE::LoadOptions")
     assert options.sha384 == hashlib.sha384((CMDLINE + "\0").encode("utf-16-le")).digest()
+    # The kernel's initrd is the .initrd section, padded to 4 bytes, then systemd-stub 257's
+    # cpio of .osrel (as the real boot's log showed: tests/images/test_td_boot_swtpm.py).
+    initrd = next(x for x in m if x.label == "Linux initrd")
+    handed = b"initrd" * 50000 + extra_cpio(b"os-release", OS_RELEASE.encode())
+    assert initrd.sha384 == hashlib.sha384(handed).digest()
     # RTMR1 holds PCR 4/5's events, RTMR2 PCR 9/11's, nothing else; the replay is the value.
     events = golden.events()
     assert {e.imr for e in events} == {1, 2}
@@ -189,3 +197,17 @@ def test_bad_input_is_refused_naming_the_file(uki: Path, tmp_path: Path) -> None
         golden_rtmrs(junk, disk)
     with pytest.raises(TdBootError, match=r"stub\.efi: not a UKI of ours: no \.linux section"):
         boot_measurements(STUB.read_bytes(), gpt_event_data(disk.read_bytes()), "stub.efi")
+
+
+def test_the_stubs_os_release_cpio_unpacks_with_cpio(tmp_path: Path) -> None:
+    """The cpio systemd-stub generates is a newc archive GNU cpio unpacks: .extra/os-release,
+    mode 0444, in a 0555 directory (its exact bytes are checked by the real boot's digest)."""
+    if shutil.which("cpio") is None:
+        pytest.skip("needs cpio")
+    archive = extra_cpio(b"os-release", OS_RELEASE.encode())
+    assert len(archive) % 4 == 0
+    subprocess.run(["cpio", "-id", "--quiet"], input=archive, cwd=tmp_path, check=True)
+    out = tmp_path / ".extra" / "os-release"
+    assert out.read_text() == OS_RELEASE
+    assert oct(out.stat().st_mode & 0o777) == "0o444"
+    assert oct((tmp_path / ".extra").stat().st_mode & 0o777) == "0o555"
