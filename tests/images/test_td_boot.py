@@ -29,6 +29,7 @@ from umbra.images.td_boot import (
     EV_EVENT_TAG,
     EV_IPL,
     EXIT_BOOT_SERVICES,
+    RETURNING,
     Bank,
     TdBootError,
     TdBootGolden,
@@ -211,3 +212,14 @@ def test_the_stubs_os_release_cpio_unpacks_with_cpio(tmp_path: Path) -> None:
     assert out.read_text() == OS_RELEASE
     assert oct(out.stat().st_mode & 0o777) == "0o444"
     assert oct((tmp_path / ".extra").stat().st_mode & 0o777) == "0o555"
+
+
+def test_a_returned_boot_attempt_is_another_rtmr1(uki: Path, tmp_path: Path) -> None:
+    """TDVF logs a boot option it came back from as "Returning from…" then "Calling…" again
+    (TdTcg2Dxe's OnReadyToBoot): a release computes none, so such a boot does not verify."""
+    disk = fake_disk(tmp_path / "disk.raw")
+    once = golden_rtmrs(uki, disk, returned_attempts=1)
+    actions = [m.event_data for m in once.measured if m.event_type == EV_EFI_ACTION]
+    assert actions == [CALLING, RETURNING, CALLING, *EXIT_BOOT_SERVICES]
+    plain = golden_rtmrs(uki, disk)
+    assert once.rtmr1 != plain.rtmr1 and once.rtmr2 == plain.rtmr2
