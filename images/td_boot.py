@@ -210,7 +210,12 @@ def boot_measurements(
         desc = _utf16(name + "\0")
         stub.append(_hashed(11, EV_IPL, f"{name} (name)", name.encode() + b"\0", desc))
         stub.append(_hashed(11, EV_IPL, f"{name} (contents)", contents, desc))
-    cmdline = loaded[".cmdline"].decode("utf-8", "strict").rstrip()
+    raw_cmdline = loaded[".cmdline"]
+    if not raw_cmdline.isascii() or any(c < 0x20 for c in raw_cmdline.rstrip(b" \n")):
+        # systemd-stub rewrites control characters (mangle_stub_cmdline); ours has none, and a
+        # rewrite that was never checked against a log is not predicted.
+        raise TdBootError(f"{source}: .cmdline is not printable ASCII")
+    cmdline = raw_cmdline.decode().rstrip()
     app = Measured(
         4,
         EV_EFI_BOOT_SERVICES_APPLICATION,

@@ -223,3 +223,13 @@ def test_a_returned_boot_attempt_is_another_rtmr1(uki: Path, tmp_path: Path) -> 
     assert actions == [CALLING, RETURNING, CALLING, *EXIT_BOOT_SERVICES]
     plain = golden_rtmrs(uki, disk)
     assert once.rtmr1 != plain.rtmr1 and once.rtmr2 == plain.rtmr2
+
+
+def test_a_command_line_the_stub_would_rewrite_is_refused(tmp_path: Path) -> None:
+    _need("objcopy")
+    kernel, initrd = tmp_path / "vmlinuz", tmp_path / "initrd.img"
+    kernel.write_bytes(b"k" * 4096)
+    initrd.write_bytes(b"i" * 4096)
+    odd = build_uki(kernel, initrd, STUB, tmp_path / "odd.efi", "root=x\tquiet é").path
+    with pytest.raises(TdBootError, match=r"odd\.efi: \.cmdline is not printable ASCII"):
+        golden_rtmrs(odd, fake_disk(tmp_path / "disk.raw"))
