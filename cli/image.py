@@ -29,7 +29,7 @@ if TYPE_CHECKING:  # measuring and signing load attestation and templates: not f
     from umbra.attest.eventlog import Event
     from umbra.images.definition import ImageDefinition
     from umbra.images.manifest import BootEntry
-    from umbra.images.td_boot import TdBootGolden
+    from umbra.images.td_boot import TdBootGolden, TpmBootGolden
 
 app = typer.Typer(
     help="Measure CVM releases: compose hash, RTMR3 events, signed manifests.",
@@ -76,7 +76,7 @@ def _boot_entry(path: Path) -> BootEntry:
 
 def _tdx_release(
     definition: ImageDefinition, boot: Path | None, cloud: str | None, firmware: Path | None
-) -> tuple[ImageDefinition, TdBootGolden]:
+) -> tuple[ImageDefinition, TdBootGolden | TpmBootGolden]:
     """The definition as a tee: tdx release for `cloud` (images.td_release)."""
     from umbra.images.td_release import (
         Cloud,
@@ -102,7 +102,7 @@ def _tdx_release(
         raise TdReleaseError(f"{boot}: line {exc.lineno}: {exc.msg}") from None
     if not isinstance(disks, dict):
         raise TdReleaseError(f"{boot}: not a JSON object (umbra image disks --json)")
-    golden = golden_from_disks(disks, str(boot))
+    golden = golden_from_disks(disks, str(boot), which)
     return tdx_definition(definition, which, inputs, golden, str(firmware)), golden
 
 
@@ -148,8 +148,9 @@ def measure_cmd(
         str | None,
         typer.Option(
             "--cloud",
-            help="Write a tee: tdx release for this cloud: RTMR1/RTMR2 computed from --boot's "
-            "UKI and disk, MRTD/RTMR0 from --firmware.",
+            help="Write a tee: tdx release for this cloud from --boot's UKI and disk and "
+            "--firmware's inputs: gcp: RTMR1/RTMR2 computed, MRTD/RTMR0 inputs; azure "
+            "(platform azure-tdx): PCRs 4, 5, 9, 11, 12 computed, MRTD and PCRs 0-3, 6, 7 inputs.",
         ),
     ] = None,
     firmware: Annotated[
@@ -169,6 +170,7 @@ def measure_cmd(
     )
     from umbra.images.provenance import ProvenanceError, provenance_index
     from umbra.images.signing import SignatureError, load_private_key, sign_manifest
+    from umbra.images.td_boot import TpmBootGolden
     from umbra.images.td_release import TdReleaseError
 
     keys = _ssh_keys(ssh_key or [], ssh_keys_file, as_json)
@@ -202,11 +204,15 @@ def measure_cmd(
         result["boot"] = boot_doc.model_dump()
     if golden is not None:
         result["cloud"] = cloud
+        # A TD's registers are SHA-384 (RTMR1/2); Azure's vTPM PCRs are SHA-256.
+        on_tpm = isinstance(golden, TpmBootGolden)
         result["td_boot_events"] = [
-            {"rtmr": e.rtmr, "pcr": e.pcr, "event_type": f"{e.event_type:#x}", "event": e.label,
-             "digest": e.sha384.hex()}
+            {"rtmr": None if on_tpm else e.rtmr, "pcr": e.pcr, "event_type": f"{e.event_type:#x}",
+             "event": e.label, "digest": (e.sha256 if on_tpm else e.sha384).hex()}
             for e in golden.measured
         ]  # fmt: skip
+        if on_tpm:
+            result["pcrs"] = m.release.pcrs
     binding = None
     instance_args = (keys, ruleset, boot_id, ssh_host_key)
     if cvm_id is not None or any(a is not None and a != [] for a in instance_args):
@@ -276,7 +282,10 @@ def _show(r: dict[str, Any]) -> None:
     t.add_row("measured document sha256", r["compose_sha256"])
     t.add_row("compose-hash (sha256 app-compose.json)", r["compose_hash"])
     for reg in ("mrtd", "rtmr0", "rtmr1", "rtmr2"):
-        t.add_row(reg.upper(), "\n".join(r[reg]))
+        if r[reg] is not None:  # azure-tdx: RTMRs are zero, PCRs pinned instead
+            t.add_row(reg.upper(), "\n".join(r[reg]))
+    for index, values in (r.get("pcrs") or {}).items():
+        t.add_row(f"PCR {index} (SHA-256)", "\n".join(values))
     for e in r["rtmr3_events"]:
         value = e.get("digest", f"launch-bound: {e['describes']}")
         t.add_row(f"RTMR3 event {e['name']}", value)
