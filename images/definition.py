@@ -43,8 +43,10 @@ class BaseMeasurements(_Strict):
         rtmrs = [self.rtmr0, self.rtmr1, self.rtmr2]
         literal = [self.mrtd, *rtmrs, self.pcrs]
         if self.simulated_image is not None:
-            if any(v is not None for v in literal) or self.platform != "tdx":
+            if any(v is not None for v in literal):
                 raise ValueError("give either simulated_image or literal measurements, not both")
+            if self.platform != "tdx":
+                raise ValueError("simulated_image is the simulator's TD boot: platform tdx only")
         elif self.platform == "tdx":
             if self.pcrs is not None:
                 raise ValueError("pcrs are measured only on platform azure-tdx")

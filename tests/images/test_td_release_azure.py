@@ -201,5 +201,8 @@ def test_an_azure_definition_pins_mrtd_and_pcrs_never_rtmrs() -> None:
         bad = {k: v for k, v in {**base, **extra}.items() if v is not None}
         with pytest.raises(DefinitionError, match=says):
             parse_definition({**doc, "tee": "tdx", "base": bad})
+    simulated = {**doc["base"], "platform": "azure-tdx"}
+    with pytest.raises(DefinitionError, match="platform tdx only"):
+        parse_definition({**doc, "base": simulated})
     with pytest.raises(DefinitionError, match="only on platform azure-tdx"):
         parse_definition({**doc, "tee": "tdx", "base": {**base, "platform": "tdx"}})
