@@ -126,10 +126,22 @@ class VendorHandler(llm_origin.Handler):
         if path == "/_umbra/state":
             self._json(200, self.server.vendor.snapshot())
             return
+        if self._host() == CHATGPT and path == "/backend-api/codex/responses":
+            # Codex's Responses WebSocket (its first choice with a ChatGPT login). The token is
+            # checked as on any call; then the stand-in, which speaks HTTPS only, declines the
+            # upgrade (426), on which Codex goes to the HTTPS stream at once.
+            if not self._key_ok(Api.OPENAI):
+                self._unauthorized(Api.OPENAI)
+            else:
+                self.server.vendor.count("codex_websocket_declined")
+                self._json(426, {"error": {"type": "invalid_request_error",
+                                           "message": "the stand-in speaks HTTPS only"}})  # fmt: skip
+            return
         if self._host() == CHATGPT and path.startswith("/backend-api/wham/"):
             if not self._key_ok(Api.OPENAI):
                 self._unauthorized(Api.OPENAI)
             elif path.endswith("/accounts/check"):
+                self.server.vendor.count("accounts_check")
                 self._json(200, _accounts_check())
             else:
                 self._json(200, {})
@@ -150,6 +162,11 @@ class VendorHandler(llm_origin.Handler):
             super().do_POST()
         else:
             self._json(404, {"error": {"type": "not_found_error", "message": "no such route"}})
+
+    def _responses(self, body: dict[str, Any], stream: bool) -> None:
+        if self._host() == CHATGPT:  # a turn with a live minted token (checked before)
+            self.server.vendor.count("codex_turn")
+        super()._responses(body, stream)
 
     def _token(self) -> None:
         length = min(int(self.headers.get("content-length") or 0), llm_origin.MAX_BODY)
@@ -183,7 +200,8 @@ def _accounts_check() -> dict[str, Any]:
     ChatGPT backend it already uses."""
     account = {"id": ACCOUNT_ID, "plan_type": "plus", "structure": "personal",
                "is_deactivated": False, "can_access_with_session": True,
-               "workspace_backend_origin": f"https://{CHATGPT}"}  # fmt: skip
+               "workspace_backend_origin": f"https://{CHATGPT}",
+               "account_routing_override": "NO_CONSTRAINT"}  # fmt: skip
     return {"accounts": [account], "account_ordering": [ACCOUNT_ID],
             "default_account_id": ACCOUNT_ID}  # fmt: skip
 

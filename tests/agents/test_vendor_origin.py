@@ -16,6 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import zstandard
 
 from tests.proxy.harness import TestCA as OriginCA
 from umbra.cli.llm_origin import REPLY
@@ -77,8 +78,24 @@ def test_the_refresh_chain_rotates_and_a_spent_token_is_refused(
         bearer = {"authorization": f"Bearer {rotated['access_token']}"}
         check = chatgpt.get("/backend-api/wham/accounts/check", headers=bearer)
         assert check.status_code == 200 and check.json()["default_account_id"]
+        # Codex 0.171 refuses a workspace without one of these (docs/specs/embedded.md).
+        (account,) = check.json()["accounts"]
+        assert account["account_routing_override"] in ("NO_CONSTRAINT", "us", "us_cr")
+        assert account["workspace_backend_origin"] == "https://chatgpt.com"
         turn = chatgpt.post("/backend-api/codex/responses", json={"input": "hi"}, headers=bearer)
         assert turn.status_code == 200 and REPLY in turn.text
+        # Codex's built-in provider sends its turns zstd-compressed.
+        packed = zstandard.ZstdCompressor().compress(json.dumps({"input": "hi"}).encode())
+        zstd = {**bearer, "content-encoding": "zstd", "content-type": "application/json"}
+        turn = chatgpt.post("/backend-api/codex/responses", content=packed, headers=zstd)
+        assert turn.status_code == 200 and REPLY in turn.text
+        garbled = chatgpt.post("/backend-api/codex/responses", content=b"{}", headers=zstd)
+        assert garbled.status_code == 400
+        upgrade = {"connection": "Upgrade", "upgrade": "websocket", "sec-websocket-version": "13",
+                   "sec-websocket-key": "dGhlIHNhbXBsZSBub25jZQ=="}  # fmt: skip
+        declined = chatgpt.get("/backend-api/codex/responses", headers=bearer | upgrade)
+        assert declined.status_code == 426
+        assert chatgpt.get("/backend-api/codex/responses", headers=upgrade).status_code == 401
         stale = {"authorization": f"Bearer {login['tokens']['access_token']}"}
         time.sleep(2.2)  # both expired now
         assert chatgpt.get("/backend-api/wham/settings/user", headers=stale).status_code == 401
