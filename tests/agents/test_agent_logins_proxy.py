@@ -160,9 +160,10 @@ def test_codex_chatgpt_login_minted_and_rotated(env: Env) -> None:
           f"{seconds} s")  # fmt: skip
     counts = env.vendor.vendor.snapshot()["counts"]
     assert counts.get("codex_turn", 0) >= 3 and not counts.get("chatgpt.com_refused"), counts
-    # Each turn first opened the Responses WebSocket, the minted token in its handshake (the
-    # stand-in declines the upgrade; the real backend would take it).
-    assert counts.get("codex_websocket_declined", 0) >= 3, counts
+    # Each run's turn went over the Responses WebSocket, the minted token in its handshake.
+    assert counts.get("codex_websocket", 0) >= 3, counts
+    assert counts.get("codex_turn_websocket", 0) >= 3, counts
+    assert counts.get("accounts_check", 0) >= 3, counts  # the routing discovery before a turn
     assert counts.get("refresh_ok", 0) >= 3, counts  # one chain, rotated on every run
     assert not counts.get("refresh_reused") and not counts.get("refresh_refused"), counts
     auth = (env.workdir / "home" / ".codex" / "auth.json").read_text()
@@ -188,8 +189,12 @@ def test_codex_workspace_routing_discovery_through_the_proxy(env: Env) -> None:
 
 def test_codex_provider_entry_for_the_chatgpt_backend(env: Env) -> None:
     """The same login through a provider entry naming the ChatGPT backend
-    (`requires_openai_auth`): same tokens, same headers, no routing discovery."""
+    (`requires_openai_auth`): same tokens, same headers, the turn over HTTPS."""
     entry = ["-c", "model_provider=chatgpt", "-c", f"model_providers.chatgpt={CHATGPT_PROVIDER}"]
+    before = env.vendor.vendor.snapshot()["counts"]
     done = _run(env, [*CODEX[:-1], *entry, CODEX[-1]], {})
     assert done.returncode == 0 and REPLY in done.stdout, done.stdout + done.stderr[-3000:]
+    after = env.vendor.vendor.snapshot()["counts"]
+    assert after["codex_turn"] > before["codex_turn"], after
+    assert after["codex_turn_websocket"] == before["codex_turn_websocket"], after
     assert env.refresh0 not in done.stdout + done.stderr
