@@ -9,15 +9,14 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from umbra.images.console_tools import ConsoleTools, ToolError, install_console_tools
-from umbra.images.lock_policy import Drift, LockPolicy, Origins, apt_origins, judge
+from umbra.images.lock_policy import Drift, LockPolicy, judge, origins_in, report_drift
 from umbra.images.oci import BuiltImage, file_sha256, write_archive, write_layer
 from umbra.images.recipes import (
     MIRRORS,
@@ -112,9 +111,7 @@ def check_lock(
     """Refuse (BuildError) what `policy` does not accept (images.lock_policy); return the
     drifts it accepted, each already reported on stderr. `root`: the rootfs, for its apt
     indices (which suite offers a drifted version)."""
-    accepted, problems = judge(
-        got, locked, policy=policy, codename=SUITE, origins=_origins_in(root)
-    )
+    accepted, problems = judge(got, locked, policy=policy, codename=SUITE, origins=origins_in(root))
     if problems:
         raise BuildError(
             f"{rootfs}: installed packages differ from {LOCK_FILE.name} ({policy} policy):\n  "
@@ -123,16 +120,6 @@ def check_lock(
         )
     report_drift(accepted)
     return accepted
-
-
-def _origins_in(root: Path | None) -> Callable[[set[tuple[str, str]]], Origins]:
-    return lambda wanted: apt_origins(root, wanted) if root is not None else {}
-
-
-def report_drift(accepted: list[Drift]) -> None:
-    """Loudly: a build that accepted drift says so on stderr, one line per package."""
-    for d in accepted:
-        print(d.line(), file=sys.stderr)
 
 
 # ---- steps ------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
@@ -72,36 +73,37 @@ def judge(
 ) -> tuple[list[Drift], list[str]]:
     """(accepted drifts, refused differences: one line each). `origins` is asked only when the
     policy has a version difference to weigh, for exactly those (package, version) pairs."""
-    problems: list[str] = []
+    problems: dict[str, str] = {}  # package -> its line; reported in package order
     changed: list[str] = []
     for p in sorted(set(locked) | set(got)):
         if p not in got:
-            problems.append(f"{p}: locked {locked[p]}, not installed")
+            problems[p] = f"{p}: locked {locked[p]}, not installed"
         elif p not in locked:
-            problems.append(f"{p}: {got[p]} installed but not in the lock")
+            problems[p] = f"{p}: {got[p]} installed but not in the lock"
         elif got[p] != locked[p]:
             changed.append(p)
-    if policy is LockPolicy.STRICT:
-        problems += [f"{p}: locked {locked[p]}, got {got[p]}" for p in changed]
-        return [], sorted(problems)
     accepted: list[Drift] = []
-    found = origins({(p, got[p]) for p in changed}) if changed else {}
+    strict = policy is LockPolicy.STRICT
+    found = origins({(p, got[p]) for p in changed}) if changed and not strict else {}
     allowed = update_suites(codename)
     for p in changed:
         head = f"{p}: locked {locked[p]}, got {got[p]}"
+        if strict:
+            problems[p] = head
+            continue
         suites = found.get((p, got[p]), frozenset())
         suite = next((s for s in allowed if s in suites), None)
         is_newer = newer(got[p], locked[p])
         if is_newer is None:
-            problems.append(f"{head} (no dpkg on this host to compare the versions)")
+            problems[p] = f"{head} (no dpkg on this host to compare the versions)"
         elif not is_newer:
-            problems.append(f"{head} (not newer than the lock: a downgrade is never accepted)")
+            problems[p] = f"{head} (not newer than the lock: a downgrade is never accepted)"
         elif suite is None:
             offered = ", ".join(sorted(suites)) or "no apt index of this build"
-            problems.append(f"{head} (from {offered}, not {' / '.join(allowed)})")
+            problems[p] = f"{head} (from {offered}, not {' / '.join(allowed)})"
         else:
             accepted.append(Drift(p, locked[p], got[p], suite))
-    return accepted, sorted(problems)
+    return accepted, [problems[p] for p in sorted(problems)]
 
 
 def _codename(release: Path) -> str | None:
@@ -139,3 +141,14 @@ def apt_origins(root: Path, wanted: set[tuple[str, str]]) -> Origins:
                 if key in wanted:
                     out.setdefault(key, set()).add(codename)
     return {k: frozenset(v) for k, v in out.items()}
+
+
+def origins_in(root: Path | None) -> Callable[[set[tuple[str, str]]], Origins]:
+    """`judge`'s `origins` for a build's rootfs (none without one: every drift is refused)."""
+    return lambda wanted: apt_origins(root, wanted) if root is not None else {}
+
+
+def report_drift(accepted: list[Drift]) -> None:
+    """Loudly: a build that accepted drift says so on stderr, one line per package."""
+    for d in accepted:
+        print(d.line(), file=sys.stderr)

@@ -15,8 +15,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from umbra.images.build import BuildError, _origins_in, report_drift
-from umbra.images.lock_policy import Drift, LockPolicy, judge
+from umbra.images.build import BuildError
+from umbra.images.lock_policy import Drift, LockPolicy, judge, origins_in, report_drift
 
 # The OS image's suite, not the container images' (recipes.SUITE): bookworm's 6.1 kernel has no
 # TDX guest support (`# CONFIG_INTEL_TDX_GUEST is not set`), trixie's 6.12 lacks
@@ -76,7 +76,7 @@ def check_os_lock(
             "(build once with --update-lock and review the diff)"
         )
     accepted, problems = judge(
-        got, locked, policy=policy, codename=OS_SUITE, origins=_origins_in(root)
+        got, locked, policy=policy, codename=OS_SUITE, origins=origins_in(root)
     )
     if problems:
         raise BuildError(

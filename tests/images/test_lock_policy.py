@@ -137,6 +137,13 @@ def test_other_drift_is_refused_tolerantly_too(
     assert len(problems) == 1 and want in problems[0], problems
 
 
+def test_the_refusal_lists_packages_in_name_order() -> None:
+    got = {"openssl": "2", "openssl-provider-legacy": "2"}
+    _, problems = judge(got, dict.fromkeys(got, "1"), policy=STRICT, codename="trixie",
+                        origins=lambda _w: {})  # fmt: skip
+    assert problems == ["openssl: locked 1, got 2", "openssl-provider-legacy: locked 1, got 2"]
+
+
 def test_a_new_or_missing_package_is_refused_by_both_policies(tmp_path: Path) -> None:
     root = apt_lists(tmp_path, {"trixie-security": [("tini", "0.19.0-1")]})
     got = {"openssl": LOCKED["openssl"], "tini": "0.19.0-1"}  # bash gone, tini new
