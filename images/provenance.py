@@ -13,6 +13,7 @@ import binascii
 import hashlib
 import json
 from collections.abc import Sequence
+from dataclasses import asdict
 from typing import Any
 
 from cryptography.exceptions import InvalidSignature
@@ -116,6 +117,10 @@ def statement(
                             f"umbra/{i.name}": i.config_digest for i in result.images
                         },
                         "layer_digest": result.images[0].layer_digest if result.images else None,
+                        # Which versions the image really holds when the lock policy let the
+                        # mirror's updates in (images.lock_policy); a release build is strict.
+                        "lock_policy": str(result.lock_policy),
+                        "lock_drift": [asdict(d) for d in result.lock_drift],
                     },
                     "resolvedDependencies": [
                         {"uri": d.uri, "digest": {"sha256": d.sha256}} for d in result.inputs
