@@ -21,10 +21,11 @@ from umbra.cli.up_stack.names import (
     Component,
     Port,
 )
+from umbra.cli.up_stack.qemu import CONFIG as QEMU_CONFIG
+from umbra.cli.up_stack.qemu import Runtime, runtime, tunnel_host
 from umbra.cli.up_stack.status import tcp_ok
 from umbra.cli.up_stack.supervise import Stack, umbra_executable
 from umbra.cli.up_stack.upstream import allowed_upstreams
-from umbra.sandbox import local_cvm
 
 # Outside the Console's settings model: a file holding the `KEK` value (console/config.py).
 KEK_FILE = "kek_file"
@@ -48,7 +49,16 @@ def console_settings(stack: Stack) -> dict[str, str]:
         "release_allow_simulated": "true",
         "release_simulated_root": str(p("pki", "root.der")),
         "long_poll_db_interval_seconds": "0.25",
+        **_runtime_settings(stack),
     }
+
+
+def _runtime_settings(stack: Stack) -> dict[str, str]:
+    """`--runtime qemu`: the Console launches the Dev CVM with its `qemu` provider (the local
+    provider stays configured: it holds the Security CVM's record)."""
+    if runtime(stack) is not Runtime.qemu:
+        return {}
+    return {"providers": "local,qemu", "qemu_cvm_config": str(stack.p(QEMU_CONFIG))}
 
 
 def console_env(stack: Stack) -> dict[str, str]:
@@ -156,7 +166,7 @@ def wait_tunnel(stack: Stack, timeout: float) -> None:
     while time.monotonic() < end:
         if stack.pid(Component.PROXY) is None:
             raise UpError(f"proxy exited while starting: {stack.log_tail(Component.PROXY)}")
-        if tcp_ok(stack.port(Port.TUNNEL), local_cvm.SECURITY_CVM_ADDR):
+        if tcp_ok(stack.port(Port.TUNNEL), tunnel_host(stack)):
             return
         time.sleep(0.1)
     raise UpError(f"the tunnel endpoint did not listen within {timeout:.0f}s")
@@ -184,8 +194,9 @@ def proxy_argv(stack: Stack) -> list[str]:
         # One worker: the embedded stack serves one developer, and one process starts fastest.
         "--workers", "1",
         "--listen", f"127.0.0.1:{stack.port(Port.PROXY)}",
-        # Reached from each local Dev CVM's forwarder namespace over its uplink veth only.
-        "--tunnel-listen", f"{local_cvm.SECURITY_CVM_ADDR}:{stack.port(Port.TUNNEL)}",
+        # Reached from each local Dev CVM's forwarder namespace over its uplink veth only (a
+        # qemu VM: through its guestfwd relay on loopback).
+        "--tunnel-listen", f"{tunnel_host(stack)}:{stack.port(Port.TUNNEL)}",
         "--identities", str(s / "identities.json"),
         "--traffic-log", str(s / "spool"),
         "--confdir", str(s / "mitm-ca"),

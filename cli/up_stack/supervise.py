@@ -219,7 +219,13 @@ def preflight(stack: Stack) -> None:
             "umbra up needs root: it creates network and user namespaces for the Dev CVM",
             "run it as root (sudo ./scripts/up)",
         )
-    missing = sorted({pkg for tool, pkg in REQUIRED_TOOLS.items() if shutil.which(tool) is None})
+    tools = dict(REQUIRED_TOOLS)
+    if stack.state.get("runtime") == "qemu":
+        from umbra.cli.up_stack import qemu
+
+        qemu.preflight()
+        tools = {k: v for k, v in tools.items() if k not in qemu.SANDBOX_ONLY_TOOLS}
+    missing = sorted({pkg for tool, pkg in tools.items() if shutil.which(tool) is None})
     if missing:
         raise UpError(
             f"missing system packages: {', '.join(missing)}", "run ./scripts/system-deps as root"
