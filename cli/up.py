@@ -408,12 +408,14 @@ def status(
         for cvm in report["dev_cvms"]:
             health = s.Health.HEALTHY if cvm["healthy"] else s.Health.DOWN
             state = f"[{_COLOUR[health]}]{health}[/]"
-            table.add_row(
-                f"dev cvm {cvm['cvm_id']} (runtime: {cvm['runtime']})",
-                f"sandbox {cvm['sandbox_pid'] or '-'}, forwarder {cvm['forwarder_pid'] or '-'}, "
-                f"ssh ingress {cvm['ingress_pid'] or '-'}",
-                state,
-            )
+            if cvm["runtime"] == "qemu":
+                processes = f"qemu {cvm['qemu_pid'] or '-'} ({cvm['shape']} shape, {cvm['accel']})"
+            else:
+                processes = (
+                    f"sandbox {cvm['sandbox_pid'] or '-'}, forwarder {cvm['forwarder_pid'] or '-'}, "
+                    f"ssh ingress {cvm['ingress_pid'] or '-'}"
+                )
+            table.add_row(f"dev cvm {cvm['cvm_id']} (runtime: {cvm['runtime']})", processes, state)
         console.print(table)
         console.print(f"Console: {report['console_url']}")
         if not report["healthy"]:

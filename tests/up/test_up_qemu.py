@@ -288,6 +288,14 @@ def test_down_presses_the_power_button_then_kills_what_ignores_it(
     (shown,) = vms.status(stack)
     assert shown["runtime"] == "qemu" and shown["shape"] == "azure"
     assert shown["qemu_pid"] == fake_vms[0].pid and shown["healthy"]
+    stack.state["accel"] = "tcg"
+    stack.save()
+    table = CliRunner().invoke(
+        app, ["status", "--state-dir", str(stack.state_dir)], env={"COLUMNS": "200"}
+    )
+    assert table.exit_code == 1  # the components are not running
+    assert "dev cvm cvm_aaaaaaaaaaaaaaa1 (runtime: qemu)" in table.output
+    assert f"qemu {fake_vms[0].pid} (azure shape, tcg)" in table.output
     stopped = vms.stop_vms(stack, grace=2)
     assert sorted(stopped) == [
         "qemu vm cvm_aaaaaaaaaaaaaaa1 (acpi)",
