@@ -31,7 +31,8 @@ PortBase = Annotated[
         envvar="UMBRA_UP_PORT_BASE",
         min=1024,
         max=65000,
-        help="First of six loopback ports (issuer, Console, proxy, tunnel, demo origin, model API).",
+        help="First of seven loopback ports (issuer, Console, proxy, tunnel, demo origin, model API; "
+        "--runtime qemu: the Console's TLS front).",
     ),
 ]
 JsonFlag = Annotated[bool, typer.Option("--json", help="Machine-readable output on stdout.")]
@@ -244,6 +245,9 @@ def _bring_up(stack: Any, policies: Path, step: Any, summary: dict[str, Any]) ->
     s.start_issuer(stack)
     step(f"Console on {stack.console_url} (SQLite, migrated)")
     s.start_console(stack)
+    if s.runtime(stack) is s.Runtime.qemu:
+        step(f"TLS for the Console's name in VMs on port {stack.port(s.Port.CONSOLE_TLS)}")
+        s.start_console_front(stack)
     env = dict(os.environ)
     step(f"Logging in as {s.SUBJECT} (device flow against the development issuer)")
     s.login(stack, env)

@@ -11,7 +11,12 @@ import time
 from collections.abc import Callable
 
 from umbra.cli.up_stack.errors import UpError
-from umbra.cli.up_stack.material import claude_oauth_token, llm_keys, vendor_standins
+from umbra.cli.up_stack.material import (
+    claude_oauth_token,
+    llm_keys,
+    tls_identity,
+    vendor_standins,
+)
 from umbra.cli.up_stack.names import (
     SIMULATED_IMAGE,
     SUBJECT,
@@ -22,7 +27,7 @@ from umbra.cli.up_stack.names import (
     Port,
 )
 from umbra.cli.up_stack.qemu import CONFIG as QEMU_CONFIG
-from umbra.cli.up_stack.qemu import Runtime, runtime, tunnel_host
+from umbra.cli.up_stack.qemu import CONSOLE_NAME, Runtime, runtime, tunnel_host
 from umbra.cli.up_stack.status import tcp_ok
 from umbra.cli.up_stack.supervise import Stack, umbra_executable
 from umbra.cli.up_stack.upstream import allowed_upstreams
@@ -114,6 +119,28 @@ def start_console(stack: Stack) -> bool:
         ],
         lambda: stack.wait_http(Component.CONSOLE, stack.console_url + "/healthz"),
         console_env(stack),
+    )
+
+
+def start_console_front(stack: Stack) -> bool:
+    """`--runtime qemu`: TLS for the Console's name in front of its loopback port (tls_front.py),
+    what a VM's forward reaches; its own CA (`console-tls/ca.pem`) goes into launch data."""
+    d = stack.p("console-tls")
+    tls_identity(d, frozenset({CONSOLE_NAME}))
+
+    def argv() -> list[str]:
+        return [
+            sys.executable, "-m", "umbra.cli.tls_front", "--cert", str(d / "origin.pem"),
+            "--key", str(d / "origin-key.pem"),
+            "--listen", f"127.0.0.1:{stack.port(Port.CONSOLE_TLS)}",
+            "--to", f"127.0.0.1:{stack.port(Port.CONSOLE)}",
+        ]  # fmt: skip
+
+    return _start(
+        stack,
+        Component.CONSOLE_TLS,
+        argv,
+        lambda: stack.wait_tcp(Component.CONSOLE_TLS, stack.port(Port.CONSOLE_TLS), 20),
     )
 
 

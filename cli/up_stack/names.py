@@ -30,6 +30,8 @@ class Component(StrEnum):
 
     ISSUER = "issuer"
     CONSOLE = "console"
+    # `--runtime qemu` only: TLS in front of the Console for the VM's enrollment (tls_front.py).
+    CONSOLE_TLS = "console-tls"
     ORIGIN = "origin"
     LLM = "llm"
     PROXY = "proxy"
@@ -47,6 +49,7 @@ class Port(IntEnum):
     TUNNEL = 3  # the proxy's aTLS tunnel endpoint
     ORIGIN = 4
     LLM = 5
+    CONSOLE_TLS = 6  # `--runtime qemu` only
 
     @property
     def label(self) -> str:
@@ -55,7 +58,7 @@ class Port(IntEnum):
     @property
     def owner(self) -> Component:
         """The component that listens on it."""
-        return Component.PROXY if self is Port.TUNNEL else Component(self.label)
+        return Component.PROXY if self is Port.TUNNEL else Component(self.label.replace("_", "-"))
 
 
 # By name, as the state file, messages and tests spell them.

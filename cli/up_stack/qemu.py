@@ -25,17 +25,19 @@ from pathlib import Path
 from typing import Any
 
 from umbra.cli.up_stack.errors import UpError
-from umbra.cli.up_stack.names import Component
+from umbra.cli.up_stack.names import COMPONENTS, Component
 from umbra.cli.up_stack.supervise import Stack
 from umbra.cli.up_stack.vms import QEMU, RUNTIME_DIR, stop_vms
 
 CONFIG = "qemu-cvms.json"
 ACCELS = ("auto", "kvm", "tcg")
-# The names the Dev workload in the VM reaches the Console and the Security CVM by (measured in
-# the release). The host's Console is plain HTTP on loopback and the provider forwards nothing
-# yet: the image's Dev workload (another change) brings the forwards and the Console's TLS.
-CONSOLE_IN_VM = "https://console.umbra.internal"
-SECURITY_CVM_IN_VM = "security-cvm.umbra.internal"
+# The Console's name the Dev workload enrolls at (measured in the release), over TLS by its own
+# CA (tls_front.py, `console-tls/ca.pem` in launch data), dialled at CONSOLE_IP (no DNS in a VM).
+CONSOLE_NAME = "console.umbra.internal"
+CONSOLE_IN_VM = f"https://{CONSOLE_NAME}"
+# Inside QEMU's 168.0.0.0/6 (emulated.qemu.NETWORK): the addresses launch data names for the
+# Console (its TLS front) and the Security CVM's tunnel endpoint, each relayed to loopback.
+CONSOLE_IP, SECURITY_IP = "168.1.0.10", "168.1.0.20"
 # Only the local sandbox needs these (the qemu image carries its own workload).
 SANDBOX_ONLY_TOOLS = frozenset({"runc", "npm"})
 
@@ -49,6 +51,13 @@ class Runtime(StrEnum):
 
 def runtime(stack: Stack) -> Runtime:
     return Runtime(stack.state.get("runtime", Runtime.runc))
+
+
+def components(stack: Stack) -> tuple[Component, ...]:
+    """The components this runtime runs, in start order (the TLS front only for a VM)."""
+    if runtime(stack) is Runtime.qemu:
+        return COMPONENTS
+    return tuple(c for c in COMPONENTS if c is not Component.CONSOLE_TLS)
 
 
 def tunnel_host(stack: Stack) -> str:
@@ -114,13 +123,23 @@ def dev_definition_doc(stack: Stack, security_release: dict[str, Any]) -> dict[s
         "host": {
             "release": "dev-cvm-up-qemu",
             "sandbox_image": {"recipe_key": image.recipe_key(), "files_key": image.files_key()},
-            "security_cvm": {"host": SECURITY_CVM_IN_VM, "port": stack.port(Port.TUNNEL)},
+            "security_cvm": {"host": SECURITY_IP, "port": stack.port(Port.TUNNEL)},
             "security_cvm_release": security_release,
             "console_url": CONSOLE_IN_VM,
+            "console_ca": True,
+            # The forwarder quotes through the host's TDX module (once the release knows it).
+            **({"quote_source": "emulated"} if _knows("quote_source") else {}),
             "allow_simulated": True,
             "tunnels": [],
         },
     }
+
+
+def _knows(field: str) -> bool:
+    """Whether the Dev release's inputs have `field` (the Dev workload's change adds some)."""
+    from umbra.sandbox.models import DevCvmInputs
+
+    return field in DevCvmInputs.model_fields
 
 
 def write_dev_release(stack: Stack) -> None:
@@ -146,8 +165,31 @@ def provider_settings(stack: Stack, disk: Path, accel: str) -> dict[str, Any]:
         "app_compose": str(stack.p(RUNTIME_DIR, "app-compose.json")),
         "runtime_dir": str(stack.p(RUNTIME_DIR)),
         "accel": accel,
-        "console_url": stack.console_url,
+        "console_url": CONSOLE_IN_VM,
+        "console_ca": str(stack.p("console-tls", "ca.pem")),
         "simulated_pki": str(stack.p("pki")),
+        **_network(stack),
+    }
+
+
+def _network(stack: Stack) -> dict[str, Any]:
+    """The Dev workload's network and ingress, once the provider takes them (the Dev workload's
+    change adds these fields): the Console's and the Security CVM's addresses and their forwards
+    to loopback, the Dev release for `umbra ssh`."""
+    from umbra.cli.up_stack.names import Port
+    from umbra.console.providers_qemu import QemuCvmSettings
+
+    if "forwards" not in QemuCvmSettings.model_fields:
+        return {}
+    tunnel = stack.port(Port.TUNNEL)
+    return {
+        "console_ips": [CONSOLE_IP],
+        "security_cvm_ips": [SECURITY_IP],
+        "forwards": [
+            {"address": CONSOLE_IP, "port": 443, "host_port": stack.port(Port.CONSOLE_TLS)},
+            {"address": SECURITY_IP, "port": tunnel, "host_port": tunnel},
+        ],
+        "release_manifest": str(stack.p("dev-cvm-release.json")),
     }
 
 

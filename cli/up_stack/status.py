@@ -34,8 +34,9 @@ def status(stack: Stack) -> dict[str, Any]:
         Component.ORIGIN: lambda: tcp_ok(stack.port(Port.ORIGIN)),
         Component.LLM: lambda: tcp_ok(stack.port(Port.LLM)),
         Component.PROXY: lambda: tcp_ok(stack.port(Port.TUNNEL), qemu.tunnel_host(stack)),
+        Component.CONSOLE_TLS: lambda: tcp_ok(stack.port(Port.CONSOLE_TLS)),
     }
-    for name in COMPONENTS:
+    for name in qemu.components(stack):
         pid = stack.pid(name)
         out["components"][str(name)] = {
             "pid": pid,

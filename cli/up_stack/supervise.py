@@ -232,6 +232,8 @@ def preflight(stack: Stack) -> None:
         )
     stack.reap_orphans()
     for port in Port:
+        if port is Port.CONSOLE_TLS and stack.state.get("runtime") != "qemu":
+            continue
         if port is Port.TUNNEL or stack.pid(port.owner) is not None:
             continue
         with socket.socket() as sock:

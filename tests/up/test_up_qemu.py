@@ -86,7 +86,9 @@ def test_the_console_gets_the_qemu_provider_with_a_config_it_loads(
     settings = load_settings(path)
     assert settings.shape is Shape.azure and settings.disk == disk and settings.accel == "tcg"
     assert settings.runtime_dir == stack.p("qemu") and settings.simulated_pki == stack.p("pki")
-    assert settings.console_url == stack.console_url
+    # The VM enrolls at the Console's name over TLS (its front's CA in launch data).
+    assert settings.console_url == "https://console.umbra.internal"
+    assert settings.console_ca == stack.p("console-tls", "ca.pem")
     # The launch data's compose is the measured Dev release's, whose compose hash the release
     # the Console verifies enrollment quotes against pins.
     compose = settings.app_compose.read_bytes()
@@ -335,3 +337,62 @@ def test_steps_that_need_the_workload_say_the_image_has_none(tmp_path: Path) -> 
     with_workload = up_check_qemu._Boot(1, serial, "umbra-launch: dev-cvm cvm_x started\n")
     with pytest.raises(up_check_qemu.StepFailed, match=r"provider_state\.ssh_ingress"):
         up_check_qemu.need_ssh({"provider_state": {"runtime": "qemu"}}, with_workload)
+
+
+def test_the_consoles_tls_front_relays_for_its_name_only(tmp_path: Path) -> None:
+    """What a VM's forwarder dials: TLS for console.umbra.internal by the front's own CA, the
+    bytes relayed to the plain loopback Console (here a stand-in HTTP server)."""
+    import http.server
+    import ssl
+    import threading
+
+    from umbra.cli.up_stack.material import tls_identity
+
+    class Hello(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = f"host={self.headers['Host']} path={self.path}".encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *_a: object) -> None:
+            pass
+
+    upstream = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hello)
+    threading.Thread(target=upstream.serve_forever, daemon=True).start()
+    tls_identity(tmp_path, frozenset({qemu.CONSOLE_NAME}))
+    port = _free_base()
+    front = subprocess.Popen(
+        [sys.executable, "-m", "umbra.cli.tls_front", "--cert", str(tmp_path / "origin.pem"),
+         "--key", str(tmp_path / "origin-key.pem"), "--listen", f"127.0.0.1:{port}",
+         "--to", f"127.0.0.1:{upstream.server_address[1]}"],
+    )  # fmt: skip
+    try:
+        context = ssl.create_default_context(cafile=str(tmp_path / "ca.pem"))
+        end = time.monotonic() + 20
+        while True:
+            try:
+                raw = socket.create_connection(("127.0.0.1", port), 5)
+                break
+            except OSError:
+                assert time.monotonic() < end and front.poll() is None
+                time.sleep(0.1)
+        with context.wrap_socket(raw, server_hostname=qemu.CONSOLE_NAME) as tls:
+            tls.sendall(b"GET /api/v1/enroll HTTP/1.1\r\nHost: console.umbra.internal\r\n"
+                        b"Connection: close\r\n\r\n")  # fmt: skip
+            answer = b""
+            while chunk := tls.recv(4096):
+                answer += chunk
+        assert answer.startswith(b"HTTP/1.0 200")
+        assert answer.endswith(b"host=console.umbra.internal path=/api/v1/enroll")
+        # Another name is not this certificate's.
+        with (
+            socket.create_connection(("127.0.0.1", port), 5) as raw2,
+            pytest.raises(ssl.SSLCertVerificationError),
+        ):
+            context.wrap_socket(raw2, server_hostname="evil.example")
+    finally:
+        front.terminate()
+        front.wait(10)
+        upstream.shutdown()
