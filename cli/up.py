@@ -31,8 +31,8 @@ PortBase = Annotated[
         envvar="UMBRA_UP_PORT_BASE",
         min=1024,
         max=65000,
-        help="First of seven loopback ports (issuer, Console, proxy, tunnel, demo origin, model API; "
-        "--runtime qemu: the Console's TLS front).",
+        help="First of six loopback ports (issuer, Console, proxy, tunnel, demo origin, model API; "
+        "--runtime qemu: two more, the Console's TLS front and a PCCS).",
     ),
 ]
 JsonFlag = Annotated[bool, typer.Option("--json", help="Machine-readable output on stdout.")]
@@ -248,6 +248,8 @@ def _bring_up(stack: Any, policies: Path, step: Any, summary: dict[str, Any]) ->
     if s.runtime(stack) is s.Runtime.qemu:
         step(f"TLS for the Console's name in VMs on port {stack.port(s.Port.CONSOLE_TLS)}")
         s.start_console_front(stack)
+        step(f"PCCS of the simulated PKI on port {stack.port(s.Port.PCCS)} (the tunnel relays it)")
+        s.start_pccs(stack)
     env = dict(os.environ)
     step(f"Logging in as {s.SUBJECT} (device flow against the development issuer)")
     s.login(stack, env)

@@ -41,6 +41,7 @@ from umbra.cli.up_stack.components import (
     start_issuer,
     start_llm_origin,
     start_origin,
+    start_pccs,
     start_proxy,
     wait_tunnel,
 )
@@ -153,6 +154,7 @@ __all__ = [
     "start_issuer",
     "start_llm_origin",
     "start_origin",
+    "start_pccs",
     "start_proxy",
     "status",
     "token",

@@ -144,6 +144,18 @@ def start_console_front(stack: Stack) -> bool:
     )
 
 
+def start_pccs(stack: Stack) -> bool:
+    """`--runtime qemu`: the simulated PKI's collateral for the tunnel endpoint to relay."""
+    argv = [sys.executable, "-m", "umbra.cli.up_pccs", "--pki", str(stack.p("pki"))]
+    argv += ["--port", str(stack.port(Port.PCCS))]
+    return _start(
+        stack,
+        Component.PCCS,
+        lambda: argv,
+        lambda: stack.wait_tcp(Component.PCCS, stack.port(Port.PCCS), 20),
+    )
+
+
 def _origin_argv(stack: Stack, module: str, port: Port, *extra: str) -> list[str]:
     """A stand-in origin: its module, the stand-ins' one certificate, its port."""
     d = stack.p("demo-origin")
@@ -245,6 +257,9 @@ def proxy_argv(stack: Stack) -> list[str]:
         # Real names through the system resolver, every address checked; the stand-in origin's
         # names are the one static exception.
         "--test-hosts", str(s / "resolver.json"),
+        # A VM's forwarder reaches no PCCS: the tunnel endpoint sends its collateral along.
+        *(["--tunnel-collateral-pccs", f"http://127.0.0.1:{stack.port(Port.PCCS)}"]
+          if runtime(stack) is Runtime.qemu else []),
     ]  # fmt: skip
 
 

@@ -32,12 +32,16 @@ class Component(StrEnum):
     CONSOLE = "console"
     # `--runtime qemu` only: TLS in front of the Console for the VM's enrollment (tls_front.py).
     CONSOLE_TLS = "console-tls"
+    # `--runtime qemu` only: the simulated PKI's collateral the tunnel endpoint relays (up_pccs.py).
+    PCCS = "pccs"
     ORIGIN = "origin"
     LLM = "llm"
     PROXY = "proxy"
 
 
 COMPONENTS = tuple(Component)
+# Only with `--runtime qemu` (a VM reaches the Console by TLS, and no PCCS).
+QEMU_ONLY = frozenset({Component.CONSOLE_TLS, Component.PCCS})
 
 
 class Port(IntEnum):
@@ -50,6 +54,7 @@ class Port(IntEnum):
     ORIGIN = 4
     LLM = 5
     CONSOLE_TLS = 6  # `--runtime qemu` only
+    PCCS = 7  # `--runtime qemu` only
 
     @property
     def label(self) -> str:

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from umbra.cli.up_stack.errors import UpError
-from umbra.cli.up_stack.names import COMPONENTS, Component
+from umbra.cli.up_stack.names import COMPONENTS, QEMU_ONLY, Component
 from umbra.cli.up_stack.supervise import Stack
 from umbra.cli.up_stack.vms import QEMU, RUNTIME_DIR, stop_vms
 
@@ -54,10 +54,10 @@ def runtime(stack: Stack) -> Runtime:
 
 
 def components(stack: Stack) -> tuple[Component, ...]:
-    """The components this runtime runs, in start order (the TLS front only for a VM)."""
+    """The components this runtime runs, in start order (the TLS front and PCCS for a VM)."""
     if runtime(stack) is Runtime.qemu:
         return COMPONENTS
-    return tuple(c for c in COMPONENTS if c is not Component.CONSOLE_TLS)
+    return tuple(c for c in COMPONENTS if c not in QEMU_ONLY)
 
 
 def tunnel_host(stack: Stack) -> str:

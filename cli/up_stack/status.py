@@ -35,6 +35,9 @@ def status(stack: Stack) -> dict[str, Any]:
         Component.LLM: lambda: tcp_ok(stack.port(Port.LLM)),
         Component.PROXY: lambda: tcp_ok(stack.port(Port.TUNNEL), qemu.tunnel_host(stack)),
         Component.CONSOLE_TLS: lambda: tcp_ok(stack.port(Port.CONSOLE_TLS)),
+        Component.PCCS: lambda: http_ok(
+            f"http://127.0.0.1:{stack.port(Port.PCCS)}/sgx/certification/v4/rootcacrl"
+        ),
     }
     for name in qemu.components(stack):
         pid = stack.pid(name)

@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 
 from umbra.cli.up_stack.errors import UpError
-from umbra.cli.up_stack.names import COMPONENTS, PORTS, Port
+from umbra.cli.up_stack.names import COMPONENTS, PORTS, QEMU_ONLY, Port
 from umbra.contracts.files import write_atomic
 
 REQUIRED_TOOLS = {
@@ -232,7 +232,7 @@ def preflight(stack: Stack) -> None:
         )
     stack.reap_orphans()
     for port in Port:
-        if port is Port.CONSOLE_TLS and stack.state.get("runtime") != "qemu":
+        if port.owner in QEMU_ONLY and stack.state.get("runtime") != "qemu":
             continue
         if port is Port.TUNNEL or stack.pid(port.owner) is not None:
             continue

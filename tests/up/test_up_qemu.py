@@ -8,6 +8,7 @@ of the real image through the Console is tests/up/test_up_qemu_boot.py."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import json
 import os
@@ -406,3 +407,45 @@ def test_the_consoles_tls_front_relays_for_its_name_only(tmp_path: Path) -> None
         front.terminate()
         front.wait(10)
         upstream.shutdown()
+
+
+def test_the_pccs_serves_the_stacks_collateral_to_the_production_client(
+    stack: up_stack.Stack,
+) -> None:
+    """The tunnel endpoint fetches its collateral from `up_pccs` through the client production
+    uses (dcap-qvl's, attest.collateral.CollateralRelay) and a forwarder verifies with it."""
+    import asyncio
+
+    from umbra.attest.collateral import Collateral, CollateralRelay, PccsCollateral
+    from umbra.attest.simpki import SIM_FMSPC
+    from umbra.attest.simulator import SimulatedTdx
+
+    port = stack.port("pccs")
+    pccs = subprocess.Popen(
+        [sys.executable, "-m", "umbra.cli.up_pccs", "--pki", str(stack.p("pki")),
+         "--port", str(port)],
+    )  # fmt: skip
+    try:
+        end = time.monotonic() + 20
+        while time.monotonic() < end:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1):
+                break
+            time.sleep(0.1)
+        pki = SimulatedPki.load(stack.p("pki"))
+        quote = SimulatedTdx(pki, image="umbra-security-cvm").quote(b"\0" * 64)
+        relay = CollateralRelay(PccsCollateral([f"http://127.0.0.1:{port}"]))
+        data = asyncio.run(relay(quote))
+        assert data is not None and relay.last_error is None
+        got = Collateral.from_json(data)  # parsed as the forwarder parses a relayed set
+        assert got.fmspc.upper() == SIM_FMSPC.hex().upper()
+        assert time.time() - 7200 < got.tcb_info_issue_date < time.time()  # re-dated at start
+    finally:
+        pccs.terminate()
+        pccs.wait(10)
+    # The Security CVM relays it only on the qemu runtime (a local forwarder reads the file).
+    stack.state["security_cvm_id"] = "cvm_0000000000000001"
+    assert f"--tunnel-collateral-pccs http://127.0.0.1:{port}" in " ".join(
+        up_stack.proxy_argv(stack)
+    )
+    stack.state["runtime"] = "runc"
+    assert "--tunnel-collateral-pccs" not in up_stack.proxy_argv(stack)
