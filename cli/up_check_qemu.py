@@ -290,7 +290,12 @@ class Walkthrough:
             "enrollment",
             lambda: f"cvm.enroll #{wait_audited(self.client, cvm, 'cvm.enroll', 0, boot)}",
         )
-        ssh_ok = self.step("umbra ssh", lambda: (need_ssh(self.info(), boot), ssh_check(cvm))[1])
+
+        def ssh_step() -> str:
+            need_ssh(self.info(), boot)
+            return ssh_check(cvm)
+
+        ssh_ok = self.step("umbra ssh", ssh_step)
 
         def requests() -> str:
             if not ssh_ok:
