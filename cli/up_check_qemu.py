@@ -322,11 +322,15 @@ class Walkthrough:
             if any(vm.cvm_id == cvm for vm in q.vms(self.stack)):
                 raise StepFailed("the Console says stopped, but its QEMU still runs")
             expect(self.client.patch(f"/api/v1/cvms/{cvm}", json={"state": "running"}), 200)
-            info = wait_state(self.client, cvm, CvmState.running, 120)
-            new = boot_of(info)
-            if new.number <= boot.number:
-                raise StepFailed(f"started, but no new boot (boot {new.number})")
-            boot = wait_started(self.stack, cvm, new, self.limit)
+            wait_state(self.client, cvm, CvmState.running, 120)
+            # A start records no new provider_state: the next boot's serial log says it.
+            serial = boot.serial.with_name(f"serial-{boot.number + 1}.log")
+            end = time.monotonic() + 60
+            while not serial.exists():
+                if time.monotonic() > end:
+                    raise StepFailed(f"started, but no boot {boot.number + 1} ({serial})")
+                time.sleep(0.5)
+            boot = wait_started(self.stack, cvm, _Boot(boot.number + 1, serial), self.limit)
             return f"stopped (ACPI), started: boot {boot.number} started the compose again"
 
         if not self.step("stop and start", stop_and_start):
