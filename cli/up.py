@@ -159,15 +159,27 @@ def up(
         f"\n[green]Umbra is up[/] in {summary['seconds']} s. Dashboard: "
         f"[bold]{summary['dashboard_url']}[/]"
     )
-    console.print(
-        "Next:\n"
-        "  umbra ssh                  # a shell in the Dev CVM (attested SSH ingress)\n"
-        "  umbra ssh -- CMD           # run one command there\n"
-        "  umbra claude               # Claude Code in a dtach session (reattaches after a drop)\n"
-        f"  umbra logs --cvm {cvm}     # every request it made, allowed or denied\n"
-        "  umbra status               # what runs, and whether it is healthy\n"
-        "  umbra down                 # stop everything"
-    )
+    if summary.get("runtime") == "qemu":
+        serial = stack.p("qemu", cvm)
+        console.print(
+            f"The Dev CVM {cvm} is a VM under QEMU ({summary['shape']} shape, {summary['accel']}); "
+            f"its serial consoles: {serial}/serial-N.log\n"
+            "Next:\n"
+            "  umbra ssh                  # once the qemu image carries the Dev workload\n"
+            "  umbra cvm list             # its state as the Console records it\n"
+            "  umbra status               # what runs, its QEMU included\n"
+            "  umbra down                 # power button, then everything stops"
+        )
+    else:
+        console.print(
+            "Next:\n"
+            "  umbra ssh                  # a shell in the Dev CVM (attested SSH ingress)\n"
+            "  umbra ssh -- CMD           # run one command there\n"
+            "  umbra claude               # Claude Code in a dtach session (reattaches after a drop)\n"
+            f"  umbra logs --cvm {cvm}     # every request it made, allowed or denied\n"
+            "  umbra status               # what runs, and whether it is healthy\n"
+            "  umbra down                 # stop everything"
+        )
     if failed:
         stderr.print("[red]a check failed (above); the stack itself is up.[/]")
         raise typer.Exit(EXIT_FINDINGS)
