@@ -55,7 +55,7 @@ NO_WORKLOAD = (
 )
 STUB_LINE = "umbra-compose-stub:"
 # A boot under TCG takes minutes on 2 shared cores; under KVM seconds.
-BOOT_LIMIT = {"tcg": 900.0, "kvm": 300.0}
+BOOT_LIMIT = {"tcg": 1200.0, "kvm": 300.0}
 STOP_LIMIT = 360.0  # the provider waits 300 s for the power button, then kills
 ENROLL_LIMIT = 180.0
 MARKER = "/home/dev/umbra-check-workspace"

@@ -137,7 +137,14 @@ def _build(root: Path, entry: Path, progress: Progress) -> None:
     from umbra.images.disk_formats import DiskFormatError
     from umbra.images.os_image import OS_DIR, build_os_image, load_os_definition
     from umbra.images.uki import pack_os_image
+    from umbra.sandbox import image
 
+    definition = load_os_definition(OS_DIR / "qemu.yaml")
+    if definition.sandbox_image:  # the image ships the Dev CVM's sandbox image: built first
+        try:
+            image.ensure_image(progress=progress)
+        except image.ImageError as exc:
+            raise UpError(str(exc), "see the line above; then run `umbra up` again") from None
     with tempfile.TemporaryDirectory(prefix="umbra-os-qemu-") as tmp:
         work = Path(tmp)
         progress("  the wheel and its locked requirements (uv build, uv export)")
@@ -150,7 +157,7 @@ def _build(root: Path, entry: Path, progress: Progress) -> None:
         progress("  the OS image: mmdebstrap, the backports kernel, Python and the wheel")
         try:
             build_os_image(
-                load_os_definition(OS_DIR / "qemu.yaml"),
+                definition,
                 work / "os",
                 wheel=wheel,
                 requirements=requirements,

@@ -165,6 +165,8 @@ def provider_settings(stack: Stack, disk: Path, accel: str) -> dict[str, Any]:
         "app_compose": str(stack.p(RUNTIME_DIR, "app-compose.json")),
         "runtime_dir": str(stack.p(RUNTIME_DIR)),
         "accel": accel,
+        # The Dev workload (runc, the sandbox, the forwarder, sshd) wants more than the default.
+        "memory_mb": 1536,
         "console_url": CONSOLE_IN_VM,
         "console_ca": str(stack.p("console-tls", "ca.pem")),
         "simulated_pki": str(stack.p("pki")),
