@@ -72,13 +72,14 @@ def up(
         typer.Option(help="With --check: also pip download and git ls-remote real hosts."),
     ] = False,
     runtime: Annotated[
-        str,
+        str | None,
         typer.Option(
             "--runtime",
             help="What runs the Dev CVM: runc (a sandbox on this machine) or qemu (the built "
-            "OS image booted under QEMU through the Console's qemu provider).",
+            "OS image booted under QEMU through the Console's qemu provider). Default: the "
+            "state directory's, else runc.",
         ),
-    ] = "runc",
+    ] = None,
     shape: Annotated[
         str | None,
         typer.Option(
@@ -132,7 +133,7 @@ def up(
             s.prepare_material(stack)
             try:
                 if s.runtime(stack) is s.Runtime.qemu:
-                    _prepare_qemu(stack, options[2], step, summary)
+                    _prepare_qemu(stack, accel, step, summary)
                 _bring_up(stack, policies.resolve(), step, summary)
             except BaseException:
                 if not stack.state.get("completed_once"):
@@ -186,47 +187,56 @@ def up(
 
 
 def _runtime_options(
-    runtime: str, shape: str | None, accel: str, internet: bool, as_json: bool
-) -> tuple[str, str | None, str]:
-    """--runtime, --shape, --accel checked together (usage errors, before anything runs)."""
+    runtime: str | None, shape: str | None, accel: str, internet: bool, as_json: bool
+) -> tuple[str | None, str | None, str, bool]:
+    """--runtime, --shape, --accel checked together (usage errors, before anything runs); with
+    no --runtime, the state directory's decides (`_switch_runtime`)."""
     from umbra.cli.up_stack.qemu import ACCELS, Runtime
     from umbra.emulated.metadata import Shape
 
-    if runtime not in set(Runtime):
+    if runtime is not None and runtime not in set(Runtime):
         fail(f"--runtime {runtime!r}: one of runc, qemu", EXIT_USAGE, as_json=as_json)
-    if runtime != Runtime.qemu:
-        given = [f for f, v in (("--shape", shape), ("--accel", accel != "auto")) if v]
-        if given:
-            fail(f"{', '.join(given)} only with --runtime qemu", EXIT_USAGE, as_json=as_json)
-        return runtime, None, accel
     if shape is not None and shape not in set(Shape):
         fail(f"--shape {shape!r}: one of gcp, azure", EXIT_USAGE, as_json=as_json)
     if accel not in ACCELS:
         fail(f"--accel {accel!r}: one of {', '.join(ACCELS)}", EXIT_USAGE, as_json=as_json)
-    if internet:
-        fail(
-            "--internet runs pip and git in the local sandbox; not with --runtime qemu",
-            EXIT_USAGE,
-            as_json=as_json,
-        )
-    return runtime, shape or "gcp", accel
+    if runtime == Runtime.runc:
+        given = [f for f, v in (("--shape", shape), ("--accel", accel != "auto")) if v]
+        if given:
+            fail(f"{', '.join(given)} only with --runtime qemu", EXIT_USAGE, as_json=as_json)
+    if runtime == Runtime.qemu and internet:
+        fail(_NO_INTERNET, EXIT_USAGE, as_json=as_json)
+    return runtime, shape, accel, internet
 
 
-def _switch_runtime(stack: Any, runtime: str, shape: str | None, _accel: str) -> None:
-    """The state directory remembers its runtime and shape; changing them needs the stack
-    down (the Console reads its providers at start)."""
+_NO_INTERNET = "--internet runs pip and git in the local sandbox; not with --runtime qemu"
+
+
+def _switch_runtime(
+    stack: Any, runtime: str | None, shape: str | None, accel: str, internet: bool
+) -> None:
+    """The state directory remembers its runtime and shape (the next `umbra up` without
+    --runtime keeps them); changing them needs the stack down (the Console reads its providers
+    at start)."""
     from umbra.cli import up_stack as s
 
     was = (str(s.runtime(stack)), stack.state.get("shape"))
-    if was != (runtime, shape) and stack.pid(s.Component.CONSOLE) is not None:
+    wanted = runtime or was[0]
+    if wanted == s.Runtime.runc and (shape or accel != "auto"):
+        raise s.UpError("--shape and --accel only with --runtime qemu", "add --runtime qemu")
+    if wanted == s.Runtime.qemu and internet:
+        raise s.UpError(_NO_INTERNET, "leave out --internet")
+    if wanted == s.Runtime.qemu:
+        shape = shape or (was[1] if was[0] == s.Runtime.qemu else None) or "gcp"
+    if was != (wanted, shape) and stack.pid(s.Component.CONSOLE) is not None:
         raise s.UpError(
             f"the stack in {stack.state_dir} runs with --runtime {was[0]}"
             + (f" --shape {was[1]}" if was[1] else "")
-            + f"; this asks for --runtime {runtime}"
+            + f"; this asks for --runtime {wanted}"
             + (f" --shape {shape}" if shape else ""),
             "run `umbra down` first (or use another --state-dir)",
         )
-    stack.state["runtime"] = runtime
+    stack.state["runtime"] = wanted
     if shape is None:
         stack.state.pop("shape", None)
     else:

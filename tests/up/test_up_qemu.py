@@ -43,8 +43,8 @@ def _cli(*args: str) -> tuple[int, str]:
 @pytest.mark.parametrize(
     ("args", "said"),
     [
-        (["--shape", "gcp"], "--shape only with --runtime qemu"),
-        (["--accel", "kvm"], "--accel only with --runtime qemu"),
+        (["--runtime", "runc", "--shape", "gcp"], "--shape only with --runtime qemu"),
+        (["--runtime", "runc", "--accel", "kvm"], "--accel only with --runtime qemu"),
         (["--runtime", "vmware"], "--runtime 'vmware': one of runc, qemu"),
         (["--runtime", "qemu", "--shape", "aws"], "--shape 'aws': one of gcp, azure"),
         (["--runtime", "qemu", "--accel", "hvf"], "--accel 'hvf': one of auto, kvm, tcg"),
@@ -58,6 +58,26 @@ def test_options_are_checked_together_before_anything_runs(
     assert code == 2, out
     assert said in " ".join(out.split())
     assert not (tmp_path / "s").exists()  # nothing was started or written
+
+
+def test_the_state_directory_keeps_its_runtime_and_shape(tmp_path: Path) -> None:
+    """`umbra up` without --runtime keeps the state directory's; a change while its Console
+    runs is refused (checked before anything starts)."""
+    from umbra.cli.up import _switch_runtime
+
+    s = up_stack.Stack(tmp_path, 7080)
+    _switch_runtime(s, "qemu", "azure", "auto", False)
+    assert (s.state["runtime"], s.state["shape"]) == ("qemu", "azure")
+    _switch_runtime(s, None, None, "auto", False)  # a later `umbra up`
+    assert (s.state["runtime"], s.state["shape"]) == ("qemu", "azure")
+    with pytest.raises(up_stack.UpError, match="--internet runs pip and git"):
+        _switch_runtime(s, None, None, "auto", True)
+    _switch_runtime(s, "runc", None, "auto", False)
+    assert s.state["runtime"] == "runc" and "shape" not in s.state
+    with pytest.raises(up_stack.UpError, match="--shape and --accel only with --runtime qemu"):
+        _switch_runtime(s, None, "gcp", "auto", False)
+    _switch_runtime(s, "qemu", None, "auto", False)
+    assert s.state["shape"] == "gcp"
 
 
 @pytest.fixture
