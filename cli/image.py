@@ -21,6 +21,7 @@ from umbra.cli.output import EXIT_USAGE, console, fail, print_json
 from umbra.contracts.validation import first_problem
 from umbra.images.definition import DefinitionError, load_definition
 from umbra.images.image_store import IMAGES_DIR
+from umbra.images.lock_policy import LockPolicy
 from umbra.sandbox.validate import ComposeError
 
 if TYPE_CHECKING:  # measuring and signing load attestation and templates: not for --help
@@ -37,6 +38,15 @@ app = typer.Typer(
 )
 
 JsonFlag = Annotated[bool, typer.Option("--json", help="Machine-readable output on stdout.")]
+LockPolicyOption = Annotated[
+    LockPolicy,
+    typer.Option(
+        "--lock-policy",
+        help="strict (releases): exactly the lock's versions. security-updates (the test "
+        "suite): also a newer version from the suite's -security/-updates/point release, "
+        "reported on stderr and recorded.",
+    ),
+]
 
 
 def _ssh_keys(keys: list[str], keys_file: Path | None, as_json: bool) -> list[str]:
@@ -375,6 +385,7 @@ def build_cmd(
     update_lock: Annotated[
         bool, typer.Option("--update-lock", help="Rewrite images/packages.lock from this build.")
     ] = False,
+    lock_policy: LockPolicyOption = LockPolicy.STRICT,
     builder_id: Annotated[str, typer.Option("--builder-id")] = "local",
     pulumi_cli: Annotated[
         Path | None,
@@ -436,6 +447,7 @@ def build_cmd(
             host_python_prefix=Path(sys.base_prefix),
             epoch=when,
             update_lock=update_lock,
+            lock_policy=lock_policy,
             tools=tools,
             without_tools=without_tools,
         )
@@ -463,7 +475,10 @@ def build_cmd(
     if key is not None:
         _write(out / f"provenance.{kind}.dsse.json", sign_statement(st, key))
     if as_json:
-        print_json({"rootfs": str(kind), "images": images, "signed": key is not None})
+        drift = [d.line() for d in result.lock_drift]
+        print_json(
+            {"rootfs": str(kind), "images": images, "signed": key is not None, "lock_drift": drift}
+        )
         return
     for name, i in images.items():
         console.print(f"{name}: {i['ref']} (image id {i['config_digest']})")
@@ -740,6 +755,7 @@ def os_build_cmd(
             "--update-lock", help="Rewrite this definition's lines of images/os/packages.lock."
         ),
     ] = False,
+    lock_policy: LockPolicyOption = LockPolicy.STRICT,
     as_json: JsonFlag = False,
 ) -> None:
     """Build the CVM OS image of one definition (Debian 13 + the backports TDX guest kernel):
@@ -762,12 +778,13 @@ def os_build_cmd(
             epoch=when,
             image_archives=image_archive or (),
             update_lock=update_lock,
+            lock_policy=lock_policy,
         )
     except BuildError as exc:
         fail(str(exc), as_json=as_json)
     result = {k: str(getattr(image, k)) for k in ("rootfs", "kernel", "initrd", "stub")}
     if as_json:
-        print_json(result)
+        print_json(result | {"lock_drift": [d.line() for d in image.lock_drift]})
         return
     for k, v in result.items():
         console.print(f"{k}: {v}")
