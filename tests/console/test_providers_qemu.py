@@ -280,8 +280,12 @@ def test_the_console_launches_stops_starts_and_destroys_through_it(
 
     monkeypatch.setattr(providers_qemu, "QemuVm", RecordingVm)
     RecordingVm.boots, RecordingVm.stops = [], []
+    sec_compose = tmp_path / "security-app-compose.json"
+    sec_compose.write_text('{"docker_compose_file":"name: umbra-security\\n","manifest_version":2}')
     config = tmp_path / "qemu.json"
-    config.write_text(settings.model_dump_json())
+    config.write_text(
+        settings.model_copy(update={"security_app_compose": sec_compose}).model_dump_json()
+    )
     url, sqlite_path = new_database("sqlite", request)
     server = start_server(
         "sqlite", url, sqlite_path, issuer.url, generate_key(), tmp_path,
@@ -308,6 +312,19 @@ def test_the_console_launches_stops_starts_and_destroys_through_it(
         assert team.dev.delete(path).status_code == 200
         assert _settle(team, cvm["id"])["state"] == "destroyed"
         assert not boot.data_disk.parent.exists()
+        # A Security CVM the provider boots gets a token minted by the Console too (fails
+        # before: only Dev CVM launches minted one; a Security CVM's came from its team stack).
+        sec = team.admin.post(f"/api/v1/teams/{team.name}/cvms",
+                              json={"name": "emu-sec", "kind": "security", "provider": "qemu"})  # fmt: skip
+        assert sec.status_code == 201, sec.text
+        sec_info = _settle(team, sec.json()["id"])
+        assert sec_info["state"] == "running", sec_info
+        served = _attributes(RecordingVm.boots[-1].metadata_port)
+        assert served["umbra-role"] == "security-cvm" and served["umbra-cvm-id"] == sec_info["id"]
+        assert len(served["umbra-enrollment-token"]) >= 16
+        assert served["umbra-enrollment-token"] not in json.dumps(sec_info)
+        assert team.admin.delete(f"/api/v1/cvms/{sec_info['id']}").status_code == 200
+        assert _settle(team, sec_info["id"])["state"] == "destroyed"
     finally:
         team.close()
         server.stop()
