@@ -223,6 +223,10 @@ def serve_quote_relay(path: Path, port: TdxModulePort, uid: int | None = None) -
     """Serve quotes on the unix socket `path` (0600, owned by `uid`: the proxy's), relayed to
     the host's TDX module over the port, until killed. Runs as root (the port is root-only)."""
     import socketserver
+    import threading
+
+    # One exchange at a time: virtio-serial lets one process hold the port open (EBUSY).
+    one = threading.Lock()
 
     class Handler(socketserver.StreamRequestHandler):
         def handle(self) -> None:
@@ -231,7 +235,8 @@ def serve_quote_relay(path: Path, port: TdxModulePort, uid: int | None = None) -
                 line = self.rfile.readline(_REQUEST_MAX)
             except OSError:
                 return
-            answer = quote_relay_answer(line, port)
+            with one:
+                answer = quote_relay_answer(line, port)
             with contextlib.suppress(OSError):
                 self.wfile.write(json.dumps(answer).encode() + b"\n")
 

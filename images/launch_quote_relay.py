@@ -27,7 +27,8 @@ class QuoteRelayError(Exception):
 @dataclass(frozen=True)
 class SystemdQuoteRelay:
     uid: int
-    wait: float = 60.0
+    # The relay is the umbra CLI: its start under TCG on a loaded host takes a while.
+    wait: float = 300.0
     umbra: str = UMBRA
 
     def start(self, socket: Path) -> None:
