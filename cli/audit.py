@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from rich.table import Table
 
-from umbra.cli.auth import api_errors, api_failure, open_client, resolve_team
+from umbra.cli.auth import team_call
 from umbra.cli.output import EXIT_FINDINGS, EXIT_USAGE, console, fail, print_json
 
 if TYPE_CHECKING:  # for annotations: the client and schemas load when a command runs
@@ -53,13 +53,7 @@ def list_entries(
     as_json: JsonFlag = False,
 ) -> None:
     """Audit entries in chain order: who did what to which target."""
-    client, login = open_client(as_json)
-    try:
-        with client:
-            team_name = resolve_team(client, login, team, as_json)
-            entries = _entries(client, team_name, None)[-limit:]
-    except api_errors() as exc:
-        api_failure(exc, as_json)
+    team_name, entries = team_call(team, as_json, lambda c, t: _entries(c, t, None)[-limit:])
     if as_json:
         print_json([entry.model_dump(mode="json") for entry in entries])
         return
@@ -87,13 +81,7 @@ def export(
     """The team's audit entries as NDJSON, with the chain's hashes (`verify --file` checks it)."""
     from umbra.contracts.files import write_atomic
 
-    client, login = open_client(False)
-    try:
-        with client:
-            team_name = resolve_team(client, login, team, False)
-            entries = _entries(client, team_name, None)
-    except api_errors() as exc:
-        api_failure(exc, False)
+    team_name, entries = team_call(team, False, lambda c, t: _entries(c, t, None))
     lines = "".join(entry.model_dump_json() + "\n" for entry in entries)
     if output is None:
         sys.stdout.write(lines)
@@ -142,13 +130,7 @@ def verify(
         entries = _read_export(file, as_json)
         label = str(file)
     else:
-        client, login = open_client(as_json)
-        try:
-            with client:
-                team_name = resolve_team(client, login, team, as_json)
-                entries = _entries(client, team_name, None)
-        except api_errors() as exc:
-            api_failure(exc, as_json)
+        team_name, entries = team_call(team, as_json, lambda c, t: _entries(c, t, None))
         label = f"team {team_name}"
     previous: AuditEntryOut | None = None
     for entry in entries:

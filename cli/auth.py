@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
@@ -116,6 +117,20 @@ def resolve_team(client: ConsoleClient, login: Login, team: str | None, as_json:
             as_json=as_json,
         )
     return teams[0]
+
+
+def team_call[T](
+    team: str | None, as_json: bool, call: Callable[[ConsoleClient, str], T]
+) -> tuple[str, T]:
+    """One Console call for a team with the stored login: (the team `resolve_team` chose, what
+    `call(client, team)` returned); a refusal or an unreachable Console exits as `api_failure`."""
+    client, login = open_client(as_json)
+    try:
+        with client:
+            team_name = resolve_team(client, login, team, as_json)
+            return team_name, call(client, team_name)
+    except api_errors() as exc:
+        api_failure(exc, as_json)
 
 
 def _device_flow(issuer: str, client_id: str, scope: str) -> dict[str, Any] | None:

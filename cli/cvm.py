@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from rich.table import Table
 
-from umbra.cli.auth import api_errors, api_failure, open_client, resolve_team
+from umbra.cli.auth import api_errors, api_failure, open_client, resolve_team, team_call
 from umbra.cli.output import EXIT_FINDINGS, EXIT_USAGE, console, fail, print_json, stderr
 from umbra.console.enums import CvmKind, CvmState, Power
 from umbra.contracts.enrollment import security_token_key
@@ -190,13 +190,7 @@ def list_cvms(
     as_json: JsonFlag = False,
 ) -> None:
     """CVMs of the team (admins: all; developers: their own)."""
-    client, login = open_client(as_json)
-    try:
-        with client:
-            team_name = resolve_team(client, login, team, as_json)
-            rows = client.list_cvms(team_name, include_destroyed=all_)
-    except api_errors() as exc:
-        api_failure(exc, as_json)
+    team_name, rows = team_call(team, as_json, lambda c, t: c.list_cvms(t, include_destroyed=all_))
     if as_json:
         print_json([row.model_dump(mode="json") for row in rows])
         return
@@ -305,13 +299,7 @@ def security_replica(
 
     Run once per replica before `pulumi up`, and again for a replica that booted after its
     token expired (valid 1 h) or whose VM is relaunched: the record stays, the token is new."""
-    client, login = open_client(as_json)
-    try:
-        with client:
-            team_name = resolve_team(client, login, team, as_json)
-            minted = client.security_replica_token(team_name, replica)
-    except api_errors() as exc:
-        api_failure(exc, as_json)
+    team_name, minted = team_call(team, as_json, lambda c, t: c.security_replica_token(t, replica))
     if as_json:
         print_json(minted.model_dump(mode="json"))
         return

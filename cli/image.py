@@ -21,13 +21,16 @@ from umbra.cli.output import EXIT_USAGE, console, fail, print_json
 from umbra.contracts.validation import first_problem
 from umbra.images.definition import DefinitionError, load_definition
 from umbra.images.image_store import IMAGES_DIR
+from umbra.images.lock_policy import LockPolicy
 from umbra.sandbox.validate import ComposeError
 
 if TYPE_CHECKING:  # measuring and signing load attestation and templates: not for --help
     from collections.abc import Callable, Sequence
 
     from umbra.attest.eventlog import Event
+    from umbra.images.definition import ImageDefinition
     from umbra.images.manifest import BootEntry
+    from umbra.images.td_boot import TdBootGolden
 
 app = typer.Typer(
     help="Measure CVM releases: compose hash, RTMR3 events, signed manifests.",
@@ -35,6 +38,15 @@ app = typer.Typer(
 )
 
 JsonFlag = Annotated[bool, typer.Option("--json", help="Machine-readable output on stdout.")]
+LockPolicyOption = Annotated[
+    LockPolicy,
+    typer.Option(
+        "--lock-policy",
+        help="strict (releases): exactly the lock's versions. security-updates (the test "
+        "suite): also a newer version from the suite's -security/-updates/point release, "
+        "reported on stderr and recorded.",
+    ),
+]
 
 
 def _ssh_keys(keys: list[str], keys_file: Path | None, as_json: bool) -> list[str]:
@@ -70,6 +82,38 @@ def _boot_entry(path: Path) -> BootEntry:
         raise DefinitionError(f"{path}: line {exc.lineno}: {exc.msg}") from None
     except ValidationError as exc:
         raise DefinitionError(f"{path}: {first_problem(exc)}") from None
+
+
+def _tdx_release(
+    definition: ImageDefinition, boot: Path | None, cloud: str | None, firmware: Path | None
+) -> tuple[ImageDefinition, TdBootGolden]:
+    """The definition as a tee: tdx release for `cloud` (images.td_release)."""
+    from umbra.images.td_release import (
+        Cloud,
+        TdReleaseError,
+        golden_from_disks,
+        load_firmware,
+        tdx_definition,
+    )
+
+    if cloud is None or firmware is None or boot is None:
+        raise TdReleaseError(
+            "--cloud, --firmware and --boot come together: a tee: tdx release takes MRTD/RTMR0 "
+            "from the cloud's firmware inputs and computes RTMR1/RTMR2 from the built disks"
+        )
+    try:
+        which = Cloud(cloud)
+    except ValueError:
+        raise TdReleaseError(f"--cloud: {cloud!r} is not one of gcp, azure") from None
+    inputs = load_firmware(firmware)
+    try:
+        disks = json.loads(boot.read_text())
+    except json.JSONDecodeError as exc:
+        raise TdReleaseError(f"{boot}: line {exc.lineno}: {exc.msg}") from None
+    if not isinstance(disks, dict):
+        raise TdReleaseError(f"{boot}: not a JSON object (umbra image disks --json)")
+    golden = golden_from_disks(disks, str(boot))
+    return tdx_definition(definition, which, inputs, golden, str(firmware)), golden
 
 
 @app.command("measure")
@@ -110,6 +154,18 @@ def measure_cmd(
         Path | None,
         typer.Option("--boot", help="`umbra image disks --json` output: the UKI's digests."),
     ] = None,
+    cloud: Annotated[
+        str | None,
+        typer.Option(
+            "--cloud",
+            help="Write a tee: tdx release for this cloud: RTMR1/RTMR2 computed from --boot's "
+            "UKI and disk, MRTD/RTMR0 from --firmware.",
+        ),
+    ] = None,
+    firmware: Annotated[
+        Path | None,
+        typer.Option("--firmware", help="Per-cloud TD firmware inputs (kind: TdFirmware)."),
+    ] = None,
     as_json: JsonFlag = False,
 ) -> None:
     """Render the release's compose file and print its golden values."""
@@ -123,14 +179,19 @@ def measure_cmd(
     )
     from umbra.images.provenance import ProvenanceError, provenance_index
     from umbra.images.signing import SignatureError, load_private_key, sign_manifest
+    from umbra.images.td_release import TdReleaseError
 
     keys = _ssh_keys(ssh_key or [], ssh_keys_file, as_json)
+    golden = None
     try:
-        m = measure(load_definition(definition))
+        loaded = load_definition(definition)
+        if cloud is not None or firmware is not None:
+            loaded, golden = _tdx_release(loaded, boot, cloud, firmware)
+        m = measure(loaded)
         index = provenance_index([p.read_bytes() for p in provenance]) if provenance else None
         ruleset = host_firewall.read_text() if host_firewall is not None else None
         boot_doc = _boot_entry(boot) if boot is not None else None
-    except (DefinitionError, ComposeError, ProvenanceError) as exc:
+    except (DefinitionError, ComposeError, ProvenanceError, TdReleaseError) as exc:
         fail(str(exc), EXIT_USAGE, as_json=as_json)
     except OSError as exc:
         fail(f"cannot read {exc.filename}: {exc.strerror}", EXIT_USAGE, as_json=as_json)
@@ -149,6 +210,13 @@ def measure_cmd(
     }
     if boot_doc is not None:
         result["boot"] = boot_doc.model_dump()
+    if golden is not None:
+        result["cloud"] = cloud
+        result["td_boot_events"] = [
+            {"rtmr": e.rtmr, "pcr": e.pcr, "event_type": f"{e.event_type:#x}", "event": e.label,
+             "digest": e.sha384.hex()}
+            for e in golden.measured
+        ]  # fmt: skip
     binding = None
     instance_args = (keys, ruleset, boot_id, ssh_host_key)
     if cvm_id is not None or any(a is not None and a != [] for a in instance_args):
@@ -190,6 +258,9 @@ def measure_cmd(
         release_doc = m.release.model_dump(mode="json", exclude_none=True)
         _write(out / "release.yaml", yaml.safe_dump(release_doc, sort_keys=False))
         _write(out / "measurement-manifest.json", manifest.canonical().decode() + "\n")
+        if golden is not None:  # what RTMR1/RTMR2 were replayed from, for a reviewer
+            events = json.dumps(result["td_boot_events"], indent=1)
+            _write(out / "td-boot-events.json", events + "\n")
         if binding is not None:
             doc = binding.model_dump(mode="json", exclude_none=True)
             _write(out / "binding.yaml", yaml.safe_dump(doc, sort_keys=False))
@@ -305,6 +376,7 @@ def build_cmd(
     update_lock: Annotated[
         bool, typer.Option("--update-lock", help="Rewrite images/packages.lock from this build.")
     ] = False,
+    lock_policy: LockPolicyOption = LockPolicy.STRICT,
     builder_id: Annotated[str, typer.Option("--builder-id")] = "local",
     pulumi_cli: Annotated[
         Path | None,
@@ -366,6 +438,7 @@ def build_cmd(
             host_python_prefix=Path(sys.base_prefix),
             epoch=when,
             update_lock=update_lock,
+            lock_policy=lock_policy,
             tools=tools,
             without_tools=without_tools,
         )
@@ -393,7 +466,10 @@ def build_cmd(
     if key is not None:
         _write(out / f"provenance.{kind}.dsse.json", sign_statement(st, key))
     if as_json:
-        print_json({"rootfs": str(kind), "images": images, "signed": key is not None})
+        drift = [d.line() for d in result.lock_drift]
+        print_json(
+            {"rootfs": str(kind), "images": images, "signed": key is not None, "lock_drift": drift}
+        )
         return
     for name, i in images.items():
         console.print(f"{name}: {i['ref']} (image id {i['config_digest']})")
@@ -688,6 +764,7 @@ def os_build_cmd(
             "--update-lock", help="Rewrite this definition's lines of images/os/packages.lock."
         ),
     ] = False,
+    lock_policy: LockPolicyOption = LockPolicy.STRICT,
     as_json: JsonFlag = False,
 ) -> None:
     """Build the CVM OS image of one definition (Debian 13 + the backports TDX guest kernel):
@@ -710,12 +787,13 @@ def os_build_cmd(
             epoch=when,
             image_archives=image_archive or (),
             update_lock=update_lock,
+            lock_policy=lock_policy,
         )
     except BuildError as exc:
         fail(str(exc), as_json=as_json)
     result = {k: str(getattr(image, k)) for k in ("rootfs", "kernel", "initrd", "stub")}
     if as_json:
-        print_json(result)
+        print_json(result | {"lock_drift": [d.line() for d in image.lock_drift]})
         return
     for k, v in result.items():
         console.print(f"{k}: {v}")

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Annotated, NoReturn
 import typer
 from rich.table import Table
 
-from umbra.cli.auth import api_errors, api_failure, open_client, resolve_team
+from umbra.cli.auth import api_errors, api_failure, open_client, resolve_team, team_call
 from umbra.cli.output import EXIT_FINDINGS, EXIT_USAGE, console, fail, print_json
 
 if TYPE_CHECKING:  # the client and schemas load when a command runs, never for --help
@@ -108,12 +108,7 @@ def _show(info: TeamQuotasInfo, as_json: bool) -> None:
 
 def _quotas(team: str | None, as_json: bool) -> TeamQuotasInfo:
     """The team's quotas as the Console gives them (any member may read them)."""
-    client, login = open_client(as_json)
-    try:
-        with client:
-            return client.quotas(resolve_team(client, login, team, as_json))
-    except api_errors() as exc:
-        api_failure(exc, as_json)
+    return team_call(team, as_json, lambda c, t: c.quotas(t))[1]
 
 
 @app.command()

@@ -8,16 +8,13 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
 import typer
 from rich.table import Table
 
-from umbra.cli.auth import api_errors, api_failure, open_client, resolve_team
+from umbra.cli.auth import api_errors, api_failure, open_client, resolve_team, team_call
 from umbra.cli.output import EXIT_USAGE, console, fail, print_json
-
-if TYPE_CHECKING:  # for annotations: the client and schemas load when a command runs
-    from umbra.console.schemas import SecretInfo
 
 app = typer.Typer(
     help="Write-only secrets, bound to the hosts they may be sent to.", no_args_is_help=True
@@ -132,16 +129,11 @@ def set_secret(
 @app.command("list")
 def list_secrets(team: TeamOption = None, as_json: JsonFlag = False) -> None:
     """Team secrets and your personal secrets: names, hosts and versions only."""
-    client, login = open_client(as_json)
-    try:
-        with client:
-            team_name = resolve_team(client, login, team, as_json)
-            rows: list[SecretInfo] = [
-                *client.list_secrets(team_name),
-                *client.list_secrets(team_name, personal=True),
-            ]
-    except api_errors() as exc:
-        api_failure(exc, as_json)
+    team_name, rows = team_call(
+        team,
+        as_json,
+        lambda c, t: [*c.list_secrets(t), *c.list_secrets(t, personal=True)],
+    )
     if as_json:
         print_json([row.model_dump(mode="json") for row in rows])
         return
@@ -170,13 +162,7 @@ def delete_secret(
     as_json: JsonFlag = False,
 ) -> None:
     """Delete a secret: proxies stop injecting it when they next pull released secrets."""
-    client, login = open_client(as_json)
-    try:
-        with client:
-            team_name = resolve_team(client, login, team, as_json)
-            client.delete_secret(team_name, name, personal=personal)
-    except api_errors() as exc:
-        api_failure(exc, as_json)
+    team_call(team, as_json, lambda c, t: c.delete_secret(t, name, personal=personal))
     ref = f"{'personal' if personal else 'team'}/{name}"
     if as_json:
         print_json({"ok": True, "deleted": ref})

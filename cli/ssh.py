@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Annotated, NoReturn
 
 import typer
 
-from umbra.cli.auth import api_errors, api_failure, open_client, resolve_team
+from umbra.cli.auth import team_call
 from umbra.cli.output import EXIT_USAGE, console, fail, print_json
 from umbra.cli.ssh_config import (
     SshConfigError,
@@ -54,13 +54,8 @@ config_ssh_app = typer.Typer(add_completion=False)
 
 
 def _dev_cvms(team: str | None, as_json: bool) -> list[CvmInfo]:
-    client, login = open_client(as_json)
-    try:
-        with client:
-            team_ = resolve_team(client, login, team, as_json)
-            return [c for c in client.list_cvms(team_) if c.kind == CvmKind.dev]
-    except api_errors() as exc:
-        api_failure(exc, as_json)
+    _, cvms = team_call(team, as_json, lambda c, t: c.list_cvms(t))
+    return [c for c in cvms if c.kind == CvmKind.dev]
 
 
 def pick_cvm(wanted: str | None, as_json: bool = False) -> CvmInfo:

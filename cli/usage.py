@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from umbra.cli.auth import api_errors, api_failure, open_client, resolve_team
+from umbra.cli.auth import team_call
 from umbra.cli.logs import _time
 from umbra.cli.output import console, print_json
 
@@ -31,13 +31,11 @@ def usage(
 ) -> None:
     """LLM token usage, summed per UTC day, developer, CVM and model."""
     start, end = _time("--since", since, as_json), _time("--until", until, as_json)
-    client, login = open_client(as_json)
-    try:
-        with client:
-            team_name = resolve_team(client, login, team, as_json)
-            report = client.usage(team_name, since=start, until=end, owner=owner, cvm_id=cvm)
-    except api_errors() as exc:
-        api_failure(exc, as_json)
+    _, report = team_call(
+        team,
+        as_json,
+        lambda c, t: c.usage(t, since=start, until=end, owner=owner, cvm_id=cvm),
+    )
     if as_json:
         print_json(report.model_dump(mode="json"))
         return

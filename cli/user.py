@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from umbra.cli.auth import api_errors, api_failure, open_client, resolve_team
+from umbra.cli.auth import team_call
 from umbra.cli.output import console, print_json
 
 app = typer.Typer(
@@ -26,13 +26,7 @@ def deactivate(
     as_json: JsonFlag = False,
 ) -> None:
     """Deactivate a developer: sessions refused, personal secrets erased, CVMs detached and stopped."""
-    client, login = open_client(as_json)
-    try:
-        with client:
-            team_name = resolve_team(client, login, team, as_json)
-            done = client.deactivate_user(team_name, subject)
-    except api_errors() as exc:
-        api_failure(exc, as_json)
+    team_name, done = team_call(team, as_json, lambda c, t: c.deactivate_user(t, subject))
     if as_json:
         print_json(done.model_dump(mode="json"))
         return
@@ -54,13 +48,7 @@ def reactivate(
     as_json: JsonFlag = False,
 ) -> None:
     """Reactivate a developer: their roles count again (secrets stay erased, CVMs detached)."""
-    client, login = open_client(as_json)
-    try:
-        with client:
-            team_name = resolve_team(client, login, team, as_json)
-            done = client.reactivate_user(team_name, subject)
-    except api_errors() as exc:
-        api_failure(exc, as_json)
+    team_name, done = team_call(team, as_json, lambda c, t: c.reactivate_user(t, subject))
     if as_json:
         print_json(done.model_dump(mode="json"))
         return

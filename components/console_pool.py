@@ -17,8 +17,8 @@ from dataclasses import replace
 
 import pulumi
 
+from umbra.components.azure_lb import build_azure_replica_lb
 from umbra.components.launch_data import LaunchData
-from umbra.components.security_pool import azure_lb_part
 
 CONSOLE_PORT = 443
 # The load balancers route to replicas that are ready (the database answers, migrated to this
@@ -258,59 +258,21 @@ def build_azure_console_lb(
         tags=dict(tags),
         opts=opts,
     )
-    lb_name = f"{vm_name}-lb"
-    sub = azure_lb_part(resource_group, lb_name)
-
-    lb = azure.network.LoadBalancer(
+    pool = build_azure_replica_lb(
         f"{name}-lb",
-        load_balancer_name=lb_name,
-        resource_group_name=resource_group,
+        lb_name=f"{vm_name}-lb",
+        resource_group=resource_group,
         location=location,
-        sku=azure.network.LoadBalancerSkuArgs(name="Standard"),
-        frontend_ip_configurations=[
-            azure.network.FrontendIPConfigurationArgs(
-                name="console", public_ip_address=azure.network.PublicIPAddressArgs(id=pip.id)
-            )
-        ],
-        backend_address_pools=[azure.network.BackendAddressPoolArgs(name="replicas")],
-        probes=[
-            azure.network.ProbeArgs(
-                name="readyz",
-                protocol="Https",
-                port=CONSOLE_PORT,
-                request_path=READY_PATH,
-                interval_in_seconds=5,
-                number_of_probes=2,
-            )
-        ],
-        load_balancing_rules=[
-            azure.network.LoadBalancingRuleArgs(
-                name="https",
-                protocol="Tcp",
-                frontend_port=CONSOLE_PORT,
-                backend_port=CONSOLE_PORT,
-                frontend_ip_configuration=sub("frontendIPConfigurations", "console"),
-                backend_address_pool=sub("backendAddressPools", "replicas"),
-                probe=sub("probes", "readyz"),
-                load_distribution="SourceIP",  # as GCP's CLIENT_IP affinity above
-                enable_floating_ip=False,
-                enable_tcp_reset=True,
-                # Egress goes by the outbound rule below, explicitly.
-                disable_outbound_snat=True,
-                idle_timeout_in_minutes=30,
-            )
-        ],
-        outbound_rules=[
-            azure.network.OutboundRuleArgs(
-                name="egress",
-                protocol="All",
-                frontend_ip_configurations=[sub("frontendIPConfigurations", "console")],
-                backend_address_pool=sub("backendAddressPools", "replicas"),
-                enable_tcp_reset=True,
-            )
-        ],
-        tags=dict(tags),
+        frontend=azure.network.FrontendIPConfigurationArgs(
+            name="console", public_ip_address=azure.network.PublicIPAddressArgs(id=pip.id)
+        ),
+        port=CONSOLE_PORT,
+        rule="https",
+        probe="readyz",
+        probe_path=READY_PATH,
+        # The replicas have no public address: their egress goes by an outbound rule.
+        egress=True,
+        tags=tags,
         opts=opts,
     )
-    pool = lb.id.apply(lambda i: f"{i}/backendAddressPools/replicas")
     return pool, pip.ip_address.apply(lambda a: a or "")

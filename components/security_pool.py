@@ -7,12 +7,12 @@ forwarder attests like any other. CLIENT_IP affinity keeps one Dev CVM on one re
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import pulumi
 import pulumi_gcp as gcp
 
+from umbra.components.azure_lb import build_azure_replica_lb
 from umbra.components.ports import SECURITY_TUNNEL_PORT
 
 
@@ -92,71 +92,20 @@ def build_azure_security_lb(
     one Dev CVM on one replica."""
     import pulumi_azure_native as azure
 
-    lb_name = f"{prefix}-sec"
-    sub = azure_lb_part(resource_group, lb_name)
-
-    lb = azure.network.LoadBalancer(
+    return build_azure_replica_lb(
         f"{name}-security-lb",
-        load_balancer_name=lb_name,
-        resource_group_name=resource_group,
+        lb_name=f"{prefix}-sec",
+        resource_group=resource_group,
         location=location,
-        sku=azure.network.LoadBalancerSkuArgs(name="Standard"),
-        frontend_ip_configurations=[
-            azure.network.FrontendIPConfigurationArgs(
-                name="tunnel",
-                private_ip_address=lb_ip,
-                private_ip_allocation_method="Static",
-                subnet=azure.network.SubnetArgs(id=subnet_id),
-            )
-        ],
-        backend_address_pools=[azure.network.BackendAddressPoolArgs(name="replicas")],
-        probes=[
-            azure.network.ProbeArgs(
-                name="tunnel",
-                protocol="Tcp",
-                port=SECURITY_TUNNEL_PORT,
-                interval_in_seconds=5,
-                number_of_probes=2,
-            )
-        ],
-        load_balancing_rules=[
-            azure.network.LoadBalancingRuleArgs(
-                name="tunnel",
-                protocol="Tcp",
-                frontend_port=SECURITY_TUNNEL_PORT,
-                backend_port=SECURITY_TUNNEL_PORT,
-                frontend_ip_configuration=sub("frontendIPConfigurations", "tunnel"),
-                backend_address_pool=sub("backendAddressPools", "replicas"),
-                probe=sub("probes", "tunnel"),
-                load_distribution="SourceIP",
-                enable_floating_ip=False,
-                enable_tcp_reset=True,
-                idle_timeout_in_minutes=30,
-            )
-        ],
+        frontend=azure.network.FrontendIPConfigurationArgs(
+            name="tunnel",
+            private_ip_address=lb_ip,
+            private_ip_allocation_method="Static",
+            subnet=azure.network.SubnetArgs(id=subnet_id),
+        ),
+        port=SECURITY_TUNNEL_PORT,
+        rule="tunnel",
+        probe="tunnel",
         tags=tags,
         opts=opts,
     )
-    return lb.id.apply(lambda i: f"{i}/backendAddressPools/replicas")
-
-
-def azure_lb_part(resource_group: pulumi.Input[str], lb_name: str) -> Callable[[str, str], Any]:
-    """`part(kind, name)`: a sub-resource reference inside load balancer `lb_name`. Sub-resources
-    of one load balancer name each other by id, which Azure derives from names, so the ids are
-    known before the balancer exists."""
-    import pulumi_azure_native as azure
-
-    client = azure.authorization.get_client_config_output()
-    lb_id = pulumi.Output.concat(
-        "/subscriptions/",
-        client.subscription_id,
-        "/resourceGroups/",
-        resource_group,
-        "/providers/Microsoft.Network/loadBalancers/",
-        lb_name,
-    )
-
-    def part(kind: str, name: str) -> Any:
-        return azure.network.SubResourceArgs(id=pulumi.Output.concat(lb_id, f"/{kind}/{name}"))
-
-    return part

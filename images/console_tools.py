@@ -13,7 +13,6 @@ may reach no package index). The Console finds both through its image's environm
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import tarfile
@@ -26,6 +25,7 @@ import yaml
 from pydantic import Field
 
 from umbra.contracts.model import Strict
+from umbra.images.oci import file_sha256
 
 PULUMI_DIR = "/opt/pulumi/bin"
 POLICY_PACK_DIR = "/opt/umbra/policy_pack"
@@ -69,17 +69,9 @@ class ConsoleTools:
     policy_pack: Path = REPO_POLICY_PACK
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def install_pulumi_cli(tarball: Path, pin: PulumiPin, root: Path) -> str:
     """Checks the tarball against the pin before reading a byte of it; returns its SHA-256."""
-    got = _sha256(tarball)
+    got = file_sha256(tarball)
     if got != pin.sha256:
         raise ToolError(
             f"{tarball.name}: SHA-256 {got} is not the pinned {pin.sha256} "

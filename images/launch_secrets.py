@@ -10,7 +10,8 @@ from __future__ import annotations
 import base64
 import binascii
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -45,6 +46,20 @@ def _status_error(ref: str, exc: httpx.HTTPStatusError) -> SecretReadError:
     return SecretReadError(f"{ref}: HTTP {code}", retryable=code in _RETRY_STATUS)
 
 
+@contextmanager
+def _read_errors(ref: str) -> Iterator[None]:
+    """What reading `ref` raises, as a SecretReadError naming the reference (and the HTTP
+    status), never a value; no route or a timeout is retryable."""
+    try:
+        yield
+    except httpx.HTTPStatusError as exc:
+        raise _status_error(ref, exc) from None
+    except httpx.TransportError as exc:
+        raise SecretReadError(f"{ref}: {type(exc).__name__}", retryable=True) from None
+    except (httpx.HTTPError, ValueError, KeyError, TypeError, binascii.Error) as exc:
+        raise SecretReadError(f"{ref}: {type(exc).__name__}") from None
+
+
 class SecretReader(Protocol):
     def read(self, ref: str) -> str: ...
 
@@ -71,7 +86,7 @@ class GcpSecretManager:
     def read(self, ref: str) -> str:
         if secret_store(ref) != SecretStore.GCP_SECRET_MANAGER:
             raise SecretReadError(f"{ref}: not a Secret Manager version")
-        try:
+        with _read_errors(ref):
             token = _token(
                 httpx.get(
                     f"{self.metadata}/computeMetadata/v1/instance/service-accounts/default/token",
@@ -88,12 +103,6 @@ class GcpSecretManager:
             r.raise_for_status()
             data = r.json()["payload"]["data"]
             return base64.b64decode(data, validate=True).decode()
-        except httpx.HTTPStatusError as exc:
-            raise _status_error(ref, exc) from None
-        except httpx.TransportError as exc:
-            raise SecretReadError(f"{ref}: {type(exc).__name__}", retryable=True) from None
-        except (httpx.HTTPError, ValueError, KeyError, TypeError, binascii.Error) as exc:
-            raise SecretReadError(f"{ref}: {type(exc).__name__}") from None
 
 
 @dataclass(frozen=True)
@@ -104,7 +113,7 @@ class AzureKeyVault:
     def read(self, ref: str) -> str:
         if secret_store(ref) != SecretStore.AZURE_KEY_VAULT:
             raise SecretReadError(f"{ref}: not a Key Vault secret URI")
-        try:
+        with _read_errors(ref):
             token = _token(
                 httpx.get(
                     f"{self.imds}/metadata/identity/oauth2/token",
@@ -122,12 +131,6 @@ class AzureKeyVault:
             )
             r.raise_for_status()
             value = r.json()["value"]
-        except httpx.HTTPStatusError as exc:
-            raise _status_error(ref, exc) from None
-        except httpx.TransportError as exc:
-            raise SecretReadError(f"{ref}: {type(exc).__name__}", retryable=True) from None
-        except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
-            raise SecretReadError(f"{ref}: {type(exc).__name__}") from None
         if not isinstance(value, str):
             raise SecretReadError(f"{ref}: the secret's value is not a string")
         return value

@@ -68,6 +68,36 @@ def parse(data: bytes) -> PeLayout:
     )
 
 
+@dataclass(frozen=True)
+class Section:
+    name: str
+    virtual_size: int
+    raw_ptr: int
+    raw_size: int
+
+    def loaded(self, data: bytes) -> bytes:
+        """The section as the loader maps it: VirtualSize bytes, zero-filled past its raw data
+        (what systemd-stub measures, not the file-aligned raw size)."""
+        raw = data[self.raw_ptr : self.raw_ptr + min(self.raw_size, self.virtual_size)]
+        return raw + bytes(self.virtual_size - len(raw))
+
+
+def sections(data: bytes) -> list[Section]:
+    """The section table in header order (names are the 8-byte short names, NULs stripped)."""
+    parse(data)  # the same checks as every other reader
+    (pe,) = struct.unpack_from("<I", data, 0x3C)
+    nsections, opt_size = struct.unpack_from("<H12xH", data, pe + 6)
+    table = pe + 24 + opt_size
+    out = []
+    for i in range(nsections):
+        raw_name, vsize, _va, raw_size, raw_ptr = struct.unpack_from(
+            "<8sIIII", data, table + 40 * i
+        )
+        name = raw_name.rstrip(b"\0").decode("ascii", "replace")
+        out.append(Section(name, vsize, raw_ptr, raw_size))
+    return out
+
+
 def pe_checksum(data: bytes, checksum_offset: int) -> int:
     """The optional header's CheckSum (imagehlp's algorithm: 16-bit one's-complement-style sum
     of the file without the field, plus the file length)."""

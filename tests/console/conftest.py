@@ -9,10 +9,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from sqlalchemy.engine import Engine
 
 from tests.console.helpers import CaptureHandler, Server, Team, new_team, start_server
 from tests.console.oidc_issuer import LocalIssuer
 from tests.console.postgres import PostgresServer
+from umbra.console import db
 from umbra.policy.bundle import generate_key
 
 BACKENDS = ["sqlite", "postgresql"]
@@ -47,6 +49,16 @@ def new_database(backend: str, request: pytest.FixtureRequest) -> tuple[str, Pat
         return f"sqlite:///{path}", path
     postgres: PostgresServer = request.getfixturevalue("postgres")
     return postgres.create_database("c_" + uuid.uuid4().hex[:12]), None
+
+
+@pytest.fixture(params=BACKENDS)
+def engine(request: pytest.FixtureRequest) -> Iterator[Engine]:
+    """An engine on a fresh database at the head revision, on each backend."""
+    url, _ = new_database(request.param, request)
+    db.upgrade(url)
+    engine = db.make_engine(url)
+    yield engine
+    engine.dispose()
 
 
 @pytest.fixture(scope="session", params=BACKENDS)

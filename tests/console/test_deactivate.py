@@ -31,7 +31,8 @@ def _personal_rows(team: Team, owner: str) -> int:
     return count
 
 
-def test_deactivate_a_developer(team: Team, tmp_path: Path) -> None:
+def _dev_with_a_profile_and_a_secret(team: Team) -> str:
+    """The developer's Dev CVM (returned) with the `github` profile, and their personal secret."""
     assert team.upload(1, standard_bundle(team.server.bundle_key, 1)).status_code == 201
     cvm_id = team.dev_cvm()
     attached = team.admin.put(f"/api/v1/cvms/{cvm_id}/profiles", json={"profiles": ["github"]})
@@ -41,6 +42,11 @@ def test_deactivate_a_developer(team: Team, tmp_path: Path) -> None:
         json={"value": PERSONAL, "hosts": ["api.github.com"]},
     )
     assert put.status_code in (200, 201), put.text
+    return cvm_id
+
+
+def test_deactivate_a_developer(team: Team, tmp_path: Path) -> None:
+    cvm_id = _dev_with_a_profile_and_a_secret(team)
     assert _personal_rows(team, team.dev_subject) == 1
     url = f"/api/v1/teams/{team.name}/members/{team.dev_subject}/deactivate"
 
@@ -77,15 +83,7 @@ def test_deactivate_a_developer(team: Team, tmp_path: Path) -> None:
 def test_reactivate_a_developer(team: Team, tmp_path: Path) -> None:
     """`umbra user reactivate`: their token has its role again from the next request on; what
     the deactivation erased or detached stays so; audited; idempotent; admins only."""
-    assert team.upload(1, standard_bundle(team.server.bundle_key, 1)).status_code == 201
-    cvm_id = team.dev_cvm()
-    attached = team.admin.put(f"/api/v1/cvms/{cvm_id}/profiles", json={"profiles": ["github"]})
-    assert attached.status_code == 200, attached.text
-    put = team.dev.put(
-        f"/api/v1/teams/{team.name}/personal-secrets/gh",
-        json={"value": PERSONAL, "hosts": ["api.github.com"]},
-    )
-    assert put.status_code in (200, 201), put.text
+    cvm_id = _dev_with_a_profile_and_a_secret(team)
     members = f"/api/v1/teams/{team.name}/members"
     # A developer may not reactivate anyone (here: the admin, who is active).
     assert team.dev.post(f"{members}/{team.admin_subject}/reactivate").status_code == 403

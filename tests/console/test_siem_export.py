@@ -54,15 +54,6 @@ def otlp(pki: Pki) -> Iterator[OtlpReceiver]:
     receiver.stop()
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
-def engine(request: pytest.FixtureRequest) -> Iterator[Engine]:
-    url, _ = new_database(request.param, request)
-    db.upgrade(url)
-    engine = db.make_engine(url)
-    yield engine
-    engine.dispose()
-
-
 def _records(team: str, count: int, start: datetime) -> list[TrafficRecord]:
     return [
         TrafficRecord(

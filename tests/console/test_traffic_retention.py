@@ -9,7 +9,6 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -43,15 +42,6 @@ from umbra.contracts.traffic import TrafficRecord
 from umbra.policy.bundle import generate_key
 
 NOW = datetime.now(UTC)
-
-
-@pytest.fixture(params=["sqlite", "postgresql"])
-def engine(request: pytest.FixtureRequest) -> Iterator[Engine]:
-    url, _ = new_database(request.param, request)
-    db.upgrade(url)
-    engine = db.make_engine(url)
-    yield engine
-    engine.dispose()
 
 
 def _records(team: str, count: int, start: datetime, step: timedelta) -> list[TrafficRecord]:

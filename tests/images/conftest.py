@@ -1,5 +1,7 @@
 """Build inputs shared by the image build tests: the project's wheel and its locked requirements,
-made once per session (uv build --wheel; uv export --frozen)."""
+made once per session (uv build --wheel; uv export --frozen). The test builds hold the rootfs to
+the package locks under the `security-updates` policy (images.lock_policy), so a Debian security
+or point update does not fail them; each accepted drift is a pytest warning in the summary."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -15,6 +18,7 @@ from typer.testing import CliRunner
 
 from umbra.cli.app import app
 from umbra.images.disk_formats import CloudDisks
+from umbra.images.lock_policy import LockPolicy
 from umbra.images.os_image import OS_DIR, OsImage, build_os_image, load_os_definition
 from umbra.images.uki import Uki, UkiSigner, pack_os_image
 
@@ -22,6 +26,13 @@ from .sb_keys import make_signer
 
 ROOT = Path(__file__).resolve().parents[2]
 EPOCH = "1700000000"
+# Releases are strict (the CLI's default); the tests accept the mirror's security/point updates.
+TEST_LOCK_POLICY = LockPolicy.SECURITY_UPDATES
+
+
+def warn_drift(lines: list[str]) -> None:
+    for line in lines:
+        warnings.warn(line, stacklevel=2)
 
 
 def need_root_and(cmd: str) -> None:
@@ -78,10 +89,13 @@ def build_runtime(out: Path, wheel: Path, req: Path) -> dict[str, dict[str, str]
     done = CliRunner().invoke(
         app,
         ["image", "build", "runtime", "--out", str(out), "--wheel", str(wheel),
-         "--requirements", str(req), "--source-date-epoch", EPOCH, "--without-tools", "--json"],
+         "--requirements", str(req), "--source-date-epoch", EPOCH, "--without-tools",
+         "--lock-policy", str(TEST_LOCK_POLICY), "--json"],
     )  # fmt: skip
     assert done.exit_code == 0, done.output
-    images: dict[str, dict[str, str]] = json.loads(done.stdout)["images"]
+    result = json.loads(done.stdout)
+    warn_drift(result["lock_drift"])
+    images: dict[str, dict[str, str]] = result["images"]
     return images
 
 
@@ -103,16 +117,22 @@ def qemu_os_image(
     if PREBUILT and (Path(PREBUILT) / "os-qemu").is_dir():
         d = Path(PREBUILT) / "os-qemu"
         return OsImage(d / "rootfs.ext4", d / "vmlinuz", d / "initrd.img", d / "linuxx64.efi.stub")
-    wheel, req = build_inputs
-    return build_os_image(
+    return build_qemu_os(tmp_path_factory.mktemp("uim-os"), *build_inputs, STUB)
+
+
+def build_qemu_os(out: Path, wheel: Path, req: Path, stub: str) -> OsImage:
+    image = build_os_image(
         load_os_definition(OS_DIR / "qemu.yaml"),
-        tmp_path_factory.mktemp("uim-os"),
+        out,
         wheel=wheel,
         requirements=req,
         host_python_prefix=Path(sys.base_prefix),
         epoch=int(EPOCH),
-        extra_files={"/usr/local/bin/umbra-compose-stub": STUB},
+        extra_files={"/usr/local/bin/umbra-compose-stub": stub},
+        lock_policy=TEST_LOCK_POLICY,
     )
+    warn_drift([d.line() for d in image.lock_drift])
+    return image
 
 
 @pytest.fixture(scope="session")

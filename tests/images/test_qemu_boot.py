@@ -73,6 +73,10 @@ echo "umbra-compose-stub: kernel $(uname -r) tsm $(ls -d /sys/kernel/config/tsm/
 # services serve with it (the host verifies both).
 echo "umbra-compose-stub: quote $(/opt/python/bin/python -c "$QUOTE" 2>&1 | tr -d '\n')" > /dev/ttyS0
 echo "umbra-compose-stub: event-log $(base64 -w0 /run/umbra/launch/event-log.json)" > /dev/ttyS0
+# With a TPM attached (tests/images/test_boot_measurements.py): the firmware's and the stubs' TCG2
+# event log and the PCRs the UKI's measurements land in.
+echo "umbra-compose-stub: tpm-log $(base64 -w0 /sys/kernel/security/tpm0/binary_bios_measurements 2>&1)" > /dev/ttyS0
+echo "umbra-compose-stub: tpm-pcrs $(for i in 4 5 9 11 12; do printf '%s=%s ' $i "$(cat /sys/class/tpm/tpm0/pcr-sha256/$i 2>&1)"; done)" > /dev/ttyS0
 """
 pytestmark = pytest.mark.timeout(1500)
 

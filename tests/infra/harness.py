@@ -185,6 +185,45 @@ def raw_of(stack: Mapping[str, Any]) -> dict[str, str]:
     return {"umbra:stack": json.dumps(stack)}
 
 
+def console_stack(cloud: str) -> dict[str, Any]:
+    """The example Console stack (console-gcp), or the same Console on Azure."""
+    doc = example_stack("console-gcp")
+    if cloud == "azure":
+        del doc["gcp"]
+        doc |= {
+            "cloud": "azure",
+            "azure": {"location": "westeurope"},
+            "db_tier": "Standard_D2ds_v5",
+        }
+        doc["vm"] = doc["vm"] | {
+            "size": "Standard_DC4es_v5",
+            "image": "Canonical:ubuntu-24_04-lts:cvm:latest",
+        }
+    return doc
+
+
+def build_console_exports(
+    cfg: Any, config: Mapping[str, str], root: Path = ROOT
+) -> tuple[Recorder, dict[str, Any]]:
+    """Build the Console stack `cfg` (a ConsoleStack) with `config` as the program's config;
+    returns the mocks and the stack's exports, resolved."""
+    from umbra.components.program import build_console
+
+    exported: dict[str, Any] = {}
+    original = pulumi.export
+
+    def body() -> Any:
+        pulumi.export = lambda name, value: exported.__setitem__(name, value)
+        try:
+            build_console(cfg, root)
+        finally:
+            pulumi.export = original
+        return pulumi.Output.all(**exported)
+
+    mocks, values = run_program(body, config=config)
+    return mocks, dict(values)
+
+
 # --- tiny firewall evaluators: which flows the rules we built let through ---------------------
 
 

@@ -7,22 +7,20 @@ no VM input, no export and no launch data."""
 from __future__ import annotations
 
 import base64
-import copy
 import json
 from pathlib import Path
 from typing import Any
 
-import pulumi
 import pytest
 
-from tests.infra.harness import ROOT, Recorder, example_stack, run_program
+from tests.infra.harness import Recorder, build_console_exports, console_stack
 from umbra.components.config import ConfigError, ConsoleStack, parse_stack_config
 from umbra.components.console_secrets import (
     AZURE_KEY_VAULT_SECRETS_USER,
     GCP_SECRET_ACCESSOR,
     azure_key_vault_name,
 )
-from umbra.components.program import NO_CONSOLE_TLS_WARNING, build_console
+from umbra.components.program import NO_CONSOLE_TLS_WARNING
 from umbra.components.secret_refs import SecretStore, secret_store
 from umbra.images.launch_agent import parse_launch_data
 
@@ -56,16 +54,7 @@ def _secret(value: Any) -> Any:
 
 
 def _doc(cloud: str, cert_file: Path) -> dict[str, Any]:
-    doc = copy.deepcopy(example_stack("console-gcp")) | {"tls_cert_file": str(cert_file)}
-    if cloud == "azure":
-        del doc["gcp"]
-        doc |= {
-            "cloud": "azure",
-            "azure": {"location": "westeurope"},
-            "db_tier": "Standard_D2ds_v5",
-        }
-        doc["vm"] |= {"size": "Standard_DC4es_v5", "image": "Canonical:ubuntu-24_04-lts:cvm:latest"}
-    return doc
+    return console_stack(cloud) | {"tls_cert_file": str(cert_file)}
 
 
 def _build(
@@ -82,19 +71,7 @@ def _build(
         raw["umbra:consoleWebSessionKey"] = web_key
     cfg = parse_stack_config(raw, SECRET_KEYS)
     assert isinstance(cfg, ConsoleStack)
-    exported: dict[str, Any] = {}
-    original = pulumi.export
-
-    def body() -> Any:
-        pulumi.export = lambda name, value: exported.__setitem__(name, value)
-        try:
-            build_console(cfg, ROOT)
-        finally:
-            pulumi.export = original
-        return pulumi.Output.all(**exported)
-
-    mocks, values = run_program(body, config=raw)
-    return mocks, dict(values)
+    return build_console_exports(cfg, raw)
 
 
 def _no_secret_outside(mocks: Recorder, exported: dict[str, Any], holders: set[str]) -> None:

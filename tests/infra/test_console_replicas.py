@@ -12,12 +12,11 @@ from typing import Any
 
 import pytest
 
-from tests.infra.harness import ROOT, Recorder, run_program
+from tests.infra.harness import Recorder, build_console_exports
 from tests.infra.test_console_service import PASSWORD, _raw
 from tests.infra.test_policy_pack import violations
 from umbra.components.config import ConfigError, ConsoleStack, parse_stack_config
 from umbra.components.console_pool import GCP_NLB_HEALTH_RANGES
-from umbra.components.program import build_console
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -42,21 +41,7 @@ def _build(cloud: str, **changes: Any) -> tuple[Recorder, dict[str, Any]]:
         raw["umbra:stack"] = json.dumps(json.loads(raw["umbra:stack"]) | changes)
     cfg = parse_stack_config(raw, SECRETS)
     assert isinstance(cfg, ConsoleStack)
-    exported: dict[str, Any] = {}
-    import pulumi
-
-    original = pulumi.export
-
-    def body() -> Any:
-        pulumi.export = lambda name, value: exported.__setitem__(name, value)
-        try:
-            build_console(cfg, ROOT)
-        finally:
-            pulumi.export = original
-        return pulumi.Output.all(**exported)
-
-    mocks, values = run_program(body, config=raw)
-    return mocks, dict(values)
+    return build_console_exports(cfg, raw)
 
 
 def _urns(mocks: Recorder) -> set[tuple[str, str]]:

@@ -10,7 +10,16 @@ from typing import Any
 import pulumi
 import pytest
 
-from tests.infra.harness import FAKE_DB_CA, ROOT, example_raw, example_stack, run_program
+from tests.infra.harness import (
+    FAKE_DB_CA,
+    ROOT,
+    build_console_exports,
+    console_stack,
+    example_raw,
+    example_stack,
+    raw_of,
+    run_program,
+)
 from tests.infra.test_policy_pack import violations
 from umbra.components.config import ConsoleStack, parse_stack_config
 from umbra.components.console_service import ConsoleService
@@ -23,17 +32,7 @@ PASSWORD = "a-very-secret-db-password"
 
 
 def _raw(cloud: str) -> dict[str, str]:
-    raw = example_raw("console-gcp")
-    if cloud == "azure":
-        doc = copy.deepcopy(example_stack("console-gcp"))
-        del doc["gcp"]
-        doc |= {
-            "cloud": "azure",
-            "azure": {"location": "westeurope"},
-            "db_tier": "Standard_D2ds_v5",
-        }
-        doc["vm"] |= {"size": "Standard_DC4es_v5", "image": "Canonical:ubuntu-24_04-lts:cvm:latest"}
-        raw = {"umbra:stack": json.dumps(doc)}
+    raw = example_raw("console-gcp") if cloud == "gcp" else raw_of(console_stack(cloud))
     return raw | {"umbra:consoleDbPassword": PASSWORD}
 
 
@@ -115,19 +114,7 @@ def _console(doc_changes: dict[str, Any], root: Any = ROOT) -> tuple[Any, dict[s
     raw = {"umbra:stack": json.dumps(doc), "umbra:consoleDbPassword": PASSWORD}
     cfg = parse_stack_config(raw, frozenset({"umbra:consoleDbPassword"}))
     assert isinstance(cfg, ConsoleStack)
-    exported: dict[str, Any] = {}
-    original = pulumi.export
-
-    def body() -> Any:
-        pulumi.export = lambda name, value: exported.__setitem__(name, value)  # type: ignore[assignment]
-        try:
-            build_console(cfg, root)
-        finally:
-            pulumi.export = original  # type: ignore[assignment]
-        return pulumi.Output.all(**exported)
-
-    mocks, values = run_program(body, config=raw)
-    return mocks, dict(values)
+    return build_console_exports(cfg, raw, root)
 
 
 def test_the_console_service_account_holds_exactly_the_provisioner_roles() -> None:

@@ -163,6 +163,22 @@ class Lab:
         self.procs.append(proc)
         assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
 
+    def load_dev_ruleset(self, cloud: str, path: Path) -> None:
+        """A Dev CVM's host ruleset, as its launch data renders it, loaded into the VM."""
+        ruleset = LaunchData(
+            role="dev-cvm",
+            team="t",
+            cvm_id="c",
+            app_compose="{}",
+            security_cvm_ips=(SEC,),
+            console_ips=(CON,),
+            cloud=cloud,
+        ).host_firewall
+        assert ruleset is not None
+        path.write_text(ruleset)
+        self.ruleset = path
+        self.ex("v", "nft", "-f", str(path))
+
     def probe(self, ns: str, *specs: str, uid: int = 0) -> dict[str, bool]:
         # Another uid cannot read the test's interpreter (under /root): the system python3.
         drop = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups"] if uid else []
@@ -182,21 +198,9 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
     lab = Lab(f"uin{os.getpid() % 100000}")
     try:
         lab.up()
-        # An Azure Dev CVM's ruleset, as its launch data renders it (the Ready report's rule).
-        ruleset = LaunchData(
-            role="dev-cvm",
-            team="t",
-            cvm_id="c",
-            app_compose="{}",
-            security_cvm_ips=(SEC,),
-            console_ips=(CON,),
-            cloud="azure",
-        ).host_firewall
-        assert ruleset is not None
+        # An Azure Dev CVM's ruleset (the Ready report's rule).
         path = Path(tmp_path_factory.mktemp("uin")) / "host.nft"
-        path.write_text(ruleset)
-        lab.ruleset = path
-        lab.ex("v", "nft", "-f", str(path))
+        lab.load_dev_ruleset("azure", path)
         # Loading twice is the reload path the launch agent takes on every boot.
         lab.ex("v", "nft", "-f", str(path))
         yield lab

@@ -16,14 +16,13 @@ from typing import Any
 
 import pytest
 
-from tests.infra.test_host_firewall import CON, SEC, WEB, Lab
+from tests.infra.test_host_firewall import SEC, WEB, Lab
 from tests.sandbox.netns import LoopIn, run_in
 from umbra.attest.collateral import CollateralRelay, PccsCollateral
 from umbra.attest.quote_source import SimulatedSource
 from umbra.attest.simpccs import SimulatedPccs
 from umbra.attest.simpki import SimulatedPki
 from umbra.attest.simulator import SimulatedTdx
-from umbra.components.launch_data import LaunchData
 from umbra.components.ports import SECURITY_TUNNEL_PORT
 from umbra.proxy.identity import CvmEntry, StaticIdentities, hash_credential
 from umbra.proxy.tunnel import TunnelEndpoint
@@ -53,18 +52,7 @@ def lab(tmp_path: Path) -> Iterator[Lab]:
     lab = QuietLab(f"ucl{os.getpid() % 100000}")
     try:
         lab.up()
-        ruleset = LaunchData(
-            role="dev-cvm",
-            team="t",
-            cvm_id="c",
-            app_compose="{}",
-            security_cvm_ips=(SEC,),
-            console_ips=(CON,),
-            cloud="gcp",
-        ).host_firewall
-        assert ruleset is not None
-        (tmp_path / "host.nft").write_text(ruleset)
-        lab.ex("v", "nft", "-f", str(tmp_path / "host.nft"))
+        lab.load_dev_ruleset("gcp", tmp_path / "host.nft")
         yield lab
     finally:
         lab.down()
