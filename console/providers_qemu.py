@@ -25,8 +25,8 @@ components.azure_vm does), the enrollment token included.
   release's image archives and Docker), its module measuring `security_tee_image`. Its tunnel
   endpoint is published on 127.0.0.1:`security_tunnel_host_port` (where the Dev CVMs' and a
   host verifier's connections reach it).
-- `forwards`: the emulated cloud network's other hosts each VM may reach by address (the
-  Console, an origin), relayed to loopback ports (umbra.emulated.qemu.Forward).
+- `security_forwards`: the emulated cloud network's hosts a Security CVM reaches by address
+  (the Console, its egress's origins), relayed to loopback ports (umbra.emulated.qemu.Forward).
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ class QemuCvmSettings(Strict):
     security_memory_mb: int = Field(default=2048, ge=512, le=16384)
     security_tunnel_port: int = Field(default=8443, ge=1, le=65535)
     security_tunnel_host_port: int | None = Field(default=None, ge=1, le=65535)
-    forwards: list[GuestForward] = Field(default_factory=list)
+    security_forwards: list[GuestForward] = Field(default_factory=list)
 
 
 def load_settings(path: Path) -> QemuCvmSettings:
@@ -275,7 +275,9 @@ class QemuCvmProvider:
             memory_mb=s.security_memory_mb if security else s.memory_mb,
             accel=s.accel,
             tdx_module=vm.module.socket_path,
-            forwards=tuple(Forward(f.address, f.port, f.host_port) for f in s.forwards),
+            forwards=tuple(
+                Forward(f.address, f.port, f.host_port) for f in s.security_forwards if security
+            ),
             published=self._published(vm),
         )
 

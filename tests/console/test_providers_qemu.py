@@ -168,7 +168,7 @@ def test_a_security_cvm_gets_the_stacks_launch_data_its_module_and_a_published_t
     RecordingVm.boots = []
     s = settings.model_copy(
         update={"security_app_compose": sec_compose, "security_tunnel_host_port": 18443,
-                "forwards": [{"address": "168.1.0.10", "port": 443, "host_port": 18444}]}
+                "security_forwards": [{"address": "168.1.0.10", "port": 443, "host_port": 18444}]}
     )  # fmt: skip
     p = QemuCvmProvider(QemuCvmSettings.model_validate(s.model_dump()), RecordingVm)
     spec = _spec("cvm_00000000000000b2", kind=CvmKind.security, ssh_keys=())

@@ -180,7 +180,7 @@ def test_a_console_launched_security_cvm_boots_attests_and_serves_egress(
                         "simulated_pki": tmp_path / "pki",
                         "security_app_compose": app_compose,
                         "security_tunnel_host_port": tunnel_host_port,
-                        "forwards": [
+                        "security_forwards": [
                             {"address": CONSOLE_ADDR, "port": 443, "host_port": console_port},
                             {"address": ORIGIN_ADDR, "port": 80, "host_port": origin_port},
                         ],
