@@ -643,6 +643,8 @@ def launch_agent_cmd(
     from umbra.images import launch_ingress as li
     from umbra.images import launch_secrets as ls
     from umbra.images.launch_host import DataDisk, DiscoveredDataDisk, Ext4DataDisk
+    from umbra.images.launch_quote_relay import SystemdQuoteRelay
+    from umbra.sandbox.render import SERVICE_UID
 
     source: la.MetadataSource
     reporter: la.Reporter | None
@@ -725,6 +727,7 @@ def launch_agent_cmd(
         cloud=cloud,
         idle_stop=la.SystemdIdleStop() if idle_stop else None,
         firmware_log=firmware_log,
+        quote_relay=SystemdQuoteRelay(SERVICE_UID) if tee == "emulated" else None,
         secrets=ls.Retrying(secrets, say=say),
         local_routes=lh.LocalRoutes(),
     )
@@ -732,6 +735,21 @@ def launch_agent_cmd(
         agent.run()
     except la.LaunchError:
         raise typer.Exit(1) from None
+
+
+@app.command("tdx-quote-relay")
+def tdx_quote_relay_cmd(
+    socket: Annotated[Path, typer.Option("--socket", help="The unix socket to serve on.")],
+    uid: Annotated[int, typer.Option("--uid", help="The socket's owner (the proxy's uid).")],
+) -> None:
+    """Emulated clouds, Security CVM: serve quotes only from the host's TDX module to the
+    proxy (started by the launch agent with --tee emulated; images/launch_quote_relay.py)."""
+    from umbra.attest.tdx_port import TdxModulePort, serve_quote_relay
+
+    try:
+        serve_quote_relay(socket, TdxModulePort(wait=60.0), uid)
+    except OSError as exc:
+        fail(f"{socket}: {exc.strerror or exc}", EXIT_USAGE)
 
 
 @app.command("os-build")

@@ -18,6 +18,15 @@ components.azure_vm does), the enrollment token included.
   with `simulated_pki` (the PKI whose root the Console's `release_simulated_root` trusts for a
   `tee: simulated` Dev release): the image's `--tee emulated` agent measures into it and its
   services quote from it. Each boot is a fresh TD.
+- A **Security CVM** (`security_app_compose`: the Security release's app-compose.json, rendered
+  with `simulated: {source: emulated}`) is launched like a Dev CVM, with the launch data the
+  stacks render for one (role `security-cvm`, no SSH keys, the Console's URL and CA, the
+  enrollment token), on `security_disk` (default `disk`: the `qemu` image carrying the
+  release's image archives and Docker), its module measuring `security_tee_image`. Its tunnel
+  endpoint is published on 127.0.0.1:`security_tunnel_host_port` (where the Dev CVMs' and a
+  host verifier's connections reach it).
+- `security_forwards`: the emulated cloud network's hosts a Security CVM reaches by address
+  (the Console, its egress's origins), relayed to loopback ports (umbra.emulated.qemu.Forward).
 """
 
 from __future__ import annotations
@@ -45,8 +54,26 @@ from umbra.console.providers import (
 from umbra.contracts.model import Strict
 from umbra.contracts.validation import first_problem
 from umbra.emulated.metadata import EmulatedMetadata, Shape
-from umbra.emulated.qemu import OVMF, Firmware, QemuVm, VmConfig, VmError, create_data_disk
+from umbra.emulated.qemu import (
+    OVMF,
+    Firmware,
+    Forward,
+    Published,
+    QemuVm,
+    VmConfig,
+    VmError,
+    create_data_disk,
+)
 from umbra.emulated.tdx_module import TdxModule
+
+
+class GuestForward(Strict):
+    """A guest connection to `address:port` (inside the emulated network) relayed to
+    127.0.0.1:`host_port` (umbra.emulated.qemu.Forward: checked when a VM is configured)."""
+
+    address: str
+    port: int = Field(ge=1, le=65535)
+    host_port: int = Field(ge=1, le=65535)
 
 
 class QemuCvmSettings(Strict):
@@ -69,6 +96,16 @@ class QemuCvmSettings(Strict):
     # the simulated image name whose boot values their RTMR0-2 hold (the Dev release's).
     simulated_pki: Path
     tee_image: str = "umbra-dev-cvm"
+    # Security CVMs (None: refused). The Security release's app-compose.json; its disk (None:
+    # `disk`); the simulated image its module measures; where its tunnel port is published.
+    security_app_compose: Path | None = None
+    security_disk: Path | None = None
+    security_tee_image: str = "umbra-security-cvm"
+    # Docker, its image store and the proxy: more than a Dev CVM's stub needs.
+    security_memory_mb: int = Field(default=2048, ge=512, le=16384)
+    security_tunnel_port: int = Field(default=8443, ge=1, le=65535)
+    security_tunnel_host_port: int | None = Field(default=None, ge=1, le=65535)
+    security_forwards: list[GuestForward] = Field(default_factory=list)
 
 
 def load_settings(path: Path) -> QemuCvmSettings:
@@ -85,6 +122,7 @@ class _Vm:
     stand_in: EmulatedMetadata
     module: TdxModule
     dir: Path
+    kind: CvmKind = CvmKind.dev
     boot: int = 0
     qemu: QemuVm | None = None
 
@@ -110,30 +148,47 @@ class QemuCvmProvider:
     # ---- the Protocol -----------------------------------------------------------------------
 
     def check(self, spec: CvmSpec) -> None:
-        if spec.kind != CvmKind.dev:
-            raise ProviderUnsupported(
-                "the qemu provider launches Dev CVMs; the emulated cloud's Security CVM is "
-                "not launched through the Console"
-            )
-        if not spec.ssh_keys:
+        s = self.settings
+        if spec.kind == CvmKind.security:
+            if s.security_app_compose is None:
+                raise ProviderUnsupported(
+                    "this qemu provider launches Dev CVMs only (no security_app_compose in its "
+                    "config)"
+                )
+            if spec.ssh_keys:
+                raise ProviderError(f"{spec.id}: a Security CVM takes no SSH keys")
+        elif spec.kind != CvmKind.dev:
+            raise ProviderUnsupported(f"the qemu provider does not launch {spec.kind} CVMs")
+        elif not spec.ssh_keys:
             raise ProviderError(f"{spec.id}: a Dev CVM needs at least one SSH key")
         for what, path in (
-            ("disk", self.settings.disk),
-            ("app_compose", self.settings.app_compose),
+            ("disk", self._disk(spec.kind)),
+            ("app_compose", self._app_compose(spec.kind)),
         ):
             if not path.is_file():
                 raise ProviderError(f"qemu provider: {what} {path} does not exist")
 
+    def _disk(self, kind: CvmKind) -> Path:
+        s = self.settings
+        return s.security_disk or s.disk if kind == CvmKind.security else s.disk
+
+    def _app_compose(self, kind: CvmKind) -> Path:
+        s = self.settings
+        if kind == CvmKind.security and s.security_app_compose is not None:
+            return s.security_app_compose
+        return s.app_compose
+
     def launch_data(self, spec: CvmSpec) -> LaunchData:
-        """What the stacks' DevCvm component renders for this CVM (components.cvm), here."""
+        """What the stacks' DevCvm / SecurityCvm components render for this CVM
+        (components.cvm), here."""
         s = self.settings
         try:
-            app_compose = s.app_compose.read_text()
+            app_compose = self._app_compose(spec.kind).read_text()
             ca = s.console_ca.read_text() if s.console_ca is not None else None
         except OSError as exc:
             raise ProviderError(f"qemu provider: {exc.filename}: {exc.strerror}") from None
         return LaunchData(
-            role="dev-cvm",
+            role="security-cvm" if spec.kind == CvmKind.security else "dev-cvm",
             team=spec.team,
             cvm_id=spec.id,
             app_compose=app_compose,
@@ -153,8 +208,10 @@ class QemuCvmProvider:
             create_data_disk(d / "data.raw", spec.data_disk_gb or self.settings.data_disk_gb)
         except OSError as exc:
             raise ProviderError(f"qemu CVM {spec.id}: {exc.strerror}") from None
-        module = TdxModule(d / "tdx.sock", self._pki, self.settings.tee_image).start()
-        vm = _Vm(EmulatedMetadata(self.settings.shape, data, spec.id).start(), module, d)
+        security = spec.kind == CvmKind.security
+        image = self.settings.security_tee_image if security else self.settings.tee_image
+        module = TdxModule(d / "tdx.sock", self._pki, image).start()
+        vm = _Vm(EmulatedMetadata(self.settings.shape, data, spec.id).start(), module, d, spec.kind)
         with self._lock:
             self._vms[spec.id] = vm
         self._boot(spec.id, vm, on_event)
@@ -205,18 +262,23 @@ class QemuCvmProvider:
             if not own.exists():
                 shutil.copyfile(s.firmware_vars, own)
             firmware = Firmware(s.firmware_code, own)
+        security = vm.kind == CvmKind.security
         return VmConfig(
             shape=s.shape,
-            disk=s.disk,
+            disk=self._disk(vm.kind),
             data_disk=vm.dir / "data.raw",
             serial=vm.dir / f"serial-{vm.boot}.log",
             qmp=vm.dir / "qmp.sock",
             metadata_port=vm.stand_in.metadata_port,
             wire_port=vm.stand_in.wire_port,
             firmware=firmware,
-            memory_mb=s.memory_mb,
+            memory_mb=s.security_memory_mb if security else s.memory_mb,
             accel=s.accel,
             tdx_module=vm.module.socket_path,
+            forwards=tuple(
+                Forward(f.address, f.port, f.host_port) for f in s.security_forwards if security
+            ),
+            published=self._published(vm),
         )
 
     def _boot(self, cvm_id: str, vm: _Vm, on_event: OnProviderEvent) -> None:
@@ -244,9 +306,17 @@ class QemuCvmProvider:
             )
         return vm
 
+    def _published(self, vm: _Vm) -> tuple[Published, ...]:
+        s = self.settings
+        if vm.kind != CvmKind.security or s.security_tunnel_host_port is None:
+            return ()
+        return (Published(s.security_tunnel_host_port, s.security_tunnel_port),)
+
     def _state(self, vm: _Vm) -> dict[str, Any]:
         """`provider_state`: where to look (no launch data: the token must not be stored)."""
+        published = self._published(vm)
         return {
+            **({"tunnel": f"127.0.0.1:{published[0].host_port}"} if published else {}),
             "runtime": "qemu",
             "shape": str(self.settings.shape),
             "boot": vm.boot,

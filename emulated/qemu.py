@@ -84,6 +84,15 @@ class Forward:
 
 
 @dataclass(frozen=True)
+class Published:
+    """A guest TCP port published on 127.0.0.1:`host_port` (`hostfwd`): the Security CVM's
+    tunnel endpoint, which the Dev CVMs' forwards and a host verifier dial."""
+
+    host_port: int
+    guest_port: int
+
+
+@dataclass(frozen=True)
 class VmConfig:
     shape: Shape
     disk: Path  # the OS image's disk.raw (not written: snapshot=on)
@@ -101,6 +110,7 @@ class VmConfig:
     forwards: tuple[Forward, ...] = ()
     ssh_host_port: int | None = None
     ssh_port: int = DEV_ATTESTED_SSH_PORT
+    published: tuple[Published, ...] = ()
     memory_mb: int = 1024
     accel: str = "tcg"
     python: str = sys.executable
@@ -144,6 +154,8 @@ def netdev(config: VmConfig) -> str:
         parts.append(guestfwd(forward.address, forward.host_port, config.python, forward.port))
     if config.ssh_host_port is not None:
         parts.append(f"hostfwd=tcp:127.0.0.1:{config.ssh_host_port}-:{config.ssh_port}")
+    for p in config.published:
+        parts.append(f"hostfwd=tcp:127.0.0.1:{p.host_port}-:{p.guest_port}")
     return ",".join(parts)
 
 

@@ -152,3 +152,47 @@ def qemu_disks(
     return pack_os_image(
         qemu_os_image.rootfs.parent, tmp_path_factory.mktemp("uim-disks"), int(EPOCH), sb_signer
     )
+
+
+def security_agent_env() -> str:
+    """The `qemu` image's launch agent environment with the compose runner the clouds' images
+    use (images/os/qemu.yaml names the Dev boot tests' compose stub until the Dev role runs
+    there for real): what a Security CVM image needs to run its measured compose."""
+    d = load_os_definition(OS_DIR / "qemu.yaml")
+    env = dict(d.launch_agent.env)
+    args = env["UMBRA_AGENT_ARGS"].split()
+    if "--compose" in args:
+        i = args.index("--compose")
+        del args[i : i + 2]
+    env["UMBRA_AGENT_ARGS"] = " ".join(args)
+    return "".join(f"{k}={v}\n" for k, v in sorted(env.items()))
+
+
+@pytest.fixture(scope="session")
+def security_vm_disks(
+    build_inputs: tuple[Path, Path],
+    runtime_builds: tuple[Path, dict[str, dict[str, str]], dict[str, dict[str, str]]],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> tuple[Path, dict[str, dict[str, str]]]:
+    """The `qemu` OS image as a Security CVM boots it (its packed disk.raw): Docker, docker-compose and the release's
+    proxy image archive in /usr/lib/umbra/images (the session's `runtime` build), the agent's
+    compose runner; packed (no Secure Boot: test_qemu_boot.py's boot covers it). A
+    `disks-qemu-security` directory in UMBRA_TEST_PREBUILT stands in for it (local iteration)."""
+    out, images, _ = runtime_builds
+    if PREBUILT and (Path(PREBUILT) / "disks-qemu-security").is_dir():
+        return Path(PREBUILT) / "disks-qemu-security" / "disk.raw", images
+    need_root_and("sfdisk")
+    wheel, req = build_inputs
+    os_dir = tmp_path_factory.mktemp("uim-os-security")
+    build_os_image(
+        load_os_definition(OS_DIR / "qemu.yaml"),
+        os_dir,
+        wheel=wheel,
+        requirements=req,
+        host_python_prefix=Path(sys.base_prefix),
+        epoch=int(EPOCH),
+        extra_files={"/etc/umbra/launch-agent.env": security_agent_env()},
+        image_archives=[out / images["proxy"]["archive"]],
+    )
+    _uki, disks = pack_os_image(os_dir, tmp_path_factory.mktemp("uim-disks-security"), int(EPOCH))
+    return disks.raw, images
