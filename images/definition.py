@@ -94,6 +94,11 @@ def _check_tee(d: ImageDefinition) -> ImageDefinition:
         raise DefinitionError(
             f"{d.name}: a tee: tdx release must not let its forwarder accept simulated quotes"
         )
+    if isinstance(d, DevCvmDefinition) and d.tee == "tdx" and d.host.quote_source != "configfs":
+        raise DefinitionError(
+            f"{d.name}: a tee: tdx release's forwarder quotes with configfs-tsm, not "
+            f"{d.host.quote_source!r} (the emulated clouds' simulated TDX module)"
+        )
     if isinstance(d, SecurityCvmDefinition) and d.compose.simulated is not None:
         if d.tee == "tdx":
             raise DefinitionError(

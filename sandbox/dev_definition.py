@@ -213,7 +213,7 @@ def forwarder_config(inputs: DevCvmInputs, index: int = NETWORK_INDEX) -> dict[s
         "enrollment": {
             "console_url": inputs.console_url,
             "token_file": f"{FORWARDER_LAUNCH_DIR}/enrollment-token",
-            "quote_source": "configfs",
+            "quote_source": inputs.quote_source,
             "event_log": f"{FORWARDER_LAUNCH_DIR}/event-log.json",
             "console_ips_file": f"{FORWARDER_LAUNCH_DIR}/console-ips",
         },

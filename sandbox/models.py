@@ -13,7 +13,7 @@ from __future__ import annotations
 import ipaddress
 import re
 from enum import StrEnum
-from typing import Annotated, Final
+from typing import Annotated, Final, Literal
 
 from pydantic import AfterValidator, Field, model_validator
 
@@ -105,6 +105,10 @@ class DevCvmInputs(Strict):
     # Console's TLS chains to (`umbra-console-ca`); False: a public CA.
     console_url: Annotated[str, Field(pattern=r"^https://[A-Za-z0-9.:\[\]/_-]+$")]
     console_ca: bool = False
+    # What the forwarder's enrollment quotes with: configfs-tsm in a TD; `emulated` on the
+    # emulated clouds (the host's simulated TDX module over virtio-serial, attest.tdx_port),
+    # for a `tee: simulated` release only. Measured: the compose hash says which.
+    quote_source: Literal["configfs", "emulated"] = "configfs"
 
     @model_validator(mode="after")
     def _consistent(self) -> DevCvmInputs:

@@ -199,3 +199,19 @@ def test_a_real_tdx_release_cannot_accept_simulated_security_cvms() -> None:
         parse_definition(doc)
     doc["host"]["allow_simulated"] = False
     assert parse_definition(doc).tee == "tdx"
+    # Nor quote its enrollment with the emulated clouds' simulated TDX module.
+    doc["host"]["quote_source"] = "emulated"
+    with pytest.raises(DefinitionError, match="quotes with configfs-tsm, not 'emulated'"):
+        parse_definition(doc)
+
+
+def test_an_emulated_release_measures_its_forwarders_quote_source() -> None:
+    """`quote_source: emulated` reaches the measured forwarder config and changes the compose
+    hash; the default is configfs-tsm, byte for byte what releases measured before."""
+    default = measure(dev_definition())
+    emulated = measure(dev_definition(quote_source="emulated"))
+    host = json.loads(json.loads(emulated.app_compose)["dev_cvm_host"])
+    assert host["forwarder"]["enrollment"]["quote_source"] == "emulated"
+    plain = json.loads(json.loads(default.app_compose)["dev_cvm_host"])
+    assert plain["forwarder"]["enrollment"]["quote_source"] == "configfs"
+    assert default.app_compose != emulated.app_compose
