@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from umbra.attest.enroll_client import BOOT_RETRY_DELAYS
 from umbra.sandbox import image, local_cvm
 from umbra.sandbox.dev_definition import (
     DEV_HOST_ROOT,
@@ -53,6 +54,12 @@ IMAGE_DIR = Path("/usr/lib/umbra/sandbox-image")
 ROOT = Path(DEV_HOST_ROOT)
 SUPERVISOR = "supervisor"
 SUPERVISE_INTERVAL = 2.0
+# How long `up` waits for the forwarder to listen: it listens only once enrolled, and at boot its
+# enrollment retries an unanswering Console for BOOT_RETRY_DELAYS (about five minutes), plus the
+# attempts themselves and Python's start (a minute under the emulated clouds' TCG). A shorter
+# wait failed the launch while the enrollment was still within its budget (found by the first
+# emulated-cloud boot of the dev host: 60 s, not enough for the forwarder's start under TCG).
+FORWARDER_START_TIMEOUT = sum(BOOT_RETRY_DELAYS) + 120.0
 
 
 @dataclass(frozen=True)
@@ -179,7 +186,10 @@ def up(host: DevHost, definition: Path, supervise: bool = True) -> dict[str, Any
         _network(host)
         local_cvm.ensure_running(plan)
         local_cvm.wait_listening(
-            plan.forwarder_ns, plan.forwarder_addr, host.definition.forwarder.listen.proxy_port
+            plan.forwarder_ns,
+            plan.forwarder_addr,
+            host.definition.forwarder.listen.proxy_port,
+            timeout=FORWARDER_START_TIMEOUT,
         )
     except LocalCvmError as exc:
         raise DevHostError(str(exc)) from None

@@ -476,3 +476,16 @@ def test_down_stops_everything_and_keeps_the_sandboxs_files(cvm: Cvm) -> None:
     # Up again: the same sandbox, its files there.
     cvm.host("up")
     assert _in_sandbox(cvm, f"print(open({marker!r}).read())").stdout.strip() == "x"
+
+
+def test_up_waits_out_the_forwarders_boot_enrollment() -> None:
+    """The forwarder listens only once enrolled, and at boot it retries an unanswering Console
+    for BOOT_RETRY_DELAYS: `up` must wait at least that long, or a launch fails while its
+    enrollment is still within budget (60 s did, under the emulated clouds' TCG); and the
+    launch agent must wait for `up` longer still."""
+    from umbra.attest.enroll_client import BOOT_RETRY_DELAYS
+    from umbra.images.launch_agent import DevHostStart
+    from umbra.sandbox import dev_host
+
+    assert sum(BOOT_RETRY_DELAYS) + 60 <= dev_host.FORWARDER_START_TIMEOUT
+    assert DevHostStart(Path("/r"), Path("/i")).timeout > dev_host.FORWARDER_START_TIMEOUT
