@@ -184,7 +184,7 @@ def up(host: DevHost, definition: Path, supervise: bool = True) -> dict[str, Any
     )
     try:
         _network(host)
-        local_cvm.ensure_running(plan)
+        local_cvm.ensure_running(plan, FORWARDER_START_TIMEOUT)
         local_cvm.wait_listening(
             plan.forwarder_ns,
             plan.forwarder_addr,
@@ -231,7 +231,7 @@ def supervise(host: DevHost, interval: float = SUPERVISE_INTERVAL) -> None:
     signal.signal(signal.SIGTERM, stop)
     while not stopping:
         try:
-            restarted = local_cvm.ensure_running(host.plan)
+            restarted = local_cvm.ensure_running(host.plan, FORWARDER_START_TIMEOUT)
             if restarted:
                 print(f"umbra-dev-host: restarted {', '.join(restarted)}", flush=True)
         except (LocalCvmError, OSError) as exc:

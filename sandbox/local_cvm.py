@@ -631,15 +631,18 @@ def restart_ingress(plan: LocalCvmPlan) -> None:
     start_ingress(plan)
 
 
-def ensure_running(plan: LocalCvmPlan) -> list[str]:
-    """Restart whichever of the CVM's processes died; returns the roles restarted."""
+def ensure_running(plan: LocalCvmPlan, forwarder_wait: float = 60) -> list[str]:
+    """Restart whichever of the CVM's processes died; returns the roles restarted.
+    `forwarder_wait`: how long a started forwarder may take to listen (it enrolls first)."""
     restarted = []
     if running_pid(plan, "sandbox") is None:
         start_sandbox(plan)
         restarted.append("sandbox")
     if running_pid(plan, "forwarder") is None:
         start_forwarder(plan)
-        wait_listening(plan.forwarder_ns, plan.forwarder_addr, SANDBOX_PROXY_PORT)
+        wait_listening(
+            plan.forwarder_ns, plan.forwarder_addr, SANDBOX_PROXY_PORT, timeout=forwarder_wait
+        )
         restarted.append("forwarder")
     if plan.ingress_config.exists() and running_pid(plan, "ingress") is None:
         start_ingress(plan)

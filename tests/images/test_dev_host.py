@@ -489,3 +489,18 @@ def test_up_waits_out_the_forwarders_boot_enrollment() -> None:
 
     assert sum(BOOT_RETRY_DELAYS) + 60 <= dev_host.FORWARDER_START_TIMEOUT
     assert DevHostStart(Path("/r"), Path("/i")).timeout > dev_host.FORWARDER_START_TIMEOUT
+
+
+def test_a_restarted_forwarder_gets_the_wait_it_is_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`ensure_running` (what `up` and the supervisor call) waits for a forwarder it started as
+    long as asked: its own 60 s default is what failed the emulated cloud's boots, before `up`'s
+    longer wait was ever reached."""
+    waits: list[float] = []
+    plan = local_cvm.LocalCvmPlan("cvm_0123456789abcdef", 1, "uxx", "/nonexistent", 200000)
+    monkeypatch.setattr(
+        local_cvm, "running_pid", lambda _p, role: 1 if role != "forwarder" else None
+    )
+    monkeypatch.setattr(local_cvm, "start_forwarder", lambda _p: 1)
+    monkeypatch.setattr(local_cvm, "wait_listening", lambda *_a, timeout=60: waits.append(timeout))
+    assert local_cvm.ensure_running(plan, 421.0) == ["forwarder"]
+    assert waits == [421.0]
