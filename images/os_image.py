@@ -53,6 +53,12 @@ UNIT = OS_DIR / "umbra-launch-agent.service"
 INGRESS_UNIT = OS_DIR / "umbra-ingress.service"
 # Debian's own sshd units: the only sshd on a CVM is the ingress's per-connection `sshd -i`.
 MASKED_UNITS = ("ssh.service", "ssh.socket")
+# systemd (>= 256, trixie's 257) generates sshd sockets of its own when sshd is installed:
+# `sshd-unix-local.socket` always, `sshd-vsock.socket` on a VM with an AF_VSOCK device, which
+# the host controls: an sshd the host could reach past the attested ingress. Masked by an
+# /etc generator of the same name linked to /dev/null (systemd.generator(7)); /etc is on the
+# verity root, so the host cannot unmask it.
+MASKED_GENERATORS = ("systemd-ssh-generator",)
 STUB_PATH = "usr/lib/systemd/boot/efi/linuxx64.efi.stub"
 # The initramfs's dm-verity root and tmpfs overlays (images/os/initramfs): installed under
 # /etc/initramfs-tools, then the initrd is made again; the build checks it carries them.
@@ -104,11 +110,16 @@ class OsDefinition(BaseModel):
 
 
 def install_ingress_unit(unit_dir: Path) -> None:
-    """The attested ingress's unit (started by the launch agent only), and Debian's sshd masked."""
+    """The attested ingress's unit (started by the launch agent only); Debian's sshd units and
+    systemd's sshd socket generator masked."""
     shutil.copyfile(INGRESS_UNIT, unit_dir / INGRESS_UNIT.name)
-    for name in MASKED_UNITS:
-        (unit_dir / name).unlink(missing_ok=True)
-        (unit_dir / name).symlink_to("/dev/null")
+    generators = unit_dir.parent / "system-generators"
+    generators.mkdir(exist_ok=True)
+    for masked in [unit_dir / n for n in MASKED_UNITS] + [
+        generators / n for n in MASKED_GENERATORS
+    ]:
+        masked.unlink(missing_ok=True)
+        masked.symlink_to("/dev/null")
 
 
 def load_os_definition(path: Path) -> OsDefinition:
