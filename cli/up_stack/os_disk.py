@@ -12,8 +12,6 @@ Secure Boot off (the signed path is tests/images/test_secure_boot.py's).
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import os
 import shutil
@@ -21,10 +19,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 from umbra.cli.up_stack.errors import UpError
+from umbra.contracts.files import exclusive_lock
 
 DEFAULT_CACHE = Path("/var/cache/umbra/os-qemu")
 CACHE_ENV = "UMBRA_OS_IMAGE_CACHE"
@@ -87,14 +86,6 @@ def cache_root() -> Path:
     return Path(os.environ.get(CACHE_ENV) or DEFAULT_CACHE)
 
 
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
-    with path.open("a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        yield
-
-
 def ensure_disk(progress: Progress) -> Path:
     """The packed `qemu` image's disk.raw for the current inputs, built on a miss."""
     given = os.environ.get(DISK_ENV)
@@ -115,7 +106,7 @@ def ensure_disk(progress: Progress) -> Path:
                 f"building the qemu OS image needs {tool} ({package}), which is not installed",
                 "run ./scripts/system-deps as root (uv: scripts/bootstrap)",
             )
-    with _locked(cache_root() / f"{key}.lock"):
+    with exclusive_lock(cache_root() / f"{key}.lock"):
         if (entry / "ready").exists():  # another `up` built it while we waited
             return entry / "disk.raw"
         shutil.rmtree(entry, ignore_errors=True)
@@ -195,9 +186,6 @@ def _prune(keep: str) -> None:
     for old in cache_root().iterdir():
         if not old.is_dir() or old.name == keep or len(old.name) != 16:
             continue
-        with (cache_root() / f"{old.name}.lock").open("a") as handle:
-            try:
-                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                continue
-            shutil.rmtree(old, ignore_errors=True)
+        with exclusive_lock(cache_root() / f"{old.name}.lock", wait=False) as held:
+            if held:
+                shutil.rmtree(old, ignore_errors=True)
