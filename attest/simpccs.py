@@ -26,6 +26,7 @@ class SimulatedPccs:
         host: str = "127.0.0.1",
         *,
         collateral: Collateral | None = None,
+        port: int = 0,
     ) -> None:
         """Serve `pki`'s collateral issued at `issued_at`, or a recorded `collateral` set (a
         stand-in for Intel PCS in tests of the fetch path with real quotes)."""
@@ -62,7 +63,7 @@ class SimulatedPccs:
             def log_message(self, format: str, *args: object) -> None:
                 pass  # requests are recorded in `requests`, not printed
 
-        self._server = ThreadingHTTPServer((host, 0), Handler)
+        self._server = ThreadingHTTPServer((host, port), Handler)
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
 
     @property

@@ -146,3 +146,104 @@ class TdxModuleSource:
         if len(report_data) != 64:
             raise QuoteSourceError(f"report_data must be 64 bytes, got {len(report_data)}")
         return self.port.quote(report_data)
+
+
+# ---- the Security CVM's container: quotes only, through a socket in its launch directory -----
+
+QUOTE_SOCKET_NAME = "tdx-quote.sock"
+_REQUEST_MAX = 4096
+
+
+class TdxQuoteSocketSource:
+    """The quoting interface for a container on an emulated-cloud VM: one `quote` per connection
+    to the guest's quote relay (`serve_quote_relay`), the analogue of the configfs-tsm directory
+    a TDX guest binds into its Security CVM's proxy. Quotes only: no extend, no CCEL."""
+
+    simulated = True
+
+    def __init__(self, path: Path, timeout: float = 60.0) -> None:
+        self.path = path
+        self.timeout = timeout
+
+    def get_quote(self, report_data: bytes) -> bytes:
+        import socket
+
+        if len(report_data) != 64:
+            raise QuoteSourceError(f"report_data must be 64 bytes, got {len(report_data)}")
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+                sock.settimeout(self.timeout)
+                sock.connect(str(self.path))
+                sock.sendall(json.dumps({"report_data": report_data.hex()}).encode() + b"\n")
+                answer = _read_line(sock)
+        except OSError as exc:
+            raise QuoteSourceError(
+                f"{self.path}: {exc.strerror or exc} (the launch agent's TDX quote relay)"
+            ) from None
+        try:
+            doc = json.loads(answer)
+            if "error" in doc:
+                raise QuoteSourceError(f"the TDX quote relay refused: {doc['error']}")
+            return base64.b64decode(doc["quote"], validate=True)
+        except (KeyError, TypeError, ValueError):
+            raise QuoteSourceError(f"{self.path}: the relay's answer has no quote") from None
+
+
+def _read_line(sock: Any) -> bytes:
+    buf = b""
+    while b"\n" not in buf:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        buf += chunk
+        if len(buf) > MAX_LINE:
+            raise OSError("answer too long")
+    return buf.split(b"\n", 1)[0]
+
+
+def quote_relay_answer(line: bytes, port: TdxModulePort) -> dict[str, Any]:
+    """One request of the relay: exactly `{"report_data": 128 hex digits}`, nothing else (no
+    extend: a container must never move RTMR3, as on TDX it cannot)."""
+    try:
+        doc = json.loads(line)
+        if not isinstance(doc, dict) or set(doc) != {"report_data"}:
+            raise ValueError
+        report_data = bytes.fromhex(doc["report_data"])
+        if len(report_data) != 64:
+            raise ValueError
+    except (ValueError, TypeError):
+        return {"error": 'want one line {"report_data": 64 bytes in hex}'}
+    try:
+        return {"quote": base64.b64encode(port.quote(report_data)).decode()}
+    except QuoteSourceError as exc:
+        return {"error": str(exc)}
+
+
+def serve_quote_relay(path: Path, port: TdxModulePort, uid: int | None = None) -> None:
+    """Serve quotes on the unix socket `path` (0600, owned by `uid`: the proxy's), relayed to
+    the host's TDX module over the port, until killed. Runs as root (the port is root-only)."""
+    import socketserver
+    import threading
+
+    # One exchange at a time: virtio-serial lets one process hold the port open (EBUSY).
+    one = threading.Lock()
+
+    class Handler(socketserver.StreamRequestHandler):
+        def handle(self) -> None:
+            self.request.settimeout(30)
+            try:
+                line = self.rfile.readline(_REQUEST_MAX)
+            except OSError:
+                return
+            with one:
+                answer = quote_relay_answer(line, port)
+            with contextlib.suppress(OSError):
+                self.wfile.write(json.dumps(answer).encode() + b"\n")
+
+    path.unlink(missing_ok=True)
+    server = socketserver.ThreadingUnixStreamServer(str(path), Handler)
+    os.chmod(path, 0o600)
+    if uid is not None:
+        os.chown(path, uid, uid)
+    server.daemon_threads = True
+    server.serve_forever()

@@ -130,8 +130,21 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
 }
 
 
+# `umbra claude|codex connect|disconnect …` (the spelling) is `umbra connect|disconnect
+# claude|codex …`: one command, reached both ways. The verb stands where `umbra claude` takes a
+# Dev CVM name, so a CVM named `connect` or `disconnect` is reached by its id there.
+AGENT_LOGIN_VERBS = ("connect", "disconnect")
+
+
 class LazyGroup(TyperGroup):
     _listing = False
+
+    def resolve_command(
+        self, ctx: click.Context, args: list[str]
+    ) -> tuple[str | None, click.Command | None, list[str]]:
+        if len(args) >= 2 and args[0] in ("claude", "codex") and args[1] in AGENT_LOGIN_VERBS:
+            args = [args[1], args[0], *args[2:]]
+        return super().resolve_command(ctx, args)
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted({*super().list_commands(ctx), *SUBCOMMANDS, *COMMANDS})

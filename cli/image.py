@@ -21,6 +21,7 @@ from umbra.cli.output import EXIT_USAGE, console, fail, print_json
 from umbra.contracts.validation import first_problem
 from umbra.images.definition import DefinitionError, load_definition
 from umbra.images.image_store import IMAGES_DIR
+from umbra.images.lock_policy import LockPolicy
 from umbra.sandbox.validate import ComposeError
 
 if TYPE_CHECKING:  # measuring and signing load attestation and templates: not for --help
@@ -29,7 +30,7 @@ if TYPE_CHECKING:  # measuring and signing load attestation and templates: not f
     from umbra.attest.eventlog import Event
     from umbra.images.definition import ImageDefinition
     from umbra.images.manifest import BootEntry
-    from umbra.images.td_boot import TdBootGolden
+    from umbra.images.td_boot import TdBootGolden, TpmBootGolden
 
 app = typer.Typer(
     help="Measure CVM releases: compose hash, RTMR3 events, signed manifests.",
@@ -37,6 +38,15 @@ app = typer.Typer(
 )
 
 JsonFlag = Annotated[bool, typer.Option("--json", help="Machine-readable output on stdout.")]
+LockPolicyOption = Annotated[
+    LockPolicy,
+    typer.Option(
+        "--lock-policy",
+        help="strict (releases): exactly the lock's versions. security-updates (the test "
+        "suite): also a newer version from the suite's -security/-updates/point release, "
+        "reported on stderr and recorded.",
+    ),
+]
 
 
 def _ssh_keys(keys: list[str], keys_file: Path | None, as_json: bool) -> list[str]:
@@ -76,7 +86,7 @@ def _boot_entry(path: Path) -> BootEntry:
 
 def _tdx_release(
     definition: ImageDefinition, boot: Path | None, cloud: str | None, firmware: Path | None
-) -> tuple[ImageDefinition, TdBootGolden]:
+) -> tuple[ImageDefinition, TdBootGolden | TpmBootGolden]:
     """The definition as a tee: tdx release for `cloud` (images.td_release)."""
     from umbra.images.td_release import (
         Cloud,
@@ -102,7 +112,7 @@ def _tdx_release(
         raise TdReleaseError(f"{boot}: line {exc.lineno}: {exc.msg}") from None
     if not isinstance(disks, dict):
         raise TdReleaseError(f"{boot}: not a JSON object (umbra image disks --json)")
-    golden = golden_from_disks(disks, str(boot))
+    golden = golden_from_disks(disks, str(boot), which)
     return tdx_definition(definition, which, inputs, golden, str(firmware)), golden
 
 
@@ -148,8 +158,9 @@ def measure_cmd(
         str | None,
         typer.Option(
             "--cloud",
-            help="Write a tee: tdx release for this cloud: RTMR1/RTMR2 computed from --boot's "
-            "UKI and disk, MRTD/RTMR0 from --firmware.",
+            help="Write a tee: tdx release for this cloud from --boot's UKI and disk and "
+            "--firmware's inputs: gcp: RTMR1/RTMR2 computed, MRTD/RTMR0 inputs; azure "
+            "(platform azure-tdx): PCRs 4, 5, 9, 11, 12 computed, MRTD and PCRs 0-3, 6, 7 inputs.",
         ),
     ] = None,
     firmware: Annotated[
@@ -169,6 +180,7 @@ def measure_cmd(
     )
     from umbra.images.provenance import ProvenanceError, provenance_index
     from umbra.images.signing import SignatureError, load_private_key, sign_manifest
+    from umbra.images.td_boot import TpmBootGolden
     from umbra.images.td_release import TdReleaseError
 
     keys = _ssh_keys(ssh_key or [], ssh_keys_file, as_json)
@@ -202,11 +214,15 @@ def measure_cmd(
         result["boot"] = boot_doc.model_dump()
     if golden is not None:
         result["cloud"] = cloud
+        # A TD's registers are SHA-384 (RTMR1/2); Azure's vTPM PCRs are SHA-256.
+        on_tpm = isinstance(golden, TpmBootGolden)
         result["td_boot_events"] = [
-            {"rtmr": e.rtmr, "pcr": e.pcr, "event_type": f"{e.event_type:#x}", "event": e.label,
-             "digest": e.sha384.hex()}
+            {"rtmr": None if on_tpm else e.rtmr, "pcr": e.pcr, "event_type": f"{e.event_type:#x}",
+             "event": e.label, "digest": (e.sha256 if on_tpm else e.sha384).hex()}
             for e in golden.measured
         ]  # fmt: skip
+        if on_tpm:
+            result["pcrs"] = m.release.pcrs
     binding = None
     instance_args = (keys, ruleset, boot_id, ssh_host_key)
     if cvm_id is not None or any(a is not None and a != [] for a in instance_args):
@@ -276,7 +292,10 @@ def _show(r: dict[str, Any]) -> None:
     t.add_row("measured document sha256", r["compose_sha256"])
     t.add_row("compose-hash (sha256 app-compose.json)", r["compose_hash"])
     for reg in ("mrtd", "rtmr0", "rtmr1", "rtmr2"):
-        t.add_row(reg.upper(), "\n".join(r[reg]))
+        if r[reg] is not None:  # azure-tdx: RTMRs are zero, PCRs pinned instead
+            t.add_row(reg.upper(), "\n".join(r[reg]))
+    for index, values in (r.get("pcrs") or {}).items():
+        t.add_row(f"PCR {index} (SHA-256)", "\n".join(values))
     for e in r["rtmr3_events"]:
         value = e.get("digest", f"launch-bound: {e['describes']}")
         t.add_row(f"RTMR3 event {e['name']}", value)
@@ -366,6 +385,7 @@ def build_cmd(
     update_lock: Annotated[
         bool, typer.Option("--update-lock", help="Rewrite images/packages.lock from this build.")
     ] = False,
+    lock_policy: LockPolicyOption = LockPolicy.STRICT,
     builder_id: Annotated[str, typer.Option("--builder-id")] = "local",
     pulumi_cli: Annotated[
         Path | None,
@@ -427,6 +447,7 @@ def build_cmd(
             host_python_prefix=Path(sys.base_prefix),
             epoch=when,
             update_lock=update_lock,
+            lock_policy=lock_policy,
             tools=tools,
             without_tools=without_tools,
         )
@@ -454,7 +475,10 @@ def build_cmd(
     if key is not None:
         _write(out / f"provenance.{kind}.dsse.json", sign_statement(st, key))
     if as_json:
-        print_json({"rootfs": str(kind), "images": images, "signed": key is not None})
+        drift = [d.line() for d in result.lock_drift]
+        print_json(
+            {"rootfs": str(kind), "images": images, "signed": key is not None, "lock_drift": drift}
+        )
         return
     for name, i in images.items():
         console.print(f"{name}: {i['ref']} (image id {i['config_digest']})")
@@ -619,6 +643,8 @@ def launch_agent_cmd(
     from umbra.images import launch_ingress as li
     from umbra.images import launch_secrets as ls
     from umbra.images.launch_host import DataDisk, DiscoveredDataDisk, Ext4DataDisk
+    from umbra.images.launch_quote_relay import SystemdQuoteRelay
+    from umbra.sandbox.render import SERVICE_UID
 
     source: la.MetadataSource
     reporter: la.Reporter | None
@@ -701,6 +727,7 @@ def launch_agent_cmd(
         cloud=cloud,
         idle_stop=la.SystemdIdleStop() if idle_stop else None,
         firmware_log=firmware_log,
+        quote_relay=SystemdQuoteRelay(SERVICE_UID) if tee == "emulated" else None,
         secrets=ls.Retrying(secrets, say=say),
         local_routes=lh.LocalRoutes(),
     )
@@ -708,6 +735,21 @@ def launch_agent_cmd(
         agent.run()
     except la.LaunchError:
         raise typer.Exit(1) from None
+
+
+@app.command("tdx-quote-relay")
+def tdx_quote_relay_cmd(
+    socket: Annotated[Path, typer.Option("--socket", help="The unix socket to serve on.")],
+    uid: Annotated[int, typer.Option("--uid", help="The socket's owner (the proxy's uid).")],
+) -> None:
+    """Emulated clouds, Security CVM: serve quotes only from the host's TDX module to the
+    proxy (started by the launch agent with --tee emulated; images/launch_quote_relay.py)."""
+    from umbra.attest.tdx_port import TdxModulePort, serve_quote_relay
+
+    try:
+        serve_quote_relay(socket, TdxModulePort(wait=60.0), uid)
+    except OSError as exc:
+        fail(f"{socket}: {exc.strerror or exc}", EXIT_USAGE)
 
 
 @app.command("os-build")
@@ -731,6 +773,7 @@ def os_build_cmd(
             "--update-lock", help="Rewrite this definition's lines of images/os/packages.lock."
         ),
     ] = False,
+    lock_policy: LockPolicyOption = LockPolicy.STRICT,
     as_json: JsonFlag = False,
 ) -> None:
     """Build the CVM OS image of one definition (Debian 13 + the backports TDX guest kernel):
@@ -753,12 +796,13 @@ def os_build_cmd(
             epoch=when,
             image_archives=image_archive or (),
             update_lock=update_lock,
+            lock_policy=lock_policy,
         )
     except BuildError as exc:
         fail(str(exc), as_json=as_json)
     result = {k: str(getattr(image, k)) for k in ("rootfs", "kernel", "initrd", "stub")}
     if as_json:
-        print_json(result)
+        print_json(result | {"lock_drift": [d.line() for d in image.lock_drift]})
         return
     for k, v in result.items():
         console.print(f"{k}: {v}")

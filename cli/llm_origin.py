@@ -34,6 +34,8 @@ from enum import StrEnum
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from umbra.proxy.compression import DecodeError, DecodeLimit, content_decode
+
 REPLY = "Hello from the Umbra stand-in model."
 MODEL = "umbra-stand-in"
 MAX_BODY = 8 << 20
@@ -91,6 +93,14 @@ class Handler(BaseHTTPRequestHandler):
         if length > MAX_BODY:
             raise ValueError("body too large")
         raw = self.rfile.read(length) if length else b""
+        encoding = self.headers.get("content-encoding")
+        if raw and encoding:
+            # Codex with a ChatGPT login sends its turns zstd-compressed, as the real backend
+            # accepts (docs/specs/embedded.md, "Agent logins against stand-ins").
+            try:
+                raw = content_decode(raw, encoding, MAX_BODY)
+            except (DecodeError, DecodeLimit) as exc:
+                raise ValueError(str(exc)) from None
         if not raw:
             return {}
         document = json.loads(raw)

@@ -16,7 +16,7 @@ from typing import Annotated, Any, NoReturn
 import typer
 from rich.table import Table
 
-from umbra.cli.output import EXIT_FINDINGS, console, fail, print_json, stderr
+from umbra.cli.output import EXIT_FINDINGS, EXIT_USAGE, console, fail, print_json, stderr
 
 StateDir = Annotated[
     Path,
@@ -31,7 +31,8 @@ PortBase = Annotated[
         envvar="UMBRA_UP_PORT_BASE",
         min=1024,
         max=65000,
-        help="First of six loopback ports (issuer, Console, proxy, tunnel, demo origin, model API).",
+        help="First of six loopback ports (issuer, Console, proxy, tunnel, demo origin, model API; "
+        "--runtime qemu: two more, the Console's TLS front and a PCCS).",
     ),
 ]
 JsonFlag = Annotated[bool, typer.Option("--json", help="Machine-readable output on stdout.")]
@@ -70,12 +71,35 @@ def up(
         bool,
         typer.Option(help="With --check: also pip download and git ls-remote real hosts."),
     ] = False,
+    runtime: Annotated[
+        str | None,
+        typer.Option(
+            "--runtime",
+            help="What runs the Dev CVM: runc (a sandbox on this machine) or qemu (the built "
+            "OS image booted under QEMU through the Console's qemu provider). Default: the "
+            "state directory's, else runc.",
+        ),
+    ] = None,
+    shape: Annotated[
+        str | None,
+        typer.Option(
+            "--shape", help="With --runtime qemu: the cloud the VM is booted as, gcp or azure."
+        ),
+    ] = None,
+    accel: Annotated[
+        str,
+        typer.Option(
+            "--accel", help="With --runtime qemu: auto (KVM where it works, else TCG), kvm, tcg."
+        ),
+    ] = "auto",
     as_json: JsonFlag = False,
 ) -> None:
-    """Start the Console, a development OIDC issuer, a Security CVM and a local Dev CVM."""
+    """Start the Console, a development OIDC issuer, a Security CVM and a Dev CVM (a local
+    sandbox, or with --runtime qemu the built OS image under QEMU)."""
     from umbra.cli import up_stack as s
     from umbra.sandbox.local_cvm import LocalCvmError
 
+    options = _runtime_options(runtime, shape, accel, internet, as_json)
     stack = _stack(state_dir, port_base)
     quiet = as_json
 
@@ -93,6 +117,7 @@ def up(
     summary: dict[str, Any] = {}
     try:
         with stack.locked():
+            _switch_runtime(stack, *options)
             step("Checking root, system packages and ports")
             s.preflight(stack)
             prefix = os.environ.get("UMBRA_UP_NAME_PREFIX")
@@ -107,6 +132,8 @@ def up(
             step("Preparing keys, the simulated TEE and golden values")
             s.prepare_material(stack)
             try:
+                if s.runtime(stack) is s.Runtime.qemu:
+                    _prepare_qemu(stack, accel, step, summary)
                 _bring_up(stack, policies.resolve(), step, summary)
             except BaseException:
                 if not stack.state.get("completed_once"):
@@ -114,13 +141,15 @@ def up(
                 raise
             stack.state["completed_once"] = True
             stack.save()
-            if check:
+            if check and s.runtime(stack) is s.Runtime.qemu:
+                _check_qemu(stack, summary, step, quiet)
+            elif check:
                 _check(stack, summary, internet, step, quiet)
     except (s.UpError, LocalCvmError, OSError) as exc:
         _fail(exc, as_json)
     summary["seconds"] = round(time.monotonic() - started, 1)
-    # The stack is up either way; a failed --internet check is this command's failure.
-    failed = summary.get("internet_ok") is False
+    # The stack is up either way; a failed --internet or qemu check is this command's failure.
+    failed = summary.get("internet_ok") is False or summary.get("check_ok") is False
     if as_json:
         print_json({"ok": not failed, **summary})
         if failed:
@@ -131,18 +160,104 @@ def up(
         f"\n[green]Umbra is up[/] in {summary['seconds']} s. Dashboard: "
         f"[bold]{summary['dashboard_url']}[/]"
     )
-    console.print(
-        "Next:\n"
-        "  umbra ssh                  # a shell in the Dev CVM (attested SSH ingress)\n"
-        "  umbra ssh -- CMD           # run one command there\n"
-        "  umbra claude               # Claude Code in a dtach session (reattaches after a drop)\n"
-        f"  umbra logs --cvm {cvm}     # every request it made, allowed or denied\n"
-        "  umbra status               # what runs, and whether it is healthy\n"
-        "  umbra down                 # stop everything"
-    )
+    if summary.get("runtime") == "qemu":
+        serial = stack.p("qemu", cvm)
+        console.print(
+            f"The Dev CVM {cvm} is a VM under QEMU ({summary['shape']} shape, {summary['accel']}); "
+            f"its serial consoles: {serial}/serial-N.log\n"
+            "Next:\n"
+            "  umbra ssh                  # once the qemu image carries the Dev workload\n"
+            "  umbra cvm list             # its state as the Console records it\n"
+            "  umbra status               # what runs, its QEMU included\n"
+            "  umbra down                 # power button, then everything stops"
+        )
+    else:
+        console.print(
+            "Next:\n"
+            "  umbra ssh                  # a shell in the Dev CVM (attested SSH ingress)\n"
+            "  umbra ssh -- CMD           # run one command there\n"
+            "  umbra claude               # Claude Code in a dtach session (reattaches after a drop)\n"
+            f"  umbra logs --cvm {cvm}     # every request it made, allowed or denied\n"
+            "  umbra status               # what runs, and whether it is healthy\n"
+            "  umbra down                 # stop everything"
+        )
     if failed:
-        stderr.print("[red]--internet: a check failed (above); the stack itself is up.[/]")
+        stderr.print("[red]a check failed (above); the stack itself is up.[/]")
         raise typer.Exit(EXIT_FINDINGS)
+
+
+def _runtime_options(
+    runtime: str | None, shape: str | None, accel: str, internet: bool, as_json: bool
+) -> tuple[str | None, str | None, str, bool]:
+    """--runtime, --shape, --accel checked together (usage errors, before anything runs); with
+    no --runtime, the state directory's decides (`_switch_runtime`)."""
+    from umbra.cli.up_stack.qemu import ACCELS, Runtime
+    from umbra.emulated.metadata import Shape
+
+    if runtime is not None and runtime not in set(Runtime):
+        fail(f"--runtime {runtime!r}: one of runc, qemu", EXIT_USAGE, as_json=as_json)
+    if shape is not None and shape not in set(Shape):
+        fail(f"--shape {shape!r}: one of gcp, azure", EXIT_USAGE, as_json=as_json)
+    if accel not in ACCELS:
+        fail(f"--accel {accel!r}: one of {', '.join(ACCELS)}", EXIT_USAGE, as_json=as_json)
+    if runtime == Runtime.runc:
+        given = [f for f, v in (("--shape", shape), ("--accel", accel != "auto")) if v]
+        if given:
+            fail(f"{', '.join(given)} only with --runtime qemu", EXIT_USAGE, as_json=as_json)
+    if runtime == Runtime.qemu and internet:
+        fail(_NO_INTERNET, EXIT_USAGE, as_json=as_json)
+    return runtime, shape, accel, internet
+
+
+_NO_INTERNET = "--internet runs pip and git in the local sandbox; not with --runtime qemu"
+
+
+def _switch_runtime(
+    stack: Any, runtime: str | None, shape: str | None, accel: str, internet: bool
+) -> None:
+    """The state directory remembers its runtime and shape (the next `umbra up` without
+    --runtime keeps them); changing them needs the stack down (the Console reads its providers
+    at start)."""
+    from umbra.cli import up_stack as s
+
+    was = (str(s.runtime(stack)), stack.state.get("shape"))
+    wanted = runtime or was[0]
+    if wanted == s.Runtime.runc and (shape or accel != "auto"):
+        raise s.UpError("--shape and --accel only with --runtime qemu", "add --runtime qemu")
+    if wanted == s.Runtime.qemu and internet:
+        raise s.UpError(_NO_INTERNET, "leave out --internet")
+    if wanted == s.Runtime.qemu:
+        shape = shape or (was[1] if was[0] == s.Runtime.qemu else None) or "gcp"
+    if was != (wanted, shape) and stack.pid(s.Component.CONSOLE) is not None:
+        raise s.UpError(
+            f"the stack in {stack.state_dir} runs with --runtime {was[0]}"
+            + (f" --shape {was[1]}" if was[1] else "")
+            + f"; this asks for --runtime {wanted}"
+            + (f" --shape {shape}" if shape else ""),
+            "run `umbra down` first (or use another --state-dir)",
+        )
+    stack.state["runtime"] = wanted
+    if shape is None:
+        stack.state.pop("shape", None)
+    else:
+        stack.state["shape"] = shape
+
+
+def _prepare_qemu(stack: Any, accel: str, step: Any, summary: dict[str, Any]) -> None:
+    """The qemu OS image (built once per source tree), the Dev release and the provider's
+    config, before any component starts."""
+    from umbra.cli.up_stack import os_disk, qemu
+
+    step("The qemu OS image and its boot disk (built once per source tree, then cached)")
+    disk = os_disk.ensure_disk(step)
+    chosen = qemu.choose_accel() if accel == "auto" else accel
+    if accel == "auto" and chosen == "tcg":
+        step("QEMU: TCG (no working KVM here; a boot takes minutes)")
+    stack.state["accel"] = chosen
+    qemu.write_dev_release(stack)
+    qemu.write_provider_config(stack, disk, chosen)
+    stack.save()
+    summary.update(runtime="qemu", shape=stack.state["shape"], accel=chosen, os_disk=str(disk))
 
 
 def _bring_up(stack: Any, policies: Path, step: Any, summary: dict[str, Any]) -> None:
@@ -152,6 +267,11 @@ def _bring_up(stack: Any, policies: Path, step: Any, summary: dict[str, Any]) ->
     s.start_issuer(stack)
     step(f"Console on {stack.console_url} (SQLite, migrated)")
     s.start_console(stack)
+    if s.runtime(stack) is s.Runtime.qemu:
+        step(f"TLS for the Console's name in VMs on port {stack.port(s.Port.CONSOLE_TLS)}")
+        s.start_console_front(stack)
+        step(f"PCCS of the simulated PKI on port {stack.port(s.Port.PCCS)} (the tunnel relays it)")
+        s.start_pccs(stack)
     env = dict(os.environ)
     step(f"Logging in as {s.SUBJECT} (device flow against the development issuer)")
     s.login(stack, env)
@@ -171,15 +291,21 @@ def _bring_up(stack: Any, policies: Path, step: Any, summary: dict[str, Any]) ->
         step("Stand-in origin and model API for the walkthrough (their own CA)")
         s.start_origin(stack)
         s.start_llm_origin(stack)
-        step("Sandbox image: Debian trixie, Claude Code, Codex, Docker (built once, cached)")
-        summary["sandbox_image"] = [str(p) for p in s.ensure_sandbox_image(stack)]
-        step("Launching the Dev CVM through the Console (local provider: runc)")
+        on_qemu = s.runtime(stack) is s.Runtime.qemu
+        if on_qemu:
+            shape = stack.state["shape"]
+            step(f"Launching the Dev CVM through the Console (qemu provider: {shape} shape)")
+        else:
+            step("Sandbox image: Debian trixie, Claude Code, Codex, Docker (built once, cached)")
+            summary["sandbox_image"] = [str(p) for p in s.ensure_sandbox_image(stack)]
+            step("Launching the Dev CVM through the Console (local provider: runc)")
         summary["dev_cvm_id"] = s.ensure_dev_cvm(
             stack, client, summary["security_cvm_id"], [public_key]
         )
         step("Security CVM: egress proxy + aTLS tunnel endpoint on the simulated TEE")
         s.start_proxy(stack)
-        s.wait_sandbox_ca(stack, summary["dev_cvm_id"])
+        if not on_qemu:
+            s.wait_sandbox_ca(stack, summary["dev_cvm_id"])
     summary["console_url"] = stack.console_url
     summary["dashboard_url"] = stack.console_url + "/ui/"
 
@@ -243,6 +369,27 @@ def _check(stack: Any, summary: dict[str, Any], internet: bool, step: Any, quiet
         summary["internet_ok"] = all(r.ok for r in results)
 
 
+def _check_qemu(stack: Any, summary: dict[str, Any], step: Any, quiet: bool) -> None:
+    from umbra.cli import up_check_qemu as c
+    from umbra.cli import up_stack as s
+
+    cvm = summary["dev_cvm_id"]
+    step(f"The seed's day against the VM {cvm} (each step bounded; a boot takes minutes on TCG)")
+
+    def shown(result: Any) -> None:
+        if not quiet:
+            mark = "[green]✓[/]" if result.ok else "[red]✗[/]"
+            console.print(
+                f"   {mark} {result.name} ({result.seconds} s): {result.detail}", highlight=False
+            )
+
+    with s.api(stack, s.token(dict(os.environ))) as client:
+        secret = stack.p("keys", "demo-token").read_text().strip()
+        results = c.run_check(stack, client, cvm, secret, shown)
+    summary["check"] = {"steps": {r.name: r.as_json() for r in results}}
+    summary["check_ok"] = all(r.ok for r in results)
+
+
 @down_app.callback(invoke_without_command=True)
 def down(
     state_dir: StateDir = Path(".umbra"), port_base: PortBase = 7080, as_json: JsonFlag = False
@@ -289,12 +436,14 @@ def status(
         for cvm in report["dev_cvms"]:
             health = s.Health.HEALTHY if cvm["healthy"] else s.Health.DOWN
             state = f"[{_COLOUR[health]}]{health}[/]"
-            table.add_row(
-                f"dev cvm {cvm['cvm_id']} (runtime: {cvm['runtime']})",
-                f"sandbox {cvm['sandbox_pid'] or '-'}, forwarder {cvm['forwarder_pid'] or '-'}, "
-                f"ssh ingress {cvm['ingress_pid'] or '-'}",
-                state,
-            )
+            if cvm["runtime"] == "qemu":
+                processes = f"qemu {cvm['qemu_pid'] or '-'} ({cvm['shape']} shape, {cvm['accel']})"
+            else:
+                processes = (
+                    f"sandbox {cvm['sandbox_pid'] or '-'}, forwarder {cvm['forwarder_pid'] or '-'}, "
+                    f"ssh ingress {cvm['ingress_pid'] or '-'}"
+                )
+            table.add_row(f"dev cvm {cvm['cvm_id']} (runtime: {cvm['runtime']})", processes, state)
         console.print(table)
         console.print(f"Console: {report['console_url']}")
         if not report["healthy"]:

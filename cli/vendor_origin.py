@@ -7,9 +7,11 @@ Served on one TLS listener (`--vendor-listen ADDR:443`, the name from the Host h
   request carrying an API key is refused (401), as a subscription login must not be shadowed.
 - `auth.openai.com`: `POST /oauth/token`, the refresh grant, ChatGPT-style: every use answers a
   new refresh token and voids the used one; a spent one is refused (`invalid_grant`, counted).
-- `chatgpt.com`: Codex's ChatGPT backend (`/backend-api/codex/responses`, streamed Responses;
-  `/backend-api/wham/accounts/check`, `/backend-api/wham/settings/user`), only with an access
-  token the token endpoint minted and that has not expired.
+- `chatgpt.com`: Codex's ChatGPT backend (`/backend-api/codex/responses`, streamed Responses
+  over HTTPS, its body zstd-compressed or not, and over the Responses WebSocket;
+  `/backend-api/wham/accounts/check`, the workspace routing discovery;
+  `/backend-api/wham/settings/user`), only with an access token the token endpoint minted and
+  that has not expired.
 - `/_umbra/state` (GET) and `/_umbra/codex-login` (POST, a new chain as `codex login` would leave
   in `auth.json`): for the test, which dials the listener directly; no profile allows `/_umbra/`.
 Nothing logged, no token echoed; the state says only counts and digests.
@@ -28,8 +30,9 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qsl
 
-from umbra.cli import llm_origin
+from umbra.cli import llm_origin, ws_frames
 from umbra.cli.llm_origin import Api, OriginConfig, OriginServer
+from umbra.cli.ws_frames import Opcode
 
 ANTHROPIC = "api.anthropic.com"
 OPENAI_AUTH = "auth.openai.com"
@@ -99,6 +102,7 @@ class VendorState:
 
 class VendorHandler(llm_origin.Handler):
     server: VendorServer
+    _over_websocket = False  # inside `_websocket`: events go out as WebSocket messages
 
     def _host(self) -> str:
         return (self.headers.get("host") or "").split(":")[0].lower()
@@ -126,10 +130,19 @@ class VendorHandler(llm_origin.Handler):
         if path == "/_umbra/state":
             self._json(200, self.server.vendor.snapshot())
             return
+        upgrade = (self.headers.get("upgrade") or "").lower() == "websocket"
+        if self._host() == CHATGPT and path == "/backend-api/codex/responses" and upgrade:
+            if not self._key_ok(Api.OPENAI):  # the handshake carries the token, as a call does
+                self._unauthorized(Api.OPENAI)
+            else:
+                self.server.vendor.count("codex_websocket")
+                self._websocket()
+            return
         if self._host() == CHATGPT and path.startswith("/backend-api/wham/"):
             if not self._key_ok(Api.OPENAI):
                 self._unauthorized(Api.OPENAI)
             elif path.endswith("/accounts/check"):
+                self.server.vendor.count("accounts_check")
                 self._json(200, _accounts_check())
             else:
                 self._json(200, {})
@@ -150,6 +163,55 @@ class VendorHandler(llm_origin.Handler):
             super().do_POST()
         else:
             self._json(404, {"error": {"type": "not_found_error", "message": "no such route"}})
+
+    def _responses(self, body: dict[str, Any], stream: bool) -> None:
+        if self._host() == CHATGPT:  # a turn with a live minted token (checked before)
+            self.server.vendor.count("codex_turn")
+        super()._responses(body, stream)
+
+    def _websocket(self) -> None:
+        """Codex's Responses WebSocket (its first choice with a ChatGPT login): each
+        `response.create` message answered by the same events as the HTTPS stream, one text
+        message each. No extension is negotiated, so Codex sends plain text."""
+        self.send_response(101)
+        self.send_header("upgrade", "websocket")
+        self.send_header("connection", "Upgrade")
+        self.send_header(
+            "sec-websocket-accept", ws_frames.accept_key(self.headers["sec-websocket-key"] or "")
+        )
+        self.end_headers()
+        self.close_connection = True
+        self._over_websocket = True
+        try:
+            while (message := ws_frames.read_message(self.rfile)).opcode is not Opcode.CLOSE:
+                if message.opcode is Opcode.PING:
+                    self.wfile.write(ws_frames.frame(Opcode.PONG, message.payload))
+                elif message.opcode is Opcode.TEXT:
+                    body = json.loads(message.payload)
+                    if isinstance(body, dict) and body.get("type") == "response.create":
+                        self.server.vendor.count("codex_turn_websocket")
+                        self._responses(body, True)
+            self.wfile.write(ws_frames.frame(Opcode.CLOSE, message.payload[:2]))
+        except (EOFError, ws_frames.FrameError, OSError, ValueError):
+            pass  # the client went away or sent what Codex does not: the connection ends
+        finally:
+            self._over_websocket = False
+
+    def _start_events(self) -> None:
+        if not self._over_websocket:
+            super()._start_events()
+
+    def _event(self, name: str | None, data: object) -> None:
+        if not self._over_websocket:
+            super()._event(name, data)
+            return
+        text = data if isinstance(data, str) else json.dumps(data)
+        self.wfile.write(ws_frames.frame(Opcode.TEXT, text.encode()))
+        self.wfile.flush()
+
+    def _end_events(self) -> None:
+        if not self._over_websocket:
+            super()._end_events()
 
     def _token(self) -> None:
         length = min(int(self.headers.get("content-length") or 0), llm_origin.MAX_BODY)
@@ -183,7 +245,8 @@ def _accounts_check() -> dict[str, Any]:
     ChatGPT backend it already uses."""
     account = {"id": ACCOUNT_ID, "plan_type": "plus", "structure": "personal",
                "is_deactivated": False, "can_access_with_session": True,
-               "workspace_backend_origin": f"https://{CHATGPT}"}  # fmt: skip
+               "workspace_backend_origin": f"https://{CHATGPT}",
+               "account_routing_override": "NO_CONSTRAINT"}  # fmt: skip
     return {"accounts": [account], "account_ordering": [ACCOUNT_ID],
             "default_account_id": ACCOUNT_ID}  # fmt: skip
 

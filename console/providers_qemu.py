@@ -14,16 +14,25 @@ components.azure_vm does), the enrollment token included.
   Console restart a VM it launched is unknown here (refused, said so), and its QEMU is gone with
   the process. Emulation, not a cloud: nothing of it is durable but the data disk.
 - The enrollment token is held in the stand-in's memory only (no file, no provider state).
-- The Dev workload's network (`forwards`): the guest reaches exactly the Console's and its
-  Security CVM's addresses (launch data's `console_ips`, `security_cvm_ips`, inside QEMU's
-  168.0.0.0/6), each relayed to a loopback port of this host; the attested SSH ingress is
-  published on a loopback port of its own (chosen at launch, kept across stop/start), recorded
-  with the Dev release (`release_manifest`) and the launch data's expected events in
-  `provider_state` for `umbra ssh`, which checks all of it against the CVM's quote.
+- `forwards`: the emulated cloud network's hosts a VM reaches by address (the Console, the
+  Security CVM's tunnel, its egress's origins), each relayed to a loopback port of this host
+  (umbra.emulated.qemu.Forward); with `restrict=on` nothing else. A Dev CVM's host firewall
+  narrows that to its launch data's `console_ips` and `security_cvm_ips`.
+- A Dev CVM's attested SSH ingress is published on a loopback port of its own (chosen at launch,
+  kept across stop/start), recorded with the Dev release (`release_manifest`) and the launch
+  data's expected events in `provider_state` for `umbra ssh`, which checks all of it against the
+  CVM's quote.
 - Each VM has the host's simulated TDX module (umbra.emulated.tdx_module) on its port, signing
   with `simulated_pki` (the PKI whose root the Console's `release_simulated_root` trusts for a
   `tee: simulated` Dev release): the image's `--tee emulated` agent measures into it and its
   services quote from it. Each boot is a fresh TD.
+- A **Security CVM** (`security_app_compose`: the Security release's app-compose.json, rendered
+  with `simulated: {source: emulated}`) is launched like a Dev CVM, with the launch data the
+  stacks render for one (role `security-cvm`, no SSH keys, the Console's URL and CA, the
+  enrollment token), on `security_disk` (default `disk`: the `qemu` image carrying the
+  release's image archives and Docker), its module measuring `security_tee_image`. Its tunnel
+  endpoint is published on 127.0.0.1:`security_tunnel_host_port` (where the Dev CVMs'
+  forwards and a host verifier's connections reach it).
 """
 
 from __future__ import annotations
@@ -41,6 +50,7 @@ from umbra.attest.errors import AttestError
 from umbra.attest.measurement import load_release_manifest
 from umbra.attest.simpki import SimulatedPki
 from umbra.components.launch_data import LaunchData
+from umbra.components.ports import DEV_ATTESTED_SSH_PORT
 from umbra.console.enums import CvmKind
 from umbra.console.providers import (
     CvmSpec,
@@ -58,6 +68,7 @@ from umbra.emulated.qemu import (
     OVMF,
     Firmware,
     Forward,
+    Published,
     QemuVm,
     VmConfig,
     VmError,
@@ -67,8 +78,9 @@ from umbra.emulated.qemu import (
 from umbra.emulated.tdx_module import TdxModule
 
 
-class QemuForward(Strict):
-    """A guest destination `address:port` relayed to 127.0.0.1:`host_port` (emulated.qemu)."""
+class GuestForward(Strict):
+    """A guest connection to `address:port` (inside the emulated network) relayed to
+    127.0.0.1:`host_port` (umbra.emulated.qemu.Forward: checked when a VM is configured)."""
 
     address: str
     port: int = Field(ge=1, le=65535)
@@ -95,13 +107,23 @@ class QemuCvmSettings(Strict):
     # the simulated image name whose boot values their RTMR0-2 hold (the Dev release's).
     simulated_pki: Path
     tee_image: str = "umbra-dev-cvm"
-    # The Dev workload's addresses (launch data) and the forwards that make them reachable.
+    # The emulated network's hosts every VM reaches by address (module docstring).
+    forwards: list[GuestForward] = Field(default_factory=list)
+    # A Dev CVM's launch data: the addresses its host firewall lets the forwarder reach.
     console_ips: list[str] = Field(default_factory=list)
     security_cvm_ips: list[str] = Field(default_factory=list)
-    forwards: list[QemuForward] = Field(default_factory=list)
-    # The Dev release's manifest (the Console's `dev_cvm_release_policy`): with it, each VM's
-    # attested SSH ingress is published on a loopback port and recorded for `umbra ssh`.
+    # The Dev release's manifest (the Console's `dev_cvm_release_policy`): with it, each Dev
+    # VM's attested SSH ingress is published on a loopback port and recorded for `umbra ssh`.
     release_manifest: Path | None = None
+    # Security CVMs (None: refused). The Security release's app-compose.json; its disk (None:
+    # `disk`); the simulated image its module measures; where its tunnel port is published.
+    security_app_compose: Path | None = None
+    security_disk: Path | None = None
+    security_tee_image: str = "umbra-security-cvm"
+    # Docker, its image store and the proxy: more than a Dev CVM's stub needs.
+    security_memory_mb: int = Field(default=2048, ge=512, le=16384)
+    security_tunnel_port: int = Field(default=8443, ge=1, le=65535)
+    security_tunnel_host_port: int | None = Field(default=None, ge=1, le=65535)
 
 
 def load_settings(path: Path) -> QemuCvmSettings:
@@ -118,8 +140,9 @@ class _Vm:
     stand_in: EmulatedMetadata
     module: TdxModule
     dir: Path
+    kind: CvmKind
     data: LaunchData
-    ssh_port: int | None = None  # the ingress's loopback port (hostfwd), kept across boots
+    ssh_port: int | None = None  # a Dev VM's ingress loopback port (hostfwd), kept across boots
     boot: int = 0
     qemu: QemuVm | None = None
 
@@ -159,38 +182,56 @@ class QemuCvmProvider:
     # ---- the Protocol -----------------------------------------------------------------------
 
     def check(self, spec: CvmSpec) -> None:
-        if spec.kind != CvmKind.dev:
-            raise ProviderUnsupported(
-                "the qemu provider launches Dev CVMs; the emulated cloud's Security CVM is "
-                "not launched through the Console"
-            )
-        if not spec.ssh_keys:
+        s = self.settings
+        if spec.kind == CvmKind.security:
+            if s.security_app_compose is None:
+                raise ProviderUnsupported(
+                    "this qemu provider launches Dev CVMs only (no security_app_compose in its "
+                    "config)"
+                )
+            if spec.ssh_keys:
+                raise ProviderError(f"{spec.id}: a Security CVM takes no SSH keys")
+        elif spec.kind != CvmKind.dev:
+            raise ProviderUnsupported(f"the qemu provider does not launch {spec.kind} CVMs")
+        elif not spec.ssh_keys:
             raise ProviderError(f"{spec.id}: a Dev CVM needs at least one SSH key")
         for what, path in (
-            ("disk", self.settings.disk),
-            ("app_compose", self.settings.app_compose),
+            ("disk", self._disk(spec.kind)),
+            ("app_compose", self._app_compose(spec.kind)),
         ):
             if not path.is_file():
                 raise ProviderError(f"qemu provider: {what} {path} does not exist")
 
+    def _disk(self, kind: CvmKind) -> Path:
+        s = self.settings
+        return s.security_disk or s.disk if kind == CvmKind.security else s.disk
+
+    def _app_compose(self, kind: CvmKind) -> Path:
+        s = self.settings
+        if kind == CvmKind.security and s.security_app_compose is not None:
+            return s.security_app_compose
+        return s.app_compose
+
     def launch_data(self, spec: CvmSpec) -> LaunchData:
-        """What the stacks' DevCvm component renders for this CVM (components.cvm), here."""
+        """What the stacks' DevCvm / SecurityCvm components render for this CVM
+        (components.cvm), here."""
         s = self.settings
         try:
-            app_compose = s.app_compose.read_text()
+            app_compose = self._app_compose(spec.kind).read_text()
             ca = s.console_ca.read_text() if s.console_ca is not None else None
         except OSError as exc:
             raise ProviderError(f"qemu provider: {exc.filename}: {exc.strerror}") from None
+        dev = spec.kind == CvmKind.dev
         return LaunchData(
-            role="dev-cvm",
+            role="dev-cvm" if dev else "security-cvm",
             team=spec.team,
             cvm_id=spec.id,
             app_compose=app_compose,
             ssh_authorized_keys=tuple(spec.ssh_keys),
             console_url=s.console_url,
             console_ca=ca,
-            console_ips=tuple(s.console_ips),
-            security_cvm_ips=tuple(s.security_cvm_ips),
+            console_ips=tuple(s.console_ips) if dev else (),
+            security_cvm_ips=tuple(s.security_cvm_ips) if dev else (),
             enrollment_token=spec.enrollment_token,
             cloud=s.shape,
         )
@@ -204,9 +245,12 @@ class QemuCvmProvider:
             create_data_disk(d / "data.raw", spec.data_disk_gb or self.settings.data_disk_gb)
         except OSError as exc:
             raise ProviderError(f"qemu CVM {spec.id}: {exc.strerror}") from None
-        module = TdxModule(d / "tdx.sock", self._pki, self.settings.tee_image).start()
-        vm = _Vm(EmulatedMetadata(self.settings.shape, data, spec.id).start(), module, d, data)
-        if self._release is not None:
+        security = spec.kind == CvmKind.security
+        image = self.settings.security_tee_image if security else self.settings.tee_image
+        module = TdxModule(d / "tdx.sock", self._pki, image).start()
+        stand_in = EmulatedMetadata(self.settings.shape, data, spec.id).start()
+        vm = _Vm(stand_in, module, d, spec.kind, data)
+        if spec.kind == CvmKind.dev and self._release is not None:
             vm.ssh_port = _free_port()
         with self._lock:
             self._vms[spec.id] = vm
@@ -259,20 +303,21 @@ class QemuCvmProvider:
             if not own.exists():
                 shutil.copyfile(s.firmware_vars, own)
             firmware = Firmware(s.firmware_code, own)
+        security = vm.kind == CvmKind.security
         return VmConfig(
             shape=s.shape,
-            disk=s.disk,
+            disk=self._disk(vm.kind),
             data_disk=vm.dir / "data.raw",
             serial=vm.dir / f"serial-{vm.boot}.log",
             qmp=vm.dir / "qmp.sock",
             metadata_port=vm.stand_in.metadata_port,
             wire_port=vm.stand_in.wire_port,
             firmware=firmware,
-            memory_mb=s.memory_mb,
+            memory_mb=s.security_memory_mb if security else s.memory_mb,
             accel=s.accel,
             tdx_module=vm.module.socket_path,
             forwards=tuple(Forward(f.address, f.port, f.host_port) for f in s.forwards),
-            ssh_host_port=vm.ssh_port,
+            published=self._published(vm),
         )
 
     def _boot(self, cvm_id: str, vm: _Vm, on_event: OnProviderEvent) -> None:
@@ -300,6 +345,14 @@ class QemuCvmProvider:
             )
         return vm
 
+    def _published(self, vm: _Vm) -> tuple[Published, ...]:
+        s = self.settings
+        if vm.kind == CvmKind.security and s.security_tunnel_host_port is not None:
+            return (Published(s.security_tunnel_host_port, s.security_tunnel_port),)
+        if vm.ssh_port is not None:
+            return (Published(vm.ssh_port, DEV_ATTESTED_SSH_PORT),)
+        return ()
+
     def _state(self, vm: _Vm) -> dict[str, Any]:
         """`provider_state`: where to look (no launch data: the token must not be stored), and
         what `umbra ssh` needs (checked by it against the quote, never trusted on its own)."""
@@ -310,7 +363,11 @@ class QemuCvmProvider:
             "serial": str(vm.dir / f"serial-{vm.boot}.log"),
             "data_disk": str(vm.dir / "data.raw"),
         }
-        if vm.ssh_port is not None and self._release is not None:
+        if vm.kind == CvmKind.security:
+            published = self._published(vm)
+            if published:
+                state["tunnel"] = f"127.0.0.1:{published[0].host_port}"
+        elif vm.ssh_port is not None and self._release is not None:
             state[INGRESS_KEY] = {"host": "127.0.0.1", "port": vm.ssh_port}
             state[RELEASE_KEY] = self._release
             state[EVENTS_KEY] = vm.data.expected_events()

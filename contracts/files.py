@@ -1,9 +1,13 @@
-"""One way to replace a file atomically: readers see the old bytes or the new, never a part."""
+"""One way to replace a file atomically (readers see the old bytes or the new, never a part), and
+one way to hold a lock file across processes (builds that share a cache)."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -37,3 +41,19 @@ def write_atomic(
     except BaseException:
         temp.unlink(missing_ok=True)
         raise
+
+
+@contextlib.contextmanager
+def exclusive_lock(path: Path, *, wait: bool = True) -> Iterator[bool]:
+    """Hold an exclusive flock on `path` (created, with its directory, if missing) for the block:
+    one process at a time builds or removes what the lock guards; released when the block ends or
+    the process dies. Yields whether it is held: always with `wait`; without, False at once when
+    another process holds it (a prune skips what a build is using)."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
+    with path.open("a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            yield False
+            return
+        yield True

@@ -36,7 +36,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from umbra.attest.tdx_port import TDX_PORT_NAME
-from umbra.components.ports import DEV_ATTESTED_SSH_PORT
 from umbra.emulated import relay
 from umbra.emulated.metadata import METADATA_ADDRESS, WIRE_SERVER_ADDRESS, Shape
 
@@ -84,6 +83,16 @@ class Forward:
 
 
 @dataclass(frozen=True)
+class Published:
+    """A guest TCP port published on 127.0.0.1:`host_port` (`hostfwd`): a Dev CVM's attested SSH
+    ingress (`umbra ssh` dials it), a Security CVM's tunnel endpoint (the Dev CVMs' forwards and
+    a host verifier dial it)."""
+
+    host_port: int
+    guest_port: int
+
+
+@dataclass(frozen=True)
 class VmConfig:
     shape: Shape
     disk: Path  # the OS image's disk.raw (not written: snapshot=on)
@@ -96,11 +105,10 @@ class VmConfig:
     # The host's simulated TDX module (emulated.tdx_module) this VM's port connects to; None:
     # no port (the guest then cannot measure or quote with `--tee emulated`).
     tdx_module: Path | None = None
-    # The Dev workload's network: exactly these guest destinations (guestfwd), and the attested
-    # SSH ingress published on 127.0.0.1:`ssh_host_port` (hostfwd to the guest's `ssh_port`).
+    # The emulated network: exactly these guest destinations (guestfwd), and these guest ports
+    # published on loopback (hostfwd: a Dev CVM's attested SSH ingress, a Security CVM's tunnel).
     forwards: tuple[Forward, ...] = ()
-    ssh_host_port: int | None = None
-    ssh_port: int = DEV_ATTESTED_SSH_PORT
+    published: tuple[Published, ...] = ()
     memory_mb: int = 1024
     accel: str = "tcg"
     python: str = sys.executable
@@ -142,8 +150,8 @@ def netdev(config: VmConfig) -> str:
     for forward in config.forwards:
         check_forward(forward)
         parts.append(guestfwd(forward.address, forward.host_port, config.python, forward.port))
-    if config.ssh_host_port is not None:
-        parts.append(f"hostfwd=tcp:127.0.0.1:{config.ssh_host_port}-:{config.ssh_port}")
+    for p in config.published:
+        parts.append(f"hostfwd=tcp:127.0.0.1:{p.host_port}-:{p.guest_port}")
     return ",".join(parts)
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from umbra.images.console_tools import ConsoleTools, ToolError, install_console_tools
+from umbra.images.lock_policy import Drift, LockPolicy, judge, origins_in, report_drift
 from umbra.images.oci import BuiltImage, file_sha256, write_archive, write_layer
 from umbra.images.recipes import (
     MIRRORS,
@@ -49,6 +50,8 @@ class BuildResult:
     epoch: int
     images: list[BuiltImage]
     inputs: list[Input] = field(default_factory=list)
+    lock_policy: LockPolicy = LockPolicy.STRICT
+    lock_drift: list[Drift] = field(default_factory=list)
 
 
 def _run(cmd: list[str], what: str, env: dict[str, str] | None = None, timeout: int = 1800) -> str:
@@ -97,27 +100,26 @@ def installed_packages(root: Path) -> dict[str, str]:
     return dict(line.split(" ", 1) for line in out.splitlines() if line.strip())
 
 
-def package_drift(got: dict[str, str], locked: dict[str, str]) -> list[str]:
-    """One line per package whose installed version is not the lock's (both kinds of lock)."""
-    problems: list[str] = []
-    for p in sorted(set(locked) | set(got)):
-        if p not in got:
-            problems.append(f"{p}: locked {locked[p]}, not installed")
-        elif p not in locked:
-            problems.append(f"{p}: {got[p]} installed but not in the lock")
-        elif got[p] != locked[p]:
-            problems.append(f"{p}: locked {locked[p]}, got {got[p]}")
-    return problems
-
-
-def check_lock(rootfs: Rootfs, got: dict[str, str], locked: dict[str, str]) -> None:
-    problems = package_drift(got, locked)
+def check_lock(
+    rootfs: Rootfs,
+    got: dict[str, str],
+    locked: dict[str, str],
+    *,
+    policy: LockPolicy = LockPolicy.STRICT,
+    root: Path | None = None,
+) -> list[Drift]:
+    """Refuse (BuildError) what `policy` does not accept (images.lock_policy); return the
+    drifts it accepted, each already reported on stderr. `root`: the rootfs, for its apt
+    indices (which suite offers a drifted version)."""
+    accepted, problems = judge(got, locked, policy=policy, codename=SUITE, origins=origins_in(root))
     if problems:
         raise BuildError(
-            f"{rootfs}: installed packages differ from {LOCK_FILE.name}:\n  "
+            f"{rootfs}: installed packages differ from {LOCK_FILE.name} ({policy} policy):\n  "
             + "\n  ".join(problems)
             + "\n(the mirror moved on? review, then `umbra image build --update-lock`)"
         )
+    report_drift(accepted)
+    return accepted
 
 
 # ---- steps ------------------------------------------------------------------------------------
@@ -280,11 +282,13 @@ def build_rootfs(
     host_python_prefix: Path,
     epoch: int,
     update_lock: bool = False,
+    lock_policy: LockPolicy = LockPolicy.STRICT,
     tools: ConsoleTools | None = None,
     without_tools: bool = False,
 ) -> BuildResult:
     """`tools`: the fetched Pulumi CLI (checked against its pin) and the policy pack, for the
-    images whose recipe names them; `without_tools`: a development build without them."""
+    images whose recipe names them; `without_tools`: a development build without them.
+    `lock_policy`: how the rootfs is held to the lock (images.lock_policy; strict for releases)."""
     recipe = RECIPES[rootfs]
     if recipe.tools and tools is None and not without_tools:
         raise BuildError(
@@ -301,7 +305,7 @@ def build_rootfs(
         if update_lock:
             lock[rootfs] = got
             write_lock(lock)
-        check_lock(rootfs, got, lock[rootfs])
+        drift = check_lock(rootfs, got, lock[rootfs], policy=lock_policy, root=root)
         inputs = deb_inputs(root, got)
         inputs.append(Input(f"file:{wheel.name}", file_sha256(wheel)))
         inputs.append(
@@ -332,7 +336,7 @@ def build_rootfs(
             )
             for name, cfg in sorted(recipe.images.items())
         ]
-    return BuildResult(rootfs, epoch, images, inputs)
+    return BuildResult(rootfs, epoch, images, inputs, lock_policy, drift)
 
 
 def _tools_layer(

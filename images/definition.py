@@ -14,7 +14,7 @@ import yaml
 from pydantic import Field, ValidationError, model_validator
 
 from umbra.attest.errors import PolicyFileError
-from umbra.attest.measurement import Hex48, load_release_manifest
+from umbra.attest.measurement import Hex32, Hex48, PcrIndex, load_release_manifest
 from umbra.contracts.model import Strict as _Strict
 from umbra.contracts.validation import lines
 from umbra.sandbox.models import DevCvmInputs, SecurityCvmInputs
@@ -25,22 +25,38 @@ class DefinitionError(Exception):
 
 
 class BaseMeasurements(_Strict):
-    """Golden values of the OS image (firmware, kernel, initrd): lists accept several builds."""
+    """Golden values of the OS image (firmware, kernel, initrd): lists accept several builds.
+    `platform` as in the release manifest: tdx pins MRTD and RTMR0-2; azure-tdx pins MRTD (the
+    paravisor's) and SHA-256 PCRs (its vTPM's), the RTMRs being zero there."""
 
+    platform: Literal["tdx", "azure-tdx"] = "tdx"
     mrtd: list[Hex48] | None = Field(default=None, min_length=1)
     rtmr0: list[Hex48] | None = Field(default=None, min_length=1)
     rtmr1: list[Hex48] | None = Field(default=None, min_length=1)
     rtmr2: list[Hex48] | None = Field(default=None, min_length=1)
+    pcrs: dict[PcrIndex, list[Hex32]] | None = Field(default=None, min_length=1)
     # For tee: simulated, the simulator's stand-in boot chain of this image name.
     simulated_image: Annotated[str, Field(min_length=1)] | None = None
 
     @model_validator(mode="after")
     def _one_source(self) -> BaseMeasurements:
-        literal = [self.mrtd, self.rtmr0, self.rtmr1, self.rtmr2]
-        if self.simulated_image is not None and any(v is not None for v in literal):
-            raise ValueError("give either simulated_image or mrtd/rtmr0/rtmr1/rtmr2, not both")
-        if self.simulated_image is None and any(v is None for v in literal):
-            raise ValueError("mrtd, rtmr0, rtmr1 and rtmr2 are all required")
+        rtmrs = [self.rtmr0, self.rtmr1, self.rtmr2]
+        literal = [self.mrtd, *rtmrs, self.pcrs]
+        if self.simulated_image is not None:
+            if any(v is not None for v in literal):
+                raise ValueError("give either simulated_image or literal measurements, not both")
+            if self.platform != "tdx":
+                raise ValueError("simulated_image is the simulator's TD boot: platform tdx only")
+        elif self.platform == "tdx":
+            if self.pcrs is not None:
+                raise ValueError("pcrs are measured only on platform azure-tdx")
+            if any(v is None for v in [self.mrtd, *rtmrs]):
+                raise ValueError("mrtd, rtmr0, rtmr1 and rtmr2 are all required")
+        else:
+            if any(v is not None for v in rtmrs):
+                raise ValueError("RTMRs are zero under the Azure paravisor: pin pcrs instead")
+            if self.mrtd is None or self.pcrs is None:
+                raise ValueError("platform azure-tdx needs mrtd and pcrs")
         return self
 
 

@@ -20,12 +20,13 @@ The boot chain and what each step measures: docs/specs/images.md, "Measured boot
 
 from __future__ import annotations
 
-import hashlib
 import os
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from umbra.images.oci import file_sha256
 
 if TYPE_CHECKING:
     from umbra.images.verity import VerityTree
@@ -122,14 +123,6 @@ def _copy_sparse(src: Path, dst: Path, offset: int) -> None:
             pos += len(chunk)
 
 
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(4 * MIB):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def gcp_tarball(raw: Path, out: Path, epoch: int) -> Path:
     """`disk.raw` is the only member; GNU tar's oldgnu format with sparse entries."""
     if raw.name != "disk.raw":
@@ -168,7 +161,7 @@ def build_cloud_disks(
     esp = esp_image(uki, out / "esp.img", epoch)
     raw = raw_disk(rootfs, esp, out / "disk.raw", verity.hash_tree)
     esp.unlink()
-    digest = sha256_file(raw)
+    digest = file_sha256(raw)
     tgz = gcp_tarball(raw, out / "umbra-gcp.tar.gz", epoch)
     vhd = azure_vhd(raw, out / "umbra-azure.vhd")
     os.sync()

@@ -52,7 +52,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from umbra.attest.errors import QuoteSourceError
 from umbra.attest.eventlog import Event, dump_dstack_event_log
 from umbra.attest.measurement import canonical_ssh_key
-from umbra.attest.tdx_port import TdxModulePort
+from umbra.attest.tdx_port import QUOTE_SOCKET_NAME, TdxModulePort
 from umbra.components.idle_stop import CONFIG_PATH as IDLE_CONFIG_PATH
 from umbra.components.idle_stop import TIMER as IDLE_TIMER
 from umbra.components.idle_stop import IdleConfig, dev_cvm_config
@@ -106,6 +106,7 @@ from umbra.images.launch_host import (
     write_resolv_conf,
 )
 from umbra.images.launch_ingress import AttestedIngress, IngressStartError
+from umbra.images.launch_quote_relay import QuoteRelayError
 from umbra.images.launch_secrets import SecretReader
 from umbra.images.measure import boot_events, release_events
 from umbra.images.measure import instance_events as launch_events
@@ -690,6 +691,10 @@ class DevHostStart:
         return self.root / "sandbox.pid"
 
 
+class QuoteRelay(Protocol):
+    def start(self, socket: Path) -> None: ...
+
+
 class IdleStop(Protocol):
     def start(self, config: IdleConfig) -> None: ...
 
@@ -805,6 +810,9 @@ class Agent:
     secrets: SecretReader | None = None
     # Consoles: the uid its secret files belong to (None: the agent's own; tests).
     console_uid: int | None = SERVICE_UID
+    # Security CVMs on the emulated clouds (`--tee emulated`): the quotes-only relay to the
+    # host's TDX module the proxy asks (launch_quote_relay), started before the compose.
+    quote_relay: QuoteRelay | None = None
     # Replicas behind a GCP passthrough load balancer (`umbra-lb-ip`): adds the
     # balancer's address as a local route. None: not added, said on the serial console.
     local_routes: LocalRoutes | None = None
@@ -846,6 +854,12 @@ class Agent:
                 except OSError as exc:
                     raise LaunchError(Refusal.HOST_SETUP_FAILED, f"console files: {exc}") from None
             self._host(data)
+            if data.role == "security-cvm" and self.quote_relay is not None:
+                try:
+                    self.quote_relay.start(self.launch_dir / "security" / QUOTE_SOCKET_NAME)
+                except QuoteRelayError as exc:
+                    raise LaunchError(Refusal.START_FAILED, str(exc)) from None
+                self.say("umbra-launch: TDX quote relay started for the proxy")
             if self.dev_host is not None and compose.name == DEV_HOST_DEFINITION:
                 self.dev_host.start(compose)
             else:

@@ -126,6 +126,8 @@ def build_manifest(
                 describes="the SSH host key generated in the TD at boot, 'type base64'",
             ),
         ]
+    if m.release.platform == "azure-tdx":
+        events = []  # nothing extends RTMR3 under Azure's paravisor (the release pins none)
     return MeasurementManifest(
         apiVersion="umbra/v1",
         kind="MeasurementManifest",

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from umbra.attest.eventlog import Event, make_runtime_event, replay
 from umbra.attest.measurement import (
@@ -132,15 +133,17 @@ def expected_rtmr3(events: Sequence[Event]) -> bytes:
     return replay(events)[RTMR3]
 
 
-def base_values(base: BaseMeasurements) -> dict[str, list[str]]:
-    if base.simulated_image is None:
-        return {
-            "mrtd": list(base.mrtd or []),
-            "rtmr0": list(base.rtmr0 or []),
-            "rtmr1": list(base.rtmr1 or []),
-            "rtmr2": list(base.rtmr2 or []),
-        }
-    return simulated_boot_values(base.simulated_image)
+def base_values(base: BaseMeasurements) -> dict[str, Any]:
+    if base.simulated_image is not None:
+        return simulated_boot_values(base.simulated_image)
+    if base.platform == "azure-tdx":
+        return {"mrtd": list(base.mrtd or []), "pcrs": dict(base.pcrs or {})}
+    return {
+        "mrtd": list(base.mrtd or []),
+        "rtmr0": list(base.rtmr0 or []),
+        "rtmr1": list(base.rtmr1 or []),
+        "rtmr2": list(base.rtmr2 or []),
+    }
 
 
 @dataclass(frozen=True)
@@ -181,6 +184,25 @@ class Measurement:
         )
 
 
+def _release_events(definition: ImageDefinition, digest: str) -> list[dict[str, Any]]:
+    # None on azure-tdx: its guest cannot extend RTMR3 under the paravisor, so no runtime event
+    # is measured there (attestation.md); the compose hash is bound by the signed manifest only.
+    if definition.base.platform == "azure-tdx":
+        return []
+    return [
+        {"name": COMPOSE_HASH_EVENT, "imr": RTMR3, "payloads": [digest]},
+        # Present exactly once; its value is the instance's, bound by the forwarder's identity
+        # rather than pinned per release.
+        {"name": CVM_ID_EVENT, "imr": RTMR3},
+        # Dev CVMs: present exactly once, chosen at each boot inside the TD.
+        *(
+            [{"name": name, "imr": RTMR3} for name in BOOT_EVENTS]
+            if definition.role == "dev-cvm"
+            else []
+        ),
+    ]
+
+
 def measure(definition: ImageDefinition) -> Measurement:
     if isinstance(definition, DevCvmDefinition):
         compose = render_dev_host(definition.host)
@@ -195,18 +217,8 @@ def measure(definition: ImageDefinition) -> Measurement:
             "name": definition.name,
             "tee": definition.tee,
             **base_values(definition.base),
-            "events": [
-                {"name": COMPOSE_HASH_EVENT, "imr": RTMR3, "payloads": [digest]},
-                # Present exactly once; its value is the instance's, bound by the forwarder's
-                # identity rather than pinned per release.
-                {"name": CVM_ID_EVENT, "imr": RTMR3},
-                # Dev CVMs: present exactly once, chosen at each boot inside the TD.
-                *(
-                    [{"name": name, "imr": RTMR3} for name in BOOT_EVENTS]
-                    if definition.role == "dev-cvm"
-                    else []
-                ),
-            ],
+            "platform": definition.base.platform,
+            "events": _release_events(definition, digest),
             "other_runtime_events": "refuse",
         }
     )

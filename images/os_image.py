@@ -32,14 +32,11 @@ from umbra.images.build import (
 )
 from umbra.images.disk_formats import ROOT_PART_UUID, VERITY_PART_UUID
 from umbra.images.image_store import ARCHIVE_SUFFIX, IMAGES_DIR
-from umbra.images.os_lock import lock_os_packages
+from umbra.images.lock_policy import Drift, LockPolicy
+from umbra.images.os_lock import OS_SUITE, lock_os_packages
 
 OS_DIR = Path(__file__).parent / "os"
-# The OS image's suite, not the container images' (recipes.SUITE): bookworm's 6.1 kernel has no
-# TDX guest support (`# CONFIG_INTEL_TDX_GUEST is not set`), trixie's 6.12 lacks
-# TSM_MEASUREMENTS (the RTMR3 sysfs files the launch agent writes). The kernel comes from
-# trixie-backports, named by exact version in each definition; everything else from trixie.
-OS_SUITE = "trixie"
+# OS_SUITE (os_lock): trixie, and the kernel from trixie-backports.
 OS_MIRRORS = (
     "deb http://deb.debian.org/debian trixie main",
     "deb http://deb.debian.org/debian trixie-updates main",
@@ -56,6 +53,12 @@ UNIT = OS_DIR / "umbra-launch-agent.service"
 INGRESS_UNIT = OS_DIR / "umbra-ingress.service"
 # Debian's own sshd units: the only sshd on a CVM is the ingress's per-connection `sshd -i`.
 MASKED_UNITS = ("ssh.service", "ssh.socket")
+# systemd (>= 256, trixie's 257) generates sshd sockets of its own when sshd is installed:
+# `sshd-unix-local.socket` always, `sshd-vsock.socket` on a VM with an AF_VSOCK device, which
+# the host controls: an sshd the host could reach past the attested ingress. Masked by an
+# /etc generator of the same name linked to /dev/null (systemd.generator(7)); /etc is on the
+# verity root, so the host cannot unmask it.
+MASKED_GENERATORS = ("systemd-ssh-generator",)
 STUB_PATH = "usr/lib/systemd/boot/efi/linuxx64.efi.stub"
 # The initramfs's dm-verity root and tmpfs overlays (images/os/initramfs): installed under
 # /etc/initramfs-tools, then the initrd is made again; the build checks it carries them.
@@ -107,11 +110,16 @@ class OsDefinition(BaseModel):
 
 
 def install_ingress_unit(unit_dir: Path) -> None:
-    """The attested ingress's unit (started by the launch agent only), and Debian's sshd masked."""
+    """The attested ingress's unit (started by the launch agent only); Debian's sshd units and
+    systemd's sshd socket generator masked."""
     shutil.copyfile(INGRESS_UNIT, unit_dir / INGRESS_UNIT.name)
-    for name in MASKED_UNITS:
-        (unit_dir / name).unlink(missing_ok=True)
-        (unit_dir / name).symlink_to("/dev/null")
+    generators = unit_dir.parent / "system-generators"
+    generators.mkdir(exist_ok=True)
+    for masked in [unit_dir / n for n in MASKED_UNITS] + [
+        generators / n for n in MASKED_GENERATORS
+    ]:
+        masked.unlink(missing_ok=True)
+        masked.symlink_to("/dev/null")
 
 
 def load_os_definition(path: Path) -> OsDefinition:
@@ -123,12 +131,18 @@ def load_os_definition(path: Path) -> OsDefinition:
         raise BuildError(f"{path}: {first_problem(exc)}") from None
 
 
+# Beside rootfs.ext4 when the build accepted lock drift (lock_policy): one line per package, so
+# the image directory says which versions the image really holds.
+LOCK_DRIFT_NAME = "lock-drift.txt"
+
+
 @dataclass(frozen=True)
 class OsImage:
     rootfs: Path
     kernel: Path
     initrd: Path
     stub: Path
+    lock_drift: tuple[Drift, ...] = ()
 
 
 def build_os_image(
@@ -143,10 +157,12 @@ def build_os_image(
     image_archives: Sequence[Path] = (),
     size: str | None = None,
     update_lock: bool = False,
+    lock_policy: LockPolicy = LockPolicy.STRICT,
 ) -> OsImage:
-    """The installed packages must be exactly the lock's for `d.cloud` (images/os/packages.lock,
-    os_lock); `update_lock` rewrites those lines from this build first. `size`: the root file
-    system's (default 3G; 6G with the sandbox image, whose tree alone is over 2 GiB)."""
+    """The installed packages must be the lock's for `d.cloud` (images/os/packages.lock,
+    os_lock), exactly under the strict `lock_policy` (releases); `update_lock` rewrites those
+    lines from this build first. `size`: the root file system's (default 3G; 6G with the sandbox
+    image, whose tree alone is over 2 GiB)."""
     import os
 
     out.mkdir(parents=True, exist_ok=True)
@@ -159,6 +175,9 @@ def build_os_image(
                 "--mode=root",
                 "--variant=minbase",
                 "--format=directory",
+                # The apt indices tell lock_policy which suite offers a version; normalize()
+                # removes them before the image is written.
+                "--skip=cleanup/apt/lists",
                 "--include=" + ",".join(_packages(d)),
                 *_initramfs_hooks(work),
                 OS_SUITE,
@@ -168,7 +187,13 @@ def build_os_image(
             "mmdebstrap (OS image)",
             env=env,
         )
-        lock_os_packages(d.cloud, installed_packages(root), update=update_lock)
+        drift = lock_os_packages(
+            d.cloud, installed_packages(root), update=update_lock, policy=lock_policy, root=root
+        )
+        record = out / LOCK_DRIFT_NAME
+        record.unlink(missing_ok=True)
+        if drift:
+            record.write_text("".join(x.line() + "\n" for x in drift))
         copy_python(host_python_prefix, root)
         install_wheel(wheel, requirements, host_python_prefix / "bin/python3.12", root)
         configure_rootfs(d, root)
@@ -198,7 +223,8 @@ def build_os_image(
             "mke2fs",
             env=env,
         )  # fmt: skip
-    return OsImage(image, out / "vmlinuz", out / "initrd.img", out / "linuxx64.efi.stub")
+    stub_out = out / "linuxx64.efi.stub"
+    return OsImage(image, out / "vmlinuz", out / "initrd.img", stub_out, tuple(drift))
 
 
 def configure_rootfs(d: OsDefinition, root: Path) -> None:

@@ -13,6 +13,7 @@ import binascii
 import hashlib
 import json
 from collections.abc import Sequence
+from dataclasses import asdict
 from typing import Any
 
 from cryptography.exceptions import InvalidSignature
@@ -21,6 +22,7 @@ from pydantic import ConfigDict, Field, ValidationError
 
 from umbra.contracts.model import Strict as _Model
 from umbra.images.build import BuildResult
+from umbra.images.lock_policy import LockPolicy
 from umbra.images.signing import key_id
 from umbra.sandbox.render import canonical_json
 
@@ -82,6 +84,12 @@ class Statement(_Model):
         commit = source.get("commit") if isinstance(source, dict) else None
         return commit if isinstance(commit, str) else None
 
+    def lock_policy(self) -> str:
+        """The package-lock policy the build ran under; provenance from before the field existed
+        was strict (images.lock_policy)."""
+        policy = self.predicate.buildDefinition.internalParameters.get("lock_policy")
+        return policy if isinstance(policy, str) else str(LockPolicy.STRICT)
+
     def subjects(self) -> dict[str, str]:
         return {s.name: "sha256:" + s.digest.sha256 for s in self.subject}
 
@@ -116,6 +124,10 @@ def statement(
                             f"umbra/{i.name}": i.config_digest for i in result.images
                         },
                         "layer_digest": result.images[0].layer_digest if result.images else None,
+                        # Which versions the image really holds when the lock policy let the
+                        # mirror's updates in (images.lock_policy); a release build is strict.
+                        "lock_policy": str(result.lock_policy),
+                        "lock_drift": [asdict(d) for d in result.lock_drift],
                     },
                     "resolvedDependencies": [
                         {"uri": d.uri, "digest": {"sha256": d.sha256}} for d in result.inputs
@@ -202,6 +214,13 @@ def verify_release_images(
         if match.source_commit() != expected_commit:
             raise ProvenanceError(
                 f"{name}: built from commit {match.source_commit()}, expected {expected_commit}"
+            )
+        # A test build may take the mirror's security updates past the lock; a release may not
+        # name what such a build produced (its packages are not the reviewed lock's).
+        if match.lock_policy() != LockPolicy.STRICT:
+            raise ProvenanceError(
+                f"{name}: built under lock policy {match.lock_policy()!r}; a release needs "
+                f"a {LockPolicy.STRICT.value!r} build (umbra image build without --lock-policy)"
             )
         covered[name] = match
     return covered

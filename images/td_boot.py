@@ -18,8 +18,10 @@ which nothing extends). The events that depend on our image, in the order they a
 
 The digests of actions, separators, the GPT and tagged events are hashes of those bytes; the
 application's is the Authenticode hash. So one function (`boot_measurements`) gives both a
-TPM's SHA-256 bank and a TD's SHA-384 registers. Everything else in RTMR0 (and MRTD) is the
-cloud firmware's: per-cloud inputs, never computed here.
+TPM's SHA-256 bank and a TD's SHA-384 registers: `golden_rtmrs` (a TD's RTMR1/RTMR2, GCP) and
+`golden_pcrs` (SHA-256 PCRs 4, 5, 9, 11, 12, what Azure's paravisor measures into its vTPM).
+Everything else in RTMR0 (and MRTD), or Azure's PCRs 0-3, 6, 7, is the cloud firmware's:
+per-cloud inputs, never computed here.
 """
 
 from __future__ import annotations
@@ -244,6 +246,32 @@ def tpm_separators() -> list[Measured]:
     return [_separator(4), _separator(5)]
 
 
+def tpm_measurements(measured: Sequence[Measured]) -> list[Measured]:
+    """The measurements as a TPM firmware extends them: the TD's one separator (second, after
+    the first "Calling…") is one on PCR 4 and one on PCR 5 (the order the swtpm log showed)."""
+    first, separator, *rest = measured
+    if separator.event_type != EV_SEPARATOR:
+        raise TdBootError("not a boot_measurements list: no separator after the first event")
+    return [first, *tpm_separators(), *rest]
+
+
+# The SHA-256 PCRs our UKI and disk alone determine: 4 (boot application), 5 (GPT, exit boot
+# services), 9 (kernel EFI stub), 11 (systemd-stub's sections) and 12, which nothing extends on
+# our boot (systemd-stub measures loader command lines, credentials and add-ons there; we have
+# none, so a host that adds one changes it). Each was checked against the swtpm boot's TPM.
+TPM_PCRS = (4, 5, 9, 11, 12)
+
+
+def tpm_pcrs(measured: Sequence[Measured]) -> dict[int, bytes]:
+    """TPM_PCRS' SHA-256 values after a boot that extends exactly `measured` (TPM order)."""
+    pcrs = dict.fromkeys(TPM_PCRS, bytes(32))
+    for m in measured:
+        if m.pcr not in pcrs:
+            raise TdBootError(f"PCR {m.pcr} is not one of the image's PCRs {TPM_PCRS}")
+        pcrs[m.pcr] = hashlib.sha256(pcrs[m.pcr] + m.sha256).digest()
+    return pcrs
+
+
 def td_events(measured: Sequence[Measured]) -> list[Event]:
     """The measurements as the TD's event log holds them (attest's events, SHA-384)."""
     return [
@@ -264,9 +292,17 @@ class TdBootGolden:
         return td_events(self.measured)
 
 
-def golden_rtmrs(uki_path: Path, disk_path: Path, returned_attempts: int = 0) -> TdBootGolden:
-    """RTMR1 and RTMR2 of a TD booting `disk_path` (the GPT is read from it) whose ESP holds
-    `uki_path`. Raises TdBootError naming the file."""
+@dataclass(frozen=True)
+class TpmBootGolden:
+    """The image's SHA-256 PCRs (TPM_PCRS) and the events they replay, in TPM order."""
+
+    pcrs: dict[int, bytes]
+    measured: tuple[Measured, ...]
+
+
+def measure_files(uki_path: Path, disk_path: Path, returned_attempts: int = 0) -> list[Measured]:
+    """boot_measurements of the UKI at `uki_path` on `disk_path` (its GPT is read from it).
+    Raises TdBootError naming the file."""
     try:
         uki = uki_path.read_bytes()
         with disk_path.open("rb") as f:
@@ -274,6 +310,18 @@ def golden_rtmrs(uki_path: Path, disk_path: Path, returned_attempts: int = 0) ->
     except OSError as exc:
         raise TdBootError(f"{exc.filename}: cannot read: {exc.strerror}") from None
     gpt = gpt_event_data(head, str(disk_path))
-    measured = boot_measurements(uki, gpt, str(uki_path), returned_attempts)
+    return boot_measurements(uki, gpt, str(uki_path), returned_attempts)
+
+
+def golden_rtmrs(uki_path: Path, disk_path: Path, returned_attempts: int = 0) -> TdBootGolden:
+    """RTMR1 and RTMR2 of a TD booting `disk_path` whose ESP holds `uki_path`."""
+    measured = measure_files(uki_path, disk_path, returned_attempts)
     r = replay(td_events(measured))
     return TdBootGolden(r[1], r[2], tuple(measured))
+
+
+def golden_pcrs(uki_path: Path, disk_path: Path, returned_attempts: int = 0) -> TpmBootGolden:
+    """The SHA-256 PCRs (TPM_PCRS) of a TPM firmware booting the same disk: what Azure's vTPM
+    is to hold for the image (its paravisor measures the guest's boot there, not in RTMRs)."""
+    measured = tpm_measurements(measure_files(uki_path, disk_path, returned_attempts))
+    return TpmBootGolden(tpm_pcrs(measured), tuple(measured))

@@ -24,8 +24,8 @@ from umbra.images.disk_formats import (
     CloudDisks,
     DiskFormatError,
     build_cloud_disks,
-    sha256_file,
 )
+from umbra.images.oci import file_sha256
 from umbra.images.pe import PeError, authenticode_digest, parse, with_timestamp
 from umbra.images.verity import format_verity
 
@@ -95,7 +95,7 @@ def describe_uki(path: Path) -> Uki:
     try:
         return Uki(
             path,
-            sha256_file(path),
+            file_sha256(path),
             authenticode_digest(data, "sha384"),
             authenticode_digest(data, "sha256"),
         )

@@ -21,7 +21,7 @@ from pydantic.fields import FieldInfo
 
 DEFAULT_MAX_BODY = 32 << 20
 _PCCS_URL = re.compile(r"^https?://[A-Za-z0-9.:\[\]/_-]+$")
-QuoteSource = Literal["configfs", "azure", "simulated"]
+QuoteSource = Literal["configfs", "azure", "simulated", "emulated"]
 
 
 class _Unset:
@@ -110,8 +110,9 @@ class ProxyConfig(BaseModel):
             "the paravisor) or simulated.",
             "`configfs` (the TD's configfs-tsm, production on GCP), `azure` (the vTPM HCL report "
             "+ IMDS TD quote as one Azure evidence envelope, production on Azure; no event log: "
-            "the guest cannot extend RTMRs under the paravisor) or `simulated` (embedded default, "
-            "tests)",
+            "the guest cannot extend RTMRs under the paravisor), `emulated` (an emulated-cloud "
+            "VM: the host's simulated TDX module through `--tdx-quote-socket`) or `simulated` "
+            "(embedded default, tests)",
             metavar="SOURCE",
         ),
     ] = "configfs"
@@ -130,6 +131,15 @@ class ProxyConfig(BaseModel):
             "SIMULATED TEE only: the simulated PKI directory that signs quotes.",
             "simulated TEE only: the PKI that signs quotes",
             metavar="DIR",
+        ),
+    ] = None
+    tdx_quote_socket: Annotated[
+        Path | None,
+        Flag(
+            "EMULATED TEE only: the launch agent's TDX quote relay socket.",
+            "emulated clouds only: the launch agent's quote relay to the host's simulated TDX "
+            "module",
+            metavar="FILE",
         ),
     ] = None
     simulated_image: Annotated[

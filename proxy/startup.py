@@ -58,6 +58,7 @@ def config_evidence(config: ProxyConfig, purpose: str) -> Evidence:
             event_log=config.event_log,
             simulated_pki=config.simulated_pki,
             simulated_image=config.simulated_image,
+            tdx_quote_socket=config.tdx_quote_socket,
         )
     except EvidenceError as exc:
         raise StartupError(f"{purpose}: {exc}") from None

@@ -8,6 +8,9 @@ RTMR3 event log to serve.
 `simulated`: a simulated TD signed by the PKI in `pki_dir` whose RTMR3 is extended with the
 runtime events of the event log file (embedded default and tests only; verifiers accept it only
 when told to).
+`emulated`: an emulated-cloud VM's quotes from the host's simulated TDX module, through the launch
+agent's quote relay socket (`umbra.attest.tdx_port`); the event log file is served as is, as
+for `configfs` (the agent measured into the module). Simulated root: accepted only when told to.
 """
 
 from __future__ import annotations
@@ -22,8 +25,9 @@ from umbra.attest.eventlog import Event, load_event_log
 from umbra.attest.quote_source import ConfigfsTsmSource, QuoteSource, SimulatedSource
 from umbra.attest.simpki import SimulatedPki
 from umbra.attest.simulator import SimulatedTdx
+from umbra.attest.tdx_port import TdxQuoteSocketSource
 
-QuoteSourceKind = Literal["configfs", "azure", "simulated"]
+QuoteSourceKind = Literal["configfs", "azure", "simulated", "emulated"]
 Evidence = tuple[QuoteSource, Callable[[], Sequence[Event]] | None]
 
 
@@ -37,6 +41,7 @@ def build_evidence(
     event_log: Path | None = None,
     simulated_pki: Path | None = None,
     simulated_image: str = "umbra-security-cvm",
+    tdx_quote_socket: Path | None = None,
 ) -> Evidence:
     events: list[Event] | None = None
     if event_log is not None:
@@ -46,6 +51,14 @@ def build_evidence(
             raise EvidenceError(f"{event_log}: {exc.strerror}") from None
         except AttestError as exc:
             raise EvidenceError(f"{event_log}: not a valid event log: {exc}") from None
+    if (kind == "emulated") != (tdx_quote_socket is not None):
+        raise EvidenceError("--quote-source emulated goes with --tdx-quote-socket, and only it")
+    if tdx_quote_socket is not None:
+        if simulated_pki is not None:
+            raise EvidenceError("--simulated-pki needs --quote-source simulated")
+        served = events
+        source = TdxQuoteSocketSource(tdx_quote_socket)
+        return source, (lambda: served) if served is not None else None
     if kind == "configfs":
         if simulated_pki is not None:
             raise EvidenceError("--simulated-pki needs --quote-source simulated")

@@ -15,8 +15,6 @@ come at boot from `/etc/umbra` (rendered by the host, read-only) and the atteste
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import json
 import os
@@ -24,8 +22,10 @@ import re
 import shutil
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
+
+from umbra.contracts.files import exclusive_lock
 
 SUITE = "trixie"
 MIRRORS = (
@@ -179,14 +179,6 @@ def require_host_tools() -> None:
             )
 
 
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
-    with path.open("a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        yield
-
-
 def ensure_image(progress: Progress = print) -> tuple[Path, ...]:
     """The image's layers for the current recipe, building what is missing (once per machine:
     the base takes minutes, Umbra's files layer milliseconds, so changing an Umbra file never
@@ -203,7 +195,7 @@ def _ensure_files() -> None:
     entry = cache_root() / "files" / key
     if (entry / "ready").exists():
         return
-    with _locked(cache_root() / "files" / f"{key}.lock"):
+    with exclusive_lock(cache_root() / "files" / f"{key}.lock"):
         if (entry / "ready").exists():
             return
         shutil.rmtree(entry, ignore_errors=True)
@@ -232,7 +224,7 @@ def _ensure_base(progress: Progress) -> Path:
     if os.geteuid() != 0:
         raise ImageError("building the sandbox image needs root (mmdebstrap --mode=root)")
     require_host_tools()
-    with _locked(cache_root() / f"{key}.lock"):
+    with exclusive_lock(cache_root() / f"{key}.lock"):
         found = cached_rootfs(key)
         if found is not None:  # another process built it while we waited
             return found
@@ -257,13 +249,8 @@ def _prune(keep: str) -> None:
     """Older recipes' trees (1.5 GB each) go once the new one is ready, if no lock is held."""
     for old in cache_root().iterdir():
         if old.is_dir() and old.name != keep and re.fullmatch(r"[0-9a-f]{16}", old.name):
-            lock = cache_root() / f"{old.name}.lock"
-            with lock.open("a") as handle:
-                try:
-                    fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    continue
-                if not _in_use(old):
+            with exclusive_lock(cache_root() / f"{old.name}.lock", wait=False) as held:
+                if held and not _in_use(old):
                     shutil.rmtree(old, ignore_errors=True)
 
 

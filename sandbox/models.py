@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
+from enum import StrEnum
 from typing import Annotated, Final, Literal
 
 from pydantic import AfterValidator, Field, model_validator
@@ -120,6 +121,11 @@ class DevCvmInputs(Strict):
         return self
 
 
+class SimulatedQuoteSource(StrEnum):
+    simulator = "simulator"
+    emulated = "emulated"
+
+
 class SimulatedQuotes(Strict):
     """A `tee: simulated` release only (development, CI): the proxy quotes with the simulator,
     signed by the simulated PKI the launch directory holds (`simulated-pki/`), with RTMR3 replayed
@@ -127,6 +133,10 @@ class SimulatedQuotes(Strict):
     verifier refuses the simulated root whatever the compose says."""
 
     image: Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9.-]{0,62}$")] = "umbra-security-cvm"
+    # Who signs: the in-container simulator (`simulator`), or the emulated clouds' host TDX
+    # module (`emulated`: the image's `--tee emulated` launch agent measured into it, and relays
+    # quotes to the proxy through `tdx-quote.sock` in its launch directory).
+    source: SimulatedQuoteSource = SimulatedQuoteSource.simulator
 
 
 class SecurityTestOptions(Strict):

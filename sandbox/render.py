@@ -15,8 +15,9 @@ from importlib import resources
 
 import jinja2
 
+from umbra.attest.tdx_port import QUOTE_SOCKET_NAME
 from umbra.contracts.canonical import canonical_text
-from umbra.sandbox.models import SecurityCvmInputs
+from umbra.sandbox.models import SecurityCvmInputs, SimulatedQuoteSource
 from umbra.sandbox.validate import validate_security_compose
 
 LAUNCH_DIR = "/run/umbra/launch"
@@ -75,6 +76,9 @@ def security_options(
     configs: dict[str, tuple[str, str]] = {}
     if inputs.simulated is None:
         args += ["--quote-source", "configfs"]
+    elif inputs.simulated.source is SimulatedQuoteSource.emulated:
+        args += ["--quote-source", "emulated",
+                 "--tdx-quote-socket", f"{LAUNCH_DIR}/{QUOTE_SOCKET_NAME}"]  # fmt: skip
     else:
         args += ["--quote-source", "simulated", "--simulated-pki", f"{LAUNCH_DIR}/simulated-pki",
                  "--simulated-image", inputs.simulated.image]  # fmt: skip

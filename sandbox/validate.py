@@ -251,7 +251,7 @@ def _security(doc: dict[str, Any], out: list[str]) -> None:
 
 # Only a simulated release may carry these (the proxy warns loudly; production verifiers refuse
 # the simulated root, so such a release never attests as production).
-SIMULATED_ONLY_FLAGS = ("--simulated-pki", "--test-allow-upstream", "--test-resolver", "--test-hosts",
+SIMULATED_ONLY_FLAGS = ("--simulated-pki", "--tdx-quote-socket", "--test-allow-upstream", "--test-resolver", "--test-hosts",
                         "--upstream-ca", "--policy-dir", "--bundle", "--secrets")  # fmt: skip
 
 
@@ -270,9 +270,16 @@ def _check_quote_source(command: list[str], proxy: dict[str, Any], out: list[str
             out.append("service proxy: --simulated-pki must be in the launch directory")
         if tsm:
             out.append(f"service proxy: a simulated release does not mount {TSM_REPORT}")
+    elif source == "emulated":
+        # The emulated clouds' host TDX module, through the agent's relay socket in the launch
+        # directory (read-only bind; quotes only). Simulated root: never production.
+        if not (_flag(command, "--tdx-quote-socket") or "").startswith(LAUNCH_PREFIX):
+            out.append("service proxy: --tdx-quote-socket must be in the launch directory")
+        if tsm:
+            out.append(f"service proxy: an emulated release does not mount {TSM_REPORT}")
     else:
         out.append("service proxy: the Security CVM quotes with --quote-source configfs "
-                   "(or simulated, in a simulated release)")  # fmt: skip
+                   "(or simulated or emulated, in a simulated release)")  # fmt: skip
 
 
 def validate_security_compose(text: str) -> dict[str, Any]:

@@ -24,6 +24,9 @@ One module a concern, re-exported here (callers import `umbra.cli.up_stack`):
     components  each component's argv and environment, and starting it
     seed        the Console seeded through its API (login, bundle, Security CVM, secrets)
     devcvm      the sandbox image, the Dev CVM's launch, the sandbox trusting the proxy's CA
+    qemu        `--runtime qemu`: QEMU's preflight, KVM or TCG, the Dev release, the provider's
+                config, the VMs (found, shown, stopped)
+    os_disk     `--runtime qemu`: the qemu OS image's boot disk, built once per source tree
     status      `umbra status` probes and `umbra down`
 """
 
@@ -34,9 +37,11 @@ from umbra.cli.up_stack.components import (
     console_settings,
     proxy_argv,
     start_console,
+    start_console_front,
     start_issuer,
     start_llm_origin,
     start_origin,
+    start_pccs,
     start_proxy,
     wait_tunnel,
 )
@@ -72,6 +77,7 @@ from umbra.cli.up_stack.names import (
     Health,
     Port,
 )
+from umbra.cli.up_stack.qemu import Runtime, runtime
 from umbra.cli.up_stack.seed import (
     api,
     demo_profile,
@@ -115,6 +121,7 @@ __all__ = [
     "Component",
     "Health",
     "Port",
+    "Runtime",
     "Stack",
     "UpError",
     "api",
@@ -139,12 +146,15 @@ __all__ = [
     "prepare_material",
     "proxy_argv",
     "publish_bundle",
+    "runtime",
     "save_client_opt_ins",
     "ssh_identity",
     "start_console",
+    "start_console_front",
     "start_issuer",
     "start_llm_origin",
     "start_origin",
+    "start_pccs",
     "start_proxy",
     "status",
     "token",

@@ -11,7 +11,12 @@ import time
 from collections.abc import Callable
 
 from umbra.cli.up_stack.errors import UpError
-from umbra.cli.up_stack.material import claude_oauth_token, llm_keys, vendor_standins
+from umbra.cli.up_stack.material import (
+    claude_oauth_token,
+    llm_keys,
+    tls_identity,
+    vendor_standins,
+)
 from umbra.cli.up_stack.names import (
     SIMULATED_IMAGE,
     SUBJECT,
@@ -21,10 +26,11 @@ from umbra.cli.up_stack.names import (
     Component,
     Port,
 )
+from umbra.cli.up_stack.qemu import CONFIG as QEMU_CONFIG
+from umbra.cli.up_stack.qemu import CONSOLE_NAME, Runtime, runtime, tunnel_host
 from umbra.cli.up_stack.status import tcp_ok
 from umbra.cli.up_stack.supervise import Stack, umbra_executable
 from umbra.cli.up_stack.upstream import allowed_upstreams
-from umbra.sandbox import local_cvm
 
 # Outside the Console's settings model: a file holding the `KEK` value (console/config.py).
 KEK_FILE = "kek_file"
@@ -48,7 +54,16 @@ def console_settings(stack: Stack) -> dict[str, str]:
         "release_allow_simulated": "true",
         "release_simulated_root": str(p("pki", "root.der")),
         "long_poll_db_interval_seconds": "0.25",
+        **_runtime_settings(stack),
     }
+
+
+def _runtime_settings(stack: Stack) -> dict[str, str]:
+    """`--runtime qemu`: the Console launches the Dev CVM with its `qemu` provider (the local
+    provider stays configured: it holds the Security CVM's record)."""
+    if runtime(stack) is not Runtime.qemu:
+        return {}
+    return {"providers": "local,qemu", "qemu_cvm_config": str(stack.p(QEMU_CONFIG))}
 
 
 def console_env(stack: Stack) -> dict[str, str]:
@@ -107,6 +122,40 @@ def start_console(stack: Stack) -> bool:
     )
 
 
+def start_console_front(stack: Stack) -> bool:
+    """`--runtime qemu`: TLS for the Console's name in front of its loopback port (tls_front.py),
+    what a VM's forward reaches; its own CA (`console-tls/ca.pem`) goes into launch data."""
+    d = stack.p("console-tls")
+    tls_identity(d, frozenset({CONSOLE_NAME}))
+
+    def argv() -> list[str]:
+        return [
+            sys.executable, "-m", "umbra.cli.tls_front", "--cert", str(d / "origin.pem"),
+            "--key", str(d / "origin-key.pem"),
+            "--listen", f"127.0.0.1:{stack.port(Port.CONSOLE_TLS)}",
+            "--to", f"127.0.0.1:{stack.port(Port.CONSOLE)}",
+        ]  # fmt: skip
+
+    return _start(
+        stack,
+        Component.CONSOLE_TLS,
+        argv,
+        lambda: stack.wait_tcp(Component.CONSOLE_TLS, stack.port(Port.CONSOLE_TLS), 20),
+    )
+
+
+def start_pccs(stack: Stack) -> bool:
+    """`--runtime qemu`: the simulated PKI's collateral for the tunnel endpoint to relay."""
+    argv = [sys.executable, "-m", "umbra.cli.up_pccs", "--pki", str(stack.p("pki"))]
+    argv += ["--port", str(stack.port(Port.PCCS))]
+    return _start(
+        stack,
+        Component.PCCS,
+        lambda: argv,
+        lambda: stack.wait_tcp(Component.PCCS, stack.port(Port.PCCS), 20),
+    )
+
+
 def _origin_argv(stack: Stack, module: str, port: Port, *extra: str) -> list[str]:
     """A stand-in origin: its module, the stand-ins' one certificate, its port."""
     d = stack.p("demo-origin")
@@ -156,7 +205,7 @@ def wait_tunnel(stack: Stack, timeout: float) -> None:
     while time.monotonic() < end:
         if stack.pid(Component.PROXY) is None:
             raise UpError(f"proxy exited while starting: {stack.log_tail(Component.PROXY)}")
-        if tcp_ok(stack.port(Port.TUNNEL), local_cvm.SECURITY_CVM_ADDR):
+        if tcp_ok(stack.port(Port.TUNNEL), tunnel_host(stack)):
             return
         time.sleep(0.1)
     raise UpError(f"the tunnel endpoint did not listen within {timeout:.0f}s")
@@ -184,8 +233,9 @@ def proxy_argv(stack: Stack) -> list[str]:
         # One worker: the embedded stack serves one developer, and one process starts fastest.
         "--workers", "1",
         "--listen", f"127.0.0.1:{stack.port(Port.PROXY)}",
-        # Reached from each local Dev CVM's forwarder namespace over its uplink veth only.
-        "--tunnel-listen", f"{local_cvm.SECURITY_CVM_ADDR}:{stack.port(Port.TUNNEL)}",
+        # Reached from each local Dev CVM's forwarder namespace over its uplink veth only (a
+        # qemu VM: through its guestfwd relay on loopback).
+        "--tunnel-listen", f"{tunnel_host(stack)}:{stack.port(Port.TUNNEL)}",
         "--identities", str(s / "identities.json"),
         "--traffic-log", str(s / "spool"),
         "--confdir", str(s / "mitm-ca"),
@@ -207,6 +257,9 @@ def proxy_argv(stack: Stack) -> list[str]:
         # Real names through the system resolver, every address checked; the stand-in origin's
         # names are the one static exception.
         "--test-hosts", str(s / "resolver.json"),
+        # A VM's forwarder reaches no PCCS: the tunnel endpoint sends its collateral along.
+        *(["--tunnel-collateral-pccs", f"http://127.0.0.1:{stack.port(Port.PCCS)}"]
+          if runtime(stack) is Runtime.qemu else []),
     ]  # fmt: skip
 
 

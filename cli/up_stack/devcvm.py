@@ -9,6 +9,7 @@ from pathlib import Path
 
 import httpx
 
+from umbra.cli.up_stack import qemu, vms
 from umbra.cli.up_stack.errors import UpError
 from umbra.cli.up_stack.names import DEV_CVM_NAME, TEAM
 from umbra.cli.up_stack.seed import expect
@@ -27,7 +28,10 @@ DEFAULT_PROFILES = (
 def ensure_dev_cvm(stack: Stack, client: httpx.Client, scvm_id: str, ssh_keys: list[str]) -> str:
     """Launch the Dev CVM as `umbra cvm launch` does, or bring the known one back up."""
     known = stack.state.get("dev_cvm_id")
-    if known:
+    if known and qemu.runtime(stack) is qemu.Runtime.qemu:
+        if _qemu_vm_usable(stack, client, str(known), ssh_keys):
+            return str(known)
+    elif known:
         info = client.get(f"/api/v1/cvms/{known}")
         plan = local_cvm.load_plan(stack.p("cvms"), str(known))
         # A CVM launched without the SSH ingress (an older state directory) is launched anew.
@@ -54,6 +58,8 @@ def ensure_dev_cvm(stack: Stack, client: httpx.Client, scvm_id: str, ssh_keys: l
                 "name": f"{DEV_CVM_NAME}-{int(time.time())}",
                 "security_cvm_id": scvm_id,
                 "ssh_keys": ssh_keys,
+                # runc: the local provider builds a sandbox here; qemu: the VM boots.
+                "provider": "qemu" if qemu.runtime(stack) is qemu.Runtime.qemu else "local",
             },
         ),
         201,
@@ -62,6 +68,24 @@ def ensure_dev_cvm(stack: Stack, client: httpx.Client, scvm_id: str, ssh_keys: l
     stack.state["dev_cvm_id"] = created["id"]
     stack.save()
     return str(created["id"])
+
+
+def _qemu_vm_usable(stack: Stack, client: httpx.Client, cvm_id: str, ssh_keys: list[str]) -> bool:
+    """The VM the Console launched still runs (same Console process, QEMU alive): kept, its keys
+    brought up to date. Otherwise it went with the Console that launched it (the provider is not
+    resumable): its record is destroyed and a new VM is launched."""
+    info = client.get(f"/api/v1/cvms/{cvm_id}")
+    alive = any(vm.cvm_id == cvm_id for vm in vms.vms(stack))
+    state = info.json().get("state") if info.status_code == 200 else None
+    if alive and state == CvmState.running:
+        if _canonical(info.json().get("ssh_keys", [])) != _canonical(ssh_keys):
+            patch = client.patch(f"/api/v1/cvms/{cvm_id}", json={"ssh_keys": ssh_keys})
+            _wait_settled(client, str(expect(patch, 200)["id"]), CvmState.updating)
+        return True
+    if state is not None and state not in (CvmState.destroyed, CvmState.destroying):
+        stack.progress(f"the VM of {cvm_id} ended with its Console: launching a new one")
+        client.delete(f"/api/v1/cvms/{cvm_id}")
+    return False
 
 
 def _canonical(keys: list[str]) -> set[str]:

@@ -105,6 +105,12 @@ def _demo_ca(directory: Path, names: frozenset[str] = ORIGIN_NAMES) -> None:
     (directory / "origin.pem").write_bytes(_pem_cert(cert))
 
 
+def tls_identity(directory: Path, names: frozenset[str]) -> None:
+    """A CA of its own and a server certificate for `names` in `directory` (`ca.pem`,
+    `origin.pem`, `origin-key.pem` 0600), made once (again if a name is missing)."""
+    _demo_ca(directory, names)
+
+
 def write_secret(path: Path, data: bytes) -> None:
     """A key or token: 0600 whatever the umask, written whole or not at all."""
     write_atomic(path, data, 0o600)

@@ -30,12 +30,18 @@ class Component(StrEnum):
 
     ISSUER = "issuer"
     CONSOLE = "console"
+    # `--runtime qemu` only: TLS in front of the Console for the VM's enrollment (tls_front.py).
+    CONSOLE_TLS = "console-tls"
+    # `--runtime qemu` only: the simulated PKI's collateral the tunnel endpoint relays (up_pccs.py).
+    PCCS = "pccs"
     ORIGIN = "origin"
     LLM = "llm"
     PROXY = "proxy"
 
 
 COMPONENTS = tuple(Component)
+# Only with `--runtime qemu` (a VM reaches the Console by TLS, and no PCCS).
+QEMU_ONLY = frozenset({Component.CONSOLE_TLS, Component.PCCS})
 
 
 class Port(IntEnum):
@@ -47,6 +53,8 @@ class Port(IntEnum):
     TUNNEL = 3  # the proxy's aTLS tunnel endpoint
     ORIGIN = 4
     LLM = 5
+    CONSOLE_TLS = 6  # `--runtime qemu` only
+    PCCS = 7  # `--runtime qemu` only
 
     @property
     def label(self) -> str:
@@ -55,7 +63,7 @@ class Port(IntEnum):
     @property
     def owner(self) -> Component:
         """The component that listens on it."""
-        return Component.PROXY if self is Port.TUNNEL else Component(self.label)
+        return Component.PROXY if self is Port.TUNNEL else Component(self.label.replace("_", "-"))
 
 
 # By name, as the state file, messages and tests spell them.

@@ -8,13 +8,17 @@ from typing import Any
 
 import httpx
 
+from umbra.cli.up_stack import qemu, vms
 from umbra.cli.up_stack.names import COMPONENTS, Component, Health, Port
 from umbra.cli.up_stack.supervise import Stack
 from umbra.sandbox import local_cvm
 
 
 def down(stack: Stack) -> list[str]:
-    stopped = [str(name) for name in reversed(COMPONENTS) if stack.stop(name)]
+    # The VMs first, while the Console that launched them still runs: the power button, then a
+    # kill after the grace period (stopping the Console would take them down unannounced).
+    stopped = vms.stop_vms(stack)
+    stopped += [str(name) for name in reversed(COMPONENTS) if stack.stop(name)]
     for plan in local_cvm.all_plans(stack.p("cvms")):
         local_cvm.shut_down(plan)
         stopped.append(f"dev-cvm {plan.cvm_id}")
@@ -23,14 +27,19 @@ def down(stack: Stack) -> list[str]:
 
 def status(stack: Stack) -> dict[str, Any]:
     out: dict[str, Any] = {"state_dir": str(stack.state_dir), "components": {}}
+    on_qemu = qemu.runtime(stack) is qemu.Runtime.qemu
     probes: dict[Component, Callable[[], bool]] = {
         Component.ISSUER: lambda: http_ok(stack.issuer_url + "/healthz"),
         Component.CONSOLE: lambda: http_ok(stack.console_url + "/healthz"),
         Component.ORIGIN: lambda: tcp_ok(stack.port(Port.ORIGIN)),
         Component.LLM: lambda: tcp_ok(stack.port(Port.LLM)),
-        Component.PROXY: lambda: tcp_ok(stack.port(Port.TUNNEL), local_cvm.SECURITY_CVM_ADDR),
+        Component.PROXY: lambda: tcp_ok(stack.port(Port.TUNNEL), qemu.tunnel_host(stack)),
+        Component.CONSOLE_TLS: lambda: tcp_ok(stack.port(Port.CONSOLE_TLS)),
+        Component.PCCS: lambda: http_ok(
+            f"http://127.0.0.1:{stack.port(Port.PCCS)}/sgx/certification/v4/rootcacrl"
+        ),
     }
-    for name in COMPONENTS:
+    for name in qemu.components(stack):
         pid = stack.pid(name)
         out["components"][str(name)] = {
             "pid": pid,
@@ -38,7 +47,8 @@ def status(stack: Stack) -> dict[str, Any]:
             "healthy": pid is not None and probes[name](),
         }
     out["console_url"] = stack.console_url
-    out["dev_cvms"] = []
+    out["runtime"] = str(qemu.runtime(stack))
+    out["dev_cvms"] = vms.status(stack) if on_qemu else []
     for plan in local_cvm.all_plans(stack.p("cvms")):
         info = local_cvm.status(plan)
         info["healthy"] = bool(

@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 
 from umbra.cli.up_stack.errors import UpError
-from umbra.cli.up_stack.names import COMPONENTS, PORTS, Port
+from umbra.cli.up_stack.names import COMPONENTS, PORTS, QEMU_ONLY, Port
 from umbra.contracts.files import write_atomic
 
 REQUIRED_TOOLS = {
@@ -219,13 +219,21 @@ def preflight(stack: Stack) -> None:
             "umbra up needs root: it creates network and user namespaces for the Dev CVM",
             "run it as root (sudo ./scripts/up)",
         )
-    missing = sorted({pkg for tool, pkg in REQUIRED_TOOLS.items() if shutil.which(tool) is None})
+    tools = dict(REQUIRED_TOOLS)
+    if stack.state.get("runtime") == "qemu":
+        from umbra.cli.up_stack import qemu
+
+        qemu.preflight()
+        tools = {k: v for k, v in tools.items() if k not in qemu.SANDBOX_ONLY_TOOLS}
+    missing = sorted({pkg for tool, pkg in tools.items() if shutil.which(tool) is None})
     if missing:
         raise UpError(
             f"missing system packages: {', '.join(missing)}", "run ./scripts/system-deps as root"
         )
     stack.reap_orphans()
     for port in Port:
+        if port.owner in QEMU_ONLY and stack.state.get("runtime") != "qemu":
+            continue
         if port is Port.TUNNEL or stack.pid(port.owner) is not None:
             continue
         with socket.socket() as sock:

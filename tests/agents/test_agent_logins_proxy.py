@@ -26,7 +26,13 @@ from tests.proxy.harness import ALICE_TOKEN, ProxyProcess, start_proxy
 from tests.proxy.harness import TestCA as OriginCA
 from umbra.cli.llm_origin import REPLY
 from umbra.cli.up_agents import CLAUDE_QUIET
-from umbra.cli.vendor_origin import CODEX_CLIENT_ID, VendorServer, VendorState, serve_vendor
+from umbra.cli.vendor_origin import (
+    ACCOUNT_ID,
+    CODEX_CLIENT_ID,
+    VendorServer,
+    VendorState,
+    serve_vendor,
+)
 from umbra.contracts.agent_logins import codex_placeholder_auth
 from umbra.proxy.identity import hash_credential
 
@@ -35,6 +41,9 @@ ADDR = "127.0.0.26"  # not tests/up's 127.0.0.25: both may run on one machine
 HOSTS = ["api.anthropic.com", "auth.openai.com", "chatgpt.com"]
 TOKEN = "sk-ant-oat01-UMBRALIGHT-" + "s3cr3tSubscr1pt10n" * 3
 PROFILES = ["claude-subscription", "codex-chatgpt"]
+# `codex exec` as a developer types it: the built-in `openai` provider, no configuration.
+CODEX = ["codex", "exec", "--skip-git-repo-check", "--ephemeral", "--color", "never", "say hi"]
+ACCOUNT_READ = (Path(__file__).parent / "codex_account_read.py").read_text()
 CHATGPT_PROVIDER = (
     '{name="ChatGPT", base_url="https://chatgpt.com/backend-api/codex", wire_api="responses", '
     "requires_openai_auth=true, request_max_retries=0, stream_max_retries=0}"
@@ -104,7 +113,9 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
         assert secret not in output and secret.encode() not in spool
 
 
-def _run(env: Env, argv: list[str], extra: dict[str, str]) -> subprocess.CompletedProcess[str]:
+def _run(
+    env: Env, argv: list[str], extra: dict[str, str], stdin: str | None = None
+) -> subprocess.CompletedProcess[str]:
     """As a sandbox login runs an agent: the proxy and its CA, a clean HOME, nothing else."""
     url, ca = env.proxy.url(), str(env.proxy.ca)
     login = {
@@ -117,7 +128,7 @@ def _run(env: Env, argv: list[str], extra: dict[str, str]) -> subprocess.Complet
     work.mkdir(exist_ok=True)
     return subprocess.run(
         argv, env=login | extra, cwd=work, capture_output=True, text=True, timeout=120,
-        stdin=subprocess.DEVNULL, check=False,
+        input=stdin, stdin=None if stdin is not None else subprocess.DEVNULL, check=False,
     )  # fmt: skip
 
 
@@ -133,28 +144,57 @@ def test_claude_subscription_token_injected_as_a_bearer(env: Env) -> None:
 
 
 def test_codex_chatgpt_login_minted_and_rotated(env: Env) -> None:
-    argv = [
-        "codex", "exec", "--skip-git-repo-check", "--ephemeral", "--color", "never",
-        "--sandbox", "read-only", "-c", "check_for_update_on_startup=false",
-        "-c", "analytics.enabled=false", "-c", "feedback.enabled=false",
-        "-c", "model_provider=chatgpt", "-c", f"model_providers.chatgpt={CHATGPT_PROVIDER}",
-        "--disable", "plugins", "--disable", "remote_plugin", "--disable", "apps",
-        "--disable", "plugin_sharing", "--disable", "in_app_updates", "say hi",
-    ]  # fmt: skip
+    """Codex as a developer runs it: its built-in `openai` provider, no config, only the
+    placeholder `~/.codex/auth.json`."""
     seconds = []
     for index in range(3):
         if index:
             time.sleep(9)  # past the 8 s access token: the next run starts with a refresh
         started = time.monotonic()
         # As in `umbra up`, an API-key profile may put OPENAI_API_KEY beside the ChatGPT login.
-        done = _run(env, argv, {"OPENAI_API_KEY": "umbra-placeholder:personal/openai-api-key"})
+        done = _run(env, CODEX, {"OPENAI_API_KEY": "umbra-placeholder:personal/openai-api-key"})
         seconds.append(round(time.monotonic() - started, 2))
         assert done.returncode == 0 and REPLY in done.stdout, done.stdout + done.stderr[-3000:]
         assert env.refresh0 not in done.stdout + done.stderr
-    print(f"codex exec with minted ChatGPT tokens through the proxy: {seconds} s")
+    print(f"codex exec (built-in provider) with minted ChatGPT tokens through the proxy: "
+          f"{seconds} s")  # fmt: skip
     counts = env.vendor.vendor.snapshot()["counts"]
-    assert counts.get("chatgpt.com_ok", 0) >= 3 and not counts.get("chatgpt.com_refused"), counts
+    assert counts.get("codex_turn", 0) >= 3 and not counts.get("chatgpt.com_refused"), counts
+    # Each run's turn went over the Responses WebSocket, the minted token in its handshake.
+    assert counts.get("codex_websocket", 0) >= 3, counts
+    assert counts.get("codex_turn_websocket", 0) >= 3, counts
+    assert counts.get("accounts_check", 0) >= 3, counts  # the routing discovery before a turn
     assert counts.get("refresh_ok", 0) >= 3, counts  # one chain, rotated on every run
     assert not counts.get("refresh_reused") and not counts.get("refresh_refused"), counts
     auth = (env.workdir / "home" / ".codex" / "auth.json").read_text()
     assert "umbra-placeholder:personal/codex-chatgpt" in auth and env.refresh0 not in auth
+
+
+def test_codex_workspace_routing_discovery_through_the_proxy(env: Env) -> None:
+    """What Codex's interactive UI asks first with a ChatGPT login (`account/read`, which runs
+    the workspace routing discovery, GET /backend-api/wham/accounts/check) answers the
+    stand-in's workspace, reached with a minted token."""
+    before = env.vendor.vendor.snapshot()["counts"].get("accounts_check", 0)
+    done = _run(env, ["python3", "-"], {}, stdin=ACCOUNT_READ)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    answer = json.loads(done.stdout)["result"]
+    assert answer["account"]["type"] == "chatgpt", answer
+    assert answer["workspaceRouting"] == {
+        "chatgptAccountId": ACCOUNT_ID, "backendOrigin": "https://chatgpt.com",
+        "accountRoutingOverride": "NO_CONSTRAINT",
+    }, answer  # fmt: skip
+    assert env.vendor.vendor.snapshot()["counts"]["accounts_check"] == before + 1
+    assert env.refresh0 not in done.stdout + done.stderr
+
+
+def test_codex_provider_entry_for_the_chatgpt_backend(env: Env) -> None:
+    """The same login through a provider entry naming the ChatGPT backend
+    (`requires_openai_auth`): same tokens, same headers, the turn over HTTPS."""
+    entry = ["-c", "model_provider=chatgpt", "-c", f"model_providers.chatgpt={CHATGPT_PROVIDER}"]
+    before = env.vendor.vendor.snapshot()["counts"]
+    done = _run(env, [*CODEX[:-1], *entry, CODEX[-1]], {})
+    assert done.returncode == 0 and REPLY in done.stdout, done.stdout + done.stderr[-3000:]
+    after = env.vendor.vendor.snapshot()["counts"]
+    assert after["codex_turn"] > before["codex_turn"], after
+    assert after["codex_turn_websocket"] == before["codex_turn_websocket"], after
+    assert env.refresh0 not in done.stdout + done.stderr

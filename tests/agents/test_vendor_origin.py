@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import io
 import json
+import socket
 import ssl
 import threading
 import time
@@ -16,10 +18,15 @@ from pathlib import Path
 
 import httpx
 import pytest
+import zstandard
+from websockets.exceptions import InvalidStatus
+from websockets.sync.client import connect
 
 from tests.proxy.harness import TestCA as OriginCA
+from umbra.cli import ws_frames
 from umbra.cli.llm_origin import REPLY
 from umbra.cli.vendor_origin import CODEX_CLIENT_ID, VendorServer, VendorState, serve_vendor
+from umbra.cli.ws_frames import Opcode
 from umbra.contracts.agent_logins import CODEX_PLACEHOLDER, codex_placeholder_auth
 
 TOKEN = "sk-ant-oat01-vendor-test-" + "x" * 20
@@ -77,8 +84,25 @@ def test_the_refresh_chain_rotates_and_a_spent_token_is_refused(
         bearer = {"authorization": f"Bearer {rotated['access_token']}"}
         check = chatgpt.get("/backend-api/wham/accounts/check", headers=bearer)
         assert check.status_code == 200 and check.json()["default_account_id"]
+        # Codex 0.171 refuses a workspace without one of these (docs/specs/embedded.md).
+        (account,) = check.json()["accounts"]
+        assert account["account_routing_override"] in ("NO_CONSTRAINT", "us", "us_cr")
+        assert account["workspace_backend_origin"] == "https://chatgpt.com"
         turn = chatgpt.post("/backend-api/codex/responses", json={"input": "hi"}, headers=bearer)
         assert turn.status_code == 200 and REPLY in turn.text
+        # Codex's built-in provider sends its turns zstd-compressed.
+        packed = zstandard.ZstdCompressor().compress(json.dumps({"input": "hi"}).encode())
+        zstd = {**bearer, "content-encoding": "zstd", "content-type": "application/json"}
+        turn = chatgpt.post("/backend-api/codex/responses", content=packed, headers=zstd)
+        assert turn.status_code == 200 and REPLY in turn.text
+        garbled = chatgpt.post("/backend-api/codex/responses", content=b"{}", headers=zstd)
+        assert garbled.status_code == 400
+        # Its first choice, the Responses WebSocket: refused without a live token, else each
+        # `response.create` answered by the streamed events, one message each.
+        assert _websocket_turn(vendor, {}) == ["HTTP 401"]
+        events = _websocket_turn(vendor, bearer)
+        assert events[0] == "response.created" and events[-1] == "response.completed", events
+        assert "response.output_text.delta" in events
         stale = {"authorization": f"Bearer {login['tokens']['access_token']}"}
         time.sleep(2.2)  # both expired now
         assert chatgpt.get("/backend-api/wham/settings/user", headers=stale).status_code == 401
@@ -87,6 +111,24 @@ def test_the_refresh_chain_rotates_and_a_spent_token_is_refused(
     assert (
         snapshot["refresh_sha256"] == hashlib.sha256(rotated["refresh_token"].encode()).hexdigest()
     )
+
+
+def _websocket_turn(vendor: tuple[VendorServer, Path], headers: dict[str, str]) -> list[str]:
+    """One turn over `wss://chatgpt.com/backend-api/codex/responses` (the `websockets` client):
+    the events' types, or the handshake's refusal."""
+    server, ca = vendor
+    url = f"wss://chatgpt.com:{server.port}/backend-api/codex/responses"
+    types: list[str] = []
+    try:
+        with connect(url, sock=socket.create_connection(("127.0.0.1", server.port), timeout=10),
+                     ssl=ssl.create_default_context(cafile=ca), additional_headers=headers,
+                     compression=None, open_timeout=10) as client:  # fmt: skip
+            client.send(json.dumps({"type": "response.create", "input": "hi", "stream": True}))
+            while not types or types[-1] != "response.completed":
+                types.append(json.loads(client.recv(timeout=10))["type"])
+    except InvalidStatus as exc:
+        return [f"HTTP {exc.response.status_code}"]
+    return types
 
 
 def _claims(jwt: str) -> dict[str, object]:
@@ -112,3 +154,26 @@ def test_the_placeholder_codex_login_holds_identity_claims_only() -> None:
     assert doc["tokens"]["access_token"].endswith(
         base64.urlsafe_b64encode(CODEX_PLACEHOLDER.encode()).rstrip(b"=").decode()
     )
+
+
+def _masked(opcode: int, payload: bytes, fin: bool = True) -> bytes:
+    mask = b"\x01\x02\x03\x04"
+    body = bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
+    return bytes([(0x80 if fin else 0) | opcode, 0x80 | len(payload)]) + mask + body
+
+
+def test_websocket_frames_fragments_control_frames_and_refusals() -> None:
+    stream = io.BytesIO(
+        _masked(0x1, b'{"type":', fin=False) + _masked(0x0, b'"x"}') + _masked(0x9, b"hb")
+    )
+    assert ws_frames.read_message(stream) == ws_frames.Message(Opcode.TEXT, b'{"type":"x"}')
+    assert ws_frames.read_message(stream) == ws_frames.Message(Opcode.PING, b"hb")
+    with pytest.raises(EOFError):
+        ws_frames.read_message(stream)
+    with pytest.raises(ws_frames.FrameError, match="masked"):
+        ws_frames.read_message(io.BytesIO(ws_frames.frame(Opcode.TEXT, b"unmasked")))
+    with pytest.raises(ws_frames.FrameError, match="continuation"):
+        ws_frames.read_message(io.BytesIO(_masked(0x0, b"orphan")))
+    assert ws_frames.frame(Opcode.TEXT, b"x" * 70000)[:2] == b"\x81\x7f"  # 64-bit length
+    # RFC 6455's own example.
+    assert ws_frames.accept_key("dGhlIHNhbXBsZSBub25jZQ==") == "s3pPLMBiTxaQ9kYGzzhZRbK+xOo="

@@ -1,4 +1,4 @@
-"""`umbra connect|disconnect claude|codex` against a running Console (real OIDC issuer, SQLite
+"""`umbra connect|disconnect claude|codex` (also spelt `umbra claude|codex connect|disconnect`) against a running Console (real OIDC issuer, SQLite
 and PostgreSQL): the login stored as the developer's personal secret of the right kind, the
 agent's profile attached to their own Dev CVM by them (not an admin), both removed again; the
 token bytes appear in no output, no file the CLI wrote and no database byte."""
@@ -66,7 +66,8 @@ def test_connect_and_disconnect_the_agents(
     auth.write_text(json.dumps({"OPENAI_API_KEY": None, "tokens": {
         "id_token": _jwt({"aud": ["app_codex_test"]}), "access_token": access,
         "refresh_token": REFRESH, "account_id": "acct"}}))  # fmt: skip
-    codex = dev.json("connect", "codex", "--auth-file", str(auth))
+    # The issue's spelling, `umbra codex connect`, is the same command.
+    codex = dev.json("codex", "connect", "--auth-file", str(auth))
     assert (codex["secret"], codex["kind"]) == ("personal/codex-chatgpt", "oauth2-refresh")
     listed = {s["ref"]: s for s in dev.json("secret", "list")}
     assert listed["personal/codex-chatgpt"]["hosts"] == ["chatgpt.com"]
@@ -87,7 +88,7 @@ def test_connect_and_disconnect_the_agents(
     gone = dev.json("disconnect", "claude")
     assert gone == {"agent": "claude", "deleted": True, "profile": "claude-subscription",
                     "cvms": [mine]}  # fmt: skip
-    assert dev.json("disconnect", "codex")["deleted"] is True
+    assert dev.json("codex", "disconnect")["deleted"] is True
     assert team.dev.get(f"/api/v1/cvms/{mine}").json()["profiles"] == ["github"]
     assert dev.json("secret", "list") == []
     assert dev.json("disconnect", "claude")["deleted"] is False  # idempotent

@@ -16,6 +16,7 @@ import pytest
 
 from umbra.attest.simpki import SimulatedPki
 from umbra.components.launch_data import LaunchData
+from umbra.components.ports import DEV_ATTESTED_SSH_PORT
 from umbra.console.config import Settings
 from umbra.console.enums import CvmKind
 from umbra.console.providers import (
@@ -25,7 +26,7 @@ from umbra.console.providers import (
     ProviderUnsupported,
     build_providers,
 )
-from umbra.console.providers_qemu import QemuCvmProvider, QemuCvmSettings, QemuForward
+from umbra.console.providers_qemu import GuestForward, QemuCvmProvider, QemuCvmSettings
 from umbra.emulated.metadata import Shape
 from umbra.emulated.qemu import QemuVm, VmConfig, qemu_argv
 
@@ -160,6 +161,41 @@ def test_azure_shape_serves_user_data_and_a_wire_server(tmp_path: Path, settings
         p.destroy(_spec(), p.ref(_spec().id), lambda _e: None)
 
 
+def test_a_security_cvm_gets_the_stacks_launch_data_its_module_and_a_published_tunnel(
+    tmp_path: Path, settings: QemuCvmSettings
+) -> None:
+    sec_compose = tmp_path / "security-app-compose.json"
+    sec_compose.write_text('{"docker_compose_file":"name: umbra-security\\n","manifest_version":2}')
+    RecordingVm.boots = []
+    s = settings.model_copy(
+        update={"security_app_compose": sec_compose, "security_tunnel_host_port": 18443,
+                "forwards": [{"address": "168.1.0.10", "port": 443, "host_port": 18444}]}
+    )  # fmt: skip
+    p = QemuCvmProvider(QemuCvmSettings.model_validate(s.model_dump()), RecordingVm)
+    spec = _spec("cvm_00000000000000b2", kind=CvmKind.security, ssh_keys=())
+    with pytest.raises(ProviderError, match="takes no SSH keys"):
+        p.check(_spec(kind=CvmKind.security))
+    try:
+        done = p.launch(spec, lambda _e: None)
+        (config,) = RecordingVm.boots
+        want = LaunchData(
+            role="security-cvm", team="team-a", cvm_id=spec.id,
+            app_compose=sec_compose.read_text(), console_url="https://console.example.test",
+            enrollment_token=TOKEN, cloud="gcp",
+        ).gcp_metadata()  # fmt: skip
+        assert _attributes(config.metadata_port) == want
+        # Its module measures the Security image; the tunnel is published on the host.
+        assert p._vms[spec.id].module.image == "umbra-security-cvm"
+        assert config.memory_mb == 2048
+        argv = " ".join(qemu_argv(config))
+        assert "hostfwd=tcp:127.0.0.1:18443-:8443" in argv
+        assert "guestfwd=tcp:168.1.0.10:443-cmd:" in argv and " 127.0.0.1 18444" in argv
+        assert done.state["tunnel"] == "127.0.0.1:18443"
+        assert TOKEN not in json.dumps(done.state)
+    finally:
+        p.destroy(spec, p.ref(spec.id), lambda _e: None)
+
+
 def test_stop_start_and_update_keep_the_data_disk(provider: QemuCvmProvider) -> None:
     ref = provider.launch(_spec(), lambda _e: None).ref
     provider.set_running(ref, False)
@@ -245,8 +281,12 @@ def test_the_console_launches_stops_starts_and_destroys_through_it(
 
     monkeypatch.setattr(providers_qemu, "QemuVm", RecordingVm)
     RecordingVm.boots, RecordingVm.stops = [], []
+    sec_compose = tmp_path / "security-app-compose.json"
+    sec_compose.write_text('{"docker_compose_file":"name: umbra-security\\n","manifest_version":2}')
     config = tmp_path / "qemu.json"
-    config.write_text(settings.model_dump_json())
+    config.write_text(
+        settings.model_copy(update={"security_app_compose": sec_compose}).model_dump_json()
+    )
     url, sqlite_path = new_database("sqlite", request)
     server = start_server(
         "sqlite", url, sqlite_path, issuer.url, generate_key(), tmp_path,
@@ -273,6 +313,19 @@ def test_the_console_launches_stops_starts_and_destroys_through_it(
         assert team.dev.delete(path).status_code == 200
         assert _settle(team, cvm["id"])["state"] == "destroyed"
         assert not boot.data_disk.parent.exists()
+        # A Security CVM the provider boots gets a token minted by the Console too (fails
+        # before: only Dev CVM launches minted one; a Security CVM's came from its team stack).
+        sec = team.admin.post(f"/api/v1/teams/{team.name}/cvms",
+                              json={"name": "emu-sec", "kind": "security", "provider": "qemu"})  # fmt: skip
+        assert sec.status_code == 201, sec.text
+        sec_info = _settle(team, sec.json()["id"])
+        assert sec_info["state"] == "running", sec_info
+        served = _attributes(RecordingVm.boots[-1].metadata_port)
+        assert served["umbra-role"] == "security-cvm" and served["umbra-cvm-id"] == sec_info["id"]
+        assert len(served["umbra-enrollment-token"]) >= 16
+        assert served["umbra-enrollment-token"] not in json.dumps(sec_info)
+        assert team.admin.delete(f"/api/v1/cvms/{sec_info['id']}").status_code == 200
+        assert _settle(team, sec_info["id"])["state"] == "destroyed"
     finally:
         team.close()
         server.stop()
@@ -337,10 +390,13 @@ def test_the_dev_workload_network_and_what_umbra_ssh_is_told(
         netdev = qemu_argv(first)[qemu_argv(first).index("-netdev") + 1]
         assert "guestfwd=tcp:168.1.0.10:443-cmd:" in netdev and "127.0.0.1 4443" in netdev
         assert "guestfwd=tcp:168.1.0.20:8443-cmd:" in netdev and "127.0.0.1 4444" in netdev
-        assert first.ssh_host_port is not None and second.ssh_host_port == first.ssh_host_port
-        assert f"hostfwd=tcp:127.0.0.1:{first.ssh_host_port}-:" in netdev
+        # The ingress on one loopback port, the same after a stop and start.
+        (ingress,) = first.published
+        assert second.published == first.published
+        assert ingress.guest_port == DEV_ATTESTED_SSH_PORT
+        assert f"hostfwd=tcp:127.0.0.1:{ingress.host_port}-:{ingress.guest_port}" in netdev
         state = done.state
-        assert state[INGRESS_KEY] == {"host": "127.0.0.1", "port": first.ssh_host_port}
+        assert state[INGRESS_KEY] == {"host": "127.0.0.1", "port": ingress.host_port}
         assert state[RELEASE_KEY] == release.model_dump(mode="json", exclude_none=True)
         want = p.launch_data(_spec()).expected_events()
         assert state[EVENTS_KEY] == want and "umbra.host-firewall" in want
@@ -348,7 +404,7 @@ def test_the_dev_workload_network_and_what_umbra_ssh_is_told(
         p.destroy(_spec(), p.ref(_spec().id), lambda _e: None)
     # A forward QEMU cannot relay, and a release that does not load: refused at start.
     outside = dev.model_copy(
-        update={"forwards": [QemuForward(address="10.0.0.1", port=443, host_port=4443)]}
+        update={"forwards": [GuestForward(address="10.0.0.1", port=443, host_port=4443)]}
     )
     with pytest.raises(ProviderError, match=r"must be inside 168\.0\.0\.0/6"):
         QemuCvmProvider(outside, RecordingVm)

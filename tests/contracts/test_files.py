@@ -1,5 +1,5 @@
-"""`contracts.files.write_atomic`, the one atomic writer: exact mode whatever the umask, the owner
-set before the rename, and no temp file left behind."""
+"""`contracts.files`: `write_atomic`, the one atomic writer (exact mode whatever the umask, the owner
+set before the rename, and no temp file left behind), and `exclusive_lock`, the one lock file."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from umbra.contracts.files import write_atomic
+from umbra.contracts.files import exclusive_lock, write_atomic
 
 
 def test_mode_is_exact_and_no_temp_is_left(tmp_path: Path) -> None:
@@ -33,3 +33,14 @@ def test_owner_is_set_before_the_file_appears(tmp_path: Path) -> None:
     info = target.stat()
     assert (info.st_uid, info.st_gid) == (4242, 4343)
     assert stat.S_IMODE(info.st_mode) == 0o400 and target.read_bytes() == b"t"
+
+
+def test_exclusive_lock_is_held_by_one_holder_and_a_prune_skips_a_held_one(tmp_path: Path) -> None:
+    lock = tmp_path / "cache" / "key.lock"  # the directory is made
+    with exclusive_lock(lock) as held:
+        assert held
+        # flock is per open file: a second open, even in this process, is another holder.
+        with exclusive_lock(lock, wait=False) as second:
+            assert not second
+    with exclusive_lock(lock, wait=False) as after:
+        assert after

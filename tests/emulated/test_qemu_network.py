@@ -11,7 +11,7 @@ import pytest
 from umbra.components.ports import CONSOLE_PORT, DEV_ATTESTED_SSH_PORT, SECURITY_TUNNEL_PORT
 from umbra.emulated import relay
 from umbra.emulated.metadata import METADATA_ADDRESS, Shape
-from umbra.emulated.qemu import GATEWAY, Forward, VmConfig, VmError, netdev
+from umbra.emulated.qemu import GATEWAY, Forward, Published, VmConfig, VmError, netdev
 
 
 def _config(tmp_path: Path, **kw: object) -> VmConfig:
@@ -26,7 +26,8 @@ def test_exactly_the_console_and_security_cvm_and_the_ssh_port(tmp_path: Path) -
         Forward("168.0.1.10", CONSOLE_PORT, 4431),
         Forward("168.0.1.20", SECURITY_TUNNEL_PORT, 8441),
     )
-    parts = netdev(_config(tmp_path, forwards=forwards, ssh_host_port=2201)).split(",")
+    published = (Published(2201, DEV_ATTESTED_SSH_PORT),)
+    parts = netdev(_config(tmp_path, forwards=forwards, published=published)).split(",")
     assert "restrict=on" in parts  # nothing else of the guest's leaves
     fwd = [p for p in parts if p.startswith("guestfwd=")]
     assert fwd == [

@@ -1,5 +1,7 @@
 """Build inputs shared by the image build tests: the project's wheel and its locked requirements,
-made once per session (uv build --wheel; uv export --frozen)."""
+made once per session (uv build --wheel; uv export --frozen). The test builds hold the rootfs to
+the package locks under the `security-updates` policy (images.lock_policy), so a Debian security
+or point update does not fail them; each accepted drift is a pytest warning in the summary."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -15,6 +18,7 @@ from typer.testing import CliRunner
 
 from umbra.cli.app import app
 from umbra.images.disk_formats import CloudDisks
+from umbra.images.lock_policy import LockPolicy
 from umbra.images.os_image import (
     OS_DIR,
     LaunchAgentConfig,
@@ -29,6 +33,13 @@ from .sb_keys import make_signer
 
 ROOT = Path(__file__).resolve().parents[2]
 EPOCH = "1700000000"
+# Releases are strict (the CLI's default); the tests accept the mirror's security/point updates.
+TEST_LOCK_POLICY = LockPolicy.SECURITY_UPDATES
+
+
+def warn_drift(lines: list[str]) -> None:
+    for line in lines:
+        warnings.warn(line, stacklevel=2)
 
 
 def need_root_and(cmd: str) -> None:
@@ -85,10 +96,13 @@ def build_runtime(out: Path, wheel: Path, req: Path) -> dict[str, dict[str, str]
     done = CliRunner().invoke(
         app,
         ["image", "build", "runtime", "--out", str(out), "--wheel", str(wheel),
-         "--requirements", str(req), "--source-date-epoch", EPOCH, "--without-tools", "--json"],
+         "--requirements", str(req), "--source-date-epoch", EPOCH, "--without-tools",
+         "--lock-policy", str(TEST_LOCK_POLICY), "--json"],
     )  # fmt: skip
     assert done.exit_code == 0, done.output
-    images: dict[str, dict[str, str]] = json.loads(done.stdout)["images"]
+    result = json.loads(done.stdout)
+    warn_drift(result["lock_drift"])
+    images: dict[str, dict[str, str]] = result["images"]
     return images
 
 
@@ -122,42 +136,26 @@ def qemu_os_image(
 
     if PREBUILT and (Path(PREBUILT) / "os-qemu").is_dir():
         return _prebuilt_os(Path(PREBUILT) / "os-qemu")
-    wheel, req = build_inputs
-    return build_os_image(
+    return build_qemu_os(tmp_path_factory.mktemp("uim-os"), *build_inputs, STUB)
+
+
+def build_qemu_os(out: Path, wheel: Path, req: Path, stub: str) -> OsImage:
+    image = build_os_image(
         stub_variant(load_os_definition(OS_DIR / "qemu.yaml")),
-        tmp_path_factory.mktemp("uim-os"),
+        out,
         wheel=wheel,
         requirements=req,
         host_python_prefix=Path(sys.base_prefix),
         epoch=int(EPOCH),
-        extra_files={"/usr/local/bin/umbra-compose-stub": STUB},
+        extra_files={"/usr/local/bin/umbra-compose-stub": stub},
+        lock_policy=TEST_LOCK_POLICY,
     )
+    warn_drift([d.line() for d in image.lock_drift])
+    return image
 
 
 def _prebuilt_os(d: Path) -> OsImage:
     return OsImage(d / "rootfs.ext4", d / "vmlinuz", d / "initrd.img", d / "linuxx64.efi.stub")
-
-
-@pytest.fixture(scope="session")
-def qemu_dev_os_image(
-    build_inputs: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
-) -> OsImage:
-    """`qemu.yaml` as it is: the dev host, the sandbox image (this build host's cache, built
-    first if missing) and the attested ingress. `UMBRA_TEST_PREBUILT/os-qemu-dev` stands in."""
-    from umbra.sandbox import image
-
-    if PREBUILT and (Path(PREBUILT) / "os-qemu-dev").is_dir():
-        return _prebuilt_os(Path(PREBUILT) / "os-qemu-dev")
-    wheel, req = build_inputs
-    image.ensure_image()
-    return build_os_image(
-        load_os_definition(OS_DIR / "qemu.yaml"),
-        tmp_path_factory.mktemp("uim-os-dev"),
-        wheel=wheel,
-        requirements=req,
-        host_python_prefix=Path(sys.base_prefix),
-        epoch=int(EPOCH),
-    )
 
 
 @pytest.fixture(scope="session")
@@ -180,15 +178,36 @@ def qemu_disks(
 
 
 @pytest.fixture(scope="session")
-def qemu_dev_disks(
-    qemu_dev_os_image: OsImage, sb_signer: UkiSigner, tmp_path_factory: pytest.TempPathFactory
-) -> tuple[Uki, CloudDisks]:
-    """`qemu_dev_os_image` packed as bootable disks, once."""
+def cvm_disk(
+    build_inputs: tuple[Path, Path],
+    runtime_builds: tuple[Path, dict[str, dict[str, str]], dict[str, dict[str, str]]],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> tuple[Path, dict[str, dict[str, str]]]:
+    """The `qemu` OS image as the emulated clouds boot both roles (its packed disk.raw):
+    `qemu.yaml` as shipped (the agent's defaults, Docker, runc, the sandbox image from this build
+    host's cache, built first if missing) plus the release's proxy image archive in
+    /usr/lib/umbra/images (the session's `runtime` build). Packed without Secure Boot
+    (test_secure_boot.py covers it). `disks-qemu-cvm/disk.raw` in UMBRA_TEST_PREBUILT stands
+    in for it (local iteration)."""
+    from umbra.sandbox import image
+
+    out, images, _ = runtime_builds
+    if PREBUILT and (Path(PREBUILT) / "disks-qemu-cvm").is_dir():
+        return Path(PREBUILT) / "disks-qemu-cvm" / "disk.raw", images
     need_root_and("sfdisk")
-    need_root_and("osslsigncode")
-    return pack_os_image(
-        qemu_dev_os_image.rootfs.parent,
-        tmp_path_factory.mktemp("uim-dev-disks"),
-        int(EPOCH),
-        sb_signer,
+    wheel, req = build_inputs
+    image.ensure_image()
+    os_dir = tmp_path_factory.mktemp("uim-os-cvm")
+    built = build_os_image(
+        load_os_definition(OS_DIR / "qemu.yaml"),
+        os_dir,
+        wheel=wheel,
+        requirements=req,
+        host_python_prefix=Path(sys.base_prefix),
+        epoch=int(EPOCH),
+        image_archives=[out / images["proxy"]["archive"]],
+        lock_policy=TEST_LOCK_POLICY,
     )
+    warn_drift([d.line() for d in built.lock_drift])
+    _uki, disks = pack_os_image(os_dir, tmp_path_factory.mktemp("uim-disks-cvm"), int(EPOCH))
+    return disks.raw, images

@@ -42,13 +42,10 @@ from umbra.attest.collateral import StaticCollateral
 from umbra.attest.measurement import MeasurementPolicy
 from umbra.attest.verify import Verifier
 from umbra.console.release import AttestedReleaseVerifier
-from umbra.images.disk_formats import CloudDisks
 from umbra.images.measure import measure
-from umbra.images.uki import Uki
 from umbra.policy.bundle import generate_key
 
 from ..sandbox.fixtures import dev_definition
-from .conftest import PREBUILT
 from .test_qemu_boot import _need_qemu
 
 pytestmark = [
@@ -146,23 +143,14 @@ def _qemu_config(tmp_path: Path, console_port: int, console_ca: Path) -> Path:
     return config
 
 
-def _dev_disk(request: pytest.FixtureRequest) -> Path:
-    """The packed `qemu` image's disk.raw; local iteration only (CI never sets it):
-    `UMBRA_TEST_PREBUILT/os-qemu-dev-disks/disk.raw` stands in for the session's pack."""
-    if PREBUILT and (Path(PREBUILT) / "os-qemu-dev-disks" / "disk.raw").is_file():
-        return Path(PREBUILT) / "os-qemu-dev-disks" / "disk.raw"
-    disks: tuple[Uki, CloudDisks] = request.getfixturevalue("qemu_dev_disks")
-    return disks[1].raw
-
-
 def test_a_console_launched_dev_cvm_enrolls_serves_umbra_ssh_and_survives_a_reboot(
-    request: pytest.FixtureRequest,
+    cvm_disk: tuple[Path, dict[str, dict[str, str]]],
     console: tuple[Server, LocalIssuer],
     tmp_path: Path,
 ) -> None:
     _need_qemu()
     server, issuer = console
-    (tmp_path / "disk.raw").symlink_to(_dev_disk(request))
+    (tmp_path / "disk.raw").symlink_to(cvm_disk[0])
     # The developer's client trusts the simulated PKI the VMs' TDX modules sign with.
     developer = make_developer(server, issuer, tmp_path / "pki", tmp_path)
     team = new_team(server, issuer, developer.team)

@@ -649,3 +649,55 @@ def test_cli_on_tdx_without_a_ccel_writes_one_line_and_measures_nothing(
     assert not marker.exists() and not (tmp_path / "launch").exists()
     usage = runner.invoke(app, [*args[:5], "simulated", *args[6:]])
     assert usage.exit_code == 2 and "--ccel is only for --tee tdx" in usage.output
+
+
+def test_an_emulated_security_cvm_gets_its_quote_relay_before_the_compose(
+    standin: StandIn, tmp_path: Path
+) -> None:
+    """`--tee emulated`: the proxy's quotes-only relay to the host's module is started in the
+    Security CVM's launch directory before the compose (the proxy quotes at its first start);
+    a relay that does not start starts nothing. A Dev CVM gets none."""
+    from umbra.images.launch_quote_relay import QuoteRelayError
+
+    order: list[str] = []
+
+    @dataclass
+    class Relay:
+        fail: bool = False
+
+        def start(self, socket: Path) -> None:
+            if self.fail:
+                raise QuoteRelayError("umbra-tdx-quote: no socket in 60 s")
+            order.append(f"relay {socket}")
+
+    @dataclass
+    class Compose:
+        def start(self, compose: Path) -> None:
+            order.append("compose")
+
+    m = measure(security_definition(simulated={"source": "emulated"}))
+    sec = LaunchData(
+        role="security-cvm", team="team-a", cvm_id=CONSOLE_ID, app_compose=m.app_compose.decode()
+    )
+    standin.attributes = sec.gcp_metadata()
+    lines: list[str] = []
+    Agent(
+        GcpMetadata(standin.url), LogOnly(), Compose(), None, tmp_path / "a", lines.append,
+        quote_relay=Relay(),
+    ).run()  # fmt: skip
+    assert order == [f"relay {tmp_path / 'a/security/tdx-quote.sock'}", "compose"]
+    assert "umbra-launch: TDX quote relay started for the proxy" in lines
+    order.clear()
+    with pytest.raises(LaunchError, match="no socket in 60 s"):
+        Agent(
+            GcpMetadata(standin.url), LogOnly(), Compose(), None, tmp_path / "b", lines.append,
+            quote_relay=Relay(fail=True),
+        ).run()  # fmt: skip
+    assert order == [] and "REFUSED, nothing started" in lines[-1]
+    data, _ = _dev_launch()
+    standin.attributes = data.gcp_metadata()
+    Agent(
+        GcpMetadata(standin.url), LogOnly(), Compose(), None, tmp_path / "c", lines.append,
+        quote_relay=Relay(),
+    ).run()  # fmt: skip
+    assert order == ["compose"]

@@ -406,6 +406,8 @@ def test_the_os_image_installs_the_ingress_unit_for_the_agent_only(tmp_path: Pat
     assert after == ["After=docker.service"]
     for name in ("ssh.service", "ssh.socket"):  # Debian's own sshd never runs
         assert os.readlink(units / name) == "/dev/null"
+    # Nor systemd's generated sshd sockets (AF_UNIX, and AF_VSOCK: reachable by the host).
+    assert os.readlink(tmp_path / "system-generators/systemd-ssh-generator") == "/dev/null"
     for name in ("gcp.yaml", "azure.yaml"):
         assert "openssh-server" in os_image.load_os_definition(os_image.OS_DIR / name).packages
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from typer.testing import CliRunner
 
 from umbra.cli.app import app
 from umbra.images.build import BuildResult, Input
+from umbra.images.lock_policy import LockPolicy
 from umbra.images.oci import BuiltImage
 from umbra.images.provenance import (
     ProvenanceError,
@@ -90,6 +92,17 @@ def test_release_images_need_provenance_from_the_expected_commit() -> None:
         verify_release_images(images, envs, [key.public_key()], "f" * 40)
     with pytest.raises(ProvenanceError, match="no signed provenance"):
         verify_release_images({"sshd": _digest("sshd")}, envs, [key.public_key()], COMMIT)
+
+
+def test_release_images_refuse_a_build_that_took_lock_drift() -> None:
+    key = Ed25519PrivateKey.generate()
+    result = replace(_result("forwarder"), lock_policy=LockPolicy.SECURITY_UPDATES)
+    st = statement(
+        result, source_repo="umbra", source_commit=COMMIT, builder_id="test", command=["umbra"]
+    )
+    envs = [sign_statement(st, key)]
+    with pytest.raises(ProvenanceError, match="lock policy 'security-updates'"):
+        verify_release_images({"forwarder": _digest("forwarder")}, envs, [key.public_key()], COMMIT)
 
 
 def _write_key(path: Path, key: Ed25519PrivateKey) -> Path:

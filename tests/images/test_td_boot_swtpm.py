@@ -10,7 +10,6 @@ holds: the same events TDVF extends into RTMR1 (PCR 4/5) and RTMR2 (PCR 9/11).
 from __future__ import annotations
 
 import base64
-import hashlib
 import re
 import shutil
 import subprocess
@@ -26,12 +25,10 @@ from umbra.images.disk_formats import CloudDisks
 from umbra.images.secure_boot import OVMF_SECBOOT_CODE
 from umbra.images.td_boot import (
     EV_EFI_BOOT_SERVICES_APPLICATION,
-    Measured,
-    boot_measurements,
+    TPM_PCRS,
+    golden_pcrs,
     golden_rtmrs,
-    gpt_event_data,
     rtmr_of_pcr,
-    tpm_separators,
 )
 from umbra.images.uki import Uki
 
@@ -46,7 +43,7 @@ from .test_qemu_boot import (
 )
 
 __all__ = ["metadata", "secure_vars_template"]  # fixtures, shared with test_qemu_boot
-UKI_PCRS = (4, 5, 9, 11, 12)
+UKI_PCRS = TPM_PCRS
 pytestmark = pytest.mark.timeout(1500)
 
 
@@ -64,15 +61,6 @@ def _swtpm(state: Path) -> tuple[subprocess.Popen[bytes], Path]:
             break
         time.sleep(0.1)
     return proc, sock
-
-
-def _expected(uki: Uki, disks: CloudDisks, returned: int) -> list[Measured]:
-    with disks.raw.open("rb") as f:
-        gpt = gpt_event_data(f.read(1 << 20))
-    measured = boot_measurements(uki.path.read_bytes(), gpt, returned_attempts=returned)
-    # The TD's one separator into RTMR1 is, on a TPM, one on PCR 4 and one on PCR 5.
-    first, _td_separator, *rest = measured
-    return [first, *tpm_separators(), *rest]
 
 
 def _logged(events: list[LoggedEvent]) -> list[tuple[int, int, bytes, bytes]]:
@@ -126,18 +114,17 @@ def test_the_computed_boot_events_are_the_firmware_logs_and_replay_to_its_pcrs(
     # from: the one returned attempt in this log (a cloud VM has no such drive).
     assert len(re.findall(r"BdsDxe: failed to load Boot", text)) == 1
     assert 'failed to load Boot0001 "UEFI QEMU DVD-ROM' in text
-    want = _expected(uki, disks, returned=1)
-    assert _logged(log) == [(m.pcr, m.event_type, m.sha256, m.sha384) for m in want]
+    # The TD's one separator into RTMR1 is, on a TPM, one on PCR 4 and one on PCR 5: the
+    # events and PCRs a platform: azure-tdx release is computed from (td_boot.golden_pcrs).
+    expected = golden_pcrs(uki.path, disks.raw, returned_attempts=1)
+    assert _logged(log) == [(m.pcr, m.event_type, m.sha256, m.sha384) for m in expected.measured]
     # The PCRs the TPM holds are the computed events' replay (nothing else extended them);
     # systemd-stub measured no command line of the loader's (PCR 12 stays zero).
     held = {int(i): bytes.fromhex(v) for i, v in re.findall(r"(\d+)=([0-9a-fA-F]{64})", pcrs[1])}
-    computed: dict[int, bytes] = {}
-    for m in want:
-        computed[m.pcr] = hashlib.sha256(computed.get(m.pcr, bytes(32)) + m.sha256).digest()
-    assert sorted(computed) == [4, 5, 9, 11]
-    for index, value in computed.items():
+    assert sorted(expected.pcrs) == sorted(UKI_PCRS) and expected.pcrs[12] == bytes(32)
+    for index, value in expected.pcrs.items():
         assert held[index] == value, f"PCR {index}"
-    assert held[12] == bytes(32) and replay_pcrs(log, "sha256")[4] == held[4]
+    assert replay_pcrs(log, "sha256")[4] == held[4]
     # As a TD logs them (PCR 4/5 → RTMR1, 9/11 → RTMR2, one separator on RTMR1), the real
     # events fold to the computed RTMR1 and RTMR2.
     golden = golden_rtmrs(uki.path, disks.raw, returned_attempts=1)

@@ -26,7 +26,7 @@ from umbra.images.definition import load_definition
 from umbra.images.measure import CVM_ID_EVENT, measure
 from umbra.images.pe import authenticode_digest, sections
 from umbra.images.td_boot import golden_rtmrs
-from umbra.images.td_release import AZURE_REFUSAL
+from umbra.images.td_release import FIRMWARE_PCRS
 
 from .test_td_boot import fake_disk, uki
 
@@ -122,11 +122,11 @@ def test_measure_writes_a_signed_tdx_release_with_computed_rtmr1_and_rtmr2(
     [
         ({"drop": "rtmr0"}, "clouds.gcp.rtmr0"),
         ({"drop": "mrtd"}, "clouds.gcp.mrtd"),
-        ({"cloud": "azure"}, AZURE_REFUSAL[:60]),
+        ({"cloud": "azure"}, "clouds.azure: missing: the paravisor's MRTD and the firmware's PCRs"),
         ({"no_firmware": True}, "--cloud, --firmware and --boot come together"),
         ({"cloud": "aws"}, "--cloud: 'aws' is not one of gcp, azure"),
     ],
-    ids=["no-rtmr0", "no-mrtd", "azure", "no-firmware", "unknown-cloud"],
+    ids=["no-rtmr0", "no-mrtd", "no-azure", "no-firmware", "unknown-cloud"],
 )
 def test_a_missing_firmware_input_writes_no_release(
     uki: Path, tmp_path: Path, pki: SimulatedPki, change: dict[str, Any], says: str
@@ -148,7 +148,7 @@ def test_a_firmware_document_without_the_cloud_or_a_changed_uki_is_refused(
 ) -> None:
     boot = _disks(tmp_path, uki, fake_disk(tmp_path / "disk.raw"))
     fw = tmp_path / "firmware.yaml"
-    other = {"mrtd": ["11" * 48], "rtmr0": ["22" * 48], "source": "x"}
+    other = {"mrtd": ["11" * 48], "pcrs": {i: ["22" * 32] for i in FIRMWARE_PCRS}, "source": "x"}
     fw.write_text(yaml.safe_dump({"apiVersion": "umbra/v1", "kind": "TdFirmware",
                                   "clouds": {"azure": other}}))  # fmt: skip
     r = _measure(str(SECURITY), "--boot", str(boot), "--cloud", "gcp", "--firmware", str(fw))

@@ -34,21 +34,11 @@ from umbra.sandbox import image, local_cvm
 
 CLAUDE_PLACEHOLDER = "umbra-placeholder:personal/claude-oauth-token"
 QUIET = " ".join(f"{k}={v}" for k, v in CLAUDE_QUIET.items())
-# Codex's ChatGPT login as a provider entry for the ChatGPT backend (`requires_openai_auth`:
-# the tokens of ~/.codex/auth.json). The built-in `openai` provider first asks
-# /backend-api/wham/accounts/check for the workspace's routing, whose answer the stand-in cannot
-# give yet (docs/specs/embedded.md); the token path is the same.
-CHATGPT_PROVIDER = (
-    '{name="ChatGPT", base_url="https://chatgpt.com/backend-api/codex", wire_api="responses", '
-    "requires_openai_auth=true, request_max_retries=0, stream_max_retries=0}"
-)
-CODEX = (
-    "codex exec --skip-git-repo-check --ephemeral --color never --sandbox read-only "
-    "-c check_for_update_on_startup=false -c analytics.enabled=false -c feedback.enabled=false "
-    f"-c model_provider=chatgpt -c 'model_providers.chatgpt={CHATGPT_PROVIDER}' "
-    "--disable plugins --disable remote_plugin --disable apps --disable plugin_sharing "
-    "--disable in_app_updates 'say hi' < /dev/null"
-)
+# `codex` as a developer runs it after `umbra connect codex`: the built-in `openai` provider, no
+# configuration, only the placeholder ~/.codex/auth.json.
+CODEX = "codex exec --skip-git-repo-check --ephemeral --color never 'say hi' < /dev/null"
+# What Codex's interactive UI asks first (`account/read`: the workspace routing discovery).
+ACCOUNT_READ = (Path(__file__).parents[1] / "agents" / "codex_account_read.py").read_text()
 
 
 @pytest.fixture(scope="module")
@@ -225,6 +215,13 @@ def test_codex_chatgpt_login_rotates_and_never_reaches_the_sandbox(up: Up, tmp_p
     assert "umbra-placeholder:personal/codex-chatgpt" in placeholder.stdout
     status = _ssh(up, "codex login status")
     assert "ChatGPT" in status.stdout + status.stderr, status.stdout + status.stderr
+    # The interactive UI's first question: the workspace routing discovery, through the proxy.
+    account = _ssh(up, "python3 -", stdin=ACCOUNT_READ)
+    assert account.returncode == 0, account.stdout + account.stderr[-3000:] + up.logs()
+    routing = json.loads(account.stdout)["result"]["workspaceRouting"]
+    assert routing == {"chatgptAccountId": login["tokens"]["account_id"],
+                       "backendOrigin": "https://chatgpt.com",
+                       "accountRoutingOverride": "NO_CONSTRAINT"}, routing  # fmt: skip
 
     # Access tokens live 8 s: each run after the last one's expired, so each starts by a refresh.
     seconds = _codex_runs(up, 3, gap=9)
@@ -234,7 +231,11 @@ def test_codex_chatgpt_login_rotates_and_never_reaches_the_sandbox(up: Up, tmp_p
           f"{[round(s, 2) for s in static]}, median {statistics.median(static):.2f} s")  # fmt: skip
     state = _vendor(up, "GET", "/_umbra/state")
     counts = state["counts"]
-    assert counts.get("chatgpt.com_ok", 0) >= 3 and not counts.get("chatgpt.com_refused"), counts
+    assert counts.get("codex_turn", 0) >= 3 and not counts.get("chatgpt.com_refused"), counts
+    assert counts.get("accounts_check", 0) >= 1, counts
+    # Each run's turn went over the Responses WebSocket, the minted token in its handshake.
+    assert counts.get("codex_websocket", 0) >= 3, counts
+    assert counts.get("codex_turn_websocket", 0) >= 3, counts
     assert counts.get("refresh_ok", 0) >= 2, counts  # rotated across the runs
     assert not counts.get("refresh_reused") and not counts.get("refresh_refused"), counts
 
@@ -250,7 +251,8 @@ def test_codex_chatgpt_login_rotates_and_never_reaches_the_sandbox(up: Up, tmp_p
     assert final["counts"]["refresh_ok"] > counts["refresh_ok"], final
     assert not final["counts"].get("refresh_reused"), final
 
-    outputs = [connected.stdout, connected.stderr, placeholder.stdout, status.stdout]
+    outputs = [connected.stdout, connected.stderr, placeholder.stdout, status.stdout,
+               account.stdout, account.stderr]  # fmt: skip
     for secret in (refresh0, access0):
         _nowhere(up, secret, outputs, set())
 

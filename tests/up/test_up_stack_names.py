@@ -17,7 +17,7 @@ def test_every_exported_name_resolves() -> None:
 
 
 def test_ports_are_consecutive_offsets_and_each_has_an_owner() -> None:
-    assert sorted(up_stack.PORTS.values()) == list(range(6))
+    assert sorted(up_stack.PORTS.values()) == list(range(8))
     stack = up_stack.Stack(Path("/nonexistent"), 7080)
     assert stack.port(up_stack.Port.TUNNEL) == stack.port("tunnel") == 7083
     assert stack.console_url == "http://127.0.0.1:7081"
