@@ -113,6 +113,7 @@ class EnrollmentRefused(Exception):
     def __init__(self, reason: RefusalReason, detail: str = "") -> None:
         super().__init__(f"{reason.value}: {detail}" if detail else reason.value)
         self.reason = reason
+        self.detail = detail
 
 
 class CvmEnrollment(SQLModel, table=True):

@@ -85,7 +85,9 @@ def _refused(console: Console, token: str, exc: EnrollmentRefused) -> Forbidden:
 def _audit_refusal(session: Session, team: str, target: str, exc: EnrollmentRefused) -> None:
     audit.append(
         session, actor=f"cvm:{target}", team=team, action=AuditAction.cvm_enroll_refused,
-        target=target, details={"reason": exc.reason.value},
+        target=target,
+        # The verifier's own words (which value differed): what an operator needs to act on.
+        details={"reason": exc.reason.value, **({"detail": exc.detail} if exc.detail else {})},
     )  # fmt: skip
 
 

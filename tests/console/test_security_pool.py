@@ -164,7 +164,8 @@ def test_a_replica_booting_after_its_token_expired_fails_visibly_until_reissued(
     # Its spent token, replayed: refused and audited; the enrolled replica stays running.
     replay = _challenge(team, reissued["token"])
     assert replay.status_code == 403 and "reused_token" in replay.text
-    assert ("cvm.enroll_refused", minted["cvm_id"], {"reason": "reused_token"}) in audit(team)
+    refusals = [(t, d["reason"]) for a, t, d in audit(team) if a == "cvm.enroll_refused"]
+    assert (minted["cvm_id"], "reused_token") in refusals
     assert team.admin.get(f"/api/v1/cvms/{minted['cvm_id']}").json()["state"] == "running"
 
 
