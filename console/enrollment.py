@@ -58,6 +58,7 @@ from umbra.attest.errors import AttestError
 from umbra.attest.eventlog import Event, load_event_log
 from umbra.console import audit, reenrollment
 from umbra.console.enums import AuditAction, CvmKind, CvmState
+from umbra.console.instance_policy import instance_verifier
 from umbra.console.models import Cvm, utcnow
 from umbra.console.release import AttestedReleaseVerifier, seal_release
 from umbra.console.services.access import credential_hash
@@ -293,7 +294,7 @@ def verify(
         raise EnrollmentRefused(RefusalReason.bad_evidence, str(exc)[:200]) from None
     if len(public) != 32:
         raise EnrollmentRefused(RefusalReason.bad_evidence, "public_key must be 32 bytes")
-    verdict = verifier.verifier.verify(
+    verdict = instance_verifier(verifier.verifier, cvm).verify(
         quote, event_log=events, expected_report_data=report_data(evidence.nonce, cvm.id, public)
     )
     if not verdict.ok:

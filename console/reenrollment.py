@@ -47,6 +47,7 @@ from umbra.attest.eventlog import Event, load_event_log
 from umbra.attest.launch_binding import LaunchBindingError, launch_binding
 from umbra.console import audit
 from umbra.console.enums import AuditAction, CvmKind
+from umbra.console.instance_policy import instance_verifier
 from umbra.console.models import Cvm, utcnow
 from umbra.console.release import AttestedReleaseVerifier, seal_release
 from umbra.console.services.access import credential_hash
@@ -194,7 +195,7 @@ def renew(
         raise RenewalRefused(RenewalRefusal.bad_evidence, str(exc)[:200]) from None
     if len(key) != 32:
         raise RenewalRefused(RenewalRefusal.bad_evidence, "public_key must be 32 bytes")
-    verdict = verifier.verifier.verify(
+    verdict = instance_verifier(verifier.verifier, cvm).verify(
         quote, event_log=events, expected_report_data=renew_report_data(row.nonce, cvm.id, key)
     )
     if not verdict.ok:

@@ -10,12 +10,14 @@ never-enrolled CVM whose enrollment is refused fails with the reason instead of 
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
@@ -24,11 +26,15 @@ from tests.console.helpers import Server, new_team, start_server
 from tests.console.oidc_issuer import LocalIssuer
 from tests.sandbox.fixtures import dev_definition
 from umbra.attest.enroll_client import EnrollError, ensure_credential
+from umbra.attest.eventlog import dump_dstack_event_log
+from umbra.attest.measurement import SSH_KEYS_EVENT, ssh_keys_digest
 from umbra.attest.simpki import SimulatedPki
 from umbra.attest.simulator import SimulatedTdx
 from umbra.console.enrollment import hpke_info, report_data
+from umbra.console.models import Cvm
+from umbra.console.session_info import EVENTS_KEY
 from umbra.contracts.release import SUITE
-from umbra.contracts.session import CVM_ID_EVENT
+from umbra.contracts.session import CVM_ID_EVENT, HOST_FIREWALL_EVENT
 from umbra.policy.bundle import generate_key
 from umbra.proxy.identity import hash_credential
 from umbra.sandbox.dev_definition import render_dev_host
@@ -409,3 +415,76 @@ def _audit_targets(team: Any) -> list[tuple[str, str]]:
     page = team.admin.get(f"/api/v1/teams/{team.name}/audit", params={"limit": 200}).json()
     entries = page["entries"] if isinstance(page, dict) else page
     return [(e["action"], e["target"]) for e in entries]
+
+
+def test_a_dev_cvm_enrolls_with_exactly_the_launch_its_provider_recorded(
+    console: tuple[Server, LocalIssuer],
+) -> None:
+    """A Dev CVM's agent measures its SSH keys and host firewall (launch-bound, per instance:
+    no release names them). The Console binds the quote to the launch its provider recorded
+    (`provider_state.expected_events`): those exact payloads enroll, any other is refused with
+    the event named; without a record the release alone refuses them (the emulated cloud's
+    first Dev enrollment failed so: "runtime events not in the policy")."""
+    server, issuer = console
+    team = new_team(server, issuer)
+    keys, ruleset = [_ssh_key()], "table inet umbra_host {\n}\n"
+    recorded = {
+        SSH_KEYS_EVENT: ssh_keys_digest(keys).hex(),
+        HOST_FIREWALL_EVENT: hashlib.sha256(ruleset.encode()).hexdigest(),
+    }
+
+    def td(cvm_id: str, keys: list[str], ruleset: str) -> SimulatedTdx:
+        t = SimulatedTdx(enroll.pki(), image=enroll.DEV_IMAGE)
+        t.extend_runtime_event(CVM_ID_EVENT, cvm_id.encode())
+        t.extend_runtime_event(SSH_KEYS_EVENT, ssh_keys_digest(keys))
+        t.extend_runtime_event(HOST_FIREWALL_EVENT, hashlib.sha256(ruleset.encode()).digest())
+        return t
+
+    def attempt(cvm_id: str, t: SimulatedTdx) -> int:
+        body, _key = _evidence(server, _token(team, cvm_id), cvm_id, t)
+        body["event_log"] = base64.b64encode(dump_dstack_event_log(t.event_log()).encode()).decode()
+        with server.client() as anonymous:
+            return anonymous.post("/api/v1/enroll", json=body).status_code
+
+    try:
+        bound, unrecorded = team.dev_cvm(), team.dev_cvm()
+        # As components.launch_data.expected_events records them (this test release names none).
+        _record(server, bound, {CVM_ID_EVENT: bound.encode().hex(), **recorded})
+        assert attempt(bound, td(bound, [_ssh_key()], ruleset)) == 403  # someone else's keys
+        assert attempt(bound, td(bound, keys, ruleset + "# more\n")) == 403  # another ruleset
+        assert attempt(bound, td(bound, keys, ruleset)) == 200
+        assert team.dev.get(f"/api/v1/cvms/{bound}").json()["state"] == "running"
+        assert attempt(unrecorded, td(unrecorded, keys, ruleset)) == 403
+        details = {
+            (e["target"], e["details"]["detail"])
+            for e in _audit_entries(team)
+            if e["action"] == "cvm.enroll_refused"
+        }
+        assert any(t == bound and SSH_KEYS_EVENT in d for t, d in details), details
+        assert any(t == bound and HOST_FIREWALL_EVENT in d for t, d in details), details
+        assert any(
+            t == unrecorded and "runtime events not in the policy" in d for t, d in details
+        ), details
+    finally:
+        team.close()
+
+
+def _ssh_key() -> str:
+    raw = Ed25519PrivateKey.generate().public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
+    blob = b"\x00\x00\x00\x0bssh-ed25519" + len(raw).to_bytes(4, "big") + raw
+    return "ssh-ed25519 " + base64.b64encode(blob).decode()
+
+
+def _record(server: Server, cvm_id: str, events: dict[str, str]) -> None:
+    """What a provider's launch writes (providers_qemu / providers_pulumi `_state`)."""
+    with server.console.write() as session:
+        cvm = session.get(Cvm, cvm_id)
+        assert cvm is not None
+        cvm.provider_state = {**cvm.provider_state, EVENTS_KEY: events}
+        session.add(cvm)
+
+
+def _audit_entries(team: Any) -> list[dict[str, Any]]:
+    page = team.admin.get(f"/api/v1/teams/{team.name}/audit", params={"limit": 200}).json()
+    entries: list[dict[str, Any]] = page["entries"] if isinstance(page, dict) else page
+    return entries
