@@ -228,6 +228,9 @@ class SimulatedPki:
     def root_der(self) -> bytes:
         return self.root.public_bytes(Encoding.DER)
 
+    def root_pem(self) -> str:
+        return self.root.public_bytes(Encoding.PEM).decode()
+
     def pck_chain_pem(self) -> bytes:
         return b"".join(
             c.public_bytes(Encoding.PEM) for c in (self.pck, self.platform_ca, self.root)

@@ -40,7 +40,13 @@ from umbra.sandbox.local_cvm import (
     sandbox_env_base,
     sandbox_env_config,
 )
-from umbra.sandbox.models import ATTESTED_SSH_PORT, DevCvmInputs, Port, SandboxImageKeys
+from umbra.sandbox.models import (
+    ATTESTED_SSH_PORT,
+    DevCvmInputs,
+    Port,
+    SandboxImageKeys,
+    SimulatedRootPem,
+)
 from umbra.sandbox.render import CA_NAME, Rendered, canonical_json
 
 DEFINITION_NAME: Final = "dev-cvm.json"
@@ -96,6 +102,9 @@ class DevCvmHost(Strict):
     network: HostNetwork
     forwarder: ForwarderConfig
     ssh_ingress: SshIngress
+    # The release's simulated root (DevCvmInputs.simulated_root): written by the dev host where
+    # `forwarder.simulated_root` points, before the forwarder starts.
+    simulated_root: SimulatedRootPem | None = None
 
     @model_validator(mode="after")
     def _topology(self) -> DevCvmHost:
@@ -143,6 +152,8 @@ class DevCvmHost(Strict):
                 "forwarder.sandbox_env.file must be <root>/sandbox-etc/sandbox.env (the directory "
                 f"bound read-only into the sandbox; {SANDBOX_ENV_FILE} on a CVM)"
             )
+        if self.simulated_root is not None and fwd.simulated_root is None:
+            raise ValueError("simulated_root needs forwarder.allow_simulated (and its path)")
         base = sandbox_env_base(plan_for("cvm_0", self.network.index, Path(DEV_HOST_ROOT)))
         if env.base != base:
             # The sandbox's start renders this CVM's values itself: two bases would flap.
@@ -241,6 +252,7 @@ def host_document(inputs: DevCvmInputs, index: int = NETWORK_INDEX) -> dict[str,
             "home": f"/home/{image.USER}",
             "sessions_dir": SANDBOX_SESSIONS,
         },
+        **({"simulated_root": inputs.simulated_root} if inputs.simulated_root else {}),
     }
 
 

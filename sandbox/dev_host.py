@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from umbra.attest.enroll_client import BOOT_RETRY_DELAYS
+from umbra.contracts.files import write_atomic
 from umbra.sandbox import image, local_cvm
 from umbra.sandbox.dev_definition import (
     DEV_HOST_ROOT,
@@ -182,6 +183,7 @@ def up(host: DevHost, definition: Path, supervise: bool = True) -> dict[str, Any
     (plan.dir / "forwarder.json").write_text(
         json.dumps(host.definition.forwarder.model_dump(mode="json", exclude_none=True))
     )
+    _write_simulated_root(host)
     try:
         _network(host)
         local_cvm.ensure_running(plan, FORWARDER_START_TIMEOUT)
@@ -196,6 +198,22 @@ def up(host: DevHost, definition: Path, supervise: bool = True) -> dict[str, Any
     if supervise and local_cvm.running_pid(plan, SUPERVISOR) is None:
         _spawn_supervisor(host, definition)
     return status(host)
+
+
+def _write_simulated_root(host: DevHost) -> None:
+    """The release's simulated root (measured with it), where the forwarder reads its anchor."""
+    pem, target = host.definition.simulated_root, host.definition.forwarder.simulated_root
+    if pem is None or target is None:
+        return
+    from cryptography import x509
+    from cryptography.hazmat.primitives.serialization import Encoding
+
+    der = x509.load_pem_x509_certificate(pem.encode()).public_bytes(Encoding.DER)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(target, der, 0o644)  # a public certificate, read by the dropped forwarder
+    except OSError as exc:
+        raise DevHostError(f"{target}: {exc.strerror}") from None
 
 
 def _spawn_supervisor(host: DevHost, definition: Path) -> int:

@@ -81,6 +81,19 @@ ATTESTED_SSH_PORT: Final = 8022
 PccsUrl = Annotated[str, Field(pattern=r"^https?://[A-Za-z0-9.:\[\]/_-]+$")]
 
 
+def _check_root_pem(text: str) -> str:
+    from cryptography import x509
+
+    try:
+        x509.load_pem_x509_certificate(text.encode())
+    except ValueError:
+        raise ValueError("not a PEM certificate") from None
+    return text
+
+
+SimulatedRootPem = Annotated[str, Field(max_length=8192), AfterValidator(_check_root_pem)]
+
+
 class DevCvmInputs(Strict):
     """Everything the Dev CVM's host definition (`dev-cvm.json`, sandbox/dev_definition.py)
     depends on. Same inputs, same bytes. The sandbox's addresses and the forwarder's sandbox-side
@@ -99,6 +112,12 @@ class DevCvmInputs(Strict):
     pccs_urls: list[PccsUrl] = Field(default_factory=list)
     tunnels: list[Tunnel] = Field(default_factory=list)
     allow_simulated: bool = False
+    # With allow_simulated (a `tee: simulated` Security release: CI, the emulated clouds): the
+    # simulated root CA (PEM) its quotes chain to, the one anchor the forwarder accepts for them.
+    # Measured with the rest, so the compose hash names the root; the dev host writes it where
+    # the forwarder's `simulated_root` points at start (without it, something else must put the
+    # root there, or the forwarder fails closed). A tee: tdx release cannot allow_simulated.
+    simulated_root: SimulatedRootPem | None = None
     # The Console the forwarder enrolls at, once, at first start: the launch data's one-time
     # token and this TD's quote for its tunnel credential (credentials only after attestation).
     # Measured, like the Security CVM's. `console_ca`: the launch data carries the CA the
@@ -118,6 +137,8 @@ class DevCvmInputs(Strict):
         names = [t.name for t in self.tunnels]
         if len(set(names)) != len(names):
             raise ValueError("tunnel names must be distinct")
+        if self.simulated_root is not None and not self.allow_simulated:
+            raise ValueError("simulated_root is the anchor for allow_simulated: set both")
         return self
 
 

@@ -11,6 +11,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
+from umbra.attest.simpki import SimulatedPki
 from umbra.cli.app import app
 from umbra.components import ports
 from umbra.contracts.sandbox_env import RESERVED_ENV
@@ -26,6 +27,7 @@ from umbra.sandbox.dev_definition import (
     network,
     render_dev_host,
 )
+from umbra.sandbox.dev_host import DevHost, _write_simulated_root
 from umbra.sandbox.render import canonical_json
 
 from .fixtures import dev_definition, dev_definition_doc
@@ -128,6 +130,10 @@ def test_app_compose_wraps_the_host_definition_and_its_hash_covers_every_byte() 
          "runtime: Extra inputs are not permitted"),
         (lambda d: d["forwarder"].update(allow_simulated=True),
          "allow_simulated and simulated_root go together"),
+        (lambda d: d.update(simulated_root=SimulatedPki.generate().root_pem()),
+         "simulated_root needs forwarder.allow_simulated"),
+        (lambda d: d.update(simulated_root="-----BEGIN CERTIFICATE-----\nAAAA\n"),
+         "simulated_root: Value error, not a PEM certificate"),
     ],
 )  # fmt: skip
 def test_each_loosening_is_refused_with_its_field(mutate: Any, message: str) -> None:
@@ -193,3 +199,27 @@ def test_cli_render_and_check(tmp_path: Path) -> None:
     yaml_def.write_text(yaml.safe_dump(dev_definition_doc(release="Bad_Name")))
     refused = runner.invoke(app, ["sandbox", "render", str(yaml_def)])
     assert refused.exit_code != 0 and "host.release" in refused.output
+
+
+def test_a_simulated_root_is_measured_and_written_where_the_forwarder_reads_it(
+    tmp_path: Path,
+) -> None:
+    """A `tee: simulated` Security release's root, named by the Dev release (CI, the emulated
+    clouds): in the measured document (another root, another compose hash), and written by the
+    dev host, as DER, at the forwarder's `simulated_root` before it starts."""
+    pki, other = SimulatedPki.generate(), SimulatedPki.generate()
+    with_root = dev_definition(allow_simulated=True, simulated_root=pki.root_pem())
+    doc = json.loads(render_dev_host(with_root.host).text)
+    assert doc["simulated_root"] == pki.root_pem()
+    assert doc["forwarder"]["simulated_root"] == "/run/umbra/launch/forwarder/simulated-root.der"
+    again = dev_definition(allow_simulated=True, simulated_root=other.root_pem())
+    assert measure(with_root).compose_hash != measure(again).compose_hash
+    with pytest.raises(DefinitionError, match="simulated_root is the anchor for allow_simulated"):
+        dev_definition(simulated_root=pki.root_pem())
+
+    host = load_dev_host(render_dev_host(with_root.host).text)
+    target = tmp_path / "launch" / "forwarder" / "simulated-root.der"
+    forwarder = host.forwarder.model_copy(update={"simulated_root": target})
+    dev = DevHost(host.model_copy(update={"forwarder": forwarder}), "cvm_x", tmp_path, tmp_path)
+    _write_simulated_root(dev)
+    assert target.read_bytes() == pki.root_der and target.stat().st_mode & 0o777 == 0o644
