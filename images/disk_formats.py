@@ -55,8 +55,10 @@ class DiskFormatError(Exception):
 class CloudDisks:
     raw: Path
     raw_sha256: str
-    gcp_tar_gz: Path
-    azure_vhd: Path
+    # None when only the raw disk was asked for (QEMU boots it; the clouds' formats are minutes
+    # of gzip and a second copy).
+    gcp_tar_gz: Path | None
+    azure_vhd: Path | None
     verity_root_hash: str  # in the UKI's command line (images.uki)
 
 
@@ -155,14 +157,14 @@ def azure_vhd(raw: Path, out: Path) -> Path:
 
 
 def build_cloud_disks(
-    rootfs: Path, verity: VerityTree, uki: Path, out: Path, epoch: int
+    rootfs: Path, verity: VerityTree, uki: Path, out: Path, epoch: int, cloud_formats: bool = True
 ) -> CloudDisks:
     out.mkdir(parents=True, exist_ok=True)
     esp = esp_image(uki, out / "esp.img", epoch)
     raw = raw_disk(rootfs, esp, out / "disk.raw", verity.hash_tree)
     esp.unlink()
     digest = file_sha256(raw)
-    tgz = gcp_tarball(raw, out / "umbra-gcp.tar.gz", epoch)
-    vhd = azure_vhd(raw, out / "umbra-azure.vhd")
+    tgz = gcp_tarball(raw, out / "umbra-gcp.tar.gz", epoch) if cloud_formats else None
+    vhd = azure_vhd(raw, out / "umbra-azure.vhd") if cloud_formats else None
     os.sync()
     return CloudDisks(raw, digest, tgz, vhd, verity.root_hash)

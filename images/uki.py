@@ -112,11 +112,15 @@ class UkiSigner:
 
 
 def pack_os_image(
-    os_dir: Path, out: Path, epoch: int, signer: UkiSigner | None = None
+    os_dir: Path,
+    out: Path,
+    epoch: int,
+    signer: UkiSigner | None = None,
+    cloud_formats: bool = True,
 ) -> tuple[Uki, CloudDisks]:
     """images.os_image's output directory → the root's dm-verity hash tree, the UKI whose
     command line carries its root hash (signed for Secure Boot when `signer` is given), then the
-    bootable cloud disks."""
+    bootable cloud disks (`cloud_formats` False: the raw disk only, what QEMU boots)."""
     files = {n: os_dir / n for n in ("rootfs.ext4", "vmlinuz", "initrd.img", "linuxx64.efi.stub")}
     missing = [str(p) for p in files.values() if not p.is_file()]
     if missing:
@@ -131,6 +135,6 @@ def pack_os_image(
 
         uki = sign_uki(unsigned, signer.key, signer.cert, out / UKI_NAME, epoch)
         unsigned.unlink()
-    disks = build_cloud_disks(files["rootfs.ext4"], tree, uki.path, out, epoch)
+    disks = build_cloud_disks(files["rootfs.ext4"], tree, uki.path, out, epoch, cloud_formats)
     tree.hash_tree.unlink()  # inside disk.raw now
     return uki, disks

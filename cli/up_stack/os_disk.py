@@ -21,9 +21,13 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from umbra.cli.up_stack.errors import UpError
 from umbra.contracts.files import exclusive_lock
+
+if TYPE_CHECKING:
+    from umbra.images.os_image import OsDefinition
 
 DEFAULT_CACHE = Path("/var/cache/umbra/os-qemu")
 CACHE_ENV = "UMBRA_OS_IMAGE_CACHE"
@@ -31,10 +35,11 @@ CACHE_ENV = "UMBRA_OS_IMAGE_CACHE"
 DISK_ENV = "UMBRA_UP_QEMU_DISK"
 EPOCH = 1700000000
 ESTIMATE = "about 10 minutes on 2 cores"
-# The qemu image's compose command (images/os/qemu.yaml: `--compose umbra-compose-stub`): the
-# image has no Docker engine yet, so nothing of the Dev workload runs. The stub says so on the
-# serial console, reports the compose file it was given, and counts boots on the data disk (the
-# workspace `--check` finds again after a reboot).
+# `umbra up --runtime qemu`'s image is qemu.yaml's stub variant (`stub_variant`): its agent hands
+# the compose to this stub, so nothing of the Dev workload runs (the image can carry it: the
+# emulated-cloud walkthrough boots it, tests/images/test_emulated_walkthrough.py; `--check` does
+# not drive it yet). The stub says so on the serial console, reports the compose file it was
+# given, and counts boots on the data disk (the workspace `--check` finds again after a reboot).
 COMPOSE_STUB = """#!/bin/sh
 # umbra up --runtime qemu: the qemu image's compose command until it carries the Dev workload.
 echo "umbra-compose-stub: up $(sha256sum "$2" | cut -d' ' -f1)" > /dev/ttyS0
@@ -44,6 +49,7 @@ echo "umbra-compose-stub: data boots $n" > /dev/ttyS0
 echo "umbra-compose-stub: no Dev workload in this image (no sandbox, forwarder or ingress)" > /dev/ttyS0
 """
 STUB_PATH = "/usr/local/bin/umbra-compose-stub"
+STUB_AGENT_ARGS = f"--console /dev/ttyS0 --compose {STUB_PATH} --no-ingress"
 # The wheel's packages (pyproject.toml [tool.hatch.build.targets.wheel]).
 PACKAGES = (
     "cli", "console", "proxy", "policy", "attest", "sandbox", "images", "components",
@@ -123,19 +129,23 @@ def ensure_disk(progress: Progress) -> Path:
     return entry / "disk.raw"
 
 
+def stub_variant(d: OsDefinition) -> OsDefinition:
+    """`d` (qemu.yaml) with the agent handing the compose to a stub at STUB_PATH (no dev host,
+    no ingress) and no sandbox image (2 GiB a stub never runs): `umbra up --runtime qemu`'s
+    image, and the boot tests' (tests/images/conftest.py, their own stub)."""
+    from umbra.images.os_image import LaunchAgentConfig
+
+    env = d.launch_agent.env | {"UMBRA_AGENT_ARGS": STUB_AGENT_ARGS}
+    return d.model_copy(update={"sandbox_image": False, "launch_agent": LaunchAgentConfig(env=env)})
+
+
 def _build(root: Path, entry: Path, progress: Progress) -> None:
     from umbra.images.build import BuildError
     from umbra.images.disk_formats import DiskFormatError
     from umbra.images.os_image import OS_DIR, build_os_image, load_os_definition
     from umbra.images.uki import pack_os_image
-    from umbra.sandbox import image
 
-    definition = load_os_definition(OS_DIR / "qemu.yaml")
-    if definition.sandbox_image:  # the image ships the Dev CVM's sandbox image: built first
-        try:
-            image.ensure_image(progress=progress)
-        except image.ImageError as exc:
-            raise UpError(str(exc), "see the line above; then run `umbra up` again") from None
+    definition = stub_variant(load_os_definition(OS_DIR / "qemu.yaml"))
     with tempfile.TemporaryDirectory(prefix="umbra-os-qemu-") as tmp:
         work = Path(tmp)
         progress("  the wheel and its locked requirements (uv build, uv export)")
@@ -157,16 +167,13 @@ def _build(root: Path, entry: Path, progress: Progress) -> None:
                 extra_files={STUB_PATH: COMPOSE_STUB},
             )
             progress("  packing it: dm-verity, the UKI, the disk")
-            _uki, disks = pack_os_image(work / "os", entry, EPOCH)
+            pack_os_image(work / "os", entry, EPOCH, cloud_formats=False)
         except (BuildError, DiskFormatError) as exc:
             raise UpError(
                 f"building the qemu OS image failed: {exc}",
                 "fix the cause above (scripts/system-deps installs the build tools), then run "
                 "`umbra up --runtime qemu` again",
             ) from None
-        # Only the raw disk boots here: the clouds' formats would double the cache.
-        for other in (disks.gcp_tar_gz, disks.azure_vhd):
-            other.unlink(missing_ok=True)
 
 
 def _uv(root: Path, args: list[str]) -> str:

@@ -17,12 +17,11 @@ import pytest
 from typer.testing import CliRunner
 
 from umbra.cli.app import app
+from umbra.cli.up_stack.os_disk import stub_variant
 from umbra.images.disk_formats import CloudDisks
 from umbra.images.lock_policy import LockPolicy
 from umbra.images.os_image import (
     OS_DIR,
-    LaunchAgentConfig,
-    OsDefinition,
     OsImage,
     build_os_image,
     load_os_definition,
@@ -113,18 +112,6 @@ def docker_up() -> None:
         pytest.fail(f"scripts/docker-up could not start a Docker engine:\n{done.stderr}")
 
 
-def stub_variant(d: OsDefinition) -> OsDefinition:
-    """The boot tests' variant of `qemu.yaml`: the same packages and kernel, but the agent hands
-    the compose to a stub that reports the root, Secure Boot, the data disk and a quote on the
-    serial console (`--compose … --no-ingress`: no dev host, no ingress), and no sandbox image
-    (2 GiB the stub never runs). The real Dev workload boots in test_emulated_dev_cvm.py."""
-    env = d.launch_agent.env | {
-        "UMBRA_AGENT_ARGS": "--console /dev/ttyS0 --compose /usr/local/bin/umbra-compose-stub "
-        "--no-ingress"
-    }
-    return d.model_copy(update={"sandbox_image": False, "launch_agent": LaunchAgentConfig(env=env)})
-
-
 @pytest.fixture(scope="session")
 def qemu_os_image(
     build_inputs: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
@@ -209,5 +196,6 @@ def cvm_disk(
         lock_policy=TEST_LOCK_POLICY,
     )
     warn_drift([d.line() for d in built.lock_drift])
-    _uki, disks = pack_os_image(os_dir, tmp_path_factory.mktemp("uim-disks-cvm"), int(EPOCH))
+    out = tmp_path_factory.mktemp("uim-disks-cvm")
+    _uki, disks = pack_os_image(os_dir, out, int(EPOCH), cloud_formats=False)
     return disks.raw, images
