@@ -19,6 +19,11 @@ from umbra.components.host_firewall import HostFirewall, render_host_ruleset
 from umbra.contracts.canonical import canonical_text as canonical_json
 from umbra.contracts.enrollment import META_ENROLLMENT_TOKEN as _ENROLLMENT_KEY
 
+# Re-exported: the stacks and their tests name them from here.
+from umbra.contracts.session import CONSOLE_LAUNCH_EVENT as CONSOLE_LAUNCH_EVENT
+from umbra.contracts.session import CVM_ID_EVENT as CVM_ID_EVENT
+from umbra.contracts.session import HOST_FIREWALL_EVENT as HOST_FIREWALL_EVENT
+
 # GCP metadata and Azure custom-data keys the image's launch agent reads.
 META_APP_COMPOSE = "umbra-app-compose"
 META_COMPOSE_HASH = "umbra-compose-hash"
@@ -93,11 +98,6 @@ META_KEYS = frozenset(
         META_INSTANCE_NAME,
     }
 )
-# Same names as in umbra.images.measure (a test keeps them equal).
-CVM_ID_EVENT = "umbra.cvm-id"
-HOST_FIREWALL_EVENT = "umbra.host-firewall"
-CONSOLE_LAUNCH_EVENT = "umbra.console-launch"
-
 # Azure limits user data to 64 KiB after base64.
 AZURE_USER_DATA_MAX = 65536
 

@@ -23,6 +23,8 @@ SSH_HOST_KEY_EVENT = "umbra.ssh-host-key"
 BOOT_ID_EVENT = "umbra.boot-id"
 # Payload: SHA-256 of the nftables ruleset a cloud Dev CVM's launch agent loaded at boot.
 HOST_FIREWALL_EVENT = "umbra.host-firewall"
+# A Console VM's launch-bound configuration (components.launch_data.console_launch_digest).
+CONSOLE_LAUNCH_EVENT = "umbra.console-launch"
 # The gateway sshd's login name; its ForceCommand drops to the sandbox user inside the sandbox.
 LOGIN_USER = "root"
 _HOST = r"^[A-Za-z0-9]([A-Za-z0-9.:-]{0,251}[A-Za-z0-9])?$"

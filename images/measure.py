@@ -32,15 +32,14 @@ from umbra.attest.measurement import (
 )
 from umbra.attest.simulator import simulated_boot_values
 from umbra.contracts.session import BOOT_ID_EVENT, SSH_HOST_KEY_EVENT
+from umbra.contracts.session import CONSOLE_LAUNCH_EVENT as CONSOLE_LAUNCH_EVENT
+from umbra.contracts.session import CVM_ID_EVENT as CVM_ID_EVENT
 from umbra.contracts.session import HOST_FIREWALL_EVENT as HOST_FIREWALL_EVENT
 from umbra.images.definition import BaseMeasurements, DevCvmDefinition, ImageDefinition
 from umbra.sandbox.dev_definition import RUNNER as DEV_HOST_RUNNER
 from umbra.sandbox.dev_definition import render_dev_host
 from umbra.sandbox.render import Rendered, canonical_json, render_security_cvm
 
-CVM_ID_EVENT = "umbra.cvm-id"
-# A Console VM's launch-bound configuration (components.launch_data.console_launch_digest).
-CONSOLE_LAUNCH_EVENT = "umbra.console-launch"
 # HOST_FIREWALL_EVENT's payload: SHA-256 of the nftables ruleset the launch agent loads.
 RTMR3 = 3
 
