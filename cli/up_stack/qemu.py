@@ -127,19 +127,15 @@ def dev_definition_doc(stack: Stack, security_release: dict[str, Any]) -> dict[s
             "security_cvm_release": security_release,
             "console_url": CONSOLE_IN_VM,
             "console_ca": True,
-            # The forwarder quotes through the host's TDX module (once the release knows it).
-            **({"quote_source": "emulated"} if _knows("quote_source") else {}),
+            # The forwarder quotes through the host's TDX module.
+            "quote_source": "emulated",
             "allow_simulated": True,
+            # The stack's simulated PKI signs the local Security CVM's quotes: the Dev release
+            # names its root, which the dev host hands the forwarder.
+            "simulated_root": stack.p("pki", "root.pem").read_text(),
             "tunnels": [],
         },
     }
-
-
-def _knows(field: str) -> bool:
-    """Whether the Dev release's inputs have `field` (the Dev workload's change adds some)."""
-    from umbra.sandbox.models import DevCvmInputs
-
-    return field in DevCvmInputs.model_fields
 
 
 def write_dev_release(stack: Stack) -> None:
@@ -175,14 +171,10 @@ def provider_settings(stack: Stack, disk: Path, accel: str) -> dict[str, Any]:
 
 
 def _network(stack: Stack) -> dict[str, Any]:
-    """The Dev workload's network and ingress, once the provider takes them (the Dev workload's
-    change adds these fields): the Console's and the Security CVM's addresses and their forwards
-    to loopback, the Dev release for `umbra ssh`."""
+    """The Dev workload's network and ingress: the Console's and the Security CVM's addresses
+    and their forwards to loopback, the Dev release for `umbra ssh`."""
     from umbra.cli.up_stack.names import Port
-    from umbra.console.providers_qemu import QemuCvmSettings
 
-    if "forwards" not in QemuCvmSettings.model_fields:
-        return {}
     tunnel = stack.port(Port.TUNNEL)
     return {
         "console_ips": [CONSOLE_IP],

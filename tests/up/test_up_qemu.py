@@ -110,16 +110,16 @@ def test_the_console_gets_the_qemu_provider_with_a_config_it_loads(
     # The VM enrolls at the Console's name over TLS (its front's CA in launch data).
     assert settings.console_url == "https://console.umbra.internal"
     assert settings.console_ca == stack.p("console-tls", "ca.pem")
-    if "forwards" in type(settings).model_fields:  # the provider runs the Dev workload's network
-        doc = json.loads(path.read_text())
-        assert doc["console_ips"] == [qemu.CONSOLE_IP]
-        assert doc["security_cvm_ips"] == [qemu.SECURITY_IP]
-        assert doc["forwards"] == [
-            {"address": qemu.CONSOLE_IP, "port": 443, "host_port": stack.port("console_tls")},
-            {"address": qemu.SECURITY_IP, "port": stack.port("tunnel"),
-             "host_port": stack.port("tunnel")},
-        ]  # fmt: skip
-        assert doc["release_manifest"] == str(stack.p("dev-cvm-release.json"))
+    # The Dev workload's network.
+    doc = json.loads(path.read_text())
+    assert doc["console_ips"] == [qemu.CONSOLE_IP]
+    assert doc["security_cvm_ips"] == [qemu.SECURITY_IP]
+    assert doc["forwards"] == [
+        {"address": qemu.CONSOLE_IP, "port": 443, "host_port": stack.port("console_tls")},
+        {"address": qemu.SECURITY_IP, "port": stack.port("tunnel"),
+         "host_port": stack.port("tunnel")},
+    ]  # fmt: skip
+    assert doc["release_manifest"] == str(stack.p("dev-cvm-release.json"))
     # The launch data's compose is the measured Dev release's, whose compose hash the release
     # the Console verifies enrollment quotes against pins.
     compose = settings.app_compose.read_bytes()
@@ -127,6 +127,10 @@ def test_the_console_gets_the_qemu_provider_with_a_config_it_loads(
     (event,) = [e for e in release["events"] if e["name"] == "compose-hash"]
     assert event["payloads"] == [hashlib.sha256(compose).hexdigest()]
     assert release["tee"] == "simulated"
+    # It names the stack's simulated root (the local Security CVM's quotes chain to it), which
+    # the dev host in the VM hands its forwarder.
+    host = json.loads(json.loads(compose)["dev_cvm_host"])
+    assert host["simulated_root"] == stack.p("pki", "root.pem").read_text()
     # The Console's own settings and provider factory take it (the local provider stays: it
     # holds the Security CVM's record).
     env = up_stack.console_env(stack)
