@@ -652,6 +652,7 @@ class ComposeRunnerStart:
         from umbra.images import image_store
         from umbra.images.compose_runner import ComposeRunError, ComposeRunner
 
+        start_docker_engine()
         try:
             images = image_store.load(
                 sorted(self.images_dir.glob(f"*{image_store.ARCHIVE_SUFFIX}"))
@@ -660,6 +661,25 @@ class ComposeRunnerStart:
             runner.up(compose.read_text())
         except (image_store.ImageStoreError, ComposeRunError, OSError) as exc:
             raise LaunchError(Refusal.START_FAILED, str(exc)) from None
+
+
+def start_docker_engine(
+    systemd: Path = Path("/run/systemd/system"), engine: Path = Path("/run/docker.sock")
+) -> None:
+    """Docker is not enabled at boot (images.os_image.DISABLED_UNITS): a Dev CVM runs no host
+    dockerd, whose FORWARD-drop ruleset would cut the forwarder's egress. A compose role starts
+    it here, before the first `docker load`. Without systemd as init (a development host, CI),
+    or with an engine already listening, the engine is the caller's."""
+    if not systemd.is_dir() or engine.is_socket():
+        return
+    try:
+        done = subprocess.run(["systemctl", "start", "docker.service"], capture_output=True,
+                              text=True, check=False, timeout=300)  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise LaunchError(Refusal.START_FAILED, f"systemctl start docker.service: {exc}") from None
+    if done.returncode != 0:
+        why = (done.stderr or done.stdout).strip()[-300:]
+        raise LaunchError(Refusal.START_FAILED, f"systemctl start docker.service: {why}")
 
 
 @dataclass(frozen=True)

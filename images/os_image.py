@@ -53,6 +53,15 @@ UNIT = OS_DIR / "umbra-launch-agent.service"
 INGRESS_UNIT = OS_DIR / "umbra-ingress.service"
 # Debian's own sshd units: the only sshd on a CVM is the ingress's per-connection `sshd -i`.
 MASKED_UNITS = ("ssh.service", "ssh.socket")
+# Enabled by their packages, not started at boot: the launch agent starts Docker for a compose
+# role only (launch_agent.start_docker_engine). On a Dev CVM a host dockerd is attack surface
+# the sandbox does not need, and its ruleset (iptables FORWARD policy drop) cut the forwarder's
+# egress: found on the emulated GCP, where the Dev CVM's enrollment timed out.
+DISABLED_UNITS = (
+    "multi-user.target.wants/docker.service",
+    "multi-user.target.wants/containerd.service",
+    "sockets.target.wants/docker.socket",
+)
 # systemd (>= 256, trixie's 257) generates sshd sockets of its own when sshd is installed:
 # `sshd-unix-local.socket` always, `sshd-vsock.socket` on a VM with an AF_VSOCK device, which
 # the host controls: an sshd the host could reach past the attested ingress. Masked by an
@@ -234,6 +243,8 @@ def configure_rootfs(d: OsDefinition, root: Path) -> None:
     unit_dir = root / "etc/systemd/system"
     wants = unit_dir / "multi-user.target.wants"
     wants.mkdir(parents=True, exist_ok=True)
+    for link in DISABLED_UNITS:
+        (unit_dir / link).unlink(missing_ok=True)
     units = [UNIT]
     for unit in units:
         shutil.copyfile(unit, unit_dir / unit.name)

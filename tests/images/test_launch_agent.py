@@ -6,6 +6,7 @@ nothing and says why on the serial console."""
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -701,3 +702,35 @@ def test_an_emulated_security_cvm_gets_its_quote_relay_before_the_compose(
         quote_relay=Relay(),
     ).run()  # fmt: skip
     assert order == ["compose"]
+
+
+def test_a_compose_role_starts_docker_itself(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Docker is not started at boot (a Dev CVM runs no host dockerd): under systemd the agent
+    starts docker.service before a compose role's first `docker load`, and a failure there is
+    the launch's START_FAILED with systemctl's words; without systemd as init (development
+    hosts, CI) it leaves the engine to the caller."""
+    from umbra.images.launch_agent import LaunchError, start_docker_engine
+
+    bin_dir, log = tmp_path / "bin", tmp_path / "calls"
+    bin_dir.mkdir()
+    systemctl = bin_dir / "systemctl"
+    systemctl.write_text(
+        f'#!/bin/sh\necho "$@" >> {log}\n[ -z "$FAIL" ] || {{ echo "$FAIL" >&2; exit 1; }}\n'
+    )
+    systemctl.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
+    none = tmp_path / "docker.sock"
+    start_docker_engine(tmp_path / "no-systemd", none)
+    assert not log.exists()
+    (tmp_path / "systemd").mkdir()
+    start_docker_engine(tmp_path / "systemd", none)
+    assert log.read_text() == "start docker.service\n"
+    monkeypatch.setenv("FAIL", "Unit docker.service not found.")
+    with pytest.raises(LaunchError, match=r"systemctl start docker\.service: Unit docker"):
+        start_docker_engine(tmp_path / "systemd", none)
+    with socket.socket(socket.AF_UNIX) as listening:  # an engine already up: left alone
+        listening.bind(str(none))
+        start_docker_engine(tmp_path / "systemd", none)
+    assert log.read_text().count("start") == 2

@@ -9,7 +9,12 @@ from pathlib import Path
 import pytest
 
 from umbra.components.idle_stop import CONFIG_PATH, PYTHON, SCRIPT_PATH, TIMER
-from umbra.images.os_image import OS_DIR, configure_rootfs, load_os_definition
+from umbra.images.os_image import (
+    DISABLED_UNITS,
+    OS_DIR,
+    configure_rootfs,
+    load_os_definition,
+)
 from umbra.images.recipes import PYTHON_PREFIX
 
 DEFINITIONS = sorted(p.name for p in OS_DIR.glob("*.yaml"))
@@ -32,3 +37,22 @@ def test_every_os_image_gets_idle_stop_installed_not_enabled(name: str, tmp_path
     enabled = [p.name for p in units.rglob("*.wants/*")]
     assert "umbra-idle.timer" not in enabled and "umbra-idle.service" not in enabled
     assert "umbra-launch-agent.service" in enabled
+
+
+@pytest.mark.parametrize("name", DEFINITIONS)
+def test_docker_is_not_started_at_boot(name: str, tmp_path: Path) -> None:
+    """Debian's docker.io and containerd enable their units; on a Dev CVM the host dockerd's
+    FORWARD-drop ruleset cut the forwarder's egress (the emulated GCP's enrollment timed out).
+    The build disables them and the agent's unit no longer pulls Docker in: the agent starts it
+    for a compose role only (test_launch_agent.py)."""
+    units = tmp_path / "etc/systemd/system"
+    for link in DISABLED_UNITS:  # as the packages' postinst leave them
+        (units / link).parent.mkdir(parents=True, exist_ok=True)
+        (units / link).symlink_to(f"/usr/lib/systemd/system/{Path(link).name}")
+    configure_rootfs(load_os_definition(OS_DIR / name), tmp_path)
+    enabled = {p.name for p in units.rglob("*.wants/*")}
+    assert not enabled & {"docker.service", "docker.socket", "containerd.service"}, enabled
+    agent = (units / "umbra-launch-agent.service").read_text()
+    assert "docker" not in "".join(
+        line for line in agent.splitlines() if line.startswith(("Wants=", "After=", "Requires="))
+    )
