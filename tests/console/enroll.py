@@ -15,7 +15,7 @@ import httpx
 
 from umbra.attest.collateral import StaticCollateral
 from umbra.attest.enroll_client import ensure_credential
-from umbra.attest.measurement import MeasurementPolicy
+from umbra.attest.measurement import MeasurementPolicy, ReleaseManifest
 from umbra.attest.simpki import SimulatedPki
 from umbra.attest.simulator import SimulatedTdx
 from umbra.attest.verify import Verifier
@@ -39,7 +39,11 @@ def verifier(
     image: str, root: SimulatedPki | None = None, **release_extra: object
 ) -> AttestedReleaseVerifier:
     root = root or pki()
-    release = SimulatedTdx(root, image=image).release_manifest(**release_extra)
+    return release_verifier(SimulatedTdx(root, image=image).release_manifest(**release_extra), root)
+
+
+def release_verifier(release: ReleaseManifest, root: SimulatedPki) -> AttestedReleaseVerifier:
+    """The Console's verifier for `release`, whose simulated quotes chain to `root`."""
     return AttestedReleaseVerifier(
         Verifier(
             MeasurementPolicy(release=release),

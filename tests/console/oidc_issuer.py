@@ -36,6 +36,8 @@ class LocalIssuer:
         self.refresh_tokens: dict[str, tuple[str, list[str]]] = {}
         self.refreshes = 0
         self.device_expires_in = 600
+        # Access tokens' lifetime (s): a walkthrough of emulated boots outlives the default.
+        self.token_lifetime = 600
         # When set, /authorize approves at once as (subject, roles) and redirects back with a code
         # bound to the PKCE challenge (RFC 7636 S256); /token redeems a code once.
         self.browser_grant: tuple[str, list[str]] | None = None
@@ -72,7 +74,7 @@ class LocalIssuer:
             "aud": AUDIENCE,
             "sub": subject,
             "iat": now,
-            "exp": now + 600,
+            "exp": now + self.token_lifetime,
             "umbra_roles": roles or [],
         }
         body.update(claims)

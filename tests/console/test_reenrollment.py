@@ -23,13 +23,10 @@ from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from tests.console import enroll
 from tests.console.helpers import Team
-from umbra.attest.collateral import StaticCollateral
 from umbra.attest.enroll_client import EnrollError, ensure_credential
 from umbra.attest.eventlog import dump_dstack_event_log, make_runtime_event
 from umbra.attest.launch_binding import launch_binding
-from umbra.attest.measurement import MeasurementPolicy
 from umbra.attest.simulator import SimulatedTdx
-from umbra.attest.verify import Verifier
 from umbra.console.release import AttestedReleaseVerifier
 from umbra.contracts.enrollment import (
     launch_binding_sha256,
@@ -57,14 +54,7 @@ def _release_verifier(kind: str) -> AttestedReleaseVerifier:
         ]
     root = enroll.pki()
     release = SimulatedTdx(root, image=IMAGES[kind]).release_manifest(events=events)
-    return AttestedReleaseVerifier(
-        Verifier(
-            MeasurementPolicy(release=release),
-            StaticCollateral(root.collateral(int(time.time()) - 3600)),
-            allow_simulated=True,
-            simulated_root_der=root.root_der,
-        )
-    )
+    return enroll.release_verifier(release, root)
 
 
 @pytest.fixture
