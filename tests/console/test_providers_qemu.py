@@ -2,7 +2,7 @@
 its metadata stand-in serves (rendered by components' LaunchData, the token included and kept out
 of every file and of provider_state), the QEMU command line of each cloud shape, the data disk
 kept across stop/start and update, and destroy. QEMU itself is replaced by a recorder here; the
-boot of the real image in both shapes is tests/images/test_emulated_cloud.py."""
+boot of the real image in both shapes is tests/images/test_emulated_walkthrough.py."""
 
 from __future__ import annotations
 

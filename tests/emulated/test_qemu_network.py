@@ -1,6 +1,6 @@
 """The emulated VM's network for a Dev workload (umbra.emulated.qemu): exactly the Console's and
 the Security CVM's addresses relayed to loopback, the SSH ingress published on loopback, and
-nothing else. Fast: the QEMU command line only (a boot is tests/images/test_emulated_cloud.py)."""
+nothing else. Fast: the QEMU command line only (a boot is tests/images/test_emulated_walkthrough.py)."""
 
 from __future__ import annotations
 

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 from typer.testing import CliRunner
@@ -22,6 +23,7 @@ from umbra.images.disk_formats import CloudDisks
 from umbra.images.lock_policy import LockPolicy
 from umbra.images.os_image import (
     OS_DIR,
+    OsDefinition,
     OsImage,
     build_os_image,
     load_os_definition,
@@ -127,16 +129,16 @@ def qemu_os_image(
 
 
 def build_qemu_os(out: Path, wheel: Path, req: Path, stub: str) -> OsImage:
-    image = build_os_image(
-        stub_variant(load_os_definition(OS_DIR / "qemu.yaml")),
-        out,
-        wheel=wheel,
-        requirements=req,
-        host_python_prefix=Path(sys.base_prefix),
-        epoch=int(EPOCH),
-        extra_files={"/usr/local/bin/umbra-compose-stub": stub},
-        lock_policy=TEST_LOCK_POLICY,
-    )
+    """`qemu.yaml`'s stub variant, with `stub` as its compose runner."""
+    return _build_os(stub_variant(load_os_definition(OS_DIR / "qemu.yaml")), out, wheel, req,
+                     extra_files={"/usr/local/bin/umbra-compose-stub": stub})  # fmt: skip
+
+
+def _build_os(d: OsDefinition, out: Path, wheel: Path, req: Path, **kw: Any) -> OsImage:
+    """A test build: the session's wheel, the tolerant lock policy, each drift a warning."""
+    image = build_os_image(d, out, wheel=wheel, requirements=req,
+                           host_python_prefix=Path(sys.base_prefix), epoch=int(EPOCH),
+                           lock_policy=TEST_LOCK_POLICY, **kw)  # fmt: skip
     warn_drift([d.line() for d in image.lock_drift])
     return image
 
@@ -185,17 +187,9 @@ def cvm_disk(
     wheel, req = build_inputs
     image.ensure_image()
     os_dir = tmp_path_factory.mktemp("uim-os-cvm")
-    built = build_os_image(
-        load_os_definition(OS_DIR / "qemu.yaml"),
-        os_dir,
-        wheel=wheel,
-        requirements=req,
-        host_python_prefix=Path(sys.base_prefix),
-        epoch=int(EPOCH),
-        image_archives=[out / images["proxy"]["archive"]],
-        lock_policy=TEST_LOCK_POLICY,
-    )
-    warn_drift([d.line() for d in built.lock_drift])
-    out = tmp_path_factory.mktemp("uim-disks-cvm")
-    _uki, disks = pack_os_image(os_dir, out, int(EPOCH), cloud_formats=False)
+    archives = [out / images["proxy"]["archive"]]
+    _build_os(load_os_definition(OS_DIR / "qemu.yaml"), os_dir, wheel, req,
+              image_archives=archives)  # fmt: skip
+    packed = tmp_path_factory.mktemp("uim-disks-cvm")
+    _uki, disks = pack_os_image(os_dir, packed, int(EPOCH), cloud_formats=False)
     return disks.raw, images

@@ -11,7 +11,7 @@ The boot is the emulated GCP's (umbra.emulated): SMBIOS says Google, so the agen
 and reads its launch data from the metadata stand-in at 169.254.169.254:80 (QEMU user networking
 forwards it to loopback). The compose command is a stub that prints the compose file's SHA-256 on
 the serial console (the image has no Docker: the container path is tested under real Docker); the
-TEE is the host's simulated TDX module (umbra.emulated.tdx_module) on a virtio-serial port. tests/images/test_emulated_cloud.py boots the same disk in both cloud shapes
+TEE is the host's simulated TDX module (umbra.emulated.tdx_module) on a virtio-serial port. tests/images/test_emulated_walkthrough.py boots qemu.yaml as shipped (both roles) in both cloud shapes
 through stop and start.
 """
 

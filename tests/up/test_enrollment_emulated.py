@@ -5,7 +5,7 @@ A reboot is a fresh TD (RTMR3 from zero) and loses the credential (tmpfs): the l
 measures the same launch again and the forwarder re-enrolls by a fresh quote, no new token.
 
 No VM: the port is a pty relayed to the module (tests/emulated/port_relay.py); the boot in
-QEMU is tests/images/test_emulated_cloud.py's."""
+QEMU is tests/images/test_emulated_walkthrough.py's."""
 
 from __future__ import annotations
 
