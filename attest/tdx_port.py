@@ -12,7 +12,10 @@ firmware's event log of RTMR0-2, as a TD's CCEL ACPI table holds it, which a ver
 with the guest's RTMR3 events); answers `{"id", "ok": true}`, `{"id", "quote": base64}`,
 `{"id", "ccel": base64}` or `{"id", "error": text}`. One port carries one byte stream, so a
 client holds an exclusive `flock` on it for its exchange, and skips answers with another id
-(a client killed mid-exchange leaves its answer behind).
+(a client killed mid-exchange leaves its answer behind). The guest's virtio_console driver
+admits one opener at a time (EBUSY for the next, before any flock): a client retries the open
+for up to `timeout`, so a Dev CVM's forwarder re-enrolling and its ingress quoting for an
+`umbra ssh` at the same moment take turns instead of one failing.
 
 Its quotes chain to the simulated root: a verifier accepts them only where a `tee: simulated`
 release and the simulated root are configured (never in production).
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import errno
 import fcntl
 import json
 import os
@@ -90,13 +94,7 @@ class TdxModulePort:
     def _ask(self, request: dict[str, Any]) -> dict[str, Any]:
         ident = uuid.uuid4().hex
         path = self._device()
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_NOCTTY)
-        except OSError as exc:
-            raise QuoteSourceError(
-                f"cannot open {path} ({exc.strerror}); is this an emulated-cloud VM "
-                "with the host's TDX module attached?"
-            ) from None
+        fd = self._open(path)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             os.write(fd, json.dumps({"id": ident, **request}).encode() + b"\n")
@@ -106,6 +104,20 @@ class TdxModulePort:
         finally:
             with contextlib.suppress(OSError):
                 os.close(fd)
+
+    def _open(self, path: Path) -> int:
+        deadline = time.monotonic() + self.timeout
+        while True:
+            try:
+                return os.open(path, os.O_RDWR | os.O_NOCTTY)
+            except OSError as exc:
+                if exc.errno == errno.EBUSY and time.monotonic() < deadline:
+                    time.sleep(0.05)  # another process's exchange holds the port
+                    continue
+                raise QuoteSourceError(
+                    f"cannot open {path} ({exc.strerror}); is this an emulated-cloud VM "
+                    "with the host's TDX module attached?"
+                ) from None
 
     def _answer(self, fd: int, ident: str, path: Path) -> dict[str, Any]:
         deadline = time.monotonic() + self.timeout

@@ -127,6 +127,33 @@ def test_refusals_are_precise_and_nothing_is_extended(module: TdxModule) -> None
     assert _boot(module, 1).rtmrs()[3] == bytes(48)
 
 
+def test_a_port_held_by_another_exchange_is_waited_for(
+    module: TdxModule, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """virtio_console admits one opener at a time: the next open gets EBUSY (before any flock).
+    A client waits its turn within its timeout (a Dev CVM's forwarder re-enrolling while its
+    ingress quotes for `umbra ssh`), and past it fails closed with the reason."""
+    import errno
+
+    from umbra.attest import tdx_port
+
+    real_open, busy = os.open, [3]
+
+    def held_open(path: str, flags: int, *args: int) -> int:
+        if busy[0] > 0:
+            busy[0] -= 1
+            raise OSError(errno.EBUSY, os.strerror(errno.EBUSY))
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(tdx_port.os, "open", held_open)
+    with port_to(module) as path:
+        assert len(TdxModuleSource(TdxModulePort(path, timeout=5)).get_quote(bytes(64))) > 1000
+        assert busy == [0]
+        busy[0] = 10**6  # held for good
+        with pytest.raises(QuoteSourceError, match="Device or resource busy"):
+            TdxModulePort(path, timeout=0.3).quote(bytes(64))
+
+
 def test_no_port_fails_closed(tmp_path: Path) -> None:
     port = TdxModulePort(tmp_path / "absent")
     with pytest.raises(QuoteSourceError, match="emulated-cloud VM"):
