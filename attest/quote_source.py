@@ -11,6 +11,7 @@ import contextlib
 import os
 import threading
 import uuid
+from enum import StrEnum
 from pathlib import Path
 from typing import Protocol
 
@@ -18,6 +19,16 @@ from umbra.attest.errors import AttestError, QuoteSourceError
 from umbra.attest.simulator import SimulatedTdx
 
 DEFAULT_TSM_REPORT = Path("/sys/kernel/config/tsm/report")
+
+
+class QuoteSourceKind(StrEnum):
+    """Where a CVM service's quotes come from: the TD's configfs-tsm; the emulated clouds' host
+    TDX module (attest.tdx_port); the in-process simulator (embedded mode). The last two chain
+    to the simulated root only."""
+
+    configfs = "configfs"
+    emulated = "emulated"
+    simulated = "simulated"
 
 
 class QuoteSource(Protocol):

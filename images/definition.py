@@ -15,6 +15,7 @@ from pydantic import Field, ValidationError, model_validator
 
 from umbra.attest.errors import PolicyFileError
 from umbra.attest.measurement import Hex32, Hex48, PcrIndex, load_release_manifest
+from umbra.attest.quote_source import QuoteSourceKind
 from umbra.contracts.model import Strict as _Strict
 from umbra.contracts.validation import lines
 from umbra.sandbox.models import DevCvmInputs, SecurityCvmInputs
@@ -94,10 +95,11 @@ def _check_tee(d: ImageDefinition) -> ImageDefinition:
         raise DefinitionError(
             f"{d.name}: a tee: tdx release must not let its forwarder accept simulated quotes"
         )
-    if isinstance(d, DevCvmDefinition) and d.tee == "tdx" and d.host.quote_source != "configfs":
+    configfs = QuoteSourceKind.configfs
+    if isinstance(d, DevCvmDefinition) and d.tee == "tdx" and d.host.quote_source is not configfs:
         raise DefinitionError(
             f"{d.name}: a tee: tdx release's forwarder quotes with configfs-tsm, not "
-            f"{d.host.quote_source!r} (the emulated clouds' simulated TDX module)"
+            f"'{d.host.quote_source}' (the emulated clouds' simulated TDX module)"
         )
     if isinstance(d, SecurityCvmDefinition) and d.compose.simulated is not None:
         if d.tee == "tdx":

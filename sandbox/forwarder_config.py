@@ -12,6 +12,7 @@ from typing import Annotated, Literal
 from pydantic import Field, ValidationError, model_validator
 
 from umbra.attest.measurement import ReleaseManifest
+from umbra.attest.quote_source import QuoteSourceKind
 from umbra.contracts.model import Strict
 from umbra.contracts.names import CVM_ID_PATTERN
 from umbra.contracts.validation import lines
@@ -82,7 +83,7 @@ class Enrollment(Strict):
 
     console_url: Annotated[str, Field(pattern=r"^https?://[^\s/?#]+(/[^\s?#]*)?$")]
     token_file: Path
-    quote_source: Literal["configfs", "emulated", "simulated"]
+    quote_source: QuoteSourceKind
     event_log: Path | None = None
     simulated_pki: Path | None = None
     simulated_image: str = "umbra-dev-cvm"
@@ -94,7 +95,7 @@ class Enrollment(Strict):
 
     @model_validator(mode="after")
     def _source(self) -> Enrollment:
-        if (self.quote_source == "simulated") != (self.simulated_pki is not None):
+        if (self.quote_source is QuoteSourceKind.simulated) != (self.simulated_pki is not None):
             raise ValueError("simulated_pki is required with quote_source simulated, and only then")
         return self
 

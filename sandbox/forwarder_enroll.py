@@ -18,7 +18,12 @@ from pathlib import Path
 from umbra.attest.enroll_client import BOOT_RETRY_DELAYS, EnrollError, ensure_credential
 from umbra.attest.errors import AttestError
 from umbra.attest.eventlog import Event, load_event_log
-from umbra.attest.quote_source import ConfigfsTsmSource, QuoteSource, SimulatedSource
+from umbra.attest.quote_source import (
+    ConfigfsTsmSource,
+    QuoteSource,
+    QuoteSourceKind,
+    SimulatedSource,
+)
 from umbra.attest.simpki import SimulatedPki
 from umbra.attest.simulator import SimulatedTdx
 from umbra.attest.tdx_port import TdxModuleSource
@@ -33,7 +38,7 @@ from umbra.sandbox.forwarder_config import (
 
 
 def _quoter(enrollment: Enrollment, cvm_id: str) -> tuple[QuoteSource, Sequence[Event] | None]:
-    if enrollment.quote_source == "simulated":
+    if enrollment.quote_source is QuoteSourceKind.simulated:
         assert enrollment.simulated_pki is not None  # the config requires it
         try:
             tdx = SimulatedTdx(
@@ -50,7 +55,7 @@ def _quoter(enrollment: Enrollment, cvm_id: str) -> tuple[QuoteSource, Sequence[
             events = load_event_log(enrollment.event_log.read_bytes())
         except (OSError, AttestError) as exc:
             raise ForwarderConfigError(f"{enrollment.event_log}: {exc}") from None
-    if enrollment.quote_source == "emulated":
+    if enrollment.quote_source is QuoteSourceKind.emulated:
         return TdxModuleSource(), events
     return ConfigfsTsmSource(), events
 

@@ -22,7 +22,12 @@ from umbra.attest.atls import ATLSConnection, relay, serve_atls
 from umbra.attest.errors import ATLSError, AttestError
 from umbra.attest.eventlog import RUNTIME_EVENT_TYPE, Event, load_event_log
 from umbra.attest.measurement import SSH_KEYS_EVENT, ssh_keys_digest
-from umbra.attest.quote_source import ConfigfsTsmSource, QuoteSource, SimulatedSource
+from umbra.attest.quote_source import (
+    ConfigfsTsmSource,
+    QuoteSource,
+    QuoteSourceKind,
+    SimulatedSource,
+)
 from umbra.attest.simpki import SimulatedPki
 from umbra.attest.simulator import SimulatedTdx
 from umbra.attest.tdx_port import TdxModuleSource
@@ -76,13 +81,14 @@ def build_evidence(
                 f"({BOOT_ID_EVENT} must appear once)"
             )
 
-    if qs.kind in ("configfs", "emulated"):
+    if qs.kind in (QuoteSourceKind.configfs, QuoteSourceKind.emulated):
         # The launch agent generated the key, extended the events and wrote the log before us.
         if events is None:
             raise IngressConfigError(f"quote_source.event_log is required with kind {qs.kind}")
         check_agent_bound()
         fixed = list(events)
-        td: QuoteSource = ConfigfsTsmSource() if qs.kind == "configfs" else TdxModuleSource()
+        configfs = qs.kind is QuoteSourceKind.configfs
+        td: QuoteSource = ConfigfsTsmSource() if configfs else TdxModuleSource()
         return Evidence(td, lambda: fixed)
     assert qs.simulated_pki is not None  # the model requires it
     try:

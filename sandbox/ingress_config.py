@@ -6,11 +6,11 @@ JSON or YAML, strict (`extra="forbid"`); errors name the file, the field and the
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
 
 import yaml
 from pydantic import Field, ValidationError, model_validator
 
+from umbra.attest.quote_source import QuoteSourceKind
 from umbra.contracts.model import Strict as _Strict
 from umbra.contracts.validation import lines
 
@@ -65,14 +65,14 @@ class QuoteSourceConfig(_Strict):
     embedded default; the ingress extends the events itself into a simulated TD signed by
     `simulated_pki`."""
 
-    kind: Literal["configfs", "emulated", "simulated"]
+    kind: QuoteSourceKind
     event_log: Path | None = None
     simulated_pki: Path | None = None
     simulated_image: str = "umbra-dev-cvm"
 
     @model_validator(mode="after")
     def _pki(self) -> QuoteSourceConfig:
-        if (self.kind == "simulated") != (self.simulated_pki is not None):
+        if (self.kind is QuoteSourceKind.simulated) != (self.simulated_pki is not None):
             raise ValueError("simulated_pki is required with kind simulated, and only then")
         return self
 

@@ -18,6 +18,7 @@ from typing import Annotated, Final, Literal
 from pydantic import AfterValidator, Field, model_validator
 
 from umbra.attest.measurement import ReleaseManifest
+from umbra.attest.quote_source import QuoteSourceKind
 from umbra.contracts.model import Strict
 from umbra.contracts.names import check_host
 
@@ -127,7 +128,9 @@ class DevCvmInputs(Strict):
     # What the forwarder's enrollment quotes with: configfs-tsm in a TD; `emulated` on the
     # emulated clouds (the host's simulated TDX module over virtio-serial, attest.tdx_port),
     # for a `tee: simulated` release only. Measured: the compose hash says which.
-    quote_source: Literal["configfs", "emulated"] = "configfs"
+    quote_source: Literal[QuoteSourceKind.configfs, QuoteSourceKind.emulated] = (
+        QuoteSourceKind.configfs
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> DevCvmInputs:
