@@ -200,6 +200,14 @@ def _iso(ts: int) -> str:
     return dt.datetime.fromtimestamp(ts, dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+def cert_der(data: bytes) -> bytes:
+    """A (root) certificate given as PEM or DER, as DER: what a verifier pins. ValueError when
+    it is neither."""
+    pem = data.lstrip().startswith(b"-----")
+    cert = x509.load_pem_x509_certificate(data) if pem else x509.load_der_x509_certificate(data)
+    return cert.public_bytes(Encoding.DER)
+
+
 @dataclass
 class SimulatedPki:
     root_key: ec.EllipticCurvePrivateKey

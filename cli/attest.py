@@ -233,19 +233,12 @@ def _collateral_source(
 
 
 def _load_root(path: Path) -> bytes:
-    from cryptography import x509
-    from cryptography.hazmat.primitives.serialization import Encoding
+    from umbra.attest.simpki import cert_der
 
     try:
-        data = path.read_bytes()
-        cert = (
-            x509.load_pem_x509_certificate(data)
-            if data.startswith(b"-----")
-            else x509.load_der_x509_certificate(data)
-        )
+        return cert_der(path.read_bytes())
     except (OSError, ValueError) as exc:
         raise AttestError(f"cannot load simulated root {path}: {exc}") from None
-    return cert.public_bytes(Encoding.DER)
 
 
 def _table() -> Table:

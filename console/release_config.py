@@ -5,9 +5,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from cryptography import x509
-from cryptography.hazmat.primitives.serialization import Encoding
-
 from umbra.attest.collateral import (
     Collateral,
     CollateralCache,
@@ -17,6 +14,7 @@ from umbra.attest.collateral import (
 )
 from umbra.attest.errors import AttestError
 from umbra.attest.measurement import load_measurement_policy
+from umbra.attest.simpki import cert_der
 from umbra.attest.verify import Verifier
 from umbra.console.config import ConfigError, Settings
 from umbra.console.enums import CvmKind
@@ -49,13 +47,7 @@ def _verifier(settings: Settings, release: Path, binding: Path | None) -> Attest
         source = _collateral(settings)
         root = None
         if settings.release_simulated_root is not None:
-            data = settings.release_simulated_root.read_bytes()
-            cert = (
-                x509.load_pem_x509_certificate(data)
-                if data.startswith(b"-----")
-                else x509.load_der_x509_certificate(data)
-            )
-            root = cert.public_bytes(Encoding.DER)
+            root = cert_der(settings.release_simulated_root.read_bytes())
     except (AttestError, OSError, ValueError) as exc:
         raise ConfigError(f"release: {exc}") from None
     return AttestedReleaseVerifier(Verifier(policy, source, settings.release_allow_simulated, root))

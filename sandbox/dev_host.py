@@ -205,10 +205,9 @@ def _write_simulated_root(host: DevHost) -> None:
     pem, target = host.definition.simulated_root, host.definition.forwarder.simulated_root
     if pem is None or target is None:
         return
-    from cryptography import x509
-    from cryptography.hazmat.primitives.serialization import Encoding
+    from umbra.attest.simpki import cert_der
 
-    der = x509.load_pem_x509_certificate(pem.encode()).public_bytes(Encoding.DER)
+    der = cert_der(pem.encode())
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(target, der, 0o644)  # a public certificate, read by the dropped forwarder

@@ -83,10 +83,12 @@ PccsUrl = Annotated[str, Field(pattern=r"^https?://[A-Za-z0-9.:\[\]/_-]+$")]
 
 
 def _check_root_pem(text: str) -> str:
-    from cryptography import x509
+    from umbra.attest.simpki import cert_der
 
     try:
-        x509.load_pem_x509_certificate(text.encode())
+        if not text.startswith("-----"):
+            raise ValueError
+        cert_der(text.encode())
     except ValueError:
         raise ValueError("not a PEM certificate") from None
     return text
