@@ -13,10 +13,12 @@ import threading
 import uuid
 from enum import StrEnum
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from umbra.attest.errors import AttestError, QuoteSourceError
-from umbra.attest.simulator import SimulatedTdx
+
+if TYPE_CHECKING:  # the simulator loads dcap_qvl; models naming QuoteSourceKind must not
+    from umbra.attest.simulator import SimulatedTdx
 
 DEFAULT_TSM_REPORT = Path("/sys/kernel/config/tsm/report")
 
