@@ -318,6 +318,13 @@ async def atls_connect(
         )
     except TimeoutError:
         raise ATLSError(f"aTLS handshake with {host}:{port} timed out") from None
+    except OSError as exc:
+        # Accepted, then reset or closed before anything was attested: a port forward whose
+        # service is not listening (yet) looks exactly like this. Still "cannot connect".
+        raise ATLSError(
+            f"cannot connect to {host}:{port}: the peer reset or closed the connection "
+            f"before the aTLS handshake completed ({type(exc).__name__})"
+        ) from None
 
 
 Handler = Callable[[ATLSConnection], Awaitable[None]]

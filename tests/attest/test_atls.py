@@ -262,6 +262,30 @@ async def test_plain_tcp_peer_is_not_tls(verifier: Verifier) -> None:
         await server.wait_closed()
 
 
+async def test_a_peer_that_resets_before_the_handshake_is_an_atls_error(
+    verifier: Verifier,
+) -> None:
+    """What a QEMU port forward does while nothing in the guest listens yet: accept, then
+    reset. One error family (ATLSError, "cannot connect"), never a bare ConnectionResetError
+    (`umbra ssh` said `internal: ConnectionResetError` for an ingress still starting)."""
+    import socket
+
+    async def reset(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        sock = writer.get_extra_info("socket")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        await reader.read(1)  # the ClientHello has arrived: the reset lands mid-handshake
+        writer.transport.abort()
+
+    server = await asyncio.start_server(reset, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        with pytest.raises(ATLSError, match=f"cannot connect to 127.0.0.1:{port}: .*reset"):
+            await atls_connect("127.0.0.1", port, verifier, now=T_SIM)
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
 async def test_azure_evidence_over_atls(pki: SimulatedPki, sim_collateral: Collateral) -> None:
     """The same client and server, an Azure quote source: the exporter binding goes through the
     vTPM's user-data and the vTPM quote's nonce."""
