@@ -265,6 +265,7 @@ def ingress(
     """The Dev CVM's attested SSH ingress: aTLS on one port, a gateway sshd behind it."""
     from umbra.sandbox.ingress import Ingress
     from umbra.sandbox.ingress_config import IngressConfigError, load_ingress_config
+    from umbra.sandbox.sd_notify import notify_ready
 
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING)
 
@@ -272,6 +273,7 @@ def ingress(
         server = await Ingress(load_ingress_config(config)).start()
         addr = server.sockets[0].getsockname()
         console.print(f"ingress listening on {addr[0]}:{addr[1]}", highlight=False)
+        notify_ready()  # umbra-ingress.service is Type=notify: started means listening
         async with server:
             await server.serve_forever()
 

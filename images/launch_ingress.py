@@ -73,7 +73,9 @@ class SystemdUnit:
                 capture_output=True,
                 text=True,
                 check=False,
-                timeout=120,
+                # The unit is Type=notify: this waits until the ingress listens (its
+                # TimeoutStartSec, 900 s, bounds a slow emulated boot first).
+                timeout=960,
             )
         except (OSError, subprocess.TimeoutExpired) as exc:
             raise IngressStartError(f"systemctl start {self.unit}: {exc}") from None

@@ -400,6 +400,9 @@ def test_the_os_image_installs_the_ingress_unit_for_the_agent_only(tmp_path: Pat
     assert f"umbra sandbox ingress --config {config}" in unit
     assert f"ConditionPathExists={config}" in unit
     assert "[Install]" not in unit and not any((units / "multi-user.target.wants").iterdir())
+    # Started means listening (its READY=1: sandbox/sd_notify.py), so the agent's `started` line
+    # and the ready report after it mean `umbra ssh` works (Type=exec: minutes of resets on TCG).
+    assert "Type=notify" in unit and "NotifyAccess=main" in unit
     # The agent starts it from inside its own (still activating) oneshot and waits: no ordering
     # after the agent, or that start job would wait for the agent forever.
     after = [ln for ln in unit.splitlines() if ln.startswith("After=")]

@@ -214,9 +214,17 @@ def ingress(
 ) -> Iterator[IngressProc]:
     port = free_port()
     config = write_ingress_config(box, work, cvm_id, keys, pki_dir, port, **extra)
+    # Started as umbra-ingress.service starts it (Type=notify): ready is its READY=1 datagram,
+    # which it sends once it listens (sandbox/sd_notify.py).
+    # (An abstract socket, as systemd's may be: no path-length limit under a long tmp_path.)
+    name = f"umbra-test-notify-{os.getpid()}-{port}"
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind("\0" + name)
+    notify.settimeout(0.2)
     proc = subprocess.Popen(
         [str(Path(sys.executable).parent / "umbra"), "sandbox", "ingress", "--config", str(config)],
         stdout=subprocess.DEVNULL,
+        env={**os.environ, "NOTIFY_SOCKET": "@" + name},
     )
     running = IngressProc(port, work / "gateway", work / "launch", proc, config)
     try:
@@ -224,14 +232,16 @@ def ingress(
         while True:
             if proc.poll() is not None:
                 raise RuntimeError(f"ingress exited with {proc.returncode}")
-            with socket.socket() as s:
-                if s.connect_ex(("127.0.0.1", port)) == 0:
+            with contextlib.suppress(TimeoutError):
+                if notify.recv(64) == b"READY=1":
                     break
             if time.monotonic() > deadline:
-                raise RuntimeError("ingress did not start")
-            time.sleep(0.05)
+                raise RuntimeError("ingress sent no READY=1 within 30 s")
+        with socket.socket() as s:  # ready means listening
+            assert s.connect_ex(("127.0.0.1", port)) == 0, "READY=1 before the port listened"
         yield running
     finally:
+        notify.close()
         running.stop()
 
 
