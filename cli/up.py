@@ -166,7 +166,7 @@ def up(
             f"The Dev CVM {cvm} is a VM under QEMU ({summary['shape']} shape, {summary['accel']}); "
             f"its serial consoles: {serial}/serial-N.log\n"
             "Next:\n"
-            "  umbra ssh                  # once the qemu image carries the Dev workload\n"
+            "  umbra ssh                  # attested, into the sandbox in the VM\n"
             "  umbra cvm list             # its state as the Console records it\n"
             "  umbra status               # what runs, its QEMU included\n"
             "  umbra down                 # power button, then everything stops"

@@ -1,11 +1,15 @@
 """`umbra up --runtime qemu`: the built `qemu` OS image packed as its boot disk, made once per
 set of inputs and cached (`/var/cache/umbra/os-qemu/<key>/disk.raw`, `UMBRA_OS_IMAGE_CACHE`).
 
+The image is `qemu.yaml` as shipped, the build the emulated clouds boot for a Dev CVM: the launch
+agent's defaults, the dev host (runc, the sandbox image below, the forwarder) and the attested
+SSH ingress. No image archives: the Security CVM of `umbra up` runs on this machine.
+
 The key is a SHA-256 over everything the image is made of: the definition (images/os/qemu.yaml)
 and its package lock, every source file of the project that the wheel ships, pyproject.toml and
-uv.lock (the wheel and its locked requirements), the compose stub below and the build epoch. So a
-changed line of Umbra makes a new image (the image carries the code), and an unchanged tree never
-rebuilds. The build is `umbra image os-build` + `umbra image disks` in process (mmdebstrap, as
+uv.lock (the wheel and its locked requirements), the sandbox image's recipe and files keys and
+the build epoch. So a changed line of Umbra makes a new image (the image carries the code), and
+an unchanged tree never rebuilds. The build is `umbra image os-build` + `umbra image disks` in process (mmdebstrap, as
 root): minutes, with progress. No Secure Boot key: the UKI is unsigned and OVMF boots it with
 Secure Boot off (the signed path is tests/images/test_secure_boot.py's).
 """
@@ -21,35 +25,16 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from umbra.cli.up_stack.errors import UpError
 from umbra.contracts.files import exclusive_lock
-
-if TYPE_CHECKING:
-    from umbra.images.os_image import OsDefinition
 
 DEFAULT_CACHE = Path("/var/cache/umbra/os-qemu")
 CACHE_ENV = "UMBRA_OS_IMAGE_CACHE"
 # Tests and local iteration only: a packed disk.raw used as is (no key, no build).
 DISK_ENV = "UMBRA_UP_QEMU_DISK"
 EPOCH = 1700000000
-ESTIMATE = "about 10 minutes on 2 cores"
-# `umbra up --runtime qemu`'s image is qemu.yaml's stub variant (`stub_variant`): its agent hands
-# the compose to this stub, so nothing of the Dev workload runs (the image can carry it: the
-# emulated-cloud walkthrough boots it, tests/images/test_emulated_walkthrough.py; `--check` does
-# not drive it yet). The stub says so on the serial console, reports the compose file it was
-# given, and counts boots on the data disk (the workspace `--check` finds again after a reboot).
-COMPOSE_STUB = """#!/bin/sh
-# umbra up --runtime qemu: the qemu image's compose command until it carries the Dev workload.
-echo "umbra-compose-stub: up $(sha256sum "$2" | cut -d' ' -f1)" > /dev/ttyS0
-w=/var/lib/umbra/data/dev-host; mkdir -p $w; n=$(($(cat $w/boots 2>/dev/null || echo 0) + 1))
-echo $n > $w/boots; sync
-echo "umbra-compose-stub: data boots $n" > /dev/ttyS0
-echo "umbra-compose-stub: no Dev workload in this image (no sandbox, forwarder or ingress)" > /dev/ttyS0
-"""
-STUB_PATH = "/usr/local/bin/umbra-compose-stub"
-STUB_AGENT_ARGS = f"--console /dev/ttyS0 --compose {STUB_PATH} --no-ingress"
+ESTIMATE = "about 5 minutes on 2 cores, once the sandbox image is cached"
 # The wheel's packages (pyproject.toml [tool.hatch.build.targets.wheel]).
 PACKAGES = (
     "cli", "console", "proxy", "policy", "attest", "sandbox", "images", "components",
@@ -75,8 +60,11 @@ def project_root() -> Path:
 
 def inputs_key(root: Path) -> str:
     """16 hex digits of SHA-256 over every input of the image (module docstring)."""
-    h = hashlib.sha256(f"umbra-os-qemu-v1\0{EPOCH}\0".encode())
-    h.update(COMPOSE_STUB.encode() + b"\0")
+    from umbra.sandbox import image
+
+    h = hashlib.sha256(f"umbra-os-qemu-v2\0{EPOCH}\0".encode())
+    # The sandbox image the OS image carries (its recipe: the agents' pinned versions).
+    h.update(f"{image.recipe_key()}\0{image.files_key()}\0".encode())
     files = [root / "pyproject.toml", root / "uv.lock"]
     for package in PACKAGES:
         for path in sorted((root / package).rglob("*")):
@@ -129,23 +117,16 @@ def ensure_disk(progress: Progress) -> Path:
     return entry / "disk.raw"
 
 
-def stub_variant(d: OsDefinition) -> OsDefinition:
-    """`d` (qemu.yaml) with the agent handing the compose to a stub at STUB_PATH (no dev host,
-    no ingress) and no sandbox image (2 GiB a stub never runs): `umbra up --runtime qemu`'s
-    image, and the boot tests' (tests/images/conftest.py, their own stub)."""
-    from umbra.images.os_image import LaunchAgentConfig
-
-    env = d.launch_agent.env | {"UMBRA_AGENT_ARGS": STUB_AGENT_ARGS}
-    return d.model_copy(update={"sandbox_image": False, "launch_agent": LaunchAgentConfig(env=env)})
-
-
 def _build(root: Path, entry: Path, progress: Progress) -> None:
     from umbra.images.build import BuildError
     from umbra.images.disk_formats import DiskFormatError
     from umbra.images.os_image import OS_DIR, build_os_image, load_os_definition
     from umbra.images.uki import pack_os_image
+    from umbra.sandbox import image
 
-    definition = stub_variant(load_os_definition(OS_DIR / "qemu.yaml"))
+    definition = load_os_definition(OS_DIR / "qemu.yaml")
+    progress("  the sandbox image it carries (built once per machine, then cached)")
+    image.ensure_image(progress)
     with tempfile.TemporaryDirectory(prefix="umbra-os-qemu-") as tmp:
         work = Path(tmp)
         progress("  the wheel and its locked requirements (uv build, uv export)")
@@ -164,7 +145,6 @@ def _build(root: Path, entry: Path, progress: Progress) -> None:
                 requirements=requirements,
                 host_python_prefix=Path(sys.base_prefix),
                 epoch=EPOCH,
-                extra_files={STUB_PATH: COMPOSE_STUB},
             )
             progress("  packing it: dm-verity, the UKI, the disk")
             pack_os_image(work / "os", entry, EPOCH, cloud_formats=False)

@@ -28,6 +28,7 @@ from umbra.cli.up_stack.errors import UpError
 from umbra.cli.up_stack.names import COMPONENTS, QEMU_ONLY, Component
 from umbra.cli.up_stack.supervise import Stack
 from umbra.cli.up_stack.vms import QEMU, RUNTIME_DIR, stop_vms
+from umbra.components.ports import SECURITY_TUNNEL_PORT
 
 CONFIG = "qemu-cvms.json"
 ACCELS = ("auto", "kvm", "tcg")
@@ -111,7 +112,6 @@ def choose_accel(probe_seconds: float = 2.0) -> str:
 
 def dev_definition_doc(stack: Stack, security_release: dict[str, Any]) -> dict[str, Any]:
     """This stack's Dev CVM release (images/definitions/dev-cvm.example.yaml's shape)."""
-    from umbra.cli.up_stack.names import Port
     from umbra.sandbox import image
 
     return {
@@ -123,7 +123,9 @@ def dev_definition_doc(stack: Stack, security_release: dict[str, Any]) -> dict[s
         "host": {
             "release": "dev-cvm-up-qemu",
             "sandbox_image": {"recipe_key": image.recipe_key(), "files_key": image.files_key()},
-            "security_cvm": {"host": SECURITY_IP, "port": stack.port(Port.TUNNEL)},
+            # The cloud's tunnel port (the Dev host firewall admits no other), relayed to
+            # the stack's tunnel endpoint on loopback (`_network`).
+            "security_cvm": {"host": SECURITY_IP, "port": SECURITY_TUNNEL_PORT},
             "security_cvm_release": security_release,
             "console_url": CONSOLE_IN_VM,
             "console_ca": True,
@@ -181,7 +183,7 @@ def _network(stack: Stack) -> dict[str, Any]:
         "security_cvm_ips": [SECURITY_IP],
         "forwards": [
             {"address": CONSOLE_IP, "port": 443, "host_port": stack.port(Port.CONSOLE_TLS)},
-            {"address": SECURITY_IP, "port": tunnel, "host_port": tunnel},
+            {"address": SECURITY_IP, "port": SECURITY_TUNNEL_PORT, "host_port": tunnel},
         ],
         "release_manifest": str(stack.p("dev-cvm-release.json")),
     }

@@ -18,11 +18,11 @@ import pytest
 from typer.testing import CliRunner
 
 from umbra.cli.app import app
-from umbra.cli.up_stack.os_disk import stub_variant
 from umbra.images.disk_formats import CloudDisks
 from umbra.images.lock_policy import LockPolicy
 from umbra.images.os_image import (
     OS_DIR,
+    LaunchAgentConfig,
     OsDefinition,
     OsImage,
     build_os_image,
@@ -128,10 +128,22 @@ def qemu_os_image(
     return build_qemu_os(tmp_path_factory.mktemp("uim-os"), *build_inputs, STUB)
 
 
+STUB_PATH = "/usr/local/bin/umbra-compose-stub"
+
+
+def stub_variant(d: OsDefinition) -> OsDefinition:
+    """`d` (qemu.yaml) with the agent handing the compose to a stub at STUB_PATH (no dev host,
+    no ingress) and no sandbox image (2 GiB a stub never runs): the boot tests' image, which
+    report what they check on the serial console and boot in seconds, not minutes."""
+    args = f"--console /dev/ttyS0 --compose {STUB_PATH} --no-ingress"
+    env = d.launch_agent.env | {"UMBRA_AGENT_ARGS": args}
+    return d.model_copy(update={"sandbox_image": False, "launch_agent": LaunchAgentConfig(env=env)})
+
+
 def build_qemu_os(out: Path, wheel: Path, req: Path, stub: str) -> OsImage:
     """`qemu.yaml`'s stub variant, with `stub` as its compose runner."""
     return _build_os(stub_variant(load_os_definition(OS_DIR / "qemu.yaml")), out, wheel, req,
-                     extra_files={"/usr/local/bin/umbra-compose-stub": stub})  # fmt: skip
+                     extra_files={STUB_PATH: stub})  # fmt: skip
 
 
 def _build_os(d: OsDefinition, out: Path, wheel: Path, req: Path, **kw: Any) -> OsImage:

@@ -26,6 +26,8 @@ from umbra.attest.simpki import SimulatedPki
 from umbra.cli import up_check_qemu, up_stack
 from umbra.cli.app import app
 from umbra.cli.up_stack import os_disk, qemu, vms
+from umbra.components.host_firewall import HostFirewall
+from umbra.components.ports import SECURITY_TUNNEL_PORT
 from umbra.console.config import settings_from_env
 from umbra.console.providers import build_providers
 from umbra.console.providers_qemu import QemuCvmProvider, load_settings
@@ -116,9 +118,13 @@ def test_the_console_gets_the_qemu_provider_with_a_config_it_loads(
     assert doc["security_cvm_ips"] == [qemu.SECURITY_IP]
     assert doc["forwards"] == [
         {"address": qemu.CONSOLE_IP, "port": 443, "host_port": stack.port("console_tls")},
-        {"address": qemu.SECURITY_IP, "port": stack.port("tunnel"),
+        {"address": qemu.SECURITY_IP, "port": SECURITY_TUNNEL_PORT,
          "host_port": stack.port("tunnel")},
     ]  # fmt: skip
+    # The Dev release dials the Security CVM on the port its host firewall admits (the clouds'
+    # tunnel port; before, the stack's loopback port: every dial timed out in the VM).
+    firewall = HostFirewall(security_cvm_ips=(qemu.SECURITY_IP,), console_ips=(qemu.CONSOLE_IP,))
+    assert firewall.tunnel_port == SECURITY_TUNNEL_PORT
     assert doc["release_manifest"] == str(stack.p("dev-cvm-release.json"))
     # The launch data's compose is the measured Dev release's, whose compose hash the release
     # the Console verifies enrollment quotes against pins.
@@ -130,6 +136,10 @@ def test_the_console_gets_the_qemu_provider_with_a_config_it_loads(
     # It names the stack's simulated root (the local Security CVM's quotes chain to it), which
     # the dev host in the VM hands its forwarder.
     host = json.loads(json.loads(compose)["dev_cvm_host"])
+    assert host["forwarder"]["security_cvm"] == {
+        "host": qemu.SECURITY_IP,
+        "port": SECURITY_TUNNEL_PORT,
+    }
     assert host["simulated_root"] == stack.p("pki", "root.pem").read_text()
     # The Console's own settings and provider factory take it (the local provider stays: it
     # holds the Security CVM's record).
@@ -360,18 +370,9 @@ def test_a_refused_launch_or_a_dead_qemu_fails_the_boot_step_at_once(
     assert time.monotonic() - started < 10
 
 
-def test_steps_that_need_the_workload_say_the_image_has_none(tmp_path: Path) -> None:
-    serial = tmp_path / "serial-1.log"
-    boot = up_check_qemu._Boot(1, serial, "umbra-compose-stub: up abc\n")
-    assert not boot.has_workload
-    with pytest.raises(up_check_qemu.StepFailed) as failed:
-        up_check_qemu.need_ssh({"provider_state": {}}, boot)
-    assert "the qemu image has no Dev workload yet" in str(failed.value)
-    with pytest.raises(up_check_qemu.StepFailed, match="no Dev workload yet"):
-        up_check_qemu.wait_audited(None, "cvm_x", "cvm.enroll", 0, boot)  # type: ignore[arg-type]
-    with_workload = up_check_qemu._Boot(1, serial, "umbra-launch: dev-cvm cvm_x started\n")
+def test_ssh_needs_the_ingress_the_provider_recorded() -> None:
     with pytest.raises(up_check_qemu.StepFailed, match=r"provider_state\.ssh_ingress"):
-        up_check_qemu.need_ssh({"provider_state": {"runtime": "qemu"}}, with_workload)
+        up_check_qemu.need_ssh({"provider_state": {"runtime": "qemu"}})
 
 
 def test_the_consoles_tls_front_relays_for_its_name_only(tmp_path: Path) -> None:

@@ -1,7 +1,7 @@
 """A stand-in for qemu-system-x86_64 (run under that name by a wrapper): it takes QEMU's command
-line as the qemu provider builds it, writes to the `-serial file:` what the qemu image's compose
-stub and launch agent write there (the boot count kept beside the data disk, as the stub keeps it
-on the disk), serves QMP on the `-qmp` socket and exits on `system_powerdown`."""
+line as the qemu provider builds it, writes to the `-serial file:` the launch agent's `started`
+line (and counts its boots beside the data disk), serves QMP on the `-qmp` socket and exits on
+`system_powerdown`."""
 
 from __future__ import annotations
 
@@ -28,9 +28,6 @@ def main() -> None:
     count.write_text(str(boots))
     time.sleep(1)  # a boot takes a while
     Path(serial).write_text(
-        "umbra-compose-stub: up 0000\n"
-        f"umbra-compose-stub: data boots {boots}\n"
-        "umbra-compose-stub: no Dev workload in this image\n"
         f"umbra-launch: dev-cvm {disk.parent.name} started, compose-hash 0000\n"
     )
     server = socket.socket(socket.AF_UNIX)
