@@ -52,8 +52,10 @@ def decode_evidence(data: bytes) -> bytes:
         except (binascii.Error, ValueError):
             raise EvidenceFormatError("input looks like base64 but does not decode") from None
     else:
-        bad = next(c for c in text if not (c.isalnum() or c in "+/_-="))
-        raise EvidenceFormatError(f"input is neither hex nor base64 (character {bad!r})")
+        bad = next((c for c in text if not (c.isalnum() or c in "+/_-=")), None)
+        # Every character may be base64's and still not be base64: '=' padding mid-text or >2.
+        why = f"character {bad!r}" if bad is not None else "misplaced '=' padding"
+        raise EvidenceFormatError(f"input is neither hex nor base64 ({why})")
     if not _binary(out):
         raise EvidenceFormatError(
             f"decoded {len(out)} bytes that are not a TDX quote (starts {out[:4].hex() or 'empty'})"

@@ -58,6 +58,9 @@ def test_every_encoding_of_a_quote_is_recognised(
         (b"", "input is empty"),
         (b"\x00\x01\x02garbage", "binary input that is not a TDX quote"),
         (b"hello world!", "neither hex nor base64"),
+        # Only base64's characters, padding misplaced (Hypothesis found a StopIteration here).
+        (b"A===", "neither hex nor base64 (misplaced '=' padding)"),
+        (b"=abcdefg", "neither hex nor base64 (misplaced '=' padding)"),
         (b"abcd", "decoded 2 bytes that are not a TDX quote"),
         (base64.b64encode(b"not a quote at all"), "not a TDX quote"),
     ],
