@@ -13,10 +13,13 @@ CLI), which prints per shape and boot, from the developer's launch (or the Conso
 - `request`: the first allowed request from the sandbox through the Security CVM (its own boot,
   running alongside, and the forwarder's attestation of it).
 Reported: each figure, and `ssh / enrolled` (what the attested session costs on top of a booted,
-enrolled CVM).
+enrolled CVM). Then, in the same run, `umbra up --runtime qemu --check` as a developer runs it
+(tests/up/test_up_qemu_boot.py, the Azure shape in CI: one Dev CVM VM, its Security CVM on the
+host): launch to a working `umbra ssh` (the baseline) and stop-and-start to one, and their ratio.
 
-Run (root, nothing else heavy at the same time):
-  flock /tmp/umbra-heavy.lock .venv/bin/python benchmarks/emulated_walkthrough_bench.py [-k gcp]
+Run (root, nothing else heavy at the same time; both shapes with
+UMBRA_TEST_WALKTHROUGH_SHAPES=gcp,azure, CI's is gcp):
+  flock /tmp/umbra-heavy.lock .venv/bin/python benchmarks/emulated_walkthrough_bench.py
 UMBRA_TEST_PREBUILT (tests/images/conftest.py) reuses an image build; UMBRA_TEST_ACCEL=kvm where
 KVM works.
 """
@@ -32,7 +35,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 TEST = "tests/images/test_emulated_walkthrough.py"
+UP_TEST = "tests/up/test_up_qemu_boot.py"
 LINE = re.compile(r"BENCH (launch|restart) enrolled=([\d.]+) ssh=([\d.]+) request=([\d.]+)")
+UP_LINE = re.compile(r"BENCH up-qemu shape=(\w+) launch_to_ssh=([\d.]+) restart_to_ssh=([\d.]+)")
 SHAPE = re.compile(r"test_the_emulated_clouds_day\[(\w+)\]")
 
 
@@ -41,13 +46,7 @@ def main(argv: list[str]) -> int:
         print("needs root (image build, QEMU)", file=sys.stderr)
         return 2
     started = time.monotonic()
-    done = subprocess.run(
-        [sys.executable, "-m", "pytest", TEST, "-v", "-s", "-p", "no:cacheprovider", *argv],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=7200,
-    )
+    done = _pytest(TEST, argv)
     total = time.monotonic() - started
     shape, found = "?", []
     for line in done.stdout.splitlines():
@@ -60,11 +59,16 @@ def main(argv: list[str]) -> int:
     if done.returncode != 0 or not found:
         print(done.stdout[-4000:], done.stderr[-2000:], file=sys.stderr)
         return 1
+    up = _pytest(UP_TEST, [])
+    ups = [(m[1], float(m[2]), float(m[3])) for m in UP_LINE.finditer(up.stdout)]
+    if up.returncode != 0 or not ups:
+        print(up.stdout[-4000:], up.stderr[-2000:], file=sys.stderr)
+        return 1
     load = os.getloadavg()
     print(
         f"emulated clouds, {os.environ.get('UMBRA_TEST_ACCEL', 'tcg')}, host nproc "
         f"{os.cpu_count()}, load average {load[0]:.1f}/{load[1]:.1f}/{load[2]:.1f}, "
-        f"whole run {total:.0f} s"
+        f"walkthrough run {total:.0f} s"
     )
     for shape, kind, enrolled, ssh, request in found:
         what = "launch" if kind == "launch" else "start after stop"
@@ -72,7 +76,23 @@ def main(argv: list[str]) -> int:
             f"  {shape:>5} {what:>16}: enrolled {enrolled:6.0f} s (baseline), working umbra ssh "
             f"{ssh:6.0f} s (ssh/enrolled {ssh / enrolled:.2f}), first request {request:6.0f} s"
         )
+    for shape, launch, restart in ups:
+        print(
+            f"  {shape:>5} umbra up --runtime qemu --check: launch to umbra ssh {launch:6.0f} s "
+            f"(baseline), stop and start to umbra ssh {restart:6.0f} s "
+            f"(restart/launch {restart / launch:.2f})"
+        )
     return 0
+
+
+def _pytest(test: str, argv: list[str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", test, "-v", "-s", "-p", "no:cacheprovider", *argv],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=7200,
+    )
 
 
 if __name__ == "__main__":
