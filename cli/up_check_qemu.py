@@ -189,8 +189,8 @@ def need_ssh(info: dict[str, Any]) -> None:
 
 
 def ssh_check(cvm_id: str) -> str:
-    """`id -u` over `umbra ssh`, retried while the VM's ingress and sandbox come up (bounded:
-    each failure's reason is kept, the last one reported)."""
+    """`id -u` over `umbra ssh`, retried while the VM's ingress and sandbox come up (bounded;
+    the last attempt's reason is the step's)."""
     end = time.monotonic() + SSH_LIMIT
     while True:
         done = ssh(cvm_id, "id -u", timeout=300)

@@ -9,8 +9,8 @@ The key is a SHA-256 over everything the image is made of: the definition (image
 and its package lock, every source file of the project that the wheel ships, pyproject.toml and
 uv.lock (the wheel and its locked requirements), the sandbox image's recipe and files keys and
 the build epoch. So a changed line of Umbra makes a new image (the image carries the code), and
-an unchanged tree never rebuilds. The build is `umbra image os-build` + `umbra image disks` in process (mmdebstrap, as
-root): minutes, with progress. No Secure Boot key: the UKI is unsigned and OVMF boots it with
+an unchanged tree never rebuilds. The build is `umbra image os-build` + `umbra image disks` in
+process (mmdebstrap, as root): minutes, with progress. No Secure Boot key: the UKI is unsigned and OVMF boots it with
 Secure Boot off (the signed path is tests/images/test_secure_boot.py's).
 """
 
