@@ -23,7 +23,10 @@ from umbra.contracts.files import write_atomic
 
 logger = logging.getLogger(__name__)
 
-MAX_CAS = 16  # replicas a bundle remembers; a new CA beyond this is refused, never one dropped
+# Replicas a bundle remembers. A new CA beyond this drops the least recently attested one: each
+# Security CVM boot has a new CA (its key lives in the TD), so refusing the 17th, as this did,
+# broke every Dev CVM's HTTPS after 16 restarts of its Security CVM.
+MAX_CAS = 16
 RETRY_FIRST = 1.0
 RETRY_MAX = 30.0
 
@@ -54,7 +57,8 @@ def fingerprint(cert: x509.Certificate) -> str:
 
 @dataclass
 class CaBundle:
-    """The CAs this forwarder has attested, in first-seen order, persisted at `path`."""
+    """The CAs this forwarder has attested, least recently attested first, persisted at `path`
+    (the order too, as of the last write)."""
 
     path: Path
     certs: list[x509.Certificate] = field(default_factory=list)
@@ -69,16 +73,26 @@ class CaBundle:
             return cls(path)
 
     def add(self, pem: bytes) -> bool:
-        """Merge the attested CA(s); True when the bundle changed (and was rewritten)."""
-        known = {fingerprint(c) for c in self.certs}
-        new = [c for c in parse_cas(pem) if fingerprint(c) not in known]
-        if not new:
+        """Merge the attested CA(s) as the most recently attested; True when the set changed
+        (and the bundle was rewritten). A CA seen again only moves: no rewrite, so replicas
+        answering in turn never make the sandbox re-install its store."""
+        fetched: dict[str, x509.Certificate] = {}
+        for cert in parse_cas(pem):
+            fetched.setdefault(fingerprint(cert), cert)
+        if len(fetched) > MAX_CAS:
+            raise CaError(f"a reply of {len(fetched)} CAs: more than {MAX_CAS}, refused whole")
+        before = {fingerprint(c) for c in self.certs}
+        merged = [c for c in self.certs if fingerprint(c) not in fetched] + list(fetched.values())
+        dropped, self.certs = merged[:-MAX_CAS], merged[-MAX_CAS:]
+        for cert in dropped:
+            logger.warning(
+                "sandbox CA bundle full: dropped the least recently attested CA %s (%s)",
+                fingerprint(cert)[:16], cert.subject.rfc4514_string(),
+            )  # fmt: skip
+        if fetched.keys() <= before:
             if not self.path.exists():
                 self._write()
             return False
-        if len(self.certs) + len(new) > MAX_CAS:
-            raise CaError(f"more than {MAX_CAS} distinct Security CVM CAs: refusing to grow")
-        self.certs.extend(new)
         self._write()
         return True
 

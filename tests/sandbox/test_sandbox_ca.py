@@ -64,13 +64,30 @@ def test_only_certificates_are_ever_written(tmp_path: Path) -> None:
     assert b"PRIVATE KEY" not in bundle.path.read_bytes()
 
 
-def test_bundle_growth_is_bounded(tmp_path: Path) -> None:
+def test_a_full_bundle_drops_the_least_recently_attested_ca(tmp_path: Path) -> None:
+    """Each Security CVM boot has a new CA: the 17th must get in (refusing it broke HTTPS for
+    good after 16 restarts), and what goes is the CA attested longest ago, not a replica's CA
+    that keeps answering."""
     bundle = CaBundle(tmp_path / "ca.pem")
-    for i in range(MAX_CAS):
-        bundle.add(_cert(f"r{i}"))
-    with pytest.raises(CaError, match="refusing to grow"):
-        bundle.add(_cert("one-too-many"))
-    assert len(CaBundle.load(bundle.path).certs) == MAX_CAS
+    replicas = [_cert(f"r{i}") for i in range(MAX_CAS)]
+    for pem in replicas:
+        bundle.add(pem)
+    written = bundle.path.read_bytes()
+    assert bundle.add(replicas[0]) is False  # seen again: moved, nothing rewritten
+    assert bundle.path.read_bytes() == written
+    assert bundle.add(_cert("new-boot")) is True
+    names = [c.subject.rfc4514_string() for c in CaBundle.load(bundle.path).certs]
+    assert len(names) == MAX_CAS
+    assert "CN=new-boot" in names and "CN=r0" in names and "CN=r1" not in names
+    assert names[-1] == "CN=new-boot"  # the order persists: the next drop is still the oldest
+
+
+def test_a_reply_of_more_cas_than_a_bundle_holds_is_refused_whole(tmp_path: Path) -> None:
+    bundle = CaBundle(tmp_path / "ca.pem")
+    bundle.add(_cert("kept"))
+    with pytest.raises(CaError, match="refused whole"):
+        bundle.add(b"".join(_cert(f"x{i}") for i in range(MAX_CAS + 1)))
+    assert [c.subject.rfc4514_string() for c in bundle.certs] == ["CN=kept"]
 
 
 async def test_refresher_backs_off_then_collects_every_replica(tmp_path: Path) -> None:
