@@ -188,21 +188,42 @@ def need_ssh(info: dict[str, Any]) -> None:
         )
 
 
-def ssh_check(cvm_id: str) -> str:
-    """`id -u` over `umbra ssh`, retried while the VM's ingress and sandbox come up (bounded;
-    the last attempt's reason is the step's)."""
-    end = time.monotonic() + SSH_LIMIT
+def ssh_until(
+    cvm_id: str, command: str, ok: Callable[[subprocess.CompletedProcess[str]], bool], limit: float
+) -> subprocess.CompletedProcess[str]:
+    """`ssh` retried every 10 s while the VM comes up, until `ok` or `limit` seconds: the last
+    attempt either way (the caller says what it lacked)."""
+    end = time.monotonic() + limit
     while True:
-        done = ssh(cvm_id, "id -u", timeout=300)
-        uid = done.stdout.strip()
-        if done.returncode == 0 and uid == str(local_cvm.SANDBOX_USER_UID):
-            return f"umbra ssh {cvm_id} -- id -u → {uid} (the sandbox user)"
-        if time.monotonic() > end:
-            raise StepFailed(
-                f"`umbra ssh {cvm_id} -- id -u` failed (exit {done.returncode}) for "
-                f"{SSH_LIMIT:.0f} s: {(done.stderr.strip() or uid)[-400:]}"
-            )
+        done = ssh(cvm_id, command, timeout=300)
+        if ok(done) or time.monotonic() > end:
+            return done
         time.sleep(10)
+
+
+def ssh_check(cvm_id: str) -> str:
+    """`id -u` over `umbra ssh`, retried while the VM's ingress and sandbox come up."""
+    user = str(local_cvm.SANDBOX_USER_UID)
+    done = ssh_until(
+        cvm_id, "id -u", lambda d: d.returncode == 0 and d.stdout.strip() == user, SSH_LIMIT
+    )
+    uid = done.stdout.strip()
+    if done.returncode != 0 or uid != user:
+        raise StepFailed(
+            f"`umbra ssh {cvm_id} -- id -u` failed (exit {done.returncode}) for "
+            f"{SSH_LIMIT:.0f} s: {(done.stderr.strip() or uid)[-400:]}"
+        )
+    return f"umbra ssh {cvm_id} -- id -u → {uid} (the sandbox user)"
+
+
+def _status(done: subprocess.CompletedProcess[str]) -> tuple[int, list[str]]:
+    """curl's `-w '\\n%{http_code}'` last line, and the body's lines before it."""
+    lines = done.stdout.strip().splitlines() or ["0"]
+    return (int(lines[-1]) if lines[-1].isdigit() else 0), lines[:-1]
+
+
+def _answered(want: int) -> Callable[[subprocess.CompletedProcess[str]], bool]:
+    return lambda done: _status(done)[0] == want
 
 
 def requests_check(stack: Stack, client: httpx.Client, cvm_id: str, secret: str) -> str:
@@ -215,17 +236,12 @@ def requests_check(stack: Stack, client: httpx.Client, cvm_id: str, secret: str)
         url = f"https://{host}:{port}{path}"
         # The first request may come before the sandbox trusts the Security CVM's CA (the
         # forwarder fetches it in its first attested session): retried, bounded.
-        end = time.monotonic() + REQUEST_LIMIT
-        while True:
-            done = ssh(cvm_id, f"curl -sS --max-time 120 -w '\\n%{{http_code}}' {url}", timeout=300)
-            lines = done.stdout.strip().splitlines() or ["0"]
-            code = int(lines[-1]) if lines[-1].isdigit() else 0
-            if code == want:
-                break
-            if time.monotonic() > end:
-                raise StepFailed(f"GET {host}{path} → {code}, wanted {want}: {done.stderr[-300:]}")
-            time.sleep(10)
-        answers[host] = "\n".join(lines[:-1])
+        curl = f"curl -sS --max-time 120 -w '\\n%{{http_code}}' {url}"
+        done = ssh_until(cvm_id, curl, _answered(want), REQUEST_LIMIT)
+        code, body = _status(done)
+        if code != want:
+            raise StepFailed(f"GET {host}{path} → {code}, wanted {want}: {done.stderr[-300:]}")
+        answers[host] = "\n".join(body)
     try:
         seen = json.loads(answers[api]).get("authorization_sha256")
     except ValueError:

@@ -18,6 +18,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from typer.testing import CliRunner
@@ -474,3 +475,22 @@ def test_the_pccs_serves_the_stacks_collateral_to_the_production_client(
     )
     stack.state["runtime"] = "runc"
     assert "--tunnel-collateral-pccs" not in up_stack.proxy_argv(stack)
+
+
+def test_ssh_steps_retry_until_the_answer_or_the_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`umbra ssh` is retried while the VM comes up; the last attempt decides (no VM here)."""
+    answers = iter(["", "garbage\n000", '{"ok": 1}\n200'])
+    calls: list[str] = []
+
+    def fake_ssh(cvm_id: str, command: str, timeout: float = 90) -> Any:
+        calls.append(command)
+        return subprocess.CompletedProcess([], 0, next(answers), "reset")
+
+    monkeypatch.setattr(up_check_qemu, "ssh", fake_ssh)
+    monkeypatch.setattr("umbra.cli.up_check_qemu.time.sleep", lambda _s: None)
+    done = up_check_qemu.ssh_until("cvm_x", "curl", up_check_qemu._answered(200), 600)
+    assert up_check_qemu._status(done) == (200, ['{"ok": 1}']) and len(calls) == 3
+    # Past the limit, the last attempt comes back as it is: the caller names what it lacked.
+    answers = iter(["1\n403"])
+    done = up_check_qemu.ssh_until("cvm_x", "curl", up_check_qemu._answered(200), -1)
+    assert up_check_qemu._status(done) == (403, ["1"])
