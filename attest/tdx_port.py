@@ -252,10 +252,15 @@ def serve_quote_relay(path: Path, port: TdxModulePort, uid: int | None = None) -
             with contextlib.suppress(OSError):
                 self.wfile.write(json.dumps(answer).encode() + b"\n")
 
-    path.unlink(missing_ok=True)
-    server = socketserver.ThreadingUnixStreamServer(str(path), Handler)
-    os.chmod(path, 0o600)
+    # Bound under a temporary name and renamed into place once its mode and owner are set: the
+    # socket at `path` is never one the proxy cannot open (a connect between bind and chown
+    # was refused) nor, for an instant, anyone else's to open.
+    staging = path.with_name(path.name + ".new")
+    staging.unlink(missing_ok=True)
+    server = socketserver.ThreadingUnixStreamServer(str(staging), Handler)
+    os.chmod(staging, 0o600)
     if uid is not None:
-        os.chown(path, uid, uid)
+        os.chown(staging, uid, uid)
+    os.replace(staging, path)
     server.daemon_threads = True
     server.serve_forever()
