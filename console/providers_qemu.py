@@ -37,6 +37,7 @@ components.azure_vm does), the enrollment token included.
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import socket
 import threading
@@ -66,6 +67,7 @@ from umbra.contracts.validation import first_problem
 from umbra.emulated.metadata import EmulatedMetadata, Shape
 from umbra.emulated.qemu import (
     OVMF,
+    RESETS,
     Firmware,
     Forward,
     Published,
@@ -145,6 +147,8 @@ class _Vm:
     ssh_port: int | None = None  # a Dev VM's ingress loopback port (hostfwd), kept across boots
     boot: int = 0
     qemu: QemuVm | None = None
+    # Set while the Console stops or re-creates it: the end of that boot is not a reset.
+    halting: bool = False
 
 
 class QemuCvmProvider:
@@ -320,18 +324,38 @@ class QemuCvmProvider:
             published=self._published(vm),
         )
 
-    def _boot(self, cvm_id: str, vm: _Vm, on_event: OnProviderEvent) -> None:
-        vm.boot += 1
-        try:
-            vm.qemu = self._factory(self.config(cvm_id, vm)).start()
-        except (VmError, OSError) as exc:
-            raise ProviderError(f"qemu CVM {cvm_id}: {exc}") from None
+    def _boot(
+        self, cvm_id: str, vm: _Vm, on_event: OnProviderEvent, after: QemuVm | None = None
+    ) -> None:
+        """The next boot. `after`: only if that boot, which ended by a reset, is still the VM's
+        current one (not stopped, re-created or destroyed meanwhile): decided and started under
+        the lock `_halt` and `destroy` take, so a reset never revives a stopped VM."""
+        with self._lock:
+            if after is not None:
+                if self._vms.get(cvm_id) is not vm or vm.qemu is not after or vm.halting:
+                    return
+                vm.stand_in.restart()
+            vm.halting = False
+            vm.boot += 1
+            try:
+                qemu = vm.qemu = self._factory(self.config(cvm_id, vm)).start()
+            except (VmError, OSError) as exc:
+                raise ProviderError(f"qemu CVM {cvm_id}: {exc}") from None
+        threading.Thread(target=self._watch, args=(cvm_id, vm, qemu), daemon=True).start()
         serial = vm.dir / f"serial-{vm.boot}.log"
         shape = self.settings.shape
         on_event(ProviderEvent("booting", f"{shape} shape, boot {vm.boot}, serial {serial}"))
 
-    @staticmethod
-    def _halt(vm: _Vm) -> None:
+    def _watch(self, cvm_id: str, vm: _Vm, qemu: QemuVm) -> None:
+        """A boot that ended by a reset (the guest's or the host's) is followed by the next one,
+        a new TD on the same disks, as on GCP and Azure; a stop, a kill or a power-off is not."""
+        if qemu.watch() in RESETS:
+            with contextlib.suppress(ProviderError):  # the next boot's start failed: it stays off
+                self._boot(cvm_id, vm, lambda _e: None, after=qemu)
+
+    def _halt(self, vm: _Vm) -> None:
+        with self._lock:
+            vm.halting = True
         if vm.qemu is not None:
             vm.qemu.stop()
 

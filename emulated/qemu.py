@@ -19,6 +19,12 @@
   quotes there.
 - **Stop**: ACPI power button (`system_powerdown` on QMP), as `gcloud compute instances stop`
   and an Azure deallocation shut the guest down; a guest that does not stop in time is killed.
+- **Reboot**: a TD does not survive a reset (the hardware tears it down; GCP and Azure build a
+  new TD on the same disks). QEMU runs with `-no-reboot`, so a reset, the guest's own (`reboot`,
+  a triple fault) or the host's (`system_reset`, as `gcloud compute instances reset` or `az vm
+  restart`), ends the process; `watch` reports why (QMP's `SHUTDOWN` reason, read on a second
+  QMP socket of its own, `qev.sock`) and the provider boots the next one: a new TD, whose
+  module connection starts from fresh registers.
 """
 
 from __future__ import annotations
@@ -98,7 +104,7 @@ class VmConfig:
     disk: Path  # the OS image's disk.raw (not written: snapshot=on)
     data_disk: Path  # raw, persists across stop and start
     serial: Path  # this boot's serial console (QEMU's `file:` truncates it)
-    qmp: Path  # QMP's unix socket
+    qmp: Path  # QMP's unix socket (commands: the power button, a reset)
     metadata_port: int
     wire_port: int
     firmware: Firmware = Firmware()
@@ -112,6 +118,17 @@ class VmConfig:
     memory_mb: int = 1024
     accel: str = "tcg"
     python: str = sys.executable
+
+    @property
+    def events(self) -> Path:
+        """A second QMP socket, only read: its events say why QEMU ended (`QemuVm.watch`). Named
+        as short as `qmp.sock`: a unix socket's path has at most 107 bytes."""
+        return self.qmp.with_name("qev.sock")
+
+
+# QMP's SHUTDOWN reasons under -no-reboot that are a reset, not a power-off: the cloud builds a
+# new TD on the same disks.
+RESETS = frozenset({"guest-reset", "host-qmp-system-reset"})
 
 
 def guestfwd(address: str, port: int, python: str, guest_port: int = 80) -> str:
@@ -181,6 +198,7 @@ def qemu_argv(config: VmConfig) -> list[str]:
         "-drive", f"file={config.data_disk},format=raw,if=virtio",
         "-netdev", netdev(config), "-device", "virtio-net-pci,netdev=n0", *module,
         "-display", "none", "-monitor", "none", "-serial", f"file:{config.serial}",
+        "-qmp", f"unix:{config.events},server=on,wait=off",
         "-qmp", f"unix:{config.qmp},server=on,wait=off", "-no-reboot",
     ]  # fmt: skip
 
@@ -206,6 +224,7 @@ class QemuVm:
 
     def start(self) -> QemuVm:
         self.config.qmp.unlink(missing_ok=True)
+        self.config.events.unlink(missing_ok=True)
         # QEMU's own messages go to a file beside the serial log: a pipe nobody drains would
         # block a long-running VM.
         try:
@@ -244,6 +263,41 @@ class QemuVm:
             self.process.kill()
             self.process.wait(30)
 
+    def reset(self) -> None:
+        """The host's reset button (QMP `system_reset`): under -no-reboot QEMU ends, `watch`
+        says `host-qmp-system-reset`."""
+        self._qmp(["system_reset"])
+
+    def watch(self) -> str | None:
+        """Block until QEMU exits; the reason of its QMP `SHUTDOWN` event (`guest-shutdown`,
+        `guest-reset`, `host-qmp-system-reset`, ...), or None when it ended without one (killed,
+        crashed) or the events socket never answered."""
+        assert self.process is not None
+        reason = None
+        with contextlib.suppress(OSError, ValueError):
+            reason = self._shutdown_reason()
+        self.process.wait()
+        return reason
+
+    def _shutdown_reason(self) -> str | None:
+        path = self.config.events
+        while not path.exists():
+            if not self.running():
+                return None
+            time.sleep(0.2)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.connect(str(path))
+            f = sock.makefile("rwb")
+            f.readline()  # the greeting
+            f.write(b'{"execute": "qmp_capabilities"}\n')
+            f.flush()
+            reason = None
+            for line in f:  # until QEMU closes it, exiting
+                message = json.loads(line)
+                if message.get("event") == "SHUTDOWN":
+                    reason = str(message.get("data", {}).get("reason"))
+            return reason
+
     @property
     def qemu_log(self) -> Path:
         return self.config.serial.with_suffix(".qemu.log")
@@ -257,17 +311,26 @@ class QemuVm:
             if time.monotonic() > deadline:
                 raise OSError(f"{self.config.qmp}: QMP socket never appeared")
             time.sleep(0.2)
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-            sock.settimeout(10)
-            sock.connect(str(self.config.qmp))
-            f = sock.makefile("rwb")
-            f.readline()  # the greeting
-            for command in ("qmp_capabilities", *commands):
-                f.write(json.dumps({"execute": command}).encode() + b"\n")
-                f.flush()
-                while True:  # skip events until this command's answer
+        qmp(self.config.qmp, *commands)
+
+
+def qmp(path: Path, *commands: str, timeout: float = 10) -> None:
+    """Each QMP command in turn on the socket at `path` (events in between skipped); OSError
+    if the socket does not answer or QEMU refuses one."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(timeout)
+        sock.connect(str(path))
+        f = sock.makefile("rwb")
+        f.readline()  # the greeting
+        for command in ("qmp_capabilities", *commands):
+            f.write(json.dumps({"execute": command}).encode() + b"\n")
+            f.flush()
+            while True:  # skip events until this command's answer
+                try:
                     answer = json.loads(f.readline() or b"{}")
-                    if "return" in answer or "error" in answer or not answer:
-                        break
-                if "error" in answer:
-                    raise OSError(f"QMP {command}: {answer['error']}")
+                except ValueError:
+                    raise OSError(f"QMP {command}: not JSON") from None
+                if "return" in answer or "error" in answer or not answer:
+                    break
+            if "error" in answer:
+                raise OSError(f"QMP {command}: {answer['error']}")

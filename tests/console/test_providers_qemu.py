@@ -1,13 +1,16 @@
 """The `qemu` provider's fast parts (console/providers_qemu.py): what it refuses, the launch data
 its metadata stand-in serves (rendered by components' LaunchData, the token included and kept out
 of every file and of provider_state), the QEMU command line of each cloud shape, the data disk
-kept across stop/start and update, and destroy. QEMU itself is replaced by a recorder here; the
-boot of the real image in both shapes is tests/images/test_emulated_walkthrough.py."""
+kept across stop/start and update, a reset followed by a new TD, and destroy. QEMU itself is
+replaced by a recorder here; the boot of the real image in both shapes is
+tests/images/test_emulated_walkthrough.py."""
 
 from __future__ import annotations
 
 import base64
 import json
+import threading
+import time
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -37,7 +40,8 @@ APP_COMPOSE = '{"docker_compose_file":"name: umbra-dev\\n","manifest_version":2}
 
 
 class RecordingVm(QemuVm):
-    """Records each boot's config; `stop`/`kill` record instead of signalling a process."""
+    """Records each boot's config; `stop`/`kill`/`reset` record instead of signalling a process,
+    and end `watch` with QEMU's reason (under -no-reboot a reset ends the process too)."""
 
     boots: ClassVar[list[VmConfig]] = []
     stops: ClassVar[list[VmConfig]] = []
@@ -45,18 +49,31 @@ class RecordingVm(QemuVm):
     def start(self) -> RecordingVm:
         RecordingVm.boots.append(self.config)
         self.up = True
+        self.ended = threading.Event()
+        self.reason: str | None = None
         return self
 
     def running(self) -> bool:
         return self.up
 
+    def _end(self, reason: str | None) -> None:
+        self.up, self.reason = False, reason
+        self.ended.set()
+
     def stop(self, timeout: float = 300) -> bool:
         RecordingVm.stops.append(self.config)
-        self.up = False
+        self._end("guest-shutdown")
         return True
 
     def kill(self) -> None:
-        self.up = False
+        self._end(None)
+
+    def reset(self) -> None:
+        self._end("host-qmp-system-reset")
+
+    def watch(self) -> str | None:
+        self.ended.wait()
+        return self.reason
 
 
 @pytest.fixture
@@ -210,6 +227,46 @@ def test_stop_start_and_update_keep_the_data_disk(provider: QemuCvmProvider) -> 
     # The update is a new launch: the new keys are what the next boot reads.
     keys = _attributes(third.metadata_port)["umbra-ssh-authorized-keys"]
     assert keys == f"{KEY}\n{KEY2}\n"
+
+
+def _boots(n: int) -> list[VmConfig]:
+    end = time.monotonic() + 10
+    while len(RecordingVm.boots) < n and time.monotonic() < end:
+        time.sleep(0.02)
+    return RecordingVm.boots
+
+
+def test_a_reset_boots_a_new_td_on_the_same_disks_and_a_stop_does_not(
+    provider: QemuCvmProvider,
+) -> None:
+    """A reset (the guest's reboot or the host's reset button) ends QEMU under -no-reboot; the
+    provider boots the next one at once, with a new module connection (a fresh TD) and the same
+    data disk, as GCP and Azure rebuild a TD. A stop, a guest power-off or a kill is not
+    followed by a boot, and a reset that races a stop never revives the VM."""
+    ref = provider.launch(_spec(), lambda _e: None).ref
+    vm = provider._vms["cvm_00000000000000a1"]
+    first = vm.qemu
+    assert isinstance(first, RecordingVm)
+    first.reset()
+    one, two = _boots(2)
+    assert two.serial.name == "serial-2.log" and one.data_disk == two.data_disk
+    assert vm.qemu is not first and vm.qemu is not None and vm.qemu.running()
+    # The guest powered itself off: it stays off (no boot 3).
+    second = vm.qemu
+    assert isinstance(second, RecordingVm)
+    second._end("guest-shutdown")
+    time.sleep(0.3)
+    assert len(RecordingVm.boots) == 2
+    # Started again, then stopped by the Console while a reset arrives: it stays stopped.
+    provider.set_running(ref, True)
+    assert len(_boots(3)) == 3
+    third = vm.qemu
+    assert isinstance(third, RecordingVm)
+    provider._halt(vm)  # the Console's stop: halting, then the power button
+    third.reason = "host-qmp-system-reset"  # as if the reset won the race
+    third.ended.set()
+    time.sleep(0.3)
+    assert len(RecordingVm.boots) == 3
 
 
 def test_destroy_removes_the_vm_and_its_disk(provider: QemuCvmProvider) -> None:
