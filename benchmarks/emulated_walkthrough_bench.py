@@ -14,8 +14,9 @@ CLI), which prints per shape and boot, from the developer's launch (or the Conso
   running alongside, and the forwarder's attestation of it).
 Reported: each figure, and `ssh / enrolled` (what the attested session costs on top of a booted,
 enrolled CVM). Then, in the same run, `umbra up --runtime qemu --check` as a developer runs it
-(tests/up/test_up_qemu_boot.py, the Azure shape in CI: one Dev CVM VM, its Security CVM on the
-host): launch to a working `umbra ssh` (the baseline) and stop-and-start to one, and their ratio.
+(tests/up/test_up_qemu_boot.py, the Azure shape in CI: its Security CVM and Dev CVM both VMs):
+launch to a working `umbra ssh` (the baseline), the Dev VM's reset to one, and the pair's stop
+and start to an allowed request, and their ratios.
 
 Run (root, nothing else heavy at the same time; both shapes with
 UMBRA_TEST_WALKTHROUGH_SHAPES=gcp,azure, CI's is gcp):
@@ -37,7 +38,10 @@ ROOT = Path(__file__).resolve().parents[1]
 TEST = "tests/images/test_emulated_walkthrough.py"
 UP_TEST = "tests/up/test_up_qemu_boot.py"
 LINE = re.compile(r"BENCH (launch|restart) enrolled=([\d.]+) ssh=([\d.]+) request=([\d.]+)")
-UP_LINE = re.compile(r"BENCH up-qemu shape=(\w+) launch_to_ssh=([\d.]+) restart_to_ssh=([\d.]+)")
+UP_LINE = re.compile(
+    r"BENCH up-qemu shape=(\w+) launch_to_ssh=([\d.]+) reboot_to_ssh=([\d.]+) "
+    r"restart_to_request=([\d.]+)"
+)
 SHAPE = re.compile(r"test_the_emulated_clouds_day\[(\w+)\]")
 
 
@@ -60,7 +64,7 @@ def main(argv: list[str]) -> int:
         print(done.stdout[-4000:], done.stderr[-2000:], file=sys.stderr)
         return 1
     up = _pytest(UP_TEST, [])
-    ups = [(m[1], float(m[2]), float(m[3])) for m in UP_LINE.finditer(up.stdout)]
+    ups = [(m[1], float(m[2]), float(m[3]), float(m[4])) for m in UP_LINE.finditer(up.stdout)]
     if up.returncode != 0 or not ups:
         print(up.stdout[-4000:], up.stderr[-2000:], file=sys.stderr)
         return 1
@@ -76,10 +80,11 @@ def main(argv: list[str]) -> int:
             f"  {shape:>5} {what:>16}: enrolled {enrolled:6.0f} s (baseline), working umbra ssh "
             f"{ssh:6.0f} s (ssh/enrolled {ssh / enrolled:.2f}), first request {request:6.0f} s"
         )
-    for shape, launch, restart in ups:
+    for shape, launch, reboot, restart in ups:
         print(
             f"  {shape:>5} umbra up --runtime qemu --check: launch to umbra ssh {launch:6.0f} s "
-            f"(baseline), stop and start to umbra ssh {restart:6.0f} s "
+            f"(baseline), reset to umbra ssh {reboot:6.0f} s (reboot/launch "
+            f"{reboot / launch:.2f}), stop and start of both to a request {restart:6.0f} s "
             f"(restart/launch {restart / launch:.2f})"
         )
     return 0

@@ -65,7 +65,12 @@ def up(
         Path, typer.Option(help="The team's policy directory (profiles/ and tests/).")
     ] = Path("policies"),
     check: Annotated[
-        bool, typer.Option("--check", help="Then run the walkthrough inside the Dev CVM.")
+        bool,
+        typer.Option(
+            "--check",
+            help="Then run the walkthrough inside the Dev CVM (qemu: the day, reboot and stop "
+            "and start included).",
+        ),
     ] = False,
     internet: Annotated[
         bool,
@@ -75,15 +80,15 @@ def up(
         str | None,
         typer.Option(
             "--runtime",
-            help="What runs the Dev CVM: runc (a sandbox on this machine) or qemu (the built "
-            "OS image booted under QEMU through the Console's qemu provider). Default: the "
-            "state directory's, else runc.",
+            help="What runs the CVMs: runc (the Dev CVM a sandbox on this machine, the Security "
+            "CVM a process) or qemu (both the built OS image booted under QEMU through the "
+            "Console's qemu provider). Default: the state directory's, else runc.",
         ),
     ] = None,
     shape: Annotated[
         str | None,
         typer.Option(
-            "--shape", help="With --runtime qemu: the cloud the VM is booted as, gcp or azure."
+            "--shape", help="With --runtime qemu: the cloud the VMs are booted as, gcp or azure."
         ),
     ] = None,
     accel: Annotated[
@@ -94,8 +99,8 @@ def up(
     ] = "auto",
     as_json: JsonFlag = False,
 ) -> None:
-    """Start the Console, a development OIDC issuer, a Security CVM and a Dev CVM (a local
-    sandbox, or with --runtime qemu the built OS image under QEMU)."""
+    """Start the Console, a development OIDC issuer, a Security CVM and a Dev CVM (a process and
+    a local sandbox, or with --runtime qemu both the built OS image under QEMU)."""
     from umbra.cli import up_stack as s
     from umbra.sandbox.local_cvm import LocalCvmError
 
@@ -163,8 +168,9 @@ def up(
     if summary.get("runtime") == "qemu":
         serial = stack.p("qemu", cvm)
         console.print(
-            f"The Dev CVM {cvm} is a VM under QEMU ({summary['shape']} shape, {summary['accel']}); "
-            f"its serial consoles: {serial}/serial-N.log\n"
+            f"The Security CVM {summary['security_cvm_id']} and the Dev CVM {cvm} are VMs under "
+            f"QEMU ({summary['shape']} shape, {summary['accel']}); the Dev CVM's serial "
+            f"consoles: {serial}/serial-N.log\n"
             "Next:\n"
             "  umbra ssh                  # attested, into the sandbox in the VM\n"
             "  umbra cvm list             # its state as the Console records it\n"
@@ -254,6 +260,7 @@ def _prepare_qemu(stack: Any, accel: str, step: Any, summary: dict[str, Any]) ->
     if accel == "auto" and chosen == "tcg":
         step("QEMU: TCG (no working KVM here; a boot takes minutes)")
     stack.state["accel"] = chosen
+    qemu.write_security_release(stack, os_disk.proxy_image(disk))
     qemu.write_dev_release(stack)
     qemu.write_provider_config(stack, disk, chosen)
     stack.save()
@@ -281,7 +288,13 @@ def _bring_up(stack: Any, policies: Path, step: Any, summary: dict[str, Any]) ->
     with s.api(stack, s.token(env)) as client:
         step(f"Publishing the signed bundle built from {policies} (+ the demo profile)")
         summary["bundle_serial"] = s.publish_bundle(stack, client, policies)
-        step(f"Team {s.TEAM!r} with you as admin; its Security CVM")
+        on_qemu = s.runtime(stack) is s.Runtime.qemu
+        if on_qemu:
+            shape = stack.state["shape"]
+            step(f"Team {s.TEAM!r} with you as admin; launching its Security CVM through the "
+                 f"Console (qemu provider: {shape} shape)")  # fmt: skip
+        else:
+            step(f"Team {s.TEAM!r} with you as admin; its Security CVM")
         summary["security_cvm_id"] = s.ensure_security_cvm(stack, client)
         secret = stack.p("keys", "demo-token")
         if not secret.exists():
@@ -291,9 +304,7 @@ def _bring_up(stack: Any, policies: Path, step: Any, summary: dict[str, Any]) ->
         step("Stand-in origin and model API for the walkthrough (their own CA)")
         s.start_origin(stack)
         s.start_llm_origin(stack)
-        on_qemu = s.runtime(stack) is s.Runtime.qemu
         if on_qemu:
-            shape = stack.state["shape"]
             step(f"Launching the Dev CVM through the Console (qemu provider: {shape} shape)")
         else:
             step("Sandbox image: Debian trixie, Claude Code, Codex, Docker (built once, cached)")
@@ -302,9 +313,9 @@ def _bring_up(stack: Any, policies: Path, step: Any, summary: dict[str, Any]) ->
         summary["dev_cvm_id"] = s.ensure_dev_cvm(
             stack, client, summary["security_cvm_id"], [public_key]
         )
-        step("Security CVM: egress proxy + aTLS tunnel endpoint on the simulated TEE")
-        s.start_proxy(stack)
         if not on_qemu:
+            step("Security CVM: egress proxy + aTLS tunnel endpoint on the simulated TEE")
+            s.start_proxy(stack)
             s.wait_sandbox_ca(stack, summary["dev_cvm_id"])
     summary["console_url"] = stack.console_url
     summary["dashboard_url"] = stack.console_url + "/ui/"
@@ -421,7 +432,7 @@ def status(
     stack = _stack(state_dir, port_base)
     report = s.status(stack)
     healthy = all(c["healthy"] for c in report["components"].values()) and all(
-        c["healthy"] for c in report["dev_cvms"]
+        c["healthy"] for c in report["dev_cvms"] + report["security_cvms"]
     )
     report["healthy"] = healthy and bool(report["dev_cvms"])
     if as_json:
@@ -444,6 +455,11 @@ def status(
                     f"ssh ingress {cvm['ingress_pid'] or '-'}"
                 )
             table.add_row(f"dev cvm {cvm['cvm_id']} (runtime: {cvm['runtime']})", processes, state)
+        for cvm in report["security_cvms"]:
+            health = s.Health.HEALTHY if cvm["healthy"] else s.Health.DOWN
+            processes = f"qemu {cvm['qemu_pid'] or '-'} ({cvm['shape']} shape, {cvm['accel']})"
+            table.add_row(f"security cvm {cvm['cvm_id']} (runtime: qemu)", processes,
+                          f"[{_COLOUR[health]}]{health}[/]")  # fmt: skip
         console.print(table)
         console.print(f"Console: {report['console_url']}")
         if not report["healthy"]:

@@ -1,24 +1,35 @@
-"""`umbra up --runtime qemu --check`: the seed's day against the Dev CVM booted under QEMU.
+"""`umbra up --runtime qemu --check`: the seed's day against the Security CVM and the Dev CVM
+booted under QEMU.
 
 Each step is bounded and reports ✓/✗ with its seconds and reason; a step that needs something an
 earlier one did not give fails at once, naming what is missing (never a wait to a timeout):
 
-1. **launch**: the Console launched the VM through its `qemu` provider (`provider_state.runtime`
-   qemu, QEMU running) and its launch agent started the release's compose (the serial console's
-   `umbra-launch: dev-cvm ID started` line of this boot);
-2. **enrollment**: the VM's forwarder enrolled (`cvm.enroll` for this CVM in the audit log);
+1. **launch**: the Console launched both VMs through its `qemu` provider (`provider_state.runtime`
+   qemu, QEMU running) and each launch agent started its release's compose (the serial console's
+   `umbra-launch: ROLE ID started` line of this boot);
+2. **enrollment**: the Security CVM's proxy and the Dev CVM's forwarder enrolled (`cvm.enroll`
+   for each in the audit log);
 3. **ssh**: `umbra ssh --no-reuse CVM -- id -u` answers the sandbox user (`provider_state.ssh_ingress`
    recorded by the provider);
 4. **requests**: through `umbra ssh`, an allowed request (the demo token injected by the Security
-   CVM) and a denied host, then their two records in the Console's traffic log;
-5. **stop and start**: `PATCH state=stopped` (the provider presses the ACPI power button; QEMU
-   gone, `stopped`), then `running` again: a new boot whose launch agent started again;
-6. **reboot: workspace kept, re-enrollment**: after that new boot, the workspace is the one
-   before it (a file written over `umbra ssh` before the stop, read back after) and the
-   forwarder renewed its credential by a fresh quote (`cvm.reenroll`, no new token).
+   CVM's proxy, in its VM) and a denied host, then their two records in the Console's traffic log;
+5. **reboot (reset)**: the Dev VM's reset button (QMP `system_reset`, as `gcloud compute
+   instances reset` or `az vm restart`): the TD ends, the provider boots a new one on the same
+   disks (emulated/qemu.py "Reboot"), whose launch agent starts again; the Console's record stays
+   `running`;
+6. **reboot: workspace kept, re-enrollment**: the workspace is the one before (a file written
+   over `umbra ssh` at the first boot, read back), and the forwarder renewed its credential by a
+   fresh quote (`cvm.reenroll`, no new token);
+7. **stop and start**: `PATCH state=stopped` for both (the provider presses the ACPI power
+   button; QEMU gone, `stopped`), the Dev CVM first, then `running` again, the Security CVM
+   first: a new boot of each whose launch agent started again, on the same data disks;
+8. **stop and start: re-enrollment, workspace, a request**: the workspace file still there, the
+   proxy and the forwarder each re-enrolled by a fresh quote (no new token), and an allowed
+   request works again.
 
-The VM is `qemu.yaml` as the emulated clouds boot it (cli/up_stack/os_disk.py): the dev host
-(runc, the sandbox image, the forwarder) and the attested SSH ingress, as on GCP and Azure.
+The VMs are `qemu.yaml` as the emulated clouds boot it (cli/up_stack/os_disk.py): Docker and the
+proxy image for the Security CVM; the dev host (runc, the sandbox image, the forwarder) and the
+attested SSH ingress for the Dev CVM; as on GCP and Azure.
 """
 
 from __future__ import annotations
@@ -88,11 +99,11 @@ def boot_of(info: dict[str, Any]) -> _Boot:
     return _Boot(int(state.get("boot", 1)), Path(state["serial"]))
 
 
-def wait_started(stack: Stack, cvm_id: str, boot: _Boot, limit: float) -> _Boot:
-    """Until this boot's launch agent started the compose; fails at once if QEMU exits or the
-    agent refused."""
+def wait_started(stack: Stack, cvm_id: str, boot: _Boot, limit: float, role: str) -> _Boot:
+    """Until this boot's launch agent started the compose of `role` (`dev-cvm`,
+    `security-cvm`); fails at once if QEMU exits or the agent refused."""
     end = time.monotonic() + limit
-    want = f"umbra-launch: dev-cvm {cvm_id} started"
+    want = f"umbra-launch: {role} {cvm_id} started"
     while True:
         with contextlib.suppress(OSError):
             boot.text = boot.serial.read_text(errors="replace")
@@ -226,6 +237,14 @@ def _answered(want: int) -> Callable[[subprocess.CompletedProcess[str]], bool]:
     return lambda done: _status(done)[0] == want
 
 
+def get_until(cvm_id: str, url: str, want: int) -> tuple[int, list[str], str]:
+    """GET `url` with curl in the sandbox (its proxy variables: the forwarder), retried until it
+    answers `want` or REQUEST_LIMIT: the status, the body's lines and curl's stderr."""
+    curl = f"curl -sS --max-time 120 -w '\\n%{{http_code}}' {url}"
+    done = ssh_until(cvm_id, curl, _answered(want), REQUEST_LIMIT)
+    return (*_status(done), done.stderr)
+
+
 def requests_check(stack: Stack, client: httpx.Client, cvm_id: str, secret: str) -> str:
     """An allowed request with the token injected, a denied host; their two records."""
     api, evil = DEMO_HOSTS
@@ -233,14 +252,11 @@ def requests_check(stack: Stack, client: httpx.Client, cvm_id: str, secret: str)
     started = time.time()
     answers = {}
     for host, path, want in ((api, "/v1/whoami", 200), (evil, "/", 403)):
-        url = f"https://{host}:{port}{path}"
         # The first request may come before the sandbox trusts the Security CVM's CA (the
         # forwarder fetches it in its first attested session): retried, bounded.
-        curl = f"curl -sS --max-time 120 -w '\\n%{{http_code}}' {url}"
-        done = ssh_until(cvm_id, curl, _answered(want), REQUEST_LIMIT)
-        code, body = _status(done)
+        code, body, stderr = get_until(cvm_id, f"https://{host}:{port}{path}", want)
         if code != want:
-            raise StepFailed(f"GET {host}{path} → {code}, wanted {want}: {done.stderr[-300:]}")
+            raise StepFailed(f"GET {host}{path} → {code}, wanted {want}: {stderr[-300:]}")
         answers[host] = "\n".join(body)
     try:
         seen = json.loads(answers[api]).get("authorization_sha256")
@@ -273,9 +289,12 @@ class Walkthrough:
         self, stack: Stack, client: httpx.Client, cvm_id: str, secret: str, report: Report
     ) -> None:
         self.stack, self.client, self.cvm_id, self.secret = stack, client, cvm_id, secret
+        self.security_id = str(stack.state.get("security_cvm_id") or "")
         self.report = report
         self.results: list[StepResult] = []
         self.limit = BOOT_LIMIT.get(str(stack.state.get("accel")), BOOT_LIMIT["tcg"])
+        # Each VM's current boot, the Security CVM's first (it starts first).
+        self.boots: dict[str, _Boot] = {}
 
     def step(self, name: str, run: Callable[[], str]) -> bool:
         started = time.monotonic()
@@ -291,25 +310,90 @@ class Walkthrough:
     def info(self) -> dict[str, Any]:
         return dict(expect(self.client.get(f"/api/v1/cvms/{self.cvm_id}"), 200))
 
+    def roles(self) -> dict[str, str]:
+        return {self.security_id: "security-cvm", self.cvm_id: "dev-cvm"}
+
+    def launched(self) -> str:
+        shape = ""
+        for cvm, role in self.roles().items():
+            info = wait_state(self.client, cvm, CvmState.running, 120)
+            self.boots[cvm] = wait_started(self.stack, cvm, boot_of(info), self.limit, role)
+            shape = (info.get("provider_state") or {}).get("shape", "")
+        return f"{shape} shape: the Security CVM's and the Dev CVM's launch agents started " + (
+            "their compose"
+        )
+
+    def enrolled(self) -> str:
+        seqs = [wait_audited(self.client, cvm, "cvm.enroll", 0) for cvm in self.roles()]
+        return "cvm.enroll " + ", ".join(f"#{seq}" for seq in seqs) + " (Security, Dev)"
+
+    def stop_and_start(self) -> str:
+        for cvm in reversed(self.roles()):  # the Dev CVM first, as a team's day ends
+            expect(self.client.patch(f"/api/v1/cvms/{cvm}", json={"state": "stopped"}), 200)
+            wait_state(self.client, cvm, CvmState.stopped, STOP_LIMIT)
+            if any(vm.cvm_id == cvm for vm in q.vms(self.stack)):
+                raise StepFailed(f"the Console says {cvm} stopped, but its QEMU still runs")
+        for cvm in self.roles():
+            expect(self.client.patch(f"/api/v1/cvms/{cvm}", json={"state": "running"}), 200)
+            wait_state(self.client, cvm, CvmState.running, 120)
+        for cvm, role in self.roles().items():
+            self.next_boot(cvm, role)
+        numbers = ", ".join(str(self.boots[cvm].number) for cvm in self.roles())
+        return f"both stopped (ACPI) and started: boots {numbers} (Security, Dev) started again"
+
+    def next_boot(self, cvm: str, role: str) -> None:
+        """Until the boot after the current one started its compose (a start or a reset records
+        no new provider_state: the next boot's serial log says it)."""
+        boot = self.boots[cvm]
+        serial = boot.serial.with_name(f"serial-{boot.number + 1}.log")
+        end = time.monotonic() + 60
+        while not serial.exists():
+            if time.monotonic() > end:
+                raise StepFailed(f"{cvm}: no boot {boot.number + 1} ({serial})")
+            time.sleep(0.5)
+        self.boots[cvm] = wait_started(
+            self.stack, cvm, _Boot(boot.number + 1, serial), self.limit, role
+        )
+
+    def reboot(self) -> str:
+        """The Dev VM's reset button (as `gcloud compute instances reset`): the TD ends, the
+        provider boots a new one on the same disks, the Console's record stays running."""
+        vm = next((vm for vm in q.vms(self.stack) if vm.cvm_id == self.cvm_id), None)
+        if vm is None or vm.qmp is None or not q.reset(vm.qmp):
+            raise StepFailed(f"no QEMU (or no QMP) of {self.cvm_id} to reset")
+        self.next_boot(self.cvm_id, "dev-cvm")
+        state = self.info().get("state")
+        if state != CvmState.running:
+            raise StepFailed(f"after the reset the Console says {state}, not running")
+        number = self.boots[self.cvm_id].number
+        return f"reset: the TD ended, boot {number} (a new TD) started its compose; still running"
+
+    def reenrolled(self, cvms: list[str], after: int) -> str:
+        """Each of `cvms` renewed its credential by a fresh quote after `after`, with no new
+        enrollment token (the one issued at launch is still the only one)."""
+        seqs = []
+        for cvm in cvms:
+            seqs.append(wait_audited(self.client, cvm, "cvm.reenroll", after))
+            if audited(self.client, cvm, "cvm.enrollment_token", after) is not None:
+                raise StepFailed(f"the restart of {cvm} needed a new enrollment token")
+        quotes = "a fresh quote" if len(seqs) == 1 else "fresh quotes"
+        return f"cvm.reenroll {', '.join(f'#{seq}' for seq in seqs)} by {quotes} (no new token)"
+
+    def request_again(self) -> str:
+        api = DEMO_HOSTS[0]
+        url = f"https://{api}:{self.stack.port('origin')}/v1/whoami"
+        code, _, stderr = get_until(self.cvm_id, url, 200)
+        if code != 200:
+            raise StepFailed(f"GET {api} → {code}: {stderr[-300:]}")
+        return f"GET {api} 200"
+
     def run(self) -> list[StepResult]:
         cvm = self.cvm_id
-        boot = _Boot(0, Path())
-        start_seq = 0
-
-        def launch() -> str:
-            nonlocal boot
-            info = wait_state(self.client, cvm, CvmState.running, 120)
-            boot = wait_started(self.stack, cvm, boot_of(info), self.limit)
-            shape = (info.get("provider_state") or {}).get("shape")
-            return f"{shape} shape, boot {boot.number}: the launch agent started the compose"
-
-        if not self.step("launch through the Console", launch):
+        if not self.security_id:
+            raise UpError("no Security CVM to check", "run `umbra up --runtime qemu` first")
+        if not self.step("launch through the Console", self.launched):
             return self.results
-
-        self.step(
-            "enrollment",
-            lambda: f"cvm.enroll #{wait_audited(self.client, cvm, 'cvm.enroll', 0)}",
-        )
+        self.step("enrollment", self.enrolled)
 
         def ssh_step() -> str:
             need_ssh(self.info())
@@ -326,51 +410,34 @@ class Walkthrough:
 
         token = secrets.token_hex(8)
         wrote = ssh(cvm, f"echo {token} > {MARKER} && sync") if ssh_ok else None
-        start_seq = last_seq(self.client)
-
-        def stop_and_start() -> str:
-            nonlocal boot
-            patch = self.client.patch(f"/api/v1/cvms/{cvm}", json={"state": "stopped"})
-            expect(patch, 200)
-            wait_state(self.client, cvm, CvmState.stopped, STOP_LIMIT)
-            if any(vm.cvm_id == cvm for vm in q.vms(self.stack)):
-                raise StepFailed("the Console says stopped, but its QEMU still runs")
-            expect(self.client.patch(f"/api/v1/cvms/{cvm}", json={"state": "running"}), 200)
-            wait_state(self.client, cvm, CvmState.running, 120)
-            # A start records no new provider_state: the next boot's serial log says it.
-            serial = boot.serial.with_name(f"serial-{boot.number + 1}.log")
-            end = time.monotonic() + 60
-            while not serial.exists():
-                if time.monotonic() > end:
-                    raise StepFailed(f"started, but no boot {boot.number + 1} ({serial})")
-                time.sleep(0.5)
-            boot = wait_started(self.stack, cvm, _Boot(boot.number + 1, serial), self.limit)
-            return f"stopped (ACPI), started: boot {boot.number} started the compose again"
-
-        if not self.step("stop and start", stop_and_start):
-            return self.results
 
         def workspace() -> str:
             if wrote is None or wrote.returncode != 0:
                 why = "no `umbra ssh` (above)" if wrote is None else wrote.stderr.strip()[-300:]
-                raise StepFailed(f"nothing was written before the stop: {why}")
+                raise StepFailed(f"nothing was written before: {why}")
             need_ssh(self.info())
             ssh_check(cvm)  # the ingress is up again (retried, bounded)
             read = ssh(cvm, f"cat {MARKER}", timeout=300)
             if read.stdout.strip() != token:
-                raise StepFailed(f"{MARKER} after the reboot: {read.stdout.strip()!r}")
-            return f"{MARKER} written before the stop was there after it"
+                raise StepFailed(f"{MARKER} after the new boot: {read.stdout.strip()!r}")
+            return f"{MARKER}, written at the first boot, read back over umbra ssh"
 
+        seq = last_seq(self.client)
+        if not self.step("reboot (reset)", self.reboot):
+            return self.results
         self.step("reboot: workspace kept", workspace)
+        self.step("reboot: re-enrollment", lambda: self.reenrolled([cvm], seq))
+        seq = last_seq(self.client)
+        if not self.step("stop and start", self.stop_and_start):
+            return self.results
 
-        def reenrolled() -> str:
-            seq = wait_audited(self.client, cvm, "cvm.reenroll", start_seq)
-            # A fresh quote, no new token: the one issued at launch is still the only one.
-            if audited(self.client, cvm, "cvm.enrollment_token", start_seq) is not None:
-                raise StepFailed("the restart needed a new enrollment token")
-            return f"cvm.reenroll #{seq} by a fresh quote (no new token)"
+        def after_start() -> str:
+            kept = workspace()
+            return "; ".join(
+                (kept, self.reenrolled([self.security_id, cvm], seq), self.request_again())
+            )
 
-        self.step("reboot: re-enrollment", reenrolled)
+        self.step("stop and start: re-enrollment, workspace, a request", after_start)
         return self.results
 
 

@@ -27,7 +27,7 @@ from umbra.cli.up_stack.names import (
     Port,
 )
 from umbra.cli.up_stack.qemu import CONFIG as QEMU_CONFIG
-from umbra.cli.up_stack.qemu import CONSOLE_NAME, Runtime, runtime, tunnel_host
+from umbra.cli.up_stack.qemu import CONSOLE_IP, CONSOLE_NAME, Runtime, runtime, tunnel_host
 from umbra.cli.up_stack.status import tcp_ok
 from umbra.cli.up_stack.supervise import Stack, umbra_executable
 from umbra.cli.up_stack.upstream import allowed_upstreams
@@ -59,8 +59,8 @@ def console_settings(stack: Stack) -> dict[str, str]:
 
 
 def _runtime_settings(stack: Stack) -> dict[str, str]:
-    """`--runtime qemu`: the Console launches the Dev CVM with its `qemu` provider (the local
-    provider stays configured: it holds the Security CVM's record)."""
+    """`--runtime qemu`: the Console launches both CVMs with its `qemu` provider (the local
+    provider stays configured, the Console's default)."""
     if runtime(stack) is not Runtime.qemu:
         return {}
     return {"providers": "local,qemu", "qemu_cvm_config": str(stack.p(QEMU_CONFIG))}
@@ -123,10 +123,11 @@ def start_console(stack: Stack) -> bool:
 
 
 def start_console_front(stack: Stack) -> bool:
-    """`--runtime qemu`: TLS for the Console's name in front of its loopback port (tls_front.py),
-    what a VM's forward reaches; its own CA (`console-tls/ca.pem`) goes into launch data."""
+    """`--runtime qemu`: TLS for the Console's name and address in front of its loopback port
+    (tls_front.py), what a VM's forward reaches; its own CA (`console-tls/ca.pem`) goes into
+    launch data. The Dev VM dials the name, the Security VM's proxy the address."""
     d = stack.p("console-tls")
-    tls_identity(d, frozenset({CONSOLE_NAME}))
+    tls_identity(d, frozenset({CONSOLE_NAME}), frozenset({CONSOLE_IP}))
 
     def argv() -> list[str]:
         return [

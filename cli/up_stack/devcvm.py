@@ -9,10 +9,10 @@ from pathlib import Path
 
 import httpx
 
-from umbra.cli.up_stack import qemu, vms
+from umbra.cli.up_stack import qemu
 from umbra.cli.up_stack.errors import UpError
 from umbra.cli.up_stack.names import DEV_CVM_NAME, TEAM
-from umbra.cli.up_stack.seed import expect
+from umbra.cli.up_stack.seed import expect, kept_vm, wait_settled
 from umbra.cli.up_stack.supervise import Stack
 from umbra.console.enums import CvmState
 from umbra.sandbox import local_cvm
@@ -20,6 +20,7 @@ from umbra.sandbox.render import CA_NAME
 
 # Attached to the Dev CVM when the bundle has them: the walkthrough's origin and daily work
 # (Python, npm, Debian, public git; policies/tests/daily-work.yaml).
+WHAT = "Dev CVM"
 DEFAULT_PROFILES = (
     "demo", "pypi", "npm", "debian", "git-public", "anthropic-standin", "openai-standin",
 )  # fmt: skip
@@ -29,7 +30,7 @@ def ensure_dev_cvm(stack: Stack, client: httpx.Client, scvm_id: str, ssh_keys: l
     """Launch the Dev CVM as `umbra cvm launch` does, or bring the known one back up."""
     known = stack.state.get("dev_cvm_id")
     if known and qemu.runtime(stack) is qemu.Runtime.qemu:
-        if _qemu_vm_usable(stack, client, str(known), ssh_keys):
+        if _qemu_vm_usable(stack, client, str(known), scvm_id, ssh_keys):
             return str(known)
     elif known:
         info = client.get(f"/api/v1/cvms/{known}")
@@ -44,7 +45,7 @@ def ensure_dev_cvm(stack: Stack, client: httpx.Client, scvm_id: str, ssh_keys: l
                 # The developer's key changed (e.g. they made ~/.ssh/id_ed25519 since): bind
                 # the new one; the provider restarts the ingress with it.
                 patch = client.patch(f"/api/v1/cvms/{known}", json={"ssh_keys": ssh_keys})
-                _wait_settled(client, str(expect(patch, 200)["id"]), CvmState.updating)
+                wait_settled(client, str(expect(patch, 200)["id"]), CvmState.updating, WHAT)
             return str(known)
         if info.status_code == 200 and info.json().get("state") != CvmState.destroyed:
             client.delete(f"/api/v1/cvms/{known}")
@@ -64,45 +65,34 @@ def ensure_dev_cvm(stack: Stack, client: httpx.Client, scvm_id: str, ssh_keys: l
         ),
         201,
     )
-    _wait_settled(client, str(created["id"]), CvmState.launching)
+    wait_settled(client, str(created["id"]), CvmState.launching, WHAT)
     stack.state["dev_cvm_id"] = created["id"]
     stack.save()
     return str(created["id"])
 
 
-def _qemu_vm_usable(stack: Stack, client: httpx.Client, cvm_id: str, ssh_keys: list[str]) -> bool:
-    """The VM the Console launched still runs (same Console process, QEMU alive): kept, its keys
-    brought up to date. Otherwise it went with the Console that launched it (the provider is not
-    resumable): its record is destroyed and a new VM is launched."""
-    info = client.get(f"/api/v1/cvms/{cvm_id}")
-    alive = any(vm.cvm_id == cvm_id for vm in vms.vms(stack))
-    state = info.json().get("state") if info.status_code == 200 else None
-    if alive and state == CvmState.running:
-        if _canonical(info.json().get("ssh_keys", [])) != _canonical(ssh_keys):
-            patch = client.patch(f"/api/v1/cvms/{cvm_id}", json={"ssh_keys": ssh_keys})
-            _wait_settled(client, str(expect(patch, 200)["id"]), CvmState.updating)
-        return True
-    if state is not None and state not in (CvmState.destroyed, CvmState.destroying):
-        stack.progress(f"the VM of {cvm_id} ended with its Console: launching a new one")
+def _qemu_vm_usable(
+    stack: Stack, client: httpx.Client, cvm_id: str, scvm_id: str, ssh_keys: list[str]
+) -> bool:
+    """The Dev VM still runs, attached to this Security CVM (a relaunched Security CVM means a
+    new Dev VM): kept, its keys brought up to date."""
+    record = kept_vm(stack, client, cvm_id, WHAT)
+    if record is None:
+        return False
+    if record.get("security_cvm_id") != scvm_id:
+        stack.progress(f"the {WHAT} {cvm_id} belongs to another Security CVM: launching anew")
         client.delete(f"/api/v1/cvms/{cvm_id}")
-    return False
+        return False
+    if _canonical(record.get("ssh_keys", [])) != _canonical(ssh_keys):
+        patch = client.patch(f"/api/v1/cvms/{cvm_id}", json={"ssh_keys": ssh_keys})
+        wait_settled(client, str(expect(patch, 200)["id"]), CvmState.updating, WHAT)
+    return True
 
 
 def _canonical(keys: list[str]) -> set[str]:
     from umbra.attest.measurement import canonical_ssh_key
 
     return {canonical_ssh_key(k) for k in keys}
-
-
-def _wait_settled(client: httpx.Client, cvm_id: str, transitional: CvmState) -> None:
-    """The Console's provisioning job builds (or updates) the local Dev CVM in the background."""
-    info = expect(client.get(f"/api/v1/cvms/{cvm_id}"), 200)
-    end = time.monotonic() + 120
-    while info.get("state") == transitional and time.monotonic() < end:
-        time.sleep(0.1)
-        info = expect(client.get(f"/api/v1/cvms/{cvm_id}"), 200)
-    if info.get("state") != CvmState.running:
-        raise UpError(f"the Dev CVM did not start: {info.get('state_reason') or info}")
 
 
 def ensure_sandbox_image(stack: Stack) -> tuple[Path, ...]:

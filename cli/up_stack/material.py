@@ -38,7 +38,8 @@ def _pem_cert(cert: Any) -> bytes:
 
 
 def _names(cert: Path) -> set[str]:
-    """The DNS names a stand-in certificate covers (an older state dir's may lack one)."""
+    """The DNS names and IP addresses a stand-in certificate covers (an older state dir's may
+    lack one)."""
     from cryptography import x509
 
     try:
@@ -46,7 +47,8 @@ def _names(cert: Path) -> set[str]:
         sans = parsed.extensions.get_extension_for_class(x509.SubjectAlternativeName)
     except (OSError, ValueError, x509.ExtensionNotFound):
         return set()
-    return set(sans.value.get_values_for_type(x509.DNSName))
+    ips = {str(ip) for ip in sans.value.get_values_for_type(x509.IPAddress)}
+    return set(sans.value.get_values_for_type(x509.DNSName)) | ips
 
 
 def origin_names(stack: Stack) -> frozenset[str]:
@@ -58,14 +60,17 @@ def vendor_standins(stack: Stack) -> bool:
     return bool(stack.state.get("vendor_standins"))
 
 
-def _demo_ca(directory: Path, names: frozenset[str] = ORIGIN_NAMES) -> None:
-    """A CA of its own for the stand-in origin, and the origin's certificate."""
+def _demo_ca(
+    directory: Path, names: frozenset[str] = ORIGIN_NAMES, ips: frozenset[str] = frozenset()
+) -> None:
+    """A CA of its own for the stand-in origin, and the origin's certificate (for `names`,
+    127.0.0.1 and `ips`)."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-    if (directory / "origin.pem").exists() and _names(directory / "origin.pem") >= names:
+    if (directory / "origin.pem").exists() and _names(directory / "origin.pem") >= names | ips:
         return
     directory.mkdir(parents=True, exist_ok=True)
     now = datetime.datetime.now(datetime.UTC)
@@ -84,7 +89,7 @@ def _demo_ca(directory: Path, names: frozenset[str] = ORIGIN_NAMES) -> None:
     )
     key = ec.generate_private_key(ec.SECP256R1())
     sans: list[x509.GeneralName] = [x509.DNSName(h) for h in sorted(names)]
-    sans.append(x509.IPAddress(ipaddress.ip_address("127.0.0.1")))
+    sans += [x509.IPAddress(ipaddress.ip_address(ip)) for ip in sorted({"127.0.0.1", *ips})]
     cert = (
         x509.CertificateBuilder()
         .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, DEMO_HOSTS[0])]))
@@ -105,10 +110,10 @@ def _demo_ca(directory: Path, names: frozenset[str] = ORIGIN_NAMES) -> None:
     (directory / "origin.pem").write_bytes(_pem_cert(cert))
 
 
-def tls_identity(directory: Path, names: frozenset[str]) -> None:
-    """A CA of its own and a server certificate for `names` in `directory` (`ca.pem`,
+def tls_identity(directory: Path, names: frozenset[str], ips: frozenset[str] = frozenset()) -> None:
+    """A CA of its own and a server certificate for `names` and `ips` in `directory` (`ca.pem`,
     `origin.pem`, `origin-key.pem` 0600), made once (again if a name is missing)."""
-    _demo_ca(directory, names)
+    _demo_ca(directory, names, ips)
 
 
 def write_secret(path: Path, data: bytes) -> None:

@@ -42,6 +42,8 @@ class Component(StrEnum):
 COMPONENTS = tuple(Component)
 # Only with `--runtime qemu` (a VM reaches the Console by TLS, and no PCCS).
 QEMU_ONLY = frozenset({Component.CONSOLE_TLS, Component.PCCS})
+# Only with `--runtime runc`: under qemu the Security CVM is a VM of the Console's provider.
+RUNC_ONLY = frozenset({Component.PROXY})
 
 
 class Port(IntEnum):

@@ -1,16 +1,19 @@
 """`umbra up --runtime qemu`: the built `qemu` OS image packed as its boot disk, made once per
 set of inputs and cached (`/var/cache/umbra/os-qemu/<key>/disk.raw`, `UMBRA_OS_IMAGE_CACHE`).
 
-The image is `qemu.yaml` as shipped, the build the emulated clouds boot for a Dev CVM: the launch
-agent's defaults, the dev host (runc, the sandbox image below, the forwarder) and the attested
-SSH ingress. No image archives: the Security CVM of `umbra up` runs on this machine.
+The image is `qemu.yaml` as shipped, the build the emulated clouds boot for both roles: the
+launch agent's defaults, Docker, the dev host (runc, the sandbox image below, the forwarder), the
+attested SSH ingress, and the release's proxy image archive (`umbra image build runtime`, its
+digest in `images.json` beside the disk: the Security release names it).
 
 The key is a SHA-256 over everything the image is made of: the definition (images/os/qemu.yaml)
 and its package lock, every source file of the project that the wheel ships, pyproject.toml and
 uv.lock (the wheel and its locked requirements), the sandbox image's recipe and files keys and
 the build epoch. So a changed line of Umbra makes a new image (the image carries the code), and
 an unchanged tree never rebuilds. The build is `umbra image os-build` + `umbra image disks` in
-process (mmdebstrap, as root): minutes, with progress. No Secure Boot key: the UKI is unsigned and OVMF boots it with
+process (mmdebstrap, as root): minutes, with progress. A development build: the package locks
+hold under `security-updates` (a Debian security or point update of a locked package is accepted
+and printed; anything else refused), not `strict` as a release's. No Secure Boot key: the UKI is unsigned and OVMF boots it with
 Secure Boot off (the signed path is tests/images/test_secure_boot.py's).
 """
 
@@ -31,10 +34,12 @@ from umbra.contracts.files import exclusive_lock
 
 DEFAULT_CACHE = Path("/var/cache/umbra/os-qemu")
 CACHE_ENV = "UMBRA_OS_IMAGE_CACHE"
-# Tests and local iteration only: a packed disk.raw used as is (no key, no build).
+# Tests and local iteration only: a packed disk.raw used as is (no key, no build), with the
+# `images.json` of the proxy image it carries beside it.
 DISK_ENV = "UMBRA_UP_QEMU_DISK"
+IMAGES = "images.json"
 EPOCH = 1700000000
-ESTIMATE = "about 5 minutes on 2 cores, once the sandbox image is cached"
+ESTIMATE = "about 8 minutes on 2 cores, once the sandbox image is cached"
 # The wheel's packages (pyproject.toml [tool.hatch.build.targets.wheel]).
 PACKAGES = (
     "cli", "console", "proxy", "policy", "attest", "sandbox", "images", "components",
@@ -62,7 +67,7 @@ def inputs_key(root: Path) -> str:
     """16 hex digits of SHA-256 over every input of the image (module docstring)."""
     from umbra.sandbox import image
 
-    h = hashlib.sha256(f"umbra-os-qemu-v2\0{EPOCH}\0".encode())
+    h = hashlib.sha256(f"umbra-os-qemu-v3\0{EPOCH}\0".encode())
     # The sandbox image the OS image carries (its recipe: the agents' pinned versions).
     h.update(f"{image.recipe_key()}\0{image.files_key()}\0".encode())
     files = [root / "pyproject.toml", root / "uv.lock"]
@@ -80,6 +85,23 @@ def cache_root() -> Path:
     return Path(os.environ.get(CACHE_ENV) or DEFAULT_CACHE)
 
 
+def proxy_image(disk: Path) -> str:
+    """The manifest digest of the proxy image the disk carries (`images.json` beside it)."""
+    import json
+
+    path = disk.with_name(IMAGES)
+    try:
+        digest = json.loads(path.read_text())["proxy"]["manifest_digest"]
+    except (OSError, ValueError, KeyError, TypeError):
+        raise UpError(
+            f"{path}: no proxy image digest (the images the disk carries)",
+            f"rebuild: remove {disk.parent} and run `umbra up --runtime qemu` again",
+        ) from None
+    if not isinstance(digest, str) or not digest.startswith("sha256:"):
+        raise UpError(f"{path}: proxy.manifest_digest is not a sha256 digest")
+    return digest
+
+
 def ensure_disk(progress: Progress) -> Path:
     """The packed `qemu` image's disk.raw for the current inputs, built on a miss."""
     given = os.environ.get(DISK_ENV)
@@ -88,6 +110,7 @@ def ensure_disk(progress: Progress) -> Path:
         if not disk.is_file():
             raise UpError(f"{DISK_ENV}={given}: no such file", f"unset {DISK_ENV}, or fix it")
         progress(f"warning: {DISK_ENV}: booting {disk} as is (not built from this checkout)")
+        proxy_image(disk)
         return disk
     root = project_root()
     key = inputs_key(root)
@@ -118,9 +141,13 @@ def ensure_disk(progress: Progress) -> Path:
 
 
 def _build(root: Path, entry: Path, progress: Progress) -> None:
-    from umbra.images.build import BuildError
+    import json
+
+    from umbra.images.build import BuildError, build_rootfs
     from umbra.images.disk_formats import DiskFormatError
+    from umbra.images.lock_policy import LockPolicy
     from umbra.images.os_image import OS_DIR, build_os_image, load_os_definition
+    from umbra.images.recipes import Rootfs
     from umbra.images.uki import pack_os_image
     from umbra.sandbox import image
 
@@ -136,18 +163,27 @@ def _build(root: Path, entry: Path, progress: Progress) -> None:
             _uv(root, ["export", "--frozen", "--no-dev", "--no-emit-project", "-q"])
         )
         wheel = next((work / "dist").glob("umbra-*.whl"))
-        progress("  the OS image: mmdebstrap, the backports kernel, Python and the wheel")
+        python = Path(sys.base_prefix)
+        policy = LockPolicy.SECURITY_UPDATES
         try:
-            build_os_image(
-                definition,
-                work / "os",
-                wheel=wheel,
-                requirements=requirements,
-                host_python_prefix=Path(sys.base_prefix),
-                epoch=EPOCH,
-            )
+            progress("  the Security CVM's proxy image (umbra image build runtime)")
+            runtime = build_rootfs(
+                Rootfs.RUNTIME, work / "images", wheel=wheel, requirements=requirements,
+                host_python_prefix=python, epoch=EPOCH, lock_policy=policy, without_tools=True,
+            )  # fmt: skip
+            proxy = next(i for i in runtime.images if i.name == "proxy")
+            progress("  the OS image: mmdebstrap, the backports kernel, Python and the wheel")
+            os_image = build_os_image(
+                definition, work / "os", wheel=wheel, requirements=requirements,
+                host_python_prefix=python, epoch=EPOCH, lock_policy=policy,
+                image_archives=[proxy.archive],
+            )  # fmt: skip
+            for drift in [*runtime.lock_drift, *os_image.lock_drift]:
+                progress(f"  warning: {drift.line()}")
             progress("  packing it: dm-verity, the UKI, the disk")
             pack_os_image(work / "os", entry, EPOCH, cloud_formats=False)
+            images = {"proxy": {"ref": proxy.ref, "manifest_digest": proxy.manifest_digest}}
+            (entry / IMAGES).write_text(json.dumps(images))
         except (BuildError, DiskFormatError) as exc:
             raise UpError(
                 f"building the qemu OS image failed: {exc}",

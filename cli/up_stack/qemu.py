@@ -1,9 +1,15 @@
-"""`umbra up --runtime qemu`: the developer's Dev CVM is the built `qemu` OS image booted under
-QEMU by the Console's `qemu` provider (console/providers_qemu.py), in a cloud's shape.
+"""`umbra up --runtime qemu`: the team's Security CVM and the developer's Dev CVM are the built
+`qemu` OS image booted under QEMU by the Console's `qemu` provider (console/providers_qemu.py),
+in a cloud's shape.
 
 - **Preflight**: qemu-system-x86_64 and OVMF's firmware, named with their Debian packages.
 - **Acceleration**: KVM when a paused QEMU with `-accel kvm` survives its vCPU set-up (a nested
   KVM that opens `/dev/kvm` but aborts on the first MSR write does not count), TCG otherwise.
+- **The Security release**: a Security CVM definition for this stack (the proxy image the disk
+  carries, the Console by address, the stack's bundle key, quotes from the VM's TDX module, the
+  stack's PCCS by address, and as test options the stand-in origins by address with their CA),
+  measured: its app-compose.json is the Security VM's launch data, its release what the Console
+  verifies the proxy's enrollment against and what the Dev release pins.
 - **The Dev release**: a Dev CVM definition for this stack (simulated TEE, the Security CVM's
   simulated release, the Console's URL), measured like `umbra image measure` does: its
   app-compose.json is the launch data's compose, and its release (compose hash, `umbra.cvm-id`,
@@ -25,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from umbra.cli.up_stack.errors import UpError
-from umbra.cli.up_stack.names import COMPONENTS, QEMU_ONLY, Component
+from umbra.cli.up_stack.names import COMPONENTS, QEMU_ONLY, RUNC_ONLY, Component, Port
 from umbra.cli.up_stack.supervise import Stack
 from umbra.cli.up_stack.vms import QEMU, RUNTIME_DIR, stop_vms
 from umbra.components.ports import SECURITY_TUNNEL_PORT
@@ -37,8 +43,13 @@ ACCELS = ("auto", "kvm", "tcg")
 CONSOLE_NAME = "console.umbra.internal"
 CONSOLE_IN_VM = f"https://{CONSOLE_NAME}"
 # Inside QEMU's 168.0.0.0/6 (emulated.qemu.NETWORK): the addresses launch data names for the
-# Console (its TLS front) and the Security CVM's tunnel endpoint, each relayed to loopback.
+# Console (its TLS front) and the Security CVM's tunnel endpoint, and where the Security CVM
+# reaches the stand-in origins and the PCCS, each relayed to a loopback port of this host.
 CONSOLE_IP, SECURITY_IP = "168.1.0.10", "168.1.0.20"
+ORIGIN_IP, PCCS_IP = "168.1.0.30", "168.1.0.40"
+# The Security VM's proxy reaches the Console by address (no DNS in a VM; its TLS front's
+# certificate names this address too).
+CONSOLE_BY_ADDRESS = f"https://{CONSOLE_IP}"
 # Only the local sandbox needs these (the qemu image carries its own workload).
 SANDBOX_ONLY_TOOLS = frozenset({"runc", "npm"})
 
@@ -55,10 +66,10 @@ def runtime(stack: Stack) -> Runtime:
 
 
 def components(stack: Stack) -> tuple[Component, ...]:
-    """The components this runtime runs, in start order (the TLS front and PCCS for a VM)."""
-    if runtime(stack) is Runtime.qemu:
-        return COMPONENTS
-    return tuple(c for c in COMPONENTS if c not in QEMU_ONLY)
+    """The processes this runtime runs, in start order: under qemu the TLS front and PCCS, and
+    no proxy (the Security CVM is a VM)."""
+    skip = RUNC_ONLY if runtime(stack) is Runtime.qemu else QEMU_ONLY
+    return tuple(c for c in COMPONENTS if c not in skip)
 
 
 def tunnel_host(stack: Stack) -> str:
@@ -108,6 +119,52 @@ def choose_accel(probe_seconds: float = 2.0) -> str:
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+def security_definition_doc(stack: Stack, proxy_digest: str) -> dict[str, Any]:
+    """This stack's Security CVM release (images/definitions/security-cvm.example.yaml's shape)."""
+    from umbra.cli.up_stack.names import ORIGIN_NAMES, SIMULATED_IMAGE, Port
+
+    return {
+        "apiVersion": "umbra/v1",
+        "kind": "ImageDefinition",
+        "role": "security-cvm",
+        "tee": "simulated",
+        "base": {"simulated_image": SIMULATED_IMAGE},
+        "compose": {
+            "release": "security-cvm-up-qemu",
+            "images": {"proxy": f"umbra/proxy@{proxy_digest}"},
+            "console_url": CONSOLE_BY_ADDRESS,
+            "console_ca": True,
+            "bundle_keys": [stack.p("keys", "dev-release.pem.pub").read_text()],
+            "tunnel_port": SECURITY_TUNNEL_PORT,
+            # The VM's TDX module signs its quotes (the stack's simulated PKI).
+            "simulated": {"image": SIMULATED_IMAGE, "source": "emulated"},
+            # Its tunnel endpoint sends the collateral along (the Dev VM reaches no PCCS).
+            "pccs_urls": [f"http://{PCCS_IP}:{stack.port(Port.PCCS)}"],
+            # The stand-in origins: by address on the emulated network, trusted by their own CA.
+            "test_options": {
+                "allow_upstream": [f"{ORIGIN_IP}/32"],
+                "resolver": {host: [ORIGIN_IP] for host in sorted(ORIGIN_NAMES)},
+                "upstream_ca": stack.p("demo-origin", "ca.pem").read_text(),
+            },
+        },
+    }
+
+
+def write_security_release(stack: Stack, proxy_digest: str) -> None:
+    """The measured Security release: `qemu/security-app-compose.json` (the Security VM's launch
+    data) and `security-cvm/release.json` (the Console's `release_policy`, pinned by the Dev
+    release), replacing the host-simulator release `prepare_material` wrote."""
+    from umbra.images.definition import parse_definition
+    from umbra.images.measure import measure
+
+    m = measure(parse_definition(security_definition_doc(stack, proxy_digest)))
+    d = stack.p(RUNTIME_DIR)
+    d.mkdir(exist_ok=True, mode=0o700)
+    (d / "security-app-compose.json").write_bytes(m.app_compose)
+    release = m.release.model_dump(mode="json", exclude_none=True)
+    stack.p("security-cvm", "release.json").write_text(json.dumps(release, indent=2))
 
 
 def dev_definition_doc(stack: Stack, security_release: dict[str, Any]) -> dict[str, Any]:
@@ -168,22 +225,31 @@ def provider_settings(stack: Stack, disk: Path, accel: str) -> dict[str, Any]:
         "console_url": CONSOLE_IN_VM,
         "console_ca": str(stack.p("console-tls", "ca.pem")),
         "simulated_pki": str(stack.p("pki")),
+        "security_app_compose": str(stack.p(RUNTIME_DIR, "security-app-compose.json")),
+        "security_tunnel_port": SECURITY_TUNNEL_PORT,
+        # The Dev VM's forward to SECURITY_IP reaches the Security VM's tunnel here.
+        "security_tunnel_host_port": stack.port(Port.TUNNEL),
         **_network(stack),
     }
 
 
 def _network(stack: Stack) -> dict[str, Any]:
-    """The Dev workload's network and ingress: the Console's and the Security CVM's addresses
-    and their forwards to loopback, the Dev release for `umbra ssh`."""
-    from umbra.cli.up_stack.names import Port
-
+    """The emulated network and the Dev ingress: the Console's and the Security CVM's addresses
+    (the only ones a Dev VM's host firewall admits), the stand-in origins' and the PCCS's (what
+    the Security VM's proxy reaches), their forwards to loopback; the Dev release for `umbra
+    ssh`."""
     tunnel = stack.port(Port.TUNNEL)
+    same_port = [(ORIGIN_IP, Port.ORIGIN), (ORIGIN_IP, Port.LLM), (PCCS_IP, Port.PCCS)]
     return {
         "console_ips": [CONSOLE_IP],
         "security_cvm_ips": [SECURITY_IP],
         "forwards": [
             {"address": CONSOLE_IP, "port": 443, "host_port": stack.port(Port.CONSOLE_TLS)},
             {"address": SECURITY_IP, "port": SECURITY_TUNNEL_PORT, "host_port": tunnel},
+            *(
+                {"address": ip, "port": stack.port(p), "host_port": stack.port(p)}
+                for ip, p in same_port
+            ),
         ],
         "release_manifest": str(stack.p("dev-cvm-release.json")),
     }

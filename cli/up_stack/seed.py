@@ -1,6 +1,6 @@
 """Seeding the embedded Console through its own API, as a developer would: log in, publish the
-signed bundle, register the Security CVM and mint its enrollment token, set the walkthrough's
-secrets."""
+signed bundle, register the Security CVM and mint its enrollment token (under qemu: launch it as
+a VM, its token in its launch data), set the walkthrough's secrets."""
 
 from __future__ import annotations
 
@@ -25,7 +25,9 @@ from umbra.cli.up_stack.names import (
     Component,
     Port,
 )
+from umbra.cli.up_stack.qemu import Runtime, runtime
 from umbra.cli.up_stack.supervise import Stack, umbra_executable
+from umbra.cli.up_stack.vms import vms
 from umbra.console.enums import CvmKind, CvmState
 
 
@@ -112,16 +114,23 @@ def publish_bundle(stack: Stack, client: httpx.Client, policies: Path) -> int:
 
 def ensure_security_cvm(stack: Stack, client: httpx.Client) -> str:
     """Register the Security CVM and hand its process a one-time enrollment token (never a
-    credential: the proxy enrolls at start, proxy/enroll.py)."""
+    credential: the proxy enrolls at start, proxy/enroll.py). Under qemu: `_security_vm`."""
     from umbra.attest.enroll_client import spent_marker
 
+    if runtime(stack) is Runtime.qemu:
+        return _security_vm(stack, client)
     known = stack.state.get("security_cvm_id")
     credential = stack.p("security-cvm", "console-credential")
     token_file = stack.p("security-cvm", "enrollment-token")
     if known:
         info = client.get(f"/api/v1/cvms/{known}")
-        gone = (CvmState.destroyed, CvmState.failed)
-        if info.status_code == 200 and info.json().get("state") not in gone:
+        record = info.json() if info.status_code == 200 else {}
+        live = record.get("state") not in (None, CvmState.destroyed, CvmState.failed)
+        if live and record.get("provider") == "qemu":
+            # An earlier `--runtime qemu`'s VM, gone with its Console: this host's proxy
+            # could not speak for it.
+            client.delete(f"/api/v1/cvms/{known}")
+        elif live:
             if credential.exists() or token_file.exists():
                 return str(known)  # enrolled, or about to enroll with its unspent token
             _mint_token(client, str(known), token_file)  # the credential was lost
@@ -140,6 +149,54 @@ def ensure_security_cvm(stack: Stack, client: httpx.Client) -> str:
     stack.state["security_cvm_id"] = created["id"]
     stack.save()
     return str(created["id"])
+
+
+def _security_vm(stack: Stack, client: httpx.Client) -> str:
+    """The Security CVM launched through the Console's `qemu` provider, as an admin's `umbra cvm
+    launch --kind security` does: its one-time token travels in its launch data and its proxy
+    enrolls from inside the VM. Kept while its VM runs."""
+    known = stack.state.get("security_cvm_id")
+    if known and kept_vm(stack, client, str(known), "Security CVM") is not None:
+        return str(known)
+    created = expect(
+        client.post(
+            f"/api/v1/teams/{TEAM}/cvms",
+            json={"name": f"{SECURITY_CVM_NAME}-{int(time.time())}", "kind": CvmKind.security,
+                  "provider": "qemu"},
+        ),
+        201,
+    )  # fmt: skip
+    wait_settled(client, str(created["id"]), CvmState.launching, "Security CVM")
+    stack.state["security_cvm_id"] = created["id"]
+    stack.save()
+    return str(created["id"])
+
+
+def kept_vm(stack: Stack, client: httpx.Client, cvm_id: str, what: str) -> dict[str, Any] | None:
+    """A VM the Console launched that still runs (same Console process, QEMU alive): its record.
+    Otherwise it went with the Console that launched it (the provider is not resumable): its
+    record is destroyed and None returned, for a new launch."""
+    info = client.get(f"/api/v1/cvms/{cvm_id}")
+    alive = any(vm.cvm_id == cvm_id for vm in vms(stack))
+    record = info.json() if info.status_code == 200 else None
+    state = record.get("state") if record else None
+    if alive and record and state == CvmState.running:
+        return dict(record)
+    if state is not None and state not in (CvmState.destroyed, CvmState.destroying):
+        stack.progress(f"the VM of the {what} {cvm_id} ended with its Console: launching anew")
+        client.delete(f"/api/v1/cvms/{cvm_id}")
+    return None
+
+
+def wait_settled(client: httpx.Client, cvm_id: str, transitional: CvmState, what: str) -> None:
+    """The Console's provisioning job launches (or updates) the CVM in the background."""
+    info = expect(client.get(f"/api/v1/cvms/{cvm_id}"), 200)
+    end = time.monotonic() + 120
+    while info.get("state") == transitional and time.monotonic() < end:
+        time.sleep(0.1)
+        info = expect(client.get(f"/api/v1/cvms/{cvm_id}"), 200)
+    if info.get("state") != CvmState.running:
+        raise UpError(f"the {what} did not start: {info.get('state_reason') or info}")
 
 
 def _mint_token(client: httpx.Client, cvm_id: str, token_file: Path) -> None:

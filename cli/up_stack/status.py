@@ -49,6 +49,8 @@ def status(stack: Stack) -> dict[str, Any]:
     out["console_url"] = stack.console_url
     out["runtime"] = str(qemu.runtime(stack))
     out["dev_cvms"] = vms.status(stack) if on_qemu else []
+    # Under qemu the Security CVM is a VM too (under runc: the `proxy` component).
+    out["security_cvms"] = vms.status(stack, "security_cvm_id") if on_qemu else []
     for plan in local_cvm.all_plans(stack.p("cvms")):
         info = local_cvm.status(plan)
         info["healthy"] = bool(

@@ -2,15 +2,14 @@
 carries its `UMBRA_UP_STATE` marker; `vms()` finds them in /proc by that marker and their data
 disk's path (`qemu/<cvm id>/data.raw`), so `umbra status` shows them and `umbra down` stops them:
 the ACPI power button over QMP (as a cloud's stop presses it), then SIGKILL after a grace period.
+`reset` presses the reset button (`--check`'s reboot).
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
-import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,28 +62,31 @@ def vms(stack: Stack) -> list[Vm]:
             if arg.startswith("file=" + runtime_dir) and arg.split(",")[0].endswith("/data.raw"):
                 cvm_id = Path(arg.split(",")[0].removeprefix("file=")).parent.name
             if arg.startswith("unix:") and ",server" in arg:
-                qmp = Path(arg.removeprefix("unix:").split(",")[0])
+                path = Path(arg.removeprefix("unix:").split(",")[0])
+                qmp = path if path.name == "qmp.sock" else qmp  # not the events socket
         found.append(Vm(int(proc.name), cvm_id, qmp))
     return found
 
 
 def powerdown(qmp: Path) -> bool:
     """The ACPI power button over QMP (as a cloud's stop presses it); False if QMP is gone."""
+    return _qmp(qmp, "system_powerdown")
+
+
+def reset(qmp: Path) -> bool:
+    """The reset button over QMP (as `gcloud compute instances reset` or `az vm restart`): the
+    TD ends and the Console's provider boots a new one on the same disks (emulated.qemu,
+    "Reboot"); False if QMP is gone."""
+    return _qmp(qmp, "system_reset")
+
+
+def _qmp(path: Path, command: str) -> bool:
+    from umbra.emulated.qemu import qmp
+
     try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-            sock.settimeout(5)
-            sock.connect(str(qmp))
-            f = sock.makefile("rwb")
-            f.readline()  # the greeting
-            for command in ("qmp_capabilities", "system_powerdown"):
-                f.write(json.dumps({"execute": command}).encode() + b"\n")
-                f.flush()
-                while True:  # events until this command's answer
-                    answer = json.loads(f.readline() or b"{}")
-                    if not answer or "return" in answer or "error" in answer:
-                        break
-            return True
-    except (OSError, ValueError):
+        qmp(path, command, timeout=5)
+        return True
+    except OSError:
         return False
 
 
@@ -115,9 +117,10 @@ def stop_vms(stack: Stack, grace: float = STOP_GRACE) -> list[str]:
     return stopped
 
 
-def status(stack: Stack) -> list[dict[str, Any]]:
-    """The Dev CVM `umbra up` launched, as `umbra status` shows it: its QEMU and last boot."""
-    cvm_id = stack.state.get("dev_cvm_id")
+def status(stack: Stack, key: str = "dev_cvm_id") -> list[dict[str, Any]]:
+    """The VM `umbra up` launched for the state's `key` (`dev_cvm_id`, `security_cvm_id`), as
+    `umbra status` shows it: its QEMU and last boot."""
+    cvm_id = stack.state.get(key)
     if not cvm_id:
         return []
     running = {vm.cvm_id: vm for vm in vms(stack)}

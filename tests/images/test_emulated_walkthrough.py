@@ -26,8 +26,8 @@ of the built `qemu` OS image (both roles, as gcp.yaml ships them: tests/images/c
 
 CI runs the GCP shape here (`UMBRA_TEST_WALKTHROUGH_SHAPES=gcp,azure` for both: each is about
 15 min on 2 cores); the Azure shape's day (the agent's other metadata path, IMDS and the wire
-server) runs in CI through `umbra up --runtime qemu --check` (tests/up/test_up_qemu_boot.py: the
-Dev CVM a VM, the Security CVM on the host). Figures (`BENCH` lines, benchmarks/emulated_walkthrough_bench.py): launch to a working
+server) runs in CI through `umbra up --runtime qemu --check` (tests/up/test_up_qemu_boot.py: both
+CVMs VMs of the same image, launched by the developer's own stack). Figures (`BENCH` lines, benchmarks/emulated_walkthrough_bench.py): launch to a working
 `umbra ssh`, and start to a working `umbra ssh`. Run under `flock /tmp/umbra-heavy.lock` locally.
 """
 

@@ -1,7 +1,8 @@
 """`umbra up --runtime qemu`'s wiring, without booting anything: its options checked together,
 the Console's and the qemu provider's configuration it renders (validated by the provider's own
 model, loaded by the Console's own provider factory), the measured Dev release, the errors (no
-QEMU, no OVMF, a failed image build, a port in use), KVM's probe, and finding, showing and
+QEMU, no OVMF, a failed image build, a port in use), the measured Security release, KVM's
+probe, and finding, showing and
 stopping the stack's VMs (a stand-in process named qemu-system-x86_64 that speaks QMP). The boot
 of the real image through the Console is tests/up/test_up_qemu_boot.py."""
 
@@ -27,15 +28,20 @@ from umbra.attest.simpki import SimulatedPki
 from umbra.cli import up_check_qemu, up_stack
 from umbra.cli.app import app
 from umbra.cli.up_stack import os_disk, qemu, vms
+from umbra.cli.up_stack.material import tls_identity
 from umbra.components.host_firewall import HostFirewall
 from umbra.components.ports import SECURITY_TUNNEL_PORT
 from umbra.console.config import settings_from_env
 from umbra.console.providers import build_providers
 from umbra.console.providers_qemu import QemuCvmProvider, load_settings
+from umbra.contracts.keys import write_key_pair
 from umbra.emulated.metadata import Shape
 from umbra.images.build import BuildError
+from umbra.policy.bundle import generate_key
 
 from .test_up import _free_base
+
+DIGEST = "sha256:" + "cd" * 32
 
 
 def _cli(*args: str) -> tuple[int, str]:
@@ -97,6 +103,8 @@ def stack(tmp_path: Path) -> up_stack.Stack:
     s.p("security-cvm", "release.json").write_text(json.dumps(doc))
     s.p("keys").mkdir()
     s.p("keys", "console-kek").write_text(f"k1={base64.b64encode(os.urandom(32)).decode()}\n")
+    write_key_pair(generate_key(), s.p("keys", "dev-release.pem"))
+    tls_identity(s.p("demo-origin"), up_stack.names.ORIGIN_NAMES)
     return s
 
 
@@ -105,6 +113,7 @@ def test_the_console_gets_the_qemu_provider_with_a_config_it_loads(
 ) -> None:
     disk = tmp_path / "disk.raw"
     disk.write_bytes(b"\0" * 512)
+    qemu.write_security_release(stack, DIGEST)
     qemu.write_dev_release(stack)
     path = qemu.write_provider_config(stack, disk, "tcg")
     settings = load_settings(path)
@@ -117,11 +126,20 @@ def test_the_console_gets_the_qemu_provider_with_a_config_it_loads(
     doc = json.loads(path.read_text())
     assert doc["console_ips"] == [qemu.CONSOLE_IP]
     assert doc["security_cvm_ips"] == [qemu.SECURITY_IP]
+    # The Console and the Security CVM's tunnel for the Dev VM; the stand-in origins and the PCCS
+    # for the Security VM, each on its own port.
     assert doc["forwards"] == [
         {"address": qemu.CONSOLE_IP, "port": 443, "host_port": stack.port("console_tls")},
         {"address": qemu.SECURITY_IP, "port": SECURITY_TUNNEL_PORT,
          "host_port": stack.port("tunnel")},
+        *({"address": ip, "port": stack.port(name), "host_port": stack.port(name)}
+          for ip, name in ((qemu.ORIGIN_IP, "origin"), (qemu.ORIGIN_IP, "llm"),
+                           (qemu.PCCS_IP, "pccs"))),
     ]  # fmt: skip
+    # The Security VM: its measured compose, its tunnel published on the stack's tunnel port.
+    assert settings.security_app_compose == stack.p("qemu", "security-app-compose.json")
+    assert settings.security_tunnel_port == SECURITY_TUNNEL_PORT
+    assert settings.security_tunnel_host_port == stack.port("tunnel")
     # The Dev release dials the Security CVM on the port its host firewall admits (the clouds'
     # tunnel port; before, the stack's loopback port: every dial timed out in the VM).
     firewall = HostFirewall(security_cvm_ips=(qemu.SECURITY_IP,), console_ips=(qemu.CONSOLE_IP,))
@@ -142,6 +160,12 @@ def test_the_console_gets_the_qemu_provider_with_a_config_it_loads(
         "port": SECURITY_TUNNEL_PORT,
     }
     assert host["simulated_root"] == stack.p("pki", "root.pem").read_text()
+    # ... and pins the Security release, which pins the compose the Security VM is launched with.
+    security = json.loads(stack.p("security-cvm", "release.json").read_text())
+    assert host["forwarder"]["security_cvm_release"] == security
+    (event,) = [e for e in security["events"] if e["name"] == "compose-hash"]
+    security_compose = settings.security_app_compose.read_bytes()
+    assert event["payloads"] == [hashlib.sha256(security_compose).hexdigest()]
     # The Console's own settings and provider factory take it (the local provider stays: it
     # holds the Security CVM's record).
     env = up_stack.console_env(stack)
@@ -159,6 +183,116 @@ def test_the_console_gets_the_qemu_provider_with_a_config_it_loads(
     assert f"--tunnel-listen 10.232.0.1:{stack.port('tunnel')}" in " ".join(
         up_stack.proxy_argv(stack)
     )
+
+
+def test_the_security_release_runs_the_disks_proxy_against_the_stack_by_address(
+    stack: up_stack.Stack,
+) -> None:
+    """The Security VM's measured compose: the proxy image the disk carries, the Console by
+    address over TLS by its front's CA, the stack's bundle key, quotes from the VM's TDX module,
+    the stack's PCCS, and the stand-in origins by address and CA (test options, which only a
+    simulated release takes)."""
+    qemu.write_security_release(stack, DIGEST)
+    doc = json.loads(stack.p("qemu", "security-app-compose.json").read_text())
+    compose = doc["docker_compose_file"]
+    assert f"image: umbra/proxy@{DIGEST}" in compose
+    assert f'"--console", "https://{qemu.CONSOLE_IP}"' in compose
+    assert '"--console-ca", "/run/umbra/launch/console-ca.pem"' in compose
+    assert '"--quote-source", "emulated"' in compose
+    assert f'"--tunnel-collateral-pccs", "http://{qemu.PCCS_IP}:{stack.port("pccs")}"' in compose
+    assert f'"--test-allow-upstream", "{qemu.ORIGIN_IP}/32"' in compose
+    key = stack.p("keys", "dev-release.pem.pub").read_text()
+    assert json.dumps(key) in compose  # the bundle key, pinned
+    resolver = json.dumps({h: [qemu.ORIGIN_IP] for h in sorted(up_stack.names.ORIGIN_NAMES)},
+                          separators=(",", ":"))  # fmt: skip
+    assert json.dumps(resolver) in compose
+    assert json.dumps(stack.p("demo-origin", "ca.pem").read_text()) in compose
+    release = json.loads(stack.p("security-cvm", "release.json").read_text())
+    assert release["tee"] == "simulated" and release["name"] == "security-cvm-up-qemu"
+    # The Console's front answers for that address as well as for the name.
+    tls_identity(stack.p("console-tls"), frozenset({qemu.CONSOLE_NAME}),
+                 frozenset({qemu.CONSOLE_IP}))  # fmt: skip
+    names = up_stack.material._names(stack.p("console-tls", "origin.pem"))
+    assert {qemu.CONSOLE_NAME, qemu.CONSOLE_IP, "127.0.0.1"} <= names
+
+
+def test_kept_vms_and_a_dev_vm_of_another_security_cvm(
+    stack: up_stack.Stack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A running VM is kept; one whose QEMU is gone is destroyed for a new launch; a Dev VM still
+    running but attached to another (an earlier, relaunched) Security CVM is destroyed too."""
+    import httpx
+
+    from umbra.cli.up_stack import devcvm, seed
+
+    records = {
+        "cvm_dev": {"id": "cvm_dev", "state": "running", "security_cvm_id": "cvm_old",
+                    "ssh_keys": []},
+        "cvm_sec": {"id": "cvm_sec", "state": "running"},
+    }  # fmt: skip
+    deleted: list[str] = []
+
+    def console(request: httpx.Request) -> httpx.Response:
+        cvm = request.url.path.rsplit("/", 1)[1]
+        if request.method == "DELETE":
+            deleted.append(cvm)
+            return httpx.Response(202, json={})
+        return httpx.Response(200, json=records[cvm])
+
+    client = httpx.Client(transport=httpx.MockTransport(console), base_url="http://console")
+    alive = [vms.Vm(1, "cvm_dev", None), vms.Vm(2, "cvm_sec", None)]
+    monkeypatch.setattr(seed, "vms", lambda _stack: alive)
+    assert seed.kept_vm(stack, client, "cvm_sec", "Security CVM") == records["cvm_sec"]
+    assert not devcvm._qemu_vm_usable(stack, client, "cvm_dev", "cvm_sec", [])
+    assert deleted == ["cvm_dev"]
+    assert devcvm._qemu_vm_usable(stack, client, "cvm_dev", "cvm_old", [])
+    alive.pop(1)  # the Security VM's QEMU went with its Console
+    assert seed.kept_vm(stack, client, "cvm_sec", "Security CVM") is None
+    assert deleted == ["cvm_dev", "cvm_sec"]
+
+
+def test_switching_runtimes_never_keeps_the_other_runtimes_security_cvm(
+    stack: up_stack.Stack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """runc after qemu: the VM's Security CVM record (its VM gone with its Console) is destroyed
+    and a new one registered for this host's proxy, even with an old proxy credential on disk;
+    qemu after runc: the host proxy's record has no VM, so a VM is launched in its place."""
+    import httpx
+
+    from umbra.cli.up_stack import seed
+
+    records: dict[str, dict[str, Any]] = {
+        "cvm_vm": {"id": "cvm_vm", "state": "running", "provider": "qemu"},
+        "cvm_host": {"id": "cvm_host", "state": "running", "provider": "local"},
+    }
+    calls: list[str] = []
+
+    def console(request: httpx.Request) -> httpx.Response:
+        calls.append(f"{request.method} {request.url.path}")
+        if request.method == "POST" and request.url.path.endswith("/cvms"):
+            doc = json.loads(request.content)
+            new = {"id": f"cvm_new{len(records)}", "state": "running",
+                   "provider": doc.get("provider", "local")}  # fmt: skip
+            records[new["id"]] = new
+            return httpx.Response(201, json=new)
+        if request.url.path.endswith("/enrollment-token"):
+            return httpx.Response(201, json={"token": "tok"})
+        cvm = request.url.path.rsplit("/", 1)[1]
+        if request.method == "DELETE":
+            records[cvm]["state"] = "destroying"
+            return httpx.Response(202, json={})
+        return httpx.Response(200, json=records[cvm])
+
+    client = httpx.Client(transport=httpx.MockTransport(console), base_url="http://console")
+    monkeypatch.setattr(seed, "vms", lambda _stack: [])
+    stack.state.update(runtime="runc", security_cvm_id="cvm_vm")
+    up_stack.write_secret(stack.p("security-cvm", "console-credential"), b"old")
+    made = seed.ensure_security_cvm(stack, client)
+    assert made != "cvm_vm" and records[made]["provider"] == "local"
+    assert "DELETE /api/v1/cvms/cvm_vm" in calls
+    stack.state.update(runtime="qemu", security_cvm_id="cvm_host")
+    made = seed.ensure_security_cvm(stack, client)
+    assert records[made]["provider"] == "qemu" and "DELETE /api/v1/cvms/cvm_host" in calls
 
 
 def test_a_bad_provider_config_is_refused_before_the_console_reads_it(
@@ -197,7 +331,7 @@ def test_no_qemu_and_no_ovmf_each_get_a_message_and_a_fix(
 def test_a_failed_image_build_says_why_and_leaves_no_cache_entry(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from umbra.images import os_image
+    from umbra.images import build
 
     monkeypatch.setenv(os_disk.CACHE_ENV, str(tmp_path / "cache"))
     monkeypatch.delenv(os_disk.DISK_ENV, raising=False)
@@ -206,7 +340,7 @@ def test_a_failed_image_build_says_why_and_leaves_no_cache_entry(
     def broken(*_a: object, **_k: object) -> None:
         raise BuildError("mmdebstrap (OS image) failed: E: cannot reach deb.debian.org")
 
-    monkeypatch.setattr(os_image, "build_os_image", broken)
+    monkeypatch.setattr(build, "build_rootfs", broken)  # the proxy image, built first
     with pytest.raises(up_stack.UpError) as failed:
         os_disk.ensure_disk(lambda _m: None)
     assert str(failed.value) == (
@@ -235,7 +369,15 @@ def test_a_given_disk_is_used_as_is_and_a_missing_one_refused(
         os_disk.ensure_disk(said.append)
     (tmp_path / "disk.raw").write_bytes(b"\0")
     monkeypatch.setenv(os_disk.DISK_ENV, str(tmp_path / "disk.raw"))
+    # Without the images it carries, the Security release cannot name its proxy.
+    with pytest.raises(up_stack.UpError, match=r"images\.json: no proxy image digest"):
+        os_disk.ensure_disk(said.append)
+    (tmp_path / "images.json").write_text(json.dumps({"proxy": {"manifest_digest": "latest"}}))
+    with pytest.raises(up_stack.UpError, match="is not a sha256 digest"):
+        os_disk.ensure_disk(said.append)
+    (tmp_path / "images.json").write_text(json.dumps({"proxy": {"manifest_digest": DIGEST}}))
     assert os_disk.ensure_disk(said.append) == tmp_path / "disk.raw"
+    assert os_disk.proxy_image(tmp_path / "disk.raw") == DIGEST
     assert said and said[0].startswith("warning:")
 
 
@@ -364,10 +506,10 @@ def test_a_refused_launch_or_a_dead_qemu_fails_the_boot_step_at_once(
     boot = up_check_qemu._Boot(1, serial)
     started = time.monotonic()
     with pytest.raises(up_check_qemu.StepFailed, match="REFUSED, nothing started: launch data"):
-        up_check_qemu.wait_started(stack, "cvm_x", boot, 60)
+        up_check_qemu.wait_started(stack, "cvm_x", boot, 60, "dev-cvm")
     serial.write_text("Booting...\n")
     with pytest.raises(up_check_qemu.StepFailed, match="QEMU exited before the launch agent"):
-        up_check_qemu.wait_started(stack, "cvm_x", boot, 60)
+        up_check_qemu.wait_started(stack, "cvm_x", boot, 60, "security-cvm")
     assert time.monotonic() - started < 10
 
 
