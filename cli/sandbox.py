@@ -257,6 +257,11 @@ def enroll(
     typer.echo("enrolled" if enrolled else "already enrolled")
 
 
+class _NotReady(Exception):
+    """The ingress listens, but systemd could not be told (its Type=notify unit would time out
+    after minutes and say nothing of why)."""
+
+
 @app.command()
 def ingress(
     config: Annotated[Path, typer.Option("--config", "-c", help="ingress config (YAML/JSON).")],
@@ -273,7 +278,11 @@ def ingress(
         server = await Ingress(load_ingress_config(config)).start()
         addr = server.sockets[0].getsockname()
         console.print(f"ingress listening on {addr[0]}:{addr[1]}", highlight=False)
-        notify_ready()  # umbra-ingress.service is Type=notify: started means listening
+        try:
+            notify_ready()  # umbra-ingress.service is Type=notify: started means listening
+        except OSError as exc:
+            server.close()
+            raise _NotReady(exc) from None
         async with server:
             await server.serve_forever()
 
@@ -281,5 +290,10 @@ def ingress(
         asyncio.run(run())
     except IngressConfigError as exc:
         fail(str(exc), EXIT_USAGE)
+    except _NotReady as exc:
+        fail(
+            f"listening, but cannot tell systemd it is ready (NOTIFY_SOCKET "
+            f"{os.environ.get('NOTIFY_SOCKET')!r}: {exc}); stopped"
+        )
     except OSError as exc:
         fail(f"cannot listen: {exc}", EXIT_USAGE)

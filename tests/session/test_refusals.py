@@ -309,3 +309,23 @@ def test_the_fast_proxy_refuses_with_the_same_line(
     )  # fmt: skip
     assert via_ssh.returncode == 255 and "should-not-run" not in via_ssh.stdout
     assert f"umbra ssh-proxy: refused {a}: release: " in via_ssh.stderr
+
+
+def test_an_unreachable_notify_socket_stops_the_ingress_saying_why(
+    box: harness.Sandbox, pki_dir: Path, tmp_path: Path
+) -> None:
+    """Under a Type=notify unit whose socket cannot be reached, the ingress says so and exits
+    (before: `cannot listen`, though it listened), rather than serve while systemd waits."""
+    key = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIOMqqnkVzrm0SdG6UOoqKLsabgH5C9okWi0dh2l9GKJl a"
+    config = harness.write_ingress_config(
+        box, tmp_path, "cvm_notify", [key], pki_dir, harness.free_port()
+    )
+    gone = f"@umbra-test-no-such-notify-{os.getpid()}"
+    done = subprocess.run(
+        [str(Path(sys.executable).parent / "umbra"), "sandbox", "ingress", "--config", str(config)],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "NOTIFY_SOCKET": gone},
+    )  # fmt: skip
+    said = " ".join(done.stderr.split())
+    assert done.returncode == 1, done.stderr
+    assert f"listening, but cannot tell systemd it is ready (NOTIFY_SOCKET '{gone}'" in said
+    assert "cannot listen" not in said
