@@ -403,6 +403,8 @@ def test_the_os_image_installs_the_ingress_unit_for_the_agent_only(tmp_path: Pat
     # Started means listening (its READY=1: sandbox/sd_notify.py), so the agent's `started` line
     # and the ready report after it mean `umbra ssh` works (Type=exec: minutes of resets on TCG).
     assert "Type=notify" in unit and "NotifyAccess=main" in unit
+    # systemd's bound on that start is the one the agent's `systemctl start` outlasts.
+    assert f"TimeoutStartSec={launch_ingress.START_TIMEOUT}" in unit.splitlines()
     # The agent starts it from inside its own (still activating) oneshot and waits: no ordering
     # after the agent, or that start job would wait for the agent forever.
     after = [ln for ln in unit.splitlines() if ln.startswith("After=")]
