@@ -13,8 +13,9 @@ the build epoch. So a changed line of Umbra makes a new image (the image carries
 an unchanged tree never rebuilds. The build is `umbra image os-build` + `umbra image disks` in
 process (mmdebstrap, as root): minutes, with progress. A development build: the package locks
 hold under `security-updates` (a Debian security or point update of a locked package is accepted
-and printed; anything else refused), not `strict` as a release's. No Secure Boot key: the UKI is unsigned and OVMF boots it with
-Secure Boot off (the signed path is tests/images/test_secure_boot.py's).
+and printed; anything else refused), not `strict` as a release's. No Secure Boot key: the UKI
+is unsigned and OVMF boots it with Secure Boot off (the signed path is
+tests/images/test_secure_boot.py's).
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ in a cloud's shape.
   stack's PCCS by address, and as test options the stand-in origins by address with their CA),
   measured: its app-compose.json is the Security VM's launch data, its release what the Console
   verifies the proxy's enrollment against and what the Dev release pins.
-- **The Dev release**: a Dev CVM definition for this stack (simulated TEE, the Security CVM's
-  simulated release, the Console's URL), measured like `umbra image measure` does: its
+- **The Dev release**: a Dev CVM definition for this stack (simulated TEE, the Security release
+  above, the Console's URL), measured like `umbra image measure` does: its
   app-compose.json is the launch data's compose, and its release (compose hash, `umbra.cvm-id`,
   the boot events) is what the Console verifies the VM's enrollment quotes against.
 - **The provider's config** (`qemu-cvms.json`): shape, disk, that app-compose, the VMs' runtime
@@ -31,7 +31,15 @@ from pathlib import Path
 from typing import Any
 
 from umbra.cli.up_stack.errors import UpError
-from umbra.cli.up_stack.names import COMPONENTS, QEMU_ONLY, RUNC_ONLY, Component, Port
+from umbra.cli.up_stack.names import (
+    COMPONENTS,
+    ORIGIN_NAMES,
+    QEMU_ONLY,
+    RUNC_ONLY,
+    SIMULATED_IMAGE,
+    Component,
+    Port,
+)
 from umbra.cli.up_stack.supervise import Stack
 from umbra.cli.up_stack.vms import QEMU, RUNTIME_DIR, stop_vms
 from umbra.components.ports import SECURITY_TUNNEL_PORT
@@ -123,8 +131,6 @@ def choose_accel(probe_seconds: float = 2.0) -> str:
 
 def security_definition_doc(stack: Stack, proxy_digest: str) -> dict[str, Any]:
     """This stack's Security CVM release (images/definitions/security-cvm.example.yaml's shape)."""
-    from umbra.cli.up_stack.names import ORIGIN_NAMES, SIMULATED_IMAGE, Port
-
     return {
         "apiVersion": "umbra/v1",
         "kind": "ImageDefinition",

@@ -179,29 +179,21 @@ def qemu_disks(
 
 
 @pytest.fixture(scope="session")
-def cvm_disk(
-    build_inputs: tuple[Path, Path],
-    runtime_builds: tuple[Path, dict[str, dict[str, str]], dict[str, dict[str, str]]],
-    tmp_path_factory: pytest.TempPathFactory,
-) -> tuple[Path, dict[str, dict[str, str]]]:
-    """The `qemu` OS image as the emulated clouds boot both roles (its packed disk.raw):
-    `qemu.yaml` as shipped (the agent's defaults, Docker, runc, the sandbox image from this build
-    host's cache, built first if missing) plus the release's proxy image archive in
-    /usr/lib/umbra/images (the session's `runtime` build). Packed without Secure Boot
-    (test_secure_boot.py covers it). `disks-qemu-cvm/disk.raw` in UMBRA_TEST_PREBUILT stands
-    in for it (local iteration)."""
-    from umbra.sandbox import image
+def cvm_disk() -> tuple[Path, dict[str, dict[str, str]]]:
+    """The `qemu` OS image as the emulated clouds boot both roles (its packed disk.raw), built by
+    `umbra up --runtime qemu`'s own builder (cli/up_stack/os_disk.ensure_disk): `qemu.yaml` as
+    shipped (the agent's defaults, Docker, runc, the sandbox image from this build host's cache)
+    plus the proxy image of its own `runtime` build, packed without Secure Boot
+    (test_secure_boot.py covers it), into its cache by its inputs' key, where
+    tests/up/test_up_qemu_boot.py finds it: one build for both. `disks-qemu-cvm/disk.raw` in
+    UMBRA_TEST_PREBUILT stands in for it (local iteration)."""
+    from umbra.cli.up_stack import os_disk
 
-    out, images, _ = runtime_builds
     if PREBUILT and (Path(PREBUILT) / "disks-qemu-cvm").is_dir():
-        return Path(PREBUILT) / "disks-qemu-cvm" / "disk.raw", images
+        pre = _prebuilt("runtime")
+        assert pre is not None
+        return Path(PREBUILT) / "disks-qemu-cvm" / "disk.raw", pre[1]
     need_root_and("sfdisk")
-    wheel, req = build_inputs
-    image.ensure_image()
-    os_dir = tmp_path_factory.mktemp("uim-os-cvm")
-    archives = [out / images["proxy"]["archive"]]
-    _build_os(load_os_definition(OS_DIR / "qemu.yaml"), os_dir, wheel, req,
-              image_archives=archives)  # fmt: skip
-    packed = tmp_path_factory.mktemp("uim-disks-cvm")
-    _uki, disks = pack_os_image(os_dir, packed, int(EPOCH), cloud_formats=False)
-    return disks.raw, images
+    disk = os_disk.ensure_disk(lambda line: print(line, flush=True))
+    digest = os_disk.proxy_image(disk)
+    return disk, {"proxy": {"manifest_digest": digest}}
