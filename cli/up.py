@@ -260,11 +260,11 @@ def _prepare_qemu(stack: Any, accel: str, step: Any, summary: dict[str, Any]) ->
     if accel == "auto" and chosen == "tcg":
         step("QEMU: TCG (no working KVM here; a boot takes minutes)")
     stack.state["accel"] = chosen
-    qemu.write_security_release(stack, os_disk.proxy_image(disk))
+    qemu.write_security_release(stack, disk.proxy_digest)
     qemu.write_dev_release(stack)
-    qemu.write_provider_config(stack, disk, chosen)
+    qemu.write_provider_config(stack, disk.raw, chosen)
     stack.save()
-    summary.update(runtime="qemu", shape=stack.state["shape"], accel=chosen, os_disk=str(disk))
+    summary.update(runtime="qemu", shape=stack.state["shape"], accel=chosen, os_disk=str(disk.raw))
 
 
 def _bring_up(stack: Any, policies: Path, step: Any, summary: dict[str, Any]) -> None:
@@ -385,7 +385,8 @@ def _check_qemu(stack: Any, summary: dict[str, Any], step: Any, quiet: bool) -> 
     from umbra.cli import up_stack as s
 
     cvm = summary["dev_cvm_id"]
-    step(f"The seed's day against the VM {cvm} (each step bounded; a boot takes minutes on TCG)")
+    step(f"The seed's day against the VMs of the Security CVM and the Dev CVM {cvm} (each step "
+         "bounded; a boot takes minutes on TCG)")  # fmt: skip
 
     def shown(result: Any) -> None:
         if not quiet:

@@ -28,6 +28,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from umbra.cli.up_stack.errors import UpError
@@ -86,8 +87,17 @@ def cache_root() -> Path:
     return Path(os.environ.get(CACHE_ENV) or DEFAULT_CACHE)
 
 
-def proxy_image(disk: Path) -> str:
-    """The manifest digest of the proxy image the disk carries (`images.json` beside it)."""
+@dataclass(frozen=True)
+class OsDisk:
+    """The packed image's boot disk and the proxy image it carries (the Security release names
+    its digest)."""
+
+    raw: Path
+    proxy_digest: str
+
+
+def _with_images(disk: Path) -> OsDisk:
+    """The disk and the manifest digest of its proxy image (`images.json` beside it)."""
     import json
 
     path = disk.with_name(IMAGES)
@@ -100,10 +110,10 @@ def proxy_image(disk: Path) -> str:
         ) from None
     if not isinstance(digest, str) or not digest.startswith("sha256:"):
         raise UpError(f"{path}: proxy.manifest_digest is not a sha256 digest")
-    return digest
+    return OsDisk(disk, digest)
 
 
-def ensure_disk(progress: Progress) -> Path:
+def ensure_disk(progress: Progress) -> OsDisk:
     """The packed `qemu` image's disk.raw for the current inputs, built on a miss."""
     given = os.environ.get(DISK_ENV)
     if given:
@@ -111,13 +121,12 @@ def ensure_disk(progress: Progress) -> Path:
         if not disk.is_file():
             raise UpError(f"{DISK_ENV}={given}: no such file", f"unset {DISK_ENV}, or fix it")
         progress(f"warning: {DISK_ENV}: booting {disk} as is (not built from this checkout)")
-        proxy_image(disk)
-        return disk
+        return _with_images(disk)
     root = project_root()
     key = inputs_key(root)
     entry = cache_root() / key
     if (entry / "ready").exists():
-        return entry / "disk.raw"
+        return _with_images(entry / "disk.raw")
     for tool, package in (("mmdebstrap", "mmdebstrap"), ("sfdisk", "fdisk"), ("uv", "uv")):
         if shutil.which(tool) is None:
             raise UpError(
@@ -126,7 +135,7 @@ def ensure_disk(progress: Progress) -> Path:
             )
     with exclusive_lock(cache_root() / f"{key}.lock"):
         if (entry / "ready").exists():  # another `up` built it while we waited
-            return entry / "disk.raw"
+            return _with_images(entry / "disk.raw")
         shutil.rmtree(entry, ignore_errors=True)
         started = time.monotonic()
         progress(f"building the qemu OS image {key} (once per source tree: {ESTIMATE})")
@@ -138,7 +147,7 @@ def ensure_disk(progress: Progress) -> Path:
         (entry / "ready").write_text(f"{time.monotonic() - started:.0f}\n")
         progress(f"qemu OS image {key} built in {time.monotonic() - started:.0f} s")
         _prune(key)
-    return entry / "disk.raw"
+    return _with_images(entry / "disk.raw")
 
 
 def _build(root: Path, entry: Path, progress: Progress) -> None:

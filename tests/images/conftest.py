@@ -195,5 +195,4 @@ def cvm_disk() -> tuple[Path, dict[str, dict[str, str]]]:
         return Path(PREBUILT) / "disks-qemu-cvm" / "disk.raw", pre[1]
     need_root_and("sfdisk")
     disk = os_disk.ensure_disk(lambda line: print(line, flush=True))
-    digest = os_disk.proxy_image(disk)
-    return disk, {"proxy": {"manifest_digest": digest}}
+    return disk.raw, {"proxy": {"manifest_digest": disk.proxy_digest}}

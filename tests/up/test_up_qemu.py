@@ -376,8 +376,7 @@ def test_a_given_disk_is_used_as_is_and_a_missing_one_refused(
     with pytest.raises(up_stack.UpError, match="is not a sha256 digest"):
         os_disk.ensure_disk(said.append)
     (tmp_path / "images.json").write_text(json.dumps({"proxy": {"manifest_digest": DIGEST}}))
-    assert os_disk.ensure_disk(said.append) == tmp_path / "disk.raw"
-    assert os_disk.proxy_image(tmp_path / "disk.raw") == DIGEST
+    assert os_disk.ensure_disk(said.append) == os_disk.OsDisk(tmp_path / "disk.raw", DIGEST)
     assert said and said[0].startswith("warning:")
 
 
