@@ -319,8 +319,9 @@ class Walkthrough:
             info = wait_state(self.client, cvm, CvmState.running, 120)
             self.boots[cvm] = wait_started(self.stack, cvm, boot_of(info), self.limit, role)
             shape = (info.get("provider_state") or {}).get("shape", "")
-        return f"{shape} shape: the Security CVM's and the Dev CVM's launch agents started " + (
-            "their compose"
+        return (
+            f"{shape} shape: the Security CVM's and the Dev CVM's launch agents started their "
+            "compose"
         )
 
     def enrolled(self) -> str:

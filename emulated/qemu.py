@@ -121,11 +121,13 @@ class VmConfig:
 
     @property
     def events(self) -> Path:
-        """A second QMP socket, only read: its events say why QEMU ended (`QemuVm.watch`). Named
-        as short as `qmp.sock`: a unix socket's path has at most 107 bytes."""
-        return self.qmp.with_name("qev.sock")
+        """A second QMP socket, only read: its events say why QEMU ended (`QemuVm.watch`)."""
+        return self.qmp.with_name(EVENTS_SOCKET)
 
 
+# Beside the command socket; named as short as the provider's `qmp.sock`: a unix socket's path
+# has at most 107 bytes.
+EVENTS_SOCKET = "qev.sock"
 # QMP's SHUTDOWN reasons under -no-reboot that are a reset, not a power-off: the cloud builds a
 # new TD on the same disks.
 RESETS = frozenset({"guest-reset", "host-qmp-system-reset"})

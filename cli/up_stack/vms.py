@@ -40,6 +40,8 @@ def _cmdline(pid: str) -> list[str]:
 
 def vms(stack: Stack) -> list[Vm]:
     """QEMU processes carrying this stack's marker, by the CVM whose data disk they boot."""
+    from umbra.emulated.qemu import EVENTS_SOCKET
+
     marker = f"UMBRA_UP_STATE={stack.state_dir}".encode()
     runtime_dir = str(stack.p(RUNTIME_DIR)) + "/"
     found = []
@@ -63,7 +65,7 @@ def vms(stack: Stack) -> list[Vm]:
                 cvm_id = Path(arg.split(",")[0].removeprefix("file=")).parent.name
             if arg.startswith("unix:") and ",server" in arg:
                 path = Path(arg.removeprefix("unix:").split(",")[0])
-                qmp = path if path.name == "qmp.sock" else qmp  # not the events socket
+                qmp = qmp if path.name == EVENTS_SOCKET else path  # commands, not events
         found.append(Vm(int(proc.name), cvm_id, qmp))
     return found
 
