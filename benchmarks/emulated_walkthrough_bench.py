@@ -91,12 +91,15 @@ def main(argv: list[str]) -> int:
 
 
 def _pytest(test: str, argv: list[str]) -> subprocess.CompletedProcess[str]:
+    # The walkthrough's restart is opt-in (CI leaves it out); the figures need it.
+    env = {**os.environ, "UMBRA_TEST_WALKTHROUGH_RESTART": "1"}
     return subprocess.run(
         [sys.executable, "-m", "pytest", test, "-v", "-s", "-p", "no:cacheprovider", *argv],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=7200,
+        env=env,
     )
 
 
