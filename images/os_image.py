@@ -25,6 +25,7 @@ from umbra.images.build import (
     BuildError,
     _run,
     _workdir,
+    compile_python,
     copy_python,
     install_wheel,
     installed_packages,
@@ -223,6 +224,7 @@ def build_os_image(
             raise BuildError(f"systemd-boot-efi: no {STUB_PATH} in the rootfs")
         shutil.copyfile(stub, out / stub.name)
         normalize(root)
+        compile_python(root, host_python_prefix / "bin/python3.12")
         image = out / "rootfs.ext4"
         image.unlink(missing_ok=True)
         _run(

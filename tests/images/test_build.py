@@ -57,6 +57,21 @@ def test_built_image_loads_and_runs_umbra(
         )  # fmt: skip
         assert ran.returncode == 0, ran.stderr
         assert "serve" in ran.stdout
+        # Bytecode built in (images/build.compile_python): hash-checked, the image's own paths.
+        probe = (
+            "import marshal, umbra.proxy.runner as m, json;"
+            "b = open(m.__cached__, 'rb').read();"
+            "print(json.dumps([int.from_bytes(b[4:8], 'little'),"
+            " marshal.loads(b[16:]).co_filename, m.__file__]))"
+        )
+        ran = subprocess.run(
+            ["docker", "run", "--rm", "--network", "none", "--read-only", fwd["config_digest"],
+             "/opt/python/bin/python3.12", "-c", probe],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert ran.returncode == 0, ran.stderr
+        flags, co_filename, source = json.loads(ran.stdout)
+        assert flags == 3 and co_filename == source  # checked-hash
     finally:
         subprocess.run(["docker", "rmi", "-f", tag], capture_output=True)
 
