@@ -187,12 +187,10 @@ def up(host: DevHost, definition: Path, supervise: bool = True) -> dict[str, Any
     try:
         _network(host)
         local_cvm.ensure_running(plan, FORWARDER_START_TIMEOUT)
-        local_cvm.wait_listening(
-            plan.forwarder_ns,
-            plan.forwarder_addr,
-            host.definition.forwarder.listen.proxy_port,
-            timeout=FORWARDER_START_TIMEOUT,
-        )
+        local_cvm.wait_role_listening(
+            plan, "forwarder", plan.forwarder_ns, plan.forwarder_addr,
+            host.definition.forwarder.listen.proxy_port, FORWARDER_START_TIMEOUT,
+        )  # fmt: skip
     except LocalCvmError as exc:
         raise DevHostError(str(exc)) from None
     if supervise and local_cvm.running_pid(plan, SUPERVISOR) is None:

@@ -530,6 +530,37 @@ def wait_listening(ns: str | None, host: str, port: int, timeout: float = 60) ->
     raise LocalCvmError(f"nothing listens on {host}:{port} in {ns} after {timeout:.0f}s")
 
 
+def wait_role_listening(
+    plan: LocalCvmPlan, role: str, ns: str | None, host: str, port: int, timeout: float
+) -> None:
+    """Until `role`'s process listens on `host:port`. Fails at once, with its log's tail, when
+    the process exits first: a forwarder whose enrollment was refused is not waited out."""
+    end = time.monotonic() + timeout
+    while True:
+        if running_pid(plan, role) is None:
+            raise LocalCvmError(
+                f"the {role} of {plan.cvm_id} exited before it listened on {host}:{port}: "
+                f"{_log_tail(plan, role)}"
+            )
+        try:
+            wait_listening(ns, host, port, timeout=min(1.0, max(end - time.monotonic(), 0.1)))
+            return
+        except LocalCvmError:
+            if time.monotonic() >= end:
+                raise LocalCvmError(
+                    f"the {role} of {plan.cvm_id} runs but does not listen on {host}:{port} "
+                    f"after {timeout:.0f}s: {_log_tail(plan, role)}"
+                ) from None
+
+
+def _log_tail(plan: LocalCvmPlan, role: str) -> str:
+    try:
+        tail = (plan.dir / f"{role}.log").read_text(errors="replace")[-500:].strip()
+    except OSError:
+        return "(no log)"
+    return tail or "(its log is empty)"
+
+
 def stop(plan: LocalCvmPlan, role: str) -> None:
     if role == "sandbox":
         stop_sandbox(plan)
@@ -613,16 +644,12 @@ def start_ingress(plan: LocalCvmPlan) -> int | None:
         "ingress",
         [umbra_executable(), "sandbox", "ingress", "--config", str(plan.ingress_config)],
     )
-    end = time.monotonic() + 30
-    while running_pid(plan, "ingress") is not None and time.monotonic() < end:
-        try:
-            wait_listening(None, plan.host_addr, INGRESS_PORT, timeout=0.2)
-            return pid
-        except LocalCvmError:
-            continue
-    stop(plan, "ingress")
-    log = (plan.dir / "ingress.log").read_text(errors="replace")[-500:]
-    raise LocalCvmError(f"the SSH ingress of {plan.cvm_id} did not start: {log.strip()}")
+    try:
+        wait_role_listening(plan, "ingress", None, plan.host_addr, INGRESS_PORT, timeout=30)
+    except LocalCvmError as exc:
+        stop(plan, "ingress")
+        raise LocalCvmError(f"the SSH ingress did not start: {exc}") from None
+    return pid
 
 
 def restart_ingress(plan: LocalCvmPlan) -> None:
@@ -640,9 +667,10 @@ def ensure_running(plan: LocalCvmPlan, forwarder_wait: float = 60) -> list[str]:
         restarted.append("sandbox")
     if running_pid(plan, "forwarder") is None:
         start_forwarder(plan)
-        wait_listening(
-            plan.forwarder_ns, plan.forwarder_addr, SANDBOX_PROXY_PORT, timeout=forwarder_wait
-        )
+        wait_role_listening(
+            plan, "forwarder", plan.forwarder_ns, plan.forwarder_addr, SANDBOX_PROXY_PORT,
+            forwarder_wait,
+        )  # fmt: skip
         restarted.append("forwarder")
     if plan.ingress_config.exists() and running_pid(plan, "ingress") is None:
         start_ingress(plan)

@@ -44,6 +44,7 @@ from umbra.contracts.tunnel_header import (
 from umbra.images.measure import instance_events, measure
 from umbra.sandbox import image, local_cvm
 from umbra.sandbox.dev_definition import host_document, network, plan_for
+from umbra.sandbox.local_cvm import LocalCvmError
 from umbra.sandbox.render import CA_NAME, canonical_json
 
 from ..certs import self_signed
@@ -501,6 +502,28 @@ def test_a_restarted_forwarder_gets_the_wait_it_is_given(monkeypatch: pytest.Mon
         local_cvm, "running_pid", lambda _p, role: 1 if role != "forwarder" else None
     )
     monkeypatch.setattr(local_cvm, "start_forwarder", lambda _p: 1)
-    monkeypatch.setattr(local_cvm, "wait_listening", lambda *_a, timeout=60: waits.append(timeout))
+    monkeypatch.setattr(local_cvm, "wait_role_listening", lambda *a: waits.append(a[-1]))
     assert local_cvm.ensure_running(plan, 421.0) == ["forwarder"]
     assert waits == [421.0]
+
+
+def test_a_forwarder_that_exits_before_listening_fails_at_once_with_why(tmp_path: Path) -> None:
+    """The wait ends when the process does, naming what it said: a forwarder whose enrollment
+    was refused is not waited out for its whole budget, and the launch's refusal says why (a
+    bare 'nothing listens after 422s' was all an emulated-cloud failure in CI had to go on)."""
+    plan = local_cvm.LocalCvmPlan("cvm_0123456789abcdef", 1, "uxx", str(tmp_path), 200000)
+    local_cvm._spawn(plan, "forwarder", ["sh", "-c", "echo 'enrollment: refused (403)'; exit 3"])
+    with pytest.raises(LocalCvmError) as err:
+        local_cvm.wait_role_listening(plan, "forwarder", None, "127.0.0.1", 1, timeout=3600)
+    assert "exited before it listened on 127.0.0.1:1" in str(err.value)
+    assert "enrollment: refused (403)" in str(err.value)
+
+
+def test_a_forwarder_that_runs_but_never_listens_fails_at_its_budget(tmp_path: Path) -> None:
+    plan = local_cvm.LocalCvmPlan("cvm_0123456789abcdef", 1, "uxx", str(tmp_path), 200000)
+    pid = local_cvm._spawn(plan, "forwarder", ["sh", "-c", "echo enrolling; exec sleep 60"])
+    try:
+        with pytest.raises(LocalCvmError, match=r"runs but does not listen .* after 1s: enrolling"):
+            local_cvm.wait_role_listening(plan, "forwarder", None, "127.0.0.1", 1, timeout=1)
+    finally:
+        os.kill(pid, signal.SIGKILL)
