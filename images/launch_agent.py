@@ -686,12 +686,14 @@ def start_docker_engine(
 class DevHostStart:
     """A Dev CVM's start: `umbra sandbox host up` on the measured dev-cvm.json (sandbox/dev_host.py:
     the forwarder, the runc sandbox and their supervisor). A refusal or failure there is this
-    launch's START_FAILED, with its reason."""
+    launch's START_FAILED, with its reason. `timeout` outlasts `up`'s own wait for the forwarder
+    (dev_host.FORWARDER_START_TIMEOUT), so `up` says why first; the unit's TimeoutStartSec
+    outlasts this and the ingress's start (tests/images/test_dev_host.py holds the chain)."""
 
     root: Path
     image_dir: Path
     argv: tuple[str, ...] = (str(Path(sys.executable).parent / "umbra"), "sandbox", "host", "up")
-    timeout: float = 600
+    timeout: float = 720
 
     def start(self, compose: Path) -> None:
         cmd = [*self.argv, "--definition", str(compose), "--root", str(self.root),
