@@ -76,6 +76,14 @@ def up(
         bool,
         typer.Option(help="With --check: also pip download and git ls-remote real hosts."),
     ] = False,
+    skip_reset: Annotated[
+        bool,
+        typer.Option(
+            "--skip-reset",
+            help="With --runtime qemu --check: leave the Dev VM's reset out (one full boot less; "
+            "the stop and start still boots both VMs anew).",
+        ),
+    ] = False,
     runtime: Annotated[
         str | None,
         typer.Option(
@@ -105,6 +113,8 @@ def up(
     from umbra.sandbox.local_cvm import LocalCvmError
 
     options = _runtime_options(runtime, shape, accel, internet, as_json)
+    if skip_reset and (not check or runtime == "runc"):
+        fail("--skip-reset only with --check and --runtime qemu", EXIT_USAGE, as_json=as_json)
     stack = _stack(state_dir, port_base)
     quiet = as_json
 
@@ -147,7 +157,7 @@ def up(
             stack.state["completed_once"] = True
             stack.save()
             if check and s.runtime(stack) is s.Runtime.qemu:
-                _check_qemu(stack, summary, step, quiet)
+                _check_qemu(stack, summary, step, quiet, reset=not skip_reset)
             elif check:
                 _check(stack, summary, internet, step, quiet)
     except (s.UpError, LocalCvmError, OSError) as exc:
@@ -380,7 +390,7 @@ def _check(stack: Any, summary: dict[str, Any], internet: bool, step: Any, quiet
         summary["internet_ok"] = all(r.ok for r in results)
 
 
-def _check_qemu(stack: Any, summary: dict[str, Any], step: Any, quiet: bool) -> None:
+def _check_qemu(stack: Any, summary: dict[str, Any], step: Any, quiet: bool, reset: bool) -> None:
     from umbra.cli import up_check_qemu as c
     from umbra.cli import up_stack as s
 
@@ -397,7 +407,7 @@ def _check_qemu(stack: Any, summary: dict[str, Any], step: Any, quiet: bool) -> 
 
     with s.api(stack, s.token(dict(os.environ))) as client:
         secret = stack.p("keys", "demo-token").read_text().strip()
-        results = c.run_check(stack, client, cvm, secret, shown)
+        results = c.run_check(stack, client, cvm, secret, shown, reset)
     summary["check"] = {"steps": {r.name: r.as_json() for r in results}}
     summary["check_ok"] = all(r.ok for r in results)
 

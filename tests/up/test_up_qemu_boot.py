@@ -10,8 +10,10 @@ Dev VM (a new TD: the workspace kept, re-enrollment by a fresh quote), stop and 
 (the workspace kept, re-enrollment of both by fresh quotes, a request again). `umbra
 status` shows both VMs with their QEMU; `umbra down` stops them by the power button and leaves no
 process of the stack, QEMU included. One heavy test (five TCG boots and two stops, 20-30 min on
-a loaded 2-core machine): run it under
-`flock /tmp/umbra-heavy.lock`. Its step seconds are printed (`BENCH` lines:
+a loaded 2-core machine; CI's took 35 min to its stop and start): CI passes `--skip-reset` (four
+boots; the reset's own part, the provider's, is tests/console/test_providers_qemu.py's and the
+stand-in hypervisor's), `UMBRA_TEST_UP_RESET=1` keeps the reset (the benchmark sets it). Run it
+under `flock /tmp/umbra-heavy.lock`. Its step seconds are printed (`BENCH` lines:
 benchmarks/emulated_walkthrough_bench.py reads them)."""
 
 from __future__ import annotations
@@ -30,14 +32,14 @@ from .test_up import Up, _free_base, _leftovers, _require_root
 
 pytestmark = pytest.mark.timeout(3600)
 SHAPE = os.environ.get("UMBRA_TEST_SHAPE", "azure")
+RESET = os.environ.get("UMBRA_TEST_UP_RESET") == "1"
+REBOOT_STEPS = ("reboot (reset)", "reboot: workspace kept", "reboot: re-enrollment")
 STEPS = (
     "launch through the Console",
     "enrollment",
     "umbra ssh",
     "an allowed and a denied request, recorded",
-    "reboot (reset)",
-    "reboot: workspace kept",
-    "reboot: re-enrollment",
+    *(REBOOT_STEPS if RESET else ()),
     "stop and start",
     "stop and start: re-enrollment, workspace, a request",
 )
@@ -62,7 +64,7 @@ def test_up_runtime_qemu_boots_the_image_through_the_console_and_down_leaves_not
     up = Up(tmp_path / "state", _free_base(), f"uqb{os.getpid() % 100000}", env)
     try:
         done = up.run("up", "--runtime", "qemu", "--shape", SHAPE, "--check", "--json",
-                      timeout=3000)  # fmt: skip
+                      *(() if RESET else ("--skip-reset",)), timeout=3000)  # fmt: skip
         assert done.stdout, done.stderr
         result = json.loads(done.stdout)
         steps = result.get("check", {}).get("steps")
@@ -75,16 +77,18 @@ def test_up_runtime_qemu_boots_the_image_through_the_console_and_down_leaves_not
             assert steps[name]["ok"], (name, steps[name], up.logs())
         assert result["ok"] is True and done.returncode == 0
         assert "token injected" in steps["an allowed and a denied request, recorded"]["detail"]
-        assert "no new token" in steps["reboot: re-enrollment"]["detail"]
+        if RESET:
+            assert "no new token" in steps["reboot: re-enrollment"]["detail"]
         again = steps["stop and start: re-enrollment, workspace, a request"]["detail"]
         assert "no new token" in again and "200" in again
         seconds = {name: step["seconds"] for name, step in steps.items()}
         ssh = sum(seconds[s] for s in STEPS[:3])
-        reboot = seconds["reboot (reset)"] + seconds["reboot: workspace kept"]
         # To the stopped and restarted pair's request (the step reads the workspace first).
         restart = seconds["stop and start"] + seconds[STEPS[-1]]
-        print(f"BENCH up-qemu shape={SHAPE} launch_to_ssh={ssh:.1f} reboot_to_ssh={reboot:.1f} "
-              f"restart_to_request={restart:.1f}")  # fmt: skip
+        if RESET:
+            reboot = seconds["reboot (reset)"] + seconds["reboot: workspace kept"]
+            print(f"BENCH up-qemu shape={SHAPE} launch_to_ssh={ssh:.1f} "
+                  f"reboot_to_ssh={reboot:.1f} restart_to_request={restart:.1f}")  # fmt: skip
         assert SHAPE in steps["launch through the Console"]["detail"]
 
         # `umbra status` shows both VMs and their QEMU, no proxy process; the stack is healthy.
