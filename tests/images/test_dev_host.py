@@ -19,6 +19,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -523,6 +524,35 @@ def test_a_forwarder_that_exits_before_listening_fails_at_once_with_why(tmp_path
         local_cvm.wait_role_listening(plan, "forwarder", None, "127.0.0.1", 1, timeout=3600)
     assert "exited before it listened on 127.0.0.1:1" in str(err.value)
     assert "enrollment: refused (403)" in str(err.value)
+
+
+def test_the_wait_reads_the_process_own_table_in_its_namespace(tmp_path: Path) -> None:
+    """A process listening in a namespace of its own is seen through /proc/PID/net/tcp (nothing
+    spawned per poll), and the loopback of ours does not count for it."""
+    ns = f"uwr{os.getpid() % 100000}"
+    subprocess.run(["ip", "netns", "add", ns], check=True)
+    plan = local_cvm.LocalCvmPlan("cvm_0123456789abcdef", 1, "uxx", str(tmp_path), 200000)
+    listen = (
+        "import socket, time; s = socket.socket(); s.bind(('127.0.0.1', 3128)); "
+        "time.sleep(2); s.listen(); print('listening', flush=True); time.sleep(60)"
+    )
+    ours = socket.socket()
+    ours.bind(("127.0.0.1", 0))
+    ours.listen()
+    pid = local_cvm._spawn(plan, "forwarder", [
+        "ip", "netns", "exec", ns, "sh", "-c", f"ip link set lo up && exec {sys.executable} -c \"{listen}\"",
+    ])  # fmt: skip
+    try:
+        with pytest.raises(LocalCvmError, match="runs but does not listen"):
+            local_cvm.wait_role_listening(
+                plan, "forwarder", ns, "127.0.0.1", ours.getsockname()[1], 1
+            )
+        local_cvm.wait_role_listening(plan, "forwarder", ns, "127.0.0.1", 3128, timeout=60)
+        assert "listening" in (plan.dir / "forwarder.log").read_text()
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        ours.close()
+        subprocess.run(["ip", "netns", "del", ns], check=False)
 
 
 def test_a_forwarder_that_runs_but_never_listens_fails_at_its_budget(tmp_path: Path) -> None:
