@@ -543,12 +543,15 @@ def wait_role_listening(
     Dev CVM's one vCPU under TCG, `ip netns exec` ten times a second (wait_listening) took CPU
     from the very forwarder it waited for. The table counts once the process is in `ns` (it
     starts as `ip netns exec`, in ours)."""
-    want = Path(f"/run/netns/{ns}" if ns else "/proc/self/ns/net")
+    try:
+        want = os.stat(f"/run/netns/{ns}" if ns else "/proc/self/ns/net").st_ino
+    except OSError as exc:
+        raise LocalCvmError(f"no network namespace {ns} for the {role}: {exc.strerror}") from None
     end = time.monotonic() + timeout
     while True:
         pid = running_pid(plan, role)
         try:
-            inside = pid is not None and os.stat(f"/proc/{pid}/ns/net").st_ino == want.stat().st_ino
+            inside = pid is not None and os.stat(f"/proc/{pid}/ns/net").st_ino == want
             table = Path(f"/proc/{pid}/net/tcp").read_text() if inside else ""
         except OSError:
             table, pid = "", None
