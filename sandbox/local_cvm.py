@@ -520,27 +520,13 @@ def _listens(table: str, host: str, port: int) -> bool:
     )
 
 
-def wait_listening(ns: str | None, host: str, port: int, timeout: float = 60) -> None:
-    """Poll the namespace's (None: our own) TCP table until `host:port` listens."""
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if ns is None:
-            table = Path("/proc/net/tcp").read_text()
-        else:
-            table = _run("ip", "netns", "exec", ns, "cat", "/proc/net/tcp", check=False).stdout
-        if _listens(table, host, port):
-            return
-        time.sleep(0.1)
-    raise LocalCvmError(f"nothing listens on {host}:{port} in {ns} after {timeout:.0f}s")
-
-
 def wait_role_listening(
     plan: LocalCvmPlan, role: str, ns: str | None, host: str, port: int, timeout: float
 ) -> None:
     """Until `role`'s process listens on `host:port` in namespace `ns` (None: ours). Fails at
     once, with its log's tail, when the process exits first: a forwarder whose enrollment was
     refused is not waited out. It reads the process's /proc/PID/net/tcp, spawning nothing: on a
-    Dev CVM's one vCPU under TCG, `ip netns exec` ten times a second (wait_listening) took CPU
+    Dev CVM's one vCPU under TCG, the former poll's `ip netns exec` ten times a second took CPU
     from the very forwarder it waited for. The table counts once the process is in `ns` (it
     starts as `ip netns exec`, in ours)."""
     try:

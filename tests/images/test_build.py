@@ -57,7 +57,7 @@ def test_built_image_loads_and_runs_umbra(
         )  # fmt: skip
         assert ran.returncode == 0, ran.stderr
         assert "serve" in ran.stdout
-        # Bytecode built in (images/build.compile_python): hash-checked, the image's own paths.
+        # Bytecode built in (images/build.compile_python): hash-based, the image's own paths.
         probe = (
             "import marshal, umbra.proxy.runner as m, json;"
             "b = open(m.__cached__, 'rb').read();"

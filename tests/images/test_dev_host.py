@@ -438,7 +438,9 @@ def test_the_supervisor_restarts_a_dead_forwarder_and_sandbox(cvm: Cvm) -> None:
     else:
         log = (plan.dir / "supervisor.log").read_text(errors="replace")[-800:]
         pytest.fail(f"the supervisor did not restart them: {log}")
-    local_cvm.wait_listening(plan.forwarder_ns, plan.forwarder_addr, 3128)
+    local_cvm.wait_role_listening(
+        plan, "forwarder", plan.forwarder_ns, plan.forwarder_addr, 3128, timeout=60
+    )
     done = _in_sandbox(cvm, EXCHANGE.format(addr=plan.forwarder_addr))
     assert done.stdout.startswith(f"proxy saw {cvm.cvm_id}/proxy"), done.stderr
 

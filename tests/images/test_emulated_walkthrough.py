@@ -69,8 +69,8 @@ pytestmark = pytest.mark.timeout(4800)
 ACCEL = os.environ.get("UMBRA_TEST_ACCEL", "tcg")
 SHAPES = [Shape(s) for s in os.environ.get("UMBRA_TEST_WALKTHROUGH_SHAPES", "gcp").split(",")]
 # The stop and start of both (about 10 min under TCG): opt-in, CI leaves it out to stay well under
-# its limit; `umbra up --runtime qemu --check` (tests/up/test_up_qemu_boot.py) runs a reset and a
-# stop and start of both VMs in CI.
+# its limit; `umbra up --runtime qemu --check` (tests/up/test_up_qemu_boot.py) runs a stop and
+# start of both VMs in CI.
 RESTART = os.environ.get("UMBRA_TEST_WALKTHROUGH_RESTART") == "1"
 BOOT_LIMIT = 1800.0
 # The emulated network's other hosts (inside QEMU's 168.0.0.0/6, each relayed to loopback).
