@@ -235,24 +235,39 @@ def _spawn_supervisor(host: DevHost, definition: Path) -> int:
     return proc.pid
 
 
+class _Stopping(BaseException):
+    """SIGTERM reached the supervisor: raised wherever it is, a restart's wait included
+    (a BaseException, so no `except Exception` on the way swallows it)."""
+
+
 def supervise(host: DevHost, interval: float = SUPERVISE_INTERVAL) -> None:
-    """Until SIGTERM: restart whichever of the sandbox and the forwarder died."""
-    _use_image(host)
-    stopping = False
+    """Until SIGTERM: restart whichever of the sandbox and the forwarder died. At SIGTERM it
+    restarts nothing more and stops both before it exits. The sandbox's runc cgroup is not the
+    launch agent's unit's, so systemd's stop of the unit (a CVM's stop) signals only this and the
+    forwarder: the sandbox lived on and held the data volume, which then failed to unmount
+    ("Failed unmounting var-lib-umbra-data.mount": the workspace's filesystem not cleanly
+    closed), and the supervisor restarted the forwarder systemd had just stopped."""
 
     def stop(_sig: int, _frame: object) -> None:
-        nonlocal stopping
-        stopping = True
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one stop, however many signals
+        raise _Stopping
 
     signal.signal(signal.SIGTERM, stop)
-    while not stopping:
-        try:
-            restarted = local_cvm.ensure_running(host.plan, FORWARDER_START_TIMEOUT)
-            if restarted:
-                print(f"umbra-dev-host: restarted {', '.join(restarted)}", flush=True)
-        except (LocalCvmError, OSError) as exc:
-            print(f"umbra-dev-host: restart failed: {exc}", flush=True)
-        time.sleep(interval)
+    print("umbra-dev-host: supervising", flush=True)
+    try:
+        _use_image(host)
+        while True:
+            try:
+                restarted = local_cvm.ensure_running(host.plan, FORWARDER_START_TIMEOUT)
+                if restarted:
+                    print(f"umbra-dev-host: restarted {', '.join(restarted)}", flush=True)
+            except (LocalCvmError, OSError) as exc:
+                print(f"umbra-dev-host: restart failed: {exc}", flush=True)
+            time.sleep(interval)
+    except _Stopping:
+        print("umbra-dev-host: stopping: the sandbox and the forwarder", flush=True)
+    local_cvm.shut_down(host.plan)
+    print("umbra-dev-host: stopped", flush=True)
 
 
 def down(host: DevHost) -> None:

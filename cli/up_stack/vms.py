@@ -19,9 +19,10 @@ from umbra.cli.up_stack.supervise import Stack
 
 QEMU = "qemu-system-x86_64"
 RUNTIME_DIR = "qemu"
-# A stopping guest gets this long after the power button before it is killed (under TCG a
-# systemd shutdown takes 5-30 s on this 2-core machine).
-STOP_GRACE = 60.0
+# A stopping guest gets this long after the power button before it is killed, as GCP's stop
+# gives it (under TCG a systemd shutdown takes 5-30 s here, a Dev CVM's up to a minute when
+# loaded; systemd's own bound on a unit's stop is 90 s).
+STOP_GRACE = 90.0
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,7 @@ from umbra.contracts.tunnel_header import (
 from umbra.images.measure import instance_events, measure
 from umbra.sandbox import image, local_cvm
 from umbra.sandbox.dev_definition import host_document, network, plan_for
+from umbra.sandbox.dev_host import SUPERVISOR
 from umbra.sandbox.local_cvm import LocalCvmError
 from umbra.sandbox.render import CA_NAME, canonical_json
 
@@ -480,6 +481,35 @@ def test_down_stops_everything_and_keeps_the_sandboxs_files(cvm: Cvm) -> None:
     # Up again: the same sandbox, its files there.
     cvm.host("up")
     assert _in_sandbox(cvm, f"print(open({marker!r}).read())").stdout.strip() == "x"
+
+
+def test_a_cvm_stop_sigterm_stops_the_sandbox_and_restarts_nothing(cvm: Cvm) -> None:
+    """A CVM's stop as systemd does it: SIGTERM to every process of the launch agent's unit (the
+    supervisor and the forwarder's group) at once. The sandbox (in its own runc cgroup, which
+    systemd does not signal) must end too, its mounts gone, so the data volume unmounts; the
+    supervisor must not restart the forwarder it sees die."""
+    plan = cvm.plan
+    sup, fwd = (local_cvm.running_pid(plan, r) for r in (SUPERVISOR, "forwarder"))
+    assert sup is not None and fwd is not None
+    log = plan.dir / "supervisor.log"
+    end = time.monotonic() + 60  # its handler is set once this run of it says so
+    while "supervising" not in log.read_text().rsplit(": stopped", 1)[-1]:
+        assert time.monotonic() < end, log.read_text()[-800:]
+        time.sleep(0.1)
+    offset = log.stat().st_size
+    os.killpg(fwd, signal.SIGTERM)
+    os.kill(sup, signal.SIGTERM)
+    end = time.monotonic() + 60
+    while local_cvm.running_pid(plan, SUPERVISOR) is not None and time.monotonic() < end:
+        time.sleep(0.1)
+    said = log.read_bytes()[offset:].decode(errors="replace")
+    assert local_cvm.running_pid(plan, SUPERVISOR) is None, said
+    assert "umbra-dev-host: stopped" in said and "restarted" not in said, said
+    state = json.loads(cvm.host("status").stdout)
+    assert state["sandbox_pid"] is None and state["forwarder_pid"] is None, state
+    assert plan.cvm_id not in Path("/proc/self/mounts").read_text()
+    cvm.host("up")  # the module's CVM, for the tests after this one
+    assert all(json.loads(cvm.host("status").stdout)[k] for k in ("sandbox_pid", "forwarder_pid"))
 
 
 def test_up_waits_out_the_forwarders_boot_enrollment() -> None:
