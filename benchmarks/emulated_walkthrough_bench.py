@@ -93,7 +93,7 @@ def main(argv: list[str]) -> int:
 def _pytest(test: str, argv: list[str]) -> subprocess.CompletedProcess[str]:
     # The walkthrough's restart and up --check's reset are opt-in (CI leaves them out); the
     # figures need them.
-    env = {**os.environ, "UMBRA_TEST_WALKTHROUGH_RESTART": "1", "UMBRA_TEST_UP_RESET": "1"}
+    env = {**os.environ, "UMBRA_TEST_WALKTHROUGH_RESTART": "1", "UMBRA_TEST_UP_FULL": "1"}
     return subprocess.run(
         [sys.executable, "-m", "pytest", test, "-v", "-s", "-p", "no:cacheprovider", *argv],
         cwd=ROOT,

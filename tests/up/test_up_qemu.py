@@ -58,8 +58,8 @@ def _cli(*args: str) -> tuple[int, str]:
         (["--runtime", "qemu", "--shape", "aws"], "--shape 'aws': one of gcp, azure"),
         (["--runtime", "qemu", "--accel", "hvf"], "--accel 'hvf': one of auto, kvm, tcg"),
         (["--runtime", "qemu", "--check", "--internet"], "not with --runtime qemu"),
-        (["--runtime", "qemu", "--skip-reset"], "--skip-reset only with --check and --runtime"),
-        (["--runtime", "runc", "--check", "--skip-reset"], "--skip-reset only with --check"),
+        (["--runtime", "qemu", "--short"], "--short only with --check and --runtime"),
+        (["--runtime", "runc", "--check", "--short"], "--short only with --check"),
     ],
 )
 def test_options_are_checked_together_before_anything_runs(
