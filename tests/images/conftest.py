@@ -90,7 +90,9 @@ def runtime_builds(
     if pre is not None:
         return pre[0], pre[1], pre[1]
     first, second = tmp_path_factory.mktemp("uim-b1"), tmp_path_factory.mktemp("uim-b2")
-    return first, build_runtime(first, *build_inputs), build_runtime(second, *build_inputs)
+    a, b = build_runtime(first, *build_inputs), build_runtime(second, *build_inputs)
+    shutil.rmtree(second)  # only its digests are compared (its archives: ~0.8 GB till the end)
+    return first, a, b
 
 
 def build_runtime(out: Path, wheel: Path, req: Path) -> dict[str, dict[str, str]]:
