@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -23,14 +24,21 @@ def sessions(tmp_path: Path) -> Path:
     return tmp_path
 
 
+def _default_hup() -> None:
+    """The agent as a CVM's sandbox runs it, whatever ran the tests: a SIGHUP ignored by an
+    ancestor (`nohup`) is inherited across exec, and the agent then outlives its master's hangup."""
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+
+
 def _start(sessions: Path, socket_name: str) -> int:
     agent = sessions / f"{socket_name}.sh"
     pid_file = sessions / f"{socket_name}.pid"
     agent.write_text(f"#!/bin/sh\necho $$ > {pid_file}\nexec sleep 300\n")
     agent.chmod(0o755)
     subprocess.run(
-        ["dtach", "-n", str(sessions / socket_name), *DTACH_OPTS, str(agent)], check=True
-    )
+        ["dtach", "-n", str(sessions / socket_name), *DTACH_OPTS, str(agent)],
+        check=True, preexec_fn=_default_hup,
+    )  # fmt: skip
     for _ in range(100):
         if pid_file.exists() and pid_file.read_text().strip():
             return int(pid_file.read_text())
