@@ -341,7 +341,7 @@ class Walkthrough:
         return "cvm.enroll " + ", ".join(f"#{seq}" for seq in seqs) + " (Security, Dev)"
 
     def restarted(self) -> dict[str, str]:
-        """The VMs the stop and start takes: the Security CVM's first (it starts first)."""
+        """The VMs the stop and start takes, in their start order (the Security CVM first)."""
         return {self.cvm_id: "dev-cvm"} if self.short else self.roles()
 
     def stop_and_start(self) -> str:
@@ -357,8 +357,8 @@ class Walkthrough:
         for cvm, role in cvms.items():
             self.next_boot(cvm, role)
         numbers = ", ".join(str(self.boots[cvm].number) for cvm in cvms)
-        which = "the Dev CVM" if self.short else "both"
-        return f"{which} stopped (ACPI) and started: boots {numbers} ({', '.join(cvms.values())}) started again"
+        which, roles = "the Dev CVM" if self.short else "both", ", ".join(cvms.values())
+        return f"{which} stopped (ACPI) and started: boots {numbers} ({roles}) started again"
 
     def next_boot(self, cvm: str, role: str) -> None:
         """Until the boot after the current one started its compose (a start or a reset records
