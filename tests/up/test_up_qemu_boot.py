@@ -14,7 +14,7 @@ heavy test (five TCG boots and two stops, 20-30 min on a loaded 2-core machine; 
 to its stop and start): CI passes `--short` (no reset, only the Dev VM stopped and started: three
 boots), `UMBRA_TEST_UP_FULL=1` runs the full check (the benchmark sets it). Run
 it under `flock /tmp/umbra-heavy.lock`. Its step seconds are printed (`BENCH` lines:
-benchmarks/emulated_walkthrough_bench.py reads them)"""
+benchmarks/emulated_walkthrough_bench.py reads them)."""
 
 from __future__ import annotations
 
